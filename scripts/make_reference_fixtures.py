@@ -1,0 +1,354 @@
+#!/usr/bin/env python
+"""Build golden reference fixtures with Hugging Face transformers (fp32, CPU).
+
+For every model in MODELS this script
+  * builds a tiny random-weight model with transformers (eager attention, fp32),
+    re-initialises ALL parameters from a seeded torch.Generator (norm weights and
+    biases included, so a missing norm / bias is noticed by the tests),
+  * writes it with ``save_pretrained`` to ``tests/fixtures/models/<name>/``,
+  * runs transformers on a random prompt and writes ``tests/fixtures/golden/<name>.npz``.
+
+Everything is seeded; no network is needed.  Regenerate with
+
+    python scripts/make_reference_fixtures.py
+
+Golden npz keys (all loadable without allow_pickle):
+  prompt               int64   [T]
+  prefill_logits       float32 [T, vocab]   model(prompt).logits, all rows
+  greedy_tokens        int64   [N]          generate(do_sample=False, N new tokens, eos disabled)
+  greedy_logits        float32 [N, vocab]   raw logits that produced each greedy token
+  hidden_after_norm    float32 [hidden]     final-norm output at the last prompt position
+  bf16_prefill_logits  uint16  [T, vocab]   bit patterns of prefill_logits.to(torch.bfloat16)
+  transformers_version / torch_version      0-d unicode arrays
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import sys
+import zipfile
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+FIX = ROOT / "tests" / "fixtures"
+MODELS_DIR = FIX / "models"
+GOLDEN_DIR = FIX / "golden"
+
+PROMPT_LEN = 12
+NEW_TOKENS = 32
+TIED_EMBED_STD = 0.2
+MIN_DISTINCT = NEW_TOKENS // 2  # reject prompts whose greedy decode falls into a short loop
+MIN_MARGIN = 0.05  # reject prompts whose greedy decode has a top1-top2 gap below this
+
+# Shared tiny shape.  vocab is deliberately not a power of two (nor a multiple of 8);
+# intermediate != hidden so a transposed MLP weight cannot go unnoticed.
+BASE = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=80,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    initializer_range=0.5,  # metadata only: weights are re-initialised below
+    hidden_act="silu",
+    bos_token_id=None,
+    eos_token_id=None,  # eos disabled so greedy decoding never stops early
+    pad_token_id=None,
+    attn_implementation="eager",
+)
+ROPE_DEFAULT = {"rope_type": "default", "rope_theta": 10000.0}
+ROPE_LLAMA3 = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
+
+def model_specs():
+    return [
+        # name, seed, model class, config class, extra config kwargs, save options
+        ("llama", 1001, LlamaForCausalLM, LlamaConfig,
+         dict(tie_word_embeddings=False, rope_parameters=dict(ROPE_DEFAULT)), {}),
+        ("llama_tied", 1002, LlamaForCausalLM, LlamaConfig,
+         dict(tie_word_embeddings=True, rope_parameters=dict(ROPE_DEFAULT)), {}),
+        ("llama3_rope", 1003, LlamaForCausalLM, LlamaConfig,
+         dict(tie_word_embeddings=False, rope_parameters=dict(ROPE_LLAMA3)),
+         dict(max_shard_size="150KB", legacy_config=True)),
+        ("mistral", 1004, MistralForCausalLM, MistralConfig,
+         dict(tie_word_embeddings=False, head_dim=32, sliding_window=None,
+              rope_parameters=dict(ROPE_DEFAULT)), {}),
+        ("qwen2", 1005, Qwen2ForCausalLM, Qwen2Config,
+         dict(rope_parameters=dict(ROPE_DEFAULT)), {}),  # default: untied, q/k/v bias
+        ("qwen3", 1006, Qwen3ForCausalLM, Qwen3Config,
+         dict(tie_word_embeddings=True, head_dim=24, rope_parameters=dict(ROPE_DEFAULT)), {}),
+        ("llama_bf16", 1007, LlamaForCausalLM, LlamaConfig,
+         dict(tie_word_embeddings=False, rope_parameters=dict(ROPE_DEFAULT)), dict(bf16=True)),
+    ]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def reinit_(model: torch.nn.Module, seed: int, tied: bool) -> None:
+    """Deterministically overwrite every parameter.
+
+    Scales are chosen so activations stay O(1) (soft, informative attention) while
+    the logits are far from uniform.  Norm weights ~ U(0.5, 1.5), biases ~ N(0, 0.5).
+    Tied models get small embeddings: with lm_head == embed_tokens a large embedding
+    makes every step predict the current token again (a degenerate repeat loop).
+    """
+    embed_std = TIED_EMBED_STD if tied else 1.0
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if "norm" in name:
+                new = 0.5 + torch.rand(p.shape, generator=g, dtype=torch.float32)
+            elif name.endswith(".bias"):
+                new = 0.5 * torch.randn(p.shape, generator=g, dtype=torch.float32)
+            elif "embed_tokens" in name:
+                new = embed_std * torch.randn(p.shape, generator=g, dtype=torch.float32)
+            elif "lm_head" in name:
+                new = 2.5 / p.shape[1] ** 0.5 * torch.randn(p.shape, generator=g, dtype=torch.float32)
+            else:  # Linear [out, in]
+                new = 1.2 / p.shape[1] ** 0.5 * torch.randn(p.shape, generator=g, dtype=torch.float32)
+            p.copy_(new)
+
+
+def write_npz(path: Path, arrays: dict) -> None:
+    """np.savez equivalent with a fixed zip timestamp, so output is byte-reproducible."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_STORED) as zf:
+        for key in arrays:
+            arr = np.asarray(arrays[key])
+            info = zipfile.ZipInfo(key + ".npy", date_time=(1980, 1, 1, 0, 0, 0))
+            info.compress_type = zipfile.ZIP_STORED
+            info.external_attr = 0o644 << 16
+            b = io.BytesIO()
+            np.lib.format.write_array(b, arr, allow_pickle=False)
+            zf.writestr(info, b.getvalue())
+    path.write_bytes(buf.getvalue())
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def to_legacy_config(cfg: dict) -> dict:
+    """Rewrite a transformers-5 config.json into the transformers-4.x layout."""
+    cfg = dict(cfg)
+    if "dtype" in cfg:
+        cfg["torch_dtype"] = cfg.pop("dtype")
+    rp = dict(cfg.pop("rope_parameters"))
+    cfg["rope_theta"] = rp.pop("rope_theta")
+    if rp.get("rope_type", "default") != "default":
+        cfg["rope_scaling"] = rp
+    else:
+        cfg["rope_scaling"] = None
+    return cfg
+
+
+def bf16_bits(t: torch.Tensor) -> np.ndarray:
+    return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).copy()
+
+
+def load_fp32(path: Path) -> torch.nn.Module:
+    m = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    return m.float().eval()
+
+
+# --------------------------------------------------------------------------- golden run
+
+
+def run_golden(model, prompt: np.ndarray, cfg) -> tuple[dict, dict]:
+    ids = torch.from_numpy(prompt).long()[None]
+    captured = {}
+    hook = model.model.norm.register_forward_hook(lambda m, i, o: captured.__setitem__("norm", o.detach().clone()))
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True, use_cache=False)
+        hook.remove()
+        logits = out.logits[0].float()
+        hs_last = out.hidden_states[-1][0, -1]
+        norm_last = captured["norm"][0, -1]
+        lm_last = model.lm_head(norm_last)
+    checks = {
+        "hidden_states[-1] is post-norm": bool(torch.equal(hs_last, norm_last)),
+        "lm_head(hidden) vs logits": float((lm_last - logits[-1]).abs().max()),
+    }
+
+    gcfg = GenerationConfig(
+        do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+        eos_token_id=None, pad_token_id=0, bos_token_id=None,
+        output_logits=True, output_scores=True, return_dict_in_generate=True,
+        num_beams=1, temperature=None, top_p=None, top_k=None,
+    )
+    with torch.no_grad():
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gcfg)
+    seq = gen.sequences[0]
+    assert torch.equal(seq[: len(prompt)], ids[0])
+    new = seq[len(prompt):]
+    assert new.numel() == NEW_TOKENS, new.numel()
+    glog = torch.stack([x[0] for x in gen.logits]).float()
+    gscores = torch.stack([x[0] for x in gen.scores]).float()
+    assert torch.equal(glog.argmax(-1), new), "greedy tokens are not argmax of raw logits"
+    checks["scores==logits (no processor changed them)"] = bool(torch.equal(glog, gscores))
+    checks["greedy_logits[0] vs prefill_logits[-1]"] = float((glog[0] - logits[-1]).abs().max())
+    # full (no-cache) forward of prompt + generated tokens must reproduce the greedy logits
+    with torch.no_grad():
+        full = model(seq[None, :-1], use_cache=False).logits[0, len(prompt) - 1:].float()
+    checks["greedy_logits vs no-cache forward"] = float((full - glog).abs().max())
+    top2 = glog.topk(2, dim=-1).values
+    margin = float((top2[:, 0] - top2[:, 1]).min())
+
+    arrays = {
+        "prompt": prompt.astype(np.int64),
+        "prefill_logits": logits.numpy().astype(np.float32),
+        "greedy_tokens": new.numpy().astype(np.int64),
+        "greedy_logits": glog.numpy().astype(np.float32),
+        "hidden_after_norm": norm_last.float().numpy().astype(np.float32),
+        "bf16_prefill_logits": bf16_bits(logits),
+        "transformers_version": np.array(transformers.__version__),
+        "torch_version": np.array(torch.__version__),
+    }
+    info = {
+        "margin": margin,
+        "distinct": int(new.unique().numel()),
+        "spread": float(logits.max() - logits.min()),
+        "row_spread": float((logits.max(-1).values - logits.min(-1).values).mean()),
+        "checks": checks,
+    }
+    return arrays, info
+
+
+def pick_prompt(model, vocab: int, seed: int, cfg):
+    """First seeded prompt whose greedy decode has no near ties and no short loop (deterministic)."""
+    for attempt in range(50):
+        rng = np.random.default_rng(seed * 100 + attempt)
+        prompt = rng.integers(0, vocab, size=PROMPT_LEN, dtype=np.int64)
+        arrays, info = run_golden(model, prompt, cfg)
+        info["attempt"] = attempt
+        if info["margin"] >= MIN_MARGIN and info["distinct"] >= MIN_DISTINCT:
+            return arrays, info
+    raise RuntimeError("no prompt without near ties found")
+
+
+# --------------------------------------------------------------------------- main
+
+
+def build(name, seed, model_cls, cfg_cls, extra, opts):
+    out_dir = MODELS_DIR / name
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    kwargs = dict(BASE)
+    kwargs.update(extra)
+    attn = kwargs.pop("attn_implementation")
+    config = cfg_cls(**kwargs)
+    config._attn_implementation = attn
+    torch.manual_seed(seed)
+    model = model_cls(config).float().eval()
+    reinit_(model, seed, bool(getattr(config, "tie_word_embeddings", False)))
+    if getattr(config, "tie_word_embeddings", False):
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+    notes = {}
+    if opts.get("bf16"):
+        model.to(torch.bfloat16).save_pretrained(out_dir)
+        model = load_fp32(out_dir)  # golden = fp32 compute on the bf16-rounded weights
+        notes["loaded dtype"] = str(next(AutoModelForCausalLM.from_pretrained(out_dir).parameters()).dtype)
+    else:
+        model.save_pretrained(out_dir, max_shard_size=opts.get("max_shard_size", "50GB"))
+
+    if config.rope_parameters.get("rope_type") == "llama3":
+        inv = model.model.rotary_emb.inv_freq
+        hd = config.head_dim
+        base = 1.0 / (10000.0 ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+        changed = int((~torch.isclose(inv, base)).sum())
+        assert changed > 0, "llama3 rope scaling changed nothing"
+        notes["llama3 inv_freq changed"] = f"{changed}/{inv.numel()}"
+
+    # reload from disk so the golden data is exactly what the saved checkpoint gives
+    model = load_fp32(out_dir)
+    arrays, info = pick_prompt(model, config.vocab_size, seed, config)
+
+    if opts.get("legacy_config"):
+        cfg_path = out_dir / "config.json"
+        new_cfg = json.loads(cfg_path.read_text())
+        legacy = to_legacy_config(new_cfg)
+        write_json(cfg_path, legacy)
+        m2 = load_fp32(out_dir)
+        assert m2.config.rope_parameters == model.config.rope_parameters, (
+            m2.config.rope_parameters, model.config.rope_parameters)
+        with torch.no_grad():
+            l2 = m2(torch.from_numpy(arrays["prompt"])[None]).logits[0].float().numpy()
+        notes["legacy config reload max|dlogits|"] = float(np.abs(l2 - arrays["prefill_logits"]).max())
+        assert np.array_equal(l2, arrays["prefill_logits"]), "legacy config changed the logits"
+    else:
+        # normalise formatting (sorted keys) so re-runs are byte-identical
+        cfg_path = out_dir / "config.json"
+        write_json(cfg_path, json.loads(cfg_path.read_text()))
+
+    files = sorted(p.name for p in out_dir.iterdir())
+    notes["files"] = files
+    from safetensors import safe_open
+    keys = []
+    for f in files:
+        if f.endswith(".safetensors"):
+            with safe_open(out_dir / f, "pt") as sf:
+                keys += list(sf.keys())
+    notes["n_tensors"] = len(keys)
+    notes["has lm_head"] = any(k.startswith("lm_head") for k in keys)
+    notes["norm-ish keys"] = sorted({k.split("layers.0.")[-1] for k in keys if "layers.0." in k and "norm" in k})
+    notes["bias keys"] = sorted({k.split("layers.0.")[-1] for k in keys if "layers.0." in k and k.endswith("bias")})
+
+    GOLDEN_DIR.mkdir(parents=True, exist_ok=True)
+    write_npz(GOLDEN_DIR / f"{name}.npz", arrays)
+    return info, notes
+
+
+def main(argv):
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    only = set(argv[1:])
+    MODELS_DIR.mkdir(parents=True, exist_ok=True)
+    for spec in model_specs():
+        name = spec[0]
+        if only and name not in only:
+            continue
+        info, notes = build(*spec)
+        print(f"== {name}: spread(max-min)={info['spread']:.3f} mean-row-spread={info['row_spread']:.3f} "
+              f"min-greedy-margin={info['margin']:.4f} distinct-greedy={info['distinct']} prompt-attempt={info['attempt']}")
+        for k, v in {**info["checks"], **notes}.items():
+            print(f"   {k}: {v}")
+
+
+if __name__ == "__main__":
+    main(sys.argv)
