@@ -1,0 +1,104 @@
+"""Opening a checkpoint: config, tensors, tokenizer and the engine for the chosen device, in one call."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .checkpoint import Checkpoint
+from .config import ModelConfig, load_config
+from .errors import CheckpointError, DeviceError, UsageError
+from .tokenizer import Tokenizer
+
+DEFAULT_MODEL_DIR = Path(__file__).parent / "models" / "default"
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    config: ModelConfig
+    checkpoint: Checkpoint
+    engine: object  # NumpyEngine or CudaEngine: both implement ModelLogits and the passes
+    tokenizer: Tokenizer | None
+    device: str  # "cpu" or "cuda"
+    load_seconds: float
+
+    def close(self) -> None:
+        self.checkpoint.close()
+
+
+def cuda_available() -> bool:
+    """True when CuPy imports and sees at least one CUDA device (never raises)."""
+    if os.environ.get("METRALE_DISABLE_CUDA"):
+        return False
+    try:
+        import cupy  # noqa: F401
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def resolve_device(device: str) -> str:
+    if device not in DEVICES:
+        raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got '{device}'")
+    if device == "auto":
+        return "cuda" if cuda_available() else "cpu"
+    if device == "cuda" and not cuda_available():
+        try:
+            import cupy  # noqa: F401
+        except Exception:
+            raise DeviceError(
+                "--device cuda needs CuPy: pip install 'metrale[cuda12]' or 'metrale[cuda13]'"
+            ) from None
+        raise DeviceError("--device cuda: CuPy sees no CUDA device")
+    return device
+
+
+def model_dir(path: str | Path | None) -> Path:
+    p = Path(path) if path is not None else DEFAULT_MODEL_DIR
+    if not p.exists():
+        raise CheckpointError(f"{p}: no such file or directory")
+    return p.parent if p.is_file() else p
+
+
+def open_model(path: str | Path | None = None, *, device: str = "auto", max_context: int | None = None,
+               fp32_logits: bool = False, progress: Callable[[int, int], None] | None = None) -> LoadedModel:
+    """Load config.json, the safetensors tensors and tokenizer.json, and build the engine.
+
+    `max_context` sizes the KV cache (default: the model's limit, capped at 4096). `progress(done, total)`
+    is called with weight bytes as they are converted or uploaded.
+    """
+    t0 = time.perf_counter()
+    chosen = resolve_device(device)
+    directory = model_dir(path)
+    cfg = load_config(directory)
+    ckpt = Checkpoint.open(directory if path is None or Path(path).is_dir() else Path(path))
+    try:
+        ctx = max_context or min(cfg.max_context, 4096)
+        total = ckpt.total_bytes
+        done = [0]
+
+        def step(nbytes: int) -> None:
+            done[0] += nbytes
+            if progress is not None:
+                progress(min(done[0], total), total)
+
+        if chosen == "cuda":
+            from .cuda.engine import load_cuda_engine
+
+            engine = load_cuda_engine(cfg, ckpt, ctx, fp32_logits, step)
+        else:
+            from .numpy_engine import load_numpy_engine
+
+            engine = load_numpy_engine(cfg, ckpt, ctx, fp32_logits, step)
+    except BaseException:
+        ckpt.close()
+        raise
+    tok_path = directory / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(tok_path) if tok_path.is_file() else None
+    return LoadedModel(directory, cfg, ckpt, engine, tokenizer, chosen, time.perf_counter() - t0)
