@@ -89,7 +89,7 @@ def host_argmax(rows: np.ndarray) -> np.ndarray:
 class LogitsBuffers:
     """The ModelLogits methods shared by every engine.
 
-    An engine sets `_logits` ([rows, vocab] buffer for prefill/verify), `_decode_logits` ([1, vocab]),
+    An engine sets `_logits` ([rows, vocab] buffer for prefill/verify, `_n_rows` of them valid), `_decode_logits` ([1, vocab]),
     `_hidden` ([1, hidden] fp32) and `_fp32_logits`, and implements the two backend hooks:
     `_row_to_host(ptr) -> np.ndarray` (one row, in the buffer's dtype) and
     `_argmax_rows(ptr, n, stream) -> np.ndarray` (indices, -1 for a non-finite row).
@@ -99,6 +99,7 @@ class LogitsBuffers:
     _decode_logits: Any
     _hidden: Any
     _fp32_logits: bool
+    _n_rows: int = 1  # rows of _logits written by the last prefill/verify pass
 
     # -- seed interface -------------------------------------------------------------------------
     def vocab_size(self) -> int:
@@ -108,7 +109,8 @@ class LogitsBuffers:
         return logits_ptr._buffer.dtype == np.float32
 
     def logits_buffer_ptr(self) -> DevicePtr:
-        return DevicePtr(self._logits, 0, int(self._logits.shape[0]))
+        """The rows the last prefill or verify pass wrote (the buffer may hold more capacity)."""
+        return DevicePtr(self._logits, 0, self._n_rows)
 
     def decode_logits_fp32(self) -> bool:
         return self._fp32_logits

@@ -20,8 +20,8 @@ import numpy as np
 
 from .checkpoint import Checkpoint
 from .config import ModelConfig
-from .errors import InputError
-from .logits import BF16, DevicePtr, LogitsBuffers, host_argmax
+from .engine_base import EngineBase, check_context
+from .logits import BF16, DevicePtr, host_argmax
 from .weights import EMBED, FINAL_NORM, LM_HEAD, check_checkpoint, layer_names
 
 # Queries per prefill chunk: bounds the attention scores to heads x chunk x context floats.
@@ -111,16 +111,13 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (np.float32(1.0) + np.exp(-x))
 
 
-class NumpyEngine(LogitsBuffers):
+class NumpyEngine(EngineBase):
     """The fp32 NumPy engine behind the ModelLogits interface."""
 
     device = "cpu"
 
     def __init__(self, cfg: ModelConfig, weights: Weights, max_context: int, fp32_logits: bool = False):
-        if max_context > cfg.max_context:
-            raise InputError(
-                f"a context of {max_context} exceeds the model's limit of {cfg.max_context} positions"
-            )
+        check_context(cfg, max_context)
         self.cfg = cfg
         self.w = weights
         self.max_context = max_context
@@ -136,9 +133,6 @@ class NumpyEngine(LogitsBuffers):
         self._hidden = np.zeros((1, cfg.hidden_size), np.float32)  # [1, H]
 
     # -- passes ------------------------------------------------------------------------------------------
-    def reset(self) -> None:
-        self.length = 0
-
     def prefill(self, tokens: Sequence[int], all_logits: bool = False) -> int:
         """Run the prompt; write every row's logits (all_logits) or only the last row's to the logits
         buffer. Returns the number of rows written."""
@@ -162,12 +156,6 @@ class NumpyEngine(LogitsBuffers):
         ids = self._check_tokens(tokens)
         self._write_rows(self._forward(ids))
         return len(ids)
-
-    def trim(self, length: int) -> None:
-        """Keep the first `length` positions of the cache (drop rejected drafts)."""
-        if not 0 <= length <= self.length:
-            raise InputError(f"cannot trim a cache of {self.length} positions to {length}")
-        self.length = length
 
     # -- the forward ---------------------------------------------------------------------------------------
     def _forward(self, ids: np.ndarray) -> np.ndarray:
@@ -238,20 +226,7 @@ class NumpyEngine(LogitsBuffers):
         if self._logits.shape[0] != logits.shape[0]:
             self._logits = np.empty((logits.shape[0], self.cfg.vocab_size), self._logits_dtype)
         self._logits[:] = logits.astype(self._logits_dtype)
-
-    def _check_tokens(self, tokens: Sequence[int]) -> np.ndarray:
-        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if ids.size == 0:
-            raise InputError("no tokens to run")
-        bad = ids[(ids < 0) | (ids >= self.cfg.vocab_size)]
-        if bad.size:
-            raise InputError(f"token id {int(bad[0])} is outside the vocabulary [0, {self.cfg.vocab_size})")
-        if self.length + ids.size > self.max_context:
-            raise InputError(
-                f"{self.length} cached + {ids.size} new positions exceed the KV cache of "
-                f"{self.max_context} positions"
-            )
-        return ids
+        self._n_rows = logits.shape[0]
 
     # -- LogitsBuffers hooks -----------------------------------------------------------------------------
     def _row_to_host(self, ptr: DevicePtr) -> np.ndarray:
@@ -263,8 +238,5 @@ class NumpyEngine(LogitsBuffers):
 
 def load_numpy_engine(cfg: ModelConfig, ckpt: Checkpoint, max_context: int, fp32_logits: bool = False,
                       progress=None) -> NumpyEngine:
-    if max_context > cfg.max_context:  # refuse before converting gigabytes of weights
-        raise InputError(
-            f"a context of {max_context} exceeds the model's limit of {cfg.max_context} positions"
-        )
+    check_context(cfg, max_context)  # refuse before converting gigabytes of weights
     return NumpyEngine(cfg, load_weights(cfg, ckpt, progress), max_context, fp32_logits)

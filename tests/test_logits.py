@@ -22,6 +22,7 @@ def eng(request):
 def load_rows(e, rows: np.ndarray) -> DevicePtr:
     """Put rows into the engine's logits buffer (as a verify pass would) and return its pointer."""
     e._logits = rows.astype(e._logits.dtype)
+    e._n_rows = rows.shape[0]
     return e.logits_buffer_ptr()
 
 
