@@ -1,0 +1,375 @@
+"""`metrale bench`: decode, verify and prefill speed against the hardware's own limits, measured in one run.
+
+A model is built from a preset in configs/ with random weights (drawn on the device for CUDA, so an
+8B preset needs no file). In the same run the bench measures the ceilings it compares against:
+- read bandwidth: a large read-only pass (a grid-stride uint4 kernel on the GPU, a sum on the CPU);
+- the floor of a decode step: the bytes it must read (every weight but the embedding table, plus the
+  KV cache up to the context) over that bandwidth;
+- the GEMM rate: a large bf16 matrix product (fp32 on the CPU).
+Then decode ms/token, verify ms for each k, prefill tokens/s and, when transformers is importable (GPU),
+transformers eager on the same weights. Device times are CUDA-event medians after warm-up.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .config import ModelConfig, load_config
+from .errors import UsageError
+from .random_weights import RandomTensors
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+@dataclass
+class Figure:
+    name: str
+    value: float
+    unit: str
+    target: str = ""  # what the figure is held to, in words
+    ratio: float | None = None  # value relative to the target's reference (see target)
+    met: bool | None = None
+
+
+@dataclass
+class BenchResult:
+    preset: str
+    device: str
+    context: int
+    params: int
+    streamed_bytes: int
+    kv_bytes: int
+    figures: list[Figure] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def get(self, name: str) -> Figure | None:
+        return next((f for f in self.figures if f.name == name), None)
+
+
+def preset_path(name: str) -> Path:
+    p = Path(name)
+    if p.suffix == ".json" and p.is_file():
+        return p
+    cand = CONFIGS / f"{name}.json"
+    if not cand.is_file():
+        names = ", ".join(sorted(q.stem for q in CONFIGS.glob("*.json")))
+        raise UsageError(f"unknown preset '{name}' (available: {names})")
+    return cand
+
+
+def _median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+class _Timer:
+    """Wall-clock on the CPU; CUDA events on the GPU (device time of the work between)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.cuda = getattr(engine, "device", "cpu") == "cuda"
+
+    def time(self, fn, repeats: int, warmup: int = 3) -> float:
+        """Median seconds of fn() over `repeats` runs."""
+        for _ in range(warmup):
+            fn()
+        self.engine.synchronize()
+        out = []
+        if self.cuda:
+            cp = self.engine.cp
+            s = self.engine.stream
+            for _ in range(repeats):
+                a, b = cp.cuda.Event(), cp.cuda.Event()
+                a.record(s)
+                fn()
+                b.record(s)
+                b.synchronize()
+                out.append(cp.cuda.get_elapsed_time(a, b) / 1000)
+        else:
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - t0)
+        return _median(out)
+
+
+# -- ceilings --------------------------------------------------------------------------------------------
+
+
+READ_KERNEL = r"""
+extern "C" __global__ void read_all(const uint4* __restrict__ src, size_t n, unsigned int* out) {
+    unsigned int acc = 0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        uint4 v = __ldg(src + i);
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (acc == 0x12345678u) out[0] = acc;  // keeps the loads alive; practically never taken
+}
+"""
+
+
+def read_bandwidth_gpu(cp, nbytes: int = 4 << 30) -> float:
+    buf = cp.random.randint(0, 2**31 - 1, nbytes // 4, dtype=cp.int32)
+    out = cp.zeros(1, cp.uint32)
+    k = cp.RawKernel(READ_KERNEL, "read_all")
+    n = nbytes // 16
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    args = ((sms * 8,), (512,), (buf, np.uint64(n), out))
+    for _ in range(3):
+        k(*args)
+    times = []
+    for _ in range(20):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        k(*args)
+        b.record()
+        b.synchronize()
+        times.append(cp.cuda.get_elapsed_time(a, b) / 1000)
+    del buf
+    return nbytes / _median(times)
+
+
+def gemm_rate_gpu(cp, n: int = 8192) -> float:
+    import ml_dtypes
+
+    a = cp.asarray(np.random.default_rng(0).standard_normal((n, n), np.float32).astype(ml_dtypes.bfloat16))
+    b = cp.asarray(np.random.default_rng(1).standard_normal((n, n), np.float32).astype(ml_dtypes.bfloat16))
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(10):
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record()
+        a @ b
+        e1.record()
+        e1.synchronize()
+        times.append(cp.cuda.get_elapsed_time(e0, e1) / 1000)
+    return 2 * n**3 / _median(times)
+
+
+def read_bandwidth_cpu(nbytes: int = 512 << 20) -> float:
+    x = np.random.default_rng(0).standard_normal(nbytes // 4, dtype=np.float32)
+    x.sum()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return nbytes / _median(times)
+
+
+def gemm_rate_cpu(n: int = 1024) -> float:
+    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    a @ a
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        a @ a
+        times.append(time.perf_counter() - t0)
+    return 2 * n**3 / _median(times)
+
+
+# -- the bench -------------------------------------------------------------------------------------------
+
+
+def build_engine(cfg: ModelConfig, device: str, context: int):
+    source = RandomTensors(cfg, seed=0)
+    if device == "cuda":
+        from .cuda.engine import load_cuda_engine
+
+        return load_cuda_engine(cfg, source, context)
+    from .numpy_engine import load_numpy_engine
+
+    return load_numpy_engine(cfg, source, context)
+
+
+def run_bench(preset: str, *, device: str = "cpu", context: int = 1024, ks: tuple[int, ...] = (1, 2, 4, 8),
+              prefill_tokens: int = 2048, repeats: int = 50, transformers_steps: int = 20,
+              with_transformers: bool = True, progress=None) -> BenchResult:
+    path = preset_path(preset)
+    cfg = load_config(path)
+    say = progress or (lambda msg: None)
+    max_k = max(ks) if ks else 1
+    ctx_alloc = max(context + max_k + 1, prefill_tokens)
+    say(f"building {path.stem} with random weights on {device}")
+    eng = build_engine(cfg, device, ctx_alloc)
+    elem = 2 if device == "cuda" else 4
+    streamed = _streamed_bytes(cfg, elem)
+    kv_per_pos = 2 * cfg.num_hidden_layers * cfg.kv_size * elem
+    res = BenchResult(path.stem, device, context, cfg.parameter_count(), streamed, kv_per_pos * context)
+    timer = _Timer(eng)
+    rng = np.random.default_rng(0)
+
+    say("measuring the read bandwidth and the GEMM rate")
+    if device == "cuda":
+        bw, gemm = read_bandwidth_gpu(eng.cp), gemm_rate_gpu(eng.cp)
+    else:
+        bw, gemm = read_bandwidth_cpu(), gemm_rate_cpu()
+    floor = (streamed + kv_per_pos * context) / bw
+    res.figures += [
+        Figure("read bandwidth", bw / 1e9, "GB/s", "measured ceiling"),
+        Figure("decode floor", floor * 1e3, "ms", "weights + KV bytes / read bandwidth"),
+        Figure("GEMM rate", gemm / 1e12, "TFLOP/s", "measured ceiling (bf16 on GPU, fp32 on CPU)"),
+    ]
+
+    say(f"filling the KV cache to {context} positions")
+    eng.reset()
+    eng.prefill([int(t) for t in rng.integers(0, cfg.vocab_size, context)])
+    eng.synchronize()
+
+    def decode_once():
+        eng.decode(5)
+        eng.trim(context)  # keep the context fixed: every step attends over `context` positions
+
+    decode_s = timer.time(decode_once, repeats)
+    res.figures.append(Figure("decode step", decode_s * 1e3, "ms", "<= 1.15 x floor", decode_s / floor,
+                              decode_s <= 1.15 * floor))
+
+    def greedy_once():
+        eng.decode(5)
+        eng.argmax_on_device(eng.decode_logits_ptr())
+        eng.trim(context)
+
+    t_wall = []
+    for _ in range(3):
+        greedy_once()
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        greedy_once()
+        t_wall.append(time.perf_counter() - t0)
+    res.figures.append(Figure("decode + argmax (host wall)", _median(t_wall) * 1e3, "ms", "tokens/s = 1000 / this"))
+
+    for k in ks:
+        drafts = [int(t) for t in rng.integers(0, cfg.vocab_size, k)]
+
+        def verify_once():
+            eng.verify(drafts)
+            eng.trim(context)
+
+        v = timer.time(verify_once, repeats)
+        limit = 1.15 if k <= 4 else 1.3
+        res.figures.append(Figure(f"verify k={k}", v * 1e3, "ms", f"<= {limit} x decode step" if k in (4, 8) else "",
+                                  v / decode_s, (v <= limit * decode_s) if k in (4, 8) else None))
+
+    say(f"prefill of {prefill_tokens} tokens")
+    prompt = [int(t) for t in rng.integers(0, cfg.vocab_size, prefill_tokens)]
+
+    def prefill_once():
+        eng.reset()
+        eng.prefill(prompt)
+
+    p = timer.time(prefill_once, max(3, repeats // 10), warmup=1)
+    flops = _prefill_flops(cfg, prefill_tokens)
+    res.figures.append(Figure(f"prefill {prefill_tokens}", prefill_tokens / p, "tokens/s",
+                              ">= 50% of the GEMM rate", flops / p / gemm, flops / p >= 0.5 * gemm))
+
+    if with_transformers and device == "cuda":
+        say("transformers eager on the same weights")
+        try:
+            hf = transformers_decode_ms(eng, cfg, context, transformers_steps)
+        except ImportError as e:
+            res.notes.append(f"transformers not measured: {e}")
+        else:
+            res.figures.append(Figure("transformers eager decode", hf * 1e3, "ms",
+                                      ">= 20 x slower than metrale", hf / decode_s, hf >= 20 * decode_s))
+    return res
+
+
+def _streamed_bytes(cfg: ModelConfig, elem: int) -> int:
+    """Weight bytes one decode step reads: all but the embedding table (which a tied lm_head reads whole)."""
+    embed = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+    return (cfg.parameter_count() - embed) * elem
+
+
+def _prefill_flops(cfg: ModelConfig, t: int) -> float:
+    matmul = 2 * t * (cfg.parameter_count() - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2))
+    attn = 2 * 2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * t * t / 2  # causal QK^T and PV
+    head = 2 * cfg.hidden_size * cfg.vocab_size  # the last row's logits
+    return matmul + attn + head
+
+
+def transformers_decode_ms(eng, cfg: ModelConfig, context: int, steps: int) -> float:
+    """Seconds per decode step of transformers (eager, bf16) holding the same weights as `eng`."""
+    import torch
+    import transformers
+
+    from .weights import layer_names
+
+    cp = eng.cp
+    eng.synchronize()
+    with torch.device("meta"):
+        hf_cfg = _hf_config(transformers, cfg)
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16)
+    model = model.to_empty(device="cuda").eval()
+
+    def t(a):
+        return torch.from_dlpack(a).view(torch.bfloat16)
+
+    params = dict(model.named_parameters())
+    w = eng.w
+    q, kv = cfg.q_size, cfg.kv_size
+    with torch.no_grad():
+        params["model.embed_tokens.weight"].copy_(t(w.embed))
+        params["model.norm.weight"].copy_(t(w.final_norm))
+        if not cfg.tie_word_embeddings:
+            params["lm_head.weight"].copy_(t(w.lm_head))
+        for i, lw in enumerate(w.layers):
+            n = layer_names(cfg, i)
+            wqkv = t(lw.wqkv)
+            params[n.q].copy_(wqkv[:q])
+            params[n.k].copy_(wqkv[q:q + kv])
+            params[n.v].copy_(wqkv[q + kv:])
+            params[n.o].copy_(t(lw.wo))
+            gu = t(lw.w_gate_up)
+            params[n.gate].copy_(gu[:cfg.intermediate_size])
+            params[n.up].copy_(gu[cfg.intermediate_size:])
+            params[n.down].copy_(t(lw.w_down))
+            params[n.input_norm].copy_(t(lw.input_norm))
+            params[n.post_norm].copy_(t(lw.post_norm))
+            for name, arr in ((n.q_norm, lw.q_norm), (n.k_norm, lw.k_norm)):
+                if name is not None:
+                    params[name].copy_(t(arr))
+            if lw.bqkv is not None:
+                b = t(lw.bqkv)
+                params[n.q_bias].copy_(b[:q])
+                params[n.k_bias].copy_(b[q:q + kv])
+                params[n.v_bias].copy_(b[q + kv:])
+    model.model.rotary_emb.__init__(model.config, device="cuda")  # buffers were left empty by to_empty
+    cp.cuda.Device().synchronize()
+    ids = torch.randint(0, cfg.vocab_size, (1, context), device="cuda")
+    with torch.inference_mode():
+        out = model(ids, use_cache=True)
+        cache = out.past_key_values
+        tok = out.logits[:, -1:].argmax(-1)
+        times = []
+        for i in range(steps + 3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = model(tok, past_key_values=cache, use_cache=True)
+            tok = out.logits[:, -1:].argmax(-1)
+            torch.cuda.synchronize()
+            if i >= 3:
+                times.append(time.perf_counter() - t0)
+    del model
+    torch.cuda.empty_cache()
+    return _median(times)
+
+
+def _hf_config(transformers, cfg: ModelConfig):
+    kw = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+              num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+              num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+              max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=cfg.tie_word_embeddings,
+              attn_implementation="eager")
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta, **asdict(cfg.rope_scaling)}
+    cls = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+    return getattr(transformers, cls[cfg.model_type])(**kw, rope_parameters=rope)

@@ -1,0 +1,423 @@
+"""The CUDA engine: the NumPy engine's passes on an NVIDIA GPU through CuPy and metrale's own kernels.
+
+Weights live on the device in bf16 (stored as uint16 bit patterns; F32/F16 checkpoints are rounded at
+load), activations in fp32, the KV cache in bf16 [layers, kv_heads, context, head_dim].
+
+Two paths:
+- rows path (decode M=1, verify and short prefills M<=16): metrale's GEMV kernels, no cuBLAS, no host
+  reads, so each (kind, M) is captured once as a CUDA graph and replayed; token ids and positions are
+  read from a small device buffer that one async copy fills before each replay.
+- prefill path (longer prompts): cuBLAS GEMMs (bf16 operands, fp32 output) in chunks, eagerly.
+The residual stream `x` is updated in place by the o_proj/down_proj GEMVs (accumulate), so each layer
+is: norm, qkv GEMV, rope (+qk norm), KV append, attention, o GEMV(+=), norm, gate/up GEMV with SwiGLU,
+down GEMV(+=).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..errors import DeviceError, NonFiniteLogitsError
+from ..engine_base import EngineBase, check_context
+from ..logits import DevicePtr
+from ..weights import EMBED, FINAL_NORM, LM_HEAD, check_checkpoint, layer_names
+
+MAX_ROWS = 16  # rows the GEMV path takes (decode, verify k <= 15 plus one, short prefills)
+PREFILL_CHUNK = 2048  # tokens per eager prefill chunk (bounds the activation buffers)
+
+CUDA_R_32F, CUDA_R_16BF = 0, 14
+CUBLAS_COMPUTE_32F = 68
+CUBLAS_GEMM_DEFAULT = -1
+CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
+
+
+def _cupy():
+    try:
+        import cupy
+    except Exception as e:  # ImportError, or a CUDA library that fails to load
+        raise DeviceError(f"--device cuda needs CuPy ({type(e).__name__}: {e})") from None
+    return cupy
+
+
+@dataclass
+class DeviceLayer:
+    input_norm: Any  # [H] bf16 bits
+    wqkv: Any  # [q + 2 kv, H]
+    bqkv: Any | None  # [q + 2 kv]
+    q_norm: Any | None  # [head_dim]
+    k_norm: Any | None
+    wo: Any  # [H, q]
+    bo: Any | None  # [H]
+    post_norm: Any  # [H]
+    w_gate_up: Any  # [2 I, H]  gate then up
+    w_down: Any  # [H, I]
+
+
+@dataclass
+class DeviceWeights:
+    embed: Any  # [V, H]
+    layers: list[DeviceLayer]
+    final_norm: Any  # [H]
+    lm_head: Any  # [V, H] (the embedding itself when tied)
+
+    def streamed_bytes(self) -> int:
+        """Bytes one decode step must read: every weight but the embedding table (unless tied)."""
+        total = self.final_norm.nbytes + self.lm_head.nbytes
+        for lw in self.layers:
+            for a in vars(lw).values():
+                total += a.nbytes if a is not None else 0
+        return total
+
+
+def _oom(cp, what: str, nbytes: int) -> DeviceError:
+    free, total = cp.cuda.runtime.memGetInfo()
+    return DeviceError(
+        f"CUDA out of memory {what}: needed {nbytes / 2**20:.0f} MiB more, "
+        f"{free / 2**20:.0f} MiB free of {total / 2**20:.0f} MiB"
+    )
+
+
+def upload_weights(cfg: ModelConfig, source, kern, progress: Callable[[int], None] | None = None) -> DeviceWeights:
+    """Read each tensor once from `source` (a Checkpoint, or RandomTensors which draws on the device),
+    round it to bf16 and place it on the device, fusing q/k/v and gate/up."""
+    cp = kern._cp
+
+    def get(name: str | None):
+        if name is None:
+            return None
+        info = source.info(name)
+        nbytes = int(np.prod(info.shape)) * 2
+        try:
+            if hasattr(source, "device_array"):
+                f32 = source.device_array(name, cp)
+                out = cp.empty(f32.shape, cp.uint16)
+                kern.f32_to_bf16(f32, out)
+                del f32
+            else:
+                host = source.array(name)
+                if info.dtype == "BF16":
+                    out = cp.asarray(np.ascontiguousarray(host).view(np.uint16))
+                else:  # F32/F16: round on the device, bit-identical to torch's rounding
+                    f32 = cp.asarray(np.asarray(host, dtype=np.float32))
+                    out = cp.empty(f32.shape, cp.uint16)
+                    kern.f32_to_bf16(f32, out)
+                    del f32
+                source.release(name)
+        except cp.cuda.memory.OutOfMemoryError:
+            raise _oom(cp, f"loading {name}", nbytes) from None
+        if progress is not None:
+            progress(nbytes)
+        return out
+
+    def fused(*names: str | None):
+        if names[0] is None:
+            return None
+        parts = [get(n) for n in names]
+        return cp.concatenate(parts, axis=0)
+
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        n = layer_names(cfg, i)
+        layers.append(DeviceLayer(
+            input_norm=get(n.input_norm), wqkv=fused(n.q, n.k, n.v), bqkv=fused(n.q_bias, n.k_bias, n.v_bias),
+            q_norm=get(n.q_norm), k_norm=get(n.k_norm), wo=get(n.o), bo=get(n.o_bias),
+            post_norm=get(n.post_norm), w_gate_up=fused(n.gate, n.up), w_down=get(n.down),
+        ))
+    embed = get(EMBED)
+    lm_head = embed if cfg.tie_word_embeddings else get(LM_HEAD)
+    return DeviceWeights(embed=embed, layers=layers, final_norm=get(FINAL_NORM), lm_head=lm_head)
+
+
+class CudaEngine(EngineBase):
+    """Prefill, decode, verify and trim on the GPU behind the ModelLogits interface."""
+
+    device = "cuda"
+
+    def __init__(self, cfg: ModelConfig, weights: DeviceWeights, kern, max_context: int,
+                 fp32_logits: bool = False, use_graphs: bool = True) -> None:
+        cp = kern._cp
+        self.cp, self.kern, self.cfg, self.w = cp, kern, cfg, weights
+        self.max_context = max_context
+        self.length = 0
+        self.use_graphs = use_graphs
+        self._fp32_logits = fp32_logits
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        L, nkv, d, H = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+        V, R = cfg.vocab_size, MAX_ROWS
+        ldt = cp.float32 if fp32_logits else cp.uint16
+        try:
+            self._kc = cp.zeros((L, nkv, max_context, d), cp.uint16)  # bf16 K cache
+            self._vc = cp.zeros((L, nkv, max_context, d), cp.uint16)  # bf16 V cache
+            self._io = cp.zeros((2, R), cp.int32)  # row 0: token ids, row 1: positions (graph inputs)
+            self._x = cp.zeros((R, H), cp.float32)  # residual stream
+            self._h = cp.zeros((R, H), cp.float32)  # normed activations
+            self._qkv = cp.zeros((R, cfg.q_size + 2 * cfg.kv_size), cp.float32)
+            self._q = cp.zeros((R, cfg.num_attention_heads, d), cp.float32)
+            self._k = cp.zeros((R, nkv, d), cp.float32)
+            self._v = cp.zeros((R, nkv, d), cp.float32)
+            self._attn = cp.zeros((R, cfg.num_attention_heads, d), cp.float32)
+            self._act = cp.zeros((R, cfg.intermediate_size), cp.float32)
+            self._logits32 = cp.zeros((R, V), cp.float32)
+            self._rows_logits = cp.zeros((R, V), ldt)  # rows-path output (fixed: graphs write here)
+            self._logits = self._rows_logits  # the buffer the last prefill/verify pass wrote
+            self._decode_logits = cp.zeros((1, V), ldt)
+            self._hidden = cp.zeros((1, H), cp.float32)
+            self._amax = cp.zeros((R,), cp.int32)
+            self._decode_amax = cp.zeros((1,), cp.int32)  # argmax of the decode row, computed in the graph
+            self._splits = kern.decode_splits(max_context, nkv, R, cfg.num_attention_heads)
+            self._ws = cp.zeros(kern.decode_workspace_size(R, cfg.num_attention_heads, d, self._splits), cp.float32)
+            self._inv_freq = cp.asarray(cfg.inv_freq())
+            self._io_host = cp.cuda.alloc_pinned_memory(2 * R * 4)
+        except cp.cuda.memory.OutOfMemoryError:
+            need = 2 * L * nkv * max_context * d * 2 + R * V * 8
+            raise _oom(cp, f"allocating the KV cache for {max_context} positions", need) from None
+        self._io_np = np.frombuffer(self._io_host, np.int32, 2 * R).reshape(2, R)
+        self._graphs: dict[tuple[str, int], Any] = {}
+        self._long_logits = None  # [rows, V] for long prefills, grown on demand
+        self._decode_amax_fresh = False
+
+    # -- passes --------------------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def decode(self, token: int) -> None:
+        self._check_tokens([token])
+        self._run_rows([token], "decode")
+
+    def verify(self, tokens: Sequence[int]) -> int:
+        ids = self._check_tokens(tokens)
+        if len(ids) > MAX_ROWS:  # beyond the GEMV kernels' rows: the cuBLAS path, all rows kept
+            return self._prefill_long(ids, all_logits=True)
+        self._run_rows(ids, "rows")
+        self._n_rows = len(ids)
+        return len(ids)
+
+    def prefill(self, tokens: Sequence[int], all_logits: bool = False) -> int:
+        ids = self._check_tokens(tokens)
+        if len(ids) <= MAX_ROWS:  # short prompts take the graph path: the same pass as verify
+            self._run_rows(ids, "rows")
+            if all_logits:
+                self._n_rows = len(ids)
+                return len(ids)
+            with self.stream:
+                self._logits[0] = self._logits[len(ids) - 1]
+            self._n_rows = 1
+            return 1
+        return self._prefill_long(ids, all_logits)
+
+    # -- the rows path (graph-captured) ---------------------------------------------------------------
+    def _run_rows(self, ids: Sequence[int], kind: str) -> None:
+        m = len(ids)
+        self._io_np[0, :m] = ids
+        self._io_np[1, :m] = np.arange(self.length, self.length + m)
+        self._io.set(self._io_np, stream=self.stream)  # async from pinned memory
+        key = (kind, m)
+        if not self.use_graphs:
+            with self.stream:
+                self._rows_body(m, kind)
+        else:
+            graph = self._graphs.get(key)
+            if graph is None:
+                graph = self._capture(m, kind)
+            graph.launch(stream=self.stream)
+        self.length += m
+        self._decode_amax_fresh = kind == "decode"
+        if kind == "rows":
+            self._logits = self._rows_logits
+
+    def _capture(self, m: int, kind: str):
+        with self.stream:
+            self._rows_body(m, kind)  # warm-up: compiles, allocates workspaces outside the capture
+        self.stream.synchronize()
+        self.stream.begin_capture()
+        try:
+            with self.stream:
+                self._rows_body(m, kind)
+        finally:
+            graph = self.stream.end_capture()
+        self._graphs[(kind, m)] = graph
+        return graph
+
+    def _rows_body(self, m: int, kind: str) -> None:
+        """The whole forward of m rows at positions io[1, :m]; every launch is capturable."""
+        cfg, k, w, s = self.cfg, self.kern, self.w, self.stream
+        eps = cfg.rms_norm_eps
+        ids, pos = self._io[0, :m], self._io[1, :m]
+        x, h, qkv = self._x[:m], self._h[:m], self._qkv[:m]
+        q, kk, vv, attn, act = self._q[:m], self._k[:m], self._v[:m], self._attn[:m], self._act[:m]
+        k.embedding(ids, w.embed, x, stream=s)
+        k.rmsnorm(x, w.layers[0].input_norm, eps, h, stream=s)
+        for li, lw in enumerate(w.layers):
+            k.gemv(h, lw.wqkv, qkv, lw.bqkv, stream=s)
+            self._split_qkv(qkv, q, kk, vv)
+            k.rope(q, pos, self._inv_freq, lw.q_norm, eps, stream=s)
+            k.rope(kk, pos, self._inv_freq, lw.k_norm, eps, stream=s)
+            k.kv_append(kk, vv, self._kc[li], self._vc[li], pos, stream=s)
+            k.attention_decode(q, self._kc[li], self._vc[li], pos, attn, cfg.head_dim ** -0.5,
+                               n_splits=self._splits, workspace=self._ws, stream=s)
+            k.gemv_residual(attn.reshape(m, cfg.q_size), lw.wo, x, lw.bo, stream=s)
+            k.rmsnorm(x, lw.post_norm, eps, h, stream=s)
+            k.gemv_swiglu(h, lw.w_gate_up, act, stream=s)
+            k.gemv_residual(act, lw.w_down, x, stream=s)
+            nxt = w.layers[li + 1].input_norm if li + 1 < len(w.layers) else w.final_norm
+            k.rmsnorm(x, nxt, eps, h, stream=s)
+        self._hidden[0] = h[m - 1]
+        out = self._decode_logits if kind == "decode" else self._rows_logits[:m]
+        if self._fp32_logits:
+            k.gemv(h, w.lm_head, out, stream=s)
+        else:
+            k.gemv(h, w.lm_head, self._logits32[:m], stream=s)
+            k.f32_to_bf16(self._logits32[:m], out, stream=s)
+        if kind == "decode":
+            k.argmax(out, self._decode_amax, stream=s)
+
+    def _split_qkv(self, qkv, q, kk, vv) -> None:
+        """q, k, v as contiguous [m, heads, d] buffers (views when m == 1)."""
+        cfg = self.cfg
+        m = qkv.shape[0]
+        a, b = cfg.q_size, cfg.q_size + cfg.kv_size
+        q[...] = qkv[:, :a].reshape(m, cfg.num_attention_heads, cfg.head_dim)
+        kk[...] = qkv[:, a:b].reshape(m, cfg.num_key_value_heads, cfg.head_dim)
+        vv[...] = qkv[:, b:].reshape(m, cfg.num_key_value_heads, cfg.head_dim)
+
+    # -- the prefill path (cuBLAS, eager) -------------------------------------------------------------
+    def _prefill_long(self, ids: np.ndarray, all_logits: bool) -> int:
+        cp, cfg = self.cp, self.cfg
+        rows = []
+        with self.stream:
+            for start in range(0, len(ids), PREFILL_CHUNK):
+                chunk = ids[start:start + PREFILL_CHUNK]
+                last = start + PREFILL_CHUNK >= len(ids)
+                h = self._prefill_chunk(chunk)
+                if all_logits:
+                    rows.append(self._lm_head_rows(h))
+                elif last:
+                    rows.append(self._lm_head_rows(h[-1:]))
+            logits = rows[0] if len(rows) == 1 else cp.concatenate(rows, axis=0)
+            n = logits.shape[0]
+            if self._long_logits is None or self._long_logits.shape[0] < n:
+                self._long_logits = cp.empty((n, cfg.vocab_size), self._rows_logits.dtype)
+            self._logits = self._long_logits
+            if self._fp32_logits:
+                self._logits[:n] = logits
+            else:
+                self.kern.f32_to_bf16(logits, self._logits[:n], stream=self.stream)
+        self._n_rows = n
+        return n
+
+    def _prefill_chunk(self, ids: np.ndarray):
+        """One chunk of T tokens at positions length..length+T-1; returns post-final-norm rows [T, H]."""
+        cp, cfg, k, w, s = self.cp, self.cfg, self.kern, self.w, self.stream
+        t, start, eps = len(ids), self.length, cfg.rms_norm_eps
+        nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        try:
+            dev_ids = cp.asarray(ids.astype(np.int32))
+            pos = cp.arange(start, start + t, dtype=cp.int32)
+            x = cp.empty((t, cfg.hidden_size), cp.float32)
+            h = cp.empty_like(x)
+            attn = cp.empty((t, nh, d), cp.float32)
+        except cp.cuda.memory.OutOfMemoryError:
+            raise _oom(cp, f"prefilling {t} tokens", t * cfg.hidden_size * 16) from None
+        k.embedding(dev_ids, w.embed, x, stream=s)
+        for li, lw in enumerate(w.layers):
+            k.rmsnorm(x, lw.input_norm, eps, h, stream=s)
+            qkv = self._gemm(h, lw.wqkv, lw.bqkv)
+            q = cp.ascontiguousarray(qkv[:, :cfg.q_size]).reshape(t, nh, d)
+            kk = cp.ascontiguousarray(qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size]).reshape(t, nkv, d)
+            vv = cp.ascontiguousarray(qkv[:, cfg.q_size + cfg.kv_size:]).reshape(t, nkv, d)
+            del qkv
+            k.rope(q, pos, self._inv_freq, lw.q_norm, eps, stream=s)
+            k.rope(kk, pos, self._inv_freq, lw.k_norm, eps, stream=s)
+            k.kv_append(kk, vv, self._kc[li], self._vc[li], pos, stream=s)
+            k.attention_prefill(q, self._kc[li], self._vc[li], start, t, attn, d ** -0.5, stream=s)
+            x += self._gemm(attn.reshape(t, cfg.q_size), lw.wo, lw.bo)
+            k.rmsnorm(x, lw.post_norm, eps, h, stream=s)
+            gu = self._gemm(h, lw.w_gate_up)
+            act = cp.empty((t, cfg.intermediate_size), cp.float32)
+            k.swiglu(gu, act, stream=s)
+            del gu
+            x += self._gemm(act, lw.w_down)
+        k.rmsnorm(x, w.final_norm, eps, h, stream=s)
+        self.length = start + t
+        self._hidden[0] = h[t - 1]
+        return h
+
+    def _gemm(self, x, w, bias=None):
+        """x f32 [T, K] @ w.T (w bf16 bits [N, K]) -> f32 [T, N], through cuBLAS with bf16 operands."""
+        cp = self.cp
+        from cupy_backends.cuda.libs import cublas
+
+        t, kdim = x.shape
+        n = w.shape[0]
+        xb = cp.empty((t, kdim), cp.uint16)
+        self.kern.f32_to_bf16(x, xb, stream=self.stream)
+        out = cp.empty((t, n), cp.float32)
+        one, zero = np.array(1.0, np.float32), np.array(0.0, np.float32)
+        handle = cp.cuda.device.get_cublas_handle()
+        cublas.setStream(handle, self.stream.ptr)
+        # Row-major out[t, n] = xb @ w.T is column-major out^T[n, t] = w^T(op T of [k, n]) @ xb^T.
+        cublas.gemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, t, kdim,
+                      one.ctypes.data, w.data.ptr, CUDA_R_16BF, kdim,
+                      xb.data.ptr, CUDA_R_16BF, kdim,
+                      zero.ctypes.data, out.data.ptr, CUDA_R_32F, n,
+                      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+        if bias is not None:
+            b32 = cp.empty(bias.shape, cp.float32)
+            self.kern.bf16_to_f32(bias, b32, stream=self.stream)
+            out += b32
+        return out
+
+    def _lm_head_rows(self, h):
+        if h.shape[0] <= MAX_ROWS:
+            out = self.cp.empty((h.shape[0], self.cfg.vocab_size), self.cp.float32)
+            self.kern.gemv(self.cp.ascontiguousarray(h), self.w.lm_head, out, stream=self.stream)
+            return out
+        return self._gemm(h, self.w.lm_head)
+
+    # -- checks and LogitsBuffers hooks ---------------------------------------------------------------
+    def _row_to_host(self, ptr: DevicePtr) -> np.ndarray:
+        self.stream.synchronize()
+        row = ptr._buffer[ptr.row].get()
+        return row if row.dtype == np.float32 else row.view(np.uint16)
+
+    def _argmax_rows(self, ptr: DevicePtr, n: int, stream: int) -> np.ndarray:
+        if ptr._buffer is self._decode_logits and self._decode_amax_fresh and n == 1:
+            self.stream.synchronize()
+            return self._decode_amax.get()  # the decode graph already computed it on the device
+        out = self._amax[:n] if n <= MAX_ROWS else self.cp.empty((n,), self.cp.int32)
+        self.kern.argmax(ptr._buffer[ptr.row:ptr.row + n], out, stream=self.stream)
+        self.stream.synchronize()
+        return out.get()
+
+
+def load_cuda_engine(cfg: ModelConfig, source, max_context: int, fp32_logits: bool = False,
+                     progress: Callable[[int], None] | None = None, use_graphs: bool = True) -> CudaEngine:
+    """Check the tensors, upload them once, and build the engine (CuPy is imported here, not before)."""
+    check_context(cfg, max_context)
+    if hasattr(source, "directory") and not hasattr(source, "device_array"):
+        check_checkpoint(cfg, source)
+    _cupy()
+    from .kernels import DECODE_HEAD_DIMS, PREFILL_HEAD_DIMS, Kernels
+
+    dims = sorted(set(DECODE_HEAD_DIMS) & set(PREFILL_HEAD_DIMS))
+    if cfg.head_dim not in dims:
+        raise DeviceError(f"head_dim {cfg.head_dim} is not supported by the CUDA kernels "
+                          f"(supported: {', '.join(map(str, dims))}); use --device cpu")
+    odd = [n for n, v in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size))
+           if v % 8]
+    if odd:
+        raise DeviceError(f"{odd[0]} must be a multiple of 8 for the CUDA kernels; use --device cpu")
+
+    try:
+        kern = Kernels()
+    except Exception as e:
+        raise DeviceError(f"cannot compile the CUDA kernels ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    weights = upload_weights(cfg, source, kern, progress)
+    return CudaEngine(cfg, weights, kern, max_context, fp32_logits, use_graphs)
+
+
+__all__ = ["CudaEngine", "load_cuda_engine", "upload_weights", "NonFiniteLogitsError"]
