@@ -1,0 +1,169 @@
+"""Bandwidth of the GEMV kernels (and decode attention) against a large read-only kernel
+measured in the same run.  Needs CuPy and a CUDA GPU:
+
+    PYTHONPATH=. python3 -m metrale_cli.cuda.bench_kernels
+
+Each measurement captures 32 launches into a CUDA graph (the engine replays graphs too, so
+the per-node launch gap is included), rotating several weight copies so that the 60 MB L2
+does not serve repeated reads; time with CUDA events; the median of the repeats.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+
+READ_SRC = r"""
+extern "C" __global__ void read_kernel(const uint4* __restrict__ p, unsigned long long n,
+                                       unsigned int* __restrict__ sink) {
+    unsigned int acc = 0;
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i + 3 * stride < n; i += 4 * stride) {
+        const uint4 a = __ldcs(p + i), b = __ldcs(p + i + stride);
+        const uint4 c = __ldcs(p + i + 2 * stride), d = __ldcs(p + i + 3 * stride);
+        acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w ^ c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^ d.z ^ d.w;
+    }
+    for (; i < n; i += stride) {
+        const uint4 a = __ldcs(p + i);
+        acc ^= a.x ^ a.y ^ a.z ^ a.w;
+    }
+    if (acc == 0x9e3779b9u) sink[0] = acc;  // keeps the loads; practically never true
+}
+"""
+
+L2_BYTES = 60 * 2**20
+
+
+def _graph_time_ms(cp, launches, repeats=15):
+    """Median time of one launch, from graph replays of the list of launch(stream) callables."""
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        for f in launches:
+            f(s)
+        s.synchronize()
+        s.begin_capture()
+        for f in launches:
+            f(s)
+        g = s.end_capture()
+    g.launch(stream=s)
+    s.synchronize()
+    times = []
+    for _ in range(repeats):
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record(s)
+        g.launch(stream=s)
+        e1.record(s)
+        e1.synchronize()
+        times.append(cp.cuda.get_elapsed_time(e0, e1) / len(launches))
+    return statistics.median(times)
+
+
+def read_bandwidth(cp, nbytes=4 * 2**30):
+    k = cp.RawKernel(READ_SRC, "read_kernel")
+    n = nbytes // 16
+    buf = cp.random.standard_normal(n * 4, dtype=cp.float32)  # random, never zeros
+    sink = cp.zeros(1, dtype=cp.uint32)
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    grid = (sms * 8,)
+    launches = [lambda s: k(grid, (512,), (buf, cp.uint64(n), sink), stream=s)] * 4
+    ms = _graph_time_ms(cp, launches, repeats=9)
+    del buf
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+def _bf16_weights(cp, K, shape, copies):
+    out = []
+    for _ in range(copies):
+        w32 = cp.random.standard_normal(shape, dtype=cp.float32) * 0.05
+        wb = cp.empty(shape, dtype=cp.uint16)
+        K.f32_to_bf16(w32, wb)
+        del w32
+        out.append(wb)
+    return out
+
+
+def main() -> int:
+    import cupy as cp
+
+    from metrale_cli.cuda.kernels import GEMV_DEFAULT, GEMV_SWIGLU_DEFAULT, Kernels
+
+    K = Kernels()
+    dev = cp.cuda.Device()
+    name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
+    read_gbs = read_bandwidth(cp)
+    print(f"device: {name}, {K.num_sms} SMs")
+    print(f"read-only kernel (4 GiB, uint4 streaming loads): {read_gbs:8.0f} GB/s")
+    print()
+    print(f"{'op':<10}{'N x K':>14}{'M':>4}{'R,U':>6}{'us':>9}{'GB/s':>8}{'% read':>8}")
+
+    shapes = [(4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096), (128256, 4096)]
+    variants = {1: [None, (2, 4), (4, 2)], 4: [None, (2, 4)], 8: [None, (4, 0), (8, 0)], 16: [None, (4, 0)]}
+    rows = []
+    for N, Kd in shapes:
+        nbytes_w = N * Kd * 2
+        copies = max(2, min(16, math.ceil(4 * L2_BYTES / nbytes_w)))
+        ws = _bf16_weights(cp, K, (N, Kd), copies)
+        for M in (1, 4, 8, 16) if (N, Kd) in ((14336, 4096), (4096, 14336)) else (1, 4):
+            cfgs = variants.get(M, [None])
+            x = cp.random.standard_normal((M, Kd), dtype=cp.float32)
+            out = cp.empty((M, N), dtype=cp.float32)
+            for cfg in cfgs:
+                launches = [
+                    (lambda s, w=ws[i % copies], c=cfg: K.gemv(x, w, out, config=c, stream=s))
+                    for i in range(32)
+                ]
+                ms = _graph_time_ms(cp, launches)
+                gbs = (nbytes_w + M * Kd * 4 + M * N * 4) / (ms * 1e-3) / 1e9
+                r, u = cfg if cfg is not None else GEMV_DEFAULT[M]
+                tag = f"{r},{u}" + ("" if cfg is not None else "*")
+                rows.append(("gemv", f"{N}x{Kd}", M, tag, ms * 1e3, gbs))
+                print(f"{'gemv':<10}{N:>7}x{Kd:<6}{M:>4}{tag:>6}{ms * 1e3:>9.1f}{gbs:>8.0f}{100 * gbs / read_gbs:>7.0f}%")
+                sys.stdout.flush()
+        del ws
+
+    # fused gate/up + SiLU (Llama-3-8B MLP: 2 x 14336 rows of 4096)
+    I, Kd = 14336, 4096
+    nbytes_w = 2 * I * Kd * 2
+    ws = _bf16_weights(cp, K, (2 * I, Kd), 3)
+    for M, cfg in ((1, None), (4, None), (8, None), (8, (2, 0)), (16, None), (16, (2, 0))):
+        x = cp.random.standard_normal((M, Kd), dtype=cp.float32)
+        out = cp.empty((M, I), dtype=cp.float32)
+        launches = [(lambda s, w=ws[i % 3], c=cfg: K.gemv_swiglu(x, w, out, config=c, stream=s)) for i in range(32)]
+        ms = _graph_time_ms(cp, launches)
+        gbs = (nbytes_w + M * Kd * 4 + M * I * 4) / (ms * 1e-3) / 1e9
+        r, u = cfg if cfg is not None else GEMV_SWIGLU_DEFAULT[M]
+        tag = f"{r},{u}" + ("" if cfg is not None else "*")
+        print(f"{'swiglu':<10}{2 * I:>7}x{Kd:<6}{M:>4}{tag:>6}{ms * 1e3:>9.1f}{gbs:>8.0f}{100 * gbs / read_gbs:>7.0f}%")
+    del ws
+
+    # decode attention, Llama-3-8B layer shape: 8 KV heads x 128, 32 query heads, context 8192
+    n_kv, G, hd, ctx = 8, 4, 128, 8192
+    caches = []
+    for _ in range(4):
+        kc = cp.empty((n_kv, ctx, hd), dtype=cp.uint16)
+        vc = cp.empty((n_kv, ctx, hd), dtype=cp.uint16)
+        K.f32_to_bf16(cp.random.standard_normal((n_kv, ctx, hd), dtype=cp.float32), kc)
+        K.f32_to_bf16(cp.random.standard_normal((n_kv, ctx, hd), dtype=cp.float32), vc)
+        caches.append((kc, vc))
+    for M, splits in ((1, None), (1, 66), (1, 132), (1, 264), (4, None), (4, 66), (4, 132)):
+        q = cp.random.standard_normal((M, n_kv * G, hd), dtype=cp.float32)
+        out = cp.empty_like(q)
+        pos = cp.asarray((ctx - M + cp.arange(M)).astype(cp.int32))
+        launches = [
+            (lambda s, c=caches[i % 4], ns=splits: K.attention_decode(q, c[0], c[1], pos, out, hd**-0.5, n_splits=ns, stream=s))
+            for i in range(16)
+        ]
+        ms = _graph_time_ms(cp, launches)
+        kvbytes = 2 * n_kv * ctx * hd * 2
+        gbs = kvbytes / (ms * 1e-3) / 1e9
+        ns = splits if splits is not None else K.decode_splits(ctx, n_kv, M, n_kv * G)
+        tag = f"{ns}" + ("" if splits is not None else "*")
+        print(f"{'attn-dec':<10}{'ctx ' + str(ctx):>14}{M:>4}{tag:>6}{ms * 1e3:>9.1f}{gbs:>8.0f}{100 * gbs / read_gbs:>7.0f}%")
+    print("(* = default config; attn-dec R,U column = number of splits; us per launch incl. graph node)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

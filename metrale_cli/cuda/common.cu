@@ -1,0 +1,78 @@
+// Shared helpers of the metrale CUDA kernels.
+//
+// kernels.py builds ONE NVRTC module: it puts this file first and removes the
+// `#include "common.cu"` lines of the other .cu files (so CuPy's kernel cache,
+// which hashes the source text only, always sees the helpers that are used).
+// The include lines stay so that every .cu file also compiles on its own with
+//     nvcc -arch=sm_90 -std=c++17 -ptx -o /dev/null file.cu
+// (the name ends in .cu, not .cuh, so that pyproject's package-data glob ships it).
+#ifndef METRALE_COMMON_CU
+#define METRALE_COMMON_CU
+
+#include <cuda_bf16.h>
+
+// No C/C++ standard headers under NVRTC: spell out what would come from them.
+typedef unsigned long long u64;
+#define METRALE_INF __int_as_float(0x7f800000)
+
+__device__ __forceinline__ bool is_finite_f32(float v) {
+    return (__float_as_uint(v) & 0x7f800000u) != 0x7f800000u;
+}
+
+// bf16 values travel as their raw 16 bits (unsigned short); conversions below
+// are exact bit operations, independent of compiler flags.
+__device__ __forceinline__ float bf16_to_f32_bits(unsigned short b) {
+    return __uint_as_float(((unsigned int)b) << 16);
+}
+// The low / high bf16 of a 32-bit word that holds two consecutive bf16 values.
+__device__ __forceinline__ float bf16_lo(unsigned int w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(unsigned int w) { return __uint_as_float(w & 0xffff0000u); }
+
+// float32 -> bfloat16 bits, round to nearest even, bit-identical to torch's CPU
+// `tensor.to(torch.bfloat16)` (c10::detail::round_to_nearest_even): every NaN
+// (any sign, any payload) becomes the quiet NaN 0x7FC0; +-Inf stay +-Inf;
+// finite values that round past the largest bf16 become +-Inf; subnormals are
+// rounded, not flushed.
+__device__ __forceinline__ unsigned short f32_to_bf16_bits(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)0x7fc0u;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the whole block (blockDim.x a multiple of 32, at most 1024); every
+// thread gets the result. `scratch` is __shared__ float[32]. Contains barriers:
+// all threads of the block must call it.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int nwarps = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    __syncthreads();  // scratch may still be read by an earlier call
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = (lane < nwarps) ? scratch[lane] : 0.0f;
+    return warp_sum(v);
+}
+
+// 16-byte streaming load of read-only data (weights): skip L1, keep L2 default.
+__device__ __forceinline__ uint4 ld_stream_u4(const void* p) {
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+    return r;
+}
+
+#endif  // METRALE_COMMON_CU

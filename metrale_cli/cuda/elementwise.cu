@@ -1,0 +1,71 @@
+// Element-wise kernels: embedding gather, dtype conversion, SwiGLU, KV-cache append.
+#include "common.cu"
+
+// out[m, :] = float(table[ids[m], :]).  One block per row.  An id outside
+// [0, V) writes NaN (a visible failure instead of an out-of-bounds read).
+extern "C" __global__ void embedding_kernel(const int* __restrict__ ids,
+                                            const unsigned short* __restrict__ table,
+                                            float* __restrict__ out, int V, int H) {
+    const int m = blockIdx.x;
+    const int id = ids[m];
+    float* o = out + (u64)m * H;
+    if (id < 0 || id >= V) {
+        for (int i = threadIdx.x; i < H; i += blockDim.x) o[i] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const unsigned short* t = table + (u64)id * H;
+    for (int i = threadIdx.x; i < H; i += blockDim.x) o[i] = bf16_to_f32_bits(t[i]);
+}
+
+// Round-to-nearest-even float32 -> bf16 bits (torch CPU semantics, see common.cu).
+extern "C" __global__ void f32_to_bf16_kernel(const float* __restrict__ x,
+                                              unsigned short* __restrict__ out, long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x)
+        out[i] = f32_to_bf16_bits(x[i]);
+}
+
+extern "C" __global__ void bf16_to_f32_kernel(const unsigned short* __restrict__ x,
+                                              float* __restrict__ out, long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x)
+        out[i] = bf16_to_f32_bits(x[i]);
+}
+
+// out[m, i] = silu(gate_up[m, i]) * gate_up[m, I + i]   (silu(g) = g * sigmoid(g)).
+extern "C" __global__ void swiglu_kernel(const float* __restrict__ gate_up,
+                                         float* __restrict__ out, int M, int I) {
+    const long long n = (long long)M * I;
+    for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
+         idx += (long long)gridDim.x * blockDim.x) {
+        const long long m = idx / I;
+        const long long i = idx - m * I;
+        const float g = gate_up[m * 2 * I + i];
+        const float u = gate_up[m * 2 * I + I + i];
+        out[idx] = g / (1.0f + expf(-g)) * u;
+    }
+}
+
+// k, v: float32 [M, n_kv, hd]; caches: bf16 [n_kv, max_ctx, hd]; row m goes to
+// position positions[m] (read on the device).  Positions outside [0, max_ctx)
+// are skipped.
+extern "C" __global__ void kv_append_kernel(const float* __restrict__ k,
+                                            const float* __restrict__ v,
+                                            unsigned short* __restrict__ k_cache,
+                                            unsigned short* __restrict__ v_cache,
+                                            const int* __restrict__ positions,
+                                            int M, int n_kv, int hd, int max_ctx) {
+    const long long n = (long long)M * n_kv * hd;
+    for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
+         idx += (long long)gridDim.x * blockDim.x) {
+        const int d = (int)(idx % hd);
+        const long long t = idx / hd;
+        const int h = (int)(t % n_kv);
+        const int m = (int)(t / n_kv);
+        const int p = positions[m];
+        if (p < 0 || p >= max_ctx) continue;
+        const u64 dst = ((u64)h * max_ctx + p) * hd + d;
+        k_cache[dst] = f32_to_bf16_bits(k[idx]);
+        v_cache[dst] = f32_to_bf16_bits(v[idx]);
+    }
+}

@@ -1,0 +1,608 @@
+"""Python wrappers of the metrale CUDA kernels (CuPy RawModule, NVRTC).
+
+`Kernels()` compiles every kernel once per process (CuPy also caches the binary on disk) and
+exposes one method per kernel.  Each method checks shapes, dtypes, contiguity and alignment
+(raising ValueError with a clear message) and launches; none synchronises the host, calls
+cuBLAS, or reads a device value on the host, so every launch can be captured in a CUDA graph.
+Values that change between decode steps (positions, hence context lengths) are read by the
+kernels from small int32 device arrays.
+
+Conventions (they mirror Hugging Face transformers):
+  * activations: float32 on the device; accumulation in fp32;
+  * weights: bfloat16 in HF layout [out_features, in_features]; a bf16 operand may be a CuPy
+    array of dtype ml_dtypes.bfloat16 or of uint16/int16 holding the raw bits;
+  * KV cache: bf16 [n_kv_heads, max_ctx, head_dim] per layer.  Keep one buffer per layer, or
+    one [layers, n_kv_heads, max_ctx, head_dim] buffer and pass the contiguous view cache[layer];
+  * rounding to bf16 (kv_append, f32_to_bf16) is round-to-nearest-even, bit-identical to
+    torch's CPU `.to(torch.bfloat16)`, every NaN becoming 0x7FC0.
+
+Every method takes `stream=None` (None: CuPy's current stream).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+_CUDA_DIR = Path(__file__).resolve().parent
+_SOURCES = ("elementwise.cu", "norm_rope.cu", "gemv.cu", "attention.cu", "argmax.cu")
+_INCLUDE_LINE = '#include "common.cu"'
+COMPILE_OPTIONS = ("-std=c++17", "-DMETRALE_NVRTC")
+
+GEMV_WARPS = 4  # must match gemv.cu (register variant)
+GEMV_XS_WARPS = 8  # must match gemv.cu (shared-memory-x variant)
+GEMV_MAX_M = 16
+# A gemv config is (R, U): R output rows per warp and U 16-byte chunks per row in flight per
+# lane (register variant: x read through L1); U = 0 selects the variant that stages x in shared
+# memory (for larger M).  Defaults per M, from the H200 measurements in bench_kernels.py.
+GEMV_DEFAULT = {m: ((1, 8) if m == 1 else (2, 4) if m == 2 else (4, 2) if m <= 8 else (4, 1)) for m in range(1, 17)}
+# SwiGLU: R output rows per warp = 2R weight rows.
+GEMV_SWIGLU_DEFAULT = {m: ((1, 4) if m <= 4 else (2, 1)) for m in range(1, 17)}
+# Further compiled (M, R, U) instances, for benchmarks and tests (pass config=(R, U)).
+GEMV_EXTRA = ((1, 2, 4), (1, 4, 2), (1, 2, 8), (4, 2, 4), (4, 1, 8), (8, 8, 0)) + tuple((m, 4, 0) for m in range(5, 17))
+GEMV_SWIGLU_EXTRA = tuple((m, 2, 0) for m in range(5, 17))
+
+ATTN_WARPS = 4  # must match attention.cu
+DECODE_HEAD_DIMS = (32, 64, 128, 256)
+PREFILL_HEAD_DIMS = (32, 64, 128)
+PREFILL_BQ = 64
+LOG2E = 1.4426950408889634
+
+
+def _decode_qb_max(hd: int) -> int:
+    return 4 if hd > 128 else 8
+
+
+def _decode_kb(hd: int) -> int:
+    return 4 if hd > 128 else 8
+
+
+def gemv_name(m: int, r: int, u: int, swiglu: bool) -> str:
+    sw = "true" if swiglu else "false"
+    if u == 0:
+        return f"gemv_xs_kernel<{m}, {r}, {sw}>"
+    return f"gemv_kernel<{m}, {r}, {u}, {sw}>"
+
+
+def _gemv_block_rows(r: int, u: int) -> tuple[int, int]:
+    """(threads per block, output rows per block) of a gemv config."""
+    warps = GEMV_XS_WARPS if u == 0 else GEMV_WARPS
+    return warps * 32, warps * r
+
+
+def decode_name(hd: int, qb: int) -> str:
+    return f"attn_decode_split_kernel<{hd}, {qb}, {_decode_kb(hd)}>"
+
+
+def prefill_name(hd: int) -> str:
+    return f"attn_prefill_kernel<{hd}>"
+
+
+def name_expressions() -> tuple[str, ...]:
+    """The template instances that the module is compiled with."""
+    names: list[str] = []
+    for m, (r, u) in GEMV_DEFAULT.items():
+        names.append(gemv_name(m, r, u, False))
+    for m, r, u in GEMV_EXTRA:
+        n = gemv_name(m, r, u, False)
+        if n not in names:
+            names.append(n)
+    for m, (r, u) in GEMV_SWIGLU_DEFAULT.items():
+        names.append(gemv_name(m, r, u, True))
+    for m, r, u in GEMV_SWIGLU_EXTRA:
+        n = gemv_name(m, r, u, True)
+        if n not in names:
+            names.append(n)
+    for hd in DECODE_HEAD_DIMS:
+        qb = 1
+        while qb <= _decode_qb_max(hd):
+            names.append(decode_name(hd, qb))
+            qb *= 2
+    for hd in PREFILL_HEAD_DIMS:
+        names.append(prefill_name(hd))
+    return tuple(names)
+
+
+PLAIN_KERNELS = (
+    "embedding_kernel",
+    "f32_to_bf16_kernel",
+    "bf16_to_f32_kernel",
+    "swiglu_kernel",
+    "kv_append_kernel",
+    "rmsnorm_kernel",
+    "rope_kernel",
+    "attn_decode_combine_kernel",
+    "argmax_f32_kernel",
+    "argmax_bf16_kernel",
+)
+
+
+def module_source() -> str:
+    """common.cu followed by every kernel file, with their include lines removed."""
+    parts = [(_CUDA_DIR / "common.cu").read_text()]
+    for name in _SOURCES:
+        text = (_CUDA_DIR / name).read_text()
+        lines = [ln for ln in text.splitlines() if ln.strip() != _INCLUDE_LINE]
+        parts.append(f"// ---- {name} ----\n" + "\n".join(lines))
+    return "\n".join(parts) + "\n"
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+class Kernels:
+    """All kernels of the CUDA engine.  Construct once per process (after choosing the device)."""
+
+    def __init__(self) -> None:
+        import cupy  # lazily: this module is imported only when the CUDA engine is chosen
+        import numpy
+
+        self._cp = cupy
+        self._np = numpy
+        self._names = name_expressions()
+        self._module = cupy.RawModule(
+            code=module_source(), options=COMPILE_OPTIONS, name_expressions=self._names
+        )
+        # Fetch every function now: compiling and loading must not happen during a capture.
+        self._fn = {n: self._module.get_function(n) for n in self._names + PLAIN_KERNELS}
+        dev = cupy.cuda.Device()
+        self.device_id = dev.id
+        self.num_sms = int(dev.attributes["MultiProcessorCount"])
+        self._bf16_dtype = None
+        try:
+            import ml_dtypes
+
+            self._bf16_dtype = numpy.dtype(ml_dtypes.bfloat16)
+        except ImportError:  # pragma: no cover - ml_dtypes is a runtime dependency
+            pass
+        self._dummy = cupy.zeros(8, dtype=cupy.uint16)  # stands for an absent optional operand
+        self._workspace = None  # decode scratch, grown on demand (eager calls only)
+
+    # ------------------------------------------------------------------ checks
+    def _arr(self, a: Any, name: str) -> Any:
+        if not isinstance(a, self._cp.ndarray):
+            raise ValueError(f"{name}: expected a cupy.ndarray, got {type(a).__name__}")
+        if not a.flags.c_contiguous:
+            raise ValueError(f"{name}: must be C-contiguous (shape {a.shape}, strides {a.strides})")
+        if a.device.id != self.device_id:
+            raise ValueError(f"{name}: on device {a.device.id}, kernels on device {self.device_id}")
+        return a
+
+    def _f32(self, a: Any, name: str, ndim: int | None = None) -> Any:
+        self._arr(a, name)
+        if a.dtype != self._np.float32:
+            raise ValueError(f"{name}: dtype must be float32, got {a.dtype}")
+        if ndim is not None and a.ndim != ndim:
+            raise ValueError(f"{name}: expected {ndim} dimensions, got shape {a.shape}")
+        return a
+
+    def _i32(self, a: Any, name: str, ndim: int | None = None) -> Any:
+        self._arr(a, name)
+        if a.dtype != self._np.int32:
+            raise ValueError(f"{name}: dtype must be int32, got {a.dtype}")
+        if ndim is not None and a.ndim != ndim:
+            raise ValueError(f"{name}: expected {ndim} dimensions, got shape {a.shape}")
+        return a
+
+    def _is_bf16(self, dtype: Any) -> bool:
+        return dtype in (self._np.uint16, self._np.int16) or (
+            self._bf16_dtype is not None and dtype == self._bf16_dtype
+        )
+
+    def _bf16(self, a: Any, name: str, ndim: int | None = None) -> Any:
+        self._arr(a, name)
+        if not self._is_bf16(a.dtype):
+            raise ValueError(f"{name}: dtype must be bfloat16 (or uint16 raw bits), got {a.dtype}")
+        if ndim is not None and a.ndim != ndim:
+            raise ValueError(f"{name}: expected {ndim} dimensions, got shape {a.shape}")
+        return a
+
+    @staticmethod
+    def _shape(a: Any, name: str, shape: tuple[int, ...]) -> None:
+        if tuple(a.shape) != tuple(shape):
+            raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(a.shape)}")
+
+    @staticmethod
+    def _aligned(a: Any, name: str, nbytes: int = 16) -> None:
+        if a.data.ptr % nbytes:
+            raise ValueError(f"{name}: device pointer must be {nbytes}-byte aligned")
+
+    @staticmethod
+    def _disjoint(a: Any, an: str, b: Any, bn: str) -> None:
+        a0, b0 = a.data.ptr, b.data.ptr
+        if a0 < b0 + b.nbytes and b0 < a0 + a.nbytes:
+            raise ValueError(f"{an} and {bn} must not overlap")
+
+    def _grid1d(self, n: int, block: int = 256) -> int:
+        return max(1, min(_ceil_div(n, block), self.num_sms * 16))
+
+    def _launch(self, name: str, grid: tuple, block: tuple, args: tuple, stream: Any) -> None:
+        self._fn[name](grid, block, args, stream=stream)
+
+    # ------------------------------------------------------------------ kernels
+    def embedding(self, ids: Any, table: Any, out: Any, *, stream: Any = None) -> None:
+        """out[m, :] = float32(table[ids[m], :]).  ids int32[M], table bf16[V, H], out f32[M, H].
+        An id outside [0, V) yields a row of NaN."""
+        np = self._np
+        self._i32(ids, "ids", 1)
+        self._bf16(table, "table", 2)
+        self._f32(out, "out", 2)
+        (M,), (V, H) = ids.shape, table.shape
+        self._shape(out, "out", (M, H))
+        if M == 0:
+            return
+        self._launch("embedding_kernel", (M,), (256,), (ids, table, out, np.int32(V), np.int32(H)), stream)
+
+    def gemv(
+        self,
+        x: Any,
+        w: Any,
+        out: Any,
+        bias: Any = None,
+        *,
+        accumulate: bool = False,
+        config: tuple[int, int] | None = None,
+        stream: Any = None,
+    ) -> None:
+        """out = x @ w.T (+ bias), or out += x @ w.T (+ bias) with accumulate=True.
+
+        x f32[M, K] (1 <= M <= 16), w bf16[N, K] (HF [out, in]), bias bf16[N] or None,
+        out f32[M, N].  K must be a multiple of 8 (16-byte weight rows); N is arbitrary.
+        x must not overlap out.  `config=(R, U)` picks a compiled variant (GEMV_DEFAULT, GEMV_EXTRA;
+        U = 0: x staged in shared memory)."""
+        np = self._np
+        self._f32(x, "x", 2)
+        self._bf16(w, "w", 2)
+        self._f32(out, "out", 2)
+        M, K = x.shape
+        N = w.shape[0]
+        if w.shape[1] != K:
+            raise ValueError(f"w: expected shape (N, {K}) to match x {x.shape}, got {w.shape}")
+        self._shape(out, "out", (M, N))
+        if not 1 <= M <= GEMV_MAX_M:
+            raise ValueError(f"gemv: M = {M} rows; this kernel takes 1..{GEMV_MAX_M} (use a GEMM)")
+        if K % 8:
+            raise ValueError(f"gemv: K = {K} must be a multiple of 8")
+        if N == 0 or K == 0:
+            raise ValueError(f"gemv: empty operand (N = {N}, K = {K})")
+        self._aligned(x, "x")
+        self._aligned(w, "w")
+        self._disjoint(x, "x", out, "out")
+        if bias is not None:
+            self._bf16(bias, "bias", 1)
+            self._shape(bias, "bias", (N,))
+        r, u = config if config is not None else GEMV_DEFAULT[M]
+        name = gemv_name(M, r, u, False)
+        if name not in self._fn:
+            raise ValueError(f"gemv: no compiled variant M={M}, R={r}, U={u}")
+        threads, rows = _gemv_block_rows(r, u)
+        grid = (_ceil_div(N, rows),)
+        args = (
+            x, w, self._dummy if bias is None else bias, out,
+            np.int32(N), np.int32(K), np.int32(1 if accumulate else 0), np.int32(0 if bias is None else 1),
+        )
+        self._launch(name, grid, (threads,), args, stream)
+
+    def gemv_residual(self, x: Any, w: Any, out: Any, bias: Any = None, *, stream: Any = None) -> None:
+        """out += x @ w.T (+ bias): the o_proj / down_proj residual add.  Same rules as gemv."""
+        self.gemv(x, w, out, bias, accumulate=True, stream=stream)
+
+    def gemv_swiglu(
+        self, x: Any, w_gate_up: Any, out: Any, *, config: tuple[int, int] | None = None, stream: Any = None
+    ) -> None:
+        """out = silu(x @ Wg.T) * (x @ Wu.T) in one pass over the fused weight
+        w_gate_up bf16[2I, K] = concat(gate_proj.weight, up_proj.weight).  x f32[M, K], out f32[M, I]."""
+        np = self._np
+        self._f32(x, "x", 2)
+        self._bf16(w_gate_up, "w_gate_up", 2)
+        self._f32(out, "out", 2)
+        M, K = x.shape
+        N2 = w_gate_up.shape[0]
+        if w_gate_up.shape[1] != K or N2 % 2:
+            raise ValueError(f"w_gate_up: expected shape (2*I, {K}), got {w_gate_up.shape}")
+        inter = N2 // 2
+        self._shape(out, "out", (M, inter))
+        if not 1 <= M <= GEMV_MAX_M:
+            raise ValueError(f"gemv_swiglu: M = {M} rows; this kernel takes 1..{GEMV_MAX_M}")
+        if K % 8 or K == 0 or inter == 0:
+            raise ValueError(f"gemv_swiglu: K = {K} must be a positive multiple of 8 and I > 0")
+        self._aligned(x, "x")
+        self._aligned(w_gate_up, "w_gate_up")
+        self._disjoint(x, "x", out, "out")
+        r, u = config if config is not None else GEMV_SWIGLU_DEFAULT[M]
+        name = gemv_name(M, r, u, True)
+        if name not in self._fn:
+            raise ValueError(f"gemv_swiglu: no compiled variant M={M}, R={r}, U={u}")
+        threads, rows = _gemv_block_rows(r, u)
+        grid = (_ceil_div(inter, rows),)
+        args = (x, w_gate_up, self._dummy, out, np.int32(inter), np.int32(K), np.int32(0), np.int32(0))
+        self._launch(name, grid, (threads,), args, stream)
+
+    def rmsnorm(
+        self, x: Any, weight: Any, eps: float, out: Any, residual: Any = None, *, stream: Any = None
+    ) -> None:
+        """out = weight * (h * rsqrt(mean(h^2) + eps)) per row, h = x, or, with residual given,
+        residual += x (in place) and h = the new residual.  x, out, residual f32[M, H], weight bf16[H].
+        out may be x itself; residual must not overlap x or out."""
+        np = self._np
+        self._f32(x, "x", 2)
+        self._bf16(weight, "weight", 1)
+        self._f32(out, "out", 2)
+        M, H = x.shape
+        self._shape(weight, "weight", (H,))
+        self._shape(out, "out", (M, H))
+        if residual is not None:
+            self._f32(residual, "residual", 2)
+            self._shape(residual, "residual", (M, H))
+            self._disjoint(residual, "residual", x, "x")
+            self._disjoint(residual, "residual", out, "out")
+        elif out.data.ptr != x.data.ptr:
+            self._disjoint(x, "x", out, "out")
+        if M == 0:
+            return
+        block = 512 if H >= 2048 else 256 if H >= 512 else 128
+        args = (
+            x, weight, out, self._dummy if residual is None else residual,
+            np.int32(H), np.float32(eps), np.int32(0 if residual is None else 1),
+        )
+        self._launch("rmsnorm_kernel", (M,), (block,), args, stream)
+
+    def rope(
+        self,
+        x: Any,
+        positions: Any,
+        inv_freq: Any,
+        norm_weight: Any = None,
+        eps: float = 1e-6,
+        *,
+        attention_scaling: float = 1.0,
+        stream: Any = None,
+    ) -> None:
+        """In place on x f32[M, n_heads, head_dim]: optional per-head RMSNorm with
+        norm_weight bf16[head_dim] (Qwen3 q_norm/k_norm), then HF rotate_half rotary embedding at
+        positions int32[M] with inv_freq f32[head_dim/2]; cos/sin are multiplied by
+        attention_scaling (1.0 for default and llama3 rope).  head_dim even, <= 256."""
+        np = self._np
+        self._f32(x, "x", 3)
+        self._i32(positions, "positions", 1)
+        self._f32(inv_freq, "inv_freq", 1)
+        M, nh, hd = x.shape
+        if hd % 2 or hd > 256 or hd == 0:
+            raise ValueError(f"rope: head_dim = {hd} must be even and <= 256")
+        self._shape(positions, "positions", (M,))
+        self._shape(inv_freq, "inv_freq", (hd // 2,))
+        if norm_weight is not None:
+            self._bf16(norm_weight, "norm_weight", 1)
+            self._shape(norm_weight, "norm_weight", (hd,))
+        if M * nh == 0:
+            return
+        warps = 4
+        args = (
+            x, positions, inv_freq, self._dummy if norm_weight is None else norm_weight,
+            np.int32(M), np.int32(nh), np.int32(hd), np.float32(eps),
+            np.int32(0 if norm_weight is None else 1), np.float32(attention_scaling),
+        )
+        self._launch("rope_kernel", (_ceil_div(M * nh, warps),), (32 * warps,), args, stream)
+
+    def _check_cache(self, k_cache: Any, v_cache: Any) -> tuple[int, int, int]:
+        self._bf16(k_cache, "k_cache", 3)
+        self._bf16(v_cache, "v_cache", 3)
+        if k_cache.shape != v_cache.shape:
+            raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} differ in shape")
+        self._disjoint(k_cache, "k_cache", v_cache, "v_cache")
+        n_kv, max_ctx, hd = k_cache.shape
+        return n_kv, max_ctx, hd
+
+    def kv_append(
+        self, k: Any, v: Any, k_cache: Any, v_cache: Any, positions: Any, *, stream: Any = None
+    ) -> None:
+        """k_cache[:, positions[m], :] = bf16(k[m]); same for v.  k, v f32[M, n_kv, head_dim];
+        caches bf16[n_kv, max_ctx, head_dim]; positions int32[M] (read on the device; a position
+        outside [0, max_ctx) is skipped)."""
+        np = self._np
+        self._f32(k, "k", 3)
+        self._f32(v, "v", 3)
+        self._i32(positions, "positions", 1)
+        n_kv, max_ctx, hd = self._check_cache(k_cache, v_cache)
+        M = k.shape[0]
+        self._shape(k, "k", (M, n_kv, hd))
+        self._shape(v, "v", (M, n_kv, hd))
+        self._shape(positions, "positions", (M,))
+        n = M * n_kv * hd
+        if n == 0:
+            return
+        args = (k, v, k_cache, v_cache, positions, np.int32(M), np.int32(n_kv), np.int32(hd), np.int32(max_ctx))
+        self._launch("kv_append_kernel", (self._grid1d(n),), (256,), args, stream)
+
+    def decode_splits(self, max_ctx: int, n_kv: int, n_rows: int = 1, n_heads: int | None = None) -> int:
+        """Number of context splits for attention_decode: enough blocks to fill the GPU about
+        twice at the longest context, and no split shorter than 32 keys."""
+        n_heads = n_kv if n_heads is None else n_heads
+        hd_qb = 8
+        qgroups = _ceil_div(n_rows * (n_heads // max(1, n_kv)), hd_qb)
+        want = _ceil_div(2 * self.num_sms, max(1, n_kv * qgroups))
+        return max(1, min(want, _ceil_div(max_ctx, 32)))
+
+    @staticmethod
+    def decode_workspace_size(n_rows: int, n_heads: int, head_dim: int, n_splits: int) -> int:
+        """float32 elements of the attention_decode scratch buffer."""
+        return n_splits * n_rows * n_heads * (head_dim + 2)
+
+    def attention_decode(
+        self,
+        q: Any,
+        k_cache: Any,
+        v_cache: Any,
+        positions: Any,
+        out: Any,
+        scale: float,
+        *,
+        n_splits: int | None = None,
+        workspace: Any = None,
+        stream: Any = None,
+    ) -> None:
+        """Causal attention of M query rows (decode M=1, verify M=k) against the cache:
+        row m attends to cache rows 0..positions[m] inclusive.  q, out f32[M, n_heads, head_dim];
+        caches bf16[n_kv, max_ctx, head_dim]; positions int32[M] (device).  head_dim in
+        {32, 64, 128, 256}; n_heads a multiple of n_kv.  Flash-decoding: `n_splits` (default
+        decode_splits(max_ctx, ...)) fixed at capture time; the length is read on the device.
+        `workspace`: f32 buffer of >= decode_workspace_size(...) elements; if None an internal one
+        is used (grown on demand: make one eager call before capturing, or pass your own, and
+        pass your own when calls on different streams may overlap)."""
+        np = self._np
+        self._f32(q, "q", 3)
+        self._f32(out, "out", 3)
+        self._i32(positions, "positions", 1)
+        n_kv, max_ctx, hd = self._check_cache(k_cache, v_cache)
+        M, nh, qhd = q.shape
+        if qhd != hd:
+            raise ValueError(f"q: head_dim {qhd} differs from the cache's {hd}")
+        if hd not in DECODE_HEAD_DIMS:
+            raise ValueError(f"attention_decode: head_dim {hd} not in {DECODE_HEAD_DIMS}")
+        if n_kv == 0 or nh % n_kv:
+            raise ValueError(f"attention_decode: n_heads {nh} is not a multiple of n_kv {n_kv}")
+        if M == 0 or max_ctx == 0:
+            raise ValueError("attention_decode: empty q or cache")
+        self._shape(out, "out", (M, nh, hd))
+        self._shape(positions, "positions", (M,))
+        self._disjoint(q, "q", out, "out")
+        G = nh // n_kv
+        if n_splits is None:
+            n_splits = self.decode_splits(max_ctx, n_kv, M, nh)
+        n_splits = int(n_splits)
+        if n_splits < 1:
+            raise ValueError(f"attention_decode: n_splits = {n_splits} must be >= 1")
+        need = self.decode_workspace_size(M, nh, hd, n_splits)
+        if workspace is None:
+            if self._workspace is None or self._workspace.size < need:
+                self._workspace = self._cp.empty(max(need, 1 << 20), dtype=self._cp.float32)
+            workspace = self._workspace
+        else:
+            self._f32(workspace, "workspace")
+            if workspace.size < need:
+                raise ValueError(f"workspace: {workspace.size} float32 elements, need {need}")
+        ws = workspace.reshape(-1)
+        n_acc = n_splits * M * nh * hd
+        part_acc = ws[:n_acc]
+        part_ml = ws[n_acc : n_acc + 2 * n_splits * M * nh]
+        qb = min(_decode_qb_max(hd), _next_pow2(M * G))
+        grid = (n_kv, n_splits, _ceil_div(M * G, qb))
+        qscale = np.float32(float(scale) * LOG2E)
+        args = (
+            q, k_cache, v_cache, positions, part_acc, part_ml,
+            np.int32(M), np.int32(nh), np.int32(n_kv), np.int32(max_ctx), np.int32(n_splits), qscale,
+        )
+        self._launch(decode_name(hd, qb), grid, (ATTN_WARPS * 32,), args, stream)
+        args2 = (
+            part_acc, part_ml, positions, out,
+            np.int32(M), np.int32(nh), np.int32(hd), np.int32(max_ctx), np.int32(n_splits),
+        )
+        self._launch("attn_decode_combine_kernel", (M * nh,), (max(32, min(hd, 256)),), args2, stream)
+
+    def attention_prefill(
+        self,
+        q: Any,
+        k_cache: Any,
+        v_cache: Any,
+        start_pos: int,
+        T: int,
+        out: Any,
+        scale: float,
+        *,
+        stream: Any = None,
+    ) -> None:
+        """Causal attention of a prompt chunk: query row t (position start_pos + t) attends to
+        cache rows 0..start_pos+t, whose K/V were appended before.  q, out f32[>=T, n_heads,
+        head_dim] (rows T.. untouched); head_dim in {32, 64, 128}; start_pos + T <= max_ctx."""
+        np = self._np
+        self._f32(q, "q", 3)
+        self._f32(out, "out", 3)
+        n_kv, max_ctx, hd = self._check_cache(k_cache, v_cache)
+        start_pos, T = int(start_pos), int(T)
+        if q.shape[1:] != out.shape[1:] or q.shape[2] != hd:
+            raise ValueError(f"q {q.shape} / out {out.shape} do not match the cache head_dim {hd}")
+        nh = q.shape[1]
+        if hd not in PREFILL_HEAD_DIMS:
+            raise ValueError(f"attention_prefill: head_dim {hd} not in {PREFILL_HEAD_DIMS}")
+        if n_kv == 0 or nh % n_kv:
+            raise ValueError(f"attention_prefill: n_heads {nh} is not a multiple of n_kv {n_kv}")
+        if T < 1 or q.shape[0] < T or out.shape[0] < T:
+            raise ValueError(f"attention_prefill: T = {T} rows, q has {q.shape[0]}, out {out.shape[0]}")
+        if start_pos < 0 or start_pos + T > max_ctx:
+            raise ValueError(f"attention_prefill: positions {start_pos}..{start_pos + T - 1} outside max_ctx {max_ctx}")
+        self._disjoint(q, "q", out, "out")
+        grid = (_ceil_div(T, PREFILL_BQ), nh)
+        args = (
+            q, k_cache, v_cache, out, np.int32(T), np.int32(start_pos), np.int32(nh),
+            np.int32(n_kv), np.int32(max_ctx), np.float32(float(scale) * LOG2E),
+        )
+        self._launch(prefill_name(hd), grid, (PREFILL_BQ * 4,), args, stream)
+
+    def swiglu(self, gate_up: Any, out: Any, *, stream: Any = None) -> None:
+        """out = silu(gate_up[:, :I]) * gate_up[:, I:].  gate_up f32[M, 2I], out f32[M, I]."""
+        np = self._np
+        self._f32(gate_up, "gate_up", 2)
+        self._f32(out, "out", 2)
+        M, I2 = gate_up.shape
+        if I2 % 2:
+            raise ValueError(f"gate_up: second dimension {I2} must be even (2 * I)")
+        self._shape(out, "out", (M, I2 // 2))
+        self._disjoint(gate_up, "gate_up", out, "out")
+        n = M * (I2 // 2)
+        if n == 0:
+            return
+        self._launch("swiglu_kernel", (self._grid1d(n),), (256,), (gate_up, out, np.int32(M), np.int32(I2 // 2)), stream)
+
+    def argmax(self, rows: Any, out: Any, *, stream: Any = None) -> None:
+        """out[i] = index of the first maximum of rows[i] (torch.argmax), or -1 if rows[i] holds
+        any NaN or +-Inf.  rows f32 or bf16 [n, V]; out int32[n]."""
+        np = self._np
+        self._arr(rows, "rows")
+        self._i32(out, "out", 1)
+        if rows.ndim != 2:
+            raise ValueError(f"rows: expected 2 dimensions, got shape {rows.shape}")
+        n, V = rows.shape
+        self._shape(out, "out", (n,))
+        if V == 0 or V >= 2**31:
+            raise ValueError(f"argmax: V = {V} must be in 1..2^31-1")
+        if rows.dtype == np.float32:
+            name = "argmax_f32_kernel"
+        elif self._is_bf16(rows.dtype):
+            name = "argmax_bf16_kernel"
+        else:
+            raise ValueError(f"rows: dtype must be float32 or bfloat16, got {rows.dtype}")
+        if n == 0:
+            return
+        self._launch(name, (n,), (1024,), (rows, out, np.int32(V)), stream)
+
+    def f32_to_bf16(self, x: Any, out: Any, *, stream: Any = None) -> None:
+        """out = bf16(x), round to nearest even, NaN -> 0x7FC0 (torch CPU semantics).
+        x f32[...]; out bf16 or uint16, same shape."""
+        np = self._np
+        self._f32(x, "x")
+        self._bf16(out, "out")
+        self._shape(out, "out", x.shape)
+        if x.size == 0:
+            return
+        self._launch("f32_to_bf16_kernel", (self._grid1d(x.size),), (256,), (x, out, np.int64(x.size)), stream)
+
+    def bf16_to_f32(self, x: Any, out: Any, *, stream: Any = None) -> None:
+        """out = float32(x) (exact).  x bf16 or uint16 [...]; out f32, same shape."""
+        np = self._np
+        self._bf16(x, "x")
+        self._f32(out, "out")
+        self._shape(out, "out", x.shape)
+        if x.size == 0:
+            return
+        self._launch("bf16_to_f32_kernel", (self._grid1d(x.size),), (256,), (x, out, np.int64(x.size)), stream)
+
+
+__all__ = ["Kernels", "module_source", "name_expressions"]
