@@ -1,0 +1,585 @@
+"""The metrale command line: parse options, check them, call decoding, hand the results to render.
+
+No math and no printing here: decoding.py computes, render.py prints, dumps.py writes files. Inputs are
+checked against config.json (and tokenizer.json) before any weight is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Callable, Optional, Sequence
+
+import typer
+from rich.console import Console
+from typer.core import TyperGroup
+
+try:  # typer >= 0.25 vendors click as typer._click; earlier versions use click itself
+    from typer._click import exceptions as click_exc
+except ImportError:  # pragma: no cover
+    from click import exceptions as click_exc  # type: ignore[no-redef]
+
+from . import __version__, render
+from .checkpoint import Checkpoint
+from .decoding import (DecodeResult, ModelDrafter, NgramDrafter, SpecDecodeResult, run_decode, run_forward,
+                       run_verify, speculative_decode)
+from .dumps import HIDDEN_KINDS, DumpInfo, DumpTarget, check_dump_path, write_hidden, write_logits
+from .errors import EXIT_CODES, InputError, Interrupted, MetraleError, UsageError
+from .inputs import (ModelSpec, check_draft_matches, check_ids_in_vocab, check_positive, context_for,
+                     parse_token_ids, read_model_spec, resolve_prompt)
+from .model import LoadedModel, open_model, resolve_device
+from .weights import check_checkpoint
+
+EXIT_CODE_HELP = "\n".join(f"  {code:>3}  {text}" for code, text in sorted(EXIT_CODES.items()))
+
+TOP_HELP = f"""Forward, decode and verify passes on Hugging Face checkpoints (Llama, Mistral, Qwen2, Qwen3),
+on the CPU (NumPy) or a CUDA GPU (CuPy), reporting exactly what the model computed.
+
+Examples:
+  metrale decode --prompt "The for statement" --steps 8 --top-k 3
+  metrale verify --tokens "1 2 3" --k 4 --model path/to/checkpoint
+  metrale inspect path/to/checkpoint
+
+Exit codes:
+{EXIT_CODE_HELP}
+
+Set METRALE_DEBUG=1 to see the traceback of an internal error."""
+
+DEFAULT_K = 4
+INTERRUPTED = "stopped by Ctrl-C (no partial output file is left)"
+
+
+# -- consoles and the error boundary --------------------------------------------------------------------------
+
+
+@dataclass
+class State:
+    """The two consoles every report goes through; created once per run, passed down to render."""
+
+    out: Console = field(default_factory=lambda: Console(highlight=False))
+    err: Console = field(default_factory=lambda: Console(stderr=True, highlight=False))
+
+
+class MetraleGroup(TyperGroup):
+    """Turns every failure into one line on stderr and a documented exit code (see errors.py)."""
+
+    def invoke(self, ctx: typer.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise Interrupted(INTERRUPTED) from None
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True, **extra: Any) -> Any:
+        state = extra.get("obj")
+        if not isinstance(state, State):
+            state = extra["obj"] = State()
+        code = _guarded(state.err, lambda: super(MetraleGroup, self).main(
+            args, prog_name or "metrale", complete_var, standalone_mode=False, **extra))
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
+def _guarded(err: Console, run: Callable[[], Any]) -> int:
+    try:
+        rv = run()
+        return rv if isinstance(rv, int) else 0
+    except MetraleError as e:
+        render.error_line(err, f"metrale: {e.kind}: {e}")
+        return e.exit_code
+    except (KeyboardInterrupt, typer.Abort):
+        render.error_line(err, f"metrale: {Interrupted.kind}: {INTERRUPTED}")
+        return Interrupted.exit_code
+    except click_exc.NoArgsIsHelpError as e:  # bare `metrale`: the help (typer's rich help prints itself)
+        text = e.ctx.get_help() if e.ctx is not None else ""
+        if text:
+            render.help_text(err, text)
+        return 2
+    except click_exc.UsageError as e:
+        where = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
+        render.error_line(err, f"metrale: {UsageError.kind}: {' '.join(e.format_message().split())}{where}")
+        return 2
+    except click_exc.ClickException as e:
+        render.error_line(err, f"metrale: error: {' '.join(e.format_message().split())}")
+        return e.exit_code
+    except BrokenPipeError:  # `metrale decode | head`: the reader left; nothing more to say
+        _silence_stdout()
+        return 0
+    except Exception as e:  # a bug: one line, the traceback only on request
+        if os.environ.get("METRALE_DEBUG"):
+            render.help_text(err, traceback.format_exc().rstrip())
+        msg = " ".join(str(e).split()) or "(no message)"
+        render.error_line(err, f"metrale: internal error: {type(e).__name__}: {msg} "
+                               "(set METRALE_DEBUG=1 for the traceback)")
+        return MetraleError.exit_code
+
+
+def _silence_stdout() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+app = typer.Typer(cls=MetraleGroup, help=TOP_HELP, add_completion=False, no_args_is_help=True,
+                  pretty_exceptions_enable=False, rich_markup_mode="rich",
+                  context_settings={"help_option_names": ["-h", "--help"]})
+
+
+def _version(value: bool) -> None:
+    if value:
+        render.help_text(Console(highlight=False), f"metrale {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="Print the version and exit.")] = False) -> None:
+    pass
+
+
+# -- options shared by decode, verify and forward ---------------------------------------------------------------
+
+ModelOpt = Annotated[Optional[str], typer.Option(
+    "--model", "-m", metavar="PATH",
+    help="Checkpoint directory, .safetensors file or index.json (default: the embedded model).")]
+PromptOpt = Annotated[Optional[str], typer.Option(
+    "--prompt", "-p", metavar="TEXT", help="Prompt text (needs tokenizer.json). Default: \"The for statement\".")]
+TokensOpt = Annotated[Optional[str], typer.Option(
+    "--tokens", "-t", metavar="IDS", help="Prompt token ids, comma or space separated; '-' reads stdin.")]
+DeviceOpt = Annotated[str, typer.Option("--device", metavar="auto|cpu|cuda", help="Where to run.")]
+LogitsDtypeOpt = Annotated[str, typer.Option(
+    "--logits-dtype", metavar="bf16|fp32", help="Dtype of the logits rows the engine writes.")]
+FormatOpt = Annotated[Optional[str], typer.Option(
+    "--format", "-f", metavar="rich|plain|json", help="Output format (default: rich on a terminal, else plain).")]
+DumpLogitsOpt = Annotated[Optional[str], typer.Option(
+    "--dump-logits", metavar="PATH", help="Write every logits row: .safetensors, .npy, .bin, or - (stdout).")]
+HiddenOpt = Annotated[bool, typer.Option("--hidden", help="Summarize the hidden state after the final norm.")]
+DumpHiddenOpt = Annotated[Optional[str], typer.Option(
+    "--dump-hidden", metavar="PATH", help="Write that hidden state as fp32: .npy or .bin.")]
+TimingsOpt = Annotated[bool, typer.Option("--timings", help="Report load, prefill and per-token times.")]
+MaxContextOpt = Annotated[Optional[int], typer.Option(
+    "--max-context", metavar="N", help="KV cache positions (default: just what the job needs).")]
+DraftModelOpt = Annotated[Optional[str], typer.Option(
+    "--draft-model", metavar="PATH", help="A smaller checkpoint with the same tokenizer that drafts tokens.")]
+
+
+@dataclass
+class Common:
+    """The options every pass command takes, as given."""
+
+    model: str | None
+    prompt: str | None
+    tokens: str | None
+    device: str
+    logits_dtype: str
+    fmt: str | None
+    dump_logits: str | None
+    hidden: bool
+    dump_hidden: str | None
+    timings: bool
+    max_context: int | None
+
+
+@dataclass
+class Job:
+    """Common options checked and resolved, before any weight is loaded."""
+
+    state: State
+    common: Common
+    fmt: str
+    fp32: bool
+    device: str
+    spec: ModelSpec
+    ids: list[int]
+    prompt_text: str | None
+    logits_dump: DumpTarget | None
+    hidden_dump: DumpTarget | None
+
+    @property
+    def report_console(self) -> Console:
+        # Logits going to stdout push the report to stderr so the two never mix.
+        return self.state.err if self.logits_dump is not None and self.logits_dump.to_stdout else self.state.out
+
+    @property
+    def want_hidden(self) -> bool:
+        return self.common.hidden or self.hidden_dump is not None
+
+    def meta(self, command: str, model: LoadedModel, **extra: Any) -> render.Meta:
+        return render.Meta(command, self.spec.label, model.device, "fp32" if self.fp32 else "bf16", self.fmt,
+                           prompt=self.prompt_text, has_tokenizer=model.tokenizer is not None,
+                           timings=self.common.timings, **extra)
+
+
+def prepare(state: State, c: Common) -> Job:
+    """Every check that needs no weights: options, dump paths, device, config, token ids."""
+    if c.prompt is not None and c.tokens is not None:
+        raise UsageError("--prompt and --tokens are exclusive: give one of them")
+    fmt = render.choose_format(c.fmt, state.out)
+    if c.logits_dtype not in ("bf16", "fp32"):
+        raise UsageError(f"--logits-dtype must be bf16 or fp32, got {c.logits_dtype!r}")
+    logits_dump = check_dump_path(c.dump_logits, "--dump-logits") if c.dump_logits is not None else None
+    hidden_dump = (check_dump_path(c.dump_hidden, "--dump-hidden", HIDDEN_KINDS, stdout_ok=False)
+                   if c.dump_hidden is not None else None)
+    if logits_dump and hidden_dump and logits_dump.path is not None and \
+            os.path.abspath(logits_dump.path) == os.path.abspath(hidden_dump.path):
+        raise UsageError(f"--dump-logits and --dump-hidden name the same file {c.dump_logits}")
+    if c.max_context is not None and c.max_context <= 0:
+        raise InputError(f"--max-context must be at least 1, got {c.max_context}")
+    device = resolve_device(c.device)
+    spec = read_model_spec(c.model)
+    ids, text = resolve_prompt(spec, c.prompt, c.tokens, lambda: typer.get_text_stream("stdin").read())
+    return Job(state, c, fmt, c.logits_dtype == "fp32", device, spec, ids, text, logits_dump, hidden_dump)
+
+
+def load(job: Job, spec: ModelSpec, ctx: int) -> LoadedModel:
+    with render.load_progress(job.state.err, spec.label) as progress:
+        return open_model(spec.path, device=job.device, max_context=ctx, fp32_logits=job.fp32,
+                          progress=progress)
+
+
+def write_dumps(job: Job, command: str, rows, hidden, tokens: list[int], positions: list[int]) -> None:
+    if job.logits_dump is not None:
+        info = DumpInfo(command, job.spec.label, tokens, positions)
+        write_logits(job.logits_dump, rows, info, typer.get_binary_stream("stdout"))
+    if job.hidden_dump is not None:
+        write_hidden(job.hidden_dump, hidden.values)
+
+
+def _token_text(model: LoadedModel):
+    return model.tokenizer.token_text if model.tokenizer is not None else None
+
+
+# -- decode -------------------------------------------------------------------------------------------------------
+
+
+@app.command()
+def decode(
+    ctx: typer.Context,
+    model: ModelOpt = None,
+    prompt: PromptOpt = None,
+    tokens: TokensOpt = None,
+    steps: Annotated[int, typer.Option("--steps", "-n", help="Tokens to produce.")] = 16,
+    top_k: Annotated[int, typer.Option("--top-k", "-k", help="Also show the K best tokens per step.")] = 0,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at an EOS token.")] = False,
+    draft: Annotated[Optional[str], typer.Option(
+        "--draft", metavar="ngram", help="Speculative decoding with prompt-lookup (n-gram) drafts.")] = None,
+    draft_model: DraftModelOpt = None,
+    k: Annotated[Optional[int], typer.Option("--k", help=f"Drafts per verify pass (default {DEFAULT_K}).")] = None,
+    device: DeviceOpt = "auto",
+    logits_dtype: LogitsDtypeOpt = "bf16",
+    fmt: FormatOpt = None,
+    dump_logits: DumpLogitsOpt = None,
+    hidden: HiddenOpt = False,
+    dump_hidden: DumpHiddenOpt = None,
+    timings: TimingsOpt = False,
+    max_context: MaxContextOpt = None,
+) -> None:
+    """Greedy decoding: prefill the prompt, then --steps decode steps, one line per produced token.
+
+    Each step shows the position, token id, token text and its logit.
+    --top-k K adds the K best tokens with their logits and probabilities.
+    Decoding stops at an EOS token unless --ignore-eos.
+    --draft ngram or --draft-model PATH decodes speculatively (the same tokens) and reports the accepted drafts.
+    With --timings a speculative run also times plain greedy decoding of the same prompt.
+
+    Examples:
+      metrale decode --prompt "The for statement" --steps 8 --top-k 3
+      metrale decode --tokens "1 2 3" --model path/to/checkpoint --format json
+      metrale decode --draft-model path/to/draft --k 4 --timings
+    """
+    c = Common(model, prompt, tokens, device, logits_dtype, fmt, dump_logits, hidden, dump_hidden, timings,
+               max_context)
+    if draft is not None and draft != "ngram":
+        raise UsageError(f"decode --draft takes 'ngram', got {draft!r} (a draft model is --draft-model PATH)")
+    if draft is not None and draft_model is not None:
+        raise UsageError("--draft ngram and --draft-model are exclusive: give one draft source")
+    speculative = draft is not None or draft_model is not None
+    if k is not None and not speculative:
+        raise UsageError(f"--k {k} needs a draft source: --draft ngram or --draft-model PATH")
+    job = prepare(ctx.obj, c)
+    check_positive(steps, "--steps")
+    if top_k < 0:
+        raise InputError(f"--top-k must be 0 or more, got {top_k}")
+    k = DEFAULT_K if k is None else k
+    if speculative:
+        check_positive(k, "--k")
+    _decode(job, steps, top_k, ignore_eos, speculative, draft_model, k)
+
+
+def _decode(job: Job, steps: int, top_k: int, ignore_eos: bool, speculative: bool, draft_path: str | None,
+            k: int) -> None:
+    n = len(job.ids)
+    what = f"prompt ({n} tokens) + --steps {steps}"
+    ctx = context_for(job.spec, n + steps, what, job.common.max_context, n + steps + (k if speculative else 0))
+    draft_spec = read_model_spec(draft_path) if draft_path is not None else None
+    if draft_spec is not None:
+        check_draft_matches(job.spec, draft_spec)
+        ctx = min(ctx, context_for(draft_spec, n + steps, f"for the draft model, {what}", None, ctx))
+    target = load(job, job.spec, ctx)
+    drafter_model = report = None
+    try:
+        drafter_model = load(job, draft_spec, ctx) if draft_spec is not None else None
+        meta = job.meta("decode", target, top_k=top_k, draft_model=draft_spec.label if draft_spec else None)
+        report = render.DecodeReport(job.report_console, meta)
+        report.begin(job.ids, steps)
+        kwargs = dict(top_k=top_k, eos_ids=target.config.eos_token_ids, ignore_eos=ignore_eos,
+                      token_text=_token_text(target), keep_rows=job.logits_dump is not None,
+                      want_hidden=job.want_hidden, on_step=report.step)
+        plain_match = None
+        if speculative:
+            drafter = ModelDrafter(drafter_model.engine) if drafter_model is not None else NgramDrafter()
+            result, plain_match = _speculative(job, target, drafter, steps, k, kwargs)
+        else:
+            result = run_decode(target.engine, job.ids, steps, **kwargs)
+        result.timings.load_s = target.load_seconds + (drafter_model.load_seconds if drafter_model else 0.0)
+        fed = job.ids + [s.token for s in result.steps[:-1]]
+        write_dumps(job, "decode", result.rows, result.hidden, fed, [s.position - 1 for s in result.steps])
+        report.finish(result, plain_match)
+    finally:
+        if report is not None:
+            report.close()
+        target.close()
+        if drafter_model is not None:
+            drafter_model.close()
+
+
+def _speculative(job: Job, target: LoadedModel, drafter, steps: int, k: int,
+                 kwargs: dict[str, Any]) -> tuple[SpecDecodeResult, bool | None]:
+    result = speculative_decode(target.engine, drafter, job.ids, steps, k, **kwargs)
+    if not job.common.timings:
+        return result, None
+    # Plain greedy decoding of the same prompt on the same engine, for the tokens/s comparison. Both rates
+    # count the tokens after the first (which the identical prefill produces) over the decode-phase time.
+    plain: DecodeResult = run_decode(target.engine, job.ids, steps, eos_ids=kwargs["eos_ids"],
+                                     ignore_eos=kwargs["ignore_eos"])
+    result.spec_tokens_per_s = _decode_rate(result)
+    result.plain_tokens_per_s = _decode_rate(plain)
+    return result, [s.token for s in plain.steps] == [s.token for s in result.steps]
+
+
+def _decode_rate(result: DecodeResult) -> float | None:
+    seconds = sum(result.timings.step_s)
+    return (len(result.steps) - 1) / seconds if seconds > 0 and len(result.steps) > 1 else None
+
+
+# -- verify --------------------------------------------------------------------------------------------------------
+
+
+@app.command()
+def verify(
+    ctx: typer.Context,
+    model: ModelOpt = None,
+    prompt: PromptOpt = None,
+    tokens: TokensOpt = None,
+    k: Annotated[Optional[int], typer.Option(
+        "--k", help=f"Drafts checked in the one verify pass (default {DEFAULT_K}, or the --draft ids' count).",
+    )] = None,
+    draft: Annotated[Optional[str], typer.Option(
+        "--draft", metavar="self|IDS",
+        help="'self' (the model's own greedy tokens, default) or exactly K token ids.")] = None,
+    draft_model: DraftModelOpt = None,
+    device: DeviceOpt = "auto",
+    logits_dtype: LogitsDtypeOpt = "bf16",
+    fmt: FormatOpt = None,
+    dump_logits: DumpLogitsOpt = None,
+    hidden: HiddenOpt = False,
+    dump_hidden: DumpHiddenOpt = None,
+    timings: TimingsOpt = False,
+    max_context: MaxContextOpt = None,
+) -> None:
+    """One verify pass: prefill the prompt, then check K draft tokens in a single forward.
+
+    Per position: the draft token, the target's greedy token, accepted or not, and the top1-top2 margin.
+    Acceptance stops at the first mismatch; then the accepted count and the next token.
+    --draft self (the default) drafts by K sequential decode steps of the same model.
+    For self drafts, max_abs_diff_vs_sequential compares each verify row with the matching decode row.
+
+    Examples:
+      metrale verify --prompt "The for statement" --k 4
+      metrale verify --tokens "1 2 3" --k 3 --draft "17 42 7" --model path/to/checkpoint
+      metrale verify --draft-model path/to/draft --k 4 --format json
+    """
+    c = Common(model, prompt, tokens, device, logits_dtype, fmt, dump_logits, hidden, dump_hidden, timings,
+               max_context)
+    if draft is not None and draft_model is not None:
+        raise UsageError("--draft and --draft-model are exclusive: give one draft source")
+    job = prepare(ctx.obj, c)
+    draft_ids = None
+    if draft is not None and draft.strip() != "self":
+        draft_ids = _parse_draft_ids(draft)
+        if k is None:
+            k = len(draft_ids)
+    k = DEFAULT_K if k is None else k
+    check_positive(k, "--k")
+    if draft_ids is not None:
+        if len(draft_ids) != k:
+            raise InputError(f"--draft gives {len(draft_ids)} token ids ({draft.strip()!r}) but --k is {k}")
+        check_ids_in_vocab(draft_ids, job.spec.config.vocab_size, "--draft")
+    _verify(job, k, draft_ids, draft_model)
+
+
+def _parse_draft_ids(draft: str) -> list[int]:
+    try:
+        return parse_token_ids(draft, "--draft")
+    except InputError as e:
+        raise InputError(f"{e}; verify --draft takes 'self' or K token ids") from None
+
+
+def _verify(job: Job, k: int, draft_ids: list[int] | None, draft_path: str | None) -> None:
+    n = len(job.ids)
+    what = f"prompt ({n} tokens) + --k {k}"
+    ctx = context_for(job.spec, n + k, what, job.common.max_context)
+    draft_spec = read_model_spec(draft_path) if draft_path is not None else None
+    if draft_spec is not None:
+        check_draft_matches(job.spec, draft_spec)
+        context_for(draft_spec, n + k, f"for the draft model, {what}", None)
+    target = load(job, job.spec, ctx)
+    drafter_model = None
+    try:
+        drafter_model = load(job, draft_spec, n + k) if draft_spec is not None else None
+        source: Any = draft_ids if draft_ids is not None else ("model" if drafter_model else "self")
+        result = run_verify(target.engine, job.ids, k, draft=source,
+                            draft_engine=drafter_model.engine if drafter_model else None,
+                            token_text=_token_text(target), keep_rows=job.logits_dump is not None,
+                            want_hidden=job.want_hidden)
+        result.timings.load_s = target.load_seconds + (drafter_model.load_seconds if drafter_model else 0.0)
+        drafts = [row.draft for row in result.rows]
+        write_dumps(job, "verify", result.logit_rows, result.hidden, job.ids + drafts,
+                    list(range(n - 1, n + k)))
+        meta = job.meta("verify", target, draft_model=draft_spec.label if draft_spec else None)
+        render.render_verify(job.report_console, meta, result)
+    finally:
+        target.close()
+        if drafter_model is not None:
+            drafter_model.close()
+
+
+# -- forward --------------------------------------------------------------------------------------------------------
+
+
+@app.command()
+def forward(
+    ctx: typer.Context,
+    model: ModelOpt = None,
+    prompt: PromptOpt = None,
+    tokens: TokensOpt = None,
+    rows: Annotated[str, typer.Option("--rows", metavar="last|all",
+                                      help="Report the last row (default) or every row.")] = "last",
+    device: DeviceOpt = "auto",
+    logits_dtype: LogitsDtypeOpt = "bf16",
+    fmt: FormatOpt = None,
+    dump_logits: DumpLogitsOpt = None,
+    hidden: HiddenOpt = False,
+    dump_hidden: DumpHiddenOpt = None,
+    timings: TimingsOpt = False,
+    max_context: MaxContextOpt = None,
+) -> None:
+    """One forward pass over the prompt: the argmax token and its logit for the last row or every row.
+
+    Examples:
+      metrale forward --prompt "The for statement" --rows all
+      metrale forward --tokens "1 2 3" --model path/to/checkpoint --dump-logits rows.npy
+    """
+    c = Common(model, prompt, tokens, device, logits_dtype, fmt, dump_logits, hidden, dump_hidden, timings,
+               max_context)
+    if rows not in ("last", "all"):
+        raise UsageError(f"--rows must be last or all, got {rows!r}")
+    job = prepare(ctx.obj, c)
+    n = len(job.ids)
+    model_ctx = context_for(job.spec, n, f"prompt ({n} tokens)", c.max_context)
+    target = load(job, job.spec, model_ctx)
+    try:
+        result = run_forward(target.engine, job.ids, all_rows=rows == "all", token_text=_token_text(target),
+                             keep_rows=job.logits_dump is not None, want_hidden=job.want_hidden)
+        result.timings.load_s = target.load_seconds
+        write_dumps(job, "forward", result.logit_rows, result.hidden, job.ids,
+                    [row.position for row in result.rows])
+        render.render_forward(job.report_console, job.meta("forward", target), result)
+    finally:
+        target.close()
+
+
+# -- inspect -------------------------------------------------------------------------------------------------------
+
+
+@app.command()
+def inspect(
+    ctx: typer.Context,
+    path: Annotated[Optional[str], typer.Argument(
+        metavar="[PATH]", help="Checkpoint directory, .safetensors file or index.json (default: the embedded model).",
+        show_default=False)] = None,
+    fmt: FormatOpt = None,
+) -> None:
+    """Describe a checkpoint: architecture, sizes, parameter count, dtypes, shards, rope, tokenizer.
+
+    The tensors are checked against config.json (names, shapes, dtypes).
+    An invalid checkpoint is still described; metrale then exits non-zero with the problems on stderr.
+
+    Examples:
+      metrale inspect
+      metrale inspect path/to/checkpoint --format json
+    """
+    state: State = ctx.obj
+    fmt_ = render.choose_format(fmt, state.out)
+    spec = read_model_spec(path)
+    ckpt_path = Path(path) if path is not None and not Path(path).is_dir() else spec.directory
+    ckpt = Checkpoint.open(ckpt_path)
+    try:
+        problem: MetraleError | None = None
+        try:
+            check_checkpoint(spec.config, ckpt)
+        except MetraleError as e:
+            problem = e
+        render.render_inspect(state.out, fmt_, _inspect_info(spec, ckpt, problem))
+    finally:
+        ckpt.close()
+    if problem is not None:
+        raise problem
+
+
+def _inspect_info(spec: ModelSpec, ckpt: Checkpoint, problem: MetraleError | None) -> dict[str, Any]:
+    cfg = spec.config
+    try:
+        raw = json.loads((spec.directory / "config.json").read_text("utf-8"))
+    except (OSError, ValueError):
+        raw = {}
+    archs = raw.get("architectures")
+    scaling = None
+    if cfg.rope_scaling is not None:
+        s = cfg.rope_scaling
+        scaling = {"factor": s.factor, "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
+                   "original_max_position_embeddings": s.original_max_position_embeddings}
+    return {
+        "command": "inspect", "model": spec.label,
+        "architecture": archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else cfg.model_type,
+        "model_type": cfg.model_type, "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads,
+        "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "hidden": cfg.hidden_size,
+        "intermediate": cfg.intermediate_size, "vocab": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_position_embeddings, "sliding_window": cfg.sliding_window,
+        "parameters": cfg.parameter_count(), "dtype": cfg.dtype, "dtypes": ckpt.dtypes(),
+        "shards": len(ckpt.files), "files": [p.name for p in ckpt.files], "bytes": ckpt.total_bytes,
+        "tied_embeddings": cfg.tie_word_embeddings,
+        "rope": {"theta": cfg.rope_theta, "type": "llama3" if scaling else "default", "scaling": scaling},
+        "tokenizer": ckpt.has_tokenizer, "bos_token_id": cfg.bos_token_id, "eos_token_ids": list(cfg.eos_token_ids),
+        "valid": problem is None, "problems": str(problem) if problem is not None else None,
+    }
+
+
+# -- entry point -----------------------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """The `metrale` console script: run the app and exit with its code."""
+    for stream in (sys.stdout, sys.stderr):
+        try:  # a token text the terminal cannot encode must not crash the report
+            stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
+        except (AttributeError, ValueError):
+            pass
+    typer.main.get_command(app).main(args=argv, prog_name="metrale")

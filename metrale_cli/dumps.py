@@ -1,0 +1,272 @@
+"""Dump files: logits rows and hidden states, written atomically.
+
+`--dump-logits PATH` writes every logits row the command produced (decoding's `Rows`: the bytes exactly
+as copy_logits_to_host gave them), in order, in the chosen logits dtype. Row i holds the logits computed at
+input position `positions[i]` (they predict the token at positions[i] + 1):
+
+    .safetensors  tensor `logits` [rows, vocab] BF16 or F32 (the row bytes verbatim), tensor `tokens` I64
+                  [n] (the input ids the command ran), and string metadata: format, dtype, vocab, rows,
+                  command, model, positions (a JSON list)
+    .npy          FP32 rows as float32; BF16 rows as uint16 bit patterns; plus a PATH.json sidecar
+    .bin          the concatenated row bytes and nothing else; plus a PATH.json sidecar
+    -             the concatenated row bytes on stdout (the report then goes to stderr)
+
+The sidecar (`<PATH>.json`, e.g. `logits.npy.json`) records: command, model, dtype ("bf16"|"fp32"),
+storage ("float32" | "uint16 bf16 bit patterns" | "raw little-endian bf16/fp32"), shape [rows, vocab],
+vocab, tokens, positions.
+
+`tokens` are the ids the model ran: the prompt, then for decode the produced tokens fed back, for
+verify the k drafts; so row i is the output for input tokens[positions[i]].
+
+`--dump-hidden PATH` (.npy or .bin) writes the post-final-norm hidden state [hidden] as float32.
+
+Every file is written to a temporary file in the destination's directory, fsynced and renamed over the
+destination with os.replace; on any error or Ctrl-C the temporary file is removed and the destination is
+left as it was. A failure to write is an OutputError naming the destination path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import json
+import os
+import signal
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Iterable, Iterator, Sequence
+
+import numpy as np
+
+from .decoding import Rows
+from .errors import OutputError, UsageError
+
+LOGITS_KINDS = ("safetensors", "npy", "bin")
+HIDDEN_KINDS = ("npy", "bin")
+
+
+@dataclass(frozen=True)
+class DumpTarget:
+    option: str  # the option that named it, for messages
+    path: Path | None  # None: stdout
+    kind: str  # "safetensors" | "npy" | "bin"
+
+    @property
+    def to_stdout(self) -> bool:
+        return self.path is None
+
+    @property
+    def sidecar(self) -> Path | None:
+        if self.path is None or self.kind == "safetensors":
+            return None
+        return self.path.with_name(self.path.name + ".json")
+
+
+def check_dump_path(value: str, option: str, kinds: Sequence[str] = LOGITS_KINDS,
+                    stdout_ok: bool = True) -> DumpTarget:
+    """Validate a dump destination before any work is done (nothing is created here)."""
+    if value == "-":
+        if not stdout_ok:
+            raise UsageError(f"{option} cannot write to stdout ('-'); give a file path")
+        return DumpTarget(option, None, "bin")
+    if not value:
+        raise UsageError(f"{option} is empty; give a file path")
+    p = Path(value)
+    if p.is_dir():
+        raise OutputError(f"{option} {value}: is a directory")
+    kind = p.suffix.lower().lstrip(".")
+    if kind not in kinds:
+        exts = ", ".join("." + k for k in kinds) + (" or -" if stdout_ok else "")
+        raise UsageError(f"{option} {value}: unknown extension '{p.suffix or '(none)'}'; use {exts}")
+    parent = p.parent
+    if not parent.exists():
+        raise OutputError(f"{option} {value}: directory {parent} does not exist")
+    if not parent.is_dir():
+        raise OutputError(f"{option} {value}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(f"{option} {value}: directory {parent} is not writable")
+    if p.exists() and not p.is_file():
+        raise OutputError(f"{option} {value}: exists and is not a regular file")
+    return DumpTarget(option, p, kind)
+
+
+# -- logits ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DumpInfo:
+    command: str
+    model: str
+    tokens: list[int]
+    positions: list[int]
+
+
+def write_logits(target: DumpTarget, rows: Rows, info: DumpInfo, stdout: IO[bytes] | None = None) -> None:
+    if len(info.positions) != len(rows.data):
+        raise ValueError(f"{len(rows.data)} rows but {len(info.positions)} positions")
+    if target.to_stdout:
+        _write_stream(stdout, rows.data)
+        return
+    assert target.path is not None
+    if target.kind == "safetensors":
+        commit([(target.path, _safetensors_chunks(rows, info))])
+        return
+    chunks = rows.data if target.kind == "bin" else [_npy_header(rows)] + rows.data
+    commit([(target.path, chunks), (target.sidecar, [_sidecar(target, rows, info)])])
+
+
+def _safetensors_chunks(rows: Rows, info: DumpInfo) -> list[bytes]:
+    n = sum(len(r) for r in rows.data)
+    tokens = np.asarray(info.tokens, dtype="<i8").tobytes()
+    header = {
+        "__metadata__": {
+            "format": "metrale-logits", "dtype": rows.dtype, "vocab": str(rows.vocab),
+            "rows": str(len(rows.data)), "command": info.command, "model": info.model,
+            "positions": json.dumps(info.positions, separators=(",", ":")),
+        },
+        "logits": {"dtype": "F32" if rows.dtype == "fp32" else "BF16", "shape": [len(rows.data), rows.vocab],
+                   "data_offsets": [0, n]},
+        "tokens": {"dtype": "I64", "shape": [len(info.tokens)], "data_offsets": [n, n + len(tokens)]},
+    }
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
+    return [len(raw).to_bytes(8, "little"), raw, *rows.data, tokens]
+
+
+def _npy_header(rows: Rows) -> bytes:
+    dtype = np.dtype("<f4" if rows.dtype == "fp32" else "<u2")
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        buf, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+              "shape": (len(rows.data), rows.vocab)})
+    return buf.getvalue()
+
+
+def _sidecar(target: DumpTarget, rows: Rows, info: DumpInfo) -> bytes:
+    if target.kind == "npy":
+        storage = "float32" if rows.dtype == "fp32" else "uint16 bf16 bit patterns"
+    else:
+        storage = f"raw little-endian {rows.dtype}"
+    doc = {"command": info.command, "model": info.model, "dtype": rows.dtype, "storage": storage,
+           "shape": [len(rows.data), rows.vocab], "vocab": rows.vocab, "tokens": info.tokens,
+           "positions": info.positions}
+    return (json.dumps(doc, indent=1) + "\n").encode()
+
+
+# -- hidden state ------------------------------------------------------------------------------------------------
+
+
+def write_hidden(target: DumpTarget, values: np.ndarray) -> None:
+    assert target.path is not None
+    v = np.ascontiguousarray(values, dtype="<f4").reshape(-1)
+    if target.kind == "npy":
+        buf = io.BytesIO()
+        np.lib.format.write_array_header_1_0(
+            buf, {"descr": "<f4", "fortran_order": False, "shape": (v.size,)})
+        chunks = [buf.getvalue(), v.tobytes()]
+    else:
+        chunks = [v.tobytes()]
+    commit([(target.path, chunks)])
+
+
+# -- atomic writes ---------------------------------------------------------------------------------------------
+
+
+def commit(files: list[tuple[Path, Iterable[bytes]]]) -> None:
+    """Write every file to a temp file beside it, then rename them all into place.
+
+    Any error or KeyboardInterrupt before the renames removes the temp files and leaves every
+    destination untouched; Ctrl-C during the renames is held until they are done.
+    """
+    temps: list[tuple[str, Path]] = []
+    try:
+        for path, chunks in files:
+            temps.append((_write_temp(path, chunks), path))
+        with _sigint_deferred():
+            for tmp, path in temps:
+                _os_call(path, os.replace, tmp, path)
+            for directory in {p.parent for _, p in temps}:
+                _fsync_dir(directory)
+    except BaseException:
+        for tmp, _ in temps:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        raise
+
+
+def _write_temp(path: Path, chunks: Iterable[bytes]) -> str:
+    fd, tmp = _os_call(path, tempfile.mkstemp, prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        try:
+            for chunk in chunks:
+                view = memoryview(chunk).cast("B")
+                while view.nbytes:
+                    view = view[_os_call(path, os.write, fd, view):]
+            _os_call(path, os.fchmod, fd, 0o644)
+            _os_call(path, os.fsync, fd)
+        finally:
+            os.close(fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return tmp
+
+
+def _os_call(path: Path, fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except OSError as e:
+        raise OutputError(f"{path}: cannot write: {_reason(e)}") from None
+
+
+def _reason(e: OSError) -> str:
+    names = {errno.ENOSPC: "no space left on device", errno.EACCES: "permission denied",
+             errno.EISDIR: "is a directory", errno.EROFS: "read-only file system"}
+    if hasattr(errno, "EDQUOT"):
+        names[errno.EDQUOT] = "disk quota exceeded"
+    return names.get(e.errno, e.strerror or str(e))
+
+
+def _fsync_dir(directory: Path) -> None:
+    # Make the rename itself durable; not every platform or file system allows it.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Hold a Ctrl-C that arrives inside the block and raise it after (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+    if caught:
+        raise KeyboardInterrupt
+
+
+def _write_stream(stream: IO[bytes] | None, chunks: Iterable[bytes]) -> None:
+    if stream is None:
+        raise OutputError("--dump-logits -: stdout does not accept bytes here")
+    try:
+        for chunk in chunks:
+            stream.write(chunk)
+        stream.flush()
+    except OSError as e:
+        raise OutputError(f"--dump-logits -: cannot write to stdout: {_reason(e)}") from None
