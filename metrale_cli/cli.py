@@ -27,7 +27,7 @@ from . import __version__, render
 from .checkpoint import Checkpoint
 from .decoding import (DecodeResult, ModelDrafter, NgramDrafter, SpecDecodeResult, run_decode, run_forward,
                        run_verify, speculative_decode)
-from .dumps import HIDDEN_KINDS, DumpInfo, DumpTarget, check_dump_path, write_hidden, write_logits
+from .dumps import HIDDEN_KINDS, DumpInfo, DumpTarget, check_dump_path, commit, write_hidden, write_logits
 from .errors import EXIT_CODES, InputError, Interrupted, MetraleError, UsageError
 from .inputs import (ModelSpec, check_draft_matches, check_ids_in_vocab, check_positive, context_for,
                      parse_token_ids, read_model_spec, resolve_prompt)
@@ -570,6 +570,60 @@ def _inspect_info(spec: ModelSpec, ckpt: Checkpoint, problem: MetraleError | Non
         "tokenizer": ckpt.has_tokenizer, "bos_token_id": cfg.bos_token_id, "eos_token_ids": list(cfg.eos_token_ids),
         "valid": problem is None, "problems": str(problem) if problem is not None else None,
     }
+
+
+# -- bench ---------------------------------------------------------------------------------------------------------
+
+
+@app.command()
+def bench(
+    ctx: typer.Context,
+    preset: Annotated[Optional[str], typer.Option(
+        "--preset", help="A preset in configs/ (llama-3.1-8b, llama-3.2-1b, qwen3-8b, mistral-7b, tiny-llama) "
+                         "or a config.json path. Default: llama-3.1-8b on cuda, tiny-llama on cpu.",
+        show_default=False)] = None,
+    device: DeviceOpt = "auto",
+    context: Annotated[int, typer.Option("--context", help="KV cache positions each decode/verify step attends over.")] = 1024,
+    ks: Annotated[str, typer.Option("--ks", help="Verify sizes to time, comma separated.")] = "1,2,4,8",
+    prefill: Annotated[int, typer.Option("--prefill", help="Prompt length of the prefill measurement.")] = 2048,
+    repeats: Annotated[int, typer.Option("--repeats", help="Timed runs per figure (the median is reported).")] = 50,
+    transformers: Annotated[bool, typer.Option("--transformers/--no-transformers",
+                                               help="Also time transformers eager on the same weights (GPU).")] = True,
+    json_path: Annotated[Optional[str], typer.Option("--json", metavar="PATH",
+                                                     help="Also write the results as JSON (atomically).")] = None,
+    fmt: FormatOpt = None,
+) -> None:
+    """Measure decode, verify and prefill speed against the hardware's own limits, in one run.
+
+    Random weights from a preset (drawn on the GPU for cuda, so no checkpoint file is needed). The same
+    run measures the read bandwidth, the decode floor (bytes a step must read / bandwidth) and the GEMM
+    rate, then decode ms/token, verify ms per k, prefill tokens/s and, when transformers is installed,
+    transformers eager on the same weights. Each figure is printed with its ratio to its target.
+
+    Examples:
+      metrale bench --device cpu --preset tiny-llama --context 256 --prefill 256
+      metrale bench --device cuda --preset llama-3.1-8b --context 8192 --json bench-8k.json
+    """
+    from . import bench as bench_mod
+
+    state: State = ctx.obj
+    fmt_ = render.choose_format(fmt, state.out)
+    target = check_dump_path(json_path, "--json", kinds=("json",), stdout_ok=False) if json_path else None
+    try:
+        k_list = tuple(int(k) for k in ks.replace(",", " ").split())
+    except ValueError:
+        raise UsageError(f"--ks must be integers separated by commas, got '{ks}'") from None
+    for name, value in (("--context", context), ("--prefill", prefill), ("--repeats", repeats)):
+        check_positive(value, name)
+    if any(k < 1 for k in k_list):
+        raise UsageError(f"--ks values must be at least 1, got '{ks}'")
+    chosen = resolve_device(device)
+    result = bench_mod.run_bench(preset or ("llama-3.1-8b" if chosen == "cuda" else "tiny-llama"), device=chosen,
+                                 context=context, ks=k_list, prefill_tokens=prefill, repeats=repeats,
+                                 with_transformers=transformers, progress=lambda m: render.note(state.err, m))
+    render.render_bench(state.out, fmt_, result)
+    if target is not None:
+        commit([(target.path, [json.dumps(result.to_json(), indent=2).encode() + b"\n"])])
 
 
 # -- entry point -----------------------------------------------------------------------------------------------------

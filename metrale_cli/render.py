@@ -60,6 +60,7 @@ from typing import Any, Callable, Iterator
 from rich.console import Console, Group
 from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeRemainingColumn)
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -638,6 +639,46 @@ def _inspect_rows(info: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 # -- errors and progress ------------------------------------------------------------------------------------------
+
+
+# -- bench -------------------------------------------------------------------------------------------------------
+
+
+def render_bench(console: Console, fmt: str, result: Any) -> None:
+    """The bench table: each figure, its target and its ratio to that target's reference."""
+    if fmt == "json":
+        _dump_json(console, result.to_json())
+        return
+    head = (f"{result.preset} on {result.device}: {result.params / 1e9:.3f}B params, context {result.context}, "
+            f"{result.streamed_bytes / 1e9:.2f} GB weights + {result.kv_bytes / 1e9:.3f} GB KV read per step")
+
+    def verdict(f) -> str:
+        return "" if f.met is None else ("met" if f.met else "MISSED")
+
+    if fmt == "plain":
+        _write(console, "metrale bench")
+        _write(console, head)
+        for f in result.figures:
+            ratio = "" if f.ratio is None else f"{f.ratio:.3f}"
+            _write(console, f"{f.name}: {f.value:.4g} {f.unit} | target: {f.target} | ratio: {ratio} | {verdict(f)}")
+        for n in result.notes:
+            _write(console, f"note: {n}")
+        return
+    t = Table(title=head, title_justify="left")
+    for col in ("figure", "value", "unit", "target", "ratio", ""):
+        t.add_column(col, justify="right" if col in ("value", "ratio") else "left")
+    for f in result.figures:
+        style = "green" if f.met else ("red" if f.met is False else "")
+        t.add_row(f.name, f"{f.value:.4g}", f.unit, f.target, "" if f.ratio is None else f"{f.ratio:.3f}",
+                  Text(verdict(f), style=style))
+    console.print(t)
+    for n in result.notes:
+        console.print(f"note: {n}")
+
+
+def note(err_console: Console, message: str) -> None:
+    """A progress note on stderr (dim on a terminal)."""
+    err_console.print(f"[dim]{escape(message)}[/dim]" if isatty(err_console) else message, highlight=False)
 
 
 def error_line(err_console: Console, line: str) -> None:
