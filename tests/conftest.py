@@ -24,13 +24,18 @@ LLAMA_VOCAB = 300
 
 
 @pytest.fixture
-def run_cli(monkeypatch) -> Callable:
-    """run_cli(*args, input=None, env=None, obj=None) -> typer Result (exit_code, stdout, stderr)."""
+def run_cli(monkeypatch, request) -> Callable:
+    """run_cli(*args, input=None, env=None, obj=None) -> typer Result (exit_code, stdout, stderr).
+
+    Outside tests marked `gpu`, `--device auto` resolves to the CPU even on a GPU machine, so the
+    snapshots (which name the device and hold CPU numbers) are the same everywhere."""
     from typer.testing import CliRunner
 
     from metrale_cli.cli import app
 
     monkeypatch.chdir(REPO)
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setenv("METRALE_DISABLE_CUDA", "1")
     runner = CliRunner()
 
     def run(*args, input=None, env=None, obj=None):

@@ -44,7 +44,7 @@ def test_top_level_help_lists_exit_codes(run_cli):
         assert f"{code:>3}  {text.split(' (')[0]}" in r.stdout
 
 
-@pytest.mark.parametrize("command", ["decode", "verify", "forward", "inspect"])
+@pytest.mark.parametrize("command", ["decode", "verify", "forward", "inspect", "bench"])
 def test_every_command_help_shows_an_example(run_cli, command):
     r = run_cli(command, "--help")
     assert r.exit_code == 0

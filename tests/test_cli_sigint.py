@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 
 
 def _env() -> dict:
-    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", METRALE_DISABLE_CUDA="1")
     env.pop("METRALE_DEBUG", None)
     return env
 

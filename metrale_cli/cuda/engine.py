@@ -176,6 +176,9 @@ class CudaEngine(EngineBase):
             need = 2 * L * nkv * max_context * d * 2 + R * V * 8
             raise _oom(cp, f"allocating the KV cache for {max_context} positions", need) from None
         self._io_np = np.frombuffer(self._io_host, np.int32, 2 * R).reshape(2, R)
+        # The uploads and the zero fills above ran on the legacy default stream, which a non-blocking
+        # stream does not wait for: without this, the first passes can read weights still in flight.
+        cp.cuda.Device().synchronize()
         self._graphs: dict[tuple[str, int], Any] = {}
         self._long_logits = None  # [rows, V] for long prefills, grown on demand
         self._decode_amax_fresh = False
@@ -248,14 +251,17 @@ class CudaEngine(EngineBase):
         eps = cfg.rms_norm_eps
         ids, pos = self._io[0, :m], self._io[1, :m]
         x, h, qkv = self._x[:m], self._h[:m], self._qkv[:m]
-        q, kk, vv, attn, act = self._q[:m], self._k[:m], self._v[:m], self._attn[:m], self._act[:m]
+        attn, act = self._attn[:m], self._act[:m]
         k.embedding(ids, w.embed, x, stream=s)
         k.rmsnorm(x, w.layers[0].input_norm, eps, h, stream=s)
         for li, lw in enumerate(w.layers):
             k.gemv(h, lw.wqkv, qkv, lw.bqkv, stream=s)
-            self._split_qkv(qkv, q, kk, vv)
-            k.rope(q, pos, self._inv_freq, lw.q_norm, eps, stream=s)
-            k.rope(kk, pos, self._inv_freq, lw.k_norm, eps, stream=s)
+            q, kk, vv, qk = self._split_qkv(qkv)
+            if qk is not None and lw.q_norm is None:  # one launch rotates q and k heads together
+                k.rope(qk, pos, self._inv_freq, None, eps, stream=s)
+            else:
+                k.rope(q, pos, self._inv_freq, lw.q_norm, eps, stream=s)
+                k.rope(kk, pos, self._inv_freq, lw.k_norm, eps, stream=s)
             k.kv_append(kk, vv, self._kc[li], self._vc[li], pos, stream=s)
             k.attention_decode(q, self._kc[li], self._vc[li], pos, attn, cfg.head_dim ** -0.5,
                                n_splits=self._splits, workspace=self._ws, stream=s)
@@ -275,14 +281,22 @@ class CudaEngine(EngineBase):
         if kind == "decode":
             k.argmax(out, self._decode_amax, stream=s)
 
-    def _split_qkv(self, qkv, q, kk, vv) -> None:
-        """q, k, v as contiguous [m, heads, d] buffers (views when m == 1)."""
+    def _split_qkv(self, qkv):
+        """q [m, nh, d], k and v [m, nkv, d] as contiguous arrays, plus q and k together [m, nh + nkv, d]
+        when that is a contiguous view too. For one row they are views into the GEMV output (no copy);
+        for several rows, q/k/v rows interleave, so they are copied into their own buffers."""
         cfg = self.cfg
         m = qkv.shape[0]
+        nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         a, b = cfg.q_size, cfg.q_size + cfg.kv_size
-        q[...] = qkv[:, :a].reshape(m, cfg.num_attention_heads, cfg.head_dim)
-        kk[...] = qkv[:, a:b].reshape(m, cfg.num_key_value_heads, cfg.head_dim)
-        vv[...] = qkv[:, b:].reshape(m, cfg.num_key_value_heads, cfg.head_dim)
+        if m == 1:
+            return (qkv[:, :a].reshape(1, nh, d), qkv[:, a:b].reshape(1, nkv, d),
+                    qkv[:, b:].reshape(1, nkv, d), qkv[:, :b].reshape(1, nh + nkv, d))
+        q, kk, vv = self._q[:m], self._k[:m], self._v[:m]
+        q[...] = qkv[:, :a].reshape(m, nh, d)
+        kk[...] = qkv[:, a:b].reshape(m, nkv, d)
+        vv[...] = qkv[:, b:].reshape(m, nkv, d)
+        return q, kk, vv, None
 
     # -- the prefill path (cuBLAS, eager) -------------------------------------------------------------
     def _prefill_long(self, ids: np.ndarray, all_logits: bool) -> int:
