@@ -37,6 +37,11 @@ def build(path: Path, layers: int) -> None:
 
 
 def rss_mb() -> float:
+    """Peak resident memory of this process so far (VmHWM). Not ru_maxrss: Linux carries that across
+    exec, so a child started by a large parent would report the parent's peak."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
