@@ -329,14 +329,16 @@ def _rows_for(engine, ptr: DevicePtr, rd: Reader) -> Rows:
 # -- verify ------------------------------------------------------------------------------------------------------
 
 
-def draft_greedy(engine, rd: Reader, first: int, k: int, first_position: int) -> tuple[list[int], list[bytes]]:
-    """k tokens by sequential greedy decode steps starting from `first` (already chosen); also the raw
-    decode rows, row i being the one computed after feeding draft i. The cache grows by k."""
+def draft_greedy(engine, rd: Reader, first: int, k: int, first_position: int,
+                 keep_rows: bool = False) -> tuple[list[int], list[bytes]]:
+    """k tokens by sequential greedy decode steps starting from `first` (already chosen); with keep_rows
+    also the raw decode rows, row i being the one computed after feeding draft i. The cache grows by k."""
     drafts, raws = [first], []
     for i in range(k):
         engine.decode(drafts[-1])
         ptr = engine.decode_logits_ptr()
-        raws.append(rd.raw(ptr))
+        if keep_rows:
+            raws.append(rd.raw(ptr))
         if i < k - 1:
             drafts.append(rd.argmax(ptr, first_position + i + 1))
     return drafts, raws
@@ -361,7 +363,7 @@ def run_verify(engine, prompt: Sequence[int], k: int, *, draft: str | Sequence[i
     seq_raws: list[bytes] | None = None
     if draft == "self":
         source = "self"
-        drafts, seq_raws = draft_greedy(engine, rd, first, k, n)
+        drafts, seq_raws = draft_greedy(engine, rd, first, k, n, keep_rows=True)
         engine.trim(n)
     elif draft == "model":
         source = "model"
