@@ -207,32 +207,46 @@ attn_decode_split_kernel(const float* __restrict__ q, const unsigned short* __re
     }
 }
 
-// Merge the splits: one block per (row, head), threads over head_dim.
+// Merge the splits: one block per (row, head), threads over head_dim (blockDim.x a
+// multiple of 32).  The global max over the splits is reduced in parallel (thread t
+// reads splits t, t + blockDim.x, ...); then each thread accumulates its dims over the
+// splits with no branch around the loads, so that the unrolled loop keeps several
+// independent loads in flight (the loop used to walk the splits with a load inside a
+// branch, one L2 round trip after another).  A split that saw no key of this row has
+// (max, sum, acc) = (-inf, 0, 0) and gets weight 0.
 extern "C" __global__ void attn_decode_combine_kernel(const float* __restrict__ part_acc,
                                                       const float* __restrict__ part_ml,
                                                       const int* __restrict__ positions,
                                                       float* __restrict__ out, int M, int n_heads,
                                                       int HD, int max_ctx, int n_splits) {
+    __shared__ float s_max[32];
     const int qt = blockIdx.x;
     const int QT = M * n_heads;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int L = decode_len(positions, M, max_ctx);
     const int chunk = decode_chunk(L, n_splits);
     const int nact = (L + chunk - 1) / chunk;  // splits that wrote a partial (<= n_splits)
     float gm = -METRALE_INF;
-    for (int s = 0; s < nact; ++s) {
+    for (int s = threadIdx.x; s < nact; s += blockDim.x) {
         const u64 slot = (u64)s * QT + qt;
-        if (part_ml[slot * 2 + 1] > 0.0f) gm = fmaxf(gm, part_ml[slot * 2]);
+        const float mx = part_ml[slot * 2], ls = part_ml[slot * 2 + 1];
+        if (ls > 0.0f) gm = fmaxf(gm, mx);
     }
+    gm = warp_max(gm);
+    if (lane == 0) s_max[warp] = gm;
+    __syncthreads();
+    gm = (lane < (int)(blockDim.x >> 5)) ? s_max[lane] : -METRALE_INF;
+    gm = warp_max(gm);
     for (int d = threadIdx.x; d < HD; d += blockDim.x) {
         float a = 0.0f, lsum = 0.0f;
+#pragma unroll 8
         for (int s = 0; s < nact; ++s) {
             const u64 slot = (u64)s * QT + qt;
-            const float ls = part_ml[slot * 2 + 1];
-            if (ls > 0.0f) {
-                const float f = exp2f(part_ml[slot * 2] - gm);
-                a = fmaf(part_acc[slot * HD + d], f, a);
-                lsum = fmaf(ls, f, lsum);
-            }
+            const float mx = part_ml[slot * 2], ls = part_ml[slot * 2 + 1];
+            const float pa = part_acc[slot * HD + d];
+            const float f = (ls > 0.0f) ? exp2f(mx - gm) : 0.0f;
+            a = fmaf(pa, f, a);
+            lsum = fmaf(ls, f, lsum);
         }
         out[(u64)qt * HD + d] = a / lsum;  // a row with no key (position < 0) gives NaN
     }

@@ -10,7 +10,9 @@ Two paths:
 - prefill path (longer prompts): cuBLAS GEMMs (bf16 operands, fp32 output) in chunks, eagerly.
 The residual stream `x` is updated in place by the o_proj/down_proj GEMVs (accumulate), so each layer
 is: norm, qkv GEMV, rope (+qk norm), KV append, attention, o GEMV(+=), norm, gate/up GEMV with SwiGLU,
-down GEMV(+=).
+down GEMV(+=).  On the rows path the two norms run inside the GEMVs that consume them (fused RMSNorm
+prologue) and rope + KV append are one launch: per layer qkv GEMV(norm), rope_kv_append, attention
+(2 launches), o GEMV(+=), gate/up GEMV(norm, SwiGLU), down GEMV(+=).
 """
 
 from __future__ import annotations
@@ -154,11 +156,9 @@ class CudaEngine(EngineBase):
             self._vc = cp.zeros((L, nkv, max_context, d), cp.uint16)  # bf16 V cache
             self._io = cp.zeros((2, R), cp.int32)  # row 0: token ids, row 1: positions (graph inputs)
             self._x = cp.zeros((R, H), cp.float32)  # residual stream
-            self._h = cp.zeros((R, H), cp.float32)  # normed activations
+            self._h = cp.zeros((R, H), cp.float32)  # normed activations (rows path: final norm only)
             self._qkv = cp.zeros((R, cfg.q_size + 2 * cfg.kv_size), cp.float32)
-            self._q = cp.zeros((R, cfg.num_attention_heads, d), cp.float32)
-            self._k = cp.zeros((R, nkv, d), cp.float32)
-            self._v = cp.zeros((R, nkv, d), cp.float32)
+            self._q = cp.zeros((R, cfg.num_attention_heads, d), cp.float32)  # rotated q when m > 1
             self._attn = cp.zeros((R, cfg.num_attention_heads, d), cp.float32)
             self._act = cp.zeros((R, cfg.intermediate_size), cp.float32)
             self._logits32 = cp.zeros((R, V), cp.float32)
@@ -246,31 +246,27 @@ class CudaEngine(EngineBase):
         return graph
 
     def _rows_body(self, m: int, kind: str) -> None:
-        """The whole forward of m rows at positions io[1, :m]; every launch is capturable."""
+        """The whole forward of m rows at positions io[1, :m]; every launch is capturable.
+        The RMSNorms before the qkv and gate/up GEMVs run inside those GEMVs (norm_weight=...),
+        and rope + KV append are one launch; only the final norm is a launch of its own."""
         cfg, k, w, s = self.cfg, self.kern, self.w, self.stream
         eps = cfg.rms_norm_eps
         ids, pos = self._io[0, :m], self._io[1, :m]
         x, h, qkv = self._x[:m], self._h[:m], self._qkv[:m]
         attn, act = self._attn[:m], self._act[:m]
+        # rotated q: in place in the GEMV output for one row, else its own contiguous buffer
+        q = qkv[:, :cfg.q_size].reshape(1, cfg.num_attention_heads, cfg.head_dim) if m == 1 else self._q[:m]
         k.embedding(ids, w.embed, x, stream=s)
-        k.rmsnorm(x, w.layers[0].input_norm, eps, h, stream=s)
         for li, lw in enumerate(w.layers):
-            k.gemv(h, lw.wqkv, qkv, lw.bqkv, stream=s)
-            q, kk, vv, qk = self._split_qkv(qkv)
-            if qk is not None and lw.q_norm is None:  # one launch rotates q and k heads together
-                k.rope(qk, pos, self._inv_freq, None, eps, stream=s)
-            else:
-                k.rope(q, pos, self._inv_freq, lw.q_norm, eps, stream=s)
-                k.rope(kk, pos, self._inv_freq, lw.k_norm, eps, stream=s)
-            k.kv_append(kk, vv, self._kc[li], self._vc[li], pos, stream=s)
+            k.gemv(x, lw.wqkv, qkv, lw.bqkv, norm_weight=lw.input_norm, eps=eps, stream=s)
+            k.rope_kv_append(qkv, pos, self._inv_freq, q, self._kc[li], self._vc[li], lw.q_norm, lw.k_norm,
+                             eps, stream=s)
             k.attention_decode(q, self._kc[li], self._vc[li], pos, attn, cfg.head_dim ** -0.5,
                                n_splits=self._splits, workspace=self._ws, stream=s)
             k.gemv_residual(attn.reshape(m, cfg.q_size), lw.wo, x, lw.bo, stream=s)
-            k.rmsnorm(x, lw.post_norm, eps, h, stream=s)
-            k.gemv_swiglu(h, lw.w_gate_up, act, stream=s)
+            k.gemv_swiglu(x, lw.w_gate_up, act, norm_weight=lw.post_norm, eps=eps, stream=s)
             k.gemv_residual(act, lw.w_down, x, stream=s)
-            nxt = w.layers[li + 1].input_norm if li + 1 < len(w.layers) else w.final_norm
-            k.rmsnorm(x, nxt, eps, h, stream=s)
+        k.rmsnorm(x, w.final_norm, eps, h, stream=s)
         self._hidden[0] = h[m - 1]
         out = self._decode_logits if kind == "decode" else self._rows_logits[:m]
         if self._fp32_logits:
@@ -280,23 +276,6 @@ class CudaEngine(EngineBase):
             k.f32_to_bf16(self._logits32[:m], out, stream=s)
         if kind == "decode":
             k.argmax(out, self._decode_amax, stream=s)
-
-    def _split_qkv(self, qkv):
-        """q [m, nh, d], k and v [m, nkv, d] as contiguous arrays, plus q and k together [m, nh + nkv, d]
-        when that is a contiguous view too. For one row they are views into the GEMV output (no copy);
-        for several rows, q/k/v rows interleave, so they are copied into their own buffers."""
-        cfg = self.cfg
-        m = qkv.shape[0]
-        nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        a, b = cfg.q_size, cfg.q_size + cfg.kv_size
-        if m == 1:
-            return (qkv[:, :a].reshape(1, nh, d), qkv[:, a:b].reshape(1, nkv, d),
-                    qkv[:, b:].reshape(1, nkv, d), qkv[:, :b].reshape(1, nh + nkv, d))
-        q, kk, vv = self._q[:m], self._k[:m], self._v[:m]
-        q[...] = qkv[:, :a].reshape(m, nh, d)
-        kk[...] = qkv[:, a:b].reshape(m, nkv, d)
-        vv[...] = qkv[:, b:].reshape(m, nkv, d)
-        return q, kk, vv, None
 
     # -- the prefill path (cuBLAS, eager) -------------------------------------------------------------
     def _prefill_long(self, ids: np.ndarray, all_logits: bool) -> int:

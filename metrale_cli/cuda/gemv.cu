@@ -11,6 +11,15 @@
 // (16-byte streaming loads, U chunks per row in flight per lane) and used for
 // all M rows of x; x comes through L1 (it is small and shared by all warps).
 // Partial sums are reduced with warp shuffles.
+//
+// NORM (fused RMSNorm prologue): x is the un-normalised residual stream and the
+// kernel computes  out = (w_norm * x * inv_rms(x)) @ w^T  with
+// inv_rms = rsqrt(mean(x^2) + eps) per row, i.e. the same function as rmsnorm
+// followed by the plain GEMV (rounding differs by a few fp32 ulps).  x is
+// multiplied by the bf16 norm weight as it is loaded; the sum of squares of each
+// row is accumulated from the same loads (every warp reads all of x, so it needs
+// no extra pass and no barrier), and the per-row factor inv_rms, being a scalar,
+// is applied to the reduced dot products in the epilogue.
 #include "common.cu"
 
 #define GEMV_WARPS 4
@@ -31,8 +40,9 @@ __device__ __forceinline__ void gemv_rows(const unsigned short* __restrict__ w, 
 
 // Warp-reduce the per-lane partial sums and store (every lane ends with all sums; the
 // stores are spread over the lanes).
-template <int M, int R, bool SWIGLU>
-__device__ __forceinline__ void gemv_epilogue(float (&acc)[SWIGLU ? 2 * R : R][M], int lane, int n0,
+template <int M, int R, bool SWIGLU, bool NORM>
+__device__ __forceinline__ void gemv_epilogue(float (&acc)[SWIGLU ? 2 * R : R][M],
+                                              const float (&inv)[M], int lane, int n0,
                                               int N, const unsigned short* __restrict__ bias,
                                               float* __restrict__ out, int accumulate, int has_bias) {
     constexpr int RW = SWIGLU ? 2 * R : R;
@@ -49,10 +59,11 @@ __device__ __forceinline__ void gemv_epilogue(float (&acc)[SWIGLU ? 2 * R : R][M
                 float* o = out + (u64)m * N + n;
                 float val;
                 if (SWIGLU) {
-                    const float g = acc[r][m];
-                    val = g / (1.0f + expf(-g)) * acc[R + r][m];
+                    const float g = NORM ? acc[r][m] * inv[m] : acc[r][m];
+                    const float u = NORM ? acc[R + r][m] * inv[m] : acc[R + r][m];
+                    val = g / (1.0f + expf(-g)) * u;
                 } else {
-                    val = acc[r][m];
+                    val = NORM ? acc[r][m] * inv[m] : acc[r][m];
                     if (has_bias) val += bf16_to_f32_bits(bias[n]);
                 }
                 if (accumulate) val += *o;
@@ -64,9 +75,11 @@ __device__ __forceinline__ void gemv_epilogue(float (&acc)[SWIGLU ? 2 * R : R][M
 
 // One step of a lane: UU chunks (c, c+32, ..., c+32*(UU-1)) of each of the RW
 // weight rows, all loaded before any is used.  All chunks must be < K/8.
-template <int M, int RW, int UU>
+// NORM: ss[m] += x^2 over the loaded x values, and x is multiplied by norm_w.
+template <int M, int RW, int UU, bool NORM>
 __device__ __forceinline__ void gemv_step(const float* __restrict__ x, const uint4* const (&wrow)[RW],
-                                          int K, int c, float (&acc)[RW][M]) {
+                                          const unsigned short* __restrict__ norm_w, int K, int c,
+                                          float (&acc)[RW][M], float (&ss)[M]) {
     uint4 wv[UU][RW];
 #pragma unroll
     for (int u = 0; u < UU; ++u)
@@ -74,11 +87,37 @@ __device__ __forceinline__ void gemv_step(const float* __restrict__ x, const uin
         for (int r = 0; r < RW; ++r) wv[u][r] = ld_stream_u4(wrow[r] + c + 32 * u);
 #pragma unroll
     for (int u = 0; u < UU; ++u) {
+        float nw[8];
+        if constexpr (NORM) {
+            const uint4 g = __ldg(reinterpret_cast<const uint4*>(norm_w) + c + 32 * u);
+            nw[0] = bf16_lo(g.x);
+            nw[1] = bf16_hi(g.x);
+            nw[2] = bf16_lo(g.y);
+            nw[3] = bf16_hi(g.y);
+            nw[4] = bf16_lo(g.z);
+            nw[5] = bf16_hi(g.z);
+            nw[6] = bf16_lo(g.w);
+            nw[7] = bf16_hi(g.w);
+        }
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             const float4* xp = reinterpret_cast<const float4*>(x + (u64)m * K) + 2 * (c + 32 * u);
-            const float4 xa = __ldg(xp);
-            const float4 xb = __ldg(xp + 1);
+            float4 xa = __ldg(xp);
+            float4 xb = __ldg(xp + 1);
+            if constexpr (NORM) {
+                float t = ss[m];
+                t = fmaf(xa.x, xa.x, t);
+                t = fmaf(xa.y, xa.y, t);
+                t = fmaf(xa.z, xa.z, t);
+                t = fmaf(xa.w, xa.w, t);
+                t = fmaf(xb.x, xb.x, t);
+                t = fmaf(xb.y, xb.y, t);
+                t = fmaf(xb.z, xb.z, t);
+                t = fmaf(xb.w, xb.w, t);
+                ss[m] = t;
+                xa = make_float4(xa.x * nw[0], xa.y * nw[1], xa.z * nw[2], xa.w * nw[3]);
+                xb = make_float4(xb.x * nw[4], xb.y * nw[5], xb.z * nw[6], xb.w * nw[7]);
+            }
 #pragma unroll
             for (int r = 0; r < RW; ++r) {
                 const uint4 q = wv[u][r];
@@ -97,13 +136,13 @@ __device__ __forceinline__ void gemv_step(const float* __restrict__ x, const uin
     }
 }
 
-template <int M, int R, int U, bool SWIGLU>
+template <int M, int R, int U, bool SWIGLU, bool NORM>
 __global__ void __launch_bounds__(GEMV_WARPS * 32)
 gemv_kernel(const float* __restrict__ x, const unsigned short* __restrict__ w,
             const unsigned short* __restrict__ bias, float* __restrict__ out, int N, int K,
-            int accumulate, int has_bias) {
+            int accumulate, int has_bias, const unsigned short* __restrict__ norm_w, float eps) {
     // N: number of output columns.  SWIGLU: w has 2N rows (gate rows 0..N-1, up
-    // rows N..2N-1) and out[m, n] = silu(x.w[n]) * (x.w[N + n]).
+    // rows N..2N-1) and out[m, n] = silu(x.w[n]) * (x.w[N + n]).  NORM: see the top.
     constexpr int RW = SWIGLU ? 2 * R : R;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -119,12 +158,19 @@ gemv_kernel(const float* __restrict__ x, const unsigned short* __restrict__ w,
     for (int r = 0; r < RW; ++r)
 #pragma unroll
         for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
+    float ss[M], inv[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) ss[m] = 0.0f;
 
     int c = lane;
-    for (; c + 32 * (U - 1) < C; c += 32 * U) gemv_step<M, RW, U>(x, wrow, K, c, acc);
-    for (; c < C; c += 32) gemv_step<M, RW, 1>(x, wrow, K, c, acc);
+    for (; c + 32 * (U - 1) < C; c += 32 * U) gemv_step<M, RW, U, NORM>(x, wrow, norm_w, K, c, acc, ss);
+    for (; c < C; c += 32) gemv_step<M, RW, 1, NORM>(x, wrow, norm_w, K, c, acc, ss);
 
-    gemv_epilogue<M, R, SWIGLU>(acc, lane, n0, N, bias, out, accumulate, has_bias);
+    // The lanes of the warp together loaded every chunk of x once: ss sums to the
+    // whole row.
+#pragma unroll
+    for (int m = 0; m < M; ++m) inv[m] = NORM ? rsqrtf(warp_sum(ss[m]) / (float)K + eps) : 1.0f;
+    gemv_epilogue<M, R, SWIGLU, NORM>(acc, inv, lane, n0, N, bias, out, accumulate, has_bias);
 }
 
 
@@ -139,13 +185,25 @@ gemv_kernel(const float* __restrict__ x, const unsigned short* __restrict__ w,
 // ---------------------------------------------------------------------------
 #define GEMV_XS_WARPS 8
 
-template <int M, int R, bool SWIGLU>
+//
+// NORM: the staging threads multiply x by the norm weight before storing the tile
+// and accumulate each row's sum of squares from the raw values; thread t stages
+// the items t + 256 j (row (t >> 6) + 4 j), so row m's partial sums are in
+// register j = m >> 2 of the two warps 2 (m & 3) and 2 (m & 3) + 1, reduced once
+// after the K loop.
+template <int M, int R, bool SWIGLU, bool NORM>
 __global__ void __launch_bounds__(GEMV_XS_WARPS * 32)
 gemv_xs_kernel(const float* __restrict__ x, const unsigned short* __restrict__ w,
                const unsigned short* __restrict__ bias, float* __restrict__ out, int N, int K,
-               int accumulate, int has_bias) {
+               int accumulate, int has_bias, const unsigned short* __restrict__ norm_w, float eps) {
     constexpr int RW = SWIGLU ? 2 * R : R;
+    constexpr int NT = GEMV_XS_WARPS * 32;
+    constexpr int XS_ITERS = (M * 64 + NT - 1) / NT;  // staging items per thread and tile
+    static_assert(NT % 64 == 0, "a warp's staging items must share one row");
     __shared__ float4 xs[2][M][32];
+    float ssp[XS_ITERS];
+#pragma unroll
+    for (int j = 0; j < XS_ITERS; ++j) ssp[j] = 0.0f;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int n0 = (blockIdx.x * GEMV_XS_WARPS + warp) * R;  // may be >= N: computes, never stores
@@ -174,12 +232,37 @@ gemv_xs_kernel(const float* __restrict__ x, const unsigned short* __restrict__ w
             wn[r] = (c + 32 < C) ? ld_stream_u4(wrow[r] + c + 32) : make_uint4(0u, 0u, 0u, 0u);
         }
         __syncthreads();  // the previous tile of x is consumed
-        for (int i = threadIdx.x; i < M * 64; i += GEMV_XS_WARPS * 32) {
-            const int half = i & 1, m = i >> 6, l = (i >> 1) & 31;
-            const int cc = t * 32 + l;
-            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (cc < C) v = __ldg(reinterpret_cast<const float4*>(x + (u64)m * K) + 2 * cc + half);
-            xs[half][m][l] = v;
+        if constexpr (NORM) {
+#pragma unroll
+            for (int j = 0; j < XS_ITERS; ++j) {
+                const int i = threadIdx.x + j * NT;
+                if (i < M * 64) {
+                    const int half = i & 1, m = i >> 6, l = (i >> 1) & 31;
+                    const int cc = t * 32 + l;
+                    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    if (cc < C) {
+                        v = __ldg(reinterpret_cast<const float4*>(x + (u64)m * K) + 2 * cc + half);
+                        float q = ssp[j];
+                        q = fmaf(v.x, v.x, q);
+                        q = fmaf(v.y, v.y, q);
+                        q = fmaf(v.z, v.z, q);
+                        q = fmaf(v.w, v.w, q);
+                        ssp[j] = q;
+                        const uint2 g = __ldg(reinterpret_cast<const uint2*>(norm_w + (u64)cc * 8 + half * 4));
+                        v = make_float4(v.x * bf16_lo(g.x), v.y * bf16_hi(g.x), v.z * bf16_lo(g.y),
+                                        v.w * bf16_hi(g.y));
+                    }
+                    xs[half][m][l] = v;
+                }
+            }
+        } else {
+            for (int i = threadIdx.x; i < M * 64; i += NT) {
+                const int half = i & 1, m = i >> 6, l = (i >> 1) & 31;
+                const int cc = t * 32 + l;
+                float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (cc < C) v = __ldg(reinterpret_cast<const float4*>(x + (u64)m * K) + 2 * cc + half);
+                xs[half][m][l] = v;
+            }
         }
         __syncthreads();
         if (c < C) {
@@ -204,28 +287,55 @@ gemv_xs_kernel(const float* __restrict__ x, const unsigned short* __restrict__ w
             }
         }
     }
+    float inv[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) inv[m] = 1.0f;
+    if constexpr (NORM) {
+        __shared__ float s_ss[GEMV_XS_WARPS][XS_ITERS];
+#pragma unroll
+        for (int j = 0; j < XS_ITERS; ++j) {
+            const float v = warp_sum(ssp[j]);
+            if (lane == 0) s_ss[warp][j] = v;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            const float ss = s_ss[2 * (m & 3)][m >> 2] + s_ss[2 * (m & 3) + 1][m >> 2];
+            inv[m] = rsqrtf(ss / (float)K + eps);
+        }
+    }
     if (n0 >= N) return;  // after the last barrier
-    gemv_epilogue<M, R, SWIGLU>(acc, lane, n0, N, bias, out, accumulate, has_bias);
+    gemv_epilogue<M, R, SWIGLU, NORM>(acc, inv, lane, n0, N, bias, out, accumulate, has_bias);
 }
 
 // Explicit instantiations for the compile check (kernels.py names its own set
 // through NVRTC name expressions).
 #ifndef METRALE_NVRTC
-template __global__ void gemv_kernel<1, 2, 4, false>(const float*, const unsigned short*, const unsigned short*, float*, int, int, int, int);
-template __global__ void gemv_kernel<1, 1, 8, false>(const float*, const unsigned short*, const unsigned short*, float*, int, int, int, int);
-template __global__ void gemv_kernel<1, 4, 2, false>(const float*, const unsigned short*, const unsigned short*, float*, int, int, int, int);
-template __global__ void gemv_kernel<1, 2, 8, false>(const float*, const unsigned short*, const unsigned short*, float*, int, int, int, int);
-template __global__ void gemv_kernel<4, 2, 4, false>(const float*, const unsigned short*, const unsigned short*, float*, int, int, int, int);
-template __global__ void gemv_kernel<4, 4, 2, false>(const float*, const unsigned short*, const unsigned short*, float*, int, int, int, int);
-template __global__ void gemv_kernel<4, 1, 8, false>(const float*, const unsigned short*, const unsigned short*, float*, int, int, int, int);
-template __global__ void gemv_kernel<8, 4, 2, false>(const float*, const unsigned short*, const unsigned short*, float*, int, int, int, int);
-template __global__ void gemv_kernel<16, 4, 1, false>(const float*, const unsigned short*, const unsigned short*, float*, int, int, int, int);
-template __global__ void gemv_kernel<1, 1, 4, true>(const float*, const unsigned short*, const unsigned short*, float*, int, int, int, int);
-template __global__ void gemv_kernel<4, 1, 4, true>(const float*, const unsigned short*, const unsigned short*, float*, int, int, int, int);
-template __global__ void gemv_kernel<8, 2, 1, true>(const float*, const unsigned short*, const unsigned short*, float*, int, int, int, int);
-template __global__ void gemv_kernel<16, 2, 1, true>(const float*, const unsigned short*, const unsigned short*, float*, int, int, int, int);
-template __global__ void gemv_xs_kernel<8, 8, false>(const float*, const unsigned short*, const unsigned short*, float*, int, int, int, int);
-template __global__ void gemv_xs_kernel<16, 4, false>(const float*, const unsigned short*, const unsigned short*, float*, int, int, int, int);
-template __global__ void gemv_xs_kernel<8, 4, true>(const float*, const unsigned short*, const unsigned short*, float*, int, int, int, int);
-template __global__ void gemv_xs_kernel<16, 2, true>(const float*, const unsigned short*, const unsigned short*, float*, int, int, int, int);
+#define GEMV_ARGS const float*, const unsigned short*, const unsigned short*, float*, int, int, int, int, \
+                  const unsigned short*, float
+template __global__ void gemv_kernel<1, 2, 4, false, false>(GEMV_ARGS);
+template __global__ void gemv_kernel<1, 1, 8, false, false>(GEMV_ARGS);
+template __global__ void gemv_kernel<1, 4, 2, false, false>(GEMV_ARGS);
+template __global__ void gemv_kernel<1, 2, 8, false, false>(GEMV_ARGS);
+template __global__ void gemv_kernel<4, 2, 4, false, false>(GEMV_ARGS);
+template __global__ void gemv_kernel<4, 4, 2, false, false>(GEMV_ARGS);
+template __global__ void gemv_kernel<4, 1, 8, false, false>(GEMV_ARGS);
+template __global__ void gemv_kernel<8, 4, 2, false, false>(GEMV_ARGS);
+template __global__ void gemv_kernel<16, 4, 1, false, false>(GEMV_ARGS);
+template __global__ void gemv_kernel<1, 1, 4, true, false>(GEMV_ARGS);
+template __global__ void gemv_kernel<4, 1, 4, true, false>(GEMV_ARGS);
+template __global__ void gemv_kernel<8, 2, 1, true, false>(GEMV_ARGS);
+template __global__ void gemv_kernel<16, 2, 1, true, false>(GEMV_ARGS);
+template __global__ void gemv_xs_kernel<8, 8, false, false>(GEMV_ARGS);
+template __global__ void gemv_xs_kernel<16, 4, false, false>(GEMV_ARGS);
+template __global__ void gemv_xs_kernel<8, 4, true, false>(GEMV_ARGS);
+template __global__ void gemv_xs_kernel<16, 2, true, false>(GEMV_ARGS);
+template __global__ void gemv_kernel<1, 1, 8, false, true>(GEMV_ARGS);
+template __global__ void gemv_kernel<2, 2, 4, false, true>(GEMV_ARGS);
+template __global__ void gemv_kernel<8, 4, 2, false, true>(GEMV_ARGS);
+template __global__ void gemv_kernel<1, 1, 4, true, true>(GEMV_ARGS);
+template __global__ void gemv_kernel<8, 2, 1, true, true>(GEMV_ARGS);
+template __global__ void gemv_xs_kernel<9, 4, false, true>(GEMV_ARGS);
+template __global__ void gemv_xs_kernel<16, 4, false, true>(GEMV_ARGS);
+template __global__ void gemv_xs_kernel<16, 2, true, true>(GEMV_ARGS);
 #endif

@@ -45,6 +45,7 @@ GEMV_EXTRA = ((1, 2, 4), (1, 4, 2), (1, 2, 8), (4, 2, 4), (4, 1, 8), (8, 8, 0), 
     (m, 4, 0) for m in range(5, 9)
 )
 GEMV_SWIGLU_EXTRA = tuple((m, 2, 0) for m in range(5, 17))
+# The fused-RMSNorm variants (norm_weight=...) are compiled for the default configs only.
 
 ATTN_WARPS = 4  # must match attention.cu
 DECODE_HEAD_DIMS = (32, 64, 128, 256)
@@ -61,11 +62,12 @@ def _decode_kb(hd: int) -> int:
     return 4 if hd > 128 else 8
 
 
-def gemv_name(m: int, r: int, u: int, swiglu: bool) -> str:
+def gemv_name(m: int, r: int, u: int, swiglu: bool, norm: bool = False) -> str:
     sw = "true" if swiglu else "false"
+    nm = "true" if norm else "false"
     if u == 0:
-        return f"gemv_xs_kernel<{m}, {r}, {sw}>"
-    return f"gemv_kernel<{m}, {r}, {u}, {sw}>"
+        return f"gemv_xs_kernel<{m}, {r}, {sw}, {nm}>"
+    return f"gemv_kernel<{m}, {r}, {u}, {sw}, {nm}>"
 
 
 def _gemv_block_rows(r: int, u: int) -> tuple[int, int]:
@@ -97,6 +99,10 @@ def name_expressions() -> tuple[str, ...]:
         n = gemv_name(m, r, u, True)
         if n not in names:
             names.append(n)
+    for m, (r, u) in GEMV_DEFAULT.items():
+        names.append(gemv_name(m, r, u, False, True))
+    for m, (r, u) in GEMV_SWIGLU_DEFAULT.items():
+        names.append(gemv_name(m, r, u, True, True))
     for hd in DECODE_HEAD_DIMS:
         qb = 1
         while qb <= _decode_qb_max(hd):
@@ -115,6 +121,7 @@ PLAIN_KERNELS = (
     "kv_append_kernel",
     "rmsnorm_kernel",
     "rope_kernel",
+    "rope_kv_append_kernel",
     "attn_decode_combine_kernel",
     "argmax_f32_kernel",
     "argmax_bf16_kernel",
@@ -254,6 +261,8 @@ class Kernels:
         *,
         accumulate: bool = False,
         config: tuple[int, int] | None = None,
+        norm_weight: Any = None,
+        eps: float = 1e-6,
         stream: Any = None,
     ) -> None:
         """out = x @ w.T (+ bias), or out += x @ w.T (+ bias) with accumulate=True.
@@ -261,7 +270,10 @@ class Kernels:
         x f32[M, K] (1 <= M <= 16), w bf16[N, K] (HF [out, in]), bias bf16[N] or None,
         out f32[M, N].  K must be a multiple of 8 (16-byte weight rows); N is arbitrary.
         x must not overlap out.  `config=(R, U)` picks a compiled variant (GEMV_DEFAULT, GEMV_EXTRA;
-        U = 0: x staged in shared memory)."""
+        U = 0: x staged in shared memory).
+        With norm_weight bf16[K] (16-byte aligned): fused RMSNorm prologue, x is the
+        un-normalised input and the result is that of rmsnorm(x, norm_weight, eps) followed by
+        this GEMV (within fp32 rounding); only the GEMV_DEFAULT configs are compiled for it."""
         np = self._np
         self._f32(x, "x", 2)
         self._bf16(w, "w", 2)
@@ -283,27 +295,47 @@ class Kernels:
         if bias is not None:
             self._bf16(bias, "bias", 1)
             self._shape(bias, "bias", (N,))
+        norm = self._norm_weight(norm_weight, K)
         r, u = config if config is not None else GEMV_DEFAULT[M]
-        name = gemv_name(M, r, u, False)
+        name = gemv_name(M, r, u, False, norm)
         if name not in self._fn:
-            raise ValueError(f"gemv: no compiled variant M={M}, R={r}, U={u}")
+            raise ValueError(f"gemv: no compiled variant M={M}, R={r}, U={u}, norm={norm}")
         threads, rows = _gemv_block_rows(r, u)
         grid = (_ceil_div(N, rows),)
         args = (
             x, w, self._dummy if bias is None else bias, out,
             np.int32(N), np.int32(K), np.int32(1 if accumulate else 0), np.int32(0 if bias is None else 1),
+            norm_weight if norm else self._dummy, np.float32(eps),
         )
         self._launch(name, grid, (threads,), args, stream)
+
+    def _norm_weight(self, norm_weight: Any, K: int) -> bool:
+        """Check the optional fused-RMSNorm weight of a GEMV; True when it is given."""
+        if norm_weight is None:
+            return False
+        self._bf16(norm_weight, "norm_weight", 1)
+        self._shape(norm_weight, "norm_weight", (K,))
+        self._aligned(norm_weight, "norm_weight")
+        return True
 
     def gemv_residual(self, x: Any, w: Any, out: Any, bias: Any = None, *, stream: Any = None) -> None:
         """out += x @ w.T (+ bias): the o_proj / down_proj residual add.  Same rules as gemv."""
         self.gemv(x, w, out, bias, accumulate=True, stream=stream)
 
     def gemv_swiglu(
-        self, x: Any, w_gate_up: Any, out: Any, *, config: tuple[int, int] | None = None, stream: Any = None
+        self,
+        x: Any,
+        w_gate_up: Any,
+        out: Any,
+        *,
+        config: tuple[int, int] | None = None,
+        norm_weight: Any = None,
+        eps: float = 1e-6,
+        stream: Any = None,
     ) -> None:
         """out = silu(x @ Wg.T) * (x @ Wu.T) in one pass over the fused weight
-        w_gate_up bf16[2I, K] = concat(gate_proj.weight, up_proj.weight).  x f32[M, K], out f32[M, I]."""
+        w_gate_up bf16[2I, K] = concat(gate_proj.weight, up_proj.weight).  x f32[M, K], out f32[M, I].
+        norm_weight bf16[K]: fused RMSNorm of x first, as in gemv."""
         np = self._np
         self._f32(x, "x", 2)
         self._bf16(w_gate_up, "w_gate_up", 2)
@@ -321,13 +353,17 @@ class Kernels:
         self._aligned(x, "x")
         self._aligned(w_gate_up, "w_gate_up")
         self._disjoint(x, "x", out, "out")
+        norm = self._norm_weight(norm_weight, K)
         r, u = config if config is not None else GEMV_SWIGLU_DEFAULT[M]
-        name = gemv_name(M, r, u, True)
+        name = gemv_name(M, r, u, True, norm)
         if name not in self._fn:
-            raise ValueError(f"gemv_swiglu: no compiled variant M={M}, R={r}, U={u}")
+            raise ValueError(f"gemv_swiglu: no compiled variant M={M}, R={r}, U={u}, norm={norm}")
         threads, rows = _gemv_block_rows(r, u)
         grid = (_ceil_div(inter, rows),)
-        args = (x, w_gate_up, self._dummy, out, np.int32(inter), np.int32(K), np.int32(0), np.int32(0))
+        args = (
+            x, w_gate_up, self._dummy, out, np.int32(inter), np.int32(K), np.int32(0), np.int32(0),
+            norm_weight if norm else self._dummy, np.float32(eps),
+        )
         self._launch(name, grid, (threads,), args, stream)
 
     def rmsnorm(
@@ -395,6 +431,67 @@ class Kernels:
             np.int32(0 if norm_weight is None else 1), np.float32(attention_scaling),
         )
         self._launch("rope_kernel", (_ceil_div(M * nh, warps),), (32 * warps,), args, stream)
+
+    def rope_kv_append(
+        self,
+        qkv: Any,
+        positions: Any,
+        inv_freq: Any,
+        q_out: Any,
+        k_cache: Any,
+        v_cache: Any,
+        q_norm: Any = None,
+        k_norm: Any = None,
+        eps: float = 1e-6,
+        *,
+        attention_scaling: float = 1.0,
+        stream: Any = None,
+    ) -> None:
+        """rope on q and k plus kv_append, in one launch, from the fused QKV GEMV output:
+        qkv f32[M, (n_heads + 2 n_kv) * head_dim] (per row: q heads, k heads, v heads).
+        q_out f32[M, n_heads, head_dim] = rope(q) (optional per-head q_norm first), and
+        k_cache[:, positions[m], :] = bf16(rope(k)) (optional k_norm), v_cache[...] = bf16(v):
+        the same as rope(q), rope(k) and kv_append(k, v) (bit-identical up to the fp32 rounding
+        of the rotation).  Caches bf16[n_kv, max_ctx, head_dim]; positions int32[M] (device; a
+        position outside [0, max_ctx) skips the cache writes).  q_out must not overlap qkv,
+        except that for M == 1 it may be the q part of qkv itself (rotation in place).
+        qkv is not modified (except through that in-place q_out)."""
+        np = self._np
+        self._f32(qkv, "qkv", 2)
+        self._i32(positions, "positions", 1)
+        self._f32(inv_freq, "inv_freq", 1)
+        self._f32(q_out, "q_out", 3)
+        n_kv, max_ctx, hd = self._check_cache(k_cache, v_cache)
+        M, nh, qhd = q_out.shape
+        if qhd != hd:
+            raise ValueError(f"q_out: head_dim {qhd} differs from the cache's {hd}")
+        if hd % 2 or hd > 256 or hd == 0:
+            raise ValueError(f"rope_kv_append: head_dim = {hd} must be even and <= 256")
+        self._shape(qkv, "qkv", (M, (nh + 2 * n_kv) * hd))
+        self._shape(positions, "positions", (M,))
+        self._shape(inv_freq, "inv_freq", (hd // 2,))
+        for a, an in ((q_norm, "q_norm"), (k_norm, "k_norm")):
+            if a is not None:
+                self._bf16(a, an, 1)
+                self._shape(a, an, (hd,))
+        if not (M == 1 and q_out.data.ptr == qkv.data.ptr):
+            self._disjoint(q_out, "q_out", qkv, "qkv")
+        for c, cn in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+            self._disjoint(c, cn, qkv, "qkv")
+            self._disjoint(c, cn, q_out, "q_out")
+        slots = nh + 2 * n_kv
+        if M * slots == 0:
+            return
+        warps = 4
+        args = (
+            qkv, positions, inv_freq,
+            self._dummy if q_norm is None else q_norm, self._dummy if k_norm is None else k_norm,
+            q_out, k_cache, v_cache,
+            np.int32(M), np.int32(nh), np.int32(n_kv), np.int32(hd), np.int32(max_ctx), np.float32(eps),
+            np.int32(0 if q_norm is None else 1), np.int32(0 if k_norm is None else 1),
+            np.float32(attention_scaling),
+        )
+        self._launch("rope_kv_append_kernel", (_ceil_div(M * slots, warps),), (32 * warps,), args, stream)
 
     def _check_cache(self, k_cache: Any, v_cache: Any) -> tuple[int, int, int]:
         self._bf16(k_cache, "k_cache", 3)

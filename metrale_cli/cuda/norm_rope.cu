@@ -30,24 +30,19 @@ extern "C" __global__ void rmsnorm_kernel(const float* x, const unsigned short* 
         orow[i] = bf16_to_f32_bits(w[i]) * (src[i] * inv);
 }
 
-// x: float32 [M, n_heads, head_dim], in place.  One warp per (row, head).
-// head_dim even and <= 256.  Rotation is HF's rotate_half convention:
-//   i < d/2: a = x[i], b = x[i + d/2], angle = float(pos) * inv_freq[i] (fp32),
-//   x[i] = a*cos - b*sin, x[i + d/2] = b*cos + a*sin,
+// One head vector v[0 .. head_dim) held by one warp: lane l keeps a[j] = v[i],
+// b[j] = v[i + d/2] for i = l + 32 j < d/2.  If has_norm: per-head RMSNorm over
+// head_dim with bf16 weight first.  Then HF's rotate_half rotary embedding:
+//   angle = float(pos) * inv_freq[i] (fp32),
+//   a' = a*cos - b*sin, b' = b*cos + a*sin,
 // with cos/sin multiplied by attn_scaling (1.0 for default and llama3 rope).
-// If has_norm: per-head RMSNorm over head_dim with bf16 weight first.
-extern "C" __global__ void rope_kernel(float* __restrict__ x, const int* __restrict__ positions,
-                                       const float* __restrict__ inv_freq,
-                                       const unsigned short* __restrict__ norm_w, int M,
-                                       int n_heads, int head_dim, float eps, int has_norm,
-                                       float attn_scaling) {
-    const int lane = threadIdx.x & 31;
-    const int vec = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (vec >= M * n_heads) return;  // whole warp leaves together
-    const int m = vec / n_heads;
-    float* v = x + (u64)vec * head_dim;
+// Every value is read before the caller stores any (in-place use is safe).
+__device__ __forceinline__ void rope_head(const float* v, const float* __restrict__ inv_freq,
+                                          const unsigned short* __restrict__ norm_w,
+                                          int head_dim, float eps, int has_norm, float pos,
+                                          float attn_scaling, int lane, float (&a)[4],
+                                          float (&b)[4]) {
     const int half = head_dim >> 1;
-    float a[4], b[4];
     float ss = 0.0f;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -73,7 +68,6 @@ extern "C" __global__ void rope_kernel(float* __restrict__ x, const int* __restr
             }
         }
     }
-    const float pos = (float)positions[m];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         const int i = lane + 32 * j;
@@ -83,8 +77,98 @@ extern "C" __global__ void rope_kernel(float* __restrict__ x, const int* __restr
             sincosf(angle, &s, &c);
             c *= attn_scaling;
             s *= attn_scaling;
-            v[i] = a[j] * c - b[j] * s;
-            v[i + half] = b[j] * c + a[j] * s;
+            const float ra = a[j] * c - b[j] * s;
+            const float rb = b[j] * c + a[j] * s;
+            a[j] = ra;
+            b[j] = rb;
+        }
+    }
+}
+
+// x: float32 [M, n_heads, head_dim], in place.  One warp per (row, head).
+// head_dim even and <= 256.  Optional per-head RMSNorm, then rotation (rope_head).
+extern "C" __global__ void rope_kernel(float* __restrict__ x, const int* __restrict__ positions,
+                                       const float* __restrict__ inv_freq,
+                                       const unsigned short* __restrict__ norm_w, int M,
+                                       int n_heads, int head_dim, float eps, int has_norm,
+                                       float attn_scaling) {
+    const int lane = threadIdx.x & 31;
+    const int vec = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (vec >= M * n_heads) return;  // whole warp leaves together
+    const int m = vec / n_heads;
+    float* v = x + (u64)vec * head_dim;
+    const int half = head_dim >> 1;
+    float a[4], b[4];
+    rope_head(v, inv_freq, norm_w, head_dim, eps, has_norm, (float)positions[m], attn_scaling,
+              lane, a, b);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int i = lane + 32 * j;
+        if (i < half) {
+            v[i] = a[j];
+            v[i + half] = b[j];
+        }
+    }
+}
+
+// Rope and KV-cache append in one launch, straight from the fused QKV GEMV output.
+// qkv: float32 [M, (n_heads + 2 n_kv) * head_dim], each row q heads, k heads, v heads.
+// One warp per (row m, head slot s), s < n_heads + 2 n_kv:
+//   q slot: optional q_norm, rotate, store fp32 to q_out [M, n_heads, head_dim]
+//           (q_out may be qkv itself when M == 1: each value is read before it is written,
+//           by the same thread);
+//   k slot: optional k_norm, rotate, round to bf16, store to k_cache[h, positions[m], :];
+//   v slot: round to bf16, store to v_cache[h, positions[m], :].
+// Caches bf16 [n_kv, max_ctx, head_dim].  A position outside [0, max_ctx) skips the cache
+// writes (as kv_append_kernel).  head_dim even and <= 256.
+extern "C" __global__ void rope_kv_append_kernel(const float* qkv, const int* __restrict__ positions,
+                                                 const float* __restrict__ inv_freq,
+                                                 const unsigned short* __restrict__ q_norm,
+                                                 const unsigned short* __restrict__ k_norm,
+                                                 float* q_out, unsigned short* __restrict__ k_cache,
+                                                 unsigned short* __restrict__ v_cache, int M,
+                                                 int n_heads, int n_kv, int head_dim, int max_ctx,
+                                                 float eps, int has_q_norm, int has_k_norm,
+                                                 float attn_scaling) {
+    const int lane = threadIdx.x & 31;
+    const int slots = n_heads + 2 * n_kv;
+    const int vec = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (vec >= M * slots) return;  // whole warp leaves together
+    const int m = vec / slots, s = vec - m * slots;
+    const float* src = qkv + (u64)vec * head_dim;
+    const int half = head_dim >> 1;
+    const int p = positions[m];
+    const bool in_cache = p >= 0 && p < max_ctx;
+    if (s >= n_heads + n_kv) {  // v head: round and store
+        if (!in_cache) return;
+        unsigned short* dst = v_cache + ((u64)(s - n_heads - n_kv) * max_ctx + p) * head_dim;
+        for (int i = lane; i < head_dim; i += 32) dst[i] = f32_to_bf16_bits(src[i]);
+        return;
+    }
+    const bool is_q = s < n_heads;
+    if (!is_q && !in_cache) return;
+    float a[4], b[4];
+    rope_head(src, inv_freq, is_q ? q_norm : k_norm, head_dim, eps, is_q ? has_q_norm : has_k_norm,
+              (float)p, attn_scaling, lane, a, b);
+    if (is_q) {
+        float* dst = q_out + ((u64)m * n_heads + s) * head_dim;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int i = lane + 32 * j;
+            if (i < half) {
+                dst[i] = a[j];
+                dst[i + half] = b[j];
+            }
+        }
+    } else {
+        unsigned short* dst = k_cache + ((u64)(s - n_heads) * max_ctx + p) * head_dim;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int i = lane + 32 * j;
+            if (i < half) {
+                dst[i] = f32_to_bf16_bits(a[j]);
+                dst[i + half] = f32_to_bf16_bits(b[j]);
+            }
         }
     }
 }

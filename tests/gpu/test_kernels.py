@@ -238,6 +238,103 @@ def test_gemv_rejects_bad_input(cp, kernels):
         kernels.gemv(buf, cp.zeros((16, 16), dtype=cp.uint16), buf)
 
 
+# ----------------------------------------------------------------------------- gemv with fused RMSNorm
+def _norm_inputs(rng, M, K):
+    """Un-normalised residual rows (mean not zero, rows of different scale) and a bf16 norm weight."""
+    x = (rng.standard_normal((M, K), dtype=np.float32) * np.float32(3.0)
+         + rng.standard_normal((M, 1), dtype=np.float32)).astype(np.float32)
+    x *= rng.uniform(0.1, 10.0, size=(M, 1)).astype(np.float32)
+    nb, nf = rand_bf16(rng, (K,))
+    return x, nb, nf
+
+
+@pytest.mark.parametrize("K", [4096, 2048, 256])
+@pytest.mark.parametrize("N", [1000, 4097])
+@pytest.mark.parametrize("M", [1, 3, 8, 16])
+def test_gemv_fused_rmsnorm(cp, kernels, rng, seed, K, N, M):
+    """gemv(x, norm_weight=w) == gemv(rmsnorm(x, w)) for the default config of every tested M
+    (register variant M <= 8, shared-memory-x variant M = 16), with and without bias."""
+    wb, wf = rand_bf16(rng, (N, K), 0.05)
+    x, nb, nf = _norm_inputs(rng, M, K)
+    use_bias = (N + M) % 2 == 1
+    bb, bf = rand_bf16(rng, (N,))
+    eps = 1e-5
+    bias = cp.asarray(bb) if use_bias else None
+    out = nan_like(cp, (M, N))
+    kernels.gemv(cp.asarray(x), cp.asarray(wb), out, bias, norm_weight=cp.asarray(nb), eps=eps)
+    got = cp.asnumpy(out)
+    ref = ref_rmsnorm(x, nf, eps) @ wf.T.astype(np.float64) + (bf if use_bias else 0.0)
+    assert_close(got, ref, seed, tol=1e-4)
+    # the same function as the two launches it replaces
+    h = nan_like(cp, (M, K))
+    kernels.rmsnorm(cp.asarray(x), cp.asarray(nb), eps, h)
+    two = nan_like(cp, (M, N))
+    kernels.gemv(h, cp.asarray(wb), two, bias)
+    assert_close(got, cp.asnumpy(two), seed, tol=1e-4)
+
+
+@pytest.mark.parametrize("M", range(1, 17))
+def test_gemv_fused_rmsnorm_every_m_accumulate(cp, kernels, rng, seed, M):
+    N, K = 777, 520
+    wb, wf = rand_bf16(rng, (N, K), 0.05)
+    bb, bf = rand_bf16(rng, (N,))
+    x, nb, nf = _norm_inputs(rng, M, K)
+    h0 = rng.standard_normal((M, N), dtype=np.float32)
+    out = cp.asarray(h0)
+    kernels.gemv(cp.asarray(x), cp.asarray(wb), out, cp.asarray(bb), accumulate=True,
+                 norm_weight=cp.asarray(nb), eps=1e-6)
+    ref = h0 + ref_rmsnorm(x, nf, 1e-6) @ wf.T.astype(np.float64) + bf
+    assert_close(cp.asnumpy(out), ref, seed, tol=1e-5)
+
+
+@pytest.mark.parametrize("K", [4096, 2048, 256])
+@pytest.mark.parametrize("I", [1000, 33])
+@pytest.mark.parametrize("M", [1, 3, 8, 16])
+def test_gemv_swiglu_fused_rmsnorm(cp, kernels, rng, seed, K, I, M):
+    wb, wf = rand_bf16(rng, (2 * I, K), 0.05)
+    x, nb, nf = _norm_inputs(rng, M, K)
+    eps = 1e-6
+    out = nan_like(cp, (M, I))
+    kernels.gemv_swiglu(cp.asarray(x), cp.asarray(wb), out, norm_weight=cp.asarray(nb), eps=eps)
+    got = cp.asnumpy(out)
+    gu = ref_rmsnorm(x, nf, eps) @ wf.T.astype(np.float64)
+    assert_close(got, silu(gu[:, :I]) * gu[:, I:], seed, tol=1e-4)
+    h = nan_like(cp, (M, K))
+    kernels.rmsnorm(cp.asarray(x), cp.asarray(nb), eps, h)
+    two = nan_like(cp, (M, I))
+    kernels.gemv_swiglu(h, cp.asarray(wb), two)
+    assert_close(got, cp.asnumpy(two), seed, tol=1e-4)
+
+
+@pytest.mark.parametrize("M", [5, 9, 12, 15])
+def test_gemv_swiglu_fused_rmsnorm_more_m(cp, kernels, rng, seed, M):
+    I, K = 515, 4104  # K: several partial tiles of 256
+    wb, wf = rand_bf16(rng, (2 * I, K), 0.05)
+    x, nb, nf = _norm_inputs(rng, M, K)
+    out = nan_like(cp, (M, I))
+    kernels.gemv_swiglu(cp.asarray(x), cp.asarray(wb), out, norm_weight=cp.asarray(nb), eps=1e-5)
+    gu = ref_rmsnorm(x, nf, 1e-5) @ wf.T.astype(np.float64)
+    assert_close(cp.asnumpy(out), silu(gu[:, :I]) * gu[:, I:], seed, tol=1e-4)
+    # and the plain gemv at the same M and K (M >= 9: the shared-memory-x variant)
+    out = nan_like(cp, (M, 2 * I))
+    kernels.gemv(cp.asarray(x), cp.asarray(wb), out, norm_weight=cp.asarray(nb), eps=1e-5)
+    assert_close(cp.asnumpy(out), gu, seed, tol=1e-4)
+
+
+def test_gemv_fused_rmsnorm_rejects_bad_weight(cp, kernels):
+    x = cp.ones((2, 64), dtype=cp.float32)
+    w = cp.ones((10, 64), dtype=cp.uint16)
+    out = cp.zeros((2, 10), dtype=cp.float32)
+    with pytest.raises(ValueError, match="norm_weight"):
+        kernels.gemv(x, w, out, norm_weight=cp.ones((32,), dtype=cp.uint16))
+    with pytest.raises(ValueError, match="norm_weight"):
+        kernels.gemv(x, w, out, norm_weight=cp.ones((64,), dtype=cp.float32))
+    with pytest.raises(ValueError, match="aligned"):
+        kernels.gemv(x, w, out, norm_weight=cp.ones((72,), dtype=cp.uint16)[4:68])
+    with pytest.raises(ValueError, match="no compiled variant"):  # (2, 4) at M = 1: compiled without norm only
+        kernels.gemv(x[:1], w, out[:1], norm_weight=cp.ones((64,), dtype=cp.uint16), config=(2, 4))
+
+
 # ----------------------------------------------------------------------------- rmsnorm
 @pytest.mark.parametrize("H", [64, 1000, 4096, 5120])
 @pytest.mark.parametrize("M", [1, 3, 16])
@@ -312,6 +409,119 @@ def test_kv_append(cp, kernels, rng, seed, hd, M, n_kv):
         ev[:, pos[m]] = torch_bf16_bits(v[m])
     np.testing.assert_array_equal(cp.asnumpy(kc), ek, err_msg=f"seed={seed}")
     np.testing.assert_array_equal(cp.asnumpy(vc), ev, err_msg=f"seed={seed}")
+
+
+# ----------------------------------------------------------------------------- rope + kv_append fused
+def _check_rope_kv(cp, seed, got_q, got_kc, got_vc, kc0, vc0, q, k, v, pos, inv, qn, kn, eps, max_ctx):
+    assert_close(got_q, ref_rope(q, pos, inv, qn, eps), seed, tol=1e-4)
+    k_ref = ref_rope(k, pos, inv, kn, eps)
+    ek, ev = kc0.copy(), vc0.copy()
+    for m in range(len(pos)):
+        if 0 <= pos[m] < max_ctx:
+            ek[:, pos[m]] = torch_bf16_bits(k_ref[m].astype(np.float32))
+            ev[:, pos[m]] = torch_bf16_bits(v[m])
+    np.testing.assert_array_equal(got_vc, ev, err_msg=f"seed={seed}: v cache")
+    written = np.zeros(max_ctx, bool)
+    written[[p for p in pos if 0 <= p < max_ctx]] = True
+    np.testing.assert_array_equal(got_kc[:, ~written], kc0[:, ~written], err_msg=f"seed={seed}: k cache rows not written")
+    # the written k rows: bf16 of the rotation (the fp32 rotation may differ from fp64 in the last bits)
+    g, r = bits_f32(got_kc[:, written]), bits_f32(ek[:, written])
+    assert np.isfinite(g).all(), f"seed={seed}"
+    assert np.all(np.abs(g - r) <= np.abs(r) * 2.0**-7 + 1e-4), f"seed={seed}: k cache differs from bf16(rope(k))"
+
+
+@pytest.mark.parametrize("hd", [32, 64, 128, 256])
+@pytest.mark.parametrize("nh,n_kv", [(32, 8), (4, 2), (8, 1)])
+@pytest.mark.parametrize("M", [1, 3, 8, 16])
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_rope_kv_append(cp, kernels, rng, seed, hd, nh, n_kv, M, with_norm):
+    max_ctx, eps = 40, 1e-6
+    qkv = rng.standard_normal((M, (nh + 2 * n_kv) * hd), dtype=np.float32)
+    q = qkv[:, : nh * hd].reshape(M, nh, hd)
+    k = qkv[:, nh * hd : (nh + n_kv) * hd].reshape(M, n_kv, hd)
+    v = qkv[:, (nh + n_kv) * hd :].reshape(M, n_kv, hd)
+    pos = rng.choice(max_ctx, size=M, replace=False).astype(np.int32)
+    inv = inv_freq_default(hd, 500000.0 if hd == 128 else 10000.0)
+    qnb, qnf = rand_bf16(rng, (hd,))
+    knb, knf = rand_bf16(rng, (hd,))
+    kc0, _ = rand_bf16(rng, (n_kv, max_ctx, hd))
+    vc0, _ = rand_bf16(rng, (n_kv, max_ctx, hd))
+    kc, vc = cp.asarray(kc0), cp.asarray(vc0)
+    qkv_d = cp.asarray(qkv)
+    q_out = nan_like(cp, (M, nh, hd))
+    kernels.rope_kv_append(qkv_d, cp.asarray(pos), cp.asarray(inv), q_out, kc, vc,
+                           cp.asarray(qnb) if with_norm else None, cp.asarray(knb) if with_norm else None, eps)
+    np.testing.assert_array_equal(cp.asnumpy(qkv_d), qkv, err_msg=f"seed={seed}: qkv modified")
+    _check_rope_kv(cp, seed, cp.asnumpy(q_out), cp.asnumpy(kc), cp.asnumpy(vc), kc0, vc0, q, k, v, pos, inv,
+                   qnf if with_norm else None, knf if with_norm else None, eps, max_ctx)
+
+
+@pytest.mark.parametrize("hd,nh,n_kv", [(128, 32, 8), (64, 4, 2), (256, 2, 1)])
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_rope_kv_append_in_place_one_row(cp, kernels, rng, seed, hd, nh, n_kv, with_norm):
+    """M = 1 as the engine calls it: q rotated in place inside the GEMV output."""
+    max_ctx, eps = 300, 1e-5
+    qkv = rng.standard_normal((1, (nh + 2 * n_kv) * hd), dtype=np.float32)
+    q = qkv[:, : nh * hd].reshape(1, nh, hd)
+    k = qkv[:, nh * hd : (nh + n_kv) * hd].reshape(1, n_kv, hd)
+    v = qkv[:, (nh + n_kv) * hd :].reshape(1, n_kv, hd)
+    pos = np.array([int(rng.integers(0, max_ctx))], np.int32)
+    inv = inv_freq_default(hd, 10000.0)
+    qnb, qnf = rand_bf16(rng, (hd,))
+    knb, knf = rand_bf16(rng, (hd,))
+    kc0, _ = rand_bf16(rng, (n_kv, max_ctx, hd))
+    vc0, _ = rand_bf16(rng, (n_kv, max_ctx, hd))
+    kc, vc = cp.asarray(kc0), cp.asarray(vc0)
+    qkv_d = cp.asarray(qkv)
+    q_view = qkv_d[:, : nh * hd].reshape(1, nh, hd)
+    assert q_view.data.ptr == qkv_d.data.ptr
+    kernels.rope_kv_append(qkv_d, cp.asarray(pos), cp.asarray(inv), q_view, kc, vc,
+                           cp.asarray(qnb) if with_norm else None, cp.asarray(knb) if with_norm else None, eps)
+    after = cp.asnumpy(qkv_d)
+    np.testing.assert_array_equal(after[:, nh * hd :], qkv[:, nh * hd :], err_msg=f"seed={seed}: k/v part modified")
+    _check_rope_kv(cp, seed, after[:, : nh * hd].reshape(1, nh, hd), cp.asnumpy(kc), cp.asnumpy(vc), kc0, vc0,
+                   q, k, v, pos, inv, qnf if with_norm else None, knf if with_norm else None, eps, max_ctx)
+
+
+def test_rope_kv_append_matches_unfused_and_skips_bad_positions(cp, kernels, rng, seed):
+    hd, nh, n_kv, M, max_ctx = 64, 4, 2, 4, 30
+    qkv = rng.standard_normal((M, (nh + 2 * n_kv) * hd), dtype=np.float32)
+    pos = np.array([-1, 7, max_ctx, 29], np.int32)  # two outside the cache: no cache write
+    inv = inv_freq_default(hd, 10000.0)
+    kc0, _ = rand_bf16(rng, (n_kv, max_ctx, hd))
+    vc0, _ = rand_bf16(rng, (n_kv, max_ctx, hd))
+    kc, vc = cp.asarray(kc0), cp.asarray(vc0)
+    q_out = nan_like(cp, (M, nh, hd))
+    kernels.rope_kv_append(cp.asarray(qkv), cp.asarray(pos), cp.asarray(inv), q_out, kc, vc)
+    # the unfused launches on the same data
+    q = cp.asarray(np.ascontiguousarray(qkv[:, : nh * hd].reshape(M, nh, hd)))
+    k = cp.asarray(np.ascontiguousarray(qkv[:, nh * hd : (nh + n_kv) * hd].reshape(M, n_kv, hd)))
+    v = cp.asarray(np.ascontiguousarray(qkv[:, (nh + n_kv) * hd :].reshape(M, n_kv, hd)))
+    kc2, vc2 = cp.asarray(kc0), cp.asarray(vc0)
+    dpos, dinv = cp.asarray(pos), cp.asarray(inv)
+    kernels.rope(q, dpos, dinv)
+    kernels.rope(k, dpos, dinv)
+    kernels.kv_append(k, v, kc2, vc2, dpos)
+    assert_close(cp.asnumpy(q_out), cp.asnumpy(q), seed, tol=1e-6)
+    np.testing.assert_array_equal(cp.asnumpy(vc), cp.asnumpy(vc2), err_msg=f"seed={seed}")
+    g, r = bits_f32(cp.asnumpy(kc)), bits_f32(cp.asnumpy(kc2))
+    assert np.all(np.abs(g - r) <= np.abs(r) * 2.0**-7 + 1e-6), f"seed={seed}"
+    untouched = np.ones(max_ctx, bool)
+    untouched[[7, 29]] = False
+    np.testing.assert_array_equal(cp.asnumpy(kc)[:, untouched], kc0[:, untouched], err_msg=f"seed={seed}")
+
+
+def test_rope_kv_append_rejects_overlap(cp, kernels):
+    hd, nh, n_kv, M = 32, 2, 1, 2
+    qkv = cp.zeros((M, (nh + 2 * n_kv) * hd), dtype=cp.float32)
+    kc = cp.zeros((n_kv, 8, hd), dtype=cp.uint16)
+    vc = cp.zeros((n_kv, 8, hd), dtype=cp.uint16)
+    pos = cp.zeros(M, dtype=cp.int32)
+    inv = cp.asarray(inv_freq_default(hd, 10000.0))
+    with pytest.raises(ValueError, match="overlap"):  # in place only for one row
+        kernels.rope_kv_append(qkv, pos, inv, qkv.reshape(-1)[: M * nh * hd].reshape(M, nh, hd), kc, vc)
+    with pytest.raises(ValueError, match="shape"):
+        kernels.rope_kv_append(qkv, pos, inv, cp.zeros((M, nh + 1, hd), dtype=cp.float32), kc, vc)
 
 
 # ----------------------------------------------------------------------------- attention
