@@ -107,7 +107,8 @@ def check_checkpoint(cfg: ModelConfig, ckpt: Checkpoint) -> None:
         rows = ckpt.info(EMBED).shape[0] if ckpt.info(EMBED).shape else None
         if rows is not None and rows != cfg.vocab_size:
             raise ConfigError(
-                f"config.json vocab_size {cfg.vocab_size} differs from the {rows} rows of {EMBED}"
+                f"{ckpt.directory / 'config.json'}: vocab_size {cfg.vocab_size} differs from the {rows} "
+                f"rows of {EMBED}"
             )
     want = expected_tensors(cfg)
     problems: list[str] = []
