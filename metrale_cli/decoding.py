@@ -425,6 +425,8 @@ class ModelDrafter:
         self.engine.reset()
 
     def propose(self, committed: list[int], k: int) -> list[int]:
+        if k <= 0:  # no room left in the cache: the verify pass runs the current token alone
+            return []
         e = self.engine
         # Catch up on committed tokens the draft has not run (all but the last, which decode feeds).
         behind = committed[e.length:-1]
