@@ -69,7 +69,10 @@ def test_live_against_transformers(family, tmp_path):
 
     with torch.no_grad():
         ref = model(torch.from_numpy(prompt)[None]).logits[0].numpy()
-        gen = model.generate(torch.from_numpy(prompt)[None], do_sample=False, max_new_tokens=16,
+        ids = torch.from_numpy(prompt)[None]
+        # An explicit mask: without it generate() treats every prompt token equal to pad_token_id as
+        # padding and masks it out (a random prompt holding id 0 then decodes something else).
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16,
                              min_new_tokens=16, eos_token_id=None, pad_token_id=0,
                              output_logits=True, return_dict_in_generate=True)
     ref_tokens = gen.sequences[0, len(prompt):].tolist()
