@@ -254,7 +254,7 @@ def run_forward(engine, prompt: Sequence[int], *, all_rows: bool, token_text=Non
     buf = engine.logits_buffer_ptr()
     first_pos = len(prompt) - n
     ids = rd.argmax_batch(buf, n, first_pos)
-    rows = Rows("fp32" if engine.logits_ptr_is_fp32(buf) else "bf16", rd.vocab) if keep_rows else None
+    rows = _rows_for(engine, buf, rd) if keep_rows else None
     out = []
     for i in range(n):
         ptr = buf.row_ptr(i)
@@ -403,10 +403,11 @@ def run_verify(engine, prompt: Sequence[int], k: int, *, draft: str | Sequence[i
 
 
 def draft_from_model(draft_engine, prompt: Sequence[int], k: int) -> list[int]:
-    rd = Reader(draft_engine)
-    first, _ = prefill_next(draft_engine, rd, prompt, Timings(), None)
-    drafts, _ = draft_greedy(draft_engine, rd, first, k, len(prompt))
-    return drafts
+    """k drafts from a draft model: its greedy token after the prompt, then what its drafter proposes
+    after that (k - 1 decode steps; no step is run whose output is not used)."""
+    drafter = ModelDrafter(draft_engine)
+    first, _ = prefill_next(draft_engine, drafter.rd, prompt, Timings(), None)
+    return [first] + drafter.propose(list(prompt) + [first], k - 1)
 
 
 # -- speculative decoding ------------------------------------------------------------------------------------------
