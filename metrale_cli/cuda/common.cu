@@ -75,4 +75,22 @@ __device__ __forceinline__ uint4 ld_stream_u4(const void* p) {
     return r;
 }
 
+// Programmatic dependent launch (PDL, sm_90+).  When kernels.py launches a kernel with the
+// programmatic-stream-serialization attribute (the rows path does, inside its CUDA graph), the
+// kernel may start while the previous kernel of the stream is still running.  Every kernel
+// therefore calls pdl_wait() before its first read of data written by earlier kernels and before
+// its first global write; work that touches only read-only inputs (weights) may come before it.
+// pdl_trigger() lets the next kernel start launching (its blocks then wait in their own
+// pdl_wait()).  Without the attribute (or below sm_90) both are no-ops.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 #endif  // METRALE_COMMON_CU
