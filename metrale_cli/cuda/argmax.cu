@@ -59,10 +59,14 @@ __device__ __forceinline__ void argmax_row(const T* __restrict__ rows, int* __re
 }
 
 extern "C" __global__ void argmax_f32_kernel(const float* __restrict__ rows, int* __restrict__ out, int V) {
+    pdl_wait();
+    pdl_trigger();
     argmax_row(rows, out, V);
 }
 
 extern "C" __global__ void argmax_bf16_kernel(const unsigned short* __restrict__ rows,
                                               int* __restrict__ out, int V) {
+    pdl_wait();
+    pdl_trigger();
     argmax_row(rows, out, V);
 }

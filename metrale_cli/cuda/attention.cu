@@ -10,32 +10,407 @@
 // exp2(q.k * qscale - max) == exp(q.k * scale - max').
 #include "common.cu"
 
-#define ATTN_WARPS 4
+#define ATTN_WARPS 4         // warps per block of the SIMT split kernel (head_dim 256)
+#define ATTN_TC_WARPS 4      // warps per block of the tensor-core split kernel
+#define ATTN_CHUNK_ALIGN 64  // split sizes are multiples of this (16 keys per warp step x 4 warps)
+#define ATTN_COMBINE_BATCH 32
 
 // ---------------------------------------------------------------------------
-// Decode / verify: flash-decoding.  Launch 1 (split kernel): grid (n_kv,
-// n_splits, ceil(M*G / QB)); block ATTN_WARPS warps.  Each block takes one KV
-// head, one contiguous slice of the context and QB of that head's M*G query
-// vectors; its warps take interleaved groups of KB keys, keep an online-softmax
-// state per query in registers (lanes split head_dim), merge the warps through
-// shared memory and write the unnormalised partial (max, sum, acc) to scratch.
-// Launch 2 (combine kernel) merges the splits.  The context length
-// L = max(positions) + 1 is read on the device, and so is the slice size
-// (decode_chunk), so one captured graph serves every step; splits that start
-// at or after L return at once.
+// Decode / verify: flash-decoding in two launches.
+//
+// Launch 1, split kernel: each block takes one KV head, one contiguous slice
+// ("split") of the context and some of that head's M*G query vectors, and
+// writes the unnormalised partial (max, sum, acc[head_dim]) of each of its
+// query vectors to the workspace:
+//     part_acc[split][m * n_heads + h][d], part_ml[split][m * n_heads + h][2].
+// The context length L = max(positions) + 1 is read on the device, and so is the
+// split size decode_chunk(L, n_splits), so one captured graph serves every step.
+// A block whose split starts at or after L writes (max, sum) = (-inf, 0) for its
+// query vectors and returns at once (acc left unwritten); a query vector without a
+// visible key in a split gets (-inf, 0) and acc 0.
+// Launch 2, combine kernel: merges the splits whose sum is not 0.
+//
+// head_dim 32/64/128: attn_decode_tc_kernel, tensor cores (mma.sync m16n8k16 bf16,
+// fp32 accumulation), K and V loaded straight from global memory into the mma
+// fragments with 16-byte loads (no shared-memory staging).  head_dim 256: the SIMT
+// kernel attn_decode_split_kernel.
 // ---------------------------------------------------------------------------
 
+// L = max over rows of min(positions[m], max_ctx - 1) + 1, or 0 when every position is
+// negative.  The lanes read the positions in parallel; every lane gets L.  The whole
+// warp must call it.
 __device__ __forceinline__ int decode_len(const int* __restrict__ positions, int M, int max_ctx) {
+    const int lane = threadIdx.x & 31;
     int L = 0;
-    for (int m = 0; m < M; ++m) L = max(L, min(positions[m], max_ctx - 1) + 1);
-    return L;  // 0 when every position is negative
+    for (int m = lane; m < M; m += 32) L = max(L, min(positions[m], max_ctx - 1) + 1);
+    return __reduce_max_sync(0xffffffffu, L);
 }
 
-// Keys per split for context length L: ceil(L / n_splits) rounded up to 32.
+// Keys per split for context length L: ceil(L / n_splits) rounded up to ATTN_CHUNK_ALIGN.
+// The splits that hold keys are 0 .. ceil(L / chunk) - 1.
 __device__ __forceinline__ int decode_chunk(int L, int n_splits) {
     const int c = (L + n_splits - 1) / n_splits;
-    return max(32, (c + 31) & ~31);
+    return max(ATTN_CHUNK_ALIGN, (c + ATTN_CHUNK_ALIGN - 1) & ~(ATTN_CHUNK_ALIGN - 1));
 }
+
+// The (max, sum) = (-inf, 0) marker ("no key here") of query vector qi (< M*G) of KV head hk.
+__device__ __forceinline__ void decode_mark_empty(float* __restrict__ part_ml, int split, int qi, int G,
+                                                  int n_heads, int hk, int QT) {
+    const int m = qi / G, gg = qi - m * G;
+    const u64 slot = (u64)split * QT + (u64)m * n_heads + hk * G + gg;
+    part_ml[slot * 2] = -METRALE_INF;
+    part_ml[slot * 2 + 1] = 0.0f;
+}
+
+// ---------------------------------------------------------------------------
+// Tensor-core split kernel (head_dim 32, 64, 128).
+//
+// Grid (ceil(M*G / (8 NQ)), n_splits, n_kv), ATTN_TC_WARPS warps; a block takes 8 NQ
+// query vectors (NQ = 1 or 2 n-tiles of 8): vector r of the block is
+// qi = blockIdx.x * 8 NQ + r, i.e. row m = qi / G of head hk * G + qi % G.  Blocks that
+// share a KV slice are adjacent in x, so the second one finds it in L2.  The warps take
+// interleaved steps of 16 keys of the split.  The mma (m16n8k16, bf16 in, fp32
+// accumulate) run transposed, keys (and head dims) as the M dimension and query
+// vectors as N, so that no half of an mma is wasted for 8 query vectors.  Per step
+// and warp, with lane = 4 g + t:
+//   S^T = K Q^T: A = K, B = (q * qscale) split into bf16 hi + lo (two mma; the pair
+//     keeps ~16 mantissa bits of q).  Lane (g, t) loads keys g and g + 8 of the step,
+//     dims 32 i + 8 t .. +7 (i < HD/32; 16-byte loads, 4 lanes per key), and uses the
+//     words as its A fragments: the mma's k index is a permutation of head_dim, and
+//     the q fragments are built once with the same permutation (k-step ks, lane t:
+//     dims 32 (ks/2) + 8 t + 4 (ks%2) .. +3).  Lane (g, t) then holds the scores of
+//     keys g, g + 8 for query vectors 2t, 2t + 1.
+//   Online softmax per query vector: max over the 16 keys with 3 shuffles (lanes of
+//     the same t); the sums stay per lane until the end.
+//   O^T += V^T P^T: A = V^T: lane (g, t) loads keys 2t, 2t+1, 2t+8, 2t+9 of the step
+//     at dims (8 i + g) * 8 .. +7 (i < HD/64; head_dim 32: g * 4 .. +3) and pairs the
+//     two keys of a dim with a byte permute; row r of m-tile mt is dim
+//     ad_vdim(mt, r).  B = P^T (hi + lo as well) needs lane (g, t) to hold keys
+//     2t, 2t+1, 2t+8, 2t+9 of query vector g: 8 shuffles of packed bf16 pairs.
+// The next step's K is loaded right after q.k and its V right after p.V, so each
+// warp keeps one step (8 KiB at head_dim 128) in flight while it computes.  At the
+// end the warps merge through shared memory and the block writes its partials.
+// ---------------------------------------------------------------------------
+
+// bf16x2 of (lo, hi), round to nearest even: lo in the low 16 bits.
+__device__ __forceinline__ unsigned ad_pack_bf16x2(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// (x0, x1) ~= hi + lo with hi = bf16(x) and lo = bf16(x - hi).
+__device__ __forceinline__ void ad_split_bf16x2(float x0, float x1, unsigned& hi, unsigned& lo) {
+    hi = ad_pack_bf16x2(x0, x1);
+    lo = ad_pack_bf16x2(x0 - bf16_lo(hi), x1 - bf16_hi(hi));
+}
+
+// d += A B: A 16x16 bf16 (a0: row g, k 2t..; a1: row g+8; a2: row g, k 2t+8..; a3: row
+// g+8, k 2t+8..), B 16x8 bf16 (b0: k 2t, 2t+1, col g; b1: k 2t+8, 2t+9), d 16x8 fp32
+// (d0, d1: row g, cols 2t, 2t+1; d2, d3: row g+8).
+__device__ __forceinline__ void ad_mma(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                       unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Head dim of row r (0..15) of p.V m-tile mt (see the V loads).
+template <int HD>
+__device__ __forceinline__ int ad_vdim(int mt, int r) {
+    if constexpr (HD >= 64) {
+        return ((mt >> 2) * 8 + (r & 7)) * 8 + (mt & 3) * 2 + (r >> 3);
+    } else {
+        return (r & 7) * 4 + mt * 2 + (r >> 3);
+    }
+}
+
+// q fragments (hi, lo) of query vector qi for lane t; returns the last key the vector
+// may see, min(positions[m], max_ctx - 1); a vector past M*G gets zeros and -1.
+template <int HD>
+__device__ __forceinline__ int ad_load_q(const float* __restrict__ q, const int* __restrict__ positions, int qi,
+                                         int MG, int G, int n_heads, int hk, int max_ctx, int t, float qscale,
+                                         unsigned (&hi)[HD / 16][2], unsigned (&lo)[HD / 16][2]) {
+    if (qi >= MG) {
+#pragma unroll
+        for (int ks = 0; ks < HD / 16; ++ks) hi[ks][0] = hi[ks][1] = lo[ks][0] = lo[ks][1] = 0u;
+        return -1;
+    }
+    const int m = qi / G, gg = qi - m * G;
+    const float* qp = q + ((u64)m * n_heads + hk * G + gg) * HD + 8 * t;
+#pragma unroll
+    for (int ks = 0; ks < HD / 16; ++ks) {
+        const int b = 32 * (ks >> 1) + 4 * (ks & 1);
+        ad_split_bf16x2(qp[b] * qscale, qp[b + 1] * qscale, hi[ks][0], lo[ks][0]);
+        ad_split_bf16x2(qp[b + 2] * qscale, qp[b + 3] * qscale, hi[ks][1], lo[ks][1]);
+    }
+    return min(positions[m], max_ctx - 1);
+}
+
+template <int HD, int NQ>
+__global__ void __launch_bounds__(ATTN_TC_WARPS * 32, NQ == 1 ? 3 : 2)
+attn_decode_tc_kernel(const float* __restrict__ q, const unsigned short* __restrict__ k_cache,
+                      const unsigned short* __restrict__ v_cache, const int* __restrict__ positions,
+                      float* __restrict__ part_acc, float* __restrict__ part_ml, int M, int n_heads, int n_kv,
+                      int max_ctx, int n_splits, float qscale) {
+    static_assert(HD == 32 || HD == 64 || HD == 128, "tensor-core decode: head_dim 32, 64 or 128");
+    static_assert(NQ == 1 || NQ == 2, "8 or 16 query vectors per block");
+    constexpr int W = ATTN_TC_WARPS;
+    constexpr int ROWS = 8 * NQ;
+    constexpr int NKS = HD / 16;  // q.k k-steps (16 dims each)
+    constexpr int KI = HD / 32;   // 16-byte K loads per lane per key
+    constexpr int NMT = HD / 16;  // p.V m-tiles (16 dims each)
+    constexpr int VW = HD / 16;   // 32-bit V words per lane per key (= NMT)
+    __shared__ float s_o[W][ROWS][HD + 1];  // +1: the fragment-order stores hit distinct banks
+    __shared__ float s_ml[W][ROWS][2];
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int r0 = blockIdx.x * ROWS, split = blockIdx.y, hk = blockIdx.z;
+    const int G = n_heads / n_kv, MG = M * G, QT = M * n_heads;
+
+    pdl_wait();  // q, positions and the cache come from earlier kernels
+    pdl_trigger();
+    const int L = decode_len(positions, M, max_ctx);
+    const int chunk = decode_chunk(L, n_splits);
+    const int start = split * chunk;
+    if (start >= L) {  // the same for the whole block
+        if (threadIdx.x < ROWS && r0 + (int)threadIdx.x < MG)
+            decode_mark_empty(part_ml, split, r0 + threadIdx.x, G, n_heads, hk, QT);
+        return;
+    }
+    const int end = min(L, start + chunk);
+
+    // q of query vector 8 nq + g (B fragments); last key of query vectors 8 nq + 2t + e
+    unsigned qh[NQ][NKS][2], ql[NQ][NKS][2];
+    int last[NQ][2];
+#pragma unroll
+    for (int nq = 0; nq < NQ; ++nq) {
+        ad_load_q<HD>(q, positions, r0 + 8 * nq + g, MG, G, n_heads, hk, max_ctx, t, qscale, qh[nq], ql[nq]);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int qi = r0 + 8 * nq + 2 * t + e;
+            last[nq][e] = (qi < MG) ? min(min(positions[qi / G], max_ctx - 1), end - 1) : -1;
+        }
+    }
+
+    const unsigned short* kh = k_cache + (u64)hk * max_ctx * HD;
+    const unsigned short* vh = v_cache + (u64)hk * max_ctx * HD;
+    unsigned kr[2][4 * KI];  // [key g, g + 8][word 4 i + w = dims 32 i + 8 t + 2 w, +1]
+    unsigned vr[4][VW];      // [key 2t, 2t+1, 2t+8, 2t+9][word]
+    auto load_k = [&](int j0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int j = j0 + g + 8 * h;
+            const unsigned short* p = kh + (u64)j * HD + 8 * t;
+#pragma unroll
+            for (int i = 0; i < KI; ++i) {
+                uint4 x = make_uint4(0u, 0u, 0u, 0u);
+                if (j < end) x = *reinterpret_cast<const uint4*>(p + 32 * i);
+                kr[h][4 * i + 0] = x.x;
+                kr[h][4 * i + 1] = x.y;
+                kr[h][4 * i + 2] = x.z;
+                kr[h][4 * i + 3] = x.w;
+            }
+        }
+    };
+    auto load_v = [&](int j0) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int j = j0 + 2 * t + (c & 1) + 8 * (c >> 1);
+            if constexpr (HD >= 64) {
+                const unsigned short* p = vh + (u64)j * HD + 8 * g;
+#pragma unroll
+                for (int i = 0; i < HD / 64; ++i) {
+                    uint4 x = make_uint4(0u, 0u, 0u, 0u);
+                    if (j < end) x = *reinterpret_cast<const uint4*>(p + 64 * i);
+                    vr[c][4 * i + 0] = x.x;
+                    vr[c][4 * i + 1] = x.y;
+                    vr[c][4 * i + 2] = x.z;
+                    vr[c][4 * i + 3] = x.w;
+                }
+            } else {
+                uint2 x = make_uint2(0u, 0u);
+                if (j < end) x = *reinterpret_cast<const uint2*>(vh + (u64)j * HD + 4 * g);
+                vr[c][0] = x.x;
+                vr[c][1] = x.y;
+            }
+        }
+    };
+
+    float o[NQ][NMT][4];  // O^T: [m-tile][rows g, g (q 2t+1), g+8, g+8 (q 2t+1)]
+    float mrow[NQ][2], lrow[NQ][2];
+#pragma unroll
+    for (int nq = 0; nq < NQ; ++nq) {
+#pragma unroll
+        for (int mt = 0; mt < NMT; ++mt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[nq][mt][e] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            mrow[nq][e] = -METRALE_INF;
+            lrow[nq][e] = 0.0f;
+        }
+    }
+
+    const int nsteps = (end - start + 15) >> 4;
+    const unsigned sel = (g & 1) ? 0x7632u : 0x5410u;  // query vector g: odd -> high halves
+    const int src0 = 8 * t + (g >> 1), src1 = src0 + 4;  // lanes holding keys 2t (2t+8), 2t+1 (2t+9)
+    int step = warp;
+    if (step < nsteps) {
+        load_k(start + 16 * step);
+        load_v(start + 16 * step);
+    }
+#pragma unroll 1
+    for (; step < nsteps; step += W) {
+        const int j0 = start + 16 * step;
+        const int jn = j0 + 16 * W;
+        const bool more = step + W < nsteps;
+
+        // ---- S^T = K (q * qscale)^T: hi and lo chains, even and odd k-steps kept apart
+        float s[NQ][4];
+        {
+            float d[NQ][4][4];
+#pragma unroll
+            for (int nq = 0; nq < NQ; ++nq)
+#pragma unroll
+                for (int c = 0; c < 4; ++c)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) d[nq][c][e] = 0.0f;
+#pragma unroll
+            for (int ks = 0; ks < NKS; ++ks) {
+                const unsigned a0 = kr[0][2 * ks], a1 = kr[1][2 * ks];
+                const unsigned a2 = kr[0][2 * ks + 1], a3 = kr[1][2 * ks + 1];
+#pragma unroll
+                for (int nq = 0; nq < NQ; ++nq) {
+                    ad_mma(d[nq][(ks & 1) * 2 + 0], a0, a1, a2, a3, qh[nq][ks][0], qh[nq][ks][1]);
+                    ad_mma(d[nq][(ks & 1) * 2 + 1], a0, a1, a2, a3, ql[nq][ks][0], ql[nq][ks][1]);
+                }
+            }
+#pragma unroll
+            for (int nq = 0; nq < NQ; ++nq)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    s[nq][e] = (d[nq][0][e] + d[nq][2][e]) + (d[nq][1][e] + d[nq][3][e]);
+        }
+        if (more) load_k(jn);  // the K registers are free: fetch the next step's keys now
+
+        // ---- online softmax per query vector; keys past its last key (or the split) get -inf.
+        // s[nq][2h + e]: key j0 + g + 8h, query vector 8 nq + 2t + e.
+        unsigned bh[NQ][2], bl[NQ][2];  // P^T B fragments (hi, lo)
+#pragma unroll
+        for (int nq = 0; nq < NQ; ++nq) {
+            float p[4];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                float s0 = (j0 + g <= last[nq][e]) ? s[nq][e] : -METRALE_INF;
+                float s1 = (j0 + g + 8 <= last[nq][e]) ? s[nq][2 + e] : -METRALE_INF;
+                float mx = fmaxf(s0, s1);
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+                const float mn = fmaxf(mrow[nq][e], mx);
+                const float mu = (mn == -METRALE_INF) ? 0.0f : mn;  // no key yet: p, corr = 0
+                const float corr = exp2f(mrow[nq][e] - mu);
+                p[e] = exp2f(s0 - mu);
+                p[2 + e] = exp2f(s1 - mu);
+                lrow[nq][e] = fmaf(lrow[nq][e], corr, p[e] + p[2 + e]);
+                mrow[nq][e] = mn;
+#pragma unroll
+                for (int mt = 0; mt < NMT; ++mt) {
+                    o[nq][mt][e] *= corr;
+                    o[nq][mt][2 + e] *= corr;
+                }
+            }
+            // pack (query 2t, 2t+1) pairs of keys g and g+8, then gather keys 2t, 2t+1, 2t+8,
+            // 2t+9 of query vector g from lanes src0 (keys 2t, 2t+8) and src1 (2t+1, 2t+9)
+            unsigned wh0, wl0, wh1, wl1;
+            ad_split_bf16x2(p[0], p[1], wh0, wl0);  // key g
+            ad_split_bf16x2(p[2], p[3], wh1, wl1);  // key g + 8
+            const unsigned xh0 = __shfl_sync(0xffffffffu, wh0, src0), xh1 = __shfl_sync(0xffffffffu, wh0, src1);
+            const unsigned yh0 = __shfl_sync(0xffffffffu, wh1, src0), yh1 = __shfl_sync(0xffffffffu, wh1, src1);
+            const unsigned xl0 = __shfl_sync(0xffffffffu, wl0, src0), xl1 = __shfl_sync(0xffffffffu, wl0, src1);
+            const unsigned yl0 = __shfl_sync(0xffffffffu, wl1, src0), yl1 = __shfl_sync(0xffffffffu, wl1, src1);
+            bh[nq][0] = __byte_perm(xh0, xh1, sel);
+            bh[nq][1] = __byte_perm(yh0, yh1, sel);
+            bl[nq][0] = __byte_perm(xl0, xl1, sel);
+            bl[nq][1] = __byte_perm(yl0, yl1, sel);
+        }
+
+        // ---- O^T += V^T P^T
+#pragma unroll
+        for (int mt = 0; mt < NMT; ++mt) {
+            const unsigned a0 = __byte_perm(vr[0][mt], vr[1][mt], 0x5410u);  // dim row g, keys 2t, 2t+1
+            const unsigned a1 = __byte_perm(vr[0][mt], vr[1][mt], 0x7632u);  // dim row g+8
+            const unsigned a2 = __byte_perm(vr[2][mt], vr[3][mt], 0x5410u);  // keys 2t+8, 2t+9
+            const unsigned a3 = __byte_perm(vr[2][mt], vr[3][mt], 0x7632u);
+#pragma unroll
+            for (int nq = 0; nq < NQ; ++nq) {
+                ad_mma(o[nq][mt], a0, a1, a2, a3, bh[nq][0], bh[nq][1]);
+                ad_mma(o[nq][mt], a0, a1, a2, a3, bl[nq][0], bl[nq][1]);
+            }
+        }
+        if (more) load_v(jn);
+    }
+
+    // ---- merge the warps of the block through shared memory
+#pragma unroll
+    for (int nq = 0; nq < NQ; ++nq) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            float l = lrow[nq][e];
+            l += __shfl_xor_sync(0xffffffffu, l, 4);
+            l += __shfl_xor_sync(0xffffffffu, l, 8);
+            l += __shfl_xor_sync(0xffffffffu, l, 16);
+            const int r = 8 * nq + 2 * t + e;
+            if (g == 0) {
+                s_ml[warp][r][0] = mrow[nq][e];
+                s_ml[warp][r][1] = l;
+            }
+#pragma unroll
+            for (int mt = 0; mt < NMT; ++mt) {
+                s_o[warp][r][ad_vdim<HD>(mt, g)] = o[nq][mt][e];
+                s_o[warp][r][ad_vdim<HD>(mt, g + 8)] = o[nq][mt][2 + e];
+            }
+        }
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < ROWS * HD; idx += W * 32) {
+        const int r = idx / HD, d = idx - r * HD;
+        const int qi = r0 + r;
+        if (qi >= MG) break;  // idx only grows: every later qi is past M*G too
+        float gm = -METRALE_INF;
+#pragma unroll
+        for (int w = 0; w < W; ++w) gm = fmaxf(gm, s_ml[w][r][0]);
+        float a = 0.0f, lsum = 0.0f;
+        if (gm != -METRALE_INF) {
+#pragma unroll
+            for (int w = 0; w < W; ++w) {
+                const float f = exp2f(s_ml[w][r][0] - gm);  // 0 for warps without keys
+                a = fmaf(s_o[w][r][d], f, a);
+                lsum = fmaf(s_ml[w][r][1], f, lsum);
+            }
+        }
+        const int m = qi / G, gg = qi - m * G;
+        const u64 slot = (u64)split * QT + (u64)m * n_heads + hk * G + gg;
+        part_acc[slot * HD + d] = a;
+        if (d == 0) {
+            part_ml[slot * 2] = gm;
+            part_ml[slot * 2 + 1] = lsum;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// SIMT split kernel (head_dim 256; any head_dim that is a multiple of 32).
+// Grid (n_kv, n_splits, ceil(M*G / QB)); block ATTN_WARPS warps.  Each block takes
+// one KV head, one split and QB of that head's M*G query vectors; its warps take
+// interleaved groups of KB keys, keep an online-softmax state per query in
+// registers (lanes split head_dim), merge the warps through shared memory and write
+// the partials as described above.
+// ---------------------------------------------------------------------------
 
 // E consecutive bf16 values held as raw bits (E = 1, 2, 4, 8).
 template <int E>
@@ -82,10 +457,16 @@ attn_decode_split_kernel(const float* __restrict__ q, const unsigned short* __re
     const int hk = blockIdx.x, split = blockIdx.y;
     const int G = n_heads / n_kv;
     const int QT = M * n_heads;
+    pdl_wait();  // q, positions and the cache come from earlier kernels
+    pdl_trigger();
     const int L = decode_len(positions, M, max_ctx);
     const int chunk = decode_chunk(L, n_splits);
     const int start = split * chunk;
-    if (start >= L) return;  // the same for the whole block
+    if (start >= L) {  // the same for the whole block
+        const int qi = blockIdx.z * QB + threadIdx.x;
+        if (threadIdx.x < QB && qi < M * G) decode_mark_empty(part_ml, split, qi, G, n_heads, hk, QT);
+        return;
+    }
     const int end = min(L, start + chunk);
 
     float qr[QB][E];
@@ -207,49 +588,64 @@ attn_decode_split_kernel(const float* __restrict__ q, const unsigned short* __re
     }
 }
 
-// Merge the splits: one block per (row, head), threads over head_dim (blockDim.x a
-// multiple of 32).  The global max over the splits is reduced in parallel (thread t
-// reads splits t, t + blockDim.x, ...); then each thread accumulates its dims over the
-// splits with no branch around the loads, so that the unrolled loop keeps several
-// independent loads in flight (the loop used to walk the splits with a load inside a
-// branch, one L2 round trip after another).  A split that saw no key of this row has
-// (max, sum, acc) = (-inf, 0, 0) and gets weight 0.
-extern "C" __global__ void attn_decode_combine_kernel(const float* __restrict__ part_acc,
-                                                      const float* __restrict__ part_ml,
-                                                      const int* __restrict__ positions,
-                                                      float* __restrict__ out, int M, int n_heads,
-                                                      int HD, int max_ctx, int n_splits) {
-    __shared__ float s_max[32];
+// Merge the splits: one block per (row, head), thread d for dim d (blockDim.x = head_dim,
+// a multiple of 32).  Batches of ATTN_COMBINE_BATCH splits: the (max, sum, acc) of a whole
+// batch are loaded with independent loads (the first batch before the positions are
+// known), then merged with an online rescale.  Splits with sum 0 (no key: the (-inf, 0)
+// marker, or a query vector that sees no key of the split) get weight 0 and their acc is
+// not used (it may be stale); a NaN sum still counts, so NaN propagates.  A row with no
+// key at all (position < 0) gives 0 / 0 = NaN.
+extern "C" __global__ void __launch_bounds__(256)
+attn_decode_combine_kernel(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
+                           const int* __restrict__ positions, float* __restrict__ out, int M, int n_heads,
+                           int HD, int max_ctx, int n_splits) {
+    constexpr int B = ATTN_COMBINE_BATCH;
     const int qt = blockIdx.x;
     const int QT = M * n_heads;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int d = threadIdx.x;
+    const bool active = d < HD;
+    pdl_wait();  // the partials come from the split kernel
+    pdl_trigger();
+    float gm = -METRALE_INF, lsum = 0.0f, a = 0.0f;
+    auto batch = [&](int s0) {
+        float mv[B], lv[B], av[B];
+#pragma unroll
+        for (int i = 0; i < B; ++i) {
+            const int s = s0 + i;
+            mv[i] = -METRALE_INF;
+            lv[i] = 0.0f;
+            av[i] = 0.0f;
+            if (s < n_splits && active) {
+                const u64 slot = (u64)s * QT + qt;
+                mv[i] = part_ml[slot * 2];
+                lv[i] = part_ml[slot * 2 + 1];
+                av[i] = part_acc[slot * HD + d];
+            }
+        }
+        float cm = gm;
+#pragma unroll
+        for (int i = 0; i < B; ++i)
+            if (lv[i] != 0.0f) cm = fmaxf(cm, mv[i]);
+        if (cm == -METRALE_INF) return;  // nothing yet
+        const float c = exp2f(gm - cm);  // 0 when gm is -inf
+        a *= c;
+        lsum *= c;
+#pragma unroll
+        for (int i = 0; i < B; ++i) {
+            if (lv[i] != 0.0f) {
+                const float f = exp2f(mv[i] - cm);
+                a = fmaf(av[i], f, a);
+                lsum = fmaf(lv[i], f, lsum);
+            }
+        }
+        gm = cm;
+    };
+    batch(0);
     const int L = decode_len(positions, M, max_ctx);
     const int chunk = decode_chunk(L, n_splits);
-    const int nact = (L + chunk - 1) / chunk;  // splits that wrote a partial (<= n_splits)
-    float gm = -METRALE_INF;
-    for (int s = threadIdx.x; s < nact; s += blockDim.x) {
-        const u64 slot = (u64)s * QT + qt;
-        const float mx = part_ml[slot * 2], ls = part_ml[slot * 2 + 1];
-        if (ls > 0.0f) gm = fmaxf(gm, mx);
-    }
-    gm = warp_max(gm);
-    if (lane == 0) s_max[warp] = gm;
-    __syncthreads();
-    gm = (lane < (int)(blockDim.x >> 5)) ? s_max[lane] : -METRALE_INF;
-    gm = warp_max(gm);
-    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
-        float a = 0.0f, lsum = 0.0f;
-#pragma unroll 8
-        for (int s = 0; s < nact; ++s) {
-            const u64 slot = (u64)s * QT + qt;
-            const float mx = part_ml[slot * 2], ls = part_ml[slot * 2 + 1];
-            const float pa = part_acc[slot * HD + d];
-            const float f = (ls > 0.0f) ? exp2f(mx - gm) : 0.0f;
-            a = fmaf(pa, f, a);
-            lsum = fmaf(ls, f, lsum);
-        }
-        out[(u64)qt * HD + d] = a / lsum;  // a row with no key (position < 0) gives NaN
-    }
+    const int nact = (L + chunk - 1) / chunk;  // splits that hold keys (<= n_splits)
+    for (int s0 = B; s0 < nact; s0 += B) batch(s0);
+    if (active) out[(u64)qt * HD + d] = a / lsum;
 }
 
 // ---------------------------------------------------------------------------
@@ -386,12 +782,19 @@ attn_prefill_kernel(const float* __restrict__ q, const unsigned short* __restric
     template __global__ void attn_decode_split_kernel<HD, QB, KB>(                              \
         const float*, const unsigned short*, const unsigned short*, const int*, float*, float*, \
         int, int, int, int, int, float);
-INST_SPLIT(32, 1, 8)
-INST_SPLIT(64, 4, 8)
-INST_SPLIT(128, 1, 8)
-INST_SPLIT(128, 4, 8)
-INST_SPLIT(128, 8, 8)
+INST_SPLIT(256, 1, 4)
+INST_SPLIT(256, 2, 4)
 INST_SPLIT(256, 4, 4)
+#define INST_TC(HD, NQ)                                                                              \
+    template __global__ void attn_decode_tc_kernel<HD, NQ>(const float*, const unsigned short*,        \
+                                                           const unsigned short*, const int*, float*,  \
+                                                           float*, int, int, int, int, int, float);
+INST_TC(32, 1)
+INST_TC(32, 2)
+INST_TC(64, 1)
+INST_TC(64, 2)
+INST_TC(128, 1)
+INST_TC(128, 2)
 template __global__ void attn_prefill_kernel<32>(const float*, const unsigned short*, const unsigned short*, float*, int, int, int, int, int, float);
 template __global__ void attn_prefill_kernel<64>(const float*, const unsigned short*, const unsigned short*, float*, int, int, int, int, int, float);
 template __global__ void attn_prefill_kernel<128>(const float*, const unsigned short*, const unsigned short*, float*, int, int, int, int, int, float);

@@ -2,6 +2,8 @@
 measured in the same run.  Needs CuPy and a CUDA GPU:
 
     PYTHONPATH=. python3 -m metrale_cli.cuda.bench_kernels
+    PYTHONPATH=. python3 -m metrale_cli.cuda.bench_kernels --tc   # tensor-core GEMV only (+ sweep)
+    PYTHONPATH=. python3 -m metrale_cli.cuda.bench_kernels --pdl  # launch chains with / without PDL
 
 Each measurement captures 32 launches into a CUDA graph (the engine replays graphs too, so
 the per-node launch gap is included), rotating several weight copies so that the 60 MB L2
@@ -84,6 +86,111 @@ def _bf16_weights(cp, K, shape, copies):
     return out
 
 
+# Tensor-core GEMV (gemv_tc): the Llama-3.1-8B shapes of the rows path.
+TC_SHAPES = (
+    ("qkv", 6144, 4096, False),
+    ("o", 4096, 4096, False),
+    ("gate_up", 14336, 4096, True),  # N = I: the weight is 2I x K
+    ("down", 4096, 14336, False),
+    ("lm_head", 128256, 4096, False),
+)
+TC_MS = (1, 4, 8, 16)
+
+
+def tc_section(cp, K, read_gbs) -> None:
+    """gemv_tc against gemv / gemv_swiglu (default configs) for M in TC_MS on TC_SHAPES, plus a
+    sweep over the compiled gemv_tc configs.  'x M=1' = time / the fp32 gemv's time at M = 1 (the
+    verify pass at M = k should cost <= 1.15x / 1.3x a decode step)."""
+    from metrale_cli.cuda.kernels import (GEMV_TC_DEFAULT, GEMV_TC_EXTRA, GEMV_TC_SWIGLU_DEFAULT,
+                                          GEMV_TC_SWIGLU_EXTRA)
+
+    print(f"{'op':<16}{'N x K':>14}{'M':>4}{'config':>10}{'us':>9}{'GB/s':>8}{'% read':>8}{'x M=1':>7}")
+    best = []
+    for op, N, Kd, swiglu in TC_SHAPES:
+        rows_w = 2 * N if swiglu else N
+        nbytes_w = rows_w * Kd * 2
+        copies = max(2, min(16, math.ceil(4 * L2_BYTES / nbytes_w)))
+        ws = _bf16_weights(cp, K, (rows_w, Kd), copies)
+        defaults = GEMV_TC_SWIGLU_DEFAULT if swiglu else GEMV_TC_DEFAULT
+        extra = GEMV_TC_SWIGLU_EXTRA if swiglu else GEMV_TC_EXTRA
+        t1 = None
+        for M in TC_MS:
+            x = cp.random.standard_normal((M, Kd), dtype=cp.float32)
+            out = cp.empty((M, N), dtype=cp.float32)
+            nbytes = nbytes_w + M * Kd * 4 + M * N * 4
+            cands = [("gemv", None)] + [("tc", c) for c in dict.fromkeys([defaults[M]] + list(extra))]
+            res = []
+            for kind, cfg in cands:
+                if kind == "gemv":
+                    if swiglu:
+                        f = lambda s, w, c=cfg: K.gemv_swiglu(x, w, out, stream=s)  # noqa: E731
+                    else:
+                        f = lambda s, w, c=cfg: K.gemv(x, w, out, stream=s)  # noqa: E731
+                else:
+                    f = lambda s, w, c=cfg: K.gemv_tc(x, w, out, swiglu=swiglu, config=c, stream=s)  # noqa: E731
+                launches = [(lambda s, w=ws[i % copies], f=f: f(s, w)) for i in range(32)]
+                ms = _graph_time_ms(cp, launches)
+                if kind == "gemv" and M == 1:
+                    t1 = ms
+                gbs = nbytes / (ms * 1e-3) / 1e9
+                tag = "fp32*" if kind == "gemv" else ",".join(map(str, cfg)) + ("*" if cfg == defaults[M] else "")
+                label = ("gemv_swiglu" if swiglu else "gemv") if kind == "gemv" else f"tc {op}"
+                print(f"{label:<16}{N:>7}x{Kd:<6}{M:>4}{tag:>10}{ms * 1e3:>9.1f}{gbs:>8.0f}"
+                      f"{100 * gbs / read_gbs:>7.0f}%{ms / t1:>7.2f}")
+                sys.stdout.flush()
+                res.append((ms, tag))
+            b = min(r for r in res[1:])
+            best.append((op, M, res[0][0] * 1e3, b[0] * 1e3, b[1], 100 * nbytes / (b[0] * 1e-3) / 1e9 / read_gbs,
+                         b[0] / t1))
+        del ws
+    print()
+    print("best gemv_tc config per shape and M (us: fp32 gemv default -> best tc; % read; x gemv M=1):")
+    for op, M, tg, tb, tag, pct, ratio in best:
+        print(f"  {op:<8} M={M:<3} {tg:8.1f} -> {tb:8.1f} us  ({tag:>7}) {pct:5.0f}%  {ratio:5.2f}x")
+
+
+def pdl_section(cp, K) -> None:
+    """Time per launch of dependent chains captured in one graph, with and without programmatic
+    dependent launch (PDL): tiny kernels (rmsnorm of one row: the gap between kernels dominates) and
+    a chain of Llama-3-8B decode projections at M = 1 (o 4096x4096 and down 4096x14336 alternating
+    with qkv 6144x4096 and gate/up, each reading the previous one's output), weights rotated."""
+    if not K.pdl_supported:
+        print("PDL: not supported on this GPU")
+        return
+    H = 4096
+    x = cp.random.standard_normal((1, H), dtype=cp.float32)
+    y = cp.empty_like(x)
+    nw = cp.zeros(H, dtype=cp.uint16) + 0x3F80  # bf16 1.0
+    tiny = [(lambda s, a=(x, y) if i % 2 == 0 else (y, x): K.rmsnorm(a[0], nw, 1e-6, a[1], stream=s))
+            for i in range(256)]
+    copies = 4
+    wq = _bf16_weights(cp, K, (6144, H), copies)
+    wo = _bf16_weights(cp, K, (H, H), copies)
+    wgu = _bf16_weights(cp, K, (2 * 14336, H), copies)
+    wd = _bf16_weights(cp, K, (H, 14336), copies)
+    res = cp.random.standard_normal((1, H), dtype=cp.float32)
+    qkv = cp.empty((1, 6144), dtype=cp.float32)
+    act = cp.empty((1, 14336), dtype=cp.float32)
+    layer = []
+    for i in range(16):
+        c = i % copies
+        layer += [
+            lambda s, c=c: K.gemv(res, wq[c], qkv, norm_weight=nw, stream=s),
+            lambda s, c=c: K.gemv(x, wo[c], res, accumulate=True, stream=s),
+            lambda s, c=c: K.gemv_swiglu(res, wgu[c], act, norm_weight=nw, stream=s),
+            lambda s, c=c: K.gemv(act, wd[c], res, accumulate=True, stream=s),
+        ]
+    for label, chain in (("rmsnorm x256", tiny), ("decode GEMVs x64", layer)):
+        for pdl in (False, True):
+            K.pdl = pdl
+            try:
+                ms = _graph_time_ms(cp, chain)
+            finally:
+                K.pdl = False
+            print(f"{label:<18} PDL {'on ' if pdl else 'off'}  {ms * 1e3:8.2f} us per launch")
+            sys.stdout.flush()
+
+
 def main() -> int:
     import cupy as cp
 
@@ -96,6 +203,12 @@ def main() -> int:
     print(f"device: {name}, {K.num_sms} SMs")
     print(f"read-only kernel (4 GiB, uint4 streaming loads): {read_gbs:8.0f} GB/s")
     print()
+    if "--tc" in sys.argv[1:]:  # only the tensor-core GEMV section
+        tc_section(cp, K, read_gbs)
+        return 0
+    if "--pdl" in sys.argv[1:]:  # only the programmatic-dependent-launch section
+        pdl_section(cp, K)
+        return 0
     print(f"{'op':<10}{'N x K':>14}{'M':>4}{'R,U':>6}{'us':>9}{'GB/s':>8}{'% read':>8}")
 
     shapes = [(4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096), (128256, 4096)]

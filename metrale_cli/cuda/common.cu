@@ -93,4 +93,7 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
+// Prefetch the 128-byte line holding p into L2 (no register result, never faults on a valid address).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 #endif  // METRALE_COMMON_CU

@@ -6,6 +6,8 @@
 extern "C" __global__ void embedding_kernel(const int* __restrict__ ids,
                                             const unsigned short* __restrict__ table,
                                             float* __restrict__ out, int V, int H) {
+    pdl_wait();
+    pdl_trigger();
     const int m = blockIdx.x;
     const int id = ids[m];
     float* o = out + (u64)m * H;
@@ -20,6 +22,8 @@ extern "C" __global__ void embedding_kernel(const int* __restrict__ ids,
 // Round-to-nearest-even float32 -> bf16 bits (torch CPU semantics, see common.cu).
 extern "C" __global__ void f32_to_bf16_kernel(const float* __restrict__ x,
                                               unsigned short* __restrict__ out, long long n) {
+    pdl_wait();
+    pdl_trigger();
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x)
         out[i] = f32_to_bf16_bits(x[i]);
@@ -27,6 +31,8 @@ extern "C" __global__ void f32_to_bf16_kernel(const float* __restrict__ x,
 
 extern "C" __global__ void bf16_to_f32_kernel(const unsigned short* __restrict__ x,
                                               float* __restrict__ out, long long n) {
+    pdl_wait();
+    pdl_trigger();
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x)
         out[i] = bf16_to_f32_bits(x[i]);
@@ -35,6 +41,8 @@ extern "C" __global__ void bf16_to_f32_kernel(const unsigned short* __restrict__
 // out[m, i] = silu(gate_up[m, i]) * gate_up[m, I + i]   (silu(g) = g * sigmoid(g)).
 extern "C" __global__ void swiglu_kernel(const float* __restrict__ gate_up,
                                          float* __restrict__ out, int M, int I) {
+    pdl_wait();
+    pdl_trigger();
     const long long n = (long long)M * I;
     for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
          idx += (long long)gridDim.x * blockDim.x) {
@@ -55,6 +63,8 @@ extern "C" __global__ void kv_append_kernel(const float* __restrict__ k,
                                             unsigned short* __restrict__ v_cache,
                                             const int* __restrict__ positions,
                                             int M, int n_kv, int hd, int max_ctx) {
+    pdl_wait();
+    pdl_trigger();
     const long long n = (long long)M * n_kv * hd;
     for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
          idx += (long long)gridDim.x * blockDim.x) {

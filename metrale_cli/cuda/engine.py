@@ -168,8 +168,11 @@ class CudaEngine(EngineBase):
             self._hidden = cp.zeros((1, H), cp.float32)
             self._amax = cp.zeros((R,), cp.int32)
             self._decode_amax = cp.zeros((1,), cp.int32)  # argmax of the decode row, computed in the graph
-            self._splits = kern.decode_splits(max_context, nkv, R, cfg.num_attention_heads)
-            self._ws = cp.zeros(kern.decode_workspace_size(R, cfg.num_attention_heads, d, self._splits), cp.float32)
+            # attention splits per row count (fixed in each captured graph; the length is read on the device)
+            nh = cfg.num_attention_heads
+            self._splits = {m: kern.decode_splits(max_context, nkv, m, nh) for m in range(1, R + 1)}
+            ws = max(kern.decode_workspace_size(m, nh, d, s) for m, s in self._splits.items())
+            self._ws = cp.zeros(ws, cp.float32)
             self._inv_freq = cp.asarray(cfg.inv_freq())
             self._io_host = cp.cuda.alloc_pinned_memory(2 * R * 4)
         except cp.cuda.memory.OutOfMemoryError:
@@ -180,8 +183,18 @@ class CudaEngine(EngineBase):
         # stream does not wait for: without this, the first passes can read weights still in flight.
         cp.cuda.Device().synchronize()
         self._graphs: dict[tuple[str, int], Any] = {}
+        # programmatic dependent launch on the rows path (sm_90+): each kernel's weight loads overlap
+        # the previous kernel's tail.  Set before the first pass (graphs are captured with it).
+        self.use_pdl = bool(getattr(kern, "pdl_supported", False))
+        self.gemv_impl = "simt"  # rows-path projections: "simt" (gemv.cu) or "tc" (gemv_tc.cu)
         self._long_logits = None  # [rows, V] for long prefills, grown on demand
         self._decode_amax_fresh = False
+
+    def set_pdl(self, enabled: bool) -> None:
+        """Turn programmatic dependent launch on the rows path on or off (recaptures the graphs)."""
+        self.synchronize()
+        self.use_pdl = bool(enabled) and bool(getattr(self.kern, "pdl_supported", False))
+        self._graphs.clear()
 
     # -- passes --------------------------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -221,7 +234,7 @@ class CudaEngine(EngineBase):
         key = (kind, m)
         if not self.use_graphs:
             with self.stream:
-                self._rows_body(m, kind)
+                self._rows_body_pdl(m, kind)
         else:
             graph = self._graphs.get(key)
             if graph is None:
@@ -239,11 +252,18 @@ class CudaEngine(EngineBase):
         self.stream.begin_capture()
         try:
             with self.stream:
-                self._rows_body(m, kind)
+                self._rows_body_pdl(m, kind)
         finally:
             graph = self.stream.end_capture()
         self._graphs[(kind, m)] = graph
         return graph
+
+    def _rows_body_pdl(self, m: int, kind: str) -> None:
+        self.kern.pdl = self.use_pdl
+        try:
+            self._rows_body(m, kind)
+        finally:
+            self.kern.pdl = False
 
     def _rows_body(self, m: int, kind: str) -> None:
         """The whole forward of m rows at positions io[1, :m]; every launch is capturable.
@@ -257,25 +277,37 @@ class CudaEngine(EngineBase):
         # rotated q: in place in the GEMV output for one row, else its own contiguous buffer
         q = qkv[:, :cfg.q_size].reshape(1, cfg.num_attention_heads, cfg.head_dim) if m == 1 else self._q[:m]
         k.embedding(ids, w.embed, x, stream=s)
+        lin = self._linear
         for li, lw in enumerate(w.layers):
-            k.gemv(x, lw.wqkv, qkv, lw.bqkv, norm_weight=lw.input_norm, eps=eps, stream=s)
+            lin(x, lw.wqkv, qkv, lw.bqkv, norm_weight=lw.input_norm)
             k.rope_kv_append(qkv, pos, self._inv_freq, q, self._kc[li], self._vc[li], lw.q_norm, lw.k_norm,
                              eps, stream=s)
             k.attention_decode(q, self._kc[li], self._vc[li], pos, attn, cfg.head_dim ** -0.5,
-                               n_splits=self._splits, workspace=self._ws, stream=s)
-            k.gemv_residual(attn.reshape(m, cfg.q_size), lw.wo, x, lw.bo, stream=s)
-            k.gemv_swiglu(x, lw.w_gate_up, act, norm_weight=lw.post_norm, eps=eps, stream=s)
-            k.gemv_residual(act, lw.w_down, x, stream=s)
+                               n_splits=self._splits[m], workspace=self._ws, stream=s)
+            lin(attn.reshape(m, cfg.q_size), lw.wo, x, lw.bo, accumulate=True)
+            lin(x, lw.w_gate_up, act, swiglu=True, norm_weight=lw.post_norm)
+            lin(act, lw.w_down, x, accumulate=True)
         k.rmsnorm(x, w.final_norm, eps, h, stream=s)
         self._hidden[0] = h[m - 1]
         out = self._decode_logits if kind == "decode" else self._rows_logits[:m]
         if self._fp32_logits:
-            k.gemv(h, w.lm_head, out, stream=s)
+            lin(h, w.lm_head, out)
         else:
-            k.gemv(h, w.lm_head, self._logits32[:m], stream=s)
+            lin(h, w.lm_head, self._logits32[:m])
             k.f32_to_bf16(self._logits32[:m], out, stream=s)
         if kind == "decode":
             k.argmax(out, self._decode_amax, stream=s)
+
+    def _linear(self, x, w, out, bias=None, *, accumulate=False, swiglu=False, norm_weight=None) -> None:
+        """One projection of the rows path: metrale's tensor-core GEMV (gemv_tc) or the fp32-FMA GEMV."""
+        k, eps, s = self.kern, self.cfg.rms_norm_eps, self.stream
+        if self.gemv_impl == "tc":
+            k.gemv_tc(x, w, out, bias, accumulate=accumulate, swiglu=swiglu, norm_weight=norm_weight, eps=eps,
+                      stream=s)
+        elif swiglu:
+            k.gemv_swiglu(x, w, out, norm_weight=norm_weight, eps=eps, stream=s)
+        else:
+            k.gemv(x, w, out, bias, accumulate=accumulate, norm_weight=norm_weight, eps=eps, stream=s)
 
     # -- the prefill path (cuBLAS, eager) -------------------------------------------------------------
     def _prefill_long(self, ids: np.ndarray, all_logits: bool) -> int:
@@ -306,41 +338,40 @@ class CudaEngine(EngineBase):
         """One chunk of T tokens at positions length..length+T-1; returns post-final-norm rows [T, H]."""
         cp, cfg, k, w, s = self.cp, self.cfg, self.kern, self.w, self.stream
         t, start, eps = len(ids), self.length, cfg.rms_norm_eps
-        nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        nh, d = cfg.num_attention_heads, cfg.head_dim
         try:
             dev_ids = cp.asarray(ids.astype(np.int32))
             pos = cp.arange(start, start + t, dtype=cp.int32)
             x = cp.empty((t, cfg.hidden_size), cp.float32)
             h = cp.empty_like(x)
             attn = cp.empty((t, nh, d), cp.float32)
+            q = cp.empty((t, nh, d), cp.float32)
         except cp.cuda.memory.OutOfMemoryError:
             raise _oom(cp, f"prefilling {t} tokens", t * cfg.hidden_size * 16) from None
         k.embedding(dev_ids, w.embed, x, stream=s)
         for li, lw in enumerate(w.layers):
             k.rmsnorm(x, lw.input_norm, eps, h, stream=s)
             qkv = self._gemm(h, lw.wqkv, lw.bqkv)
-            q = cp.ascontiguousarray(qkv[:, :cfg.q_size]).reshape(t, nh, d)
-            kk = cp.ascontiguousarray(qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size]).reshape(t, nkv, d)
-            vv = cp.ascontiguousarray(qkv[:, cfg.q_size + cfg.kv_size:]).reshape(t, nkv, d)
+            # rope on q and k (+ qk norm) and the KV append in one pass over the GEMM output
+            k.rope_kv_append(qkv, pos, self._inv_freq, q, self._kc[li], self._vc[li], lw.q_norm, lw.k_norm,
+                             eps, stream=s)
             del qkv
-            k.rope(q, pos, self._inv_freq, lw.q_norm, eps, stream=s)
-            k.rope(kk, pos, self._inv_freq, lw.k_norm, eps, stream=s)
-            k.kv_append(kk, vv, self._kc[li], self._vc[li], pos, stream=s)
             k.attention_prefill(q, self._kc[li], self._vc[li], start, t, attn, d ** -0.5, stream=s)
-            x += self._gemm(attn.reshape(t, cfg.q_size), lw.wo, lw.bo)
+            self._gemm(attn.reshape(t, cfg.q_size), lw.wo, lw.bo, accumulate_into=x)
             k.rmsnorm(x, lw.post_norm, eps, h, stream=s)
             gu = self._gemm(h, lw.w_gate_up)
             act = cp.empty((t, cfg.intermediate_size), cp.float32)
             k.swiglu(gu, act, stream=s)
             del gu
-            x += self._gemm(act, lw.w_down)
+            self._gemm(act, lw.w_down, accumulate_into=x)
         k.rmsnorm(x, w.final_norm, eps, h, stream=s)
         self.length = start + t
         self._hidden[0] = h[t - 1]
         return h
 
-    def _gemm(self, x, w, bias=None):
-        """x f32 [T, K] @ w.T (w bf16 bits [N, K]) -> f32 [T, N], through cuBLAS with bf16 operands."""
+    def _gemm(self, x, w, bias=None, accumulate_into=None):
+        """x f32 [T, K] @ w.T (w bf16 bits [N, K]) -> f32 [T, N], through cuBLAS with bf16 operands.
+        With accumulate_into (f32 [T, N]) the product is added to it in the GEMM (beta = 1) instead."""
         cp = self.cp
         from cupy_backends.cuda.libs import cublas
 
@@ -348,8 +379,9 @@ class CudaEngine(EngineBase):
         n = w.shape[0]
         xb = cp.empty((t, kdim), cp.uint16)
         self.kern.f32_to_bf16(x, xb, stream=self.stream)
-        out = cp.empty((t, n), cp.float32)
-        one, zero = np.array(1.0, np.float32), np.array(0.0, np.float32)
+        out = cp.empty((t, n), cp.float32) if accumulate_into is None else accumulate_into
+        one = np.array(1.0, np.float32)
+        zero = np.array(0.0 if accumulate_into is None else 1.0, np.float32)  # beta
         handle = cp.cuda.device.get_cublas_handle()
         cublas.setStream(handle, self.stream.ptr)
         # Row-major out[t, n] = xb @ w.T is column-major out^T[n, t] = w^T(op T of [k, n]) @ xb^T.

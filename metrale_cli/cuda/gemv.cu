@@ -152,6 +152,15 @@ gemv_kernel(const float* __restrict__ x, const unsigned short* __restrict__ w,
 
     const uint4* wrow[RW];
     gemv_rows<R, SWIGLU>(w, n0, N, K, wrow);
+    // PDL: start pulling this warp's first weight chunks into L2 while the previous kernel
+    // (which produced x) finishes; x and out are touched only after pdl_wait.
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int r = 0; r < RW; ++r)
+            if (lane + 32 * u < C) prefetch_l2(wrow[r] + lane + 32 * u);
+    pdl_wait();
+    pdl_trigger();
 
     float acc[RW][M];
 #pragma unroll
@@ -222,6 +231,8 @@ gemv_xs_kernel(const float* __restrict__ x, const unsigned short* __restrict__ w
     uint4 wn[RW];
 #pragma unroll
     for (int r = 0; r < RW; ++r) wn[r] = (lane < C) ? ld_stream_u4(wrow[r] + lane) : make_uint4(0u, 0u, 0u, 0u);
+    pdl_wait();  // PDL: the first weight tile is in flight; x and out only after this
+    pdl_trigger();
 
     for (int t = 0; t < tiles; ++t) {
         const int c = t * 32 + lane;

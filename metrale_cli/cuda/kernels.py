@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 _CUDA_DIR = Path(__file__).resolve().parent
-_SOURCES = ("elementwise.cu", "norm_rope.cu", "gemv.cu", "attention.cu", "argmax.cu")
+_SOURCES = ("elementwise.cu", "norm_rope.cu", "gemv.cu", "attention.cu", "flash_prefill.cu", "argmax.cu", "gemv_tc.cu")
 _INCLUDE_LINE = '#include "common.cu"'
 COMPILE_OPTIONS = ("-std=c++17", "-DMETRALE_NVRTC")
 
@@ -47,19 +47,58 @@ GEMV_EXTRA = ((1, 2, 4), (1, 4, 2), (1, 2, 8), (4, 2, 4), (4, 1, 8), (8, 8, 0), 
 GEMV_SWIGLU_EXTRA = tuple((m, 2, 0) for m in range(5, 17))
 # The fused-RMSNorm variants (norm_weight=...) are compiled for the default configs only.
 
+# Tensor-core GEMV (gemv_tc.cu, `Kernels.gemv_tc`).  A config is (TILES, W, U): TILES tiles of 16
+# output rows per block (SwiGLU: 2 TILES weight tiles), W warps splitting K, U chunks of 32 k per
+# step and lane.  Each config is compiled for NT = 1 (M <= 8) and NT = 2 (M <= 16) token tiles.
+# A token's result depends on (W, GEMV_TC_P) only, not on M, TILES or U: keep W the same for all M
+# so that a verify row equals the decode row bit for bit.  Defaults: provisional (to be tuned with
+# `python3 -m metrale_cli.cuda.bench_kernels --tc`).
+GEMV_TC_P = 4  # must match gemv_tc.cu (k chunks per partition group)
+GEMV_TC_DEFAULT = {m: (1, 8, 4) for m in range(1, 17)}
+GEMV_TC_SWIGLU_DEFAULT = {m: (1, 8, 4) for m in range(1, 17)}
+GEMV_TC_EXTRA = ((1, 8, 2), (2, 8, 4), (2, 4, 4), (1, 8, 6), (1, 8, 8), (1, 4, 8))
+GEMV_TC_SWIGLU_EXTRA = ((1, 8, 2), (1, 4, 4), (1, 8, 8), (1, 4, 8))
+# The fused-RMSNorm variants are compiled for the default configs only.
+
 ATTN_WARPS = 4  # must match attention.cu
 DECODE_HEAD_DIMS = (32, 64, 128, 256)
 PREFILL_HEAD_DIMS = (32, 64, 128)
+# flash_prefill.cu (tensor cores): a block takes PREFILL_BQ query rows of one head, 16 rows per warp,
+# and walks key tiles of PREFILL_BK keys (must match FP_BK there).  PREFILL_BQS are compiled; 64
+# (4 warps, 168 registers at head_dim 128 -> 3 blocks per SM) is the default.
 PREFILL_BQ = 64
+PREFILL_BQS = (64, 128)
+PREFILL_BK = 64
+# The old fp32 SIMT prefill kernel of attention.cu, still compiled for bench_prefill's comparison.
+# Delete this line (and bench_prefill's use of it) together with that kernel.
+LEGACY_PREFILL_NAMES = tuple(f"attn_prefill_kernel<{hd}>" for hd in PREFILL_HEAD_DIMS)
 LOG2E = 1.4426950408889634
 
 
+# Decode attention (attention.cu).  head_dim in DECODE_TC_HEAD_DIMS: the tensor-core split kernel,
+# ATTN_TC_WARPS warps per block, 8 or 16 query vectors (rows x heads of one KV head) per block;
+# head_dim 256: the SIMT split kernel (ATTN_WARPS warps, _decode_qb_max query vectors per block).
+# Splits are multiples of ATTN_CHUNK_ALIGN keys.  All must match attention.cu.
+ATTN_TC_WARPS = 4
+ATTN_CHUNK_ALIGN = 64
+DECODE_TC_HEAD_DIMS = (32, 64, 128)
+
+
 def _decode_qb_max(hd: int) -> int:
-    return 4 if hd > 128 else 8
+    """Query vectors per block: the most the split kernel of head_dim hd takes."""
+    return 16 if hd in DECODE_TC_HEAD_DIMS else 4
 
 
 def _decode_kb(hd: int) -> int:
-    return 4 if hd > 128 else 8
+    """Keys per warp step of the SIMT split kernel (head_dim 256)."""
+    return 4
+
+
+def _decode_qb(hd: int, n_qvec: int) -> int:
+    """Query vectors per block for n_qvec = M * G query vectors per KV head."""
+    if hd in DECODE_TC_HEAD_DIMS:
+        return 8 if n_qvec <= 8 else 16
+    return min(_decode_qb_max(hd), _next_pow2(n_qvec))
 
 
 def gemv_name(m: int, r: int, u: int, swiglu: bool, norm: bool = False) -> str:
@@ -70,6 +109,27 @@ def gemv_name(m: int, r: int, u: int, swiglu: bool, norm: bool = False) -> str:
     return f"gemv_kernel<{m}, {r}, {u}, {sw}, {nm}>"
 
 
+def gemv_tc_name(nt: int, tiles: int, w: int, u: int, swiglu: bool, norm: bool = False) -> str:
+    sw = "true" if swiglu else "false"
+    nm = "true" if norm else "false"
+    return f"gemv_tc_kernel<{nt}, {tiles}, {w}, {u}, {sw}, {nm}>"
+
+
+def _gemv_tc_names() -> list[str]:
+    names: list[str] = []
+    for swiglu, default, extra in (
+        (False, GEMV_TC_DEFAULT, GEMV_TC_EXTRA),
+        (True, GEMV_TC_SWIGLU_DEFAULT, GEMV_TC_SWIGLU_EXTRA),
+    ):
+        for m, cfg in default.items():
+            for norm in (False, True):
+                names.append(gemv_tc_name(2 if m > 8 else 1, *cfg, swiglu, norm))
+        for cfg in extra:
+            for nt in (1, 2):
+                names.append(gemv_tc_name(nt, *cfg, swiglu))
+    return list(dict.fromkeys(names))
+
+
 def _gemv_block_rows(r: int, u: int) -> tuple[int, int]:
     """(threads per block, output rows per block) of a gemv config."""
     warps = GEMV_XS_WARPS if u == 0 else GEMV_WARPS
@@ -77,11 +137,19 @@ def _gemv_block_rows(r: int, u: int) -> tuple[int, int]:
 
 
 def decode_name(hd: int, qb: int) -> str:
+    """The split kernel for head_dim hd taking qb query vectors per block (_decode_qb)."""
+    if hd in DECODE_TC_HEAD_DIMS:
+        return f"attn_decode_tc_kernel<{hd}, {qb // 8}>"
     return f"attn_decode_split_kernel<{hd}, {qb}, {_decode_kb(hd)}>"
 
 
-def prefill_name(hd: int) -> str:
-    return f"attn_prefill_kernel<{hd}>"
+def prefill_name(hd: int, bq: int = PREFILL_BQ) -> str:
+    return f"flash_prefill_kernel<{hd}, {bq // 16}>"
+
+
+def prefill_smem_bytes(hd: int) -> int:
+    """Dynamic shared memory of flash_prefill_kernel: 2 stages x (K, V) x PREFILL_BK x (hd + 8) bf16."""
+    return 2 * 2 * PREFILL_BK * (hd + 8) * 2
 
 
 def name_expressions() -> tuple[str, ...]:
@@ -104,12 +172,15 @@ def name_expressions() -> tuple[str, ...]:
     for m, (r, u) in GEMV_SWIGLU_DEFAULT.items():
         names.append(gemv_name(m, r, u, True, True))
     for hd in DECODE_HEAD_DIMS:
-        qb = 1
-        while qb <= _decode_qb_max(hd):
+        for qb in (8, 16) if hd in DECODE_TC_HEAD_DIMS else (1, 2, 4):
             names.append(decode_name(hd, qb))
-            qb *= 2
     for hd in PREFILL_HEAD_DIMS:
-        names.append(prefill_name(hd))
+        for bq in PREFILL_BQS:
+            names.append(prefill_name(hd, bq))
+    names.extend(LEGACY_PREFILL_NAMES)
+    for n in _gemv_tc_names():
+        if n not in names:
+            names.append(n)
     return tuple(names)
 
 
@@ -149,6 +220,67 @@ def _next_pow2(n: int) -> int:
     return p
 
 
+class PdlLauncher:
+    """Launches a compiled CuPy kernel through the driver's cuLaunchKernelEx with the
+    programmatic-stream-serialization attribute (PDL), which CuPy's own launcher does not expose.
+    Under stream capture the dependency becomes a programmatic edge of the CUDA graph."""
+
+    _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+    def __init__(self, cp: Any) -> None:
+        import ctypes
+
+        self._ct = ctypes
+        self._cp = cp
+        self._lib = ctypes.CDLL("libcuda.so.1")
+
+        class Attr(ctypes.Structure):  # CUlaunchAttribute: id, pad to 8, 64-byte value union
+            _fields_ = [("id", ctypes.c_uint32), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint64 * 8)]
+
+        class Config(ctypes.Structure):  # CUlaunchConfig
+            _fields_ = [
+                ("gridDimX", ctypes.c_uint32), ("gridDimY", ctypes.c_uint32), ("gridDimZ", ctypes.c_uint32),
+                ("blockDimX", ctypes.c_uint32), ("blockDimY", ctypes.c_uint32), ("blockDimZ", ctypes.c_uint32),
+                ("sharedMemBytes", ctypes.c_uint32), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(Attr)), ("numAttrs", ctypes.c_uint32),
+            ]
+
+        self._attr = Attr()
+        self._attr.id = self._ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
+        self._attr.value[0] = 1  # programmaticStreamSerializationAllowed (int) = 1
+        self._Config = Config
+        self._fn = self._lib.cuLaunchKernelEx
+        self._fn.restype = ctypes.c_int
+        self._fn.argtypes = [ctypes.POINTER(Config), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+
+    def _param(self, a: Any) -> Any:
+        ct, np = self._ct, __import__("numpy")
+        if isinstance(a, self._cp.ndarray):
+            return ct.c_uint64(a.data.ptr)
+        if isinstance(a, np.int32):
+            return ct.c_int32(int(a))
+        if isinstance(a, np.float32):
+            return ct.c_float(float(a))
+        if isinstance(a, np.int64):
+            return ct.c_int64(int(a))
+        raise TypeError(f"PDL launch: unsupported kernel argument type {type(a).__name__}")
+
+    def launch(self, fn: Any, grid: tuple, block: tuple, args: tuple, stream: Any) -> None:
+        ct = self._ct
+        g = tuple(grid) + (1,) * (3 - len(grid))
+        b = tuple(block) + (1,) * (3 - len(block))
+        if stream is None:
+            stream = self._cp.cuda.get_current_stream()
+        cfg = self._Config(g[0], g[1], g[2], b[0], b[1], b[2], 0, ct.c_void_p(stream.ptr),
+                           ct.pointer(self._attr), 1)
+        params = [self._param(a) for a in args]
+        ptrs = (ct.c_void_p * len(params))(*[ct.cast(ct.pointer(p), ct.c_void_p) for p in params])
+        func = getattr(fn, "kernel", fn).ptr  # RawKernel -> cupy.cuda.function.Function -> CUfunction
+        rc = self._fn(ct.byref(cfg), ct.c_void_p(func), ptrs, None)
+        if rc != 0:
+            raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {rc}")
+
+
 class Kernels:
     """All kernels of the CUDA engine.  Construct once per process (after choosing the device)."""
 
@@ -176,6 +308,12 @@ class Kernels:
             pass
         self._dummy = cupy.zeros(8, dtype=cupy.uint16)  # stands for an absent optional operand
         self._workspace = None  # decode scratch, grown on demand (eager calls only)
+        # Programmatic dependent launch: while True, every launch lets the kernel start before the
+        # previous kernel of the stream has finished (the kernels' pdl_wait() orders their reads and
+        # writes).  The engine turns it on for the captured rows path.  Needs compute capability 9.0.
+        self.pdl = False
+        self.pdl_supported = int(dev.compute_capability) >= 90
+        self._pdl_launcher = None
 
     # ------------------------------------------------------------------ checks
     def _arr(self, a: Any, name: str) -> Any:
@@ -236,7 +374,12 @@ class Kernels:
         return max(1, min(_ceil_div(n, block), self.num_sms * 16))
 
     def _launch(self, name: str, grid: tuple, block: tuple, args: tuple, stream: Any) -> None:
-        self._fn[name](grid, block, args, stream=stream)
+        if self.pdl:
+            if self._pdl_launcher is None:
+                self._pdl_launcher = PdlLauncher(self._cp)
+            self._pdl_launcher.launch(self._fn[name], grid, block, args, stream)
+        else:
+            self._fn[name](grid, block, args, stream=stream)
 
     # ------------------------------------------------------------------ kernels
     def embedding(self, ids: Any, table: Any, out: Any, *, stream: Any = None) -> None:
@@ -365,6 +508,72 @@ class Kernels:
             norm_weight if norm else self._dummy, np.float32(eps),
         )
         self._launch(name, grid, (threads,), args, stream)
+
+    def gemv_tc(
+        self,
+        x: Any,
+        w: Any,
+        out: Any,
+        bias: Any = None,
+        *,
+        accumulate: bool = False,
+        swiglu: bool = False,
+        norm_weight: Any = None,
+        eps: float = 1e-6,
+        config: tuple[int, int, int] | None = None,
+        stream: Any = None,
+    ) -> None:
+        """Tensor-core version of gemv / gemv_swiglu (mma.sync bf16, x split into bf16 hi + lo,
+        fp32 accumulation): out (=|+=) x @ w.T (+ bias), or with swiglu=True
+        out (=|+=) silu(x @ Wg.T) * (x @ Wu.T) for w = concat(Wg, Wu) bf16[2I, K], out f32[M, I]
+        (no bias with swiglu).  x f32[M, K] (1 <= M <= 16), w bf16[N, K], bias bf16[N], out f32[M, N];
+        K a positive multiple of 8; x must not overlap out.  norm_weight bf16[K]: fused RMSNorm of x
+        first, as in gemv.  `config=(TILES, W, U)` picks a compiled variant (GEMV_TC_DEFAULT /
+        GEMV_TC_EXTRA, GEMV_TC_SWIGLU_*; norm only for the defaults).  Row m of the result is
+        bit-identical whatever M is, for configs with the same W."""
+        np = self._np
+        op = "gemv_tc"
+        self._f32(x, "x", 2)
+        self._bf16(w, "w", 2)
+        self._f32(out, "out", 2)
+        M, K = x.shape
+        rows = w.shape[0]
+        if w.shape[1] != K:
+            raise ValueError(f"w: expected shape (N, {K}) to match x {x.shape}, got {w.shape}")
+        if swiglu:
+            if rows % 2:
+                raise ValueError(f"w: expected shape (2*I, {K}) with swiglu, got {w.shape}")
+            if bias is not None:
+                raise ValueError(f"{op}: bias is not supported with swiglu")
+        N = rows // 2 if swiglu else rows
+        self._shape(out, "out", (M, N))
+        if not 1 <= M <= GEMV_MAX_M:
+            raise ValueError(f"{op}: M = {M} rows; this kernel takes 1..{GEMV_MAX_M} (use a GEMM)")
+        if K % 8:
+            raise ValueError(f"{op}: K = {K} must be a multiple of 8")
+        if N == 0 or K == 0:
+            raise ValueError(f"{op}: empty operand (N = {N}, K = {K})")
+        self._aligned(x, "x")
+        self._aligned(w, "w")
+        self._disjoint(x, "x", out, "out")
+        if bias is not None:
+            self._bf16(bias, "bias", 1)
+            self._shape(bias, "bias", (N,))
+        norm = self._norm_weight(norm_weight, K)
+        defaults = GEMV_TC_SWIGLU_DEFAULT if swiglu else GEMV_TC_DEFAULT
+        tiles, warps, u = config if config is not None else defaults[M]
+        name = gemv_tc_name(2 if M > 8 else 1, tiles, warps, u, swiglu, norm)
+        if name not in self._fn:
+            raise ValueError(
+                f"{op}: no compiled variant M={M}, config=({tiles}, {warps}, {u}), swiglu={swiglu}, norm={norm}"
+            )
+        grid = (_ceil_div(N, 16 * tiles),)
+        args = (
+            x, w, self._dummy if bias is None else bias, out,
+            np.int32(M), np.int32(N), np.int32(K), np.int32(1 if accumulate else 0),
+            np.int32(0 if bias is None else 1), norm_weight if norm else self._dummy, np.float32(eps),
+        )
+        self._launch(name, grid, (warps * 32,), args, stream)
 
     def rmsnorm(
         self, x: Any, weight: Any, eps: float, out: Any, residual: Any = None, *, stream: Any = None
@@ -524,17 +733,30 @@ class Kernels:
         self._launch("kv_append_kernel", (self._grid1d(n),), (256,), args, stream)
 
     def decode_splits(self, max_ctx: int, n_kv: int, n_rows: int = 1, n_heads: int | None = None) -> int:
-        """Number of context splits for attention_decode: enough blocks to fill the GPU about
-        twice at the longest context, and no split shorter than 32 keys."""
+        """Number of context splits for attention_decode of n_rows query rows (any n_rows >= 1;
+        pass the M the call will use: the split count is fixed in a captured graph).
+
+        The split kernel runs n_kv * ceil(n_rows * G / R) * n_splits blocks (G = n_heads / n_kv;
+        R = 8 query vectors per block when n_rows * G <= 8, else 16; head_dim 256: R <= 4 on the
+        SIMT path, which this count ignores).  At the longest context we want about 2 blocks of 4
+        warps per SM (each warp keeps ~8 KiB of K/V loads in flight, 64 KiB per SM covers the
+        HBM latency), so n_splits = ceil(2 * SMs / (n_kv * row blocks)), but no split shorter
+        than ATTN_CHUNK_ALIGN keys at max_ctx.  On the device the split size is
+        ceil(L / n_splits) rounded up to ATTN_CHUNK_ALIGN for the current length L, so shorter
+        contexts use fewer, still >= 64-key, splits.  Llama-3-8B on 132 SMs (n_kv 8, G 4):
+        M = 1..4 -> 33 splits (264 blocks), M = 5..8 -> 17 (272), M = 16 -> 9 (288)."""
         n_heads = n_kv if n_heads is None else n_heads
-        hd_qb = 8
-        qgroups = _ceil_div(n_rows * (n_heads // max(1, n_kv)), hd_qb)
-        want = _ceil_div(2 * self.num_sms, max(1, n_kv * qgroups))
-        return max(1, min(want, _ceil_div(max_ctx, 32)))
+        n_kv = max(1, int(n_kv))
+        qvec = max(1, int(n_rows)) * max(1, int(n_heads) // n_kv)
+        row_blocks = _ceil_div(qvec, 8 if qvec <= 8 else 16)
+        want = _ceil_div(2 * self.num_sms, n_kv * row_blocks)
+        return max(1, min(want, _ceil_div(max(1, int(max_ctx)), ATTN_CHUNK_ALIGN), 65535))
 
     @staticmethod
     def decode_workspace_size(n_rows: int, n_heads: int, head_dim: int, n_splits: int) -> int:
-        """float32 elements of the attention_decode scratch buffer."""
+        """float32 elements of the attention_decode scratch buffer: per split and query vector
+        (row x head) head_dim partial sums plus (max, sum).  Its content need not be initialised:
+        every call writes what it reads."""
         return n_splits * n_rows * n_heads * (head_dim + 2)
 
     def attention_decode(
@@ -551,13 +773,18 @@ class Kernels:
         stream: Any = None,
     ) -> None:
         """Causal attention of M query rows (decode M=1, verify M=k) against the cache:
-        row m attends to cache rows 0..positions[m] inclusive.  q, out f32[M, n_heads, head_dim];
-        caches bf16[n_kv, max_ctx, head_dim]; positions int32[M] (device).  head_dim in
-        {32, 64, 128, 256}; n_heads a multiple of n_kv.  Flash-decoding: `n_splits` (default
-        decode_splits(max_ctx, ...)) fixed at capture time; the length is read on the device.
-        `workspace`: f32 buffer of >= decode_workspace_size(...) elements; if None an internal one
-        is used (grown on demand: make one eager call before capturing, or pass your own, and
-        pass your own when calls on different streams may overlap)."""
+        row m attends to cache rows 0..positions[m] inclusive (a position >= max_ctx counts as
+        max_ctx - 1; a row with a negative position gets NaN).  q, out f32[M, n_heads, head_dim];
+        caches bf16[n_kv, max_ctx, head_dim], 16-byte aligned; positions int32[M] (device).
+        head_dim in {32, 64, 128, 256}; n_heads a multiple of n_kv.  Flash-decoding in two
+        launches (split + combine): `n_splits` (default decode_splits(max_ctx, n_kv, M, n_heads))
+        fixed at capture time; the length L = max(positions) + 1 and the split size are computed
+        on the device, splits past L exit at once.  head_dim <= 128 runs on tensor cores with q
+        and the softmax weights each split into two bf16 terms (hi + lo): about fp32 accuracy.
+        `workspace`: f32 buffer of >= decode_workspace_size(M, n_heads, head_dim, n_splits)
+        elements, any content; if None an internal one is used (grown on demand: make one eager
+        call before capturing, or pass your own, and pass your own when calls on different streams
+        may overlap)."""
         np = self._np
         self._f32(q, "q", 3)
         self._f32(out, "out", 3)
@@ -575,12 +802,14 @@ class Kernels:
         self._shape(out, "out", (M, nh, hd))
         self._shape(positions, "positions", (M,))
         self._disjoint(q, "q", out, "out")
+        self._aligned(k_cache, "k_cache")
+        self._aligned(v_cache, "v_cache")
         G = nh // n_kv
         if n_splits is None:
             n_splits = self.decode_splits(max_ctx, n_kv, M, nh)
         n_splits = int(n_splits)
-        if n_splits < 1:
-            raise ValueError(f"attention_decode: n_splits = {n_splits} must be >= 1")
+        if not 1 <= n_splits <= 65535:
+            raise ValueError(f"attention_decode: n_splits = {n_splits} must be in 1..65535")
         need = self.decode_workspace_size(M, nh, hd, n_splits)
         if workspace is None:
             if self._workspace is None or self._workspace.size < need:
@@ -590,23 +819,30 @@ class Kernels:
             self._f32(workspace, "workspace")
             if workspace.size < need:
                 raise ValueError(f"workspace: {workspace.size} float32 elements, need {need}")
+        for a, an in ((q, "q"), (out, "out"), (positions, "positions"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+            self._disjoint(workspace, "workspace", a, an)
         ws = workspace.reshape(-1)
         n_acc = n_splits * M * nh * hd
         part_acc = ws[:n_acc]
         part_ml = ws[n_acc : n_acc + 2 * n_splits * M * nh]
-        qb = min(_decode_qb_max(hd), _next_pow2(M * G))
-        grid = (n_kv, n_splits, _ceil_div(M * G, qb))
+        qb = _decode_qb(hd, M * G)
+        if hd in DECODE_TC_HEAD_DIMS:
+            grid = (_ceil_div(M * G, qb), n_splits, n_kv)
+            threads = ATTN_TC_WARPS * 32
+        else:
+            grid = (n_kv, n_splits, _ceil_div(M * G, qb))
+            threads = ATTN_WARPS * 32
         qscale = np.float32(float(scale) * LOG2E)
         args = (
             q, k_cache, v_cache, positions, part_acc, part_ml,
             np.int32(M), np.int32(nh), np.int32(n_kv), np.int32(max_ctx), np.int32(n_splits), qscale,
         )
-        self._launch(decode_name(hd, qb), grid, (ATTN_WARPS * 32,), args, stream)
+        self._launch(decode_name(hd, qb), grid, (threads,), args, stream)
         args2 = (
             part_acc, part_ml, positions, out,
             np.int32(M), np.int32(nh), np.int32(hd), np.int32(max_ctx), np.int32(n_splits),
         )
-        self._launch("attn_decode_combine_kernel", (M * nh,), (max(32, min(hd, 256)),), args2, stream)
+        self._launch("attn_decode_combine_kernel", (M * nh,), (hd,), args2, stream)
 
     def attention_prefill(
         self,
@@ -618,11 +854,16 @@ class Kernels:
         out: Any,
         scale: float,
         *,
+        block_q: int | None = None,
         stream: Any = None,
     ) -> None:
         """Causal attention of a prompt chunk: query row t (position start_pos + t) attends to
         cache rows 0..start_pos+t, whose K/V were appended before.  q, out f32[>=T, n_heads,
-        head_dim] (rows T.. untouched); head_dim in {32, 64, 128}; start_pos + T <= max_ctx."""
+        head_dim] (rows T.. untouched); head_dim in {32, 64, 128}; start_pos + T <= max_ctx.
+        Tensor cores (flash_prefill.cu): q and the softmax weights P are rounded to bf16 for the
+        mma (as bf16 attention in transformers does), the softmax state and sums stay fp32.
+        `block_q`: query rows per block, one of PREFILL_BQS (default PREFILL_BQ).  Eager only:
+        launched without PDL, with dynamic shared memory."""
         np = self._np
         self._f32(q, "q", 3)
         self._f32(out, "out", 3)
@@ -639,13 +880,25 @@ class Kernels:
             raise ValueError(f"attention_prefill: T = {T} rows, q has {q.shape[0]}, out {out.shape[0]}")
         if start_pos < 0 or start_pos + T > max_ctx:
             raise ValueError(f"attention_prefill: positions {start_pos}..{start_pos + T - 1} outside max_ctx {max_ctx}")
+        bq = PREFILL_BQ if block_q is None else int(block_q)
+        if bq not in PREFILL_BQS:
+            raise ValueError(f"attention_prefill: block_q {bq} not in {PREFILL_BQS}")
         self._disjoint(q, "q", out, "out")
-        grid = (_ceil_div(T, PREFILL_BQ), nh)
+        for a, an, nbytes in ((q, "q", 8), (out, "out", 8), (k_cache, "k_cache", 16), (v_cache, "v_cache", 16)):
+            self._aligned(a, an, nbytes)
+        name = prefill_name(hd, bq)
+        fn = self._fn[name]
+        smem = prefill_smem_bytes(hd)
+        done = self.__dict__.setdefault("_prefill_smem_set", set())
+        if name not in done:  # opt in to more than 48 KiB of dynamic shared memory, once
+            fn.max_dynamic_shared_size_bytes = smem
+            done.add(name)
+        grid = (nh, _ceil_div(T, bq))  # heads vary fastest; the kernel starts the longest blocks first
         args = (
             q, k_cache, v_cache, out, np.int32(T), np.int32(start_pos), np.int32(nh),
             np.int32(n_kv), np.int32(max_ctx), np.float32(float(scale) * LOG2E),
         )
-        self._launch(prefill_name(hd), grid, (PREFILL_BQ * 4,), args, stream)
+        fn(grid, (bq // 16 * 32,), args, shared_mem=smem, stream=stream)
 
     def swiglu(self, gate_up: Any, out: Any, *, stream: Any = None) -> None:
         """out = silu(gate_up[:, :I]) * gate_up[:, I:].  gate_up f32[M, 2I], out f32[M, I]."""

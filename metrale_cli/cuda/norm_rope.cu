@@ -9,6 +9,8 @@
 extern "C" __global__ void rmsnorm_kernel(const float* x, const unsigned short* __restrict__ w,
                                           float* out, float* residual, int H, float eps,
                                           int has_residual) {
+    pdl_wait();
+    pdl_trigger();
     __shared__ float scratch[32];
     const u64 row = blockIdx.x;
     const float* xr = x + row * H;
@@ -92,6 +94,8 @@ extern "C" __global__ void rope_kernel(float* __restrict__ x, const int* __restr
                                        const unsigned short* __restrict__ norm_w, int M,
                                        int n_heads, int head_dim, float eps, int has_norm,
                                        float attn_scaling) {
+    pdl_wait();
+    pdl_trigger();
     const int lane = threadIdx.x & 31;
     const int vec = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (vec >= M * n_heads) return;  // whole warp leaves together
@@ -130,6 +134,8 @@ extern "C" __global__ void rope_kv_append_kernel(const float* qkv, const int* __
                                                  int n_heads, int n_kv, int head_dim, int max_ctx,
                                                  float eps, int has_q_norm, int has_k_norm,
                                                  float attn_scaling) {
+    pdl_wait();
+    pdl_trigger();
     const int lane = threadIdx.x & 31;
     const int slots = n_heads + 2 * n_kv;
     const int vec = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);

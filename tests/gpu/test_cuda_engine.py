@@ -152,12 +152,18 @@ def test_verify_equals_sequential_on_gpu_and_trim(cp, checkpoints, name, k, rng)
     assert rel(rows(gpu, gpu.decode_logits_ptr(), 1), rows(fresh, fresh.decode_logits_ptr(), 1)) <= 1e-3
 
 
-@pytest.mark.parametrize("fp32", [False, True])
-def test_graph_replay_equals_eager(cp, checkpoints, fp32, rng):
+@pytest.mark.parametrize("fp32,pdl", [(False, True), (True, True), (False, False)])
+def test_graph_replay_equals_eager(cp, checkpoints, fp32, pdl, rng):
+    """The captured graph (with programmatic dependent launch where the GPU has it, or without)
+    gives bit-identical logits to eager launches without PDL: PDL only changes scheduling."""
     path = checkpoints["qwen2"]
     g = open_model(path, device="cuda", max_context=64, fp32_logits=fp32).engine
     e = open_model(path, device="cuda", max_context=64, fp32_logits=fp32).engine
+    g.set_pdl(pdl)
+    if pdl and int(cp.cuda.Device().compute_capability) >= 90:
+        assert g.use_pdl
     e.use_graphs = False
+    e.set_pdl(False)
     prompt = [int(t) for t in rng.integers(0, g.vocab_size(), 7)]
     drafts = [int(t) for t in rng.integers(0, g.vocab_size(), 4)]
     out = []
