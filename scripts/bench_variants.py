@@ -1,6 +1,6 @@
 """Decode and verify times of the CUDA engine under its rows-path variants, one engine, one run:
-programmatic dependent launch on/off and the projection kernels (fp32-FMA `gemv` vs tensor-core
-`gemv_tc`).  Needs CuPy and a GPU:
+programmatic dependent launch on/off and the projection kernels (fp32-FMA `gemv`, tensor-core
+`gemv_tc`, or "auto": the engine's default choice by row count).  Needs CuPy and a GPU:
 
     PYTHONPATH=. python3 scripts/bench_variants.py --preset llama-3.1-8b --context 1024 [--json out.json]
 
@@ -44,7 +44,7 @@ def main() -> None:
     results = {"preset": a.preset, "context": a.context, "bandwidth_GBs": bw / 1e9, "floor_ms": floor * 1e3,
                "variants": {}}
     print(f"{a.preset} ctx {a.context}: read bandwidth {bw / 1e9:.0f} GB/s, floor {floor * 1e3:.3f} ms")
-    for impl in ("simt", "tc"):
+    for impl in ("simt", "tc", "auto"):
         for pdl in (False, True):
             eng.set_pdl(pdl)
             eng.gemv_impl = impl

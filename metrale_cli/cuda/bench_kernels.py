@@ -197,6 +197,7 @@ def main() -> int:
     from metrale_cli.cuda.kernels import GEMV_DEFAULT, GEMV_SWIGLU_DEFAULT, Kernels
 
     K = Kernels()
+    K.load_extra()  # the configs this bench sweeps
     dev = cp.cuda.Device()
     name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
     read_gbs = read_bandwidth(cp)

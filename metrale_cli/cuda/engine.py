@@ -27,6 +27,7 @@ from ..errors import DeviceError, NonFiniteLogitsError
 from ..engine_base import EngineBase, check_context
 from ..logits import DevicePtr
 from ..weights import EMBED, FINAL_NORM, LM_HEAD, check_checkpoint, layer_names
+from .kernels import GEMV_TC_MIN_ROWS
 
 MAX_ROWS = 16  # rows the GEMV path takes (decode, verify k <= 15 plus one, short prefills)
 PREFILL_CHUNK = 2048  # tokens per eager prefill chunk (bounds the activation buffers)
@@ -183,10 +184,13 @@ class CudaEngine(EngineBase):
         # stream does not wait for: without this, the first passes can read weights still in flight.
         cp.cuda.Device().synchronize()
         self._graphs: dict[tuple[str, int], Any] = {}
-        # programmatic dependent launch on the rows path (sm_90+): each kernel's weight loads overlap
-        # the previous kernel's tail.  Set before the first pass (graphs are captured with it).
-        self.use_pdl = bool(getattr(kern, "pdl_supported", False))
-        self.gemv_impl = "simt"  # rows-path projections: "simt" (gemv.cu) or "tc" (gemv_tc.cu)
+        # Programmatic dependent launch on the rows path (sm_90+; set_pdl).  Off by default: measured on
+        # the H200 it saves ~0.4 us per launch between tiny kernels but costs ~1.4 us per GEMV, and the
+        # llama-3.1-8b decode step was 5.015 ms with it against 4.924 ms without (cuda/NOTES.md).
+        self.use_pdl = False
+        # Rows-path projections (GEMV_TC_MIN_ROWS): "auto" = the fp32-FMA GEMV (gemv.cu) below that many
+        # rows, the tensor-core GEMV (gemv_tc.cu) from there on; "simt" / "tc" force one of them.
+        self.gemv_impl = "auto"
         self._long_logits = None  # [rows, V] for long prefills, grown on demand
         self._decode_amax_fresh = False
 
@@ -301,7 +305,8 @@ class CudaEngine(EngineBase):
     def _linear(self, x, w, out, bias=None, *, accumulate=False, swiglu=False, norm_weight=None) -> None:
         """One projection of the rows path: metrale's tensor-core GEMV (gemv_tc) or the fp32-FMA GEMV."""
         k, eps, s = self.kern, self.cfg.rms_norm_eps, self.stream
-        if self.gemv_impl == "tc":
+        impl = self.gemv_impl
+        if impl == "tc" or (impl == "auto" and x.shape[0] >= GEMV_TC_MIN_ROWS):
             k.gemv_tc(x, w, out, bias, accumulate=accumulate, swiglu=swiglu, norm_weight=norm_weight, eps=eps,
                       stream=s)
         elif swiglu:
@@ -399,7 +404,7 @@ class CudaEngine(EngineBase):
     def _lm_head_rows(self, h):
         if h.shape[0] <= MAX_ROWS:
             out = self.cp.empty((h.shape[0], self.cfg.vocab_size), self.cp.float32)
-            self.kern.gemv(self.cp.ascontiguousarray(h), self.w.lm_head, out, stream=self.stream)
+            self._linear(self.cp.ascontiguousarray(h), self.w.lm_head, out)
             return out
         return self._gemm(h, self.w.lm_head)
 

@@ -47,6 +47,11 @@ GEMV_EXTRA = ((1, 2, 4), (1, 4, 2), (1, 2, 8), (4, 2, 4), (4, 1, 8), (8, 8, 0), 
 GEMV_SWIGLU_EXTRA = tuple((m, 2, 0) for m in range(5, 17))
 # The fused-RMSNorm variants (norm_weight=...) are compiled for the default configs only.
 
+# The rows path (engine) takes the tensor-core GEMV from this many rows on and the fp32-FMA GEMV below
+# (H200, llama-3.1-8b, 1024 context, scripts/bench_variants.py: decode step 4.89 ms with the fp32-FMA
+# GEMV vs 5.01 with gemv_tc, verify k=2 5.01 vs 5.05, k=4 6.11 vs 5.17, k=8 9.21 vs 5.43 ms).
+GEMV_TC_MIN_ROWS = 3
+
 # Tensor-core GEMV (gemv_tc.cu, `Kernels.gemv_tc`).  A config is (TILES, W, U): TILES tiles of 16
 # output rows per block (SwiGLU: 2 TILES weight tiles), W warps splitting K, U chunks of 32 k per
 # step and lane.  Each config is compiled for NT = 1 (M <= 8) and NT = 2 (M <= 16) token tiles.
@@ -67,11 +72,8 @@ PREFILL_HEAD_DIMS = (32, 64, 128)
 # and walks key tiles of PREFILL_BK keys (must match FP_BK there).  PREFILL_BQS are compiled; 64
 # (4 warps, 168 registers at head_dim 128 -> 3 blocks per SM) is the default.
 PREFILL_BQ = 64
-PREFILL_BQS = (64, 128)
+PREFILL_BQS = (64,)  # 128 (8 warps, 1 block per SM) was slower at every length measured (NOTES.md)
 PREFILL_BK = 64
-# The old fp32 SIMT prefill kernel of attention.cu, still compiled for bench_prefill's comparison.
-# Delete this line (and bench_prefill's use of it) together with that kernel.
-LEGACY_PREFILL_NAMES = tuple(f"attn_prefill_kernel<{hd}>" for hd in PREFILL_HEAD_DIMS)
 LOG2E = 1.4426950408889634
 
 
@@ -152,21 +154,16 @@ def prefill_smem_bytes(hd: int) -> int:
     return 2 * 2 * PREFILL_BK * (hd + 8) * 2
 
 
-def name_expressions() -> tuple[str, ...]:
-    """The template instances that the module is compiled with."""
+def _all_name_expressions() -> list[str]:
     names: list[str] = []
     for m, (r, u) in GEMV_DEFAULT.items():
         names.append(gemv_name(m, r, u, False))
     for m, r, u in GEMV_EXTRA:
-        n = gemv_name(m, r, u, False)
-        if n not in names:
-            names.append(n)
+        names.append(gemv_name(m, r, u, False))
     for m, (r, u) in GEMV_SWIGLU_DEFAULT.items():
         names.append(gemv_name(m, r, u, True))
     for m, r, u in GEMV_SWIGLU_EXTRA:
-        n = gemv_name(m, r, u, True)
-        if n not in names:
-            names.append(n)
+        names.append(gemv_name(m, r, u, True))
     for m, (r, u) in GEMV_DEFAULT.items():
         names.append(gemv_name(m, r, u, False, True))
     for m, (r, u) in GEMV_SWIGLU_DEFAULT.items():
@@ -177,11 +174,27 @@ def name_expressions() -> tuple[str, ...]:
     for hd in PREFILL_HEAD_DIMS:
         for bq in PREFILL_BQS:
             names.append(prefill_name(hd, bq))
-    names.extend(LEGACY_PREFILL_NAMES)
-    for n in _gemv_tc_names():
-        if n not in names:
-            names.append(n)
-    return tuple(names)
+    names += _gemv_tc_names()
+    return list(dict.fromkeys(names))
+
+
+def name_expressions(extra: bool = False) -> tuple[str, ...]:
+    """The template instances of the core module (what the engine launches: the fp32-FMA GEMV for
+    fewer than GEMV_TC_MIN_ROWS rows, the tensor-core GEMV defaults, attention), or with extra=True
+    the remaining ones (other row counts and configs of the fp32-FMA GEMV, other gemv_tc configs: for
+    tests and benchmarks).  Keeping them apart halves the first-use compile time of the engine."""
+    core = set()
+    for m in range(1, GEMV_TC_MIN_ROWS):
+        for sw, table in ((False, GEMV_DEFAULT), (True, GEMV_SWIGLU_DEFAULT)):
+            for norm in (False, True):
+                core.add(gemv_name(m, *table[m], sw, norm))
+    for sw, table in ((False, GEMV_TC_DEFAULT), (True, GEMV_TC_SWIGLU_DEFAULT)):
+        for m, cfg in table.items():
+            for norm in (False, True):
+                core.add(gemv_tc_name(2 if m > 8 else 1, *cfg, sw, norm))
+    names = _all_name_expressions()
+    is_core = [n in core or not n.startswith("gemv") for n in names]
+    return tuple(n for n, c in zip(names, is_core) if c != extra)
 
 
 PLAIN_KERNELS = (
@@ -296,6 +309,8 @@ class Kernels:
         )
         # Fetch every function now: compiling and loading must not happen during a capture.
         self._fn = {n: self._module.get_function(n) for n in self._names + PLAIN_KERNELS}
+        self._extra_names = frozenset(name_expressions(extra=True))
+        self._extra_module = None
         dev = cupy.cuda.Device()
         self.device_id = dev.id
         self.num_sms = int(dev.attributes["MultiProcessorCount"])
@@ -373,6 +388,22 @@ class Kernels:
     def _grid1d(self, n: int, block: int = 256) -> int:
         return max(1, min(_ceil_div(n, block), self.num_sms * 16))
 
+    def load_extra(self) -> None:
+        """Compile the extra instances (name_expressions(extra=True)) now; they are otherwise
+        compiled on first use, which must not happen during a graph capture."""
+        if self._extra_module is None:
+            names = tuple(sorted(self._extra_names))
+            self._extra_module = self._cp.RawModule(
+                code=module_source(), options=COMPILE_OPTIONS, name_expressions=names
+            )
+            self._fn.update({n: self._extra_module.get_function(n) for n in names})
+
+    def _has(self, name: str) -> bool:
+        """Whether the kernel instance `name` is compiled (compiling the extra module if it is there)."""
+        if name not in self._fn and name in self._extra_names:
+            self.load_extra()
+        return name in self._fn
+
     def _launch(self, name: str, grid: tuple, block: tuple, args: tuple, stream: Any) -> None:
         if self.pdl:
             if self._pdl_launcher is None:
@@ -441,7 +472,7 @@ class Kernels:
         norm = self._norm_weight(norm_weight, K)
         r, u = config if config is not None else GEMV_DEFAULT[M]
         name = gemv_name(M, r, u, False, norm)
-        if name not in self._fn:
+        if not self._has(name):
             raise ValueError(f"gemv: no compiled variant M={M}, R={r}, U={u}, norm={norm}")
         threads, rows = _gemv_block_rows(r, u)
         grid = (_ceil_div(N, rows),)
@@ -499,7 +530,7 @@ class Kernels:
         norm = self._norm_weight(norm_weight, K)
         r, u = config if config is not None else GEMV_SWIGLU_DEFAULT[M]
         name = gemv_name(M, r, u, True, norm)
-        if name not in self._fn:
+        if not self._has(name):
             raise ValueError(f"gemv_swiglu: no compiled variant M={M}, R={r}, U={u}, norm={norm}")
         threads, rows = _gemv_block_rows(r, u)
         grid = (_ceil_div(inter, rows),)
@@ -563,7 +594,7 @@ class Kernels:
         defaults = GEMV_TC_SWIGLU_DEFAULT if swiglu else GEMV_TC_DEFAULT
         tiles, warps, u = config if config is not None else defaults[M]
         name = gemv_tc_name(2 if M > 8 else 1, tiles, warps, u, swiglu, norm)
-        if name not in self._fn:
+        if not self._has(name):
             raise ValueError(
                 f"{op}: no compiled variant M={M}, config=({tiles}, {warps}, {u}), swiglu={swiglu}, norm={norm}"
             )

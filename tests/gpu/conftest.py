@@ -37,7 +37,9 @@ def cp():
 def kernels(cp):
     from metrale_cli.cuda.kernels import Kernels
 
-    return Kernels()
+    k = Kernels()
+    k.load_extra()  # every compiled variant (tests capture graphs, which must not compile)
+    return k
 
 
 @pytest.fixture

@@ -13,6 +13,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from metrale_cli.cuda.kernels import PREFILL_BQS
+
 pytestmark = pytest.mark.gpu
 
 TOL = 1e-2
@@ -85,7 +87,7 @@ def run_prefill(cp, kernels, rng, hd, n_kv, G, start, T, block_q=None, q_scale=1
     return q, kb, vb, o[:T], scale
 
 
-@pytest.mark.parametrize("block_q", [64, 128])
+@pytest.mark.parametrize("block_q", PREFILL_BQS)
 @pytest.mark.parametrize("hd", [32, 64, 128])
 @pytest.mark.parametrize("n_kv,G", [(2, 1), (1, 4)])
 @pytest.mark.parametrize("start,T", [(0, 1), (0, 7), (0, 63), (0, 64), (0, 65), (0, 300), (5, 64), (100, 257), (37, 129)])
@@ -94,7 +96,7 @@ def test_flash_prefill(cp, kernels, rng, seed, block_q, hd, n_kv, G, start, T):
     assert_close(o, ref_prefill(q, kb, vb, start, np.arange(T), scale), seed)
 
 
-@pytest.mark.parametrize("block_q", [64, 128])
+@pytest.mark.parametrize("block_q", PREFILL_BQS)
 @pytest.mark.parametrize("hd,n_kv,G,start,T", [(128, 2, 4, 0, 2048), (128, 1, 4, 3000, 1100), (64, 2, 2, 0, 2048)])
 def test_flash_prefill_long(cp, kernels, rng, seed, block_q, hd, n_kv, G, start, T):
     q, kb, vb, o, scale = run_prefill(cp, kernels, rng, hd, n_kv, G, start, T, block_q)
