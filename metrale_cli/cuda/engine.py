@@ -4,10 +4,12 @@ Weights live on the device in bf16 (stored as uint16 bit patterns; F32/F16 check
 load), activations in fp32, the KV cache in bf16 [layers, kv_heads, context, head_dim].
 
 Two paths:
-- rows path (decode M=1, verify and short prefills M<=16): metrale's GEMV kernels, no cuBLAS, no host
-  reads, so each (kind, M) is captured once as a CUDA graph and replayed; token ids and positions are
-  read from a small device buffer that one async copy fills before each replay.
-- prefill path (longer prompts): cuBLAS GEMMs (bf16 operands, fp32 output) in chunks, eagerly.
+- rows path (decode M=1, verify and short prefills M<=16): metrale's own kernels (the fp32-FMA GEMV for
+  1-2 rows, the tensor-core GEMV from GEMV_TC_MIN_ROWS rows on, flash-decoding attention), no cuBLAS, no
+  host reads, so each (kind, M) is captured once as a CUDA graph and replayed; token ids and positions
+  are read from a small device buffer that one async copy fills before each replay.
+- prefill path (longer prompts): cuBLAS GEMMs (bf16 operands, fp32 output) and tensor-core flash
+  attention, in chunks, eagerly.
 The residual stream `x` is updated in place by the o_proj/down_proj GEMVs (accumulate), so each layer
 is: norm, qkv GEMV, rope (+qk norm), KV append, attention, o GEMV(+=), norm, gate/up GEMV with SwiGLU,
 down GEMV(+=).  On the rows path the two norms run inside the GEMVs that consume them (fused RMSNorm
