@@ -1,6 +1,6 @@
 """Speed of the prefill attention kernels (flash_prefill.cu, tensor cores) on the Llama-3.1-8B layer
-shape (32 query heads, 8 KV heads, head_dim 128), against the old fp32 SIMT kernel and a cuBLAS bf16
-GEMM measured in the same run.  Needs CuPy and a CUDA GPU:
+shape (32 query heads, 8 KV heads, head_dim 128), against a cuBLAS bf16 GEMM measured in the same run
+(the fp32 SIMT kernel it replaced, git 59ceb35, was compared in the same way: see NOTES.md).  Needs CuPy and a CUDA GPU:
 
     PYTHONPATH=. python3 -m metrale_cli.cuda.bench_prefill
 
@@ -14,34 +14,9 @@ is compute bound; the figure is only there to set against the read-only kernel).
 from __future__ import annotations
 
 import math
-import statistics
 import sys
 
-L2_BYTES = 60 * 2**20
-
-
-def _graph_ms(cp, launches, repeats):
-    """Median time of one launch over graph replays of `launches` (callables taking a stream)."""
-    s = cp.cuda.Stream(non_blocking=True)
-    with s:
-        for f in launches:
-            f(s)
-        s.synchronize()
-        s.begin_capture()
-        for f in launches:
-            f(s)
-        g = s.end_capture()
-    g.launch(stream=s)
-    s.synchronize()
-    times = []
-    for _ in range(repeats):
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        e0.record(s)
-        g.launch(stream=s)
-        e1.record(s)
-        e1.synchronize()
-        times.append(cp.cuda.get_elapsed_time(e0, e1) / len(launches))
-    return statistics.median(times)
+from metrale_cli.cuda.bench_kernels import L2_BYTES, _graph_time_ms
 
 
 def _gemm_tflops(cp, n=4096, reps=20):
@@ -92,7 +67,6 @@ def _gemm_tflops(cp, n=4096, reps=20):
 
 def main() -> int:
     import cupy as cp
-    import numpy as np
 
     from metrale_cli.cuda import kernels as km
     from metrale_cli.cuda.bench_kernels import read_bandwidth
@@ -111,17 +85,8 @@ def main() -> int:
 
     nh, n_kv, hd = 32, 8, 128
     scale = hd**-0.5
-    qscale = np.float32(scale * km.LOG2E)
-    old_name = f"attn_prefill_kernel<{hd}>"
-    have_old = old_name in getattr(km, "LEGACY_PREFILL_NAMES", ())
-
-    def old_launch(q, kc, vc, out, T, start, s):
-        args = (q, kc, vc, out, np.int32(T), np.int32(start), np.int32(nh), np.int32(n_kv),
-                np.int32(kc.shape[1]), qscale)
-        K._fn[old_name]((math.ceil(T / 64), nh), (256,), args, stream=s)
-
     print()
-    print(f"{'kernel':<22}{'T':>6}{'start':>6}{'ms':>10}{'TFLOP/s':>9}{'% gemm':>8}{'GB/s':>7}{'% read':>8}{'vs old':>8}")
+    print(f"{'kernel':<22}{'T':>6}{'start':>6}{'ms':>10}{'TFLOP/s':>9}{'% gemm':>8}{'GB/s':>7}{'% read':>8}")
     cases = ((512, 0), (2048, 0), (8192, 0), (2048, 6144))
     for T, start in cases:
         ctx = start + T
@@ -139,35 +104,18 @@ def main() -> int:
             sets.append((q, kc, vc, cp.empty((T, nh, hd), cp.float32)))
         n_launch = 32 if T <= 512 else 8 if T <= 2048 else 2
         results = {}
-        variants = [(f"flash bq={bq}", bq) for bq in km.PREFILL_BQS] + ([("old fp32", None)] if have_old else [])
-        for label, bq in variants:
-            if bq is None:
-                launches = [(lambda s, st=sets[i % copies]: old_launch(*st, T, start, s)) for i in range(n_launch)]
-                reps = 5
-            else:
-                launches = [
-                    (lambda s, st=sets[i % copies], b=bq: K.attention_prefill(
-                        st[0], st[1], st[2], start, T, st[3], scale, block_q=b, stream=s))
-                    for i in range(n_launch)
-                ]
-                reps = 11
-            ms = _graph_ms(cp, launches, reps)
-            results[label] = ms
-        old_ms = results.get("old fp32")
+        for bq in km.PREFILL_BQS:
+            launches = [
+                (lambda s, st=sets[i % copies], b=bq: K.attention_prefill(
+                    st[0], st[1], st[2], start, T, st[3], scale, block_q=b, stream=s))
+                for i in range(n_launch)
+            ]
+            results[f"flash bq={bq}"] = _graph_time_ms(cp, launches, 11)
         for label, ms in results.items():
             tf = flops / (ms * 1e-3) / 1e12
             gbs = nbytes / (ms * 1e-3) / 1e9
-            vs = f"{old_ms / ms:7.1f}x" if old_ms else "      -"
             print(f"{label:<22}{T:>6}{start:>6}{ms:>10.3f}{tf:>9.1f}{100 * tf / ref_tflops:>7.0f}%"
-                  f"{gbs:>7.0f}{100 * gbs / read_gbs:>7.0f}%{vs:>8}")
-        # sanity: the flash kernel against the old one on this shape (both fp32 outputs)
-        if have_old:
-            q, kc, vc, out = sets[0]
-            ref = cp.empty_like(out)
-            old_launch(q, kc, vc, ref, T, start, None)
-            K.attention_prefill(q, kc, vc, start, T, out, scale)
-            err = float(cp.linalg.norm(out - ref) / cp.linalg.norm(ref))
-            print(f"{'  rel diff flash vs old':<22}{T:>6}{start:>6}{err:>10.2e}")
+                  f"{gbs:>7.0f}{100 * gbs / read_gbs:>7.0f}%")
         sys.stdout.flush()
         del sets
     print("(% gemm: of the best cuBLAS bf16 GEMM rate above; 1 layer = 1 launch; Llama-3.1-8B has 32 layers)")

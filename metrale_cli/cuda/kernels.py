@@ -449,27 +449,7 @@ class Kernels:
         un-normalised input and the result is that of rmsnorm(x, norm_weight, eps) followed by
         this GEMV (within fp32 rounding); only the GEMV_DEFAULT configs are compiled for it."""
         np = self._np
-        self._f32(x, "x", 2)
-        self._bf16(w, "w", 2)
-        self._f32(out, "out", 2)
-        M, K = x.shape
-        N = w.shape[0]
-        if w.shape[1] != K:
-            raise ValueError(f"w: expected shape (N, {K}) to match x {x.shape}, got {w.shape}")
-        self._shape(out, "out", (M, N))
-        if not 1 <= M <= GEMV_MAX_M:
-            raise ValueError(f"gemv: M = {M} rows; this kernel takes 1..{GEMV_MAX_M} (use a GEMM)")
-        if K % 8:
-            raise ValueError(f"gemv: K = {K} must be a multiple of 8")
-        if N == 0 or K == 0:
-            raise ValueError(f"gemv: empty operand (N = {N}, K = {K})")
-        self._aligned(x, "x")
-        self._aligned(w, "w")
-        self._disjoint(x, "x", out, "out")
-        if bias is not None:
-            self._bf16(bias, "bias", 1)
-            self._shape(bias, "bias", (N,))
-        norm = self._norm_weight(norm_weight, K)
+        M, K, N, norm = self._linear_operands("gemv", x, w, "w", out, bias, norm_weight, swiglu=False)
         r, u = config if config is not None else GEMV_DEFAULT[M]
         name = gemv_name(M, r, u, False, norm)
         if not self._has(name):
@@ -482,6 +462,38 @@ class Kernels:
             norm_weight if norm else self._dummy, np.float32(eps),
         )
         self._launch(name, grid, (threads,), args, stream)
+
+    def _linear_operands(self, op: str, x: Any, w: Any, wname: str, out: Any, bias: Any, norm_weight: Any,
+                         swiglu: bool) -> tuple[int, int, int, bool]:
+        """Check the operands of a GEMV (gemv, gemv_swiglu, gemv_tc); returns (M, K, N, norm), N the
+        output columns (I with swiglu, whose w holds 2I rows)."""
+        self._f32(x, "x", 2)
+        self._bf16(w, wname, 2)
+        self._f32(out, "out", 2)
+        M, K = x.shape
+        rows = w.shape[0]
+        if w.shape[1] != K:
+            raise ValueError(f"{wname}: expected shape (N, {K}) to match x {x.shape}, got {w.shape}")
+        if swiglu:
+            if rows % 2:
+                raise ValueError(f"{wname}: expected shape (2*I, {K}) with swiglu, got {w.shape}")
+            if bias is not None:
+                raise ValueError(f"{op}: bias is not supported with swiglu")
+        N = rows // 2 if swiglu else rows
+        self._shape(out, "out", (M, N))
+        if not 1 <= M <= GEMV_MAX_M:
+            raise ValueError(f"{op}: M = {M} rows; this kernel takes 1..{GEMV_MAX_M} (use a GEMM)")
+        if K % 8:
+            raise ValueError(f"{op}: K = {K} must be a multiple of 8")
+        if N == 0 or K == 0:
+            raise ValueError(f"{op}: empty operand (N = {N}, K = {K})")
+        self._aligned(x, "x")
+        self._aligned(w, wname)
+        self._disjoint(x, "x", out, "out")
+        if bias is not None:
+            self._bf16(bias, "bias", 1)
+            self._shape(bias, "bias", (N,))
+        return M, K, N, self._norm_weight(norm_weight, K)
 
     def _norm_weight(self, norm_weight: Any, K: int) -> bool:
         """Check the optional fused-RMSNorm weight of a GEMV; True when it is given."""
@@ -511,23 +523,8 @@ class Kernels:
         w_gate_up bf16[2I, K] = concat(gate_proj.weight, up_proj.weight).  x f32[M, K], out f32[M, I].
         norm_weight bf16[K]: fused RMSNorm of x first, as in gemv."""
         np = self._np
-        self._f32(x, "x", 2)
-        self._bf16(w_gate_up, "w_gate_up", 2)
-        self._f32(out, "out", 2)
-        M, K = x.shape
-        N2 = w_gate_up.shape[0]
-        if w_gate_up.shape[1] != K or N2 % 2:
-            raise ValueError(f"w_gate_up: expected shape (2*I, {K}), got {w_gate_up.shape}")
-        inter = N2 // 2
-        self._shape(out, "out", (M, inter))
-        if not 1 <= M <= GEMV_MAX_M:
-            raise ValueError(f"gemv_swiglu: M = {M} rows; this kernel takes 1..{GEMV_MAX_M}")
-        if K % 8 or K == 0 or inter == 0:
-            raise ValueError(f"gemv_swiglu: K = {K} must be a positive multiple of 8 and I > 0")
-        self._aligned(x, "x")
-        self._aligned(w_gate_up, "w_gate_up")
-        self._disjoint(x, "x", out, "out")
-        norm = self._norm_weight(norm_weight, K)
+        M, K, inter, norm = self._linear_operands("gemv_swiglu", x, w_gate_up, "w_gate_up", out, None, norm_weight,
+                                                  swiglu=True)
         r, u = config if config is not None else GEMV_SWIGLU_DEFAULT[M]
         name = gemv_name(M, r, u, True, norm)
         if not self._has(name):
@@ -564,33 +561,7 @@ class Kernels:
         bit-identical whatever M is, for configs with the same W."""
         np = self._np
         op = "gemv_tc"
-        self._f32(x, "x", 2)
-        self._bf16(w, "w", 2)
-        self._f32(out, "out", 2)
-        M, K = x.shape
-        rows = w.shape[0]
-        if w.shape[1] != K:
-            raise ValueError(f"w: expected shape (N, {K}) to match x {x.shape}, got {w.shape}")
-        if swiglu:
-            if rows % 2:
-                raise ValueError(f"w: expected shape (2*I, {K}) with swiglu, got {w.shape}")
-            if bias is not None:
-                raise ValueError(f"{op}: bias is not supported with swiglu")
-        N = rows // 2 if swiglu else rows
-        self._shape(out, "out", (M, N))
-        if not 1 <= M <= GEMV_MAX_M:
-            raise ValueError(f"{op}: M = {M} rows; this kernel takes 1..{GEMV_MAX_M} (use a GEMM)")
-        if K % 8:
-            raise ValueError(f"{op}: K = {K} must be a multiple of 8")
-        if N == 0 or K == 0:
-            raise ValueError(f"{op}: empty operand (N = {N}, K = {K})")
-        self._aligned(x, "x")
-        self._aligned(w, "w")
-        self._disjoint(x, "x", out, "out")
-        if bias is not None:
-            self._bf16(bias, "bias", 1)
-            self._shape(bias, "bias", (N,))
-        norm = self._norm_weight(norm_weight, K)
+        M, K, N, norm = self._linear_operands(op, x, w, "w", out, bias, norm_weight, swiglu)
         defaults = GEMV_TC_SWIGLU_DEFAULT if swiglu else GEMV_TC_DEFAULT
         tiles, warps, u = config if config is not None else defaults[M]
         name = gemv_tc_name(2 if M > 8 else 1, tiles, warps, u, swiglu, norm)

@@ -9,48 +9,15 @@ from __future__ import annotations
 
 import math
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 from metrale_cli.cuda.kernels import PREFILL_BQS
 
+from gpu_helpers import assert_close, bits_f32, make_cache, rel_err
+
 pytestmark = pytest.mark.gpu
-
-TOL = 1e-2
-BF16 = np.dtype(ml_dtypes.bfloat16)
 SENTINEL = 12345.0
-
-
-def bf16_bits(x) -> np.ndarray:
-    return np.asarray(x, dtype=np.float32).astype(BF16).view(np.uint16)
-
-
-def bits_f32(b) -> np.ndarray:
-    return (np.asarray(b, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
-
-
-def rel_err(out, ref, seed) -> float:
-    out = np.asarray(out, dtype=np.float64)
-    ref = np.asarray(ref, dtype=np.float64)
-    assert out.shape == ref.shape, (out.shape, ref.shape)
-    bad = ~np.isfinite(out)
-    assert not bad.any(), f"seed={seed}: {int(bad.sum())} non-finite outputs, first at {np.argwhere(bad)[0]}"
-    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
-
-
-def assert_close(out, ref, seed, tol=TOL):
-    e = rel_err(out, ref, seed)
-    assert e <= tol, f"seed={seed}: relative error {e:.3e} > {tol:g}"
-
-
-def make_cache(rng, n_kv, max_ctx, hd, valid):
-    """Random bf16 K/V bits for rows < valid; rows >= valid hold NaN."""
-    kb = bf16_bits(rng.standard_normal((n_kv, max_ctx, hd), dtype=np.float32))
-    vb = bf16_bits(rng.standard_normal((n_kv, max_ctx, hd), dtype=np.float32))
-    kb[:, valid:] = 0x7FC0
-    vb[:, valid:] = 0x7FC0
-    return kb, vb
 
 
 def ref_prefill(q, kb, vb, start, rows, scale):

@@ -5,48 +5,21 @@ Also: a token's row is bit-identical whatever M is (decode M=1 vs verify M=8/16)
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import pytest
 
+import gpu_helpers
+from gpu_helpers import BF16, rand_bf16, ref_rmsnorm, silu
+
 pytestmark = pytest.mark.gpu
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
 TOL = 2e-5  # x split into bf16 hi + lo: ~2.4e-6 relative (numpy emulation), plus fp32 tensor-core accumulation
 TOL_NORM = 1e-4
 
 
-# ----------------------------------------------------------------------------- helpers (as test_kernels.py)
-def bf16_bits(x) -> np.ndarray:
-    return np.asarray(x, dtype=np.float32).astype(BF16).view(np.uint16)
-
-
-def bits_f32(b) -> np.ndarray:
-    return (np.asarray(b, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
-
-
-def rand_bf16(rng, shape, scale=1.0):
-    b = bf16_bits(rng.standard_normal(shape, dtype=np.float32) * np.float32(scale))
-    return b, bits_f32(b)
-
-
+# ----------------------------------------------------------------------------- helpers
 def assert_close(out, ref, seed, tol=TOL):
-    out = np.asarray(out, dtype=np.float64)
-    ref = np.asarray(ref, dtype=np.float64)
-    assert out.shape == ref.shape, (out.shape, ref.shape)
-    bad = ~np.isfinite(out)
-    assert not bad.any(), f"seed={seed}: {int(bad.sum())} non-finite (unwritten?) outputs, first at {np.argwhere(bad)[0]}"
-    e = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
-    assert e <= tol, f"seed={seed}: relative error {e:.3e} > {tol:g}"
-
-
-def ref_rmsnorm(h32, w, eps):
-    h = h32.astype(np.float64)
-    return w.astype(np.float64) * (h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + eps))
-
-
-def silu(g):
-    return g / (1.0 + np.exp(-g))
+    gpu_helpers.assert_close(out, ref, seed, tol)
 
 
 def norm_inputs(rng, M, K):

@@ -7,102 +7,13 @@ from __future__ import annotations
 
 import math
 
-import ml_dtypes
 import numpy as np
 import pytest
 
+from gpu_helpers import (BF16, assert_close, bits_f32, inv_freq_default, make_cache, nan_like, rand_bf16,
+                         ref_attention, ref_rmsnorm, ref_rope, silu, torch_bf16_bits)
+
 pytestmark = pytest.mark.gpu
-
-TOL = 1e-2
-BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-# ----------------------------------------------------------------------------- helpers
-def bf16_bits(x) -> np.ndarray:
-    """float -> bf16 bits (round to nearest even) as uint16 (finite inputs)."""
-    return np.asarray(x, dtype=np.float32).astype(BF16).view(np.uint16)
-
-
-def bits_f32(b) -> np.ndarray:
-    return (np.asarray(b, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
-
-
-def rand_bf16(rng, shape, scale=1.0):
-    """Random bf16 bits and their exact float32 values."""
-    b = bf16_bits(rng.standard_normal(shape, dtype=np.float32) * np.float32(scale))
-    return b, bits_f32(b)
-
-
-def torch_bf16_bits(x: np.ndarray) -> np.ndarray:
-    """torch CPU `.to(torch.bfloat16)`: round to nearest even; every NaN -> 0x7FC0."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    r[np.isnan(x)] = 0x7FC0
-    return r
-
-
-def rel_err(out, ref, seed) -> float:
-    out = np.asarray(out, dtype=np.float64)
-    ref = np.asarray(ref, dtype=np.float64)
-    assert out.shape == ref.shape, (out.shape, ref.shape)
-    bad = ~np.isfinite(out)
-    assert not bad.any(), f"seed={seed}: {int(bad.sum())} non-finite (unwritten?) outputs, first at {np.argwhere(bad)[0]}"
-    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
-
-
-def assert_close(out, ref, seed, tol=TOL):
-    e = rel_err(out, ref, seed)
-    assert e <= tol, f"seed={seed}: relative error {e:.3e} > {tol:g}"
-
-
-def nan_like(cp, shape):
-    return cp.full(shape, np.nan, dtype=cp.float32)
-
-
-def inv_freq_default(head_dim: int, theta: float) -> np.ndarray:
-    exps = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
-    return (np.float32(1.0) / (np.float32(theta) ** exps)).astype(np.float32)
-
-
-def ref_rmsnorm(h32: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    h = h32.astype(np.float64)
-    var = np.mean(h * h, axis=-1, keepdims=True)
-    return w.astype(np.float64) * (h / np.sqrt(var + eps))
-
-
-def ref_rope(x, positions, inv_freq, norm_w=None, eps=1e-6, scaling=1.0):
-    x = x.astype(np.float64)
-    M, nh, hd = x.shape
-    if norm_w is not None:
-        x = ref_rmsnorm(x, norm_w, eps)
-    ang = positions.astype(np.float32)[:, None] * inv_freq[None, :]  # fp32 product, as HF
-    c = np.cos(ang.astype(np.float64))[:, None, :] * scaling
-    s = np.sin(ang.astype(np.float64))[:, None, :] * scaling
-    a, b = x[..., : hd // 2], x[..., hd // 2 :]
-    return np.concatenate([a * c - b * s, b * c + a * s], axis=-1)
-
-
-def ref_attention(q, kf, vf, positions, scale):
-    """q [M, nh, hd]; kf, vf [n_kv, ctx, hd] float; row m sees keys 0..positions[m]."""
-    M, nh, hd = q.shape
-    n_kv = kf.shape[0]
-    G = nh // n_kv
-    out = np.zeros((M, nh, hd))
-    for m in range(M):
-        p = int(positions[m])
-        K = kf[:, : p + 1].astype(np.float64)
-        V = vf[:, : p + 1].astype(np.float64)
-        qq = q[m].astype(np.float64).reshape(n_kv, G, hd)
-        s = np.einsum("kgd,kld->kgl", qq, K) * scale
-        s -= s.max(axis=-1, keepdims=True)
-        e = np.exp(s)
-        o = np.einsum("kgl,kld->kgd", e, V) / e.sum(axis=-1, keepdims=True)
-        out[m] = o.reshape(nh, hd)
-    return out
-
-
-def silu(g):
-    return g / (1.0 + np.exp(-g))
 
 
 # ----------------------------------------------------------------------------- embedding
@@ -525,13 +436,6 @@ def test_rope_kv_append_rejects_overlap(cp, kernels):
 
 
 # ----------------------------------------------------------------------------- attention
-def _cache(rng, n_kv, max_ctx, hd, valid):
-    """Random bf16 K/V for rows < valid; rows >= valid hold NaN (any read of them shows)."""
-    kb, _ = rand_bf16(rng, (n_kv, max_ctx, hd))
-    vb, _ = rand_bf16(rng, (n_kv, max_ctx, hd))
-    kb[:, valid:] = 0x7FC0
-    vb[:, valid:] = 0x7FC0
-    return kb, vb
 
 
 @pytest.mark.parametrize("hd", [32, 64, 128])
@@ -543,7 +447,7 @@ def test_attention_decode(cp, kernels, rng, seed, hd, n_kv, G, ctx, M):
     positions = (ctx - 1 + np.arange(M)).astype(np.int32)  # row 0 sees ctx keys; verify rows follow
     L = ctx + M - 1
     max_ctx = L + 37
-    kb, vb = _cache(rng, n_kv, max_ctx, hd, L)
+    kb, vb = make_cache(rng, n_kv, max_ctx, hd, L)
     q = rng.standard_normal((M, nh, hd), dtype=np.float32)
     scale = 1.0 / math.sqrt(hd)
     out = nan_like(cp, (M, nh, hd))
@@ -557,7 +461,7 @@ def test_attention_decode(cp, kernels, rng, seed, hd, n_kv, G, ctx, M):
 def test_attention_decode_other_shapes(cp, kernels, rng, seed, hd, n_kv, G, M):
     nh, ctx = n_kv * G, 1000
     positions = np.sort(rng.choice(np.arange(10, ctx), size=M, replace=False)).astype(np.int32)
-    kb, vb = _cache(rng, n_kv, ctx + 5, hd, int(positions.max()) + 1)
+    kb, vb = make_cache(rng, n_kv, ctx + 5, hd, int(positions.max()) + 1)
     q = rng.standard_normal((M, nh, hd), dtype=np.float32)
     out = nan_like(cp, (M, nh, hd))
     ws = cp.full(kernels.decode_workspace_size(M, nh, hd, 7), np.nan, dtype=cp.float32)
@@ -571,7 +475,7 @@ def test_attention_decode_other_shapes(cp, kernels, rng, seed, hd, n_kv, G, M):
 def test_attention_prefill(cp, kernels, rng, seed, hd, n_kv, G, start, T):
     nh = n_kv * G
     max_ctx = start + T + 20
-    kb, vb = _cache(rng, n_kv, max_ctx, hd, start + T)
+    kb, vb = make_cache(rng, n_kv, max_ctx, hd, start + T)
     q = rng.standard_normal((T, nh, hd), dtype=np.float32)
     out = nan_like(cp, (T, nh, hd))
     scale = 1.0 / math.sqrt(hd)
@@ -583,7 +487,7 @@ def test_attention_prefill(cp, kernels, rng, seed, hd, n_kv, G, start, T):
 def test_attention_prefill_long(cp, kernels, rng, seed):
     hd, n_kv, G, T = 128, 2, 2, 2048
     nh = n_kv * G
-    kb, vb = _cache(rng, n_kv, 4096, hd, T)
+    kb, vb = make_cache(rng, n_kv, 4096, hd, T)
     q = rng.standard_normal((T, nh, hd), dtype=np.float32)
     out = nan_like(cp, (T, nh, hd))
     kernels.attention_prefill(cp.asarray(q), cp.asarray(kb), cp.asarray(vb), 0, T, out, hd**-0.5)

@@ -1,0 +1,108 @@
+"""Shared helpers of the GPU tests: bf16 bit conversions, random bf16 data, float64 references of the
+kernels' maths, and the relative-error check (NaN never passes)."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+TOL = 1e-2  # bf16 operands, fp32 accumulation
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def bf16_bits(x) -> np.ndarray:
+    """float -> bf16 bits (round to nearest even) as uint16 (finite inputs)."""
+    return np.asarray(x, dtype=np.float32).astype(BF16).view(np.uint16)
+
+
+def bits_f32(b) -> np.ndarray:
+    return (np.asarray(b, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def rand_bf16(rng, shape, scale=1.0):
+    """Random bf16 bits and their exact float32 values."""
+    b = bf16_bits(rng.standard_normal(shape, dtype=np.float32) * np.float32(scale))
+    return b, bits_f32(b)
+
+
+def torch_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """torch CPU `.to(torch.bfloat16)`: round to nearest even; every NaN -> 0x7FC0."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    r[np.isnan(x)] = 0x7FC0
+    return r
+
+
+def rel_err(out, ref, seed) -> float:
+    out = np.asarray(out, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    bad = ~np.isfinite(out)
+    assert not bad.any(), f"seed={seed}: {int(bad.sum())} non-finite (unwritten?) outputs, first at {np.argwhere(bad)[0]}"
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def assert_close(out, ref, seed, tol=TOL):
+    e = rel_err(out, ref, seed)
+    assert e <= tol, f"seed={seed}: relative error {e:.3e} > {tol:g}"
+
+
+def nan_like(cp, shape):
+    return cp.full(shape, np.nan, dtype=cp.float32)
+
+
+def inv_freq_default(head_dim: int, theta: float) -> np.ndarray:
+    exps = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    return (np.float32(1.0) / (np.float32(theta) ** exps)).astype(np.float32)
+
+
+def ref_rmsnorm(h32: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    h = h32.astype(np.float64)
+    var = np.mean(h * h, axis=-1, keepdims=True)
+    return w.astype(np.float64) * (h / np.sqrt(var + eps))
+
+
+def ref_rope(x, positions, inv_freq, norm_w=None, eps=1e-6, scaling=1.0):
+    x = x.astype(np.float64)
+    M, nh, hd = x.shape
+    if norm_w is not None:
+        x = ref_rmsnorm(x, norm_w, eps)
+    ang = positions.astype(np.float32)[:, None] * inv_freq[None, :]  # fp32 product, as HF
+    c = np.cos(ang.astype(np.float64))[:, None, :] * scaling
+    s = np.sin(ang.astype(np.float64))[:, None, :] * scaling
+    a, b = x[..., : hd // 2], x[..., hd // 2 :]
+    return np.concatenate([a * c - b * s, b * c + a * s], axis=-1)
+
+
+def silu(g):
+    return g / (1.0 + np.exp(-g))
+
+
+def ref_attention(q, kf, vf, positions, scale):
+    """q [M, nh, hd]; kf, vf [n_kv, max_ctx, hd]; row m sees keys 0..min(positions[m], max_ctx-1);
+    a row with a negative position is NaN."""
+    M, nh, hd = q.shape
+    n_kv, max_ctx = kf.shape[:2]
+    G = nh // n_kv
+    out = np.full((M, nh, hd), np.nan)
+    for m in range(M):
+        p = min(int(positions[m]), max_ctx - 1)
+        if p < 0:
+            continue
+        K = kf[:, : p + 1].astype(np.float64)
+        V = vf[:, : p + 1].astype(np.float64)
+        qq = q[m].astype(np.float64).reshape(n_kv, G, hd)
+        s = np.einsum("kgd,kld->kgl", qq, K) * scale
+        s -= s.max(axis=-1, keepdims=True)
+        e = np.exp(s)
+        out[m] = (np.einsum("kgl,kld->kgd", e, V) / e.sum(axis=-1, keepdims=True)).reshape(nh, hd)
+    return out
+
+
+def make_cache(rng, n_kv, max_ctx, hd, valid):
+    """Random bf16 K/V bits for rows < valid; rows >= valid hold NaN."""
+    kb = bf16_bits(rng.standard_normal((n_kv, max_ctx, hd), dtype=np.float32))
+    vb = bf16_bits(rng.standard_normal((n_kv, max_ctx, hd), dtype=np.float32))
+    kb[:, valid:] = 0x7FC0
+    vb[:, valid:] = 0x7FC0
+    return kb, vb
