@@ -243,8 +243,9 @@ class PdlLauncher:
     def __init__(self, cp: Any) -> None:
         import ctypes
 
-        self._ct = ctypes
-        self._cp = cp
+        import numpy
+
+        self._ct, self._np, self._cp = ctypes, numpy, cp
         self._lib = ctypes.CDLL("libcuda.so.1")
 
         class Attr(ctypes.Structure):  # CUlaunchAttribute: id, pad to 8, 64-byte value union
@@ -267,7 +268,7 @@ class PdlLauncher:
         self._fn.argtypes = [ctypes.POINTER(Config), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
 
     def _param(self, a: Any) -> Any:
-        ct, np = self._ct, __import__("numpy")
+        ct, np = self._ct, self._np
         if isinstance(a, self._cp.ndarray):
             return ct.c_uint64(a.data.ptr)
         if isinstance(a, np.int32):
