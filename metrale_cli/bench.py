@@ -185,7 +185,7 @@ def build_engine(cfg: ModelConfig, device: str, context: int):
         from .cuda.engine import load_cuda_engine
 
         return load_cuda_engine(cfg, source, context)
-    from .numpy_engine import load_numpy_engine
+    from .backends.numpy.engine import load_numpy_engine
 
     return load_numpy_engine(cfg, source, context)
 

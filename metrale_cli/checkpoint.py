@@ -29,7 +29,11 @@ _FOREIGN_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.gguf", "*.h5", "*.ms
 
 
 class Checkpoint:
-    """All safetensors files of one checkpoint, validated and memory-mapped. Use `Checkpoint.open(path)`."""
+    """All safetensors files of one checkpoint, validated and memory-mapped. Use `Checkpoint.open(path)`.
+    A WeightSource (models/weights.py): engines check it against the model definition before reading."""
+
+    made_from_definition = False
+    draws_on_device = False
 
     def __init__(self, directory: Path, index_path: Path | None, shards: list[SafetensorsFile]) -> None:
         self.directory = directory

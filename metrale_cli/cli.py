@@ -32,7 +32,7 @@ from .errors import EXIT_CODES, InputError, Interrupted, MetraleError, UsageErro
 from .inputs import (ModelSpec, check_draft_matches, check_ids_in_vocab, check_positive, context_for,
                      parse_token_ids, read_model_spec, resolve_prompt)
 from .model import LoadedModel, open_model, resolve_device
-from .weights import check_checkpoint
+from .models.weights import check_checkpoint
 
 EXIT_CODE_HELP = "\n".join(f"  {code:>3}  {text}" for code, text in sorted(EXIT_CODES.items()))
 

@@ -14,28 +14,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from functools import cached_property
+
 import numpy as np
 
 from .errors import ConfigError
+from .models import FAMILIES, Family
+from .models.spec import ModelDefinition, Rope, RopeScaling
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
 @dataclass(frozen=True)
-class RopeScaling:
-    """The `llama3` frequency scaling of Llama 3.1/3.2 (None in ModelConfig means plain RoPE)."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-
-
-@dataclass(frozen=True)
 class ModelConfig:
-    model_type: str  # llama | mistral | qwen2 | qwen3
+    model_type: str  # a key of models.FAMILIES
     vocab_size: int  # rows of the embedding and of lm_head
     hidden_size: int  # residual stream width H
     intermediate_size: int  # SwiGLU width I
@@ -48,6 +42,7 @@ class ModelConfig:
     rope_scaling: RopeScaling | None
     max_position_embeddings: int
     tie_word_embeddings: bool  # lm_head shares the embedding table
+    # Set by the family's parse (models/<family>.py), not read from a field of the same name everywhere:
     attention_bias: bool  # q/k/v projections carry a bias (qwen2 always; llama when attention_bias)
     o_proj_bias: bool  # o_proj carries a bias (llama/qwen3 attention_bias; never qwen2)
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (qwen3)
@@ -55,6 +50,15 @@ class ModelConfig:
     dtype: str  # the checkpoint's declared dtype: bfloat16 | float16 | float32
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.model_type]
+
+    @cached_property
+    def definition(self) -> ModelDefinition:
+        """The blocks and tensors the engines run (built once per config by the family module)."""
+        return self.family.define(self)
 
     @property
     def n_rep(self) -> int:
@@ -77,42 +81,11 @@ class ModelConfig:
         return self.max_position_embeddings
 
     def inv_freq(self) -> np.ndarray:
-        """RoPE inverse frequencies [head_dim/2] as fp32, with llama3 scaling applied when configured.
-
-        Computed in float64 and rounded once, which matches transformers' fp32 values to the last ulp or so.
-        """
-        d = self.head_dim
-        inv = 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-        if self.rope_scaling is not None:
-            inv = _llama3_scale(inv, self.rope_scaling)
-        return inv.astype(np.float32)
+        """RoPE inverse frequencies [head_dim/2] as fp32, with llama3 scaling applied when configured."""
+        return Rope(self.rope_theta, self.head_dim, self.rope_scaling).inv_freq()
 
     def parameter_count(self) -> int:
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
-        if self.attention_bias:
-            attn += self.q_size + 2 * self.kv_size
-        if self.o_proj_bias:
-            attn += h
-        if self.qk_norm:
-            attn += 2 * self.head_dim
-        layer = attn + 3 * h * i + 2 * h
-        head = 0 if self.tie_word_embeddings else v * h
-        return v * h + self.num_hidden_layers * layer + h + head
-
-
-def _llama3_scale(inv_freq: np.ndarray, s: RopeScaling) -> np.ndarray:
-    """Llama 3.1 scaling: long wavelengths divided by `factor`, short ones kept, a smooth blend between."""
-    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-    return np.where(is_medium, smoothed, scaled)
+        return self.definition.parameter_count()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -142,15 +115,11 @@ def load_config(path: str | Path) -> ModelConfig:
 
 
 def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
-    r = _Reader(raw, source)
+    r = ConfigReader(raw, source)
     model_type = r.required("model_type", str)
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in FAMILIES:
         r.refuse("model_type", model_type, f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    act = r.optional("hidden_act", str, "silu")
-    if act != "silu":
-        r.refuse("hidden_act", act, "only silu (SwiGLU) is supported")
-    if r.optional("mlp_bias", bool, False):
-        r.refuse("mlp_bias", True, "MLP biases are not supported")
+    family_fields = FAMILIES[model_type].parse(r)  # refuses what the family does not implement
 
     hidden = r.positive_int("hidden_size")
     heads = r.positive_int("num_attention_heads")
@@ -175,8 +144,6 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
         )
 
     rope_theta, rope_scaling = _parse_rope(r)
-    attention_bias = r.optional("attention_bias", bool, False)
-    sliding_window = _parse_sliding_window(r, model_type)
     return ModelConfig(
         model_type=model_type,
         vocab_size=r.positive_int("vocab_size"),
@@ -191,17 +158,14 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
         rope_scaling=rope_scaling,
         max_position_embeddings=r.optional("max_position_embeddings", int, 2048),
         tie_word_embeddings=r.optional("tie_word_embeddings", bool, False),
-        attention_bias=attention_bias or model_type == "qwen2",
-        o_proj_bias=attention_bias and model_type != "qwen2",
-        qk_norm=model_type == "qwen3",
-        sliding_window=sliding_window,
         dtype=_parse_dtype(r),
         bos_token_id=_token_id(r, "bos_token_id"),
         eos_token_ids=_eos_ids(r),
+        **family_fields,
     )
 
 
-class _Reader:
+class ConfigReader:
     """Typed access to config fields with one-line errors that name the field and value."""
 
     def __init__(self, raw: dict[str, Any], source: str) -> None:
@@ -240,12 +204,12 @@ class _Reader:
         return value
 
 
-def _check_positive(r: _Reader, key: str, value: int) -> None:
+def _check_positive(r: ConfigReader, key: str, value: int) -> None:
     if value <= 0:
         raise ConfigError(f"{r.source}: field '{key}' must be positive, got {value}")
 
 
-def _parse_rope(r: _Reader) -> tuple[float, RopeScaling | None]:
+def _parse_rope(r: ConfigReader) -> tuple[float, RopeScaling | None]:
     # 5.x: rope_parameters holds rope_type, rope_theta and the scaling keys; 4.x: top-level rope_theta
     # and an optional rope_scaling dict.
     params = r.optional("rope_parameters", dict, None)
@@ -283,14 +247,7 @@ def _parse_rope(r: _Reader) -> tuple[float, RopeScaling | None]:
     return float(theta), scaling
 
 
-def _parse_sliding_window(r: _Reader, model_type: str) -> int | None:
-    window = r.optional("sliding_window", int, None)
-    if model_type in ("qwen2", "qwen3") and not r.optional("use_sliding_window", bool, False):
-        return None
-    return window
-
-
-def _parse_dtype(r: _Reader) -> str:
+def _parse_dtype(r: ConfigReader) -> str:
     dtype = r.optional("dtype", str, None) or r.optional("torch_dtype", str, None) or "float32"
     if dtype not in SUPPORTED_DTYPES:
         key = "dtype" if "dtype" in r.raw else "torch_dtype"
@@ -298,12 +255,12 @@ def _parse_dtype(r: _Reader) -> str:
     return dtype
 
 
-def _token_id(r: _Reader, key: str) -> int | None:
+def _token_id(r: ConfigReader, key: str) -> int | None:
     value = r.raw.get(key)
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _eos_ids(r: _Reader) -> tuple[int, ...]:
+def _eos_ids(r: ConfigReader) -> tuple[int, ...]:
     value = r.raw.get("eos_token_id")
     if isinstance(value, int) and not isinstance(value, bool):
         return (value,)

@@ -93,7 +93,7 @@ def open_model(path: str | Path | None = None, *, device: str = "auto", max_cont
 
             engine = load_cuda_engine(cfg, ckpt, ctx, fp32_logits, step)
         else:
-            from .numpy_engine import load_numpy_engine
+            from .backends.numpy.engine import load_numpy_engine
 
             engine = load_numpy_engine(cfg, ckpt, ctx, fp32_logits, step)
     except BaseException:

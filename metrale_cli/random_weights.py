@@ -15,14 +15,18 @@ import numpy as np
 
 from .config import ModelConfig
 from .safetensors_file import TensorInfo
-from .weights import expected_tensors
 
 
 class RandomTensors:
+    """A WeightSource (models/weights.py) whose tensors are made from the model definition."""
+
+    made_from_definition = True  # right by construction: no checkpoint check
+    draws_on_device = True
+
     def __init__(self, cfg: ModelConfig, seed: int = 0) -> None:
         self.cfg = cfg
         self.seed = seed
-        self.shapes = expected_tensors(cfg)
+        self.shapes = cfg.definition.expected_tensors()
         self.directory = Path(f"<random {cfg.model_type} weights, seed {seed}>")
         self.files: list[Path] = []
         self.has_tokenizer = False

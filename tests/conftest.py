@@ -114,7 +114,6 @@ def random_llama(dest: Path, *, hidden: int = 128, layers: int = 2, heads: int =
     from safetensors.numpy import save_file
 
     from metrale_cli.config import parse_config
-    from metrale_cli.weights import expected_tensors
 
     raw = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": hidden,
            "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
@@ -122,7 +121,7 @@ def random_llama(dest: Path, *, hidden: int = 128, layers: int = 2, heads: int =
            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, "dtype": "float32"}
     rng = np.random.default_rng(seed)
     tensors = {}
-    for name, shape in expected_tensors(parse_config(raw)).items():
+    for name, shape in parse_config(raw).definition.expected_tensors().items():
         scale = 1.0 if len(shape) == 1 else shape[-1] ** -0.5
         base = 1.0 if len(shape) == 1 else 0.0
         tensors[name] = (base + scale * rng.standard_normal(shape)).astype(np.float32)

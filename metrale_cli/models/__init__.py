@@ -1,0 +1,14 @@
+"""Model definitions: one module per architecture family, and the registry of supported families.
+
+`FAMILIES` is the single supported list: the config parser, `inspect`, the help text, the tests' model
+lists and the fixture scripts read it.
+"""
+
+from __future__ import annotations
+
+from . import llama, mistral, qwen2, qwen3
+from .family import Family
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY)}
+
+__all__ = ["FAMILIES", "Family"]

@@ -1,0 +1,26 @@
+"""A family: how one Hugging Face `model_type` is read from config.json and what model it defines.
+
+Adding an architecture is one module that builds a `Family` (see llama.py, qwen3.py) and one line in
+`models/__init__.py`'s registry; docs/ADDING_AN_ARCHITECTURE.md walks through it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from ..config import ConfigReader, ModelConfig
+    from .spec import ModelDefinition
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str  # the config.json `model_type` it reads
+    hf_class: str  # transformers' causal-LM class (the reference the tests compare with)
+    # parse(reader) -> the family's ModelConfig fields (attention_bias, qk_norm, ...); refuses what the
+    # family does not implement with the field named.
+    parse: Callable[[ConfigReader], dict[str, Any]]
+    # define(cfg) -> the blocks and tensors the engines run
+    define: Callable[[ModelConfig], ModelDefinition]
+    summary: str = ""  # one line for --help, inspect and the README

@@ -1,0 +1,166 @@
+"""What a model definition says, as plain data: the tensors a decoder reads and the structure of its blocks.
+
+A family module (llama.py, qwen2.py, ...) turns a parsed `ModelConfig` into a `ModelDefinition`: per layer
+a `LayerSpec` (norm kind and placement, attention options, MLP kind) and the `Param`s it reads, each
+named after the Hugging Face checkpoint tensors it comes from. The engines know no family: they run
+`engine/loop.py`'s block order over these specs, and load weights through `models/weights.py`.
+
+Engine weight keys (`Param.key`), one vocabulary for every family:
+
+    input_norm      the norm before attention                   (HF input_layernorm)
+    qkv, qkv_bias   q, k, v projections fused along the output axis (q_proj/k_proj/v_proj, or qkv_proj)
+    q_norm, k_norm  per-head RMSNorm on q and k before RoPE     (qwen3)
+    o, o_bias       the attention output projection             (o_proj)
+    attn_out_norm   norm of the attention output before the residual add (sandwich blocks: Gemma's
+                    post_attention_layernorm)
+    mlp_norm        the norm before the MLP (Llama's post_attention_layernorm, Gemma's pre_feedforward_layernorm)
+    gate_up         gate and up projections fused (gate_proj/up_proj, or gate_up_proj)
+    down            the MLP output projection                   (down_proj)
+    mlp_out_norm    norm of the MLP output before the residual add (Gemma's post_feedforward_layernorm)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One checkpoint tensor: its Hugging Face name and shape (Linear weights are [out, in])."""
+
+    name: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Param:
+    """One engine weight, read from `parts` concatenated along axis 0 at load (q, k, v -> qkv)."""
+
+    key: str
+    parts: tuple[Tensor, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        first = self.parts[0].shape
+        return (sum(p.shape[0] for p in self.parts),) + tuple(first[1:])
+
+    @staticmethod
+    def of(key: str, *parts: tuple[str, tuple[int, ...]]) -> Param:
+        return Param(key, tuple(Tensor(name, tuple(shape)) for name, shape in parts))
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """The `llama3` frequency scaling of Llama 3.1/3.2 (None in Rope means plain RoPE)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class Rope:
+    theta: float
+    head_dim: int
+    scaling: RopeScaling | None = None
+
+    def inv_freq(self) -> np.ndarray:
+        """Inverse frequencies [head_dim/2] as fp32, computed in float64 and rounded once (matches
+        transformers' fp32 values to the last ulp or so)."""
+        d = self.head_dim
+        inv = 1.0 / (self.theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+        if self.scaling is not None:
+            inv = _llama3_scale(inv, self.scaling)
+        return inv.astype(np.float32)
+
+
+def _llama3_scale(inv_freq: np.ndarray, s: RopeScaling) -> np.ndarray:
+    """Llama 3.1 scaling: long wavelengths divided by `factor`, short ones kept, a smooth blend between."""
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return np.where(is_medium, smoothed, scaled)
+
+
+@dataclass(frozen=True)
+class Norm:
+    """RMSNorm: x / sqrt(mean(x^2) + eps) * weight, in fp32."""
+
+    eps: float
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    num_heads: int  # query heads
+    num_kv_heads: int  # KV heads (grouped-query attention when fewer than query heads)
+    head_dim: int
+    rope: Rope
+    scale: float  # on the scores q.k: head_dim ** -0.5 unless the family says otherwise
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (qwen3)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def n_rep(self) -> int:
+        """Query heads per KV head."""
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True)
+class MlpSpec:
+    intermediate_size: int
+    activation: str = "silu"  # gate activation of the gated MLP: act(gate) * up
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One decoder block: pre-norm attention and MLP, each added to the residual stream."""
+
+    attention: AttentionSpec
+    mlp: MlpSpec
+    norm: Norm
+    params: tuple[Param, ...]
+
+    def keys(self) -> frozenset[str]:
+        return frozenset(p.key for p in self.params)
+
+
+@dataclass(frozen=True)
+class ModelDefinition:
+    family: str
+    layers: tuple[LayerSpec, ...]
+    embed: Param  # [V, H]
+    final_norm: Param  # [H]
+    lm_head: Param | None  # [V, H]; None when tied to the embedding
+    norm: Norm  # the final norm's kind
+    ignored: tuple[str, ...] = field(default=())  # checkpoint tensors tolerated and never read
+
+    def params(self) -> list[Param]:
+        """Every weight, globals first (the order loaders and checks walk them)."""
+        out = [self.embed, self.final_norm] + ([self.lm_head] if self.lm_head is not None else [])
+        for layer in self.layers:
+            out.extend(layer.params)
+        return out
+
+    def expected_tensors(self) -> dict[str, tuple[int, ...]]:
+        """Checkpoint tensor name -> shape, for every tensor the definition reads."""
+        return {t.name: t.shape for p in self.params() for t in p.parts}
+
+    def parameter_count(self) -> int:
+        return sum(int(np.prod(s)) for s in self.expected_tensors().values())

@@ -1,0 +1,134 @@
+"""Checking a weight source against a model definition, and reading it into engine weights.
+
+Both engines load through `load_weights`: it walks the definition's `Param`s once, reads each
+checkpoint tensor through the backend's `read` (fp32 NumPy on the CPU, bf16 on the device for CUDA) and
+fuses multi-part params (q/k/v -> qkv, gate/up -> gate_up) with the backend's `concat`. Tensor names
+are the Hugging Face names the family module declared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Generic, Protocol, TypeVar
+
+from ..errors import CheckpointError, ConfigError
+from .spec import ModelDefinition, Param
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
+    from ..safetensors_file import TensorInfo
+
+RUNNABLE_DTYPES = ("BF16", "F16", "F32")
+
+A = TypeVar("A")  # a backend's array type
+
+
+class WeightSource(Protocol):
+    """Where weights come from: a `Checkpoint` (safetensors on disk) or `RandomTensors` (drawn on demand)."""
+
+    # True when the tensors were made from the definition itself (nothing to check); a checkpoint is
+    # checked against the definition before anything is read.
+    made_from_definition: bool
+    # True when `device_array` can draw the tensor on the GPU (no host copy of an 8B model).
+    draws_on_device: bool
+
+    def tensor_names(self) -> list[str]: ...
+    def info(self, name: str) -> TensorInfo: ...
+    def array(self, name: str) -> Any: ...  # host array in the stored dtype
+    def release(self, name: str) -> None: ...  # drop the pages of a tensor already converted
+    @property
+    def total_bytes(self) -> int: ...
+    def close(self) -> None: ...
+
+
+@dataclass
+class Weights(Generic[A]):
+    """A model's weights in one backend's arrays, keyed as the definition's Params."""
+
+    embed: A  # [V, H]
+    final_norm: A  # [H]
+    lm_head: A  # [V, H]; the embedding table itself when tied
+    layers: list[dict[str, A]]  # per layer: Param.key -> array
+
+
+def load_weights(definition: ModelDefinition, read: Callable[[str], A], concat: Callable[[list[A]], A],
+                 embed: Callable[[str], A] | None = None) -> Weights[A]:
+    """Read every param once. `embed(name)` reads the embedding table when it is not also the lm_head
+    (the NumPy engine keeps it memory-mapped); by default it is read like every other tensor."""
+
+    def param(p: Param) -> A:
+        parts = [read(t.name) for t in p.parts]
+        return parts[0] if len(parts) == 1 else concat(parts)
+
+    layers = [{p.key: param(p) for p in layer.params} for layer in definition.layers]
+    final_norm = param(definition.final_norm)
+    if definition.lm_head is None:
+        table = param(definition.embed)
+        return Weights(table, final_norm, table, layers)
+    lm_head = param(definition.lm_head)
+    table = embed(definition.embed.parts[0].name) if embed is not None else param(definition.embed)
+    return Weights(table, final_norm, lm_head, layers)
+
+
+def split_param(p: Param, value: Any) -> dict[str, Any]:
+    """The inverse of the load-time fusion: checkpoint name -> the rows of `value` it supplied."""
+    out, row = {}, 0
+    for t in p.parts:
+        out[t.name] = value[row:row + t.shape[0]]
+        row += t.shape[0]
+    return out
+
+
+def check_checkpoint(cfg: ModelConfig, ckpt: WeightSource) -> None:
+    """Fail with one message listing every missing, unexpected, mis-shaped or unrunnable tensor."""
+    definition = cfg.definition
+    present = set(ckpt.tensor_names())
+    embed = definition.embed.parts[0].name
+    if embed in present:
+        rows = ckpt.info(embed).shape[0] if ckpt.info(embed).shape else None
+        if rows is not None and rows != cfg.vocab_size:
+            raise ConfigError(
+                f"{ckpt.directory / 'config.json'}: vocab_size {cfg.vocab_size} differs from the {rows} "
+                f"rows of {embed}"
+            )
+    want = definition.expected_tensors()
+    problems: list[str] = []
+    missing = sorted(set(want) - present, key=natural)
+    if missing:
+        problems.append(f"missing {len(missing)}: {_listing(missing)}")
+    unexpected = sorted((n for n in present - set(want) if not _tolerated(definition, n)), key=natural)
+    if unexpected:
+        problems.append(f"unexpected {len(unexpected)}: {_listing(unexpected)}")
+    misshaped = [
+        f"{n} {list(ckpt.info(n).shape)} (expected {list(want[n])})"
+        for n in sorted(present & set(want), key=natural)
+        if tuple(ckpt.info(n).shape) != want[n]
+    ]
+    if misshaped:
+        problems.append(f"wrong shape {len(misshaped)}: {_listing(misshaped)}")
+    bad_dtype = [
+        f"{n} {ckpt.info(n).dtype}"
+        for n in sorted(present & set(want), key=natural)
+        if ckpt.info(n).dtype not in RUNNABLE_DTYPES
+    ]
+    if bad_dtype:
+        problems.append(f"dtype not BF16/F16/F32 {len(bad_dtype)}: {_listing(bad_dtype)}")
+    if problems:
+        raise CheckpointError(
+            f"{ckpt.directory}: tensors do not match config.json ({cfg.model_type}, "
+            f"{cfg.num_hidden_layers} layers): " + "; ".join(problems)
+        )
+
+
+def _tolerated(definition: ModelDefinition, name: str) -> bool:
+    return any(name == s or name.endswith(s) for s in definition.ignored)
+
+
+def _listing(names: list[str], limit: int = 12) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def natural(name: str) -> tuple:
+    """Sort model.layers.10 after model.layers.9."""
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split("."))
