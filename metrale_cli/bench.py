@@ -305,7 +305,7 @@ def transformers_decode_ms(eng, cfg: ModelConfig, context: int, steps: int) -> f
     import torch
     import transformers
 
-    from .weights import layer_names
+    from .models.weights import split_param
 
     cp = eng.cp
     eng.synchronize()
@@ -318,34 +318,17 @@ def transformers_decode_ms(eng, cfg: ModelConfig, context: int, steps: int) -> f
         return torch.from_dlpack(a).view(torch.bfloat16)
 
     params = dict(model.named_parameters())
-    w = eng.w
-    q, kv = cfg.q_size, cfg.kv_size
+    definition, w = cfg.definition, eng.w
     with torch.no_grad():
-        params["model.embed_tokens.weight"].copy_(t(w.embed))
-        params["model.norm.weight"].copy_(t(w.final_norm))
-        if not cfg.tie_word_embeddings:
-            params["lm_head.weight"].copy_(t(w.lm_head))
-        for i, lw in enumerate(w.layers):
-            n = layer_names(cfg, i)
-            wqkv = t(lw.wqkv)
-            params[n.q].copy_(wqkv[:q])
-            params[n.k].copy_(wqkv[q:q + kv])
-            params[n.v].copy_(wqkv[q + kv:])
-            params[n.o].copy_(t(lw.wo))
-            gu = t(lw.w_gate_up)
-            params[n.gate].copy_(gu[:cfg.intermediate_size])
-            params[n.up].copy_(gu[cfg.intermediate_size:])
-            params[n.down].copy_(t(lw.w_down))
-            params[n.input_norm].copy_(t(lw.input_norm))
-            params[n.post_norm].copy_(t(lw.post_norm))
-            for name, arr in ((n.q_norm, lw.q_norm), (n.k_norm, lw.k_norm)):
-                if name is not None:
-                    params[name].copy_(t(arr))
-            if lw.bqkv is not None:
-                b = t(lw.bqkv)
-                params[n.q_bias].copy_(b[:q])
-                params[n.k_bias].copy_(b[q:q + kv])
-                params[n.v_bias].copy_(b[q + kv:])
+        # every engine weight back into the checkpoint tensors it was fused from
+        pairs = [(definition.embed, w.embed), (definition.final_norm, w.final_norm)]
+        if definition.lm_head is not None:
+            pairs.append((definition.lm_head, w.lm_head))
+        for layer, lw in zip(definition.layers, w.layers):
+            pairs += [(p, lw[p.key]) for p in layer.params]
+        for p, value in pairs:
+            for name, rows in split_param(p, t(value)).items():
+                params[name].copy_(rows)
     model.model.rotary_emb.__init__(model.config, device="cuda")  # buffers were left empty by to_empty
     cp.cuda.Device().synchronize()
     ids = torch.randint(0, cfg.vocab_size, (1, context), device="cuda")
@@ -376,5 +359,4 @@ def _hf_config(transformers, cfg: ModelConfig):
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling is not None:
         rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta, **asdict(cfg.rope_scaling)}
-    cls = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
-    return getattr(transformers, cls[cfg.model_type])(**kw, rope_parameters=rope)
+    return transformers.AutoConfig.for_model(cfg.model_type, **kw, rope_parameters=rope)

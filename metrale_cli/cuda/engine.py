@@ -28,8 +28,10 @@ from ..config import ModelConfig
 from ..errors import DeviceError, NonFiniteLogitsError
 from ..engine_base import EngineBase, check_context
 from ..logits import DevicePtr
-from ..weights import EMBED, FINAL_NORM, LM_HEAD, check_checkpoint, layer_names
+from ..engine.loop import Tap, decoder_forward
+from ..models.weights import WeightSource, Weights, check_checkpoint, load_weights
 from .kernels import GEMV_TC_MIN_ROWS
+from .passes import PrefillPass, RowsPass
 
 MAX_ROWS = 16  # rows the GEMV path takes (decode, verify k <= 15 plus one, short prefills)
 PREFILL_CHUNK = 2048  # tokens per eager prefill chunk (bounds the activation buffers)
@@ -48,36 +50,6 @@ def _cupy():
     return cupy
 
 
-@dataclass
-class DeviceLayer:
-    input_norm: Any  # [H] bf16 bits
-    wqkv: Any  # [q + 2 kv, H]
-    bqkv: Any | None  # [q + 2 kv]
-    q_norm: Any | None  # [head_dim]
-    k_norm: Any | None
-    wo: Any  # [H, q]
-    bo: Any | None  # [H]
-    post_norm: Any  # [H]
-    w_gate_up: Any  # [2 I, H]  gate then up
-    w_down: Any  # [H, I]
-
-
-@dataclass
-class DeviceWeights:
-    embed: Any  # [V, H]
-    layers: list[DeviceLayer]
-    final_norm: Any  # [H]
-    lm_head: Any  # [V, H] (the embedding itself when tied)
-
-    def streamed_bytes(self) -> int:
-        """Bytes one decode step must read: every weight but the embedding table (unless tied)."""
-        total = self.final_norm.nbytes + self.lm_head.nbytes
-        for lw in self.layers:
-            for a in vars(lw).values():
-                total += a.nbytes if a is not None else 0
-        return total
-
-
 def _oom(cp, what: str, nbytes: int) -> DeviceError:
     free, total = cp.cuda.runtime.memGetInfo()
     return DeviceError(
@@ -86,18 +58,16 @@ def _oom(cp, what: str, nbytes: int) -> DeviceError:
     )
 
 
-def upload_weights(cfg: ModelConfig, source, kern, progress: Callable[[int], None] | None = None) -> DeviceWeights:
-    """Read each tensor once from `source` (a Checkpoint, or RandomTensors which draws on the device),
-    round it to bf16 and place it on the device, fusing q/k/v and gate/up."""
+def upload_weights(cfg: ModelConfig, source: WeightSource, kern, progress: Callable[[int], None] | None = None) -> Weights:
+    """Read each tensor once from `source`, round it to bf16 and place it on the device, fusing
+    multi-part params (q/k/v, gate/up) on the device. RandomTensors draw on the device directly."""
     cp = kern._cp
 
-    def get(name: str | None):
-        if name is None:
-            return None
+    def get(name: str):
         info = source.info(name)
         nbytes = int(np.prod(info.shape)) * 2
         try:
-            if hasattr(source, "device_array"):
+            if source.draws_on_device:
                 f32 = source.device_array(name, cp)
                 out = cp.empty(f32.shape, cp.uint16)
                 kern.f32_to_bf16(f32, out)
@@ -118,23 +88,7 @@ def upload_weights(cfg: ModelConfig, source, kern, progress: Callable[[int], Non
             progress(nbytes)
         return out
 
-    def fused(*names: str | None):
-        if names[0] is None:
-            return None
-        parts = [get(n) for n in names]
-        return cp.concatenate(parts, axis=0)
-
-    layers = []
-    for i in range(cfg.num_hidden_layers):
-        n = layer_names(cfg, i)
-        layers.append(DeviceLayer(
-            input_norm=get(n.input_norm), wqkv=fused(n.q, n.k, n.v), bqkv=fused(n.q_bias, n.k_bias, n.v_bias),
-            q_norm=get(n.q_norm), k_norm=get(n.k_norm), wo=get(n.o), bo=get(n.o_bias),
-            post_norm=get(n.post_norm), w_gate_up=fused(n.gate, n.up), w_down=get(n.down),
-        ))
-    embed = get(EMBED)
-    lm_head = embed if cfg.tie_word_embeddings else get(LM_HEAD)
-    return DeviceWeights(embed=embed, layers=layers, final_norm=get(FINAL_NORM), lm_head=lm_head)
+    return load_weights(cfg.definition, get, lambda parts: cp.concatenate(parts, axis=0))
 
 
 class CudaEngine(EngineBase):
@@ -142,7 +96,7 @@ class CudaEngine(EngineBase):
 
     device = "cuda"
 
-    def __init__(self, cfg: ModelConfig, weights: DeviceWeights, kern, max_context: int,
+    def __init__(self, cfg: ModelConfig, weights: Weights, kern, max_context: int,
                  fp32_logits: bool = False, use_graphs: bool = True) -> None:
         cp = kern._cp
         self.cp, self.kern, self.cfg, self.w = cp, kern, cfg, weights
@@ -176,7 +130,9 @@ class CudaEngine(EngineBase):
             self._splits = {m: kern.decode_splits(max_context, nkv, m, nh) for m in range(1, R + 1)}
             ws = max(kern.decode_workspace_size(m, nh, d, s) for m, s in self._splits.items())
             self._ws = cp.zeros(ws, cp.float32)
-            self._inv_freq = cp.asarray(cfg.inv_freq())
+            # RoPE inverse frequencies per distinct rope of the definition (uploaded before any capture)
+            self._inv_freq = {layer.attention.rope: cp.asarray(layer.attention.rope.inv_freq())
+                              for layer in cfg.definition.layers}
             self._io_host = cp.cuda.alloc_pinned_memory(2 * R * 4)
         except cp.cuda.memory.OutOfMemoryError:
             need = 2 * L * nkv * max_context * d * 2 + R * V * 8
@@ -231,6 +187,31 @@ class CudaEngine(EngineBase):
             return 1
         return self._prefill_long(ids, all_logits)
 
+    def observe(self, tokens: Sequence[int], tap: Tap) -> None:
+        """Run tokens eagerly with `tap` seeing every tapped value: the rows path's kernels for up to
+        MAX_ROWS tokens (what decode/verify compute), the prefill path's beyond."""
+        ids = self._check_tokens(tokens)
+        if len(ids) <= MAX_ROWS:
+            self._io_np[0, :len(ids)] = ids
+            self._io_np[1, :len(ids)] = np.arange(self.length, self.length + len(ids))
+            self._io.set(self._io_np, stream=self.stream)
+            with self.stream:
+                self._rows_body(len(ids), "rows", tap)
+            self.length += len(ids)
+            self._logits = self._rows_logits
+            self.synchronize()
+            return
+        with self.stream:
+            for start in range(0, len(ids), PREFILL_CHUNK):
+                self._prefill_chunk(ids[start:start + PREFILL_CHUNK], tap)
+        self.synchronize()
+
+    def inv_freq(self, rope):
+        return self._inv_freq[rope]
+
+    def oom(self, what: str, nbytes: int) -> DeviceError:
+        return _oom(self.cp, what, nbytes)
+
     # -- the rows path (graph-captured) ---------------------------------------------------------------
     def _run_rows(self, ids: Sequence[int], kind: str) -> None:
         m = len(ids)
@@ -271,42 +252,26 @@ class CudaEngine(EngineBase):
         finally:
             self.kern.pdl = False
 
-    def _rows_body(self, m: int, kind: str) -> None:
-        """The whole forward of m rows at positions io[1, :m]; every launch is capturable.
-        The RMSNorms before the qkv and gate/up GEMVs run inside those GEMVs (norm_weight=...),
-        and rope + KV append are one launch; only the final norm is a launch of its own."""
+    def _rows_body(self, m: int, kind: str, tap: Tap | None = None) -> None:
+        """The whole forward of m rows at positions io[1, :m] (engine/loop.py over RowsPass); every launch
+        is capturable. Then lm_head into the decode or rows logits buffer."""
         cfg, k, w, s = self.cfg, self.kern, self.w, self.stream
-        eps = cfg.rms_norm_eps
-        ids, pos = self._io[0, :m], self._io[1, :m]
-        x, h, qkv = self._x[:m], self._h[:m], self._qkv[:m]
-        attn, act = self._attn[:m], self._act[:m]
-        # rotated q: in place in the GEMV output for one row, else its own contiguous buffer
-        q = qkv[:, :cfg.q_size].reshape(1, cfg.num_attention_heads, cfg.head_dim) if m == 1 else self._q[:m]
-        k.embedding(ids, w.embed, x, stream=s)
-        lin = self._linear
-        for li, lw in enumerate(w.layers):
-            lin(x, lw.wqkv, qkv, lw.bqkv, norm_weight=lw.input_norm)
-            k.rope_kv_append(qkv, pos, self._inv_freq, q, self._kc[li], self._vc[li], lw.q_norm, lw.k_norm,
-                             eps, stream=s)
-            k.attention_decode(q, self._kc[li], self._vc[li], pos, attn, cfg.head_dim ** -0.5,
-                               n_splits=self._splits[m], workspace=self._ws, stream=s)
-            lin(attn.reshape(m, cfg.q_size), lw.wo, x, lw.bo, accumulate=True)
-            lin(x, lw.w_gate_up, act, swiglu=True, norm_weight=lw.post_norm)
-            lin(act, lw.w_down, x, accumulate=True)
-        k.rmsnorm(x, w.final_norm, eps, h, stream=s)
+        h = decoder_forward(RowsPass(self, m, tap), cfg.definition, w)
         self._hidden[0] = h[m - 1]
         out = self._decode_logits if kind == "decode" else self._rows_logits[:m]
         if self._fp32_logits:
-            lin(h, w.lm_head, out)
+            self._linear(h, w.lm_head, out)
         else:
-            lin(h, w.lm_head, self._logits32[:m])
+            self._linear(h, w.lm_head, self._logits32[:m])
             k.f32_to_bf16(self._logits32[:m], out, stream=s)
         if kind == "decode":
             k.argmax(out, self._decode_amax, stream=s)
 
-    def _linear(self, x, w, out, bias=None, *, accumulate=False, swiglu=False, norm_weight=None) -> None:
-        """One projection of the rows path: metrale's tensor-core GEMV (gemv_tc) or the fp32-FMA GEMV."""
-        k, eps, s = self.kern, self.cfg.rms_norm_eps, self.stream
+    def _linear(self, x, w, out, bias=None, *, accumulate=False, swiglu=False, norm_weight=None,
+                eps: float = 1e-6) -> None:
+        """One projection of the rows path: metrale's tensor-core GEMV (gemv_tc) or the fp32-FMA GEMV,
+        with the RMSNorm of x (norm_weight, eps) fused in its prologue when given."""
+        k, s = self.kern, self.stream
         impl = self.gemv_impl
         if impl == "tc" or (impl == "auto" and x.shape[0] >= GEMV_TC_MIN_ROWS):
             k.gemv_tc(x, w, out, bias, accumulate=accumulate, swiglu=swiglu, norm_weight=norm_weight, eps=eps,
@@ -341,39 +306,12 @@ class CudaEngine(EngineBase):
         self._n_rows = n
         return n
 
-    def _prefill_chunk(self, ids: np.ndarray):
-        """One chunk of T tokens at positions length..length+T-1; returns post-final-norm rows [T, H]."""
-        cp, cfg, k, w, s = self.cp, self.cfg, self.kern, self.w, self.stream
-        t, start, eps = len(ids), self.length, cfg.rms_norm_eps
-        nh, d = cfg.num_attention_heads, cfg.head_dim
-        try:
-            dev_ids = cp.asarray(ids.astype(np.int32))
-            pos = cp.arange(start, start + t, dtype=cp.int32)
-            x = cp.empty((t, cfg.hidden_size), cp.float32)
-            h = cp.empty_like(x)
-            attn = cp.empty((t, nh, d), cp.float32)
-            q = cp.empty((t, nh, d), cp.float32)
-        except cp.cuda.memory.OutOfMemoryError:
-            raise _oom(cp, f"prefilling {t} tokens", t * cfg.hidden_size * 16) from None
-        k.embedding(dev_ids, w.embed, x, stream=s)
-        for li, lw in enumerate(w.layers):
-            k.rmsnorm(x, lw.input_norm, eps, h, stream=s)
-            qkv = self._gemm(h, lw.wqkv, lw.bqkv)
-            # rope on q and k (+ qk norm) and the KV append in one pass over the GEMM output
-            k.rope_kv_append(qkv, pos, self._inv_freq, q, self._kc[li], self._vc[li], lw.q_norm, lw.k_norm,
-                             eps, stream=s)
-            del qkv
-            k.attention_prefill(q, self._kc[li], self._vc[li], start, t, attn, d ** -0.5, stream=s)
-            self._gemm(attn.reshape(t, cfg.q_size), lw.wo, lw.bo, accumulate_into=x)
-            k.rmsnorm(x, lw.post_norm, eps, h, stream=s)
-            gu = self._gemm(h, lw.w_gate_up)
-            act = cp.empty((t, cfg.intermediate_size), cp.float32)
-            k.swiglu(gu, act, stream=s)
-            del gu
-            self._gemm(act, lw.w_down, accumulate_into=x)
-        k.rmsnorm(x, w.final_norm, eps, h, stream=s)
-        self.length = start + t
-        self._hidden[0] = h[t - 1]
+    def _prefill_chunk(self, ids: np.ndarray, tap: Tap | None = None):
+        """One chunk of T tokens at positions length..length+T-1 (engine/loop.py over PrefillPass);
+        returns post-final-norm rows [T, H]."""
+        h = decoder_forward(PrefillPass(self, ids, tap), self.cfg.definition, self.w)
+        self.length += len(ids)
+        self._hidden[0] = h[len(ids) - 1]
         return h
 
     def _gemm(self, x, w, bias=None, accumulate_into=None):
@@ -430,7 +368,7 @@ def load_cuda_engine(cfg: ModelConfig, source, max_context: int, fp32_logits: bo
                      progress: Callable[[int], None] | None = None, use_graphs: bool = True) -> CudaEngine:
     """Check the tensors, upload them once, and build the engine (CuPy is imported here, not before)."""
     check_context(cfg, max_context)
-    if hasattr(source, "directory") and not hasattr(source, "device_array"):
+    if not source.made_from_definition:
         check_checkpoint(cfg, source)
     _cupy()
     from .kernels import DECODE_HEAD_DIMS, PREFILL_HEAD_DIMS, Kernels

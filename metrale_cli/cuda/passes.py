@@ -1,0 +1,147 @@
+"""engine/loop.py's ops on the GPU: the rows path (fused kernels, graph-capturable) and the prefill path.
+
+`RowsPass` (decode, verify, short prefills: M <= MAX_ROWS rows) writes into the engine's preallocated
+buffers and launches only metrale's own kernels, so a whole pass can be captured once as a CUDA graph:
+the norm before a projection runs inside the GEMV that consumes it, the o/down projections add into the
+residual stream in their epilogue, rope + KV append are one launch. `PrefillPass` (long prompts, eager)
+runs cuBLAS GEMMs and tensor-core flash attention over freshly allocated chunk buffers.
+
+Both keep the fused path untouched when a tap observer is set: the tapped value of a fused projection
+(`self_attn`, `mlp` before the residual add) is computed by a second, non-accumulating launch of the same
+kernel beside it, and copied to the host for the observer.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import DeviceError
+
+if TYPE_CHECKING:
+    from ..engine.loop import Tap
+    from ..models.spec import AttentionSpec, Norm
+    from .engine import CudaEngine
+
+
+def _check_activation(activation: str) -> None:
+    if activation != "silu":
+        raise DeviceError(f"the CUDA kernels have no fused gated MLP for activation '{activation}'")
+
+
+class _Pass:
+    def __init__(self, engine: CudaEngine, tap: Tap | None) -> None:
+        self.e, self.k, self.s = engine, engine.kern, engine.stream
+        self._tap = tap
+
+    def tap(self, name: str, x: Any) -> None:
+        if self._tap is not None:
+            self.s.synchronize()
+            self._tap(name, x.get(stream=self.s))
+
+
+class RowsPass(_Pass):
+    """m rows at positions io[1, :m] (device): every launch is capturable, every buffer preallocated."""
+
+    def __init__(self, engine: CudaEngine, m: int, tap: Tap | None = None) -> None:
+        super().__init__(engine, tap)
+        e = engine
+        self.m = m
+        self.ids, self.pos = e._io[0, :m], e._io[1, :m]
+        self.buffers = {"x": e._x[:m], "h": e._h[:m], "qkv": e._qkv[:m]}
+
+    def embed(self, table):
+        x = self.buffers["x"]
+        self.k.embedding(self.ids, table, x, stream=self.s)
+        return x
+
+    def linear(self, x, w, bias=None, *, out, norm=None, residual=None, tap=None):
+        norm_weight, eps = (norm[0], norm[1].eps) if norm is not None else (None, 1e-6)
+        if tap is not None and self._tap is not None:  # the value before the residual add, on the side
+            y = self.e.cp.empty((self.m, w.shape[0]), self.e.cp.float32)
+            self.e._linear(x, w, y, bias, norm_weight=norm_weight, eps=eps)
+            self.tap(tap, y)
+        target = residual if residual is not None else self.buffers[out]
+        self.e._linear(x, w, target, bias, accumulate=residual is not None, norm_weight=norm_weight, eps=eps)
+        return target
+
+    def norm(self, x, weight, norm: Norm, *, out):
+        y = self.buffers[out]
+        self.k.rmsnorm(x, weight, norm.eps, y, stream=self.s)
+        return y
+
+    def gated_mlp(self, x, w_gate_up, *, norm, activation):
+        _check_activation(activation)
+        act = self.e._act[:self.m]
+        self.e._linear(x, w_gate_up, act, swiglu=True, norm_weight=norm[0], eps=norm[1].eps)
+        return act
+
+    def rope_kv_append(self, qkv, layer: int, a: AttentionSpec, q_norm, k_norm, norm: Norm):
+        e = self.e
+        # rotated q: in place in the GEMV output for one row, else its own contiguous buffer
+        q = qkv[:, :a.q_size].reshape(1, a.num_heads, a.head_dim) if self.m == 1 else e._q[:self.m]
+        self.k.rope_kv_append(qkv, self.pos, e.inv_freq(a.rope), q, e._kc[layer], e._vc[layer], q_norm, k_norm,
+                              norm.eps, stream=self.s)
+        return q
+
+    def attention(self, q, layer: int, a: AttentionSpec):
+        e, m = self.e, self.m
+        attn = e._attn[:m]
+        self.k.attention_decode(q, e._kc[layer], e._vc[layer], self.pos, attn, a.scale, n_splits=e._splits[m],
+                                workspace=e._ws, stream=self.s)
+        return attn.reshape(m, a.q_size)
+
+
+class PrefillPass(_Pass):
+    """T tokens at positions length..length+T-1 (eager): cuBLAS GEMMs, flash attention, chunk buffers."""
+
+    def __init__(self, engine: CudaEngine, ids: np.ndarray, tap: Tap | None = None) -> None:
+        super().__init__(engine, tap)
+        cp, cfg = engine.cp, engine.cfg
+        self.t, self.start = len(ids), engine.length
+        t = self.t
+        try:
+            self.ids = cp.asarray(ids.astype(np.int32))
+            self.pos = cp.arange(self.start, self.start + t, dtype=cp.int32)
+            self.x = cp.empty((t, cfg.hidden_size), cp.float32)
+            self.h = cp.empty_like(self.x)  # every norm's output (consumed before the next norm)
+            self.attn = cp.empty((t, cfg.num_attention_heads, cfg.head_dim), cp.float32)
+            self.q = cp.empty((t, cfg.num_attention_heads, cfg.head_dim), cp.float32)
+        except cp.cuda.memory.OutOfMemoryError:
+            raise engine.oom(f"prefilling {t} tokens", t * cfg.hidden_size * 16) from None
+
+    def embed(self, table):
+        self.k.embedding(self.ids, table, self.x, stream=self.s)
+        return self.x
+
+    def linear(self, x, w, bias=None, *, out, norm=None, residual=None, tap=None):
+        if norm is not None:
+            x = self.norm(x, norm[0], norm[1], out="h")
+        if tap is not None and self._tap is not None:  # the value before the residual add, on the side
+            self.tap(tap, self.e._gemm(x, w, bias))
+        return self.e._gemm(x, w, bias, accumulate_into=residual)
+
+    def norm(self, x, weight, norm: Norm, *, out):
+        self.k.rmsnorm(x, weight, norm.eps, self.h, stream=self.s)
+        return self.h
+
+    def gated_mlp(self, x, w_gate_up, *, norm, activation):
+        _check_activation(activation)
+        gu = self.linear(x, w_gate_up, out="gate_up", norm=norm)
+        act = self.e.cp.empty((self.t, gu.shape[1] // 2), self.e.cp.float32)
+        self.k.swiglu(gu, act, stream=self.s)
+        return act
+
+    def rope_kv_append(self, qkv, layer: int, a: AttentionSpec, q_norm, k_norm, norm: Norm):
+        e = self.e
+        # rope on q and k (+ qk norm) and the KV append in one pass over the GEMM output
+        self.k.rope_kv_append(qkv, self.pos, e.inv_freq(a.rope), self.q, e._kc[layer], e._vc[layer], q_norm,
+                              k_norm, norm.eps, stream=self.s)
+        return self.q
+
+    def attention(self, q, layer: int, a: AttentionSpec):
+        e = self.e
+        self.k.attention_prefill(q, e._kc[layer], e._vc[layer], self.start, self.t, self.attn, a.scale,
+                                 stream=self.s)
+        return self.attn.reshape(self.t, a.q_size)
