@@ -28,7 +28,7 @@ from .checkpoint import Checkpoint
 from .decoding import (DecodeResult, ModelDrafter, NgramDrafter, SpecDecodeResult, run_decode, run_forward,
                        run_verify, speculative_decode)
 from .dumps import HIDDEN_KINDS, DumpInfo, DumpTarget, check_dump_path, commit, write_hidden, write_logits
-from .errors import EXIT_CODES, InputError, Interrupted, MetraleError, UsageError
+from .errors import EXIT_CODES, Interrupted, MetraleError, UsageError
 from .inputs import (ModelSpec, check_draft_matches, check_ids_in_vocab, check_positive, context_for,
                      parse_token_ids, read_model_spec, resolve_prompt)
 from .model import LoadedModel, open_model, resolve_device
@@ -230,8 +230,8 @@ def prepare(state: State, c: Common) -> Job:
     if logits_dump and hidden_dump and logits_dump.path is not None and \
             os.path.abspath(logits_dump.path) == os.path.abspath(hidden_dump.path):
         raise UsageError(f"--dump-logits and --dump-hidden name the same file {c.dump_logits}")
-    if c.max_context is not None and c.max_context <= 0:
-        raise InputError(f"--max-context must be at least 1, got {c.max_context}")
+    if c.max_context is not None:
+        check_positive(c.max_context, "--max-context")
     device = resolve_device(c.device)
     spec = read_model_spec(c.model)
     ids, text = resolve_prompt(spec, c.prompt, c.tokens, lambda: typer.get_text_stream("stdin").read())
@@ -266,7 +266,10 @@ def decode(
     prompt: PromptOpt = None,
     tokens: TokensOpt = None,
     steps: Annotated[int, typer.Option("--steps", "-n", help="Tokens to produce.")] = 16,
-    top_k: Annotated[int, typer.Option("--top-k", "-k", help="Also show the K best tokens per step.")] = 0,
+    # No short form: "-k" would read like --k (the draft count) and silently mean something else.
+    top_k: Annotated[Optional[int], typer.Option(
+        "--top-k", metavar="K",
+        help="Also show the K best tokens per step (K >= 1; more than the vocabulary shows all of it).")] = None,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at an EOS token.")] = False,
     draft: Annotated[Optional[str], typer.Option(
         "--draft", metavar="ngram", help="Speculative decoding with prompt-lookup (n-gram) drafts.")] = None,
@@ -305,12 +308,21 @@ def decode(
         raise UsageError(f"--k {k} needs a draft source: --draft ngram or --draft-model PATH")
     job = prepare(ctx.obj, c)
     check_positive(steps, "--steps")
-    if top_k < 0:
-        raise InputError(f"--top-k must be 0 or more, got {top_k}")
+    if top_k is not None:
+        check_positive(top_k, "--top-k", " (leave --top-k out for no candidates)")
+        top_k = _cap_top_k(ctx.obj, top_k, job.spec.config.vocab_size)
     k = DEFAULT_K if k is None else k
     if speculative:
         check_positive(k, "--k")
-    _decode(job, steps, top_k, ignore_eos, speculative, draft_model, k)
+    _decode(job, steps, top_k or 0, ignore_eos, speculative, draft_model, k)
+
+
+def _cap_top_k(state: State, top_k: int, vocab: int) -> int:
+    """A K beyond the vocabulary means "every token": cap it, and say so (the report shows the capped K)."""
+    if top_k <= vocab:
+        return top_k
+    render.note(state.err, f"--top-k {top_k} is more than the vocabulary: showing all {vocab} tokens")
+    return vocab
 
 
 def _decode(job: Job, steps: int, top_k: int, ignore_eos: bool, speculative: bool, draft_path: str | None,
@@ -419,8 +431,8 @@ def verify(
     k = DEFAULT_K if k is None else k
     check_positive(k, "--k")
     if draft_ids is not None:
-        if len(draft_ids) != k:
-            raise InputError(f"--draft gives {len(draft_ids)} token ids ({draft.strip()!r}) but --k is {k}")
+        if len(draft_ids) != k:  # two options that disagree: a usage error, whatever the model
+            raise UsageError(f"--draft gives {len(draft_ids)} token ids ({draft.strip()!r}) but --k is {k}")
         check_ids_in_vocab(draft_ids, job.spec.config.vocab_size, "--draft")
     _verify(job, k, draft_ids, draft_model)
 
@@ -428,8 +440,8 @@ def verify(
 def _parse_draft_ids(draft: str) -> list[int]:
     try:
         return parse_token_ids(draft, "--draft")
-    except InputError as e:
-        raise InputError(f"{e}; verify --draft takes 'self' or K token ids") from None
+    except UsageError as e:
+        raise UsageError(f"{e}; verify --draft takes 'self' or K token ids") from None
 
 
 def _verify(job: Job, k: int, draft_ids: list[int] | None, draft_path: str | None) -> None:
