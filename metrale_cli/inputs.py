@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 from .config import ModelConfig, load_config
 from .errors import InputError, UsageError
-from .model import DEFAULT_MODEL_DIR, model_dir
+from .model import model_dir, model_path
 from .tokenizer import Tokenizer
 
 DEFAULT_PROMPT = "The for statement"
@@ -41,14 +41,20 @@ class ModelSpec:
         p = self.directory / TOKENIZER_NAME
         return p if p.is_file() else None
 
+    @property
+    def checkpoint_path(self) -> Path:
+        """What Checkpoint.open reads: the .safetensors or index.json file --model named, else the directory."""
+        p = model_path(self.path)
+        return p if p.is_file() else self.directory
+
     def tokenizer_sha256(self) -> str | None:
         p = self.tokenizer_path
         return hashlib.sha256(p.read_bytes()).hexdigest() if p is not None else None
 
 
 def read_model_spec(path: str | None) -> ModelSpec:
-    """Resolve --model (default: the embedded model) and read its config.json."""
-    directory = model_dir(path) if path is not None else model_dir(DEFAULT_MODEL_DIR)
+    """Resolve --model (default: the embedded model; an embedded model's name; a path) and read its config.json."""
+    directory = model_dir(path)
     return ModelSpec(path, directory, load_config(directory))
 
 

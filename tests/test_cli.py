@@ -11,7 +11,7 @@ from rich.console import Console
 
 from metrale_cli import cli, render
 from metrale_cli.errors import EXIT_CODES
-from metrale_cli.model import open_model
+from metrale_cli.model import DEFAULT_MODEL_DIR, EMBEDDED_MODELS, model_dir, open_model
 
 REPO = Path(__file__).resolve().parent.parent
 LLAMA = "tests/fixtures/models/llama"  # relative: the CLI tests run in REPO
@@ -249,6 +249,45 @@ def test_verify_with_draft_model(run_cli):
                           "tests/fixtures/models/llama_bf16", "-f", "json"))
     assert doc["draft_source"] == "model" and doc["draft_model"] == "tests/fixtures/models/llama_bf16"
     assert len(doc["rows"]) == 3
+
+
+# -- embedded models by name -------------------------------------------------------------------------------------
+
+
+def test_embedded_models_live_beside_the_default():
+    for name in EMBEDDED_MODELS:
+        assert model_dir(name) == DEFAULT_MODEL_DIR.parent / name
+        assert (model_dir(name) / "config.json").is_file()
+
+
+def test_embedded_models_by_name_work_from_any_directory(run_cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # outside the repository: the names must not depend on the cwd
+    named = as_json(run_cli("decode", "--model", "default", "--steps", 8, "--draft-model", "default-draft",
+                            "--k", 4, "-f", "json"))
+    plain = as_json(run_cli("decode", "--steps", 8, "-f", "json"))
+    assert named["model"] == "default" and named["speculative"]["draft_model"] == "default-draft"
+    assert [s["token"] for s in named["steps"]] == [s["token"] for s in plain["steps"]]
+    draft = as_json(run_cli("inspect", "default-draft", "-f", "json"))
+    assert draft["model"] == "default-draft" and draft["valid"]
+    assert draft["parameters"] < as_json(run_cli("inspect", "default", "-f", "json"))["parameters"]
+    doc = as_json(run_cli("verify", "--draft-model", "default-draft", "--k", 2, "-f", "json"))
+    assert doc["draft_model"] == "default-draft" and len(doc["rows"]) == 2
+
+
+def test_an_existing_path_wins_over_an_embedded_name(run_cli, tmp_path, monkeypatch, helpers):
+    helpers.copy_model(tmp_path / "default")  # the 300-token fixture, under the embedded model's name
+    monkeypatch.chdir(tmp_path)
+    doc = as_json(run_cli("inspect", "default", "-f", "json"))
+    assert doc["vocab"] == 300 and doc["model"] == "default"
+    r = run_cli("forward", "--model", "default", "-t", TOKENS, "-f", "json")
+    assert as_json(r)["rows"][0]["argmax"] == greedy_tokens(str(tmp_path / "default"), [1, 2, 3], 1)[0]
+
+
+def test_unknown_model_name_lists_the_embedded_ones(run_cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    r = run_cli("decode", "--model", "default-draft2", "-t", TOKENS)
+    assert r.exit_code == 3
+    assert "default-draft2: no such file or directory (embedded models: default, default-draft)" in r.stderr
 
 
 def test_forward_rows(run_cli):
