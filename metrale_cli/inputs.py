@@ -90,7 +90,8 @@ def _json_ids(text: str, option: str) -> list[int]:
     try:
         value = json.loads(text)
     except ValueError as e:
-        raise UsageError(f"{option}: {_shown(text)!r} is not a JSON array of token ids ({e})") from None
+        raise UsageError(f"{option}: {_shown(text)!r} is not a JSON array of token ids ({e}); "
+                         "give '[1, 2, 3]' or '1 2 3'") from None
     for i, item in enumerate(value):
         # bool is an int subclass in Python: true/false are not token ids; neither are 2.0 or "2".
         if type(item) is not int:

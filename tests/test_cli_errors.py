@@ -129,6 +129,7 @@ CASES = [
     Case("json-array-nested", ["forward", *M, "-t", "[[1, 2]]"], 2, "item 1 of the JSON array, [1, 2],"),
     Case("json-array-empty", ["verify", *M, "-t", "[]"], 2, "--tokens is empty"),
     Case("json-array-malformed", ["forward", *M, "-t", "[1, 2"], 2, "not a JSON array of token ids"),
+    Case("json-array-numpy-form", ["forward", *M, "-t", "[1 2 3]"], 2, "give '[1, 2, 3]' or '1 2 3'"),
     Case("json-array-trailing", ["forward", *M, "-t", "[1, 2] 3"], 2, "not a JSON array of token ids"),
     Case("json-array-id-at-vocab", ["forward", *M, "-t", "[1, 300]"], 5, "token id 300 (item 2)"),
     Case("empty-prompt", ["decode", "-m", "{tok}", "-p", "  "], 2, "--prompt is empty"),
