@@ -59,10 +59,27 @@ def resolve_device(device: str) -> str:
     return device
 
 
+# Names for the models shipped in the package, usable as --model/--draft-model from any directory. Their
+# directories sit beside DEFAULT_MODEL_DIR, so moving the embedded models only changes that constant.
+EMBEDDED_MODELS = ("default", "default-draft")
+
+
+def model_path(path: str | Path | None) -> Path:
+    """What --model names: None is the embedded default; an existing file or directory is itself (so a
+    ./default directory wins over the embedded model of that name); otherwise an embedded model's name."""
+    if path is None:
+        return DEFAULT_MODEL_DIR
+    p = Path(path)
+    if p.exists():
+        return p
+    if str(path) in EMBEDDED_MODELS:
+        return DEFAULT_MODEL_DIR.parent / str(path)
+    raise CheckpointError(f"{p}: no such file or directory (embedded models: {', '.join(EMBEDDED_MODELS)})")
+
+
 def model_dir(path: str | Path | None) -> Path:
-    p = Path(path) if path is not None else DEFAULT_MODEL_DIR
-    if not p.exists():
-        raise CheckpointError(f"{p}: no such file or directory")
+    """The checkpoint directory: model_path itself, or the directory of a .safetensors/index.json file."""
+    p = model_path(path)
     return p.parent if p.is_file() else p
 
 
@@ -77,7 +94,8 @@ def open_model(path: str | Path | None = None, *, device: str = "auto", max_cont
     chosen = resolve_device(device)
     directory = model_dir(path)
     cfg = load_config(directory)
-    ckpt = Checkpoint.open(directory if path is None or Path(path).is_dir() else Path(path))
+    target = model_path(path)
+    ckpt = Checkpoint.open(target if target.is_file() else directory)
     try:
         ctx = max_context or min(cfg.max_context, 4096)
         total = ckpt.total_bytes
