@@ -637,3 +637,65 @@ def main(argv: Sequence[str] | None = None) -> None:
         except (AttributeError, ValueError):
             pass
     typer.main.get_command(app).main(args=argv, prog_name="metrale")
+
+
+# -- compare (issue 15) ----------------------------------------------------------------------------------
+
+
+@app.command()
+def compare(
+    ctx: typer.Context,
+    a: Annotated[Optional[str], typer.Argument(metavar="A", help="The reference: a logits dump or a layer dump.",
+                                               show_default=False)] = None,
+    b: Annotated[Optional[str], typer.Argument(metavar="B", help="The dump compared with A, of the same kind.",
+                                               show_default=False)] = None,
+    tensor: Annotated[Optional[str], typer.Option(
+        "--tensor", metavar="NAME", help="Read this tensor of a .safetensors/.npz input as the logits rows.")] = None,
+    tensor_b: Annotated[Optional[str], typer.Option(
+        "--tensor-b", metavar="NAME", help="B's tensor name, when it differs from --tensor.")] = None,
+    vocab: Annotated[Optional[int], typer.Option(
+        "--vocab", metavar="N", help="Row width of a raw .bin without a sidecar.")] = None,
+    dtype: Annotated[Optional[str], typer.Option(
+        "--dtype", metavar="f32|bf16|f16", help="Dtype of a raw .bin, or of uint16 .npy/U16 data.")] = None,
+    rows: Annotated[bool, typer.Option("--rows", help="Also list the statistics of every row.")] = False,
+    max_kl: Annotated[Optional[float], typer.Option(
+        "--max-kl", metavar="X", help="Check: every row's KL(P_A || P_B) <= X.")] = None,
+    max_rel_err: Annotated[Optional[float], typer.Option(
+        "--max-rel-err", metavar="X", help="Check: every row's max|A-B| / max|A| <= X.")] = None,
+    min_top1: Annotated[Optional[float], typer.Option(
+        "--min-top1", metavar="X", help="Check: the fraction of rows whose argmax agrees >= X.")] = None,
+    rtol: Annotated[Optional[float], typer.Option(
+        "--rtol", metavar="X", help="Layer dumps: the first tensor with max|A-B| / max|A| > X is the first "
+                                    "divergence; exit 9 if there is one (default report threshold 1e-3).")] = None,
+    fmt: FormatOpt = None,
+) -> None:
+    """Compare two logits dumps or two layer dumps; A is the reference.
+
+    Logits: max|A-B|, max|A-B|/max|A|, NMSE, cosine, rel_diff, argmax agreement, top-5/10 overlap,
+    every row whose argmax differs (both candidates, A's margin), KL(P_A || P_B) and Δp statistics as
+    llama-perplexity --kl-divergence reports them.
+    Inputs: metrale's dumps (.safetensors, .npy, .bin with their sidecars), a plain .npy [rows, vocab]
+    (float32, float16, or bf16 bit patterns with --dtype bf16), a .safetensors tensor (--tensor NAME),
+    raw .bin (--vocab N --dtype f32|bf16|f16).
+    Layer dumps (.safetensors/.npz from --dump-layers): the same error statistics per tensor in forward
+    order, and the first tensor that diverges.
+    With --max-kl, --max-rel-err, --min-top1 or --rtol it is a check: exit 9 when exceeded.
+
+    Examples:
+      metrale compare ref.safetensors mine.npy --dtype bf16
+      metrale compare ref.safetensors mine.bin --vocab 128256 --dtype bf16 --max-kl 1e-3 --min-top1 0.99
+      metrale compare ref-layers.safetensors mine-layers.safetensors --rtol 1e-3
+    """
+    from .compare import Tolerances, failure_message, run_compare
+    from .compare_inputs import ReadOptions
+    from .errors import DivergenceError
+
+    state: State = ctx.obj
+    fmt_ = render.choose_format(fmt, state.out)
+    if a is None or b is None:
+        raise UsageError("compare needs two files: metrale compare A B (A is the reference)")
+    result = run_compare(a, b, ReadOptions(tensor, tensor_b, vocab, dtype),
+                         Tolerances(max_kl, max_rel_err, min_top1, rtol), keep_rows=rows)
+    render.render_compare(state.out, fmt_, result)
+    if result.passed is False:
+        raise DivergenceError(failure_message(result))
