@@ -218,6 +218,15 @@ def _stats_json(doc: dict[str, Any]) -> str:
     return "{\n" + ",\n".join(items) + ',\n "tensors": [\n' + tensors + "\n ]\n}\n"
 
 
+def write_layers(target: DumpTarget, tensors: Mapping[str, np.ndarray], positions: Sequence[int],
+                 info: LayerDumpInfo) -> None:
+    """What --dump-layers writes: statistics for a .json target (--dump-stats), else the tensors."""
+    if target.kind == "json":
+        write_layer_stats(target, tensors, positions, info)
+    else:
+        write_layer_dump(target, tensors, positions, info)
+
+
 def tensor_stats(name: str, arr: np.ndarray) -> dict[str, Any]:
     """Statistics of one tap: over its finite values in float64, the non-finite ones counted."""
     a = np.ascontiguousarray(arr, dtype="<f4")

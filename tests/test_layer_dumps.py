@@ -23,7 +23,8 @@ def fresh_taps(layers, rows=5, width=24, seed=None):
     taps["model.layers.0.mlp.gate"] = rng.standard_normal((rows, 4)).astype(np.float32)  # a family extra, another width
     taps = {n: taps[n] for n in ld.forward_order(list(taps))}
     positions = list(range(3, 3 + rows))
-    info = ld.LayerDumpInfo("forward", "tests/fixtures/models/llama", list(rng.integers(0, 300, 3 + rows)), list(layers))
+    tokens = list(rng.integers(0, 300, 3 + rows))
+    info = ld.LayerDumpInfo("forward", "tests/fixtures/models/llama", tokens, list(layers))
     return taps, positions, info, seed
 
 
@@ -165,6 +166,17 @@ def test_failed_write_leaves_the_destination_as_it_was(tmp_path, monkeypatch):
     with pytest.raises(OutputError, match="no space left on device"):
         ld.write_layer_dump(path, taps, positions, info)
     assert path.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["layers.npz"]
+
+
+@pytest.mark.parametrize("stats", [False, True])
+def test_write_layers_follows_the_checked_target(tmp_path, stats):
+    taps, positions, info, _ = fresh_taps([0])
+    target = ld.check_layer_dump_path(str(tmp_path / ("s.json" if stats else "d.npz")), stats=stats)
+    ld.write_layers(target, taps, positions, info)
+    if stats:
+        assert json.loads(target.path.read_text())["format"] == ld.STATS_FORMAT
+    else:
+        assert list(ld.read_layer_dump(target.path).tensors) == list(taps)
 
 
 def test_check_layer_dump_path(tmp_path):
