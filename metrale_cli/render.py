@@ -67,6 +67,13 @@ compare (layers)  {"command": "compare", "kind": "layers", "a"/"b": {"path", "so
           "before_max_rel_err"}|null, "summary": the first-divergence line, "passed": bool|null, "failures"}
           Error statistics, KL and Δp are %.3e (4 significant digits), cosine %.8f, overlaps and rates %.4f,
           same_top_p_pct %.3f; positions are null for inputs that do not record them.
+score     {"command", "model", "device", "logits_dtype", "prompt": text|null (null with --text-file),
+          "text_file": path|null, "prompt_tokens": [ids], "chunk", "stride",
+          "windows": [{"start", "end", "first_scored"}],
+          "scored": [{"position", "token", "text", "logprob", "prob", "rank",
+                      "top_k": [{"token", "text", "logit", "prob"}]}],
+          "scored_tokens", "total_logprob", "mean_nll", "perplexity" (%.6f; natural log),
+          "timings": {"load_s", "prefill_ms", "tokens_per_s"} (only with --timings)}
 """
 
 from __future__ import annotations
@@ -737,7 +744,7 @@ def load_progress(err_console: Console, label: str,
             state["bar"].stop()
 
 
-# -- compare (issue 15) ----------------------------------------------------------------------------------
+# -- compare and score (issue 15) ----------------------------------------------------------------------------------
 
 
 def _e3(x: float | None) -> str:
@@ -1034,3 +1041,87 @@ def _rich_layers(c: Console, r: Any) -> None:
             c.print(Text(f"{label}: {' '.join(names)}", style="yellow"))
     c.print(Text(r.divergence_line(), style="bold red" if first is not None else "bold green"))
     _rich_check(c, r, _LAYERS_HINT)
+
+
+def score_json(meta: Meta, r: Any, text_file: str | None = None) -> dict[str, Any]:
+    doc = meta.json_head()
+    doc.update({
+        "prompt": meta.prompt, "text_file": text_file, "prompt_tokens": list(r.tokens),
+        "chunk": r.chunk, "stride": r.stride,
+        "windows": [{"start": w.start, "end": w.end, "first_scored": w.first_scored} for w in r.windows],
+        "scored": [{"position": s.position, "token": s.token, "text": s.text, "logprob": num(s.logprob),
+                    "prob": num(s.prob), "rank": s.rank,
+                    "top_k": [{"token": t.token, "text": t.text, "logit": num(t.logit), "prob": num(t.prob)}
+                              for t in s.top_k]} for s in r.scored],
+        "scored_tokens": len(r.scored), "total_logprob": num(r.total_logprob, ".6f"),
+        "mean_nll": num(r.mean_nll, ".6f"), "perplexity": num(r.perplexity, ".6f"),
+    })
+    if meta.timings:
+        doc["timings"] = score_timings_json(r)
+    return doc
+
+
+def score_timings_json(r: Any) -> dict[str, Any]:
+    out = _base_timings(r.timings)
+    s = r.timings.prefill_s
+    out["tokens_per_s"] = num(len(r.scored) / s, ".1f") if s > 0 else None
+    return out
+
+
+def _score_summary(r: Any) -> list[tuple[str, str]]:
+    return [("scored_tokens", str(len(r.scored))), ("total_logprob", f"{r.total_logprob:.6f}"),
+            ("mean_nll", f"{r.mean_nll:.6f}"), ("perplexity", f"{r.perplexity:.6f}")]
+
+
+def render_score(console: Console, meta: Meta, r: Any, text_file: str | None = None) -> None:
+    """The report of `metrale score`: one line per scored token, then the totals."""
+    if meta.fmt == "json":
+        _dump_json(console, score_json(meta, r, text_file))
+        return
+    tok = meta.has_tokenizer
+
+    def alts(s: Any, sep: str = ", ") -> str:
+        return sep.join(f"{t.token}{' ' + escape_text(t.text) if tok else ''} {f4(t.prob)}" for t in s.top_k)
+
+    if meta.fmt == "plain":
+        _plain_head(console, meta, r.tokens)
+        if text_file is not None:
+            _write(console, f"text_file: {text_file}")
+        _write(console, f"chunk: {r.chunk}, stride: {r.stride}, windows: {len(r.windows)}")
+        _write(console, "")
+        _write(console, f"{'position':>8}  {'token':>8}  {'logprob':>10}  {'prob':>8}  {'rank':>6}"
+               + ("  text" if tok else "") + (f"  | top-{meta.top_k}" if meta.top_k else ""))
+        for s in r.scored:
+            line = f"{s.position:>8}  {s.token:>8}  {f4(s.logprob):>10}  {f4(s.prob):>8}  {s.rank:>6}"
+            line += f"  {escape_text(s.text)}" if tok else ""
+            _write(console, line + (f"  | {alts(s)}" if s.top_k else ""))
+        _write(console, "")
+        for key, value in _score_summary(r):
+            _write(console, f"{key}: {value}")
+        if meta.timings:
+            _plain_timings(console, score_timings_json(r))
+        return
+    _rich_head(console, meta, r.tokens)
+    t = Table(title=f"score: {len(r.scored)} tokens, {len(r.windows)} window(s) of {r.chunk}, stride {r.stride}",
+              title_justify="left")
+    for name in ("pos", "token") + (("text",) if tok else ()) + ("logprob", "prob", "rank"):
+        t.add_column(name, justify="left" if name == "text" else "right")
+    if meta.top_k:
+        t.add_column(f"top-{meta.top_k}")
+    for s in r.scored:
+        cells: list[Any] = [str(s.position), str(s.token)]
+        if tok:
+            cells.append(Text(escape_text(s.text), style="cyan"))
+        cells += [f4(s.logprob), f4(s.prob), Text(str(s.rank), style="green" if s.rank == 1 else "")]
+        if meta.top_k:
+            cells.append(Text(alts(s, "\n")))
+        t.add_row(*cells)
+    console.print(t)
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column(justify="right")
+    for key, value in _score_summary(r):
+        grid.add_row(key, value)
+    console.print(grid)
+    if meta.timings:
+        _rich_timings(console, score_timings_json(r))

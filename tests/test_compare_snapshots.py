@@ -1,7 +1,8 @@
-"""Snapshots (syrupy) of the plain and JSON output of `metrale compare`.
+"""Snapshots (syrupy) of the plain and JSON output of `metrale compare` and `metrale score`.
 
-Format tests, not numeric goldens (tests/test_compare.py checks the numbers): compare runs on seeded
-synthetic rows written to a temporary directory (its path is masked). Update after an intended change with
+Format tests, not numeric goldens (tests/test_compare.py and tests/test_scoring.py check the numbers):
+compare runs on seeded synthetic rows written to a temporary directory (its path is masked), score on
+the fixture model. Update after an intended change with
 `pytest tests/test_compare_snapshots.py --snapshot-update` and review the diff.
 """
 
@@ -49,4 +50,10 @@ def test_compare_layers(run_cli, snapshot, tmp_path, fmt):
     ld.write_layer_dump(tmp_path / "a.safetensors", a, [0, 1, 2], info)
     ld.write_layer_dump(tmp_path / "b.npz", b, [0, 1, 2], info)
     r = run_cli("compare", tmp_path / "a.safetensors", tmp_path / "b.npz", "-f", fmt)
+    assert masked(r, tmp_path) == snapshot
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_score(run_cli, snapshot, tmp_path, fmt):
+    r = run_cli("score", "-m", LLAMA, "-t", "1 2 3 4 5 6", "--top-k", 2, "--device", "cpu", "-f", fmt)
     assert masked(r, tmp_path) == snapshot
