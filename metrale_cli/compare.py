@@ -239,6 +239,8 @@ def run_compare(a_path: str, b_path: str, opts: ReadOptions, tol: Tolerances,
         return compare_logits(a, b, tol, keep_rows=keep_rows, a_path=a_path, b_path=b_path)
     if tol.logits_given:
         raise UsageError("--max-kl, --max-rel-err and --min-top1 apply to logits; for layer dumps use --rtol")
+    if keep_rows:
+        raise UsageError("--rows lists logits rows; for layer dumps each tensor's worst row is in the table")
     return compare_layers(a, b, tol.rtol, a_path=a_path, b_path=b_path)
 
 

@@ -457,3 +457,5 @@ def test_run_compare_rejects_logits_tolerances_for_layer_dumps(tmp_path):
     ld.write_layer_dump(tmp_path / "a.npz", {"model.norm": np.ones((1, 4), np.float32)}, [0], info)
     with pytest.raises(UsageError, match="apply to logits"):
         run_compare(str(tmp_path / "a.npz"), str(tmp_path / "a.npz"), ReadOptions(), Tolerances(max_kl=1))
+    with pytest.raises(UsageError, match="--rows lists logits rows"):
+        run_compare(str(tmp_path / "a.npz"), str(tmp_path / "a.npz"), ReadOptions(), Tolerances(), keep_rows=True)
