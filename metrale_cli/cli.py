@@ -712,3 +712,122 @@ def main(argv: Sequence[str] | None = None) -> None:
         except (AttributeError, ValueError):
             pass
     typer.main.get_command(app).main(args=argv, prog_name="metrale")
+
+
+# -- compare and score (issue 15) ----------------------------------------------------------------------------------
+
+
+@app.command()
+def compare(
+    ctx: typer.Context,
+    a: Annotated[Optional[str], typer.Argument(metavar="A", help="The reference: a logits dump or a layer dump.",
+                                               show_default=False)] = None,
+    b: Annotated[Optional[str], typer.Argument(metavar="B", help="The dump compared with A, of the same kind.",
+                                               show_default=False)] = None,
+    tensor: Annotated[Optional[str], typer.Option(
+        "--tensor", metavar="NAME", help="Read this tensor of a .safetensors/.npz input as the logits rows.")] = None,
+    tensor_b: Annotated[Optional[str], typer.Option(
+        "--tensor-b", metavar="NAME", help="B's tensor name, when it differs from --tensor.")] = None,
+    vocab: Annotated[Optional[int], typer.Option(
+        "--vocab", metavar="N", help="Row width of a raw .bin without a sidecar.")] = None,
+    dtype: Annotated[Optional[str], typer.Option(
+        "--dtype", metavar="f32|bf16|f16", help="Dtype of a raw .bin, or of uint16 .npy/U16 data.")] = None,
+    rows: Annotated[bool, typer.Option("--rows", help="Also list the statistics of every row.")] = False,
+    max_kl: Annotated[Optional[float], typer.Option(
+        "--max-kl", metavar="X", help="Check: every row's KL(P_A || P_B) <= X.")] = None,
+    max_rel_err: Annotated[Optional[float], typer.Option(
+        "--max-rel-err", metavar="X", help="Check: every row's max|A-B| / max|A| <= X.")] = None,
+    min_top1: Annotated[Optional[float], typer.Option(
+        "--min-top1", metavar="X", help="Check: the fraction of rows whose argmax agrees >= X.")] = None,
+    rtol: Annotated[Optional[float], typer.Option(
+        "--rtol", metavar="X", help="Layer dumps: the first tensor with max|A-B| / max|A| > X is the first "
+                                    "divergence; exit 9 if there is one (default report threshold 1e-3).")] = None,
+    fmt: FormatOpt = None,
+) -> None:
+    """Compare two logits dumps or two layer dumps; A is the reference.
+
+    Logits: max|A-B|, max|A-B|/max|A|, NMSE, cosine, rel_diff, argmax agreement, top-5/10 overlap,
+    every row whose argmax differs (both candidates, A's margin), KL(P_A || P_B) and Δp statistics as
+    llama-perplexity --kl-divergence reports them.
+    Inputs: metrale's dumps (.safetensors, .npy, .bin with their sidecars), a plain .npy [rows, vocab]
+    (float32, float16, or bf16 bit patterns with --dtype bf16), a .safetensors tensor (--tensor NAME),
+    raw .bin (--vocab N --dtype f32|bf16|f16).
+    Layer dumps (.safetensors/.npz from --dump-layers): the same error statistics per tensor in forward
+    order, and the first tensor that diverges.
+    With --max-kl, --max-rel-err, --min-top1 or --rtol it is a check: exit 9 when exceeded.
+
+    Examples:
+      metrale compare ref.safetensors mine.npy --dtype bf16
+      metrale compare ref.safetensors mine.bin --vocab 128256 --dtype bf16 --max-kl 1e-3 --min-top1 0.99
+      metrale compare ref-layers.safetensors mine-layers.safetensors --rtol 1e-3
+    """
+    from .compare import Tolerances, failure_message, run_compare
+    from .compare_inputs import ReadOptions
+    from .errors import DivergenceError
+
+    state: State = ctx.obj
+    fmt_ = render.choose_format(fmt, state.out)
+    if a is None or b is None:
+        raise UsageError("compare needs two files: metrale compare A B (A is the reference)")
+    result = run_compare(a, b, ReadOptions(tensor, tensor_b, vocab, dtype),
+                         Tolerances(max_kl, max_rel_err, min_top1, rtol), keep_rows=rows)
+    render.render_compare(state.out, fmt_, result)
+    if result.passed is False:
+        raise DivergenceError(failure_message(result))
+
+
+@app.command()
+def score(
+    ctx: typer.Context,
+    model: ModelOpt = None,
+    prompt: PromptOpt = None,
+    tokens: TokensOpt = None,
+    text_file: Annotated[Optional[str], typer.Option(
+        "--text-file", metavar="F", help="Score the text of file F (UTF-8; '-' reads stdin).")] = None,
+    top_k: Annotated[int, typer.Option("--top-k", "-k", help="Alternatives shown per token.")] = 3,
+    chunk: Annotated[Optional[int], typer.Option(
+        "--chunk", metavar="N", help="Tokens per window (default: the whole text, at most the context).")] = None,
+    stride: Annotated[Optional[int], typer.Option(
+        "--stride", metavar="S", help="Windows start every S tokens (default N - 1: each token scored once).")] = None,
+    device: DeviceOpt = "auto",
+    logits_dtype: Annotated[str, typer.Option(
+        "--logits-dtype", metavar="bf16|fp32", help="Dtype of the logits rows scored (fp32: exact).")] = "fp32",
+    fmt: FormatOpt = None,
+    timings: TimingsOpt = False,
+    max_context: MaxContextOpt = None,
+) -> None:
+    """Teacher-forced scoring: the log-probability and rank of every actual next token of a text.
+
+    Each token after the first is scored from the row of the position before it (log-softmax in float64,
+    fp32 logits); then the total log-likelihood, the mean NLL and the perplexity, which for a text within
+    one window equals transformers' exp(model(ids, labels=ids).loss).
+    Longer texts: windows of --chunk N tokens every --stride S tokens, each a fresh forward; a window
+    scores only the tokens no earlier one scored, so each of them sees at least N - S tokens of context.
+
+    Examples:
+      metrale score --prompt "The for statement iterates over a sequence"
+      metrale score --text-file notes.txt --chunk 512 --stride 256 --format json
+      metrale score --tokens "1 2 3 4 5" --model path/to/checkpoint --top-k 5
+    """
+    from .scoring import choose_chunk, read_text_file, run_score
+
+    if text_file is not None and (prompt is not None or tokens is not None):
+        raise UsageError("--text-file, --prompt and --tokens are exclusive: give one of them")
+    if top_k < 0:
+        raise InputError(f"--top-k must be 0 or more, got {top_k}")
+    if text_file is not None:
+        prompt = read_text_file(text_file, lambda: typer.get_text_stream("stdin").read())
+    c = Common(model, prompt, tokens, device, logits_dtype, fmt, None, False, None, timings, max_context)
+    job = prepare(ctx.obj, c)
+    n_chunk, n_stride, kv = choose_chunk(job.spec.config, job.spec.label, len(job.ids), chunk, stride, max_context)
+    target = load(job, job.spec, kv)
+    try:
+        result = run_score(target.engine, job.ids, chunk=n_chunk, stride=n_stride, top_k=top_k,
+                           token_text=_token_text(target))
+        result.timings.load_s = target.load_seconds
+        meta = job.meta("score", target, top_k=top_k)
+        if text_file is not None:
+            meta.prompt = None  # the file may be long: reports name it instead
+        render.render_score(job.report_console, meta, result, text_file)
+    finally:
+        target.close()
