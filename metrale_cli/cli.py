@@ -814,7 +814,7 @@ def score(
     if text_file is not None and (prompt is not None or tokens is not None):
         raise UsageError("--text-file, --prompt and --tokens are exclusive: give one of them")
     if top_k < 0:
-        raise InputError(f"--top-k must be 0 or more, got {top_k}")
+        raise UsageError(f"--top-k must be 0 or more, got {top_k}")
     if text_file is not None:
         prompt = read_text_file(text_file, lambda: typer.get_text_stream("stdin").read())
     c = Common(model, prompt, tokens, device, logits_dtype, fmt, None, False, None, timings, max_context)

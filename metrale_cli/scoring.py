@@ -95,9 +95,9 @@ def plan_windows(n: int, chunk: int, stride: int) -> list[Window]:
     if n < 2:
         raise InputError(f"score needs at least 2 tokens (the first is context only), got {n}")
     if chunk < 2:
-        raise InputError(f"--chunk must be at least 2 tokens, got {chunk}")
+        raise UsageError(f"--chunk must be at least 2 tokens, got {chunk}")
     if not 1 <= stride <= chunk - 1:
-        raise InputError(f"--stride must be between 1 and --chunk - 1 = {chunk - 1}, got {stride} "
+        raise UsageError(f"--stride must be between 1 and --chunk - 1 = {chunk - 1}, got {stride} "
                          "(a larger stride would leave tokens unscored)")
     windows = [Window(0, min(chunk, n), 1)]
     while windows[-1].end < n:
@@ -131,15 +131,15 @@ def read_text_file(value: str, read_stdin: Callable[[], str]) -> str:
         return read_stdin()
     p = Path(value)
     if p.is_dir():
-        raise InputError(f"--text-file {value}: is a directory")
+        raise UsageError(f"--text-file {value}: is a directory")
     try:
         return p.read_bytes().decode("utf-8")
     except FileNotFoundError:
-        raise InputError(f"--text-file {value}: no such file") from None
+        raise UsageError(f"--text-file {value}: no such file") from None
     except UnicodeDecodeError as e:
-        raise InputError(f"--text-file {value}: not UTF-8 text (byte {e.start})") from None
+        raise UsageError(f"--text-file {value}: not UTF-8 text (byte {e.start})") from None
     except OSError as e:
-        raise InputError(f"--text-file {value}: cannot read: {e.strerror or e}") from None
+        raise UsageError(f"--text-file {value}: cannot read: {e.strerror or e}") from None
 
 
 # -- scoring ---------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from metrale_cli.errors import InputError
+from metrale_cli.errors import InputError, UsageError
 from metrale_cli.model import DEFAULT_MODEL_DIR, open_model
 from metrale_cli.scoring import plan_windows, run_score, score_row
 
@@ -36,12 +36,12 @@ def test_every_token_after_the_first_is_scored_once(n, chunk, data):
     assert windows[-1].end == n
 
 
-@pytest.mark.parametrize("n, chunk, stride, words", [
-    (1, 4, 3, "at least 2 tokens"), (10, 1, 1, "--chunk must be at least 2"),
-    (10, 4, 4, "--stride must be between 1 and --chunk - 1 = 3"), (10, 4, 0, "--stride"),
+@pytest.mark.parametrize("n, chunk, stride, error, words", [
+    (1, 4, 3, InputError, "at least 2 tokens"), (10, 1, 1, UsageError, "--chunk must be at least 2"),
+    (10, 4, 4, UsageError, "--stride must be between 1 and --chunk - 1 = 3"), (10, 4, 0, UsageError, "--stride"),
 ])
-def test_plan_windows_rejects(n, chunk, stride, words):
-    with pytest.raises(InputError, match=words.replace("(", r"\(")):
+def test_plan_windows_rejects(n, chunk, stride, error, words):
+    with pytest.raises(error, match=words.replace("(", r"\(")):
         plan_windows(n, chunk, stride)
 
 
@@ -176,12 +176,12 @@ def test_cli_bf16_logits_are_scored_when_asked(run_cli):
 
 @pytest.mark.parametrize("args, code, words", [
     (["-t", "5"], 5, "at least 2 tokens"),
-    (["-t", "1 2 3", "--stride", "3"], 5, "--stride must be between 1 and --chunk - 1 = 2"),
+    (["-t", "1 2 3", "--stride", "3"], 2, "--stride must be between 1 and --chunk - 1 = 2"),
     (["-t", "1 2 3", "--chunk", "300"], 5, "--chunk 300 exceeds"),
     (["-t", "1 2 3", "--chunk", "8", "--max-context", "4"], 5, "--chunk 8 exceeds --max-context 4"),
     (["-t", "1 2 3", "--text-file", "x.txt"], 2, "exclusive"),
-    (["--text-file", "/nonexistent/t.txt"], 5, "no such file"),
-    (["-t", "1 2 3", "--top-k", "-1"], 5, "--top-k"),
+    (["--text-file", "/nonexistent/t.txt"], 2, "no such file"),
+    (["-t", "1 2 3", "--top-k", "-1"], 2, "--top-k"),
 ])
 def test_cli_errors(run_cli, args, code, words):
     r = run_cli("score", "-m", LLAMA, *args)
