@@ -14,8 +14,9 @@ max_abs_diff_vs_sequential %.3e (4 significant digits), hidden-state statistics 
 Token text (plain and rich) is escaped so that whitespace and control characters are visible:
     space -> ␣ (U+2423);  newline, tab, carriage return -> \\n \\t \\r;  backslash -> \\\\;
     a literal ␣ -> \\u2423;  other control, format and separator characters -> \\uXXXX (\\UXXXXXXXX above
-    U+FFFF);  U+FFFD (a byte-level piece of a multi-byte character) and every other printable character
-    are kept as they are.
+    U+FFFF);  every other printable character is kept as it is.
+A token that is not valid UTF-8 on its own (a byte-level or byte-fallback piece of a multi-byte
+character) shows the bytes that are no character as <0xF0><0x9F> (tokenizer.py), in every format.
 In JSON, "text" fields hold the raw token text (JSON string escapes only), or null without a tokenizer.
 
 JSON keys (decode, verify and forward objects start with "command", "model" (the --model path as given,
