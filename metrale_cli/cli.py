@@ -25,8 +25,8 @@ except ImportError:  # pragma: no cover
 
 from . import __version__, render
 from .checkpoint import Checkpoint
-from .decoding import (DecodeResult, ModelDrafter, NgramDrafter, SpecDecodeResult, run_decode, run_forward,
-                       run_verify, speculative_decode)
+from .decoding import (DecodeResult, ModelDrafter, NgramDrafter, SpecDecodeResult, TextStream, run_decode,
+                       run_forward, run_verify, speculative_decode)
 from .dumps import HIDDEN_KINDS, DumpInfo, DumpTarget, check_dump_path, commit, write_hidden, write_logits
 from .errors import EXIT_CODES, InputError, Interrupted, MetraleError, UsageError
 from .inputs import (ModelSpec, check_draft_matches, check_ids_in_vocab, check_positive, context_for,
@@ -327,11 +327,14 @@ def _decode(job: Job, steps: int, top_k: int, ignore_eos: bool, speculative: boo
     try:
         drafter_model = load(job, draft_spec, ctx) if draft_spec is not None else None
         meta = job.meta("decode", target, top_k=top_k, draft_model=draft_spec.label if draft_spec else None)
-        report = render.DecodeReport(job.report_console, meta)
+        tok = target.tokenizer
+        report = render.DecodeReport(job.report_console, meta,
+                                     TextStream(tok.decode, job.ids) if tok is not None else None)
         report.begin(job.ids, steps)
         kwargs = dict(top_k=top_k, eos_ids=target.config.eos_token_ids, ignore_eos=ignore_eos,
                       token_text=_token_text(target), keep_rows=job.logits_dump is not None,
-                      want_hidden=job.want_hidden, on_step=report.step)
+                      want_hidden=job.want_hidden, on_step=report.step,
+                      detokenize=tok.decode if tok is not None else None)
         plain_match = None
         if speculative:
             drafter = ModelDrafter(drafter_model.engine) if drafter_model is not None else NgramDrafter()

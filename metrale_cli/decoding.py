@@ -90,6 +90,7 @@ class DecodeResult:
     rows: Rows | None
     hidden: HiddenSummary | None
     timings: Timings
+    text: str | None = None  # the continuation, decoded from the produced ids together (continuation_text)
 
 
 @dataclass
@@ -233,6 +234,48 @@ def summarize_hidden(values: np.ndarray, first: int = 8) -> HiddenSummary:
     )
 
 
+def continuation_text(detokenize: Callable[[list[int]], str], prompt: Sequence[int],
+                      generated: Sequence[int]) -> str:
+    """The generated text as the tokenizer decodes the ids together (a character split over byte tokens
+    comes out whole): decode(prompt + generated) minus decode(prompt), so a sentencepiece word's leading
+    space is kept; decode(generated) when the first does not start with the second."""
+    head = detokenize(list(prompt))
+    full = detokenize(list(prompt) + list(generated))
+    return full[len(head):] if full.startswith(head) else detokenize(list(generated))
+
+
+class TextStream:
+    """Incremental detokenization for showing tokens as they are decoded: push(token) returns the text
+    that became final (nothing while a multi-byte character is still incomplete). Each push decodes only
+    a few tokens (a window ending at the last emitted text), so a long generation stays linear."""
+
+    WINDOW = 6  # tokens of prompt context for the first push (a decoder may treat the first piece apart)
+    HOLD = 4  # tokens held back at most while they end in an incomplete character (a UTF-8 char is <= 4 bytes)
+
+    def __init__(self, detokenize: Callable[[list[int]], str], prompt: Sequence[int]) -> None:
+        self._detok = detokenize
+        self._ids = list(prompt)
+        self._read = len(self._ids)  # ids before this are shown
+        self._prefix = max(0, self._read - self.WINDOW)
+
+    def push(self, token: int) -> str:
+        self._ids.append(token)
+        head = self._detok(self._ids[self._prefix:self._read])
+        full = self._detok(self._ids[self._prefix:])
+        held = len(self._ids) - self._read
+        if held < self.HOLD and (len(full) <= len(head) or full.endswith("\ufffd")):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return full[len(head):]
+
+    def flush(self) -> str:
+        """What is left when the stream ends (an incomplete character, as the decoder shows it)."""
+        head = self._detok(self._ids[self._prefix:self._read])
+        full = self._detok(self._ids[self._prefix:])
+        self._prefix = self._read = len(self._ids)
+        return full[len(head):]
+
+
 def _sync(engine) -> None:
     sync = getattr(engine, "synchronize", None)
     if sync is not None:
@@ -287,7 +330,8 @@ def prefill_next(engine, rd: Reader, prompt: Sequence[int], timings: Timings, ro
 
 def run_decode(engine, prompt: Sequence[int], steps: int, *, top_k: int = 0, eos_ids: Sequence[int] = (),
                ignore_eos: bool = False, token_text=None, keep_rows: bool = False,
-               want_hidden: bool = False, on_step: Callable[[DecodeStep], None] | None = None) -> DecodeResult:
+               want_hidden: bool = False, on_step: Callable[[DecodeStep], None] | None = None,
+               detokenize: Callable[[list[int]], str] | None = None) -> DecodeResult:
     """Prefill, then greedy steps: each produced token is fed back by one decode step.
 
     Step i reports the token produced at position len(prompt) + i, read from the row that chose it.
@@ -319,7 +363,12 @@ def run_decode(engine, prompt: Sequence[int], steps: int, *, top_k: int = 0, eos
             rows.append(raw)
         values = rd.values(raw, ptr)
     hidden = summarize_hidden(engine.copy_hidden_to_host()) if want_hidden else None
-    return DecodeResult(list(prompt), out, stopped, rows, hidden, timings)
+    return DecodeResult(list(prompt), out, stopped, rows, hidden, timings, _text(detokenize, prompt, out))
+
+
+def _text(detokenize: Callable[[list[int]], str] | None, prompt: Sequence[int],
+          steps: list[DecodeStep]) -> str | None:
+    return continuation_text(detokenize, prompt, [s.token for s in steps]) if detokenize is not None else None
 
 
 def _rows_for(engine, ptr: DevicePtr, rd: Reader) -> Rows:
@@ -475,7 +524,8 @@ class NgramDrafter:
 def speculative_decode(engine, drafter, prompt: Sequence[int], steps: int, k: int, *, eos_ids=(),
                        ignore_eos: bool = False, token_text=None, top_k: int = 0,
                        keep_rows: bool = False, want_hidden: bool = False,
-                       on_step: Callable[[DecodeStep], None] | None = None) -> SpecDecodeResult:
+                       on_step: Callable[[DecodeStep], None] | None = None,
+                       detokenize: Callable[[list[int]], str] | None = None) -> SpecDecodeResult:
     """Greedy speculative decoding: its tokens equal plain greedy decoding of `engine`.
 
     Loop: the current token `cur` is known but not yet run by the target. The drafter proposes up to k
@@ -537,4 +587,5 @@ def speculative_decode(engine, drafter, prompt: Sequence[int], steps: int, k: in
         cur = committed[-1]
     stopped_at_eos = bool(out) and out[-1].token in eos and not ignore_eos
     hidden = summarize_hidden(engine.copy_hidden_to_host()) if want_hidden else None
-    return SpecDecodeResult(list(prompt), out, stopped_at_eos, rows, hidden, timings, stats=stats)
+    return SpecDecodeResult(list(prompt), out, stopped_at_eos, rows, hidden, timings,
+                            _text(detokenize, prompt, out), stats=stats)

@@ -19,13 +19,19 @@ A token that is not valid UTF-8 on its own (a byte-level or byte-fallback piece 
 character) shows the bytes that are no character as <0xF0><0x9F> (tokenizer.py), in every format.
 In JSON, "text" fields hold the raw token text (JSON string escapes only), or null without a tokenizer.
 
+The generated text of decode ("text") is decoded by the tokenizer from the produced ids together
+(decoding.continuation_text), never joined from the token texts, so a character split over byte
+tokens comes out whole. plain prints it on one line as a JSON string, `text: "..."` (quote_text: JSON's
+escapes, and every other invisible character as \\uXXXX); rich prints it after the prompt, keeping
+newlines, and on a terminal streams it while decoding; JSON holds it raw.
+
 JSON keys (decode, verify and forward objects start with "command", "model" (the --model path as given,
 or "default"), "device" ("cpu"|"cuda") and "logits_dtype" ("bf16"|"fp32"); "hidden" appears only with
 --hidden or --dump-hidden, "timings" only with --timings; positions are 0-based):
 
 decode   {"prompt": text|null, "prompt_tokens": [ids],
           "steps": [{"position", "token", "text", "logit", "top_k": [{"token", "text", "logit", "prob"}]}],
-          "stopped_at_eos": bool,
+          "text": the generated text (null without a tokenizer), "stopped_at_eos": bool,
           "speculative": {"k", "draft_source", "draft_model", "drafted", "accepted", "acceptance_rate",
                           "mean_accepted_per_pass", "verify_passes", "acceptance_by_position": [rates]}
                          (only with --draft ngram or --draft-model)}
@@ -65,8 +71,8 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from .decoding import (DecodeResult, DecodeStep, ForwardResult, HiddenSummary, SpecDecodeResult, Timings,
-                       VerifyResult)
+from .decoding import (DecodeResult, DecodeStep, ForwardResult, HiddenSummary, SpecDecodeResult, TextStream,
+                       Timings, VerifyResult)
 from .errors import UsageError
 
 FORMATS = ("rich", "plain", "json")
@@ -106,6 +112,36 @@ def escape_text(s: str | None) -> str:
             out.append(f"\\u{ord(ch):04x}" if ord(ch) <= 0xFFFF else f"\\U{ord(ch):08x}")
         else:
             out.append(ch)
+    return "".join(out)
+
+
+def display_text(s: str) -> str:
+    """Generated text for reading (rich): newlines, tabs and spaces kept; other control, format and
+    separator characters as \\uXXXX (carriage return as \\r), so a model's output cannot move the
+    cursor or colour the terminal."""
+    out = []
+    for ch in s:
+        if ch in "\n\t " or ch == "\ufffd" or unicodedata.category(ch) not in _INVISIBLE:
+            out.append(ch)
+        elif ch == "\r":
+            out.append("\\r")
+        else:
+            out.append(f"\\u{ord(ch):04x}" if ord(ch) <= 0xFFFF else f"\\U{ord(ch):08x}")
+    return "".join(out)
+
+
+def quote_text(s: str) -> str:
+    """Generated text on one line (plain): a JSON string (json.loads gives the text back) that escapes
+    every invisible character as \\uXXXX besides JSON's own \\n \\t \\r \\" \\\\; spaces stay spaces."""
+    out = []
+    for ch in json.dumps(s, ensure_ascii=False):
+        if ch == " " or unicodedata.category(ch) not in _INVISIBLE:
+            out.append(ch)
+        elif ord(ch) <= 0xFFFF:
+            out.append(f"\\u{ord(ch):04x}")
+        else:  # JSON spells a character above U+FFFF as its UTF-16 surrogate pair
+            high, low = divmod(ord(ch) - 0x10000, 0x400)
+            out.append(f"\\u{0xD800 + high:04x}\\u{0xDC00 + low:04x}")
     return "".join(out)
 
 
@@ -199,21 +235,32 @@ def _rich_head(console: Console, meta: Meta, prompt_tokens: list[int]) -> None:
 
 
 class DecodeReport:
-    """decode output: `begin` before the first step, `step` per produced token (plain streams them),
-    `finish` with the whole result."""
+    """decode output: `begin` before the first step, `step` per produced token, `finish` with the whole
+    result. Plain prints a line per step as it is produced; rich on a terminal streams the generated text
+    as it is decoded (`stream`, when there is a tokenizer) or shows a transient progress bar."""
 
-    def __init__(self, console: Console, meta: Meta) -> None:
+    def __init__(self, console: Console, meta: Meta, stream: TextStream | None = None) -> None:
         self.console = console
         self.meta = meta
-        self._live: Progress | None = None  # rich on a terminal: a transient bar while decoding
+        self._live: Progress | None = None  # rich on a terminal without a tokenizer: a transient bar
         self._task: Any = None
+        self._stream: TextStream | None = None  # rich on a terminal with a tokenizer: the text as it comes
+        self._offered_stream = stream
+        self._streamed = False  # the head and the text were printed while decoding
 
     def begin(self, prompt_tokens: list[int], steps: int) -> None:
         if self.meta.fmt == "rich" and isatty(self.console):
-            self._live = Progress(TextColumn("[bold]decoding[/]"), BarColumn(), MofNCompleteColumn(),
-                                  console=self.console, transient=True)
-            self._live.start()
-            self._task = self._live.add_task("decode", total=steps)
+            if self._offered_stream is not None:
+                self._stream, self._streamed = self._offered_stream, True
+                _rich_head(self.console, self.meta, prompt_tokens)
+                self.console.print(Text("text", style="bold"))
+                if self.meta.prompt is not None:
+                    self.console.out(display_text(self.meta.prompt), style="dim", highlight=False, end="")
+            else:
+                self._live = Progress(TextColumn("[bold]decoding[/]"), BarColumn(), MofNCompleteColumn(),
+                                      console=self.console, transient=True)
+                self._live.start()
+                self._task = self._live.add_task("decode", total=steps)
         if self.meta.fmt != "plain":
             return
         _plain_head(self.console, self.meta, prompt_tokens)
@@ -224,6 +271,8 @@ class DecodeReport:
     def step(self, step: DecodeStep) -> None:
         if self._live is not None:
             self._live.advance(self._task)
+        if self._stream is not None:
+            self._stream_out(self._stream.push(step.token))
         if self.meta.fmt != "plain":
             return
         line = f"{step.position:>8}  {step.token:>8}  {f4(step.logit):>10}"
@@ -232,10 +281,19 @@ class DecodeReport:
             sub = f"{'top' + str(rank):>8}  {t.token:>8}  {f4(t.logit):>10}  p={f4(t.prob)}"
             _write(self.console, sub + (f"  {escape_text(t.text)}" if self.meta.has_tokenizer else ""))
 
+    def _stream_out(self, text: str) -> None:
+        if text:
+            self.console.out(display_text(text), style="cyan", highlight=False, end="")
+            self.console.file.flush()
+
     def close(self) -> None:
         if self._live is not None:
             self._live.stop()
             self._live = None
+        if self._stream is not None:
+            self._stream_out(self._stream.flush())
+            self.console.out("")  # end the streamed line
+            self._stream = None
 
     def finish(self, result: DecodeResult, plain_match: bool | None = None) -> None:
         self.close()
@@ -250,6 +308,8 @@ class DecodeReport:
         c = self.console
         _write(c, "")
         _write(c, f"stopped: {'eos' if result.stopped_at_eos else 'steps'} after {len(result.steps)} tokens")
+        if result.text is not None:
+            _write(c, f"text: {quote_text(result.text)}")
         spec = _spec_json(result, self.meta)
         if spec is not None:
             for key, value in spec.items():
@@ -266,7 +326,10 @@ class DecodeReport:
 
     def _rich(self, result: DecodeResult, plain_match: bool | None) -> None:
         c, meta = self.console, self.meta
-        _rich_head(c, meta, result.prompt_tokens)
+        if not self._streamed:  # else the head and the text were printed while decoding
+            _rich_head(c, meta, result.prompt_tokens)
+            if result.text is not None:
+                _rich_text(c, meta, result.text)
         table = Table(title=f"decode: {len(result.steps)} tokens"
                       + (" (stopped at EOS)" if result.stopped_at_eos else ""), title_justify="left")
         table.add_column("pos", justify="right")
@@ -291,6 +354,16 @@ class DecodeReport:
         _rich_hidden(c, result.hidden)
         if meta.timings:
             _rich_timings(c, decode_timings_json(result, plain_match))
+
+
+def _rich_text(c: Console, meta: Meta, text: str) -> None:
+    """The generated text, after the prompt (dim) when the prompt came as text."""
+    shown = Text()
+    if meta.prompt is not None:
+        shown.append(display_text(meta.prompt), style="dim")
+    shown.append(display_text(text), style="cyan")
+    c.print(Text("text", style="bold"))
+    c.print(shown)
 
 
 def _bar(p: float, width: int = 20) -> str:
@@ -347,6 +420,7 @@ def decode_json(meta: Meta, result: DecodeResult, plain_match: bool | None = Non
                        for t in s.top_k]}
             for s in result.steps
         ],
+        "text": result.text,
         "stopped_at_eos": result.stopped_at_eos,
     })
     spec = _spec_json(result, meta)

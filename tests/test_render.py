@@ -122,3 +122,25 @@ def test_only_render_prints():
     for name in ("cli.py", "dumps.py", "inputs.py", "decoding.py"):
         src = (pkg / name).read_text()
         assert not re.search(r"(?<![\w.])print\(|\.echo\(|sys\.std(out|err)\.write", src), name
+
+
+@pytest.mark.parametrize("text, shown", [
+    (' a "b"\n', '" a \\"b\\"\\n"'),
+    ("x\ty\\z\r", '"x\\ty\\\\z\\r"'),
+    ("\x1b[31m\u200b\u2028\x7f", '"\\u001b[31m\\u200b\\u2028\\u007f"'),
+    ("caf\u00e9 \U0001f642", '"caf\u00e9 \U0001f642"'),
+    ("\U000e0001", '"\\udb40\\udc01"'),  # an invisible character above U+FFFF: its surrogate pair
+])
+def test_quote_text(text, shown):
+    assert render.quote_text(text) == shown
+
+
+@given(st.text())
+def test_quoted_text_is_one_json_line_without_invisible_characters(text):
+    shown = render.quote_text(text)
+    assert json.loads(shown) == text
+    assert not re.search(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u200b]", shown)
+
+
+def test_display_text_keeps_lines_and_hides_terminal_controls():
+    assert render.display_text("a b\n\tc\x1b[2J\r") == "a b\n\tc\\u001b[2J\\r"

@@ -95,3 +95,47 @@ def test_byte_level_token_bytes_spell_the_text(embedded, text):
     assert b"".join(embedded.token_bytes(i) for i in ids) == text.encode("utf-8")
     shown = "".join(embedded.token_text(i) for i in ids)
     assert "\ufffd" not in shown or "\ufffd" in text
+
+
+# -- joined text and streaming (decoding.continuation_text, TextStream) ---------------------------------------
+
+
+def _streamed(tok: Tokenizer, prompt: list[int], generated: list[int]) -> str:
+    from metrale_cli.decoding import TextStream
+
+    stream = TextStream(tok.decode, prompt)
+    pieces = [stream.push(t) for t in generated]
+    return "".join(pieces) + stream.flush()
+
+
+def test_continuation_keeps_a_sentencepiece_leading_space(sentencepiece):
+    from metrale_cli.decoding import continuation_text
+
+    prompt = sentencepiece._inner.encode("hi", add_special_tokens=False).ids
+    generated = sentencepiece._inner.encode("hi a " + EMOJI, add_special_tokens=False).ids[1:]
+    assert sentencepiece.decode(generated) == "a " + EMOJI  # the decoder strips the first piece's space
+    assert continuation_text(sentencepiece.decode, prompt, generated) == " a " + EMOJI
+    assert _streamed(sentencepiece, prompt, generated) == " a " + EMOJI
+
+
+def test_stream_holds_an_incomplete_character_back(embedded):
+    from metrale_cli.decoding import TextStream
+
+    prompt = embedded.encode("The")
+    ids = embedded._inner.encode(" " + EMOJI + " x", add_special_tokens=False).ids
+    stream = TextStream(embedded.decode, prompt)
+    shown = [stream.push(t) for t in ids]
+    assert "\ufffd" not in "".join(shown)
+    assert EMOJI in shown  # the whole character at once, when its last byte came
+    assert "".join(shown) + stream.flush() == " " + EMOJI + " x"
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(min_size=1, max_size=30), st.text(min_size=1, max_size=30))
+def test_streamed_text_equals_the_joined_text(embedded, head, tail):
+    from metrale_cli.decoding import continuation_text
+
+    prompt = embedded.encode(head)
+    generated = embedded._inner.encode(tail, add_special_tokens=False).ids
+    assert continuation_text(embedded.decode, prompt, generated) == tail
+    assert _streamed(embedded, prompt, generated) == tail
