@@ -403,6 +403,7 @@ def verify(
     Acceptance stops at the first mismatch; then the accepted count and the next token.
     --draft self (the default) drafts by K sequential decode steps of the same model.
     For self drafts, max_abs_diff_vs_sequential compares each verify row with the matching decode row.
+    Expected: a rounding difference of a step or a few of the logits dtype (max_abs_diff_ulps_vs_sequential; 1 bf16 step on the CPU engine, and one bf16 step is 0.0625 for logits from 8 to 16), since one pass over K rows sums in another order than K one-row steps; rows_identical_vs_sequential counts the bit-identical rows. Rows after the first rejection are not checked.
 
     Examples:
       metrale verify --prompt "The for statement" --k 4

@@ -93,15 +93,23 @@ class DecodeResult:
     text: str | None = None  # the continuation, decoded from the produced ids together (continuation_text)
 
 
+VERIFY_STATUSES = ("accepted", "rejected", "unchecked")
+
+
 @dataclass
 class VerifyRow:
     position: int  # position of the draft token
     draft: int
     target: int  # the target model's greedy token at this position
-    accepted: bool
+    accepted: bool | None  # None: not checked, acceptance stopped at an earlier rejection
     margin: float  # top-1 minus top-2 logit of the row that decided this position
     draft_text: str | None = None
     target_text: str | None = None
+
+    @property
+    def status(self) -> str:
+        """accepted | rejected | unchecked (after the first rejection, whatever draft and target are)."""
+        return "unchecked" if self.accepted is None else ("accepted" if self.accepted else "rejected")
 
 
 @dataclass
@@ -117,6 +125,10 @@ class VerifyResult:
     logit_rows: Rows | None
     hidden: HiddenSummary | None
     timings: Timings
+    # --draft self: max_abs_diff_vs_sequential in steps (ulps) of the logits dtype at the logit where it
+    # occurs, and how many of the k verify rows are bit-identical to their sequential decode rows
+    max_abs_diff_ulps_vs_sequential: int | None = None
+    rows_identical_vs_sequential: int | None = None
 
 
 @dataclass
@@ -436,19 +448,48 @@ def run_verify(engine, prompt: Sequence[int], k: int, *, draft: str | Sequence[i
     targets = [first] + targets_after  # targets[i]: greedy token at position n + i
     rows, accepted, mismatch_seen = [], 0, False
     for i, d in enumerate(drafts):
-        ok = (not mismatch_seen) and d == targets[i]
+        ok: bool | None = None if mismatch_seen else d == targets[i]
         mismatch_seen = mismatch_seen or not ok
-        accepted += ok
+        accepted += bool(ok)
         rows.append(VerifyRow(n + i, d, targets[i], ok, margin(values[i]), rd.text(d), rd.text(targets[i])))
     next_token = targets[accepted]
     engine.trim(n + accepted)
-    diff = None
+    diff = ulps = identical = None
     if seq_raws is not None:
-        ptr = buf.row_ptr(0)
-        diff = max(float(np.max(np.abs(rd.values(a, ptr) - rd.values(b, ptr)))) for a, b in zip(raws, seq_raws))
+        diff, ulps, identical = compare_rows(rd, buf.row_ptr(0), raws, seq_raws)
     hidden = summarize_hidden(engine.copy_hidden_to_host()) if want_hidden else None
     return VerifyResult(k, source, list(prompt), rows, accepted, next_token, rd.text(next_token), diff,
-                        logit_rows, hidden, timings)
+                        logit_rows, hidden, timings, ulps, identical)
+
+
+def compare_rows(rd: Reader, ptr: DevicePtr, rows: list[bytes], others: list[bytes]) -> tuple[float, int, int]:
+    """Row by row: the largest |difference|, that difference in ulps of the logits dtype (the largest ulp
+    distance among the elements where the largest |difference| occurs: a logit near zero has tiny ulps,
+    so the largest ulp distance over all elements would flag rounding noise), and how many rows are
+    bit-identical."""
+    fp32 = rd.engine.logits_ptr_is_fp32(ptr)
+    diff, ulps = 0.0, 0
+    for a, b in zip(rows, others):
+        d = np.abs(rd.values(a, ptr) - rd.values(b, ptr))
+        worst = float(d.max())
+        if worst > diff or (worst == diff and worst > 0):
+            u = int(ulp_distance(a, b, fp32)[d == worst].max())
+            ulps = u if worst > diff else max(ulps, u)
+            diff = worst
+    return diff, ulps, sum(a == b for a, b in zip(rows, others))
+
+
+def ulp_distance(a: bytes, b: bytes, fp32: bool) -> np.ndarray:
+    """Per element of two raw logits rows (bf16 or fp32 bytes), how many steps of that dtype apart they
+    are: the distance of their bit patterns on the line of ordered floats (+0 and -0 are one value)."""
+    dt, sign = ("<u4", 1 << 31) if fp32 else ("<u2", 1 << 15)
+
+    def ordered(raw: bytes) -> np.ndarray:
+        bits = np.frombuffer(raw, dtype=dt).astype(np.int64)
+        magnitude = bits & (sign - 1)
+        return np.where(bits & sign, -magnitude, magnitude)
+
+    return np.abs(ordered(a) - ordered(b))
 
 
 def draft_from_model(draft_engine, prompt: Sequence[int], k: int) -> list[int]:

@@ -36,8 +36,18 @@ decode   {"prompt": text|null, "prompt_tokens": [ids],
                           "mean_accepted_per_pass", "verify_passes", "acceptance_by_position": [rates]}
                          (only with --draft ngram or --draft-model)}
 verify   {"prompt", "prompt_tokens", "k", "draft_source", "draft_model",
-          "rows": [{"position", "draft", "draft_text", "target", "target_text", "accepted", "margin"}],
-          "accepted", "next_token", "next_text", "max_abs_diff_vs_sequential" (null unless --draft self)}
+          "rows": [{"position", "draft", "draft_text", "target", "target_text", "accepted", "status",
+                    "margin"}],
+          "accepted", "next_token", "next_text", "max_abs_diff_vs_sequential",
+          "max_abs_diff_ulps_vs_sequential", "rows_identical_vs_sequential" (the last three null unless
+          --draft self)}
+         A row's "status" is "accepted", "rejected" or "unchecked": acceptance stops at the first
+         rejection, so the rows after it are not checked, whatever their draft and target (their target
+         is the argmax of a row that follows the rejected draft). "accepted" is true, false, or null for
+         an unchecked row. plain shows yes / no / unchecked, rich a green check, a red cross, a dim dot.
+         max_abs_diff_ulps_vs_sequential: max_abs_diff_vs_sequential in steps (ulps) of the logits dtype
+         at the logit where it occurs (one bf16 step is 0.0625 for logits from 8 to 16);
+         rows_identical_vs_sequential: how many of the k verify rows equal their decode rows bit for bit.
 forward  {"prompt", "prompt_tokens", "rows": [{"position", "input", "argmax", "text", "logit"}]}
 inspect  {"command", "model", "architecture", "model_type", "layers", "heads", "kv_heads",
           "head_dim", "hidden", "intermediate", "vocab", "max_position_embeddings", "sliding_window",
@@ -356,6 +366,15 @@ class DecodeReport:
             _rich_timings(c, decode_timings_json(result, plain_match))
 
 
+# A token text column: at most this wide, and the first to narrow when a table must fit the console; its
+# cells (_token_cell) stay on one line, cut with an ellipsis, so a row is always one line.
+_TEXT_COLUMN: dict[str, Any] = {"max_width": 24, "min_width": 4}
+
+
+def _token_cell(text: str | None, style: str = "") -> Text:
+    return Text(escape_text(text), style=style, no_wrap=True, overflow="ellipsis")
+
+
 def _rich_text(c: Console, meta: Meta, text: str) -> None:
     """The generated text, after the prompt (dim) when the prompt came as text."""
     shown = Text()
@@ -472,11 +491,13 @@ def verify_json(meta: Meta, r: VerifyResult) -> dict[str, Any]:
         "draft_model": meta.draft_model,
         "rows": [{"position": row.position, "draft": row.draft, "draft_text": row.draft_text,
                   "target": row.target, "target_text": row.target_text, "accepted": row.accepted,
-                  "margin": num(row.margin)} for row in r.rows],
+                  "status": row.status, "margin": num(row.margin)} for row in r.rows],
         "accepted": r.accepted,
         "next_token": r.next_token,
         "next_text": r.next_text,
         "max_abs_diff_vs_sequential": num(r.max_abs_diff_vs_sequential, ".3e"),
+        "max_abs_diff_ulps_vs_sequential": r.max_abs_diff_ulps_vs_sequential,
+        "rows_identical_vs_sequential": r.rows_identical_vs_sequential,
     })
     _json_tail(doc, meta, r.hidden, lambda: verify_timings_json(r))
     return doc
@@ -503,10 +524,11 @@ def _plain_verify(c: Console, meta: Meta, r: VerifyResult) -> None:
     _write(c, f"draft_source: {r.draft_source}")
     _write(c, "")
     text = meta.has_tokenizer
-    _write(c, f"{'position':>8}  {'draft':>8}  {'target':>8}  {'accepted':>8}  {'margin':>10}"
+    _write(c, f"{'position':>8}  {'draft':>8}  {'target':>8}  {'accepted':>9}  {'margin':>10}"
            + ("  draft_text | target_text" if text else ""))
+    shown = {"accepted": "yes", "rejected": "no", "unchecked": "unchecked"}
     for row in r.rows:
-        line = (f"{row.position:>8}  {row.draft:>8}  {row.target:>8}  {'yes' if row.accepted else 'no':>8}  "
+        line = (f"{row.position:>8}  {row.draft:>8}  {row.target:>8}  {shown[row.status]:>9}  "
                 f"{f4(row.margin):>10}")
         if text:
             line += f"  {escape_text(row.draft_text)} | {escape_text(row.target_text)}"
@@ -516,9 +538,15 @@ def _plain_verify(c: Console, meta: Meta, r: VerifyResult) -> None:
     _write(c, f"next_token: {r.next_token}" + (f"  {escape_text(r.next_text)}" if text else ""))
     diff = r.max_abs_diff_vs_sequential
     _write(c, f"max_abs_diff_vs_sequential: {'n/a' if diff is None else format(diff, '.3e')}")
+    ulps, same = r.max_abs_diff_ulps_vs_sequential, r.rows_identical_vs_sequential
+    _write(c, f"max_abs_diff_ulps_vs_sequential: {'n/a' if ulps is None else ulps}")
+    _write(c, f"rows_identical_vs_sequential: {'n/a' if same is None else f'{same}/{r.k}'}")
     _plain_hidden(c, r.hidden)
     if meta.timings:
         _plain_timings(c, verify_timings_json(r))
+
+
+_VERIFY_MARKS = {"accepted": ("\u2713", "green"), "rejected": ("\u2717", "red"), "unchecked": ("\u00b7", "dim")}
 
 
 def _rich_verify(c: Console, meta: Meta, r: VerifyResult) -> None:
@@ -526,25 +554,36 @@ def _rich_verify(c: Console, meta: Meta, r: VerifyResult) -> None:
     t = Table(title=f"verify: k={r.k}, drafts from {r.draft_source}", title_justify="left")
     for name, justify in (("pos", "right"), ("draft", "right"), ("target", "right"), ("", "center"),
                           ("margin", "right")):
-        t.add_column(name, justify=justify)  # type: ignore[arg-type]
+        t.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
     if meta.has_tokenizer:
-        t.add_column("draft text")
-        t.add_column("target text")
+        t.add_column("draft text", **_TEXT_COLUMN)
+        t.add_column("target text", **_TEXT_COLUMN)
     for row in r.rows:
-        style = "green" if row.accepted else "red"
+        mark, style = _VERIFY_MARKS[row.status]
         cells: list[Any] = [str(row.position), str(row.draft), str(row.target),
-                            Text("\u2713" if row.accepted else "\u2717", style=f"bold {style}"), f4(row.margin)]
+                            Text(mark, style=f"bold {style}"), f4(row.margin)]
         if meta.has_tokenizer:
-            cells += [Text(escape_text(row.draft_text)), Text(escape_text(row.target_text))]
+            cells += [_token_cell(row.draft_text), _token_cell(row.target_text)]
         t.add_row(*cells, style=style)
     c.print(t)
-    summary = Text(f"accepted {r.accepted}/{r.k}", style="bold green" if r.accepted == r.k else "bold")
-    summary.append(f"; next token {r.next_token}")
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column()
+    grid.add_row("accepted", Text(f"{r.accepted}/{r.k}", style="bold green" if r.accepted == r.k else "bold"))
+    rejected = next((row for row in r.rows if row.status == "rejected"), None)
+    if rejected is not None and rejected is not r.rows[-1]:
+        grid.add_row("", Text(f"\u00b7 not checked: acceptance stopped at position {rejected.position}",
+                              style="dim"))
+    nxt = Text(str(r.next_token))
     if meta.has_tokenizer:
-        summary.append(f" {escape_text(r.next_text)}", style="cyan")
+        nxt.append(f" {escape_text(r.next_text)}", style="cyan")
+    grid.add_row("next token", nxt)
     if r.max_abs_diff_vs_sequential is not None:
-        summary.append(f"; max |verify - sequential decode| = {r.max_abs_diff_vs_sequential:.3e}")
-    c.print(summary)
+        ulps = r.max_abs_diff_ulps_vs_sequential
+        grid.add_row("vs sequential", f"max |verify - decode| {r.max_abs_diff_vs_sequential:.3e} = {ulps} "
+                                      f"{meta.logits_dtype} ulp{'' if ulps == 1 else 's'}")
+        grid.add_row("", f"{r.rows_identical_vs_sequential}/{r.k} rows bit-identical")
+    c.print(grid)
     _rich_hidden(c, r.hidden)
     if meta.timings:
         _rich_timings(c, verify_timings_json(r))

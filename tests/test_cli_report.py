@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 
+import numpy as np
 from rich.console import Console
 
 from metrale_cli import cli, render
@@ -89,3 +90,91 @@ def test_text_is_decoded_from_the_ids_together_not_joined_per_token(run_cli, tok
     assert doc["text"] == HF.from_file(str(tok_model / "tokenizer.json")).decode(ids, skip_special_tokens=False)
     assert any(s["text"].startswith("<0x") for s in doc["steps"])  # byte tokens shown as bytes...
     assert "<0x" not in doc["text"]  # ...but decoded together in the text
+
+
+# -- items 10 and 11: verify ---------------------------------------------------------------------------------------
+
+
+def _drafts_equal_to_targets_after_a_rejection(run_cli) -> list[int]:
+    """d[0], d[1] greedy, d[2] wrong, then d[3], d[4] set to the very targets verify computes after the
+    wrong draft (a target depends only on the drafts before it), so those rows have draft == target."""
+    want = [row["target"] for row in as_json(run_cli("verify", "--k", 2, "-f", "json"))["rows"]]
+    drafts = want + [(want[1] + 7) % 2048, 1, 1]
+    for i in (3, 4):
+        rows = as_json(run_cli("verify", "--draft", " ".join(map(str, drafts)), "-f", "json"))["rows"]
+        drafts[i] = rows[i]["target"]
+    return drafts
+
+
+def test_verify_rows_after_the_first_rejection_are_not_checked(run_cli):
+    drafts = _drafts_equal_to_targets_after_a_rejection(run_cli)
+    ids = " ".join(map(str, drafts))
+    doc = as_json(run_cli("verify", "--draft", ids, "-f", "json"))
+    rows = doc["rows"]
+    assert [r["draft"] == r["target"] for r in rows] == [True, True, False, True, True]
+    assert [r["status"] for r in rows] == ["accepted", "accepted", "rejected", "unchecked", "unchecked"]
+    assert [r["accepted"] for r in rows] == [True, True, False, None, None]
+    assert doc["accepted"] == 2
+    plain = run_cli("verify", "--draft", ids, "-f", "plain").stdout.splitlines()
+    shown = [line.split()[3] for line in plain if line.split() and line.split()[0] in
+             {str(r["position"]) for r in rows}]
+    assert shown == ["yes", "yes", "no", "unchecked", "unchecked"]
+    rich = run_cli("verify", "--draft", ids, "-f", "rich").stdout
+    marks = [line.split("\u2502")[4].strip() for line in rich.splitlines() if line.count("\u2502") > 5]
+    assert marks == ["\u2713", "\u2713", "\u2717", "\u00b7", "\u00b7"]
+    assert "not checked: acceptance stopped at position" in rich
+
+
+def _row_bits(engine, ptr):
+    raw = bytearray(engine.row_nbytes(ptr))
+    engine.copy_logits_to_host(ptr, raw)
+    return np.frombuffer(bytes(raw), np.uint16)
+
+
+def test_verify_self_reports_ulps_and_identical_rows(run_cli):
+    """The figures against a computation of their own from the verify rows and the plain decode rows."""
+    from metrale_cli.decoding import run_decode
+    from metrale_cli.model import open_model
+
+    doc = as_json(run_cli("verify", "--k", 6, "-f", "json"))
+    m = open_model(None, device="cpu", max_context=32)
+    try:
+        seq = run_decode(m.engine, doc["prompt_tokens"], 7, keep_rows=True).rows.array()[1:]  # decode rows
+        m.engine.reset()
+        m.engine.prefill(doc["prompt_tokens"])
+        m.engine.verify([r["draft"] for r in doc["rows"]])
+        buf = m.engine.logits_buffer_ptr()
+        ver = np.stack([_row_bits(m.engine, buf.row_ptr(i)) for i in range(6)])
+    finally:
+        m.close()
+
+    def value(bits):  # bf16 bit patterns to float64, without ml_dtypes
+        return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+    def ordered(bits):
+        b = bits.astype(np.int64)
+        return np.where(b & 0x8000, -(b & 0x7FFF), b & 0x7FFF)
+
+    diff = np.abs(value(ver) - value(seq))
+    assert doc["max_abs_diff_vs_sequential"] == float(format(diff.max(), ".3e"))
+    at_max = diff == diff.max()
+    assert doc["max_abs_diff_ulps_vs_sequential"] == int(np.abs(ordered(ver) - ordered(seq))[at_max].max())
+    assert doc["rows_identical_vs_sequential"] == int((ver == seq).all(axis=1).sum())
+    plain = run_cli("verify", "--k", 6, "-f", "plain").stdout
+    assert f"max_abs_diff_ulps_vs_sequential: {doc['max_abs_diff_ulps_vs_sequential']}\n" in plain
+    assert f"rows_identical_vs_sequential: {doc['rows_identical_vs_sequential']}/6\n" in plain
+
+
+def test_ulp_distance_counts_representable_values_between():
+    from metrale_cli.decoding import ulp_distance
+
+    def bf16(*bits):
+        return np.array(bits, "<u2").tobytes()
+
+    # 1.0 vs the next bf16 up; +0 vs -0; the smallest subnormals of both signs; 8.0 vs 8.0625 (one step)
+    a = bf16(0x3F80, 0x0000, 0x0001, 0x4100, 0xC100)
+    b = bf16(0x3F81, 0x8000, 0x8001, 0x4101, 0x4100)
+    assert ulp_distance(a, b, fp32=False).tolist() == [1, 0, 2, 1, 2 * 0x4100]
+    x = np.float32(3.0)
+    up = np.nextafter(np.nextafter(x, np.float32(4)), np.float32(4))
+    assert ulp_distance(np.array([x], "<f4").tobytes(), np.array([up], "<f4").tobytes(), fp32=True).tolist() == [2]
