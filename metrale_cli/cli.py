@@ -244,12 +244,13 @@ def load(job: Job, spec: ModelSpec, ctx: int) -> LoadedModel:
                           progress=progress)
 
 
-def write_dumps(job: Job, command: str, rows, hidden, tokens: list[int], positions: list[int]) -> None:
+def write_dumps(job: Job, command: str, rows, hidden_rows, tokens: list[int], positions: list[int]) -> None:
+    """The logits rows and the hidden rows behind them, with the same tokens and positions."""
+    info = DumpInfo(command, job.spec.label, tokens, positions)
     if job.logits_dump is not None:
-        info = DumpInfo(command, job.spec.label, tokens, positions)
         write_logits(job.logits_dump, rows, info, typer.get_binary_stream("stdout"))
     if job.hidden_dump is not None:
-        write_hidden(job.hidden_dump, hidden.values)
+        write_hidden(job.hidden_dump, hidden_rows, info)
 
 
 def _token_text(model: LoadedModel):
@@ -343,7 +344,7 @@ def _decode(job: Job, steps: int, top_k: int, ignore_eos: bool, speculative: boo
             result = run_decode(target.engine, job.ids, steps, **kwargs)
         result.timings.load_s = target.load_seconds + (drafter_model.load_seconds if drafter_model else 0.0)
         fed = job.ids + [s.token for s in result.steps[:-1]]
-        write_dumps(job, "decode", result.rows, result.hidden, fed, [s.position - 1 for s in result.steps])
+        write_dumps(job, "decode", result.rows, result.hidden_rows, fed, [s.position - 1 for s in result.steps])
         report.finish(result, plain_match)
     finally:
         if report is not None:
@@ -455,7 +456,7 @@ def _verify(job: Job, k: int, draft_ids: list[int] | None, draft_path: str | Non
                             want_hidden=job.want_hidden)
         result.timings.load_s = target.load_seconds + (drafter_model.load_seconds if drafter_model else 0.0)
         drafts = [row.draft for row in result.rows]
-        write_dumps(job, "verify", result.logit_rows, result.hidden, job.ids + drafts,
+        write_dumps(job, "verify", result.logit_rows, result.hidden_rows, job.ids + drafts,
                     list(range(n - 1, n + k)))
         meta = job.meta("verify", target, draft_model=draft_spec.label if draft_spec else None)
         render.render_verify(job.report_console, meta, result)
@@ -503,7 +504,7 @@ def forward(
         result = run_forward(target.engine, job.ids, all_rows=rows == "all", token_text=_token_text(target),
                              keep_rows=job.logits_dump is not None, want_hidden=job.want_hidden)
         result.timings.load_s = target.load_seconds
-        write_dumps(job, "forward", result.logit_rows, result.hidden, job.ids,
+        write_dumps(job, "forward", result.logit_rows, result.hidden_rows, job.ids,
                     [row.position for row in result.rows])
         render.render_forward(job.report_console, job.meta("forward", target), result)
     finally:

@@ -61,6 +61,26 @@ class Rows:
 
 
 @dataclass
+class HiddenRows:
+    """The post-final-norm hidden state behind every logits row a command produced, in the same order
+    (row i is the hidden state the logits row i was computed from), as fp32 [hidden] vectors."""
+
+    size: int
+    data: list[np.ndarray] = field(default_factory=list)
+
+    def extend(self, rows: np.ndarray) -> None:
+        self.data.extend(np.asarray(r, dtype=np.float32) for r in rows)
+
+    def array(self) -> np.ndarray:
+        """[rows, hidden] float32."""
+        return np.stack(self.data) if self.data else np.zeros((0, self.size), np.float32)
+
+    def summary(self) -> HiddenSummary | None:
+        """The --hidden summary: the last row."""
+        return summarize_hidden(self.data[-1]) if self.data else None
+
+
+@dataclass
 class Timings:
     load_s: float = 0.0
     prefill_s: float = 0.0
@@ -91,6 +111,7 @@ class DecodeResult:
     hidden: HiddenSummary | None
     timings: Timings
     text: str | None = None  # the continuation, decoded from the produced ids together (continuation_text)
+    hidden_rows: HiddenRows | None = None  # with want_hidden: one per logits row, in the same order
 
 
 VERIFY_STATUSES = ("accepted", "rejected", "unchecked")
@@ -129,6 +150,7 @@ class VerifyResult:
     # occurs, and how many of the k verify rows are bit-identical to their sequential decode rows
     max_abs_diff_ulps_vs_sequential: int | None = None
     rows_identical_vs_sequential: int | None = None
+    hidden_rows: HiddenRows | None = None  # with want_hidden: one per logits row, in the same order
 
 
 @dataclass
@@ -146,6 +168,7 @@ class ForwardResult:
     logit_rows: Rows | None
     hidden: HiddenSummary | None
     timings: Timings
+    hidden_rows: HiddenRows | None = None  # with want_hidden: one per reported row, in the same order
 
 
 @dataclass
@@ -288,6 +311,17 @@ class TextStream:
         return full[len(head):]
 
 
+def _hidden_rows_for(engine, want: bool) -> HiddenRows | None:
+    return HiddenRows(int(engine.cfg.hidden_size)) if want else None
+
+
+def _take_hidden(engine, hidden: HiddenRows | None, n: int | None = None) -> None:
+    """Append the first n (default: all) hidden rows of the engine's last pass."""
+    if hidden is not None:
+        rows = engine.copy_hidden_rows_to_host()
+        hidden.extend(rows if n is None else rows[:n])
+
+
 def _sync(engine) -> None:
     sync = getattr(engine, "synchronize", None)
     if sync is not None:
@@ -318,14 +352,17 @@ def run_forward(engine, prompt: Sequence[int], *, all_rows: bool, token_text=Non
             rows.append(raw)
         vals = rd.values(raw, ptr)
         out.append(ForwardRow(first_pos + i, ids[i], rd.text(ids[i]), float(vals[ids[i]])))
-    hidden = summarize_hidden(engine.copy_hidden_to_host()) if want_hidden else None
-    return ForwardResult(list(prompt), out, rows, hidden, timings)
+    hidden_rows = _hidden_rows_for(engine, want_hidden)
+    _take_hidden(engine, hidden_rows)
+    return ForwardResult(list(prompt), out, rows, hidden_rows.summary() if hidden_rows else None, timings,
+                         hidden_rows)
 
 
 # -- greedy decode ---------------------------------------------------------------------------------------------
 
 
-def prefill_next(engine, rd: Reader, prompt: Sequence[int], timings: Timings, rows: Rows | None):
+def prefill_next(engine, rd: Reader, prompt: Sequence[int], timings: Timings, rows: Rows | None,
+                 hidden: HiddenRows | None = None):
     """Prefill the prompt; return (next token, its row values) from the prompt's last row."""
     engine.reset()
     t0 = time.perf_counter()
@@ -337,6 +374,7 @@ def prefill_next(engine, rd: Reader, prompt: Sequence[int], timings: Timings, ro
     raw = rd.raw(ptr)
     if rows is not None:
         rows.append(raw)
+    _take_hidden(engine, hidden)
     return token, rd.values(raw, ptr)
 
 
@@ -351,7 +389,8 @@ def run_decode(engine, prompt: Sequence[int], steps: int, *, top_k: int = 0, eos
     rd = Reader(engine, token_text)
     timings = Timings(prompt_tokens=len(prompt))
     rows = _rows_for(engine, engine.logits_buffer_ptr(), rd) if keep_rows else None
-    token, values = prefill_next(engine, rd, prompt, timings, rows)
+    hidden = _hidden_rows_for(engine, want_hidden)
+    token, values = prefill_next(engine, rd, prompt, timings, rows, hidden)
     out: list[DecodeStep] = []
     eos = set(eos_ids)
     stopped = False
@@ -373,9 +412,10 @@ def run_decode(engine, prompt: Sequence[int], steps: int, *, top_k: int = 0, eos
         raw = rd.raw(ptr)
         if rows is not None:
             rows.append(raw)
+        _take_hidden(engine, hidden)
         values = rd.values(raw, ptr)
-    hidden = summarize_hidden(engine.copy_hidden_to_host()) if want_hidden else None
-    return DecodeResult(list(prompt), out, stopped, rows, hidden, timings, _text(detokenize, prompt, out))
+    return DecodeResult(list(prompt), out, stopped, rows, hidden.summary() if hidden else None, timings,
+                        _text(detokenize, prompt, out), hidden)
 
 
 def _text(detokenize: Callable[[list[int]], str] | None, prompt: Sequence[int],
@@ -420,7 +460,8 @@ def run_verify(engine, prompt: Sequence[int], k: int, *, draft: str | Sequence[i
     timings = Timings(prompt_tokens=len(prompt))
     n = len(prompt)
     logit_rows = _rows_for(engine, engine.logits_buffer_ptr(), rd) if keep_rows else None
-    first, first_values = prefill_next(engine, rd, prompt, timings, logit_rows)
+    hidden = _hidden_rows_for(engine, want_hidden)
+    first, first_values = prefill_next(engine, rd, prompt, timings, logit_rows, hidden)
     seq_raws: list[bytes] | None = None
     if draft == "self":
         source = "self"
@@ -441,6 +482,7 @@ def run_verify(engine, prompt: Sequence[int], k: int, *, draft: str | Sequence[i
     timings.step_s.append(time.perf_counter() - t0)
 
     raws = [rd.raw(buf.row_ptr(i)) for i in range(k)]
+    _take_hidden(engine, hidden)
     if logit_rows is not None:
         for raw in raws:
             logit_rows.append(raw)
@@ -457,9 +499,8 @@ def run_verify(engine, prompt: Sequence[int], k: int, *, draft: str | Sequence[i
     diff = ulps = identical = None
     if seq_raws is not None:
         diff, ulps, identical = compare_rows(rd, buf.row_ptr(0), raws, seq_raws)
-    hidden = summarize_hidden(engine.copy_hidden_to_host()) if want_hidden else None
     return VerifyResult(k, source, list(prompt), rows, accepted, next_token, rd.text(next_token), diff,
-                        logit_rows, hidden, timings, ulps, identical)
+                        logit_rows, hidden.summary() if hidden else None, timings, ulps, identical, hidden)
 
 
 def compare_rows(rd: Reader, ptr: DevicePtr, rows: list[bytes], others: list[bytes]) -> tuple[float, int, int]:
@@ -579,8 +620,9 @@ def speculative_decode(engine, drafter, prompt: Sequence[int], steps: int, k: in
     rd = Reader(engine, token_text)
     timings = Timings(prompt_tokens=len(prompt))
     rows = _rows_for(engine, engine.logits_buffer_ptr(), rd) if keep_rows else None
+    hidden = _hidden_rows_for(engine, want_hidden)
     stats = SpecStats(k, drafter.name, drafted_at=[0] * k, accepted_at=[0] * k)
-    cur, values = prefill_next(engine, rd, prompt, timings, rows)
+    cur, values = prefill_next(engine, rd, prompt, timings, rows, hidden)
     drafter.start(prompt)
     committed = list(prompt) + [cur]
     out: list[DecodeStep] = []
@@ -616,10 +658,13 @@ def speculative_decode(engine, drafter, prompt: Sequence[int], steps: int, k: in
         engine.trim(base + accepted)
         drafter.accept(base, accepted)
         timings.step_s.append(time.perf_counter() - t0)
+        pass_hidden = engine.copy_hidden_rows_to_host() if hidden is not None else None
         for j in range(accepted + 1):  # accepted drafts, then the correction/bonus token
             raw = rd.raw(buf.row_ptr(j))
             if rows is not None:
                 rows.append(raw)
+            if hidden is not None:
+                hidden.extend(pass_hidden[j:j + 1])
             token = drafts[j] if j < accepted else targets[accepted]
             committed.append(token)
             if emit(token, rd.values(raw, buf.row_ptr(j))):
@@ -627,6 +672,5 @@ def speculative_decode(engine, drafter, prompt: Sequence[int], steps: int, k: in
                 break
         cur = committed[-1]
     stopped_at_eos = bool(out) and out[-1].token in eos and not ignore_eos
-    hidden = summarize_hidden(engine.copy_hidden_to_host()) if want_hidden else None
-    return SpecDecodeResult(list(prompt), out, stopped_at_eos, rows, hidden, timings,
-                            _text(detokenize, prompt, out), stats=stats)
+    return SpecDecodeResult(list(prompt), out, stopped_at_eos, rows, hidden.summary() if hidden else None, timings,
+                            _text(detokenize, prompt, out), hidden, stats=stats)

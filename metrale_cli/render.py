@@ -55,7 +55,9 @@ inspect  {"command", "model", "architecture", "model_type", "layers", "heads", "
           "rope": {"theta", "type", "scaling"}, "tokenizer", "bos_token_id", "eos_token_ids", "valid",
           "problems"}
 "hidden"  {"size", "norm", "mean", "std", "min", "max", "first": [8 values], "sha256"}
-          (the post-final-norm hidden state of the last position run; sha256 of its fp32 bytes)
+          (the post-final-norm hidden state of the last row the command produced, the last row of
+          --dump-hidden: for decode, plain or speculative, the row that chose the last token; sha256 of
+          its fp32 bytes)
 "timings" {"load_s", "prefill_ms", "per_token_ms_median", "tokens_per_s"} for decode (tokens/s of the
           decode steps after the prefill). Speculative decode has "per_pass_ms_median" (per verify pass)
           instead of "per_token_ms_median", and adds "speculative_tokens_per_s", "plain_tokens_per_s",
@@ -667,7 +669,7 @@ def _plain_hidden(c: Console, h: HiddenSummary | None) -> None:
 def _rich_hidden(c: Console, h: HiddenSummary | None) -> None:
     if h is None:
         return
-    t = Table(title="hidden state after the final norm (last position)", title_justify="left")
+    t = Table(title="hidden state after the final norm (last row)", title_justify="left")
     for name in ("size", "norm", "mean", "std", "min", "max"):
         t.add_column(name, justify="right")
     t.add_row(str(h.size), *(f"{v:.6g}" for v in (h.norm, h.mean, h.std, h.min, h.max)))
