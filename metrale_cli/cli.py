@@ -6,13 +6,16 @@ checked against config.json (and tokenizer.json) before any weight is loaded.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Callable, Optional, Sequence
+from typing import Annotated, Any, Callable, Iterator, Optional, Sequence
 
 import typer
 from rich.console import Console
@@ -253,6 +256,28 @@ def write_dumps(job: Job, command: str, rows, hidden_rows, tokens: list[int], po
         write_hidden(job.hidden_dump, hidden_rows, info)
 
 
+@contextlib.contextmanager
+def ctrl_c_stops() -> Iterator[Callable[[], bool]]:
+    """While decoding, the first Ctrl-C asks the decoding loop to stop after the current step (the tokens
+    so far are then reported, marked interrupted, and metrale exits 130); a second one interrupts at once.
+    Yields the should_stop() that the loop polls."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield lambda: False
+        return
+    asked: list[int] = []
+    previous = signal.getsignal(signal.SIGINT) or signal.default_int_handler  # None: not set from Python
+
+    def first_ctrl_c(signum: int, frame: Any) -> None:
+        asked.append(signum)
+        signal.signal(signal.SIGINT, previous)  # the next Ctrl-C is KeyboardInterrupt again
+
+    signal.signal(signal.SIGINT, first_ctrl_c)
+    try:
+        yield lambda: bool(asked)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _token_text(model: LoadedModel):
     return model.tokenizer.token_text if model.tokenizer is not None else None
 
@@ -337,15 +362,21 @@ def _decode(job: Job, steps: int, top_k: int, ignore_eos: bool, speculative: boo
                       want_hidden=job.want_hidden, on_step=report.step,
                       detokenize=tok.decode if tok is not None else None)
         plain_match = None
-        if speculative:
-            drafter = ModelDrafter(drafter_model.engine) if drafter_model is not None else NgramDrafter()
-            result, plain_match = _speculative(job, target, drafter, steps, k, kwargs)
-        else:
-            result = run_decode(target.engine, job.ids, steps, **kwargs)
+        with ctrl_c_stops() as stop:
+            kwargs["should_stop"] = stop
+            if speculative:
+                drafter = ModelDrafter(drafter_model.engine) if drafter_model is not None else NgramDrafter()
+                result, plain_match = _speculative(job, target, drafter, steps, k, kwargs)
+            else:
+                result = run_decode(target.engine, job.ids, steps, **kwargs)
         result.timings.load_s = target.load_seconds + (drafter_model.load_seconds if drafter_model else 0.0)
-        fed = job.ids + [s.token for s in result.steps[:-1]]
-        write_dumps(job, "decode", result.rows, result.hidden_rows, fed, [s.position - 1 for s in result.steps])
+        if not result.interrupted:  # an interrupted run writes no dump: the rows would be a partial run
+            fed = job.ids + [s.token for s in result.steps[:-1]]
+            write_dumps(job, "decode", result.rows, result.hidden_rows, fed,
+                        [s.position - 1 for s in result.steps])
         report.finish(result, plain_match)
+        if result.interrupted:
+            raise Interrupted(f"stopped by Ctrl-C after {len(result.steps)} tokens (no dump file is written)")
     finally:
         if report is not None:
             report.close()
@@ -357,12 +388,15 @@ def _decode(job: Job, steps: int, top_k: int, ignore_eos: bool, speculative: boo
 def _speculative(job: Job, target: LoadedModel, drafter, steps: int, k: int,
                  kwargs: dict[str, Any]) -> tuple[SpecDecodeResult, bool | None]:
     result = speculative_decode(target.engine, drafter, job.ids, steps, k, **kwargs)
-    if not job.common.timings:
+    if not job.common.timings or result.interrupted:
         return result, None
     # Plain greedy decoding of the same prompt on the same engine, for the tokens/s comparison. Both rates
     # count the tokens after the first (which the identical prefill produces) over the decode-phase time.
     plain: DecodeResult = run_decode(target.engine, job.ids, steps, eos_ids=kwargs["eos_ids"],
-                                     ignore_eos=kwargs["ignore_eos"])
+                                     ignore_eos=kwargs["ignore_eos"], should_stop=kwargs["should_stop"])
+    if plain.interrupted:  # Ctrl-C during the comparison: the speculative tokens stand, without it
+        result.interrupted = True
+        return result, None
     result.spec_tokens_per_s = _decode_rate(result)
     result.plain_tokens_per_s = _decode_rate(plain)
     return result, [s.token for s in plain.steps] == [s.token for s in result.steps]

@@ -112,9 +112,7 @@ class DecodeResult:
     timings: Timings
     text: str | None = None  # the continuation, decoded from the produced ids together (continuation_text)
     hidden_rows: HiddenRows | None = None  # with want_hidden: one per logits row, in the same order
-
-
-VERIFY_STATUSES = ("accepted", "rejected", "unchecked")
+    interrupted: bool = False  # should_stop() asked to stop before the steps or an EOS were reached
 
 
 @dataclass
@@ -381,10 +379,13 @@ def prefill_next(engine, rd: Reader, prompt: Sequence[int], timings: Timings, ro
 def run_decode(engine, prompt: Sequence[int], steps: int, *, top_k: int = 0, eos_ids: Sequence[int] = (),
                ignore_eos: bool = False, token_text=None, keep_rows: bool = False,
                want_hidden: bool = False, on_step: Callable[[DecodeStep], None] | None = None,
-               detokenize: Callable[[list[int]], str] | None = None) -> DecodeResult:
+               detokenize: Callable[[list[int]], str] | None = None,
+               should_stop: Callable[[], bool] | None = None) -> DecodeResult:
     """Prefill, then greedy steps: each produced token is fed back by one decode step.
 
     Step i reports the token produced at position len(prompt) + i, read from the row that chose it.
+    should_stop() is asked before each decode step; True ends decoding there (result.interrupted), with
+    every token produced so far reported (Ctrl-C in the CLI).
     """
     rd = Reader(engine, token_text)
     timings = Timings(prompt_tokens=len(prompt))
@@ -393,7 +394,7 @@ def run_decode(engine, prompt: Sequence[int], steps: int, *, top_k: int = 0, eos
     token, values = prefill_next(engine, rd, prompt, timings, rows, hidden)
     out: list[DecodeStep] = []
     eos = set(eos_ids)
-    stopped = False
+    stopped = interrupted = False
     for i in range(steps):
         step = DecodeStep(len(prompt) + i, token, rd.text(token), float(values[token]), rd.top_k(values, top_k))
         out.append(step)
@@ -403,6 +404,9 @@ def run_decode(engine, prompt: Sequence[int], steps: int, *, top_k: int = 0, eos
             stopped = True
             break
         if i == steps - 1:
+            break
+        if should_stop is not None and should_stop():
+            interrupted = True
             break
         t0 = time.perf_counter()
         engine.decode(token)
@@ -415,7 +419,7 @@ def run_decode(engine, prompt: Sequence[int], steps: int, *, top_k: int = 0, eos
         _take_hidden(engine, hidden)
         values = rd.values(raw, ptr)
     return DecodeResult(list(prompt), out, stopped, rows, hidden.summary() if hidden else None, timings,
-                        _text(detokenize, prompt, out), hidden)
+                        _text(detokenize, prompt, out), hidden, interrupted)
 
 
 def _text(detokenize: Callable[[list[int]], str] | None, prompt: Sequence[int],
@@ -607,13 +611,15 @@ def speculative_decode(engine, drafter, prompt: Sequence[int], steps: int, k: in
                        ignore_eos: bool = False, token_text=None, top_k: int = 0,
                        keep_rows: bool = False, want_hidden: bool = False,
                        on_step: Callable[[DecodeStep], None] | None = None,
-                       detokenize: Callable[[list[int]], str] | None = None) -> SpecDecodeResult:
+                       detokenize: Callable[[list[int]], str] | None = None,
+                       should_stop: Callable[[], bool] | None = None) -> SpecDecodeResult:
     """Greedy speculative decoding: its tokens equal plain greedy decoding of `engine`.
 
     Loop: the current token `cur` is known but not yet run by the target. The drafter proposes up to k
     tokens after it; one verify pass runs [cur, d1..dm]; row j predicts the token after d_j (row 0: after
     cur). The longest prefix with d_{j+1} == argmax(row j) is kept, then the correction or bonus token
     argmax(row a) becomes the next `cur`; the target cache is trimmed to the accepted prefix.
+    should_stop() is asked before each verify pass (as in run_decode).
     """
     if k <= 0:
         raise InputError(f"--k must be at least 1, got {k}")
@@ -637,7 +643,11 @@ def speculative_decode(engine, drafter, prompt: Sequence[int], steps: int, k: in
         return len(out) >= steps or (token in eos and not ignore_eos)
 
     stopped = emit(cur, values)
+    interrupted = False
     while not stopped:
+        if should_stop is not None and should_stop():
+            interrupted = True
+            break
         t0 = time.perf_counter()
         base = len(committed)  # target cache holds committed[:-1]
         room = engine.max_context - engine.length - 1
@@ -673,4 +683,4 @@ def speculative_decode(engine, drafter, prompt: Sequence[int], steps: int, k: in
         cur = committed[-1]
     stopped_at_eos = bool(out) and out[-1].token in eos and not ignore_eos
     return SpecDecodeResult(list(prompt), out, stopped_at_eos, rows, hidden.summary() if hidden else None, timings,
-                            _text(detokenize, prompt, out), hidden, stats=stats)
+                            _text(detokenize, prompt, out), hidden, interrupted, stats=stats)

@@ -3,7 +3,8 @@
 Formats (`--format`, default: rich when stdout is a terminal, plain otherwise):
     rich   tables, colour for accepted/rejected drafts, bars for top-k probabilities, timings at the end
     plain  deterministic text: fixed column widths, no colour, nothing that depends on the terminal width;
-           decode prints one line per step as it is produced
+           decode prints one line per step as it is produced, then "stopped: eos|steps|interrupted
+           after N tokens"
     json   one JSON object per command (indented, UTF-8)
 
 plain and json are snapshot-stable: timings appear only with --timings, and numbers have fixed formats:
@@ -32,6 +33,7 @@ or "default"), "device" ("cpu"|"cuda") and "logits_dtype" ("bf16"|"fp32"); "hidd
 decode   {"prompt": text|null, "prompt_tokens": [ids],
           "steps": [{"position", "token", "text", "logit", "top_k": [{"token", "text", "logit", "prob"}]}],
           "text": the generated text (null without a tokenizer), "stopped_at_eos": bool,
+          "interrupted": bool (Ctrl-C stopped decoding: the report holds the tokens produced so far),
           "speculative": {"k", "draft_source", "draft_model", "drafted", "accepted", "acceptance_rate",
                           "mean_accepted_per_pass", "verify_passes", "acceptance_by_position": [rates]}
                          (only with --draft ngram or --draft-model)}
@@ -319,7 +321,7 @@ class DecodeReport:
     def _plain_tail(self, result: DecodeResult, plain_match: bool | None) -> None:
         c = self.console
         _write(c, "")
-        _write(c, f"stopped: {'eos' if result.stopped_at_eos else 'steps'} after {len(result.steps)} tokens")
+        _write(c, f"stopped: {_stop_reason(result)} after {len(result.steps)} tokens")
         if result.text is not None:
             _write(c, f"text: {quote_text(result.text)}")
         spec = _spec_json(result, self.meta)
@@ -342,8 +344,8 @@ class DecodeReport:
             _rich_head(c, meta, result.prompt_tokens)
             if result.text is not None:
                 _rich_text(c, meta, result.text)
-        table = Table(title=f"decode: {len(result.steps)} tokens"
-                      + (" (stopped at EOS)" if result.stopped_at_eos else ""), title_justify="left")
+        table = Table(title=f"decode: {len(result.steps)} tokens" + _RICH_STOP.get(_stop_reason(result), ""),
+                      title_justify="left")
         table.add_column("pos", justify="right")
         table.add_column("token", justify="right")
         if meta.has_tokenizer:
@@ -385,6 +387,13 @@ def _rich_text(c: Console, meta: Meta, text: str) -> None:
     shown.append(display_text(text), style="cyan")
     c.print(Text("text", style="bold"))
     c.print(shown)
+
+
+def _stop_reason(result: DecodeResult) -> str:
+    return "interrupted" if result.interrupted else "eos" if result.stopped_at_eos else "steps"
+
+
+_RICH_STOP = {"interrupted": " (interrupted by Ctrl-C)", "eos": " (stopped at EOS)"}
 
 
 def _bar(p: float, width: int = 20) -> str:
@@ -443,6 +452,7 @@ def decode_json(meta: Meta, result: DecodeResult, plain_match: bool | None = Non
         ],
         "text": result.text,
         "stopped_at_eos": result.stopped_at_eos,
+        "interrupted": result.interrupted,
     })
     spec = _spec_json(result, meta)
     if spec is not None:

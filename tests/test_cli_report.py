@@ -178,3 +178,103 @@ def test_ulp_distance_counts_representable_values_between():
     x = np.float32(3.0)
     up = np.nextafter(np.nextafter(x, np.float32(4)), np.float32(4))
     assert ulp_distance(np.array([x], "<f4").tobytes(), np.array([up], "<f4").tobytes(), fp32=True).tolist() == [2]
+
+
+# -- item 4: Ctrl-C during decode ---------------------------------------------------------------------------------
+
+
+def _ctrl_c_after(monkeypatch, method: str, calls: int) -> None:
+    """A real SIGINT to this process from inside the engine's `calls`-th decode/verify, as a Ctrl-C in
+    the middle of decoding would arrive."""
+    import os
+    import signal
+
+    from metrale_cli.numpy_engine import NumpyEngine
+
+    original = getattr(NumpyEngine, method)
+    seen = [0]
+
+    def interrupting(self, *args, **kwargs):
+        seen[0] += 1
+        out = original(self, *args, **kwargs)
+        if seen[0] == calls:
+            os.kill(os.getpid(), signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(NumpyEngine, method, interrupting)
+
+
+def _greedy(prompt: list[int], steps: int, model=None) -> list[int]:
+    from metrale_cli.decoding import run_decode
+    from metrale_cli.model import open_model
+
+    m = open_model(model, device="cpu", max_context=len(prompt) + steps)
+    try:
+        return [s.token for s in run_decode(m.engine, prompt, steps).steps]
+    finally:
+        m.close()
+
+
+STOPPED = "metrale: interrupted: stopped by Ctrl-C after {} tokens (no dump file is written)"
+
+
+def test_ctrl_c_json_reports_the_tokens_so_far(run_cli, monkeypatch, tmp_path):
+    _ctrl_c_after(monkeypatch, "decode", 5)
+    dump = tmp_path / "rows.npy"
+    r = run_cli("decode", "--steps", 40, "--ignore-eos", "-f", "json", "--dump-logits", dump, "--hidden")
+    assert r.exit_code == 130
+    doc = json.loads(r.stdout)
+    tokens = [s["token"] for s in doc["steps"]]
+    assert doc["interrupted"] is True and doc["stopped_at_eos"] is False
+    assert len(tokens) == 6  # the prefill's token and the 5 decode steps that ran
+    assert tokens == _greedy(doc["prompt_tokens"], 6)
+    assert doc["text"] == reference_tokenizer().decode(tokens, skip_special_tokens=False)
+    assert doc["hidden"]["size"] > 0
+    assert r.stderr.splitlines() == [STOPPED.format(6)]
+    assert list(tmp_path.iterdir()) == []  # no dump of a partial run
+
+
+def test_ctrl_c_in_speculative_decode(run_cli, monkeypatch):
+    _ctrl_c_after(monkeypatch, "verify", 3)
+    r = run_cli("decode", "-m", LLAMA, "-t", "5 6 7 8 5 6 7 8 5 6 7", "--steps", 60, "--ignore-eos",
+                "--draft-model", LLAMA, "--k", 2, "-f", "json", "--timings")
+    assert r.exit_code == 130
+    doc = json.loads(r.stdout)
+    tokens = [s["token"] for s in doc["steps"]]
+    assert doc["interrupted"] is True and doc["speculative"]["verify_passes"] == 3
+    assert len(tokens) == 1 + 3 * 3  # the prefill's token, then 3 passes of 2 accepted drafts + 1
+    assert tokens == _greedy([5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], len(tokens), LLAMA)
+    assert "plain_tokens_per_s" not in doc["timings"]  # the comparison run is not started
+    assert r.stderr.splitlines() == [STOPPED.format(len(tokens))]
+
+
+def test_ctrl_c_rich_and_plain_say_interrupted(run_cli, monkeypatch):
+    _ctrl_c_after(monkeypatch, "decode", 3)
+    out = TTY()
+    state = cli.State(out=Console(file=out, width=80, color_system=None), err=Console(file=io.StringIO()))
+    assert run_cli("decode", "--steps", 40, "--ignore-eos", "-f", "rich", obj=state).exit_code == 130
+    assert "decode: 4 tokens (interrupted by Ctrl-C)" in out.getvalue()
+    _ctrl_c_after(monkeypatch, "decode", 3)
+    r = run_cli("decode", "--steps", 40, "--ignore-eos", "-f", "plain")
+    assert r.exit_code == 130 and "\nstopped: interrupted after 4 tokens\n" in r.stdout
+
+
+def test_a_second_ctrl_c_interrupts_at_once(run_cli, monkeypatch):
+    """The second Ctrl-C arrives inside the step the first one let finish: no report, exit 130."""
+    import os
+    import signal
+
+    from metrale_cli.numpy_engine import NumpyEngine
+
+    original = NumpyEngine.decode
+
+    def twice(self, token):
+        os.kill(os.getpid(), signal.SIGINT)  # the first asks to stop after this step...
+        os.kill(os.getpid(), signal.SIGINT)  # ...the second raises KeyboardInterrupt right here
+        return original(self, token)
+
+    monkeypatch.setattr(NumpyEngine, "decode", twice)
+    r = run_cli("decode", "--steps", 40, "-f", "json")
+    assert r.exit_code == 130 and r.stdout == ""
+    assert r.stderr.splitlines() == ["metrale: interrupted: stopped by Ctrl-C (no partial output file is left)"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
