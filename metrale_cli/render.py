@@ -1,7 +1,10 @@
 """Turning results into Rich tables, plain text or JSON. This is the only module that prints.
 
 Formats (`--format`, default: rich when stdout is a terminal, plain otherwise):
-    rich   tables, colour for accepted/rejected drafts, bars for top-k probabilities, timings at the end
+    rich   tables, colour for accepted/rejected drafts, bars for top-k probabilities, timings at the end;
+           everything fits the console's width (80 columns included): a row of a table is one line
+           (a top-k candidate is a row of its own; token texts are cut with an ellipsis rather than
+           wrapped), and only prose (inspect's values, bench's targets) wraps at spaces
     plain  deterministic text: fixed column widths, no colour, nothing that depends on the terminal width;
            decode prints one line per step as it is produced, then "stopped: eos|steps|interrupted
            after N tokens"
@@ -78,7 +81,7 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from rich.console import Console, Group
+from rich.console import Console
 from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeRemainingColumn)
 from rich.markup import escape
@@ -344,24 +347,7 @@ class DecodeReport:
             _rich_head(c, meta, result.prompt_tokens)
             if result.text is not None:
                 _rich_text(c, meta, result.text)
-        table = Table(title=f"decode: {len(result.steps)} tokens" + _RICH_STOP.get(_stop_reason(result), ""),
-                      title_justify="left")
-        table.add_column("pos", justify="right")
-        table.add_column("token", justify="right")
-        if meta.has_tokenizer:
-            table.add_column("text")
-        table.add_column("logit", justify="right")
-        if meta.top_k:
-            table.add_column(f"top-{meta.top_k}: token, logit, p")
-        for s in result.steps:
-            row: list[Any] = [str(s.position), str(s.token)]
-            if meta.has_tokenizer:
-                row.append(Text(escape_text(s.text), style="cyan"))
-            row.append(f4(s.logit))
-            if meta.top_k:
-                row.append(_rich_top_k(s, meta.has_tokenizer))
-            table.add_row(*row)
-        c.print(table)
+        c.print(_rich_steps(c, meta, result))
         spec = _spec_json(result, meta)
         if spec is not None:
             c.print(_rich_spec(spec))
@@ -401,16 +387,41 @@ def _bar(p: float, width: int = 20) -> str:
     return "\u2588" * full + "\u00b7" * (width - full)
 
 
-def _rich_top_k(step: DecodeStep, has_tokenizer: bool) -> Group:
-    lines = []
-    for t in step.top_k:
-        line = Text(f"{t.token:>6} ")
-        if has_tokenizer:
-            line.append(f"{escape_text(t.text)[:16]:<16} ", style="cyan")
-        line.append(f"{f4(t.logit):>9} {f4(t.prob)} ")
-        line.append(_bar(t.prob), style="green" if t.token == step.token else "blue")
-        lines.append(line)
-    return Group(*lines)
+def _rich_steps(c: Console, meta: Meta, result: DecodeResult) -> Table:
+    """One row per step; with --top-k, one row per candidate (the step's own token first, its position
+    on that row only) with its probability and a bar, so no candidate ever spans two lines."""
+    title = f"decode: {len(result.steps)} tokens" + _RICH_STOP.get(_stop_reason(result), "")
+    if meta.top_k:
+        title += f", top-{meta.top_k} candidates each"
+    t = Table(title=title, title_justify="left")
+    t.add_column("pos", justify="right", no_wrap=True)
+    t.add_column("token", justify="right", no_wrap=True)
+    if meta.has_tokenizer:
+        t.add_column("text", **_TEXT_COLUMN)
+    t.add_column("logit", justify="right", no_wrap=True)
+    bar = 20 if c.width >= 100 else 10  # 80 columns leave room for a 10-character bar
+    if meta.top_k:
+        t.add_column("p", justify="right", no_wrap=True)
+        t.add_column("", no_wrap=True)
+    for n, s in enumerate(result.steps):
+        if not meta.top_k:
+            t.add_row(*_step_cells(meta, str(s.position), s.token, s.text, s.logit, "cyan"))
+            continue
+        for rank, cand in enumerate(s.top_k):
+            chosen = cand.token == s.token
+            cells = _step_cells(meta, str(s.position) if rank == 0 else "", cand.token, cand.text, cand.logit,
+                                "cyan" if chosen else "")
+            cells += [f4(cand.prob), Text(_bar(cand.prob, bar), style="green" if chosen else "blue")]
+            t.add_row(*cells, style=None if chosen else "dim",
+                      end_section=rank == len(s.top_k) - 1 and n < len(result.steps) - 1)
+    return t
+
+
+def _step_cells(meta: Meta, position: str, token: int, text: str | None, logit: float, style: str) -> list[Any]:
+    cells: list[Any] = [position, str(token)]
+    if meta.has_tokenizer:
+        cells.append(_token_cell(text, style))
+    return cells + [f4(logit)]
 
 
 def _rich_spec(spec: dict[str, Any]) -> Table:
@@ -642,14 +653,14 @@ def render_forward(console: Console, meta: Meta, r: ForwardResult) -> None:
     _rich_head(console, meta, r.prompt_tokens)
     t = Table(title=f"forward: {len(r.rows)} of {len(r.prompt_tokens)} rows", title_justify="left")
     for name in ("pos", "input", "argmax"):
-        t.add_column(name, justify="right")
+        t.add_column(name, justify="right", no_wrap=True)
     if meta.has_tokenizer:
-        t.add_column("text")
-    t.add_column("logit", justify="right")
+        t.add_column("text", **_TEXT_COLUMN)
+    t.add_column("logit", justify="right", no_wrap=True)
     for row in r.rows:
         cells: list[Any] = [str(row.position), str(r.prompt_tokens[row.position]), str(row.argmax)]
         if meta.has_tokenizer:
-            cells.append(Text(escape_text(row.text), style="cyan"))
+            cells.append(_token_cell(row.text, "cyan"))
         t.add_row(*cells, f4(row.logit))
     console.print(t)
     _rich_hidden(console, r.hidden)
@@ -677,15 +688,27 @@ def _plain_hidden(c: Console, h: HiddenSummary | None) -> None:
 
 
 def _rich_hidden(c: Console, h: HiddenSummary | None) -> None:
+    """Grids that fit 80 columns whatever the values (a %.6g value takes up to 12 characters): the
+    statistics three to a line, the first values four to a line, then the sha256."""
     if h is None:
         return
-    t = Table(title="hidden state after the final norm (last row)", title_justify="left")
-    for name in ("size", "norm", "mean", "std", "min", "max"):
-        t.add_column(name, justify="right")
-    t.add_row(str(h.size), *(f"{v:.6g}" for v in (h.norm, h.mean, h.std, h.min, h.max)))
-    c.print(t)
-    c.print(Text("first: " + " ".join(f"{x:.6g}" for x in h.first)))
-    c.print(Text(f"sha256: {h.sha256}", style="dim"))
+    c.print(Text("hidden state after the final norm (last row)", style="italic"))
+    stats = Table.grid(padding=(0, 2))
+    for _ in range(3):
+        stats.add_column(style="bold", no_wrap=True)
+        stats.add_column(justify="right", no_wrap=True)
+    stats.add_row("size", str(h.size), "norm", f"{h.norm:.6g}", "mean", f"{h.mean:.6g}")
+    stats.add_row("std", f"{h.std:.6g}", "min", f"{h.min:.6g}", "max", f"{h.max:.6g}")
+    c.print(stats)
+    first = Table.grid(padding=(0, 1))
+    first.add_column(style="bold", no_wrap=True)
+    for _ in range(4):
+        first.add_column(justify="right", no_wrap=True)
+    for i in range(0, len(h.first), 4):
+        values = [f"{x:.6g}" for x in h.first[i:i + 4]]
+        first.add_row(f"first[{i}:{i + len(values)}]", *values, *[""] * (4 - len(values)))
+    c.print(first)
+    c.print(Text(f"sha256 {h.sha256}", style="dim", no_wrap=True, overflow="ellipsis"))
 
 
 _TIMING_LABELS = {
@@ -781,18 +804,22 @@ def render_bench(console: Console, fmt: str, result: Any) -> None:
     def verdict(f) -> str:
         return "" if f.met is None else ("met" if f.met else "MISSED")
 
-    if fmt == "plain":
+    if fmt == "plain":  # a field a figure does not have (no target, no ratio, no verdict) is left out
         _write(console, "metrale bench")
         _write(console, head)
         for f in result.figures:
-            ratio = "" if f.ratio is None else f"{f.ratio:.3f}"
-            _write(console, f"{f.name}: {f.value:.4g} {f.unit} | target: {f.target} | ratio: {ratio} | {verdict(f)}")
+            fields = [f"{f.name}: {f.value:.4g} {f.unit}"]
+            fields += [f"target: {f.target}"] if f.target else []
+            fields += [f"ratio: {f.ratio:.3f}"] if f.ratio is not None else []
+            fields += [verdict(f)] if f.met is not None else []
+            _write(console, " | ".join(fields))
         for n in result.notes:
             _write(console, f"note: {n}")
         return
     t = Table(title=head, title_justify="left")
-    for col in ("figure", "value", "unit", "target", "ratio", ""):
-        t.add_column(col, justify="right" if col in ("value", "ratio") else "left")
+    for col in ("figure", "value", "unit", "target", "ratio", ""):  # names and targets wrap at spaces
+        t.add_column(col, justify="right" if col in ("value", "ratio") else "left",
+                     no_wrap=col not in ("figure", "target"))
     for f in result.figures:
         style = "green" if f.met else ("red" if f.met is False else "")
         t.add_row(f.name, f"{f.value:.4g}", f.unit, f.target, "" if f.ratio is None else f"{f.ratio:.3f}",

@@ -8,6 +8,8 @@ import io
 import json
 
 import numpy as np
+import pytest
+from rich.cells import cell_len
 from rich.console import Console
 
 from metrale_cli import cli, render
@@ -278,3 +280,32 @@ def test_a_second_ctrl_c_interrupts_at_once(run_cli, monkeypatch):
     assert r.exit_code == 130 and r.stdout == ""
     assert r.stderr.splitlines() == ["metrale: interrupted: stopped by Ctrl-C (no partial output file is left)"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+
+
+# -- item 7: rich output at 80 and 120 columns ---------------------------------------------------------------------
+
+RICH_COMMANDS = {
+    "decode": ["decode", "--steps", 6, "--top-k", 3, "--hidden", "--timings"],
+    "speculative": ["decode", "--steps", 8, "--draft", "ngram", "--k", 4, "--hidden", "--timings"],
+    "verify": ["verify", "--draft", "455 199 1761 10", "--hidden", "--timings"],
+    "forward": ["forward", "--rows", "all", "--hidden", "--timings"],
+    "inspect": ["inspect"],
+}
+
+
+@pytest.mark.parametrize("width", [80, 120])
+@pytest.mark.parametrize("terminal", [False, True])
+@pytest.mark.parametrize("command", RICH_COMMANDS)
+def test_rich_output_fits_the_terminal(run_cli, command, width, terminal):
+    out = TTY() if terminal else io.StringIO()
+    state = cli.State(out=Console(file=out, width=width, color_system=None), err=Console(file=io.StringIO()))
+    args = RICH_COMMANDS[command]
+    assert run_cli(*args, "-f", "rich", obj=state).exit_code == 0
+    lines = out.getvalue().splitlines()
+    assert lines and all(cell_len(line) <= width for line in lines), [ln for ln in lines if cell_len(ln) > width]
+    if command == "decode":  # every candidate: its id, logit, probability and bar on one line
+        doc = as_json(run_cli(*args, "-f", "json"))
+        for step in doc["steps"]:
+            for cand in step["top_k"]:
+                assert any(f"\u2502 {cand['token']:>5} \u2502" in line and f" {cand['logit']:.4f} \u2502 "
+                           f"{cand['prob']:.4f} \u2502 " in line for line in lines), cand
