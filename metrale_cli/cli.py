@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import sys
@@ -31,10 +32,10 @@ from .checkpoint import Checkpoint
 from .decoding import (DecodeResult, ModelDrafter, NgramDrafter, SpecDecodeResult, TextStream, run_decode,
                        run_forward, run_verify, speculative_decode)
 from .dumps import HIDDEN_KINDS, DumpInfo, DumpTarget, check_dump_path, commit, write_hidden, write_logits
-from .errors import EXIT_CODES, InputError, Interrupted, MetraleError, UsageError
+from .errors import EXIT_CODES, ConfigError, InputError, Interrupted, MetraleError, UsageError
 from .inputs import (ModelSpec, check_draft_matches, check_ids_in_vocab, check_positive, context_for,
                      parse_token_ids, read_model_spec, resolve_prompt)
-from .model import LoadedModel, open_model, resolve_device
+from .model import LoadedModel, model_dir, open_model, resolve_device
 from .weights import check_checkpoint
 
 EXIT_CODE_HELP = "\n".join(f"  {code:>3}  {text}" for code, text in sorted(EXIT_CODES.items()))
@@ -560,6 +561,7 @@ def inspect(
 
     The tensors are checked against config.json (names, shapes, dtypes).
     An invalid checkpoint is still described; metrale then exits non-zero with the problems on stderr.
+    A config.json metrale cannot run (another model_type, hidden_act...) is described from its raw fields and the tensors, then named (exit 4).
 
     Examples:
       metrale inspect
@@ -567,7 +569,11 @@ def inspect(
     """
     state: State = ctx.obj
     fmt_ = render.choose_format(fmt, state.out)
-    spec = read_model_spec(path)
+    try:
+        spec = read_model_spec(path)
+    except ConfigError as unsupported:  # describe what config.json and the tensors say, then fail (exit 4)
+        _inspect_without_config(state, fmt_, path, unsupported)
+        raise
     ckpt_path = Path(path) if path is not None and not Path(path).is_dir() else spec.directory
     ckpt = Checkpoint.open(ckpt_path)
     try:
@@ -581,6 +587,58 @@ def inspect(
         ckpt.close()
     if problem is not None:
         raise problem
+
+
+def _inspect_without_config(state: State, fmt: str, path: str | None, problem: ConfigError) -> None:
+    """A config.json metrale cannot run (model_type gemma2, hidden_act gelu...): its raw fields and the
+    tensor listing, with the problem named. Prints nothing when config.json is no JSON object or the
+    weights cannot be listed (the caller's error then says why)."""
+    directory = model_dir(path)
+    try:
+        raw = json.loads((directory / "config.json").read_text("utf-8"))
+        ckpt = Checkpoint.open(Path(path) if path is not None and not Path(path).is_dir() else directory)
+    except (OSError, ValueError, MetraleError):
+        return
+    try:
+        if isinstance(raw, dict):
+            render.render_inspect(state.out, fmt, _raw_inspect_info("default" if path is None else path, raw,
+                                                                    ckpt, problem))
+    finally:
+        ckpt.close()
+
+
+def _raw_inspect_info(label: str, raw: dict[str, Any], ckpt: Checkpoint, problem: ConfigError) -> dict[str, Any]:
+    """inspect's keys from config.json as written (None where a field is absent or not a number) and
+    the parameter count from the tensor listing."""
+    def integer(key: str, fallback: Any = None) -> int | None:
+        v = raw.get(key)
+        return v if isinstance(v, int) and not isinstance(v, bool) else fallback
+
+    hidden, heads = integer("hidden_size"), integer("num_attention_heads")
+    head_dim = integer("head_dim", hidden // heads if hidden and heads and hidden % heads == 0 else None)
+    archs = raw.get("architectures")
+    scaling = raw.get("rope_scaling") if isinstance(raw.get("rope_scaling"), dict) else None
+    rope_params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+    eos = raw.get("eos_token_id")
+    params = sum(math.prod(ckpt.info(n).shape) for n in ckpt.tensor_names())
+    return {
+        "command": "inspect", "model": label,
+        "architecture": archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str)
+        else raw.get("model_type"),
+        "model_type": raw.get("model_type"), "layers": integer("num_hidden_layers"), "heads": heads,
+        "kv_heads": integer("num_key_value_heads", heads), "head_dim": head_dim, "hidden": hidden,
+        "intermediate": integer("intermediate_size"), "vocab": integer("vocab_size"),
+        "max_position_embeddings": integer("max_position_embeddings"), "sliding_window": integer("sliding_window"),
+        "parameters": params, "dtype": raw.get("torch_dtype", raw.get("dtype")), "dtypes": ckpt.dtypes(),
+        "shards": len(ckpt.files), "files": [p.name for p in ckpt.files], "bytes": ckpt.total_bytes,
+        "tied_embeddings": raw.get("tie_word_embeddings") is True,
+        "rope": {"theta": raw.get("rope_theta", rope_params.get("rope_theta")),
+                 "type": (scaling or rope_params).get("rope_type", (scaling or {}).get("type", "default")),
+                 "scaling": scaling},
+        "tokenizer": ckpt.has_tokenizer, "bos_token_id": integer("bos_token_id"),
+        "eos_token_ids": eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [],
+        "valid": False, "problems": str(problem),
+    }
 
 
 def _inspect_info(spec: ModelSpec, ckpt: Checkpoint, problem: MetraleError | None) -> dict[str, Any]:

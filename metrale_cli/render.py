@@ -760,31 +760,38 @@ def render_inspect(console: Console, fmt: str, info: dict[str, Any]) -> None:
 
 
 def _inspect_rows(info: dict[str, Any]) -> list[tuple[str, str]]:
-    def yn(b: bool) -> str:
-        return "yes" if b else "no"
+    """Every key of the JSON but "command", as text; "n/a" where a value is unknown (a config.json
+    metrale cannot run is described from its raw fields)."""
+    def shown(v: Any) -> str:
+        if v is None:
+            return "n/a"
+        if isinstance(v, bool):
+            return "yes" if v else "no"
+        return f"{v:g}" if isinstance(v, float) else str(v)
 
     rope = info["rope"]
-    rope_s = f"theta {rope['theta']:g}, {rope['type']}"
+    rope_s = f"theta {shown(rope['theta'])}, {shown(rope['type'])}"
     if rope["scaling"]:
-        rope_s += " (" + ", ".join(f"{k} {v:g}" for k, v in rope["scaling"].items()) + ")"
+        rope_s += " (" + ", ".join(f"{k} {shown(v)}" for k, v in rope["scaling"].items()) + ")"
     rows = [
         ("model", info["model"]), ("architecture", info["architecture"]), ("model_type", info["model_type"]),
         ("layers", info["layers"]), ("heads", info["heads"]), ("kv_heads", info["kv_heads"]),
         ("head_dim", info["head_dim"]), ("hidden", info["hidden"]), ("intermediate", info["intermediate"]),
         ("vocab", info["vocab"]), ("max_position_embeddings", info["max_position_embeddings"]),
         ("sliding_window", info["sliding_window"] if info["sliding_window"] is not None else "none"),
-        ("parameters", f"{info['parameters']:,}"), ("dtype", info["dtype"]),
-        ("dtypes", ", ".join(f"{k} x{v}" for k, v in info["dtypes"].items()) or "n/a"),
-        ("shards", info["shards"]),
-        ("bytes", f"{info['bytes']:,}" if info["bytes"] is not None else "n/a"),
-        ("tied_embeddings", yn(info["tied_embeddings"])), ("rope", rope_s),
-        ("tokenizer", yn(info["tokenizer"])),
+        ("parameters", f"{info['parameters']:,}" if info["parameters"] is not None else None),
+        ("dtype", info["dtype"]),
+        ("dtypes", ", ".join(f"{k} x{v}" for k, v in info["dtypes"].items()) or None),
+        ("shards", info["shards"]), ("files", " ".join(info["files"]) or None),
+        ("bytes", f"{info['bytes']:,}" if info["bytes"] is not None else None),
+        ("tied_embeddings", info["tied_embeddings"]), ("rope", rope_s),
+        ("tokenizer", info["tokenizer"]), ("bos_token_id", info["bos_token_id"]),
         ("eos_token_ids", " ".join(map(str, info["eos_token_ids"])) or "none"),
-        ("valid", yn(info["valid"])),
+        ("valid", info["valid"]),
     ]
     if info["problems"]:
         rows.append(("problems", info["problems"]))
-    return [(k, str(v)) for k, v in rows]
+    return [(k, shown(v)) for k, v in rows]
 
 
 # -- errors and progress ------------------------------------------------------------------------------------------

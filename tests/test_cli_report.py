@@ -309,3 +309,59 @@ def test_rich_output_fits_the_terminal(run_cli, command, width, terminal):
             for cand in step["top_k"]:
                 assert any(f"\u2502 {cand['token']:>5} \u2502" in line and f" {cand['logit']:.4f} \u2502 "
                            f"{cand['prob']:.4f} \u2502 " in line for line in lines), cand
+
+
+# -- item 17: inspect and bench ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", [None, "tests/fixtures/models/llama3_rope"])
+def test_inspect_plain_has_every_json_key(run_cli, model):
+    path = [model] if model else []
+    doc = as_json(run_cli("inspect", *path, "-f", "json"))
+    plain = run_cli("inspect", *path, "-f", "plain").stdout.splitlines()
+    keys = [line.split(":", 1)[0] for line in plain[1:]]
+    assert set(keys) == set(doc) - {"command"} - ({"problems"} if doc["problems"] is None else set())
+    assert f"bos_token_id: {doc['bos_token_id'] if doc['bos_token_id'] is not None else 'n/a'}" in plain
+    assert f"files: {' '.join(doc['files'])}" in plain
+
+
+def test_inspect_unsupported_config_describes_what_it_can_then_exits_4(run_cli, tmp_path, helpers):
+    supported = as_json(run_cli("inspect", LLAMA, "-f", "json"))
+    model = helpers.copy_model(tmp_path / "g", config={"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"],
+                                                     "hidden_act": "gelu_pytorch_tanh"})
+    r = run_cli("inspect", model, "-f", "json")
+    assert r.exit_code == 4
+    doc = json.loads(r.stdout)
+    assert set(doc) == set(supported)
+    assert doc["model_type"] == "gemma2" and doc["architecture"] == "Gemma2ForCausalLM"
+    same = ("layers", "heads", "kv_heads", "head_dim", "hidden", "intermediate", "vocab", "parameters", "dtypes",
+            "shards", "files", "bytes", "tied_embeddings", "max_position_embeddings", "tokenizer")
+    assert {k: doc[k] for k in same} == {k: supported[k] for k in same}  # from the raw fields and tensors
+    assert doc["valid"] is False and "gemma2" in doc["problems"] and "model_type" in doc["problems"]
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("metrale: config error: ") and "gemma2" in r.stderr
+    plain = run_cli("inspect", model, "-f", "plain")
+    assert plain.exit_code == 4 and "model_type: gemma2\n" in plain.stdout and "valid: no\n" in plain.stdout
+    assert "problems: " in plain.stdout and "layers: 2\n" in plain.stdout
+
+
+def test_inspect_config_that_is_not_json_prints_only_the_error(run_cli, tmp_path, helpers):
+    model = helpers.copy_model(tmp_path / "bad")
+    (model / "config.json").write_text("{not json")
+    r = run_cli("inspect", model, "-f", "plain")
+    assert r.exit_code == 4 and r.stdout == "" and "invalid JSON" in r.stderr
+
+
+def test_bench_plain_leaves_out_the_fields_a_figure_does_not_have(run_cli):
+    args = ["bench", "--device", "cpu", "--preset", "tiny-llama", "--context", 16, "--prefill", 16, "--repeats", 2,
+            "--ks", "1,4", "--no-transformers"]
+    r = run_cli(*args, "-f", "plain")
+    assert r.exit_code == 0
+    figures = {f["name"]: f for f in as_json(run_cli(*args, "-f", "json"))["figures"]}
+    lines = {line.split(":", 1)[0]: line for line in r.stdout.splitlines()[2:]}
+    assert set(figures) <= set(lines)
+    for name, f in figures.items():
+        fields = lines[name].split(" | ")
+        assert all(field.strip() and not field.endswith(":") for field in fields), lines[name]
+        assert any(x.startswith("target: ") for x in fields) == bool(f["target"])
+        assert any(x.startswith("ratio: ") for x in fields) == (f["ratio"] is not None)
+        assert (fields[-1] in ("met", "MISSED")) == (f["met"] is not None)
