@@ -6,15 +6,19 @@ checked against config.json (and tokenizer.json) before any weight is loaded.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import re
+import signal
 import sys
+import threading
 import traceback
 from dataclasses import dataclass, field
 from inspect import cleandoc
 from pathlib import Path
-from typing import Annotated, Any, Callable, Optional, Sequence
+from typing import Annotated, Any, Callable, Iterator, Optional, Sequence
 
 import typer
 from rich.console import Console
@@ -28,13 +32,13 @@ except ImportError:  # pragma: no cover
 
 from . import __version__, render
 from .checkpoint import Checkpoint
-from .decoding import (DecodeResult, ModelDrafter, NgramDrafter, SpecDecodeResult, run_decode, run_forward,
-                       run_verify, speculative_decode)
+from .decoding import (DecodeResult, ModelDrafter, NgramDrafter, SpecDecodeResult, TextStream, run_decode,
+                       run_forward, run_verify, speculative_decode)
 from .dumps import HIDDEN_KINDS, DumpInfo, DumpTarget, check_dump_path, commit, write_hidden, write_logits
-from .errors import EXIT_CODES, Interrupted, MetraleError, UsageError
+from .errors import EXIT_CODES, ConfigError, Interrupted, MetraleError, UsageError
 from .inputs import (ModelSpec, check_draft_matches, check_ids_in_vocab, check_positive, context_for,
                      parse_token_ids, read_model_spec, resolve_prompt)
-from .model import EMBEDDED_MODELS, LoadedModel, open_model, resolve_device
+from .model import EMBEDDED_MODELS, LoadedModel, model_dir, model_path, open_model, resolve_device
 from .models import FAMILIES
 from .models.weights import check_checkpoint
 
@@ -294,12 +298,35 @@ def load(job: Job, spec: ModelSpec, ctx: int) -> LoadedModel:
                           progress=progress)
 
 
-def write_dumps(job: Job, command: str, rows, hidden, tokens: list[int], positions: list[int]) -> None:
+def write_dumps(job: Job, command: str, rows, hidden_rows, tokens: list[int], positions: list[int]) -> None:
+    """The logits rows and the hidden rows behind them, with the same tokens and positions."""
+    info = DumpInfo(command, job.spec.label, tokens, positions)
     if job.logits_dump is not None:
-        info = DumpInfo(command, job.spec.label, tokens, positions)
         write_logits(job.logits_dump, rows, info, typer.get_binary_stream("stdout"))
     if job.hidden_dump is not None:
-        write_hidden(job.hidden_dump, hidden.values)
+        write_hidden(job.hidden_dump, hidden_rows, info)
+
+
+@contextlib.contextmanager
+def ctrl_c_stops() -> Iterator[Callable[[], bool]]:
+    """While decoding, the first Ctrl-C asks the decoding loop to stop after the current step (the tokens
+    so far are then reported, marked interrupted, and metrale exits 130); a second one interrupts at once.
+    Yields the should_stop() that the loop polls."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield lambda: False
+        return
+    asked: list[int] = []
+    previous = signal.getsignal(signal.SIGINT) or signal.default_int_handler  # None: not set from Python
+
+    def first_ctrl_c(signum: int, frame: Any) -> None:
+        asked.append(signum)
+        signal.signal(signal.SIGINT, previous)  # the next Ctrl-C is KeyboardInterrupt again
+
+    signal.signal(signal.SIGINT, first_ctrl_c)
+    try:
+        yield lambda: bool(asked)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _token_text(model: LoadedModel):
@@ -392,21 +419,30 @@ def _decode(job: Job, steps: int, top_k: int, ignore_eos: bool, speculative: boo
     try:
         drafter_model = load(job, draft_spec, ctx) if draft_spec is not None else None
         meta = job.meta("decode", target, top_k=top_k, draft_model=draft_spec.label if draft_spec else None)
-        report = render.DecodeReport(job.report_console, meta)
+        tok = target.tokenizer
+        report = render.DecodeReport(job.report_console, meta,
+                                     TextStream(tok.decode, job.ids) if tok is not None else None)
         report.begin(job.ids, steps)
         kwargs = dict(top_k=top_k, eos_ids=target.config.eos_token_ids, ignore_eos=ignore_eos,
                       token_text=_token_text(target), keep_rows=job.logits_dump is not None,
-                      want_hidden=job.want_hidden, on_step=report.step)
+                      want_hidden=job.want_hidden, on_step=report.step,
+                      detokenize=tok.decode if tok is not None else None)
         plain_match = None
-        if speculative:
-            drafter = ModelDrafter(drafter_model.engine) if drafter_model is not None else NgramDrafter()
-            result, plain_match = _speculative(job, target, drafter, steps, k, kwargs)
-        else:
-            result = run_decode(target.engine, job.ids, steps, **kwargs)
+        with ctrl_c_stops() as stop:
+            kwargs["should_stop"] = stop
+            if speculative:
+                drafter = ModelDrafter(drafter_model.engine) if drafter_model is not None else NgramDrafter()
+                result, plain_match = _speculative(job, target, drafter, steps, k, kwargs)
+            else:
+                result = run_decode(target.engine, job.ids, steps, **kwargs)
         result.timings.load_s = target.load_seconds + (drafter_model.load_seconds if drafter_model else 0.0)
-        fed = job.ids + [s.token for s in result.steps[:-1]]
-        write_dumps(job, "decode", result.rows, result.hidden, fed, [s.position - 1 for s in result.steps])
+        if not result.interrupted:  # an interrupted run writes no dump: the rows would be a partial run
+            fed = job.ids + [s.token for s in result.steps[:-1]]
+            write_dumps(job, "decode", result.rows, result.hidden_rows, fed,
+                        [s.position - 1 for s in result.steps])
         report.finish(result, plain_match)
+        if result.interrupted:
+            raise Interrupted(f"stopped by Ctrl-C after {len(result.steps)} tokens (no dump file is written)")
     finally:
         if report is not None:
             report.close()
@@ -418,12 +454,15 @@ def _decode(job: Job, steps: int, top_k: int, ignore_eos: bool, speculative: boo
 def _speculative(job: Job, target: LoadedModel, drafter, steps: int, k: int,
                  kwargs: dict[str, Any]) -> tuple[SpecDecodeResult, bool | None]:
     result = speculative_decode(target.engine, drafter, job.ids, steps, k, **kwargs)
-    if not job.common.timings:
+    if not job.common.timings or result.interrupted:
         return result, None
     # Plain greedy decoding of the same prompt on the same engine, for the tokens/s comparison. Both rates
     # count the tokens after the first (which the identical prefill produces) over the decode-phase time.
     plain: DecodeResult = run_decode(target.engine, job.ids, steps, eos_ids=kwargs["eos_ids"],
-                                     ignore_eos=kwargs["ignore_eos"])
+                                     ignore_eos=kwargs["ignore_eos"], should_stop=kwargs["should_stop"])
+    if plain.interrupted:  # Ctrl-C during the comparison: the speculative tokens stand, without it
+        result.interrupted = True
+        return result, None
     result.spec_tokens_per_s = _decode_rate(result)
     result.plain_tokens_per_s = _decode_rate(plain)
     return result, [s.token for s in plain.steps] == [s.token for s in result.steps]
@@ -467,7 +506,13 @@ def verify(
 
     Drafts: --draft self (the default) drafts by K sequential decode steps of the same model, and
     max_abs_diff_vs_sequential compares each verify row with the matching decode row; --draft "IDS" checks
-    exactly K given token ids; --draft-model PATH drafts with a smaller model.
+    exactly K given token ids; --draft-model PATH drafts with a smaller model. Rows after the first
+    rejection are not checked.
+
+    Expected for --draft self: a rounding difference of a step or a few of the logits dtype
+    (max_abs_diff_ulps_vs_sequential; 1 bf16 step on the CPU engine, and one bf16 step is 0.0625 for logits
+    from 8 to 16), since one pass over K rows sums in another order than K one-row steps;
+    rows_identical_vs_sequential counts the bit-identical rows.
 
     Examples:
       metrale verify --prompt "The for statement" --k 4
@@ -519,7 +564,7 @@ def _verify(job: Job, k: int, draft_ids: list[int] | None, draft_path: str | Non
                             want_hidden=job.want_hidden)
         result.timings.load_s = target.load_seconds + (drafter_model.load_seconds if drafter_model else 0.0)
         drafts = [row.draft for row in result.rows]
-        write_dumps(job, "verify", result.logit_rows, result.hidden, job.ids + drafts,
+        write_dumps(job, "verify", result.logit_rows, result.hidden_rows, job.ids + drafts,
                     list(range(n - 1, n + k)))
         meta = job.meta("verify", target, draft_model=draft_spec.label if draft_spec else None)
         render.render_verify(job.report_console, meta, result)
@@ -570,7 +615,7 @@ def forward(
         result = run_forward(target.engine, job.ids, all_rows=rows == "all", token_text=_token_text(target),
                              keep_rows=job.logits_dump is not None, want_hidden=job.want_hidden)
         result.timings.load_s = target.load_seconds
-        write_dumps(job, "forward", result.logit_rows, result.hidden, job.ids,
+        write_dumps(job, "forward", result.logit_rows, result.hidden_rows, job.ids,
                     [row.position for row in result.rows])
         render.render_forward(job.report_console, job.meta("forward", target), result)
     finally:
@@ -592,6 +637,7 @@ def inspect(
 
     The tensors are checked against config.json (names, shapes, dtypes).
     An invalid checkpoint is still described; metrale then exits non-zero with the problems on stderr.
+    A config.json metrale cannot run (another model_type, hidden_act...) is described from its raw fields and the tensors, then named (exit 4).
 
     Examples:
       metrale inspect
@@ -599,7 +645,11 @@ def inspect(
     """
     state: State = ctx.obj
     fmt_ = render.choose_format(fmt, state.out)
-    spec = read_model_spec(path)
+    try:
+        spec = read_model_spec(path)
+    except ConfigError as unsupported:  # describe what config.json and the tensors say, then fail (exit 4)
+        _inspect_without_config(state, fmt_, path, unsupported)
+        raise
     ckpt = Checkpoint.open(spec.checkpoint_path)
     try:
         problem: MetraleError | None = None
@@ -612,6 +662,59 @@ def inspect(
         ckpt.close()
     if problem is not None:
         raise problem
+
+
+def _inspect_without_config(state: State, fmt: str, path: str | None, problem: ConfigError) -> None:
+    """A config.json metrale cannot run (model_type gemma2, hidden_act gelu...): its raw fields and the
+    tensor listing, with the problem named. Prints nothing when config.json is no JSON object or the
+    weights cannot be listed (the caller's error then says why)."""
+    directory = model_dir(path)
+    try:
+        raw = json.loads((directory / "config.json").read_text("utf-8"))
+        target = model_path(path)
+        ckpt = Checkpoint.open(target if target.is_file() else directory)
+    except (OSError, ValueError, MetraleError):
+        return
+    try:
+        if isinstance(raw, dict):
+            render.render_inspect(state.out, fmt, _raw_inspect_info("default" if path is None else path, raw,
+                                                                    ckpt, problem))
+    finally:
+        ckpt.close()
+
+
+def _raw_inspect_info(label: str, raw: dict[str, Any], ckpt: Checkpoint, problem: ConfigError) -> dict[str, Any]:
+    """inspect's keys from config.json as written (None where a field is absent or not a number) and
+    the parameter count from the tensor listing."""
+    def integer(key: str, fallback: Any = None) -> int | None:
+        v = raw.get(key)
+        return v if isinstance(v, int) and not isinstance(v, bool) else fallback
+
+    hidden, heads = integer("hidden_size"), integer("num_attention_heads")
+    head_dim = integer("head_dim", hidden // heads if hidden and heads and hidden % heads == 0 else None)
+    archs = raw.get("architectures")
+    scaling = raw.get("rope_scaling") if isinstance(raw.get("rope_scaling"), dict) else None
+    rope_params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+    eos = raw.get("eos_token_id")
+    params = sum(math.prod(ckpt.info(n).shape) for n in ckpt.tensor_names())
+    return {
+        "command": "inspect", "model": label,
+        "architecture": archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str)
+        else raw.get("model_type"),
+        "model_type": raw.get("model_type"), "layers": integer("num_hidden_layers"), "heads": heads,
+        "kv_heads": integer("num_key_value_heads", heads), "head_dim": head_dim, "hidden": hidden,
+        "intermediate": integer("intermediate_size"), "vocab": integer("vocab_size"),
+        "max_position_embeddings": integer("max_position_embeddings"), "sliding_window": integer("sliding_window"),
+        "parameters": params, "dtype": raw.get("torch_dtype", raw.get("dtype")), "dtypes": ckpt.dtypes(),
+        "shards": len(ckpt.files), "files": [p.name for p in ckpt.files], "bytes": ckpt.total_bytes,
+        "tied_embeddings": raw.get("tie_word_embeddings") is True,
+        "rope": {"theta": raw.get("rope_theta", rope_params.get("rope_theta")),
+                 "type": (scaling or rope_params).get("rope_type", (scaling or {}).get("type", "default")),
+                 "scaling": scaling},
+        "tokenizer": ckpt.has_tokenizer, "bos_token_id": integer("bos_token_id"),
+        "eos_token_ids": eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [],
+        "valid": False, "problems": str(problem),
+    }
 
 
 def _inspect_info(spec: ModelSpec, ckpt: Checkpoint, problem: MetraleError | None) -> dict[str, Any]:

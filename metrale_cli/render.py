@@ -1,9 +1,13 @@
 """Turning results into Rich tables, plain text or JSON. This is the only module that prints.
 
 Formats (`--format`, default: rich when stdout is a terminal, plain otherwise):
-    rich   tables, colour for accepted/rejected drafts, bars for top-k probabilities, timings at the end
+    rich   tables, colour for accepted/rejected drafts, bars for top-k probabilities, timings at the end;
+           everything fits the console's width (80 columns included): a row of a table is one line
+           (a top-k candidate is a row of its own; token texts are cut with an ellipsis rather than
+           wrapped), and only prose (inspect's values, bench's targets) wraps at spaces
     plain  deterministic text: fixed column widths, no colour, nothing that depends on the terminal width;
-           decode prints one line per step as it is produced
+           decode prints one line per step as it is produced, then "stopped: eos|steps|interrupted
+           after N tokens"
     json   one JSON object per command (indented, UTF-8)
 
 plain and json are snapshot-stable: timings appear only with --timings, and numbers have fixed formats:
@@ -14,9 +18,16 @@ max_abs_diff_vs_sequential %.3e (4 significant digits), hidden-state statistics 
 Token text (plain and rich) is escaped so that whitespace and control characters are visible:
     space -> ␣ (U+2423);  newline, tab, carriage return -> \\n \\t \\r;  backslash -> \\\\;
     a literal ␣ -> \\u2423;  other control, format and separator characters -> \\uXXXX (\\UXXXXXXXX above
-    U+FFFF);  U+FFFD (a byte-level piece of a multi-byte character) and every other printable character
-    are kept as they are.
+    U+FFFF);  every other printable character is kept as it is.
+A token that is not valid UTF-8 on its own (a byte-level or byte-fallback piece of a multi-byte
+character) shows the bytes that are no character as <0xF0><0x9F> (tokenizer.py), in every format.
 In JSON, "text" fields hold the raw token text (JSON string escapes only), or null without a tokenizer.
+
+The generated text of decode ("text") is decoded by the tokenizer from the produced ids together
+(decoding.continuation_text), never joined from the token texts, so a character split over byte
+tokens comes out whole. plain prints it on one line as a JSON string, `text: "..."` (quote_text: JSON's
+escapes, and every other invisible character as \\uXXXX); rich prints it after the prompt, keeping
+newlines, and on a terminal streams it while decoding; JSON holds it raw.
 
 JSON keys (decode, verify and forward objects start with "command", "model" (the --model path as given,
 or "default"), "device" ("cpu"|"cuda") and "logits_dtype" ("bf16"|"fp32"); "hidden" appears only with
@@ -24,13 +35,24 @@ or "default"), "device" ("cpu"|"cuda") and "logits_dtype" ("bf16"|"fp32"); "hidd
 
 decode   {"prompt": text|null, "prompt_tokens": [ids],
           "steps": [{"position", "token", "text", "logit", "top_k": [{"token", "text", "logit", "prob"}]}],
-          "stopped_at_eos": bool,
+          "text": the generated text (null without a tokenizer), "stopped_at_eos": bool,
+          "interrupted": bool (Ctrl-C stopped decoding: the report holds the tokens produced so far),
           "speculative": {"k", "draft_source", "draft_model", "drafted", "accepted", "acceptance_rate",
                           "mean_accepted_per_pass", "verify_passes", "acceptance_by_position": [rates]}
                          (only with --draft ngram or --draft-model)}
 verify   {"prompt", "prompt_tokens", "k", "draft_source", "draft_model",
-          "rows": [{"position", "draft", "draft_text", "target", "target_text", "accepted", "margin"}],
-          "accepted", "next_token", "next_text", "max_abs_diff_vs_sequential" (null unless --draft self)}
+          "rows": [{"position", "draft", "draft_text", "target", "target_text", "accepted", "status",
+                    "margin"}],
+          "accepted", "next_token", "next_text", "max_abs_diff_vs_sequential",
+          "max_abs_diff_ulps_vs_sequential", "rows_identical_vs_sequential" (the last three null unless
+          --draft self)}
+         A row's "status" is "accepted", "rejected" or "unchecked": acceptance stops at the first
+         rejection, so the rows after it are not checked, whatever their draft and target (their target
+         is the argmax of a row that follows the rejected draft). "accepted" is true, false, or null for
+         an unchecked row. plain shows yes / no / unchecked, rich a green check, a red cross, a dim dot.
+         max_abs_diff_ulps_vs_sequential: max_abs_diff_vs_sequential in steps (ulps) of the logits dtype
+         at the logit where it occurs (one bf16 step is 0.0625 for logits from 8 to 16);
+         rows_identical_vs_sequential: how many of the k verify rows equal their decode rows bit for bit.
 forward  {"prompt", "prompt_tokens", "rows": [{"position", "input", "argmax", "text", "logit"}]}
 inspect  {"command", "model", "architecture", "model_type", "layers", "heads", "kv_heads",
           "head_dim", "hidden", "intermediate", "vocab", "max_position_embeddings", "sliding_window",
@@ -38,7 +60,9 @@ inspect  {"command", "model", "architecture", "model_type", "layers", "heads", "
           "rope": {"theta", "type", "scaling"}, "tokenizer", "bos_token_id", "eos_token_ids", "valid",
           "problems"}
 "hidden"  {"size", "norm", "mean", "std", "min", "max", "first": [8 values], "sha256"}
-          (the post-final-norm hidden state of the last position run; sha256 of its fp32 bytes)
+          (the post-final-norm hidden state of the last row the command produced, the last row of
+          --dump-hidden: for decode, plain or speculative, the row that chose the last token; sha256 of
+          its fp32 bytes)
 "timings" {"load_s", "prefill_ms", "per_token_ms_median", "tokens_per_s"} for decode (tokens/s of the
           decode steps after the prefill). Speculative decode has "per_pass_ms_median" (per verify pass)
           instead of "per_token_ms_median", and adds "speculative_tokens_per_s", "plain_tokens_per_s",
@@ -86,15 +110,15 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from rich import box
-from rich.console import Console, Group
+from rich.console import Console
 from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeRemainingColumn)
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from .decoding import (DecodeResult, DecodeStep, ForwardResult, HiddenSummary, SpecDecodeResult, Timings,
-                       VerifyResult)
+from .decoding import (DecodeResult, DecodeStep, ForwardResult, HiddenSummary, SpecDecodeResult, TextStream,
+                       Timings, VerifyResult)
 from .errors import UsageError
 
 FORMATS = ("rich", "plain", "json")
@@ -134,6 +158,36 @@ def escape_text(s: str | None) -> str:
             out.append(f"\\u{ord(ch):04x}" if ord(ch) <= 0xFFFF else f"\\U{ord(ch):08x}")
         else:
             out.append(ch)
+    return "".join(out)
+
+
+def display_text(s: str) -> str:
+    """Generated text for reading (rich): newlines, tabs and spaces kept; other control, format and
+    separator characters as \\uXXXX (carriage return as \\r), so a model's output cannot move the
+    cursor or colour the terminal."""
+    out = []
+    for ch in s:
+        if ch in "\n\t " or ch == "\ufffd" or unicodedata.category(ch) not in _INVISIBLE:
+            out.append(ch)
+        elif ch == "\r":
+            out.append("\\r")
+        else:
+            out.append(f"\\u{ord(ch):04x}" if ord(ch) <= 0xFFFF else f"\\U{ord(ch):08x}")
+    return "".join(out)
+
+
+def quote_text(s: str) -> str:
+    """Generated text on one line (plain): a JSON string (json.loads gives the text back) that escapes
+    every invisible character as \\uXXXX besides JSON's own \\n \\t \\r \\" \\\\; spaces stay spaces."""
+    out = []
+    for ch in json.dumps(s, ensure_ascii=False):
+        if ch == " " or unicodedata.category(ch) not in _INVISIBLE:
+            out.append(ch)
+        elif ord(ch) <= 0xFFFF:
+            out.append(f"\\u{ord(ch):04x}")
+        else:  # JSON spells a character above U+FFFF as its UTF-16 surrogate pair
+            high, low = divmod(ord(ch) - 0x10000, 0x400)
+            out.append(f"\\u{0xD800 + high:04x}\\u{0xDC00 + low:04x}")
     return "".join(out)
 
 
@@ -227,21 +281,32 @@ def _rich_head(console: Console, meta: Meta, prompt_tokens: list[int]) -> None:
 
 
 class DecodeReport:
-    """decode output: `begin` before the first step, `step` per produced token (plain streams them),
-    `finish` with the whole result."""
+    """decode output: `begin` before the first step, `step` per produced token, `finish` with the whole
+    result. Plain prints a line per step as it is produced; rich on a terminal streams the generated text
+    as it is decoded (`stream`, when there is a tokenizer) or shows a transient progress bar."""
 
-    def __init__(self, console: Console, meta: Meta) -> None:
+    def __init__(self, console: Console, meta: Meta, stream: TextStream | None = None) -> None:
         self.console = console
         self.meta = meta
-        self._live: Progress | None = None  # rich on a terminal: a transient bar while decoding
+        self._live: Progress | None = None  # rich on a terminal without a tokenizer: a transient bar
         self._task: Any = None
+        self._stream: TextStream | None = None  # rich on a terminal with a tokenizer: the text as it comes
+        self._offered_stream = stream
+        self._streamed = False  # the head and the text were printed while decoding
 
     def begin(self, prompt_tokens: list[int], steps: int) -> None:
         if self.meta.fmt == "rich" and isatty(self.console):
-            self._live = Progress(TextColumn("[bold]decoding[/]"), BarColumn(), MofNCompleteColumn(),
-                                  console=self.console, transient=True)
-            self._live.start()
-            self._task = self._live.add_task("decode", total=steps)
+            if self._offered_stream is not None:
+                self._stream, self._streamed = self._offered_stream, True
+                _rich_head(self.console, self.meta, prompt_tokens)
+                self.console.print(Text("text", style="bold"))
+                if self.meta.prompt is not None:
+                    self.console.out(display_text(self.meta.prompt), style="dim", highlight=False, end="")
+            else:
+                self._live = Progress(TextColumn("[bold]decoding[/]"), BarColumn(), MofNCompleteColumn(),
+                                      console=self.console, transient=True)
+                self._live.start()
+                self._task = self._live.add_task("decode", total=steps)
         if self.meta.fmt != "plain":
             return
         _plain_head(self.console, self.meta, prompt_tokens)
@@ -252,6 +317,8 @@ class DecodeReport:
     def step(self, step: DecodeStep) -> None:
         if self._live is not None:
             self._live.advance(self._task)
+        if self._stream is not None:
+            self._stream_out(self._stream.push(step.token))
         if self.meta.fmt != "plain":
             return
         line = f"{step.position:>8}  {step.token:>8}  {f4(step.logit):>10}"
@@ -260,10 +327,19 @@ class DecodeReport:
             sub = f"{'top' + str(rank):>8}  {t.token:>8}  {f4(t.logit):>10}  p={f4(t.prob)}"
             _write(self.console, sub + (f"  {escape_text(t.text)}" if self.meta.has_tokenizer else ""))
 
+    def _stream_out(self, text: str) -> None:
+        if text:
+            self.console.out(display_text(text), style="cyan", highlight=False, end="")
+            self.console.file.flush()
+
     def close(self) -> None:
         if self._live is not None:
             self._live.stop()
             self._live = None
+        if self._stream is not None:
+            self._stream_out(self._stream.flush())
+            self.console.out("")  # end the streamed line
+            self._stream = None
 
     def finish(self, result: DecodeResult, plain_match: bool | None = None) -> None:
         self.close()
@@ -277,7 +353,9 @@ class DecodeReport:
     def _plain_tail(self, result: DecodeResult, plain_match: bool | None) -> None:
         c = self.console
         _write(c, "")
-        _write(c, f"stopped: {'eos' if result.stopped_at_eos else 'steps'} after {len(result.steps)} tokens")
+        _write(c, f"stopped: {_stop_reason(result)} after {len(result.steps)} tokens")
+        if result.text is not None:
+            _write(c, f"text: {quote_text(result.text)}")
         spec = _spec_json(result, self.meta)
         if spec is not None:
             for key, value in spec.items():
@@ -294,25 +372,11 @@ class DecodeReport:
 
     def _rich(self, result: DecodeResult, plain_match: bool | None) -> None:
         c, meta = self.console, self.meta
-        _rich_head(c, meta, result.prompt_tokens)
-        table = Table(title=f"decode: {len(result.steps)} tokens"
-                      + (" (stopped at EOS)" if result.stopped_at_eos else ""), title_justify="left")
-        table.add_column("pos", justify="right")
-        table.add_column("token", justify="right")
-        if meta.has_tokenizer:
-            table.add_column("text")
-        table.add_column("logit", justify="right")
-        if meta.top_k:
-            table.add_column(f"top-{meta.top_k}: token, logit, p")
-        for s in result.steps:
-            row: list[Any] = [str(s.position), str(s.token)]
-            if meta.has_tokenizer:
-                row.append(Text(escape_text(s.text), style="cyan"))
-            row.append(f4(s.logit))
-            if meta.top_k:
-                row.append(_rich_top_k(s, meta.has_tokenizer))
-            table.add_row(*row)
-        c.print(table)
+        if not self._streamed:  # else the head and the text were printed while decoding
+            _rich_head(c, meta, result.prompt_tokens)
+            if result.text is not None:
+                _rich_text(c, meta, result.text)
+        c.print(_rich_steps(c, meta, result))
         spec = _spec_json(result, meta)
         if spec is not None:
             c.print(_rich_spec(spec))
@@ -321,21 +385,72 @@ class DecodeReport:
             _rich_timings(c, decode_timings_json(result, plain_match))
 
 
+# A token text column: at most this wide, and the first to narrow when a table must fit the console; its
+# cells (_token_cell) stay on one line, cut with an ellipsis, so a row is always one line.
+_TEXT_COLUMN: dict[str, Any] = {"max_width": 24, "min_width": 4}
+
+
+def _token_cell(text: str | None, style: str = "") -> Text:
+    return Text(escape_text(text), style=style, no_wrap=True, overflow="ellipsis")
+
+
+def _rich_text(c: Console, meta: Meta, text: str) -> None:
+    """The generated text, after the prompt (dim) when the prompt came as text."""
+    shown = Text()
+    if meta.prompt is not None:
+        shown.append(display_text(meta.prompt), style="dim")
+    shown.append(display_text(text), style="cyan")
+    c.print(Text("text", style="bold"))
+    c.print(shown)
+
+
+def _stop_reason(result: DecodeResult) -> str:
+    return "interrupted" if result.interrupted else "eos" if result.stopped_at_eos else "steps"
+
+
+_RICH_STOP = {"interrupted": " (interrupted by Ctrl-C)", "eos": " (stopped at EOS)"}
+
+
 def _bar(p: float, width: int = 20) -> str:
     full = max(0, min(width, round(p * width)))
     return "\u2588" * full + "\u00b7" * (width - full)
 
 
-def _rich_top_k(step: DecodeStep, has_tokenizer: bool) -> Group:
-    lines = []
-    for t in step.top_k:
-        line = Text(f"{t.token:>6} ")
-        if has_tokenizer:
-            line.append(f"{escape_text(t.text)[:16]:<16} ", style="cyan")
-        line.append(f"{f4(t.logit):>9} {f4(t.prob)} ")
-        line.append(_bar(t.prob), style="green" if t.token == step.token else "blue")
-        lines.append(line)
-    return Group(*lines)
+def _rich_steps(c: Console, meta: Meta, result: DecodeResult) -> Table:
+    """One row per step; with --top-k, one row per candidate (the step's own token first, its position
+    on that row only) with its probability and a bar, so no candidate ever spans two lines."""
+    title = f"decode: {len(result.steps)} tokens" + _RICH_STOP.get(_stop_reason(result), "")
+    if meta.top_k:
+        title += f", top-{meta.top_k} candidates each"
+    t = Table(title=title, title_justify="left")
+    t.add_column("pos", justify="right", no_wrap=True)
+    t.add_column("token", justify="right", no_wrap=True)
+    if meta.has_tokenizer:
+        t.add_column("text", **_TEXT_COLUMN)
+    t.add_column("logit", justify="right", no_wrap=True)
+    bar = 20 if c.width >= 100 else 10  # 80 columns leave room for a 10-character bar
+    if meta.top_k:
+        t.add_column("p", justify="right", no_wrap=True)
+        t.add_column("", no_wrap=True)
+    for n, s in enumerate(result.steps):
+        if not meta.top_k:
+            t.add_row(*_step_cells(meta, str(s.position), s.token, s.text, s.logit, "cyan"))
+            continue
+        for rank, cand in enumerate(s.top_k):
+            chosen = cand.token == s.token
+            cells = _step_cells(meta, str(s.position) if rank == 0 else "", cand.token, cand.text, cand.logit,
+                                "cyan" if chosen else "")
+            cells += [f4(cand.prob), Text(_bar(cand.prob, bar), style="green" if chosen else "blue")]
+            t.add_row(*cells, style=None if chosen else "dim",
+                      end_section=rank == len(s.top_k) - 1 and n < len(result.steps) - 1)
+    return t
+
+
+def _step_cells(meta: Meta, position: str, token: int, text: str | None, logit: float, style: str) -> list[Any]:
+    cells: list[Any] = [position, str(token)]
+    if meta.has_tokenizer:
+        cells.append(_token_cell(text, style))
+    return cells + [f4(logit)]
 
 
 def _rich_spec(spec: dict[str, Any]) -> Table:
@@ -375,7 +490,9 @@ def decode_json(meta: Meta, result: DecodeResult, plain_match: bool | None = Non
                        for t in s.top_k]}
             for s in result.steps
         ],
+        "text": result.text,
         "stopped_at_eos": result.stopped_at_eos,
+        "interrupted": result.interrupted,
     })
     spec = _spec_json(result, meta)
     if spec is not None:
@@ -426,11 +543,13 @@ def verify_json(meta: Meta, r: VerifyResult) -> dict[str, Any]:
         "draft_model": meta.draft_model,
         "rows": [{"position": row.position, "draft": row.draft, "draft_text": row.draft_text,
                   "target": row.target, "target_text": row.target_text, "accepted": row.accepted,
-                  "margin": num(row.margin)} for row in r.rows],
+                  "status": row.status, "margin": num(row.margin)} for row in r.rows],
         "accepted": r.accepted,
         "next_token": r.next_token,
         "next_text": r.next_text,
         "max_abs_diff_vs_sequential": num(r.max_abs_diff_vs_sequential, ".3e"),
+        "max_abs_diff_ulps_vs_sequential": r.max_abs_diff_ulps_vs_sequential,
+        "rows_identical_vs_sequential": r.rows_identical_vs_sequential,
     })
     _json_tail(doc, meta, r.hidden, lambda: verify_timings_json(r))
     return doc
@@ -457,10 +576,11 @@ def _plain_verify(c: Console, meta: Meta, r: VerifyResult) -> None:
     _write(c, f"draft_source: {r.draft_source}")
     _write(c, "")
     text = meta.has_tokenizer
-    _write(c, f"{'position':>8}  {'draft':>8}  {'target':>8}  {'accepted':>8}  {'margin':>10}"
+    _write(c, f"{'position':>8}  {'draft':>8}  {'target':>8}  {'accepted':>9}  {'margin':>10}"
            + ("  draft_text | target_text" if text else ""))
+    shown = {"accepted": "yes", "rejected": "no", "unchecked": "unchecked"}
     for row in r.rows:
-        line = (f"{row.position:>8}  {row.draft:>8}  {row.target:>8}  {'yes' if row.accepted else 'no':>8}  "
+        line = (f"{row.position:>8}  {row.draft:>8}  {row.target:>8}  {shown[row.status]:>9}  "
                 f"{f4(row.margin):>10}")
         if text:
             line += f"  {escape_text(row.draft_text)} | {escape_text(row.target_text)}"
@@ -470,9 +590,15 @@ def _plain_verify(c: Console, meta: Meta, r: VerifyResult) -> None:
     _write(c, f"next_token: {r.next_token}" + (f"  {escape_text(r.next_text)}" if text else ""))
     diff = r.max_abs_diff_vs_sequential
     _write(c, f"max_abs_diff_vs_sequential: {'n/a' if diff is None else format(diff, '.3e')}")
+    ulps, same = r.max_abs_diff_ulps_vs_sequential, r.rows_identical_vs_sequential
+    _write(c, f"max_abs_diff_ulps_vs_sequential: {'n/a' if ulps is None else ulps}")
+    _write(c, f"rows_identical_vs_sequential: {'n/a' if same is None else f'{same}/{r.k}'}")
     _plain_hidden(c, r.hidden)
     if meta.timings:
         _plain_timings(c, verify_timings_json(r))
+
+
+_VERIFY_MARKS = {"accepted": ("\u2713", "green"), "rejected": ("\u2717", "red"), "unchecked": ("\u00b7", "dim")}
 
 
 def _rich_verify(c: Console, meta: Meta, r: VerifyResult) -> None:
@@ -480,25 +606,36 @@ def _rich_verify(c: Console, meta: Meta, r: VerifyResult) -> None:
     t = Table(title=f"verify: k={r.k}, drafts from {r.draft_source}", title_justify="left")
     for name, justify in (("pos", "right"), ("draft", "right"), ("target", "right"), ("", "center"),
                           ("margin", "right")):
-        t.add_column(name, justify=justify)  # type: ignore[arg-type]
+        t.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
     if meta.has_tokenizer:
-        t.add_column("draft text")
-        t.add_column("target text")
+        t.add_column("draft text", **_TEXT_COLUMN)
+        t.add_column("target text", **_TEXT_COLUMN)
     for row in r.rows:
-        style = "green" if row.accepted else "red"
+        mark, style = _VERIFY_MARKS[row.status]
         cells: list[Any] = [str(row.position), str(row.draft), str(row.target),
-                            Text("\u2713" if row.accepted else "\u2717", style=f"bold {style}"), f4(row.margin)]
+                            Text(mark, style=f"bold {style}"), f4(row.margin)]
         if meta.has_tokenizer:
-            cells += [Text(escape_text(row.draft_text)), Text(escape_text(row.target_text))]
+            cells += [_token_cell(row.draft_text), _token_cell(row.target_text)]
         t.add_row(*cells, style=style)
     c.print(t)
-    summary = Text(f"accepted {r.accepted}/{r.k}", style="bold green" if r.accepted == r.k else "bold")
-    summary.append(f"; next token {r.next_token}")
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column()
+    grid.add_row("accepted", Text(f"{r.accepted}/{r.k}", style="bold green" if r.accepted == r.k else "bold"))
+    rejected = next((row for row in r.rows if row.status == "rejected"), None)
+    if rejected is not None and rejected is not r.rows[-1]:
+        grid.add_row("", Text(f"\u00b7 not checked: acceptance stopped at position {rejected.position}",
+                              style="dim"))
+    nxt = Text(str(r.next_token))
     if meta.has_tokenizer:
-        summary.append(f" {escape_text(r.next_text)}", style="cyan")
+        nxt.append(f" {escape_text(r.next_text)}", style="cyan")
+    grid.add_row("next token", nxt)
     if r.max_abs_diff_vs_sequential is not None:
-        summary.append(f"; max |verify - sequential decode| = {r.max_abs_diff_vs_sequential:.3e}")
-    c.print(summary)
+        ulps = r.max_abs_diff_ulps_vs_sequential
+        grid.add_row("vs sequential", f"max |verify - decode| {r.max_abs_diff_vs_sequential:.3e} = {ulps} "
+                                      f"{meta.logits_dtype} ulp{'' if ulps == 1 else 's'}")
+        grid.add_row("", f"{r.rows_identical_vs_sequential}/{r.k} rows bit-identical")
+    c.print(grid)
     _rich_hidden(c, r.hidden)
     if meta.timings:
         _rich_timings(c, verify_timings_json(r))
@@ -545,14 +682,14 @@ def render_forward(console: Console, meta: Meta, r: ForwardResult) -> None:
     _rich_head(console, meta, r.prompt_tokens)
     t = Table(title=f"forward: {len(r.rows)} of {len(r.prompt_tokens)} rows", title_justify="left")
     for name in ("pos", "input", "argmax"):
-        t.add_column(name, justify="right")
+        t.add_column(name, justify="right", no_wrap=True)
     if meta.has_tokenizer:
-        t.add_column("text")
-    t.add_column("logit", justify="right")
+        t.add_column("text", **_TEXT_COLUMN)
+    t.add_column("logit", justify="right", no_wrap=True)
     for row in r.rows:
         cells: list[Any] = [str(row.position), str(r.prompt_tokens[row.position]), str(row.argmax)]
         if meta.has_tokenizer:
-            cells.append(Text(escape_text(row.text), style="cyan"))
+            cells.append(_token_cell(row.text, "cyan"))
         t.add_row(*cells, f4(row.logit))
     console.print(t)
     _rich_hidden(console, r.hidden)
@@ -580,15 +717,27 @@ def _plain_hidden(c: Console, h: HiddenSummary | None) -> None:
 
 
 def _rich_hidden(c: Console, h: HiddenSummary | None) -> None:
+    """Grids that fit 80 columns whatever the values (a %.6g value takes up to 12 characters): the
+    statistics three to a line, the first values four to a line, then the sha256."""
     if h is None:
         return
-    t = Table(title="hidden state after the final norm (last position)", title_justify="left")
-    for name in ("size", "norm", "mean", "std", "min", "max"):
-        t.add_column(name, justify="right")
-    t.add_row(str(h.size), *(f"{v:.6g}" for v in (h.norm, h.mean, h.std, h.min, h.max)))
-    c.print(t)
-    c.print(Text("first: " + " ".join(f"{x:.6g}" for x in h.first)))
-    c.print(Text(f"sha256: {h.sha256}", style="dim"))
+    c.print(Text("hidden state after the final norm (last row)", style="italic"))
+    stats = Table.grid(padding=(0, 2))
+    for _ in range(3):
+        stats.add_column(style="bold", no_wrap=True)
+        stats.add_column(justify="right", no_wrap=True)
+    stats.add_row("size", str(h.size), "norm", f"{h.norm:.6g}", "mean", f"{h.mean:.6g}")
+    stats.add_row("std", f"{h.std:.6g}", "min", f"{h.min:.6g}", "max", f"{h.max:.6g}")
+    c.print(stats)
+    first = Table.grid(padding=(0, 1))
+    first.add_column(style="bold", no_wrap=True)
+    for _ in range(4):
+        first.add_column(justify="right", no_wrap=True)
+    for i in range(0, len(h.first), 4):
+        values = [f"{x:.6g}" for x in h.first[i:i + 4]]
+        first.add_row(f"first[{i}:{i + len(values)}]", *values, *[""] * (4 - len(values)))
+    c.print(first)
+    c.print(Text(f"sha256 {h.sha256}", style="dim", no_wrap=True, overflow="ellipsis"))
 
 
 _TIMING_LABELS = {
@@ -640,31 +789,38 @@ def render_inspect(console: Console, fmt: str, info: dict[str, Any]) -> None:
 
 
 def _inspect_rows(info: dict[str, Any]) -> list[tuple[str, str]]:
-    def yn(b: bool) -> str:
-        return "yes" if b else "no"
+    """Every key of the JSON but "command", as text; "n/a" where a value is unknown (a config.json
+    metrale cannot run is described from its raw fields)."""
+    def shown(v: Any) -> str:
+        if v is None:
+            return "n/a"
+        if isinstance(v, bool):
+            return "yes" if v else "no"
+        return f"{v:g}" if isinstance(v, float) else str(v)
 
     rope = info["rope"]
-    rope_s = f"theta {rope['theta']:g}, {rope['type']}"
+    rope_s = f"theta {shown(rope['theta'])}, {shown(rope['type'])}"
     if rope["scaling"]:
-        rope_s += " (" + ", ".join(f"{k} {v:g}" for k, v in rope["scaling"].items()) + ")"
+        rope_s += " (" + ", ".join(f"{k} {shown(v)}" for k, v in rope["scaling"].items()) + ")"
     rows = [
         ("model", info["model"]), ("architecture", info["architecture"]), ("model_type", info["model_type"]),
         ("layers", info["layers"]), ("heads", info["heads"]), ("kv_heads", info["kv_heads"]),
         ("head_dim", info["head_dim"]), ("hidden", info["hidden"]), ("intermediate", info["intermediate"]),
         ("vocab", info["vocab"]), ("max_position_embeddings", info["max_position_embeddings"]),
         ("sliding_window", info["sliding_window"] if info["sliding_window"] is not None else "none"),
-        ("parameters", f"{info['parameters']:,}"), ("dtype", info["dtype"]),
-        ("dtypes", ", ".join(f"{k} x{v}" for k, v in info["dtypes"].items()) or "n/a"),
-        ("shards", info["shards"]),
-        ("bytes", f"{info['bytes']:,}" if info["bytes"] is not None else "n/a"),
-        ("tied_embeddings", yn(info["tied_embeddings"])), ("rope", rope_s),
-        ("tokenizer", yn(info["tokenizer"])),
+        ("parameters", f"{info['parameters']:,}" if info["parameters"] is not None else None),
+        ("dtype", info["dtype"]),
+        ("dtypes", ", ".join(f"{k} x{v}" for k, v in info["dtypes"].items()) or None),
+        ("shards", info["shards"]), ("files", " ".join(info["files"]) or None),
+        ("bytes", f"{info['bytes']:,}" if info["bytes"] is not None else None),
+        ("tied_embeddings", info["tied_embeddings"]), ("rope", rope_s),
+        ("tokenizer", info["tokenizer"]), ("bos_token_id", info["bos_token_id"]),
         ("eos_token_ids", " ".join(map(str, info["eos_token_ids"])) or "none"),
-        ("valid", yn(info["valid"])),
+        ("valid", info["valid"]),
     ]
     if info["problems"]:
         rows.append(("problems", info["problems"]))
-    return [(k, str(v)) for k, v in rows]
+    return [(k, shown(v)) for k, v in rows]
 
 
 # -- errors and progress ------------------------------------------------------------------------------------------
@@ -684,18 +840,22 @@ def render_bench(console: Console, fmt: str, result: Any) -> None:
     def verdict(f) -> str:
         return "" if f.met is None else ("met" if f.met else "MISSED")
 
-    if fmt == "plain":
+    if fmt == "plain":  # a field a figure does not have (no target, no ratio, no verdict) is left out
         _write(console, "metrale bench")
         _write(console, head)
         for f in result.figures:
-            ratio = "" if f.ratio is None else f"{f.ratio:.3f}"
-            _write(console, f"{f.name}: {f.value:.4g} {f.unit} | target: {f.target} | ratio: {ratio} | {verdict(f)}")
+            fields = [f"{f.name}: {f.value:.4g} {f.unit}"]
+            fields += [f"target: {f.target}"] if f.target else []
+            fields += [f"ratio: {f.ratio:.3f}"] if f.ratio is not None else []
+            fields += [verdict(f)] if f.met is not None else []
+            _write(console, " | ".join(fields))
         for n in result.notes:
             _write(console, f"note: {n}")
         return
     t = Table(title=head, title_justify="left")
-    for col in ("figure", "value", "unit", "target", "ratio", ""):
-        t.add_column(col, justify="right" if col in ("value", "ratio") else "left")
+    for col in ("figure", "value", "unit", "target", "ratio", ""):  # names and targets wrap at spaces
+        t.add_column(col, justify="right" if col in ("value", "ratio") else "left",
+                     no_wrap=col not in ("figure", "target"))
     for f in result.figures:
         style = "green" if f.met else ("red" if f.met is False else "")
         t.add_row(f.name, f"{f.value:.4g}", f.unit, f.target, "" if f.ratio is None else f"{f.ratio:.3f}",

@@ -239,9 +239,11 @@ def test_verify_given_ids_stops_at_first_mismatch(run_cli):
     drafts = f"{want[0]},{wrong},{want[2]}"
     doc = as_json(run_cli("verify", "-m", LLAMA, "-t", TOKENS, "--draft", drafts, "-f", "json"))
     assert doc["k"] == 3 and doc["draft_source"] == "ids"  # k taken from the ids
-    assert [row["accepted"] for row in doc["rows"]] == [True, False, False]
+    assert [row["accepted"] for row in doc["rows"]] == [True, False, None]  # d[2] is not checked
+    assert [row["status"] for row in doc["rows"]] == ["accepted", "rejected", "unchecked"]
     assert doc["accepted"] == 1 and doc["next_token"] == want[1]
-    assert doc["max_abs_diff_vs_sequential"] is None
+    assert doc["max_abs_diff_vs_sequential"] is None and doc["max_abs_diff_ulps_vs_sequential"] is None
+    assert doc["rows_identical_vs_sequential"] is None
 
 
 def test_verify_with_draft_model(run_cli):

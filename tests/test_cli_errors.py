@@ -175,7 +175,7 @@ CASES = [
     # dump paths
     Case("unknown-dump-extension", ["forward", *M, *T, "--dump-logits", "{out}/logits.txt"], 2, "logits.txt",
          dump=False),
-    Case("hidden-dump-safetensors", ["forward", *M, *T, "--dump-hidden", "{out}/h.safetensors"], 2, "h.safetensors"),
+    Case("hidden-dump-extension", ["forward", *M, *T, "--dump-hidden", "{out}/h.txt"], 2, "h.txt"),
     Case("same-dump-paths", ["forward", *M, *T, "--dump-logits", "{out}/x.npy", "--dump-hidden", "{out}/x.npy"], 2,
          "x.npy", dump=False),
     Case("dump-is-directory", ["forward", *M, *T, "--dump-logits", "{out}"], 7, "is a directory", dump=False),
