@@ -6,12 +6,15 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from .checkpoint import Checkpoint
 from .config import ModelConfig, load_config
 from .errors import CheckpointError, DeviceError, UsageError
 from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .engine.protocols import Engine
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "models" / "default"
 DEVICES = ("auto", "cpu", "cuda")
@@ -22,7 +25,7 @@ class LoadedModel:
     path: Path
     config: ModelConfig
     checkpoint: Checkpoint
-    engine: object  # NumpyEngine or CudaEngine: both implement ModelLogits and the passes
+    engine: Engine  # NumpyEngine or CudaEngine (engine/protocols.py)
     tokenizer: Tokenizer | None
     device: str  # "cpu" or "cuda"
     load_seconds: float
