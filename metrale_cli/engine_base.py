@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from .config import ModelConfig
 from .errors import InputError
 from .logits import LogitsBuffers
+
+if TYPE_CHECKING:
+    from .engine.loop import Tap
 
 
 def check_context(cfg: ModelConfig, max_context: int) -> None:
@@ -24,6 +27,7 @@ class EngineBase(LogitsBuffers):
     cfg: ModelConfig
     max_context: int
     length: int = 0
+    tap: Tap | None = None  # engine/protocols.py: an observer of every pass's tapped values
 
     def reset(self) -> None:
         self.length = 0

@@ -188,25 +188,6 @@ class CudaEngine(EngineBase):
             return 1
         return self._prefill_long(ids, all_logits)
 
-    def observe(self, tokens: Sequence[int], tap: Tap) -> None:
-        """Run tokens eagerly with `tap` seeing every tapped value: the rows path's kernels for up to
-        MAX_ROWS tokens (what decode/verify compute), the prefill path's beyond."""
-        ids = self._check_tokens(tokens)
-        if len(ids) <= MAX_ROWS:
-            self._io_np[0, :len(ids)] = ids
-            self._io_np[1, :len(ids)] = np.arange(self.length, self.length + len(ids))
-            self._io.set(self._io_np, stream=self.stream)
-            with self.stream:
-                self._rows_body(len(ids), "rows", tap)
-            self.length += len(ids)
-            self._logits = self._rows_logits
-            self.synchronize()
-            return
-        with self.stream:
-            for start in range(0, len(ids), PREFILL_CHUNK):
-                self._prefill_chunk(ids[start:start + PREFILL_CHUNK], tap)
-        self.synchronize()
-
     def inv_freq(self, rope):
         return self._inv_freq[rope]
 
@@ -220,7 +201,10 @@ class CudaEngine(EngineBase):
         self._io_np[1, :m] = np.arange(self.length, self.length + m)
         self._io.set(self._io_np, stream=self.stream)  # async from pinned memory
         key = (kind, m)
-        if not self.use_graphs:
+        if self.tap is not None:  # observed: the same launches eagerly, the taps computed beside them
+            with self.stream:
+                self._rows_body(m, kind, self.tap)
+        elif not self.use_graphs:
             with self.stream:
                 self._rows_body_pdl(m, kind)
         else:
@@ -291,7 +275,7 @@ class CudaEngine(EngineBase):
             for start in range(0, len(ids), PREFILL_CHUNK):
                 chunk = ids[start:start + PREFILL_CHUNK]
                 last = start + PREFILL_CHUNK >= len(ids)
-                h = self._prefill_chunk(chunk)
+                h = self._prefill_chunk(chunk, self.tap)
                 if all_logits:
                     rows.append(self._lm_head_rows(h))
                     hidden.append(h)

@@ -1,13 +1,15 @@
-"""What the block loop's taps are used for: finding where non-finite values start, and capturing layers.
+"""What the block loop's taps are used for: finding where non-finite values start, and recording layers.
 
-Both re-run tokens through `engine.observe` (eager, the same kernels and numbers as the fast path) from
-an empty cache, so they can be called after any pass without knowing what it was.
+`engine.tap` (engine/protocols.py) is an observer every pass hands its tapped values to. `LayerRecorder`
+records them during a command's own passes (what --dump-layers writes); `first_nonfinite` re-runs tokens
+from an empty cache with an observer that stops at the first NaN/Inf.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Sequence
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -42,7 +44,8 @@ def first_nonfinite(engine: Engine, tokens: Sequence[int]) -> NonFinite | None:
             found.append(NonFinite(name, int(np.argmax(rows)), int(np.isnan(x).sum()), int(np.isinf(x).sum())))
 
     engine.reset()
-    engine.observe(list(tokens), tap)
+    with tapping(engine, tap):
+        engine.prefill(list(tokens))
     return found[0] if found else None
 
 
@@ -54,17 +57,47 @@ def describe_nonfinite(engine: Engine, tokens: Sequence[int]) -> str:
     return hit.describe(tokens)
 
 
+@contextlib.contextmanager
+def tapping(engine: Engine, tap: Callable[[str, np.ndarray], None]) -> Iterator[None]:
+    """Every pass inside the block hands its tapped values to `tap`."""
+    previous = engine.tap
+    engine.tap = tap
+    try:
+        yield
+    finally:
+        engine.tap = previous
+
+
+@dataclass
+class LayerRecorder:
+    """Records the tapped values `keep` selects over every pass of a command, in the order they ran.
+
+    Each pass's rows are appended at the positions it ran at (read from the engine as the pass starts:
+    the embedding is its first tap), so after a trimmed draft the positions say which rows were redone."""
+
+    engine: Engine
+    keep: Callable[[str], bool]
+    rows: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    positions: list[int] = field(default_factory=list)
+
+    def __call__(self, name: str, x: np.ndarray) -> None:
+        if name == "model.embed_tokens":
+            self.positions.extend(range(self.engine.length, self.engine.length + x.shape[0]))
+        if self.keep(name):
+            self.rows.setdefault(name, []).append(np.array(x, dtype=np.float32).reshape(x.shape[0], -1))
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        """name -> fp32 [rows, width], every pass's rows in order."""
+        return {name: np.concatenate(parts, axis=0) for name, parts in self.rows.items()}
+
+
 def capture(engine: Engine, tokens: Sequence[int], keep: Callable[[str], bool]) -> dict[str, np.ndarray]:
-    """The tapped tensors `keep` selects for `tokens` run from position 0: name -> fp32 [rows, width]."""
-    out: dict[str, list[np.ndarray]] = {}
-
-    def tap(name: str, x: np.ndarray) -> None:
-        if keep(name):
-            out.setdefault(name, []).append(np.array(x, dtype=np.float32).reshape(x.shape[0], -1))
-
+    """The tapped tensors `keep` selects when `tokens` run as one prefill from position 0."""
+    recorder = LayerRecorder(engine, keep)
     engine.reset()
-    engine.observe(list(tokens), tap)
-    return {name: np.concatenate(parts, axis=0) for name, parts in out.items()}
+    with tapping(engine, recorder):
+        engine.prefill(list(tokens))
+    return recorder.tensors()
 
 
 def _module_words(name: str) -> str:

@@ -191,16 +191,11 @@ class NumpyEngine(EngineBase):
         self._write_rows(self._forward(ids))
         return len(ids)
 
-    def observe(self, tokens: Sequence[int], tap: Tap) -> None:
-        ids = self._check_tokens(tokens)
-        for start in range(0, len(ids), PREFILL_CHUNK):
-            self._forward(ids[start:start + PREFILL_CHUNK], tap)
-
     # -- the forward ---------------------------------------------------------------------------------------
-    def _forward(self, ids: np.ndarray, tap: Tap | None = None) -> np.ndarray:
+    def _forward(self, ids: np.ndarray) -> np.ndarray:
         """Run ids [T] at positions length..length+T-1, append their K/V, return the post-final-norm
         hidden states [T, H]. The hidden state of the last position is kept for hidden_after_norm()."""
-        h = decoder_forward(NumpyPass(self, ids, tap), self.cfg.definition, self.w)
+        h = decoder_forward(NumpyPass(self, ids, self.tap), self.cfg.definition, self.w)
         self.length += len(ids)
         self._hidden[0] = h[-1]
         return h
