@@ -18,7 +18,7 @@ import traceback
 from dataclasses import dataclass, field
 from inspect import cleandoc
 from pathlib import Path
-from typing import Annotated, Any, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Iterator, Optional, Sequence
 
 import typer
 from rich.console import Console
@@ -35,6 +35,9 @@ from .checkpoint import Checkpoint
 from .decoding import (DecodeResult, ModelDrafter, NgramDrafter, SpecDecodeResult, TextStream, run_decode,
                        run_forward, run_verify, speculative_decode)
 from .dumps import HIDDEN_KINDS, DumpInfo, DumpTarget, check_dump_path, commit, write_hidden, write_logits
+if TYPE_CHECKING:
+    from .engine.observe import LayerRecorder
+
 from .errors import EXIT_CODES, ConfigError, Interrupted, MetraleError, UsageError
 from .inputs import (ModelSpec, check_draft_matches, check_ids_in_vocab, check_positive, context_for,
                      parse_token_ids, read_model_spec, resolve_prompt)
@@ -215,6 +218,15 @@ DumpLogitsOpt = Annotated[Optional[str], typer.Option(
 HiddenOpt = Annotated[bool, typer.Option("--hidden", help="Summarize the hidden state after the final norm.")]
 DumpHiddenOpt = Annotated[Optional[str], typer.Option(
     "--dump-hidden", metavar="PATH", help="Write that hidden state as fp32: .npy or .bin.")]
+DumpLayersOpt = Annotated[Optional[str], typer.Option(
+    "--dump-layers", metavar="PATH",
+    help="Write every module's output (fp32 [rows, width], named after the Hugging Face modules) for every "
+         "row the command processed: .safetensors or .npz; .json with --dump-stats.")]
+LayersOpt = Annotated[Optional[str], typer.Option(
+    "--layers", metavar="I,J,...", help="The layers --dump-layers holds: indices, -1 = the last (default: all).")]
+DumpStatsOpt = Annotated[bool, typer.Option(
+    "--dump-stats", help="--dump-layers writes per-tensor statistics (min, max, mean, std, NaN/Inf counts, "
+                         "sha256) as .json instead of the data, for models too big to dump whole.")]
 TimingsOpt = Annotated[bool, typer.Option("--timings", help="Report load, prefill and per-token times.")]
 MaxContextOpt = Annotated[Optional[int], typer.Option(
     "--max-context", metavar="N", help="KV cache positions (default: just what the job needs).")]
@@ -239,6 +251,20 @@ class Common:
     dump_hidden: str | None
     timings: bool
     max_context: int | None
+    layers: LayerOptions | None = None
+
+
+@dataclass
+class LayerOptions:
+    """--dump-layers PATH, --layers I,J,... and --dump-stats, as given."""
+
+    path: str | None
+    select: str | None
+    stats: bool
+
+    @property
+    def wanted(self) -> bool:
+        return self.path is not None
 
 
 @dataclass
@@ -255,6 +281,7 @@ class Job:
     prompt_text: str | None
     logits_dump: DumpTarget | None
     hidden_dump: DumpTarget | None
+    layers_dump: DumpTarget | None = None
 
     @property
     def report_console(self) -> Console:
@@ -286,10 +313,45 @@ def prepare(state: State, c: Common) -> Job:
         raise UsageError(f"--dump-logits and --dump-hidden name the same file {c.dump_logits}")
     if c.max_context is not None:
         check_positive(c.max_context, "--max-context")
+    layers_dump = _check_layer_options(c.layers)
     device = resolve_device(c.device)
     spec = read_model_spec(c.model)
+    if c.layers is not None and c.layers.select is not None:
+        from .layer_dumps import parse_layers
+
+        parse_layers(c.layers.select, spec.config.num_hidden_layers)  # a bad index fails before any load
     ids, text = resolve_prompt(spec, c.prompt, c.tokens, lambda: typer.get_text_stream("stdin").read())
-    return Job(state, c, fmt, c.logits_dtype == "fp32", device, spec, ids, text, logits_dump, hidden_dump)
+    return Job(state, c, fmt, c.logits_dtype == "fp32", device, spec, ids, text, logits_dump, hidden_dump,
+               layers_dump)
+
+
+def _check_layer_options(opts: LayerOptions | None) -> DumpTarget | None:
+    from .layer_dumps import check_layer_dump_path
+
+    if opts is None or not opts.wanted:
+        if opts is not None and (opts.select is not None or opts.stats):
+            raise UsageError(f"{'--layers' if opts.select is not None else '--dump-stats'} needs --dump-layers PATH")
+        return None
+    return check_layer_dump_path(opts.path, stats=opts.stats)
+
+
+def record_layers(job: Job, model: LoadedModel) -> "LayerRecorder | None":
+    """With --dump-layers, every pass of `model` from now on is recorded (the taps run beside the passes)."""
+    from .engine.observe import LayerRecorder
+    from .layer_dumps import parse_layers
+
+    if job.layers_dump is None:
+        return None
+    chosen = set(parse_layers(job.common.layers.select, model.config.num_hidden_layers))
+    recorder = LayerRecorder(model.engine, lambda name: _tap_layer(name) in chosen | {None}, sorted(chosen))
+    model.engine.tap = recorder
+    return recorder
+
+
+def _tap_layer(name: str) -> int | None:
+    """model.layers.{i}[.sub] -> i; None (always kept) for the embedding and the final norm."""
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) > 2 and parts[1] == "layers" else None
 
 
 def load(job: Job, spec: ModelSpec, ctx: int) -> LoadedModel:
@@ -298,13 +360,20 @@ def load(job: Job, spec: ModelSpec, ctx: int) -> LoadedModel:
                           progress=progress)
 
 
-def write_dumps(job: Job, command: str, rows, hidden_rows, tokens: list[int], positions: list[int]) -> None:
-    """The logits rows and the hidden rows behind them, with the same tokens and positions."""
+def write_dumps(job: Job, command: str, rows, hidden_rows, tokens: list[int], positions: list[int],
+                recorder: "LayerRecorder | None" = None) -> None:
+    """The logits rows and the hidden rows behind them, with the same tokens and positions; and the layers
+    of every row the command processed (their own positions: prompt rows too, and redone drafts)."""
     info = DumpInfo(command, job.spec.label, tokens, positions)
     if job.logits_dump is not None:
         write_logits(job.logits_dump, rows, info, typer.get_binary_stream("stdout"))
     if job.hidden_dump is not None:
         write_hidden(job.hidden_dump, hidden_rows, info)
+    if recorder is not None:
+        from .layer_dumps import LayerDumpInfo, write_layers
+
+        write_layers(job.layers_dump, recorder.tensors(), recorder.positions,
+                     LayerDumpInfo(command, job.spec.label, tokens, recorder.layers))
 
 
 @contextlib.contextmanager
@@ -359,6 +428,9 @@ def decode(
     dump_logits: DumpLogitsOpt = None,
     hidden: HiddenOpt = False,
     dump_hidden: DumpHiddenOpt = None,
+    dump_layers: DumpLayersOpt = None,
+    layers: LayersOpt = None,
+    dump_stats: DumpStatsOpt = False,
     timings: TimingsOpt = False,
     max_context: MaxContextOpt = None,
 ) -> None:
@@ -378,7 +450,7 @@ def decode(
       metrale decode --draft ngram --k 4 --steps 32 --ignore-eos
     """
     c = Common(model, prompt, tokens, device, logits_dtype, fmt, dump_logits, hidden, dump_hidden, timings,
-               max_context)
+               max_context, LayerOptions(dump_layers, layers, dump_stats))
     if draft is not None and draft != "ngram":
         raise UsageError(f"decode --draft takes 'ngram', got {draft!r} (a draft model is --draft-model PATH)")
     if draft is not None and draft_model is not None:
@@ -414,7 +486,11 @@ def _decode(job: Job, steps: int, top_k: int, ignore_eos: bool, speculative: boo
     if draft_spec is not None:
         check_draft_matches(job.spec, draft_spec)
         ctx = min(ctx, context_for(draft_spec, n + steps, f"for the draft model, {what}", None, ctx))
+    if speculative and job.layers_dump is not None:
+        raise UsageError("--dump-layers records plain decoding: a speculative run's rejected drafts would mix "
+                         "into the rows (dump one verify pass with `metrale verify --dump-layers` instead)")
     target = load(job, job.spec, ctx)
+    recorder = record_layers(job, target)
     drafter_model = report = None
     try:
         drafter_model = load(job, draft_spec, ctx) if draft_spec is not None else None
@@ -439,7 +515,7 @@ def _decode(job: Job, steps: int, top_k: int, ignore_eos: bool, speculative: boo
         if not result.interrupted:  # an interrupted run writes no dump: the rows would be a partial run
             fed = job.ids + [s.token for s in result.steps[:-1]]
             write_dumps(job, "decode", result.rows, result.hidden_rows, fed,
-                        [s.position - 1 for s in result.steps])
+                        [s.position - 1 for s in result.steps], recorder)
         report.finish(result, plain_match)
         if result.interrupted:
             raise Interrupted(f"stopped by Ctrl-C after {len(result.steps)} tokens (no dump file is written)")
@@ -496,6 +572,9 @@ def verify(
     dump_logits: DumpLogitsOpt = None,
     hidden: HiddenOpt = False,
     dump_hidden: DumpHiddenOpt = None,
+    dump_layers: DumpLayersOpt = None,
+    layers: LayersOpt = None,
+    dump_stats: DumpStatsOpt = False,
     timings: TimingsOpt = False,
     max_context: MaxContextOpt = None,
 ) -> None:
@@ -520,7 +599,7 @@ def verify(
       metrale verify --draft-model default-draft --k 4 --format json
     """
     c = Common(model, prompt, tokens, device, logits_dtype, fmt, dump_logits, hidden, dump_hidden, timings,
-               max_context)
+               max_context, LayerOptions(dump_layers, layers, dump_stats))
     if draft is not None and draft_model is not None:
         raise UsageError("--draft and --draft-model are exclusive: give one draft source")
     job = prepare(ctx.obj, c)
@@ -554,6 +633,7 @@ def _verify(job: Job, k: int, draft_ids: list[int] | None, draft_path: str | Non
         check_draft_matches(job.spec, draft_spec)
         context_for(draft_spec, n + k, f"for the draft model, {what}", None)
     target = load(job, job.spec, ctx)
+    recorder = record_layers(job, target)
     drafter_model = None
     try:
         drafter_model = load(job, draft_spec, n + k) if draft_spec is not None else None
@@ -565,7 +645,7 @@ def _verify(job: Job, k: int, draft_ids: list[int] | None, draft_path: str | Non
         result.timings.load_s = target.load_seconds + (drafter_model.load_seconds if drafter_model else 0.0)
         drafts = [row.draft for row in result.rows]
         write_dumps(job, "verify", result.logit_rows, result.hidden_rows, job.ids + drafts,
-                    list(range(n - 1, n + k)))
+                    list(range(n - 1, n + k)), recorder)
         meta = job.meta("verify", target, draft_model=draft_spec.label if draft_spec else None)
         render.render_verify(job.report_console, meta, result)
     finally:
@@ -591,6 +671,9 @@ def forward(
     dump_logits: DumpLogitsOpt = None,
     hidden: HiddenOpt = False,
     dump_hidden: DumpHiddenOpt = None,
+    dump_layers: DumpLayersOpt = None,
+    layers: LayersOpt = None,
+    dump_stats: DumpStatsOpt = False,
     timings: TimingsOpt = False,
     max_context: MaxContextOpt = None,
 ) -> None:
@@ -602,21 +685,23 @@ def forward(
     Examples:
       metrale forward --prompt "The for statement" --rows all
       metrale forward --tokens "1 2 3" --model default --dump-logits rows.npy
+      metrale forward --rows all --dump-layers layers.safetensors --layers 0,-1
     """
     c = Common(model, prompt, tokens, device, logits_dtype, fmt, dump_logits, hidden, dump_hidden, timings,
-               max_context)
+               max_context, LayerOptions(dump_layers, layers, dump_stats))
     if rows not in ("last", "all"):
         raise UsageError(f"--rows must be last or all, got {rows!r}")
     job = prepare(ctx.obj, c)
     n = len(job.ids)
     model_ctx = context_for(job.spec, n, f"prompt ({n} tokens)", c.max_context)
     target = load(job, job.spec, model_ctx)
+    recorder = record_layers(job, target)
     try:
         result = run_forward(target.engine, job.ids, all_rows=rows == "all", token_text=_token_text(target),
                              keep_rows=job.logits_dump is not None, want_hidden=job.want_hidden)
         result.timings.load_s = target.load_seconds
         write_dumps(job, "forward", result.logit_rows, result.hidden_rows, job.ids,
-                    [row.position for row in result.rows])
+                    [row.position for row in result.rows], recorder)
         render.render_forward(job.report_console, job.meta("forward", target), result)
     finally:
         target.close()

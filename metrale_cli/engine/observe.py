@@ -77,6 +77,7 @@ class LayerRecorder:
 
     engine: Engine
     keep: Callable[[str], bool]
+    layers: list[int] = field(default_factory=list)  # the layer indices `keep` selects (for the dump's metadata)
     rows: dict[str, list[np.ndarray]] = field(default_factory=dict)
     positions: list[int] = field(default_factory=list)
 
