@@ -29,8 +29,8 @@ from .decoding import (DecodeResult, ModelDrafter, NgramDrafter, SpecDecodeResul
                        run_verify, speculative_decode)
 from .dumps import HIDDEN_KINDS, DumpInfo, DumpTarget, check_dump_path, commit, write_hidden, write_logits
 from .errors import EXIT_CODES, InputError, Interrupted, MetraleError, UsageError
-from .inputs import (ModelSpec, check_draft_matches, check_ids_in_vocab, check_positive, context_for,
-                     parse_token_ids, read_model_spec, resolve_prompt)
+from .inputs import (ModelSpec, PromptFormat, check_draft_matches, check_ids_in_vocab, check_positive,
+                     check_prompt_format, context_for, parse_token_ids, read_model_spec, resolve_prompt)
 from .model import LoadedModel, open_model, resolve_device
 from .weights import check_checkpoint
 
@@ -153,6 +153,12 @@ PromptOpt = Annotated[Optional[str], typer.Option(
     "--prompt", "-p", metavar="TEXT", help="Prompt text (needs tokenizer.json). Default: \"The for statement\".")]
 TokensOpt = Annotated[Optional[str], typer.Option(
     "--tokens", "-t", metavar="IDS", help="Prompt token ids, comma or space separated; '-' reads stdin.")]
+ChatOpt = Annotated[bool, typer.Option(
+    "--chat", help="Format --prompt with the checkpoint's chat template (as transformers' apply_chat_template).")]
+SystemOpt = Annotated[Optional[str], typer.Option(
+    "--system", metavar="TEXT", help="With --chat: a system message before the prompt.")]
+NoSpecialTokensOpt = Annotated[bool, typer.Option(
+    "--no-special-tokens", help="Encode --prompt without the tokenizer's added BOS/template tokens.")]
 DeviceOpt = Annotated[str, typer.Option("--device", metavar="auto|cpu|cuda", help="Where to run.")]
 LogitsDtypeOpt = Annotated[str, typer.Option(
     "--logits-dtype", metavar="bf16|fp32", help="Dtype of the logits rows the engine writes.")]
@@ -185,6 +191,13 @@ class Common:
     dump_hidden: str | None
     timings: bool
     max_context: int | None
+    chat: bool = False
+    system: str | None = None
+    no_special_tokens: bool = False
+
+    @property
+    def prompt_format(self) -> PromptFormat:
+        return PromptFormat(self.chat, self.system, not self.no_special_tokens)
 
 
 @dataclass
@@ -221,6 +234,7 @@ def prepare(state: State, c: Common) -> Job:
     """Every check that needs no weights: options, dump paths, device, config, token ids."""
     if c.prompt is not None and c.tokens is not None:
         raise UsageError("--prompt and --tokens are exclusive: give one of them")
+    check_prompt_format(c.prompt, c.tokens, c.prompt_format)
     fmt = render.choose_format(c.fmt, state.out)
     if c.logits_dtype not in ("bf16", "fp32"):
         raise UsageError(f"--logits-dtype must be bf16 or fp32, got {c.logits_dtype!r}")
@@ -234,7 +248,8 @@ def prepare(state: State, c: Common) -> Job:
         raise InputError(f"--max-context must be at least 1, got {c.max_context}")
     device = resolve_device(c.device)
     spec = read_model_spec(c.model)
-    ids, text = resolve_prompt(spec, c.prompt, c.tokens, lambda: typer.get_text_stream("stdin").read())
+    ids, text = resolve_prompt(spec, c.prompt, c.tokens, lambda: typer.get_text_stream("stdin").read(),
+                               c.prompt_format)
     return Job(state, c, fmt, c.logits_dtype == "fp32", device, spec, ids, text, logits_dump, hidden_dump)
 
 
@@ -265,6 +280,9 @@ def decode(
     model: ModelOpt = None,
     prompt: PromptOpt = None,
     tokens: TokensOpt = None,
+    chat: ChatOpt = False,
+    system: SystemOpt = None,
+    no_special_tokens: NoSpecialTokensOpt = False,
     steps: Annotated[int, typer.Option("--steps", "-n", help="Tokens to produce.")] = 16,
     top_k: Annotated[int, typer.Option("--top-k", "-k", help="Also show the K best tokens per step.")] = 0,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at an EOS token.")] = False,
@@ -295,7 +313,7 @@ def decode(
       metrale decode --draft-model path/to/draft --k 4 --timings
     """
     c = Common(model, prompt, tokens, device, logits_dtype, fmt, dump_logits, hidden, dump_hidden, timings,
-               max_context)
+               max_context, chat, system, no_special_tokens)
     if draft is not None and draft != "ngram":
         raise UsageError(f"decode --draft takes 'ngram', got {draft!r} (a draft model is --draft-model PATH)")
     if draft is not None and draft_model is not None:
@@ -378,6 +396,9 @@ def verify(
     model: ModelOpt = None,
     prompt: PromptOpt = None,
     tokens: TokensOpt = None,
+    chat: ChatOpt = False,
+    system: SystemOpt = None,
+    no_special_tokens: NoSpecialTokensOpt = False,
     k: Annotated[Optional[int], typer.Option(
         "--k", help=f"Drafts checked in the one verify pass (default {DEFAULT_K}, or the --draft ids' count).",
     )] = None,
@@ -407,7 +428,7 @@ def verify(
       metrale verify --draft-model path/to/draft --k 4 --format json
     """
     c = Common(model, prompt, tokens, device, logits_dtype, fmt, dump_logits, hidden, dump_hidden, timings,
-               max_context)
+               max_context, chat, system, no_special_tokens)
     if draft is not None and draft_model is not None:
         raise UsageError("--draft and --draft-model are exclusive: give one draft source")
     job = prepare(ctx.obj, c)
@@ -470,6 +491,9 @@ def forward(
     model: ModelOpt = None,
     prompt: PromptOpt = None,
     tokens: TokensOpt = None,
+    chat: ChatOpt = False,
+    system: SystemOpt = None,
+    no_special_tokens: NoSpecialTokensOpt = False,
     rows: Annotated[str, typer.Option("--rows", metavar="last|all",
                                       help="Report the last row (default) or every row.")] = "last",
     device: DeviceOpt = "auto",
@@ -488,7 +512,7 @@ def forward(
       metrale forward --tokens "1 2 3" --model path/to/checkpoint --dump-logits rows.npy
     """
     c = Common(model, prompt, tokens, device, logits_dtype, fmt, dump_logits, hidden, dump_hidden, timings,
-               max_context)
+               max_context, chat, system, no_special_tokens)
     if rows not in ("last", "all"):
         raise UsageError(f"--rows must be last or all, got {rows!r}")
     job = prepare(ctx.obj, c)
