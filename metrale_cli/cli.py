@@ -39,8 +39,8 @@ if TYPE_CHECKING:
     from .engine.observe import LayerRecorder
 
 from .errors import EXIT_CODES, ConfigError, Interrupted, MetraleError, UsageError
-from .inputs import (ModelSpec, check_draft_matches, check_ids_in_vocab, check_positive, context_for,
-                     parse_token_ids, read_model_spec, resolve_prompt)
+from .inputs import (ModelSpec, PromptFormat, check_draft_matches, check_ids_in_vocab, check_positive,
+                     check_prompt_format, context_for, parse_token_ids, read_model_spec, resolve_prompt)
 from .model import EMBEDDED_MODELS, LoadedModel, model_dir, model_path, open_model, resolve_device
 from .models import FAMILIES
 from .models.weights import check_checkpoint
@@ -208,6 +208,12 @@ PromptOpt = Annotated[Optional[str], typer.Option(
 TokensOpt = Annotated[Optional[str], typer.Option(
     "--tokens", "-t", metavar="IDS",
     help="Prompt token ids: \"1 2 3\", \"1,2,3\" or a JSON array \"[1, 2, 3]\"; '-' reads them from stdin.")]
+ChatOpt = Annotated[bool, typer.Option(
+    "--chat", help="Format --prompt with the checkpoint's chat template (as transformers' apply_chat_template).")]
+SystemOpt = Annotated[Optional[str], typer.Option(
+    "--system", metavar="TEXT", help="With --chat: a system message before the prompt.")]
+NoSpecialTokensOpt = Annotated[bool, typer.Option(
+    "--no-special-tokens", help="Encode --prompt without the tokenizer's added BOS/template tokens.")]
 DeviceOpt = Annotated[str, typer.Option("--device", metavar="auto|cpu|cuda", help="Where to run.")]
 LogitsDtypeOpt = Annotated[str, typer.Option(
     "--logits-dtype", metavar="bf16|fp32", help="Dtype of the logits rows the engine writes.")]
@@ -251,7 +257,14 @@ class Common:
     dump_hidden: str | None
     timings: bool
     max_context: int | None
+    chat: bool = False
+    system: str | None = None
+    no_special_tokens: bool = False
     layers: LayerOptions | None = None
+
+    @property
+    def prompt_format(self) -> PromptFormat:
+        return PromptFormat(self.chat, self.system, not self.no_special_tokens)
 
 
 @dataclass
@@ -302,6 +315,7 @@ def prepare(state: State, c: Common) -> Job:
     """Every check that needs no weights: options, dump paths, device, config, token ids."""
     if c.prompt is not None and c.tokens is not None:
         raise UsageError("--prompt and --tokens are exclusive: give one of them")
+    check_prompt_format(c.prompt, c.tokens, c.prompt_format)
     fmt = render.choose_format(c.fmt, state.out)
     if c.logits_dtype not in ("bf16", "fp32"):
         raise UsageError(f"--logits-dtype must be bf16 or fp32, got {c.logits_dtype!r}")
@@ -320,7 +334,8 @@ def prepare(state: State, c: Common) -> Job:
         from .layer_dumps import parse_layers
 
         parse_layers(c.layers.select, spec.config.num_hidden_layers)  # a bad index fails before any load
-    ids, text = resolve_prompt(spec, c.prompt, c.tokens, lambda: typer.get_text_stream("stdin").read())
+    ids, text = resolve_prompt(spec, c.prompt, c.tokens, lambda: typer.get_text_stream("stdin").read(),
+                               c.prompt_format)
     return Job(state, c, fmt, c.logits_dtype == "fp32", device, spec, ids, text, logits_dump, hidden_dump,
                layers_dump)
 
@@ -411,6 +426,9 @@ def decode(
     model: ModelOpt = None,
     prompt: PromptOpt = None,
     tokens: TokensOpt = None,
+    chat: ChatOpt = False,
+    system: SystemOpt = None,
+    no_special_tokens: NoSpecialTokensOpt = False,
     steps: Annotated[int, typer.Option("--steps", "-n", metavar="N", help="Tokens to produce.")] = 16,
     # No short form: "-k" would read like --k (the draft count) and silently mean something else.
     top_k: Annotated[Optional[int], typer.Option(
@@ -450,7 +468,7 @@ def decode(
       metrale decode --draft ngram --k 4 --steps 32 --ignore-eos
     """
     c = Common(model, prompt, tokens, device, logits_dtype, fmt, dump_logits, hidden, dump_hidden, timings,
-               max_context, LayerOptions(dump_layers, layers, dump_stats))
+               max_context, chat, system, no_special_tokens, LayerOptions(dump_layers, layers, dump_stats))
     if draft is not None and draft != "ngram":
         raise UsageError(f"decode --draft takes 'ngram', got {draft!r} (a draft model is --draft-model PATH)")
     if draft is not None and draft_model is not None:
@@ -558,6 +576,9 @@ def verify(
     model: ModelOpt = None,
     prompt: PromptOpt = None,
     tokens: TokensOpt = None,
+    chat: ChatOpt = False,
+    system: SystemOpt = None,
+    no_special_tokens: NoSpecialTokensOpt = False,
     k: Annotated[Optional[int], typer.Option(
         "--k", metavar="K",
         help=f"Drafts checked in the one verify pass (default {DEFAULT_K}, or the --draft ids' count).",
@@ -599,7 +620,7 @@ def verify(
       metrale verify --draft-model default-draft --k 4 --format json
     """
     c = Common(model, prompt, tokens, device, logits_dtype, fmt, dump_logits, hidden, dump_hidden, timings,
-               max_context, LayerOptions(dump_layers, layers, dump_stats))
+               max_context, chat, system, no_special_tokens, LayerOptions(dump_layers, layers, dump_stats))
     if draft is not None and draft_model is not None:
         raise UsageError("--draft and --draft-model are exclusive: give one draft source")
     job = prepare(ctx.obj, c)
@@ -663,6 +684,9 @@ def forward(
     model: ModelOpt = None,
     prompt: PromptOpt = None,
     tokens: TokensOpt = None,
+    chat: ChatOpt = False,
+    system: SystemOpt = None,
+    no_special_tokens: NoSpecialTokensOpt = False,
     rows: Annotated[str, typer.Option("--rows", metavar="last|all",
                                       help="Report the last row (default) or every row.")] = "last",
     device: DeviceOpt = "auto",
@@ -688,7 +712,7 @@ def forward(
       metrale forward --rows all --dump-layers layers.safetensors --layers 0,-1
     """
     c = Common(model, prompt, tokens, device, logits_dtype, fmt, dump_logits, hidden, dump_hidden, timings,
-               max_context, LayerOptions(dump_layers, layers, dump_stats))
+               max_context, chat, system, no_special_tokens, LayerOptions(dump_layers, layers, dump_stats))
     if rows not in ("last", "all"):
         raise UsageError(f"--rows must be last or all, got {rows!r}")
     job = prepare(ctx.obj, c)

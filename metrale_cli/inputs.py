@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from .chat import format_chat
 from .config import ModelConfig, load_config
 from .errors import InputError, UsageError
 from .model import model_dir, model_path
@@ -110,12 +111,43 @@ def check_ids_in_vocab(ids: Sequence[int], vocab: int, option: str = "--tokens")
             raise InputError(f"{option}: token id {t} (item {i + 1}) is outside the vocabulary [0, {vocab})")
 
 
+@dataclass(frozen=True)
+class PromptFormat:
+    """How --prompt text becomes token ids: through the chat template (--chat, --system) or the tokenizer's
+    own encoding, with or without its special tokens (--no-special-tokens)."""
+
+    chat: bool = False
+    system: str | None = None
+    special_tokens: bool = True
+
+
+def check_prompt_format(prompt: str | None, tokens: str | None, fmt: PromptFormat) -> None:
+    """The --chat/--system/--no-special-tokens combinations that cannot mean anything (usage errors)."""
+    if fmt.system is not None and not fmt.chat:
+        raise UsageError("--system needs --chat: the system message is formatted by the chat template")
+    if fmt.chat and tokens is not None:
+        raise UsageError("--chat formats --prompt text with the chat template, and --tokens are ids already: "
+                         "give --prompt TEXT, or drop --chat")
+    if fmt.chat and prompt is None:
+        raise UsageError("--chat needs --prompt TEXT: the user message the chat template formats")
+    if not fmt.special_tokens and tokens is not None:
+        raise UsageError("--no-special-tokens changes how --prompt text is encoded, and --tokens are ids already")
+    if not fmt.special_tokens and fmt.chat:
+        raise UsageError("--chat already encodes without the tokenizer's special tokens (the chat template "
+                         "writes them): drop --no-special-tokens")
+
+
 def resolve_prompt(spec: ModelSpec, prompt: str | None, tokens: str | None,
-                   read_stdin: Callable[[], str]) -> tuple[list[int], str | None]:
+                   read_stdin: Callable[[], str], fmt: PromptFormat = PromptFormat()) -> tuple[list[int], str | None]:
     """The prompt's token ids and its text (None when ids were given): exactly one of --prompt/--tokens;
-    neither means the default prompt, which needs a tokenizer."""
+    neither means the default prompt, which needs a tokenizer.
+
+    With --chat the text is what the chat template rendered (what the model reads), encoded like
+    transformers' apply_chat_template(..., tokenize=True): without the tokenizer's special tokens, since the
+    template writes BOS and the role markers itself."""
     if prompt is not None and tokens is not None:
         raise UsageError("--prompt and --tokens are exclusive: give one of them")
+    check_prompt_format(prompt, tokens, fmt)
     if tokens is not None:
         text = read_stdin() if tokens == "-" else tokens
         ids = parse_token_ids(text, "--tokens" if tokens != "-" else "--tokens - (stdin)")
@@ -133,11 +165,12 @@ def resolve_prompt(spec: ModelSpec, prompt: str | None, tokens: str | None,
         raise InputError(f"--prompt needs {TOKENIZER_NAME}, and {spec.directory} has none: pass --tokens instead")
     if not prompt.strip():
         raise UsageError("--prompt is empty")
-    ids = Tokenizer.from_file(tok_path).encode(prompt)
+    text = format_chat(spec.directory, prompt, fmt.system) if fmt.chat else prompt
+    ids = Tokenizer.from_file(tok_path).encode(text, add_special_tokens=fmt.special_tokens and not fmt.chat)
     if not ids:
         raise InputError(f"--prompt {prompt!r} encodes to no tokens")
     check_ids_in_vocab(ids, spec.config.vocab_size, "--prompt")
-    return ids, prompt
+    return ids, text
 
 
 # -- lengths -----------------------------------------------------------------------------------------------------

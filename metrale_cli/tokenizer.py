@@ -34,8 +34,10 @@ class Tokenizer:
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise CheckpointError(f"{path}: cannot read tokenizer ({first})") from None
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._inner.encode(text, add_special_tokens=True).ids)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`. add_special_tokens=False skips the post-processor (the BOS or other template
+        tokens tokenizer.json adds around a sequence); special tokens written in the text are still matched."""
+        return list(self._inner.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def token_text(self, token: int) -> str:
         """The text of one token; bytes of it that are not valid UTF-8 on their own as `<0xXX>`."""
