@@ -182,7 +182,7 @@ def gemm_rate_cpu(n: int = 1024) -> float:
 def build_engine(cfg: ModelConfig, device: str, context: int):
     source = RandomTensors(cfg, seed=0)
     if device == "cuda":
-        from .cuda.engine import load_cuda_engine
+        from .backends.cuda.engine import load_cuda_engine
 
         return load_cuda_engine(cfg, source, context)
     from .numpy_engine import load_numpy_engine

@@ -9,7 +9,7 @@ out=${1:-${OUT:-/tmp/metrale-gpu}}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader | tee "$out/gpu.txt"
-python3 -c "import time; t = time.time(); from metrale_cli.cuda.kernels import Kernels; k = Kernels(); \
+python3 -c "import time; t = time.time(); from metrale_cli.backends.cuda.kernels import Kernels; k = Kernels(); \
 a = time.time(); k.load_extra(); print(f'kernel compile (cold): core module {a - t:.1f} s, extra module {time.time() - a:.1f} s')" \
   | tee -a "$out/gpu.txt"
 timeout 420 python3 -m pytest tests/gpu -q -p no:cacheprovider -rs -s 2>&1 | tee "$out/gpu_tests.log" \

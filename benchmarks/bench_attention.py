@@ -1,7 +1,7 @@
 """Decode attention (attention_decode: split + combine kernels) against the bandwidth of a
 large read-only kernel measured in the same run.  Needs CuPy and a CUDA GPU:
 
-    PYTHONPATH=. python3 -m metrale_cli.cuda.bench_attention
+    PYTHONPATH=. python3 -m benchmarks.bench_attention
 
 Llama-3-8B layer shape: 8 KV heads x head_dim 128, G = 4 query heads per KV head; contexts 1024,
 4096, 8192, 32768; M = 1, 4, 8 query rows (decode, verify), row m at position ctx - M + m, so
@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import sys
 
-from metrale_cli.cuda.bench_kernels import L2_BYTES, _graph_time_ms, read_bandwidth
+from benchmarks.bench_kernels import L2_BYTES, _graph_time_ms, read_bandwidth
 
 N_KV, G, HD = 8, 4, 128
 CONTEXTS = (1024, 4096, 8192, 32768)
@@ -26,7 +26,7 @@ ROWS = (1, 4, 8)
 def main() -> int:
     import cupy as cp
 
-    from metrale_cli.cuda.kernels import Kernels
+    from metrale_cli.backends.cuda.kernels import Kernels
 
     K = Kernels()
     dev = cp.cuda.Device()

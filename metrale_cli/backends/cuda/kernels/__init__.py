@@ -34,7 +34,7 @@ GEMV_XS_WARPS = 8  # must match gemv.cu (shared-memory-x variant)
 GEMV_MAX_M = 16
 # A gemv config is (R, U): R output rows per warp and U 16-byte chunks per row in flight per
 # lane (register variant: x read through L1); U = 0 selects the variant that stages x in shared
-# memory (for larger M).  Defaults per M, from the H200 measurements in bench_kernels.py (see
+# memory (for larger M).  Defaults per M, from the H200 measurements of benchmarks/bench_kernels.py (see
 # NOTES.md): M=1 (1, 8); M=3..8 (4, 2); M>=9 the shared-memory-x variant (at M=16: 19-23% of read
 # bandwidth against 14-15% for the register variant (4, 1), which stays compiled).
 GEMV_DEFAULT = {m: ((1, 8) if m == 1 else (2, 4) if m == 2 else (4, 2) if m <= 8 else (4, 0)) for m in range(1, 17)}
@@ -57,7 +57,7 @@ GEMV_TC_MIN_ROWS = 3
 # step and lane.  Each config is compiled for NT = 1 (M <= 8) and NT = 2 (M <= 16) token tiles.
 # A token's result depends on (W, GEMV_TC_P) only, not on M, TILES or U: keep W the same for all M
 # so that a verify row equals the decode row bit for bit.  Defaults: provisional (to be tuned with
-# `python3 -m metrale_cli.cuda.bench_kernels --tc`).
+# `PYTHONPATH=. python3 -m benchmarks.bench_kernels --tc`).
 GEMV_TC_P = 4  # must match gemv_tc.cu (k chunks per partition group)
 GEMV_TC_DEFAULT = {m: (1, 8, 4) for m in range(1, 17)}
 GEMV_TC_SWIGLU_DEFAULT = {m: (1, 8, 4) for m in range(1, 17)}

@@ -24,11 +24,11 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..config import ModelConfig
-from ..errors import DeviceError, NonFiniteLogitsError
-from ..engine_base import EngineBase, check_context
-from ..logits import DevicePtr
-from ..weights import EMBED, FINAL_NORM, LM_HEAD, check_checkpoint, layer_names
+from ...config import ModelConfig
+from ...errors import DeviceError, NonFiniteLogitsError
+from ...engine_base import EngineBase, check_context
+from ...logits import DevicePtr
+from ...weights import EMBED, FINAL_NORM, LM_HEAD, check_checkpoint, layer_names
 from .kernels import GEMV_TC_MIN_ROWS
 
 MAX_ROWS = 16  # rows the GEMV path takes (decode, verify k <= 15 plus one, short prefills)

@@ -1,9 +1,9 @@
 """Bandwidth of the GEMV kernels (and decode attention) against a large read-only kernel
 measured in the same run.  Needs CuPy and a CUDA GPU:
 
-    PYTHONPATH=. python3 -m metrale_cli.cuda.bench_kernels
-    PYTHONPATH=. python3 -m metrale_cli.cuda.bench_kernels --tc   # tensor-core GEMV only (+ sweep)
-    PYTHONPATH=. python3 -m metrale_cli.cuda.bench_kernels --pdl  # launch chains with / without PDL
+    PYTHONPATH=. python3 -m benchmarks.bench_kernels
+    PYTHONPATH=. python3 -m benchmarks.bench_kernels --tc   # tensor-core GEMV only (+ sweep)
+    PYTHONPATH=. python3 -m benchmarks.bench_kernels --pdl  # launch chains with / without PDL
 
 Each measurement captures 32 launches into a CUDA graph (the engine replays graphs too, so
 the per-node launch gap is included), rotating several weight copies so that the 60 MB L2
@@ -101,8 +101,8 @@ def tc_section(cp, K, read_gbs) -> None:
     """gemv_tc against gemv / gemv_swiglu (default configs) for M in TC_MS on TC_SHAPES, plus a
     sweep over the compiled gemv_tc configs.  'x M=1' = time / the fp32 gemv's time at M = 1 (the
     verify pass at M = k should cost <= 1.15x / 1.3x a decode step)."""
-    from metrale_cli.cuda.kernels import (GEMV_TC_DEFAULT, GEMV_TC_EXTRA, GEMV_TC_SWIGLU_DEFAULT,
-                                          GEMV_TC_SWIGLU_EXTRA)
+    from metrale_cli.backends.cuda.kernels import (GEMV_TC_DEFAULT, GEMV_TC_EXTRA, GEMV_TC_SWIGLU_DEFAULT,
+                                                   GEMV_TC_SWIGLU_EXTRA)
 
     print(f"{'op':<16}{'N x K':>14}{'M':>4}{'config':>10}{'us':>9}{'GB/s':>8}{'% read':>8}{'x M=1':>7}")
     best = []
@@ -194,7 +194,7 @@ def pdl_section(cp, K) -> None:
 def main() -> int:
     import cupy as cp
 
-    from metrale_cli.cuda.kernels import GEMV_DEFAULT, GEMV_SWIGLU_DEFAULT, Kernels
+    from metrale_cli.backends.cuda.kernels import GEMV_DEFAULT, GEMV_SWIGLU_DEFAULT, Kernels
 
     K = Kernels()
     K.load_extra()  # the configs this bench sweeps
