@@ -1,5 +1,5 @@
-"""Bandwidth of the GEMV kernels (and decode attention) against a large read-only kernel
-measured in the same run.  Needs CuPy and a CUDA GPU:
+"""Bandwidth of the GEMV kernels (and decode attention) against the read-only kernel of `metrale bench`
+(metrale_cli.bench.read_bandwidth_gpu) measured in the same run.  Needs CuPy and a CUDA GPU:
 
     PYTHONPATH=. python3 -m benchmarks.bench_kernels
     PYTHONPATH=. python3 -m benchmarks.bench_kernels --tc   # tensor-core GEMV only (+ sweep)
@@ -16,24 +16,7 @@ import math
 import statistics
 import sys
 
-READ_SRC = r"""
-extern "C" __global__ void read_kernel(const uint4* __restrict__ p, unsigned long long n,
-                                       unsigned int* __restrict__ sink) {
-    unsigned int acc = 0;
-    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-    unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-    for (; i + 3 * stride < n; i += 4 * stride) {
-        const uint4 a = __ldcs(p + i), b = __ldcs(p + i + stride);
-        const uint4 c = __ldcs(p + i + 2 * stride), d = __ldcs(p + i + 3 * stride);
-        acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w ^ c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^ d.z ^ d.w;
-    }
-    for (; i < n; i += stride) {
-        const uint4 a = __ldcs(p + i);
-        acc ^= a.x ^ a.y ^ a.z ^ a.w;
-    }
-    if (acc == 0x9e3779b9u) sink[0] = acc;  // keeps the loads; practically never true
-}
-"""
+from metrale_cli.bench import read_bandwidth_gpu
 
 L2_BYTES = 60 * 2**20
 
@@ -60,19 +43,6 @@ def _graph_time_ms(cp, launches, repeats=15):
         e1.synchronize()
         times.append(cp.cuda.get_elapsed_time(e0, e1) / len(launches))
     return statistics.median(times)
-
-
-def read_bandwidth(cp, nbytes=4 * 2**30):
-    k = cp.RawKernel(READ_SRC, "read_kernel")
-    n = nbytes // 16
-    buf = cp.random.standard_normal(n * 4, dtype=cp.float32)  # random, never zeros
-    sink = cp.zeros(1, dtype=cp.uint32)
-    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-    grid = (sms * 8,)
-    launches = [lambda s: k(grid, (512,), (buf, cp.uint64(n), sink), stream=s)] * 4
-    ms = _graph_time_ms(cp, launches, repeats=9)
-    del buf
-    return nbytes / (ms * 1e-3) / 1e9
 
 
 def _bf16_weights(cp, K, shape, copies):
@@ -200,9 +170,9 @@ def main() -> int:
     K.load_extra()  # the configs this bench sweeps
     dev = cp.cuda.Device()
     name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
-    read_gbs = read_bandwidth(cp)
+    read_gbs = read_bandwidth_gpu(cp) / 1e9
     print(f"device: {name}, {K.num_sms} SMs")
-    print(f"read-only kernel (4 GiB, uint4 streaming loads): {read_gbs:8.0f} GB/s")
+    print(f"read-only kernel of metrale bench (4 GiB, uint4 loads): {read_gbs:8.0f} GB/s")
     print()
     if "--tc" in sys.argv[1:]:  # only the tensor-core GEMV section
         tc_section(cp, K, read_gbs)

@@ -69,14 +69,14 @@ def main() -> int:
     import cupy as cp
 
     from metrale_cli.backends.cuda import kernels as km
-    from benchmarks.bench_kernels import read_bandwidth
+    from metrale_cli.bench import read_bandwidth_gpu
 
     K = km.Kernels()
     dev = cp.cuda.Device()
     name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
-    read_gbs = read_bandwidth(cp)
+    read_gbs = read_bandwidth_gpu(cp) / 1e9
     print(f"device: {name}, {K.num_sms} SMs")
-    print(f"read-only kernel (4 GiB, uint4 streaming loads): {read_gbs:8.0f} GB/s")
+    print(f"read-only kernel of metrale bench (4 GiB, uint4 loads): {read_gbs:8.0f} GB/s")
     gemm = _gemm_tflops(cp)
     for k, v in gemm.items():
         print(f"cuBLAS 4096^3 {k}: {v:7.1f} TFLOP/s")

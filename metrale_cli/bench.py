@@ -116,6 +116,8 @@ extern "C" __global__ void read_all(const uint4* __restrict__ src, size_t n, uns
 
 
 def read_bandwidth_gpu(cp, nbytes: int = 4 << 30) -> float:
+    """Bytes per second of READ_KERNEL over nbytes of random data on the current device (median of 20
+    eager launches).  The one read ceiling of metrale: the kernel benches in benchmarks/ use it too."""
     buf = cp.random.randint(0, 2**31 - 1, nbytes // 4, dtype=cp.int32)
     out = cp.zeros(1, cp.uint32)
     k = cp.RawKernel(READ_KERNEL, "read_all")

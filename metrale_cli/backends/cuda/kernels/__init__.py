@@ -48,7 +48,7 @@ GEMV_SWIGLU_EXTRA = tuple((m, 2, 0) for m in range(5, 17))
 # The fused-RMSNorm variants (norm_weight=...) are compiled for the default configs only.
 
 # The rows path (engine) takes the tensor-core GEMV from this many rows on and the fp32-FMA GEMV below
-# (H200, llama-3.1-8b, 1024 context, scripts/bench_variants.py: decode step 4.89 ms with the fp32-FMA
+# (H200, llama-3.1-8b, 1024 context, benchmarks/bench_variants.py: decode step 4.89 ms with the fp32-FMA
 # GEMV vs 5.01 with gemv_tc, verify k=2 5.01 vs 5.05, k=4 6.11 vs 5.17, k=8 9.21 vs 5.43 ms).
 GEMV_TC_MIN_ROWS = 3
 
