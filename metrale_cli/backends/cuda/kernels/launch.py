@@ -1,0 +1,528 @@
+"""`Kernels`: the launch wrappers of the kernels, one method per kernel (see the package docstring
+for the conventions they share)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .checks import OperandChecks
+from .names import PLAIN_KERNELS, decode_name, gemv_name, gemv_tc_name, name_expressions, prefill_name
+from .nvrtc import compile_module
+from .pdl import PdlLauncher
+from .tuning import (
+    ATTN_CHUNK_ALIGN,
+    ATTN_TC_WARPS,
+    ATTN_WARPS,
+    DECODE_HEAD_DIMS,
+    DECODE_TC_HEAD_DIMS,
+    GEMV_DEFAULT,
+    GEMV_SWIGLU_DEFAULT,
+    GEMV_TC_DEFAULT,
+    GEMV_TC_SWIGLU_DEFAULT,
+    LOG2E,
+    PREFILL_BQ,
+    PREFILL_BQS,
+    PREFILL_HEAD_DIMS,
+    _ceil_div,
+    _decode_qb,
+    _gemv_block_rows,
+    prefill_smem_bytes,
+)
+from .unfused import UnfusedKernels
+
+
+class Kernels(OperandChecks, UnfusedKernels):
+    """All kernels of the CUDA engine.  Construct once per process (after choosing the device)."""
+
+    def __init__(self) -> None:
+        import cupy  # lazily: this module is imported only when the CUDA engine is chosen
+        import numpy
+
+        self._cp = cupy
+        self._np = numpy
+        self._names = name_expressions()
+        self._module = compile_module(cupy, self._names)
+        # Fetch every function now: compiling and loading must not happen during a capture.
+        self._fn = {n: self._module.get_function(n) for n in self._names + PLAIN_KERNELS}
+        self._extra_names = frozenset(name_expressions(extra=True))
+        self._extra_module = None
+        dev = cupy.cuda.Device()
+        self.device_id = dev.id
+        self.num_sms = int(dev.attributes["MultiProcessorCount"])
+        self._bf16_dtype = None
+        try:
+            import ml_dtypes
+
+            self._bf16_dtype = numpy.dtype(ml_dtypes.bfloat16)
+        except ImportError:  # pragma: no cover - ml_dtypes is a runtime dependency
+            pass
+        self._dummy = cupy.zeros(8, dtype=cupy.uint16)  # stands for an absent optional operand
+        self._workspace = None  # decode scratch, grown on demand (eager calls only)
+        # Programmatic dependent launch: while True, every launch lets the kernel start before the
+        # previous kernel of the stream has finished (the kernels' pdl_wait() orders their reads and
+        # writes).  The engine turns it on for the captured rows path.  Needs compute capability 9.0.
+        self.pdl = False
+        self.pdl_supported = int(dev.compute_capability) >= 90
+        self._pdl_launcher = None
+
+    # ------------------------------------------------------------------ launching
+    def _grid1d(self, n: int, block: int = 256) -> int:
+        return max(1, min(_ceil_div(n, block), self.num_sms * 16))
+
+    def load_extra(self) -> None:
+        """Compile the extra instances (name_expressions(extra=True)) now; they are otherwise
+        compiled on first use, which must not happen during a graph capture."""
+        if self._extra_module is None:
+            names = tuple(sorted(self._extra_names))
+            self._extra_module = compile_module(self._cp, names)
+            self._fn.update({n: self._extra_module.get_function(n) for n in names})
+
+    def _has(self, name: str) -> bool:
+        """Whether the kernel instance `name` is compiled (compiling the extra module if it is there)."""
+        if name not in self._fn and name in self._extra_names:
+            self.load_extra()
+        return name in self._fn
+
+    def _launch(self, name: str, grid: tuple, block: tuple, args: tuple, stream: Any) -> None:
+        if self.pdl:
+            if self._pdl_launcher is None:
+                self._pdl_launcher = PdlLauncher(self._cp)
+            self._pdl_launcher.launch(self._fn[name], grid, block, args, stream)
+        else:
+            self._fn[name](grid, block, args, stream=stream)
+
+    # ------------------------------------------------------------------ kernels
+    def embedding(self, ids: Any, table: Any, out: Any, *, stream: Any = None) -> None:
+        """out[m, :] = float32(table[ids[m], :]).  ids int32[M], table bf16[V, H], out f32[M, H].
+        An id outside [0, V) yields a row of NaN."""
+        np = self._np
+        self._i32(ids, "ids", 1)
+        self._bf16(table, "table", 2)
+        self._f32(out, "out", 2)
+        (M,), (V, H) = ids.shape, table.shape
+        self._shape(out, "out", (M, H))
+        if M == 0:
+            return
+        self._launch("embedding_kernel", (M,), (256,), (ids, table, out, np.int32(V), np.int32(H)), stream)
+
+    def gemv(
+        self,
+        x: Any,
+        w: Any,
+        out: Any,
+        bias: Any = None,
+        *,
+        accumulate: bool = False,
+        config: tuple[int, int] | None = None,
+        norm_weight: Any = None,
+        eps: float = 1e-6,
+        stream: Any = None,
+    ) -> None:
+        """out = x @ w.T (+ bias), or out += x @ w.T (+ bias) with accumulate=True.
+
+        x f32[M, K] (1 <= M <= 16), w bf16[N, K] (HF [out, in]), bias bf16[N] or None,
+        out f32[M, N].  K must be a multiple of 8 (16-byte weight rows); N is arbitrary.
+        x must not overlap out.  `config=(R, U)` picks a compiled variant (GEMV_DEFAULT, GEMV_EXTRA;
+        U = 0: x staged in shared memory).
+        With norm_weight bf16[K] (16-byte aligned): fused RMSNorm prologue, x is the
+        un-normalised input and the result is that of rmsnorm(x, norm_weight, eps) followed by
+        this GEMV (within fp32 rounding); only the GEMV_DEFAULT configs are compiled for it."""
+        np = self._np
+        M, K, N, norm = self._linear_operands("gemv", x, w, "w", out, bias, norm_weight, swiglu=False)
+        r, u = config if config is not None else GEMV_DEFAULT[M]
+        name = gemv_name(M, r, u, False, norm)
+        if not self._has(name):
+            raise ValueError(f"gemv: no compiled variant M={M}, R={r}, U={u}, norm={norm}")
+        threads, rows = _gemv_block_rows(r, u)
+        grid = (_ceil_div(N, rows),)
+        args = (
+            x, w, self._dummy if bias is None else bias, out,
+            np.int32(N), np.int32(K), np.int32(1 if accumulate else 0), np.int32(0 if bias is None else 1),
+            norm_weight if norm else self._dummy, np.float32(eps),
+        )
+        self._launch(name, grid, (threads,), args, stream)
+
+    def gemv_swiglu(
+        self,
+        x: Any,
+        w_gate_up: Any,
+        out: Any,
+        *,
+        config: tuple[int, int] | None = None,
+        norm_weight: Any = None,
+        eps: float = 1e-6,
+        stream: Any = None,
+    ) -> None:
+        """out = silu(x @ Wg.T) * (x @ Wu.T) in one pass over the fused weight
+        w_gate_up bf16[2I, K] = concat(gate_proj.weight, up_proj.weight).  x f32[M, K], out f32[M, I].
+        norm_weight bf16[K]: fused RMSNorm of x first, as in gemv."""
+        np = self._np
+        M, K, inter, norm = self._linear_operands("gemv_swiglu", x, w_gate_up, "w_gate_up", out, None, norm_weight,
+                                                  swiglu=True)
+        r, u = config if config is not None else GEMV_SWIGLU_DEFAULT[M]
+        name = gemv_name(M, r, u, True, norm)
+        if not self._has(name):
+            raise ValueError(f"gemv_swiglu: no compiled variant M={M}, R={r}, U={u}, norm={norm}")
+        threads, rows = _gemv_block_rows(r, u)
+        grid = (_ceil_div(inter, rows),)
+        args = (
+            x, w_gate_up, self._dummy, out, np.int32(inter), np.int32(K), np.int32(0), np.int32(0),
+            norm_weight if norm else self._dummy, np.float32(eps),
+        )
+        self._launch(name, grid, (threads,), args, stream)
+
+    def gemv_tc(
+        self,
+        x: Any,
+        w: Any,
+        out: Any,
+        bias: Any = None,
+        *,
+        accumulate: bool = False,
+        swiglu: bool = False,
+        norm_weight: Any = None,
+        eps: float = 1e-6,
+        config: tuple[int, int, int] | None = None,
+        stream: Any = None,
+    ) -> None:
+        """Tensor-core version of gemv / gemv_swiglu (mma.sync bf16, x split into bf16 hi + lo,
+        fp32 accumulation): out (=|+=) x @ w.T (+ bias), or with swiglu=True
+        out (=|+=) silu(x @ Wg.T) * (x @ Wu.T) for w = concat(Wg, Wu) bf16[2I, K], out f32[M, I]
+        (no bias with swiglu).  x f32[M, K] (1 <= M <= 16), w bf16[N, K], bias bf16[N], out f32[M, N];
+        K a positive multiple of 8; x must not overlap out.  norm_weight bf16[K]: fused RMSNorm of x
+        first, as in gemv.  `config=(TILES, W, U)` picks a compiled variant (GEMV_TC_DEFAULT /
+        GEMV_TC_EXTRA, GEMV_TC_SWIGLU_*; norm only for the defaults).  Row m of the result is
+        bit-identical whatever M is, for configs with the same W."""
+        np = self._np
+        op = "gemv_tc"
+        M, K, N, norm = self._linear_operands(op, x, w, "w", out, bias, norm_weight, swiglu)
+        defaults = GEMV_TC_SWIGLU_DEFAULT if swiglu else GEMV_TC_DEFAULT
+        tiles, warps, u = config if config is not None else defaults[M]
+        name = gemv_tc_name(2 if M > 8 else 1, tiles, warps, u, swiglu, norm)
+        if not self._has(name):
+            raise ValueError(
+                f"{op}: no compiled variant M={M}, config=({tiles}, {warps}, {u}), swiglu={swiglu}, norm={norm}"
+            )
+        grid = (_ceil_div(N, 16 * tiles),)
+        args = (
+            x, w, self._dummy if bias is None else bias, out,
+            np.int32(M), np.int32(N), np.int32(K), np.int32(1 if accumulate else 0),
+            np.int32(0 if bias is None else 1), norm_weight if norm else self._dummy, np.float32(eps),
+        )
+        self._launch(name, grid, (warps * 32,), args, stream)
+
+    def rmsnorm(
+        self, x: Any, weight: Any, eps: float, out: Any, residual: Any = None, *, stream: Any = None
+    ) -> None:
+        """out = weight * (h * rsqrt(mean(h^2) + eps)) per row, h = x, or, with residual given,
+        residual += x (in place) and h = the new residual.  x, out, residual f32[M, H], weight bf16[H].
+        out may be x itself; residual must not overlap x or out."""
+        np = self._np
+        self._f32(x, "x", 2)
+        self._bf16(weight, "weight", 1)
+        self._f32(out, "out", 2)
+        M, H = x.shape
+        self._shape(weight, "weight", (H,))
+        self._shape(out, "out", (M, H))
+        if residual is not None:
+            self._f32(residual, "residual", 2)
+            self._shape(residual, "residual", (M, H))
+            self._disjoint(residual, "residual", x, "x")
+            self._disjoint(residual, "residual", out, "out")
+        elif out.data.ptr != x.data.ptr:
+            self._disjoint(x, "x", out, "out")
+        if M == 0:
+            return
+        block = 512 if H >= 2048 else 256 if H >= 512 else 128
+        args = (
+            x, weight, out, self._dummy if residual is None else residual,
+            np.int32(H), np.float32(eps), np.int32(0 if residual is None else 1),
+        )
+        self._launch("rmsnorm_kernel", (M,), (block,), args, stream)
+
+    def rope_kv_append(
+        self,
+        qkv: Any,
+        positions: Any,
+        inv_freq: Any,
+        q_out: Any,
+        k_cache: Any,
+        v_cache: Any,
+        q_norm: Any = None,
+        k_norm: Any = None,
+        eps: float = 1e-6,
+        *,
+        attention_scaling: float = 1.0,
+        stream: Any = None,
+    ) -> None:
+        """rope on q and k plus kv_append, in one launch, from the fused QKV GEMV output:
+        qkv f32[M, (n_heads + 2 n_kv) * head_dim] (per row: q heads, k heads, v heads).
+        q_out f32[M, n_heads, head_dim] = rope(q) (optional per-head q_norm first), and
+        k_cache[:, positions[m], :] = bf16(rope(k)) (optional k_norm), v_cache[...] = bf16(v):
+        the same as rope(q), rope(k) and kv_append(k, v) (bit-identical up to the fp32 rounding
+        of the rotation).  Caches bf16[n_kv, max_ctx, head_dim]; positions int32[M] (device; a
+        position outside [0, max_ctx) skips the cache writes).  q_out must not overlap qkv,
+        except that for M == 1 it may be the q part of qkv itself (rotation in place).
+        qkv is not modified (except through that in-place q_out)."""
+        np = self._np
+        self._f32(qkv, "qkv", 2)
+        self._i32(positions, "positions", 1)
+        self._f32(inv_freq, "inv_freq", 1)
+        self._f32(q_out, "q_out", 3)
+        n_kv, max_ctx, hd = self._check_cache(k_cache, v_cache)
+        M, nh, qhd = q_out.shape
+        if qhd != hd:
+            raise ValueError(f"q_out: head_dim {qhd} differs from the cache's {hd}")
+        if hd % 2 or hd > 256 or hd == 0:
+            raise ValueError(f"rope_kv_append: head_dim = {hd} must be even and <= 256")
+        self._shape(qkv, "qkv", (M, (nh + 2 * n_kv) * hd))
+        self._shape(positions, "positions", (M,))
+        self._shape(inv_freq, "inv_freq", (hd // 2,))
+        for a, an in ((q_norm, "q_norm"), (k_norm, "k_norm")):
+            if a is not None:
+                self._bf16(a, an, 1)
+                self._shape(a, an, (hd,))
+        if not (M == 1 and q_out.data.ptr == qkv.data.ptr):
+            self._disjoint(q_out, "q_out", qkv, "qkv")
+        for c, cn in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+            self._disjoint(c, cn, qkv, "qkv")
+            self._disjoint(c, cn, q_out, "q_out")
+        slots = nh + 2 * n_kv
+        if M * slots == 0:
+            return
+        warps = 4
+        args = (
+            qkv, positions, inv_freq,
+            self._dummy if q_norm is None else q_norm, self._dummy if k_norm is None else k_norm,
+            q_out, k_cache, v_cache,
+            np.int32(M), np.int32(nh), np.int32(n_kv), np.int32(hd), np.int32(max_ctx), np.float32(eps),
+            np.int32(0 if q_norm is None else 1), np.int32(0 if k_norm is None else 1),
+            np.float32(attention_scaling),
+        )
+        self._launch("rope_kv_append_kernel", (_ceil_div(M * slots, warps),), (32 * warps,), args, stream)
+
+    def decode_splits(self, max_ctx: int, n_kv: int, n_rows: int = 1, n_heads: int | None = None) -> int:
+        """Number of context splits for attention_decode of n_rows query rows (any n_rows >= 1;
+        pass the M the call will use: the split count is fixed in a captured graph).
+
+        The split kernel runs n_kv * ceil(n_rows * G / R) * n_splits blocks (G = n_heads / n_kv;
+        R = 8 query vectors per block when n_rows * G <= 8, else 16; head_dim 256: R <= 4 on the
+        SIMT path, which this count ignores).  At the longest context we want about 2 blocks of 4
+        warps per SM (each warp keeps ~8 KiB of K/V loads in flight, 64 KiB per SM covers the
+        HBM latency), so n_splits = ceil(2 * SMs / (n_kv * row blocks)), but no split shorter
+        than ATTN_CHUNK_ALIGN keys at max_ctx.  On the device the split size is
+        ceil(L / n_splits) rounded up to ATTN_CHUNK_ALIGN for the current length L, so shorter
+        contexts use fewer, still >= 64-key, splits.  Llama-3-8B on 132 SMs (n_kv 8, G 4):
+        M = 1..4 -> 33 splits (264 blocks), M = 5..8 -> 17 (272), M = 16 -> 9 (288)."""
+        n_heads = n_kv if n_heads is None else n_heads
+        n_kv = max(1, int(n_kv))
+        qvec = max(1, int(n_rows)) * max(1, int(n_heads) // n_kv)
+        row_blocks = _ceil_div(qvec, 8 if qvec <= 8 else 16)
+        want = _ceil_div(2 * self.num_sms, n_kv * row_blocks)
+        return max(1, min(want, _ceil_div(max(1, int(max_ctx)), ATTN_CHUNK_ALIGN), 65535))
+
+    @staticmethod
+    def decode_workspace_size(n_rows: int, n_heads: int, head_dim: int, n_splits: int) -> int:
+        """float32 elements of the attention_decode scratch buffer: per split and query vector
+        (row x head) head_dim partial sums plus (max, sum).  Its content need not be initialised:
+        every call writes what it reads."""
+        return n_splits * n_rows * n_heads * (head_dim + 2)
+
+    def attention_decode(
+        self,
+        q: Any,
+        k_cache: Any,
+        v_cache: Any,
+        positions: Any,
+        out: Any,
+        scale: float,
+        *,
+        n_splits: int | None = None,
+        workspace: Any = None,
+        stream: Any = None,
+    ) -> None:
+        """Causal attention of M query rows (decode M=1, verify M=k) against the cache:
+        row m attends to cache rows 0..positions[m] inclusive (a position >= max_ctx counts as
+        max_ctx - 1; a row with a negative position gets NaN).  q, out f32[M, n_heads, head_dim];
+        caches bf16[n_kv, max_ctx, head_dim], 16-byte aligned; positions int32[M] (device).
+        head_dim in {32, 64, 128, 256}; n_heads a multiple of n_kv.  Flash-decoding in two
+        launches (split + combine): `n_splits` (default decode_splits(max_ctx, n_kv, M, n_heads))
+        fixed at capture time; the length L = max(positions) + 1 and the split size are computed
+        on the device, splits past L exit at once.  head_dim <= 128 runs on tensor cores with q
+        and the softmax weights each split into two bf16 terms (hi + lo): about fp32 accuracy.
+        `workspace`: f32 buffer of >= decode_workspace_size(M, n_heads, head_dim, n_splits)
+        elements, any content; if None an internal one is used (grown on demand: make one eager
+        call before capturing, or pass your own, and pass your own when calls on different streams
+        may overlap)."""
+        np = self._np
+        self._f32(q, "q", 3)
+        self._f32(out, "out", 3)
+        self._i32(positions, "positions", 1)
+        n_kv, max_ctx, hd = self._check_cache(k_cache, v_cache)
+        M, nh, qhd = q.shape
+        if qhd != hd:
+            raise ValueError(f"q: head_dim {qhd} differs from the cache's {hd}")
+        if hd not in DECODE_HEAD_DIMS:
+            raise ValueError(f"attention_decode: head_dim {hd} not in {DECODE_HEAD_DIMS}")
+        if n_kv == 0 or nh % n_kv:
+            raise ValueError(f"attention_decode: n_heads {nh} is not a multiple of n_kv {n_kv}")
+        if M == 0 or max_ctx == 0:
+            raise ValueError("attention_decode: empty q or cache")
+        self._shape(out, "out", (M, nh, hd))
+        self._shape(positions, "positions", (M,))
+        self._disjoint(q, "q", out, "out")
+        self._aligned(k_cache, "k_cache")
+        self._aligned(v_cache, "v_cache")
+        G = nh // n_kv
+        if n_splits is None:
+            n_splits = self.decode_splits(max_ctx, n_kv, M, nh)
+        n_splits = int(n_splits)
+        if not 1 <= n_splits <= 65535:
+            raise ValueError(f"attention_decode: n_splits = {n_splits} must be in 1..65535")
+        need = self.decode_workspace_size(M, nh, hd, n_splits)
+        if workspace is None:
+            if self._workspace is None or self._workspace.size < need:
+                self._workspace = self._cp.empty(max(need, 1 << 20), dtype=self._cp.float32)
+            workspace = self._workspace
+        else:
+            self._f32(workspace, "workspace")
+            if workspace.size < need:
+                raise ValueError(f"workspace: {workspace.size} float32 elements, need {need}")
+        for a, an in ((q, "q"), (out, "out"), (positions, "positions"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+            self._disjoint(workspace, "workspace", a, an)
+        ws = workspace.reshape(-1)
+        n_acc = n_splits * M * nh * hd
+        part_acc = ws[:n_acc]
+        part_ml = ws[n_acc : n_acc + 2 * n_splits * M * nh]
+        qb = _decode_qb(hd, M * G)
+        if hd in DECODE_TC_HEAD_DIMS:
+            grid = (_ceil_div(M * G, qb), n_splits, n_kv)
+            threads = ATTN_TC_WARPS * 32
+        else:
+            grid = (n_kv, n_splits, _ceil_div(M * G, qb))
+            threads = ATTN_WARPS * 32
+        qscale = np.float32(float(scale) * LOG2E)
+        args = (
+            q, k_cache, v_cache, positions, part_acc, part_ml,
+            np.int32(M), np.int32(nh), np.int32(n_kv), np.int32(max_ctx), np.int32(n_splits), qscale,
+        )
+        self._launch(decode_name(hd, qb), grid, (threads,), args, stream)
+        args2 = (
+            part_acc, part_ml, positions, out,
+            np.int32(M), np.int32(nh), np.int32(hd), np.int32(max_ctx), np.int32(n_splits),
+        )
+        self._launch("attn_decode_combine_kernel", (M * nh,), (hd,), args2, stream)
+
+    def attention_prefill(
+        self,
+        q: Any,
+        k_cache: Any,
+        v_cache: Any,
+        start_pos: int,
+        T: int,
+        out: Any,
+        scale: float,
+        *,
+        block_q: int | None = None,
+        stream: Any = None,
+    ) -> None:
+        """Causal attention of a prompt chunk: query row t (position start_pos + t) attends to
+        cache rows 0..start_pos+t, whose K/V were appended before.  q, out f32[>=T, n_heads,
+        head_dim] (rows T.. untouched); head_dim in {32, 64, 128}; start_pos + T <= max_ctx.
+        Tensor cores (flash_prefill.cu): q and the softmax weights P are rounded to bf16 for the
+        mma (as bf16 attention in transformers does), the softmax state and sums stay fp32.
+        `block_q`: query rows per block, one of PREFILL_BQS (default PREFILL_BQ).  Eager only:
+        launched without PDL, with dynamic shared memory."""
+        np = self._np
+        self._f32(q, "q", 3)
+        self._f32(out, "out", 3)
+        n_kv, max_ctx, hd = self._check_cache(k_cache, v_cache)
+        start_pos, T = int(start_pos), int(T)
+        if q.shape[1:] != out.shape[1:] or q.shape[2] != hd:
+            raise ValueError(f"q {q.shape} / out {out.shape} do not match the cache head_dim {hd}")
+        nh = q.shape[1]
+        if hd not in PREFILL_HEAD_DIMS:
+            raise ValueError(f"attention_prefill: head_dim {hd} not in {PREFILL_HEAD_DIMS}")
+        if n_kv == 0 or nh % n_kv:
+            raise ValueError(f"attention_prefill: n_heads {nh} is not a multiple of n_kv {n_kv}")
+        if T < 1 or q.shape[0] < T or out.shape[0] < T:
+            raise ValueError(f"attention_prefill: T = {T} rows, q has {q.shape[0]}, out {out.shape[0]}")
+        if start_pos < 0 or start_pos + T > max_ctx:
+            raise ValueError(f"attention_prefill: positions {start_pos}..{start_pos + T - 1} outside max_ctx {max_ctx}")
+        bq = PREFILL_BQ if block_q is None else int(block_q)
+        if bq not in PREFILL_BQS:
+            raise ValueError(f"attention_prefill: block_q {bq} not in {PREFILL_BQS}")
+        self._disjoint(q, "q", out, "out")
+        for a, an, nbytes in ((q, "q", 8), (out, "out", 8), (k_cache, "k_cache", 16), (v_cache, "v_cache", 16)):
+            self._aligned(a, an, nbytes)
+        name = prefill_name(hd, bq)
+        fn = self._fn[name]
+        smem = prefill_smem_bytes(hd)
+        done = self.__dict__.setdefault("_prefill_smem_set", set())
+        if name not in done:  # opt in to more than 48 KiB of dynamic shared memory, once
+            fn.max_dynamic_shared_size_bytes = smem
+            done.add(name)
+        grid = (nh, _ceil_div(T, bq))  # heads vary fastest; the kernel starts the longest blocks first
+        args = (
+            q, k_cache, v_cache, out, np.int32(T), np.int32(start_pos), np.int32(nh),
+            np.int32(n_kv), np.int32(max_ctx), np.float32(float(scale) * LOG2E),
+        )
+        fn(grid, (bq // 16 * 32,), args, shared_mem=smem, stream=stream)
+
+    def swiglu(self, gate_up: Any, out: Any, *, stream: Any = None) -> None:
+        """out = silu(gate_up[:, :I]) * gate_up[:, I:].  gate_up f32[M, 2I], out f32[M, I]."""
+        np = self._np
+        self._f32(gate_up, "gate_up", 2)
+        self._f32(out, "out", 2)
+        M, I2 = gate_up.shape
+        if I2 % 2:
+            raise ValueError(f"gate_up: second dimension {I2} must be even (2 * I)")
+        self._shape(out, "out", (M, I2 // 2))
+        self._disjoint(gate_up, "gate_up", out, "out")
+        n = M * (I2 // 2)
+        if n == 0:
+            return
+        self._launch("swiglu_kernel", (self._grid1d(n),), (256,), (gate_up, out, np.int32(M), np.int32(I2 // 2)), stream)
+
+    def argmax(self, rows: Any, out: Any, *, stream: Any = None) -> None:
+        """out[i] = index of the first maximum of rows[i] (torch.argmax), or -1 if rows[i] holds
+        any NaN or +-Inf.  rows f32 or bf16 [n, V]; out int32[n]."""
+        np = self._np
+        self._arr(rows, "rows")
+        self._i32(out, "out", 1)
+        if rows.ndim != 2:
+            raise ValueError(f"rows: expected 2 dimensions, got shape {rows.shape}")
+        n, V = rows.shape
+        self._shape(out, "out", (n,))
+        if V == 0 or V >= 2**31:
+            raise ValueError(f"argmax: V = {V} must be in 1..2^31-1")
+        if rows.dtype == np.float32:
+            name = "argmax_f32_kernel"
+        elif self._is_bf16(rows.dtype):
+            name = "argmax_bf16_kernel"
+        else:
+            raise ValueError(f"rows: dtype must be float32 or bfloat16, got {rows.dtype}")
+        if n == 0:
+            return
+        self._launch(name, (n,), (1024,), (rows, out, np.int32(V)), stream)
+
+    def f32_to_bf16(self, x: Any, out: Any, *, stream: Any = None) -> None:
+        """out = bf16(x), round to nearest even, NaN -> 0x7FC0 (torch CPU semantics).
+        x f32[...]; out bf16 or uint16, same shape."""
+        np = self._np
+        self._f32(x, "x")
+        self._bf16(out, "out")
+        self._shape(out, "out", x.shape)
+        if x.size == 0:
+            return
+        self._launch("f32_to_bf16_kernel", (self._grid1d(x.size),), (256,), (x, out, np.int64(x.size)), stream)
+
+    def bf16_to_f32(self, x: Any, out: Any, *, stream: Any = None) -> None:
+        """out = float32(x) (exact).  x bf16 or uint16 [...]; out f32, same shape."""
+        np = self._np
+        self._bf16(x, "x")
+        self._f32(out, "out")
+        self._shape(out, "out", x.shape)
+        if x.size == 0:
+            return
+        self._launch("bf16_to_f32_kernel", (self._grid1d(x.size),), (256,), (x, out, np.int64(x.size)), stream)
