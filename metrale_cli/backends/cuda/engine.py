@@ -69,14 +69,6 @@ class DeviceWeights:
     final_norm: Any  # [H]
     lm_head: Any  # [V, H] (the embedding itself when tied)
 
-    def streamed_bytes(self) -> int:
-        """Bytes one decode step must read: every weight but the embedding table (unless tied)."""
-        total = self.final_norm.nbytes + self.lm_head.nbytes
-        for lw in self.layers:
-            for a in vars(lw).values():
-                total += a.nbytes if a is not None else 0
-        return total
-
 
 def _oom(cp, what: str, nbytes: int) -> DeviceError:
     free, total = cp.cuda.runtime.memGetInfo()
@@ -186,9 +178,8 @@ class CudaEngine(EngineBase):
         # stream does not wait for: without this, the first passes can read weights still in flight.
         cp.cuda.Device().synchronize()
         self._graphs: dict[tuple[str, int], Any] = {}
-        # Programmatic dependent launch on the rows path (sm_90+; set_pdl).  Off by default: measured on
-        # the H200 it saves ~0.4 us per launch between tiny kernels but costs ~1.4 us per GEMV, and the
-        # llama-3.1-8b decode step was 5.015 ms with it against 4.924 ms without (cuda/NOTES.md).
+        # Programmatic dependent launch on the rows path (sm_90+; set_pdl).  Off by default: on the H200
+        # it did not make the decode step faster (backends/cuda/NOTES.md, "PDL").
         self.use_pdl = False
         # Rows-path projections (GEMV_TC_MIN_ROWS): "auto" = the fp32-FMA GEMV (gemv.cu) below that many
         # rows, the tensor-core GEMV (gemv_tc.cu) from there on; "simt" / "tc" force one of them.

@@ -42,6 +42,7 @@ from .tuning import (
     ATTN_TC_WARPS,
     ATTN_WARPS,
     DECODE_HEAD_DIMS,
+    DECODE_SIMT_KB,
     DECODE_TC_HEAD_DIMS,
     GEMV_DEFAULT,
     GEMV_EXTRA,

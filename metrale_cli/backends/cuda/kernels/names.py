@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from .tuning import (
     DECODE_HEAD_DIMS,
+    DECODE_SIMT_KB,
     DECODE_TC_HEAD_DIMS,
     GEMV_DEFAULT,
     GEMV_EXTRA,
@@ -19,7 +20,6 @@ from .tuning import (
     PREFILL_BQ,
     PREFILL_BQS,
     PREFILL_HEAD_DIMS,
-    _decode_kb,
 )
 
 
@@ -57,7 +57,7 @@ def decode_name(hd: int, qb: int) -> str:
     """The split kernel for head_dim hd taking qb query vectors per block (_decode_qb)."""
     if hd in DECODE_TC_HEAD_DIMS:
         return f"attn_decode_tc_kernel<{hd}, {qb // 8}>"
-    return f"attn_decode_split_kernel<{hd}, {qb}, {_decode_kb(hd)}>"
+    return f"attn_decode_split_kernel<{hd}, {qb}, {DECODE_SIMT_KB}>"
 
 
 def prefill_name(hd: int, bq: int = PREFILL_BQ) -> str:

@@ -9,9 +9,9 @@ GEMV_XS_WARPS = 8  # must match gemv.cu (shared-memory-x variant)
 GEMV_MAX_M = 16
 # A gemv config is (R, U): R output rows per warp and U 16-byte chunks per row in flight per
 # lane (register variant: x read through L1); U = 0 selects the variant that stages x in shared
-# memory (for larger M).  Defaults per M, from the H200 measurements of benchmarks/bench_kernels.py (see
-# NOTES.md): M=1 (1, 8); M=3..8 (4, 2); M>=9 the shared-memory-x variant (at M=16: 19-23% of read
-# bandwidth against 14-15% for the register variant (4, 1), which stays compiled).
+# memory (for larger M).  Defaults per M, chosen from benchmarks/bench_kernels.py sweeps on the H200
+# (figures in NOTES.md): M=1 (1, 8); M=2 (2, 4); M=3..8 (4, 2); M>=9 the shared-memory-x variant,
+# which beat the register variant (4, 1) at M=16 (that one stays compiled).
 GEMV_DEFAULT = {m: ((1, 8) if m == 1 else (2, 4) if m == 2 else (4, 2) if m <= 8 else (4, 0)) for m in range(1, 17)}
 # SwiGLU: R output rows per warp = 2R weight rows.
 GEMV_SWIGLU_DEFAULT = {m: ((1, 4) if m <= 4 else (2, 1)) for m in range(1, 17)}
@@ -23,8 +23,7 @@ GEMV_SWIGLU_EXTRA = tuple((m, 2, 0) for m in range(5, 17))
 # The fused-RMSNorm variants (norm_weight=...) are compiled for the default configs only.
 
 # The rows path (engine) takes the tensor-core GEMV from this many rows on and the fp32-FMA GEMV below
-# (H200, llama-3.1-8b, 1024 context, benchmarks/bench_variants.py: decode step 4.89 ms with the fp32-FMA
-# GEMV vs 5.01 with gemv_tc, verify k=2 5.01 vs 5.05, k=4 6.11 vs 5.17, k=8 9.21 vs 5.43 ms).
+# (the fp32-FMA GEMV is faster at 1-2 rows, gemv_tc from 3 on: NOTES.md, "Tensor-core GEMV").
 GEMV_TC_MIN_ROWS = 3
 
 # Tensor-core GEMV (gemv_tc.cu, `Kernels.gemv_tc`).  A config is (TILES, W, U): TILES tiles of 16
@@ -45,9 +44,9 @@ DECODE_HEAD_DIMS = (32, 64, 128, 256)
 PREFILL_HEAD_DIMS = (32, 64, 128)
 # flash_prefill.cu (tensor cores): a block takes PREFILL_BQ query rows of one head, 16 rows per warp,
 # and walks key tiles of PREFILL_BK keys (must match FP_BK there).  PREFILL_BQS are compiled; 64
-# (4 warps, 168 registers at head_dim 128 -> 3 blocks per SM) is the default.
+# (4 warps) is the default: 128 (8 warps) was slower at every length measured (NOTES.md, flash prefill).
 PREFILL_BQ = 64
-PREFILL_BQS = (64,)  # 128 (8 warps, 1 block per SM) was slower at every length measured (NOTES.md)
+PREFILL_BQS = (64,)
 PREFILL_BK = 64
 LOG2E = 1.4426950408889634
 
@@ -59,6 +58,7 @@ LOG2E = 1.4426950408889634
 ATTN_TC_WARPS = 4
 ATTN_CHUNK_ALIGN = 64
 DECODE_TC_HEAD_DIMS = (32, 64, 128)
+DECODE_SIMT_KB = 4  # keys per warp step of the SIMT split kernel (its template argument KB)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -75,11 +75,6 @@ def _next_pow2(n: int) -> int:
 def _decode_qb_max(hd: int) -> int:
     """Query vectors per block: the most the split kernel of head_dim hd takes."""
     return 16 if hd in DECODE_TC_HEAD_DIMS else 4
-
-
-def _decode_kb(hd: int) -> int:
-    """Keys per warp step of the SIMT split kernel (head_dim 256)."""
-    return 4
 
 
 def _decode_qb(hd: int, n_qvec: int) -> int:
