@@ -647,23 +647,3 @@ attn_decode_combine_kernel(const float* __restrict__ part_acc, const float* __re
     for (int s0 = B; s0 < nact; s0 += B) batch(s0);
     if (active) out[(u64)qt * HD + d] = a / lsum;
 }
-
-#ifndef METRALE_NVRTC
-#define INST_SPLIT(HD, QB, KB)                                                                 \
-    template __global__ void attn_decode_split_kernel<HD, QB, KB>(                              \
-        const float*, const unsigned short*, const unsigned short*, const int*, float*, float*, \
-        int, int, int, int, int, float);
-INST_SPLIT(256, 1, 4)
-INST_SPLIT(256, 2, 4)
-INST_SPLIT(256, 4, 4)
-#define INST_TC(HD, NQ)                                                                              \
-    template __global__ void attn_decode_tc_kernel<HD, NQ>(const float*, const unsigned short*,        \
-                                                           const unsigned short*, const int*, float*,  \
-                                                           float*, int, int, int, int, int, float);
-INST_TC(32, 1)
-INST_TC(32, 2)
-INST_TC(64, 1)
-INST_TC(64, 2)
-INST_TC(128, 1)
-INST_TC(128, 2)
-#endif

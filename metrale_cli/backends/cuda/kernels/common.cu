@@ -1,11 +1,13 @@
 // Shared helpers of the metrale CUDA kernels.
 //
-// kernels.py builds ONE NVRTC module: it puts this file first and removes the
+// nvrtc.py builds ONE NVRTC module: it puts this file first and removes the
 // `#include "common.cu"` lines of the other .cu files (so CuPy's kernel cache,
 // which hashes the source text only, always sees the helpers that are used).
 // The include lines stay so that every .cu file also compiles on its own with
 //     nvcc -arch=sm_90 -std=c++17 -ptx -o /dev/null file.cu
-// (the name ends in .cu, not .cuh, so that pyproject's package-data glob ships it).
+// (tests/test_cuda_sources.py does so, with every template instance that
+// names.py lists; the name ends in .cu, not .cuh, so that pyproject's
+// package-data glob ships it).
 #ifndef METRALE_COMMON_CU
 #define METRALE_COMMON_CU
 
@@ -75,7 +77,7 @@ __device__ __forceinline__ uint4 ld_stream_u4(const void* p) {
     return r;
 }
 
-// Programmatic dependent launch (PDL, sm_90+).  When kernels.py launches a kernel with the
+// Programmatic dependent launch (PDL, sm_90+).  When Kernels launches a kernel with the
 // programmatic-stream-serialization attribute (the rows path does, inside its CUDA graph), the
 // kernel may start while the previous kernel of the stream is still running.  Every kernel
 // therefore calls pdl_wait() before its first read of data written by earlier kernels and before

@@ -286,16 +286,3 @@ flash_prefill_kernel(const float* __restrict__ q, const unsigned short* __restri
             *reinterpret_cast<float2*>(op + dt * 8) = make_float2(o[dt][2] * inv1, o[dt][3] * inv1);
     }
 }
-
-#ifndef METRALE_NVRTC
-#define INST_FLASH_PREFILL(HD, NW)                                                                   \
-    template __global__ void flash_prefill_kernel<HD, NW>(const float*, const unsigned short*,       \
-                                                          const unsigned short*, float*, int, int, int, \
-                                                          int, int, float);
-INST_FLASH_PREFILL(32, 4)
-INST_FLASH_PREFILL(64, 4)
-INST_FLASH_PREFILL(128, 4)
-INST_FLASH_PREFILL(32, 8)
-INST_FLASH_PREFILL(64, 8)
-INST_FLASH_PREFILL(128, 8)
-#endif

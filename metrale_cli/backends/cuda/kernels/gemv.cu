@@ -2,7 +2,7 @@
 //
 // x: float32 [M, K] (row-major), w: bf16 [N, K] (Hugging Face [out, in] layout),
 // bias: bf16 [N] (optional), out: float32 [M, N].  fp32 accumulation.
-// Requirements (checked by kernels.py): K % 8 == 0, x and w 16-byte aligned,
+// Requirements (checked by Kernels.gemv): K % 8 == 0, x and w 16-byte aligned,
 // 1 <= M <= 16, x does not overlap out.
 //
 // Work split: a block has GEMV_WARPS warps; each warp owns R consecutive output
@@ -318,35 +318,3 @@ gemv_xs_kernel(const float* __restrict__ x, const unsigned short* __restrict__ w
     if (n0 >= N) return;  // after the last barrier
     gemv_epilogue<M, R, SWIGLU, NORM>(acc, inv, lane, n0, N, bias, out, accumulate, has_bias);
 }
-
-// Explicit instantiations for the compile check (kernels.py names its own set
-// through NVRTC name expressions).
-#ifndef METRALE_NVRTC
-#define GEMV_ARGS const float*, const unsigned short*, const unsigned short*, float*, int, int, int, int, \
-                  const unsigned short*, float
-template __global__ void gemv_kernel<1, 2, 4, false, false>(GEMV_ARGS);
-template __global__ void gemv_kernel<1, 1, 8, false, false>(GEMV_ARGS);
-template __global__ void gemv_kernel<1, 4, 2, false, false>(GEMV_ARGS);
-template __global__ void gemv_kernel<1, 2, 8, false, false>(GEMV_ARGS);
-template __global__ void gemv_kernel<4, 2, 4, false, false>(GEMV_ARGS);
-template __global__ void gemv_kernel<4, 4, 2, false, false>(GEMV_ARGS);
-template __global__ void gemv_kernel<4, 1, 8, false, false>(GEMV_ARGS);
-template __global__ void gemv_kernel<8, 4, 2, false, false>(GEMV_ARGS);
-template __global__ void gemv_kernel<16, 4, 1, false, false>(GEMV_ARGS);
-template __global__ void gemv_kernel<1, 1, 4, true, false>(GEMV_ARGS);
-template __global__ void gemv_kernel<4, 1, 4, true, false>(GEMV_ARGS);
-template __global__ void gemv_kernel<8, 2, 1, true, false>(GEMV_ARGS);
-template __global__ void gemv_kernel<16, 2, 1, true, false>(GEMV_ARGS);
-template __global__ void gemv_xs_kernel<8, 8, false, false>(GEMV_ARGS);
-template __global__ void gemv_xs_kernel<16, 4, false, false>(GEMV_ARGS);
-template __global__ void gemv_xs_kernel<8, 4, true, false>(GEMV_ARGS);
-template __global__ void gemv_xs_kernel<16, 2, true, false>(GEMV_ARGS);
-template __global__ void gemv_kernel<1, 1, 8, false, true>(GEMV_ARGS);
-template __global__ void gemv_kernel<2, 2, 4, false, true>(GEMV_ARGS);
-template __global__ void gemv_kernel<8, 4, 2, false, true>(GEMV_ARGS);
-template __global__ void gemv_kernel<1, 1, 4, true, true>(GEMV_ARGS);
-template __global__ void gemv_kernel<8, 2, 1, true, true>(GEMV_ARGS);
-template __global__ void gemv_xs_kernel<9, 4, false, true>(GEMV_ARGS);
-template __global__ void gemv_xs_kernel<16, 4, false, true>(GEMV_ARGS);
-template __global__ void gemv_xs_kernel<16, 2, true, true>(GEMV_ARGS);
-#endif

@@ -5,7 +5,7 @@
 //
 // Operands: x float32 [M, K] row-major, w bf16 bits [N, K] (HF [out, in]); SwiGLU: w [2N, K] (gate
 // rows 0..N-1, up rows N..2N-1) and out[m, n] = silu(x.w[n]) * (x.w[N + n]); bias bf16 [N]; out
-// float32 [M, N].  K % 8 == 0, x / w / norm_w 16-byte aligned (checked by kernels.py).
+// float32 [M, N].  K % 8 == 0, x / w / norm_w 16-byte aligned (checked by Kernels.gemv_tc).
 //
 // Precision: x (times the norm weight with NORM) is split per element into bf16 hi = bf16(x) and
 // lo = bf16(x - hi); both are multiplied with the (exact) bf16 weights into the same fp32
@@ -276,36 +276,3 @@ gemv_tc_kernel(const float* __restrict__ x, const unsigned short* __restrict__ w
         *o = val;
     }
 }
-
-// Explicit instantiations for the compile check (kernels.py names its own set through NVRTC name
-// expressions).
-#ifndef METRALE_NVRTC
-#define GEMV_TC_ARGS const float*, const unsigned short*, const unsigned short*, float*, int, int, int, int, int, \
-                     const unsigned short*, float
-template __global__ void gemv_tc_kernel<1, 2, 8, 2, false, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<1, 2, 8, 2, false, true>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<2, 2, 8, 2, false, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<2, 2, 8, 2, false, true>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<1, 1, 8, 2, false, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<2, 1, 8, 2, false, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<1, 1, 8, 4, false, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<2, 1, 8, 4, false, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<1, 2, 8, 4, false, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<2, 2, 8, 4, false, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<1, 4, 8, 2, false, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<2, 4, 8, 2, false, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<1, 2, 4, 4, false, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<2, 2, 4, 4, false, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<1, 4, 4, 2, false, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<2, 4, 4, 2, false, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<1, 1, 8, 2, true, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<1, 1, 8, 2, true, true>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<2, 1, 8, 2, true, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<2, 1, 8, 2, true, true>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<1, 1, 8, 4, true, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<2, 1, 8, 4, true, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<1, 2, 8, 2, true, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<2, 2, 8, 2, true, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<1, 1, 4, 4, true, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<2, 1, 4, 4, true, false>(GEMV_TC_ARGS);
-#endif
