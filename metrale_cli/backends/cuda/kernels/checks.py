@@ -20,21 +20,25 @@ class OperandChecks:
             raise ValueError(f"{name}: on device {a.device.id}, kernels on device {self.device_id}")
         return a
 
-    def _f32(self, a: Any, name: str, ndim: int | None = None) -> Any:
-        self._arr(a, name)
-        if a.dtype != self._np.float32:
-            raise ValueError(f"{name}: dtype must be float32, got {a.dtype}")
+    @staticmethod
+    def _ndim(a: Any, name: str, ndim: int | None) -> None:
         if ndim is not None and a.ndim != ndim:
             raise ValueError(f"{name}: expected {ndim} dimensions, got shape {a.shape}")
+
+    def _typed(self, a: Any, name: str, dtype_ok: bool, want: str, ndim: int | None) -> Any:
+        """The end of _f32 / _i32 / _bf16, once _arr has passed: the dtype verdict, then ndim."""
+        if not dtype_ok:
+            raise ValueError(f"{name}: dtype must be {want}, got {a.dtype}")
+        self._ndim(a, name, ndim)
         return a
+
+    def _f32(self, a: Any, name: str, ndim: int | None = None) -> Any:
+        self._arr(a, name)
+        return self._typed(a, name, a.dtype == self._np.float32, "float32", ndim)
 
     def _i32(self, a: Any, name: str, ndim: int | None = None) -> Any:
         self._arr(a, name)
-        if a.dtype != self._np.int32:
-            raise ValueError(f"{name}: dtype must be int32, got {a.dtype}")
-        if ndim is not None and a.ndim != ndim:
-            raise ValueError(f"{name}: expected {ndim} dimensions, got shape {a.shape}")
-        return a
+        return self._typed(a, name, a.dtype == self._np.int32, "int32", ndim)
 
     def _is_bf16(self, dtype: Any) -> bool:
         return dtype in (self._np.uint16, self._np.int16) or (
@@ -43,11 +47,7 @@ class OperandChecks:
 
     def _bf16(self, a: Any, name: str, ndim: int | None = None) -> Any:
         self._arr(a, name)
-        if not self._is_bf16(a.dtype):
-            raise ValueError(f"{name}: dtype must be bfloat16 (or uint16 raw bits), got {a.dtype}")
-        if ndim is not None and a.ndim != ndim:
-            raise ValueError(f"{name}: expected {ndim} dimensions, got shape {a.shape}")
-        return a
+        return self._typed(a, name, self._is_bf16(a.dtype), "bfloat16 (or uint16 raw bits)", ndim)
 
     @staticmethod
     def _shape(a: Any, name: str, shape: tuple[int, ...]) -> None:

@@ -127,12 +127,18 @@ class Kernels(OperandChecks, UnfusedKernels):
         With norm_weight bf16[K] (16-byte aligned): fused RMSNorm prologue, x is the
         un-normalised input and the result is that of rmsnorm(x, norm_weight, eps) followed by
         this GEMV (within fp32 rounding); only the GEMV_DEFAULT configs are compiled for it."""
+        self._gemv("gemv", x, w, "w", out, bias, False, accumulate, config, norm_weight, eps, stream)
+
+    def _gemv(self, op: str, x: Any, w: Any, wname: str, out: Any, bias: Any, swiglu: bool, accumulate: bool,
+              config: tuple[int, int] | None, norm_weight: Any, eps: float, stream: Any) -> None:
+        """Check and launch the fp32-FMA GEMV (gemv.cu) for gemv and gemv_swiglu: config (R, U), or
+        the default for M of GEMV_DEFAULT / GEMV_SWIGLU_DEFAULT."""
         np = self._np
-        M, K, N, norm = self._linear_operands("gemv", x, w, "w", out, bias, norm_weight, swiglu=False)
-        r, u = config if config is not None else GEMV_DEFAULT[M]
-        name = gemv_name(M, r, u, False, norm)
+        M, K, N, norm = self._linear_operands(op, x, w, wname, out, bias, norm_weight, swiglu=swiglu)
+        r, u = config if config is not None else (GEMV_SWIGLU_DEFAULT if swiglu else GEMV_DEFAULT)[M]
+        name = gemv_name(M, r, u, swiglu, norm)
         if not self._has(name):
-            raise ValueError(f"gemv: no compiled variant M={M}, R={r}, U={u}, norm={norm}")
+            raise ValueError(f"{op}: no compiled variant M={M}, R={r}, U={u}, norm={norm}")
         threads, rows = _gemv_block_rows(r, u)
         grid = (_ceil_div(N, rows),)
         args = (
@@ -156,20 +162,8 @@ class Kernels(OperandChecks, UnfusedKernels):
         """out = silu(x @ Wg.T) * (x @ Wu.T) in one pass over the fused weight
         w_gate_up bf16[2I, K] = concat(gate_proj.weight, up_proj.weight).  x f32[M, K], out f32[M, I].
         norm_weight bf16[K]: fused RMSNorm of x first, as in gemv."""
-        np = self._np
-        M, K, inter, norm = self._linear_operands("gemv_swiglu", x, w_gate_up, "w_gate_up", out, None, norm_weight,
-                                                  swiglu=True)
-        r, u = config if config is not None else GEMV_SWIGLU_DEFAULT[M]
-        name = gemv_name(M, r, u, True, norm)
-        if not self._has(name):
-            raise ValueError(f"gemv_swiglu: no compiled variant M={M}, R={r}, U={u}, norm={norm}")
-        threads, rows = _gemv_block_rows(r, u)
-        grid = (_ceil_div(inter, rows),)
-        args = (
-            x, w_gate_up, self._dummy, out, np.int32(inter), np.int32(K), np.int32(0), np.int32(0),
-            norm_weight if norm else self._dummy, np.float32(eps),
-        )
-        self._launch(name, grid, (threads,), args, stream)
+        self._gemv("gemv_swiglu", x, w_gate_up, "w_gate_up", out, None, True, False, config, norm_weight, eps,
+                   stream)
 
     def gemv_tc(
         self,
@@ -490,8 +484,7 @@ class Kernels(OperandChecks, UnfusedKernels):
         np = self._np
         self._arr(rows, "rows")
         self._i32(out, "out", 1)
-        if rows.ndim != 2:
-            raise ValueError(f"rows: expected 2 dimensions, got shape {rows.shape}")
+        self._ndim(rows, "rows", 2)
         n, V = rows.shape
         self._shape(out, "out", (n,))
         if V == 0 or V >= 2**31:
