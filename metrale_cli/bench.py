@@ -116,6 +116,8 @@ extern "C" __global__ void read_all(const uint4* __restrict__ src, size_t n, uns
 
 
 def read_bandwidth_gpu(cp, nbytes: int = 4 << 30) -> float:
+    """Bytes per second of READ_KERNEL over nbytes of random data on the current device (median of 20
+    eager launches).  The one read ceiling of metrale: the kernel benches in benchmarks/ use it too."""
     buf = cp.random.randint(0, 2**31 - 1, nbytes // 4, dtype=cp.int32)
     out = cp.zeros(1, cp.uint32)
     k = cp.RawKernel(READ_KERNEL, "read_all")
@@ -182,7 +184,7 @@ def gemm_rate_cpu(n: int = 1024) -> float:
 def build_engine(cfg: ModelConfig, device: str, context: int):
     source = RandomTensors(cfg, seed=0)
     if device == "cuda":
-        from .cuda.engine import load_cuda_engine
+        from .backends.cuda.engine import load_cuda_engine
 
         return load_cuda_engine(cfg, source, context)
     from .backends.numpy.engine import load_numpy_engine

@@ -320,12 +320,6 @@ def _take_hidden(engine, hidden: HiddenRows | None, n: int | None = None) -> Non
         hidden.extend(rows if n is None else rows[:n])
 
 
-def _sync(engine) -> None:
-    sync = getattr(engine, "synchronize", None)
-    if sync is not None:
-        sync()
-
-
 # -- forward -------------------------------------------------------------------------------------------------
 
 
@@ -336,7 +330,7 @@ def run_forward(engine, prompt: Sequence[int], *, all_rows: bool, token_text=Non
     engine.reset()
     t0 = time.perf_counter()
     n = engine.prefill(prompt, all_logits=all_rows)
-    _sync(engine)
+    engine.synchronize()
     timings.prefill_s = time.perf_counter() - t0
     buf = engine.logits_buffer_ptr()
     first_pos = len(prompt) - n
@@ -365,7 +359,7 @@ def prefill_next(engine, rd: Reader, prompt: Sequence[int], timings: Timings, ro
     engine.reset()
     t0 = time.perf_counter()
     engine.prefill(prompt, all_logits=False)
-    _sync(engine)
+    engine.synchronize()
     timings.prefill_s = time.perf_counter() - t0
     ptr = engine.logits_buffer_ptr().row_ptr(0)
     token = rd.argmax(ptr, len(prompt) - 1)

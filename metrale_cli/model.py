@@ -110,7 +110,7 @@ def open_model(path: str | Path | None = None, *, device: str = "auto", max_cont
                 progress(min(done[0], total), total)
 
         if chosen == "cuda":
-            from .cuda.engine import load_cuda_engine
+            from .backends.cuda.engine import load_cuda_engine
 
             engine = load_cuda_engine(cfg, ckpt, ctx, fp32_logits, step)
         else:

@@ -159,7 +159,7 @@ def run_score(engine, tokens: Sequence[int], *, chunk: int, stride: int, top_k: 
         engine.reset()
         t0 = time.perf_counter()
         n_rows = engine.prefill(ids[win.start:win.end], all_logits=True)
-        _sync(engine)
+        engine.synchronize()
         timings.step_s.append(time.perf_counter() - t0)
         buf = engine.logits_buffer_ptr()
         rd.argmax_batch(buf, n_rows, win.start)  # a row holding NaN/Inf fails here, naming its position
@@ -180,9 +180,3 @@ def score_row(values: np.ndarray, position: int, token: int, window: int, top_k:
             for i in (top_k_ids(x, top_k) if top_k > 0 else [])]
     rank = 1 + int((x > x[token]).sum())
     return ScoredToken(position, token, text(token), float(x[token]) - log_z, rank, alts, window)
-
-
-def _sync(engine) -> None:
-    sync = getattr(engine, "synchronize", None)
-    if sync is not None:
-        sync()

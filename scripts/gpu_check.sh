@@ -9,12 +9,12 @@ out=${1:-${OUT:-/tmp/metrale-gpu}}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader | tee "$out/gpu.txt"
-python3 -c "import time; t = time.time(); from metrale_cli.cuda.kernels import Kernels; k = Kernels(); \
+python3 -c "import time; t = time.time(); from metrale_cli.backends.cuda.kernels import Kernels; k = Kernels(); \
 a = time.time(); k.load_extra(); print(f'kernel compile (cold): core module {a - t:.1f} s, extra module {time.time() - a:.1f} s')" \
   | tee -a "$out/gpu.txt"
 timeout 420 python3 -m pytest tests/gpu -q -p no:cacheprovider -rs -s 2>&1 | tee "$out/gpu_tests.log" \
   | grep -E "rel err|differs|FAILED|passed|failed|error" | tail -40
-timeout 120 python3 scripts/bench_variants.py --context 1024 --json "$out/variants-8b-1024.json" | tee "$out/variants-8b-1024.txt"
+timeout 120 python3 benchmarks/bench_variants.py --context 1024 --json "$out/variants-8b-1024.json" | tee "$out/variants-8b-1024.txt"
 python3 -m metrale_cli bench --device cuda --preset llama-3.1-8b --context 1024 --repeats 50 \
   --format plain --json "$out/bench-8b-1024.json" 2>/dev/null | tee "$out/bench-8b-1024.txt"
 python3 -m metrale_cli bench --device cuda --preset llama-3.1-8b --context 8192 --repeats 30 --no-transformers \

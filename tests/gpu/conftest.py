@@ -35,7 +35,7 @@ def cp():
 
 @pytest.fixture(scope="session")
 def kernels(cp):
-    from metrale_cli.cuda.kernels import Kernels
+    from metrale_cli.backends.cuda.kernels import Kernels
 
     k = Kernels()
     k.load_extra()  # every compiled variant (tests capture graphs, which must not compile)

@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from metrale_cli.cuda.kernels import PREFILL_BQS
+from metrale_cli.backends.cuda.kernels import PREFILL_BQS
 
 from gpu_helpers import assert_close, bits_f32, make_cache, rel_err
 

@@ -103,8 +103,8 @@ def test_gemv_tc_shapes(cp, kernels, rng, seed, N, K, M):
 
 
 def _configs(swiglu):
-    from metrale_cli.cuda.kernels import (GEMV_TC_DEFAULT, GEMV_TC_EXTRA, GEMV_TC_SWIGLU_DEFAULT,
-                                          GEMV_TC_SWIGLU_EXTRA)
+    from metrale_cli.backends.cuda.kernels import (GEMV_TC_DEFAULT, GEMV_TC_EXTRA, GEMV_TC_SWIGLU_DEFAULT,
+                                                   GEMV_TC_SWIGLU_EXTRA)
 
     d = GEMV_TC_SWIGLU_DEFAULT if swiglu else GEMV_TC_DEFAULT
     return list(dict.fromkeys(list(d.values()) + list(GEMV_TC_SWIGLU_EXTRA if swiglu else GEMV_TC_EXTRA)))
@@ -244,7 +244,7 @@ def test_gemv_tc_row_independent_of_m(cp, kernels, rng, seed, kind, N, K):
 
 def test_gemv_tc_row_independent_of_tiles_and_u(cp, kernels, rng, seed):
     """The reduction order depends on W only: configs with W = 8 agree bit for bit."""
-    from metrale_cli.cuda.kernels import GEMV_TC_DEFAULT, GEMV_TC_EXTRA
+    from metrale_cli.backends.cuda.kernels import GEMV_TC_DEFAULT, GEMV_TC_EXTRA
 
     N, K = 1001, 4104
     wb, _ = rand_bf16(rng, (N, K), 0.05)

@@ -24,12 +24,12 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..config import ModelConfig
-from ..errors import DeviceError, NonFiniteLogitsError
-from ..engine_base import EngineBase, check_context
-from ..logits import DevicePtr
-from ..engine.loop import Tap, decoder_forward
-from ..models.weights import WeightSource, Weights, check_checkpoint, load_weights
+from ...config import ModelConfig
+from ...errors import DeviceError, NonFiniteLogitsError
+from ...engine_base import EngineBase, check_context
+from ...logits import DevicePtr
+from ...engine.loop import Tap, decoder_forward
+from ...models.weights import WeightSource, Weights, check_checkpoint, load_weights
 from .kernels import GEMV_TC_MIN_ROWS
 from .passes import PrefillPass, RowsPass
 
@@ -142,9 +142,8 @@ class CudaEngine(EngineBase):
         # stream does not wait for: without this, the first passes can read weights still in flight.
         cp.cuda.Device().synchronize()
         self._graphs: dict[tuple[str, int], Any] = {}
-        # Programmatic dependent launch on the rows path (sm_90+; set_pdl).  Off by default: measured on
-        # the H200 it saves ~0.4 us per launch between tiny kernels but costs ~1.4 us per GEMV, and the
-        # llama-3.1-8b decode step was 5.015 ms with it against 4.924 ms without (cuda/NOTES.md).
+        # Programmatic dependent launch on the rows path (sm_90+; set_pdl).  Off by default: on the H200
+        # it did not make the decode step faster (backends/cuda/NOTES.md, "PDL").
         self.use_pdl = False
         # Rows-path projections (GEMV_TC_MIN_ROWS): "auto" = the fp32-FMA GEMV (gemv.cu) below that many
         # rows, the tensor-core GEMV (gemv_tc.cu) from there on; "simt" / "tc" force one of them.

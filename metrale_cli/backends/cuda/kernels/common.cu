@@ -1,11 +1,13 @@
 // Shared helpers of the metrale CUDA kernels.
 //
-// kernels.py builds ONE NVRTC module: it puts this file first and removes the
+// nvrtc.py builds ONE NVRTC module: it puts this file first and removes the
 // `#include "common.cu"` lines of the other .cu files (so CuPy's kernel cache,
 // which hashes the source text only, always sees the helpers that are used).
 // The include lines stay so that every .cu file also compiles on its own with
 //     nvcc -arch=sm_90 -std=c++17 -ptx -o /dev/null file.cu
-// (the name ends in .cu, not .cuh, so that pyproject's package-data glob ships it).
+// (tests/test_cuda_sources.py does so, with every template instance that
+// names.py lists; the name ends in .cu, not .cuh, so that pyproject's
+// package-data glob ships it).
 #ifndef METRALE_COMMON_CU
 #define METRALE_COMMON_CU
 
@@ -27,6 +29,36 @@ __device__ __forceinline__ float bf16_to_f32_bits(unsigned short b) {
 // The low / high bf16 of a 32-bit word that holds two consecutive bf16 values.
 __device__ __forceinline__ float bf16_lo(unsigned int w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(unsigned int w) { return __uint_as_float(w & 0xffff0000u); }
+
+// s + the dot product of 8 bf16 weights (16 bytes, in k order) with 8 floats xa, xb, as one
+// chain of fmaf in k order (the order fixes the fp32 rounding of the GEMVs).
+__device__ __forceinline__ float dot8_bf16(const uint4& q, const float4& xa, const float4& xb, float s) {
+    s = fmaf(bf16_lo(q.x), xa.x, s);
+    s = fmaf(bf16_hi(q.x), xa.y, s);
+    s = fmaf(bf16_lo(q.y), xa.z, s);
+    s = fmaf(bf16_hi(q.y), xa.w, s);
+    s = fmaf(bf16_lo(q.z), xb.x, s);
+    s = fmaf(bf16_hi(q.z), xb.y, s);
+    s = fmaf(bf16_lo(q.w), xb.z, s);
+    s = fmaf(bf16_hi(q.w), xb.w, s);
+    return s;
+}
+
+// bf16x2 of (lo, hi), round to nearest even: lo in bits 0..15, hi in bits 16..31.
+__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// d += A (16x16 bf16, row) * B (16x8 bf16, col), fp32 accumulate (mma.sync m16n8k16).
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                               unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
 
 // float32 -> bfloat16 bits, round to nearest even, bit-identical to torch's CPU
 // `tensor.to(torch.bfloat16)` (c10::detail::round_to_nearest_even): every NaN
@@ -75,7 +107,7 @@ __device__ __forceinline__ uint4 ld_stream_u4(const void* p) {
     return r;
 }
 
-// Programmatic dependent launch (PDL, sm_90+).  When kernels.py launches a kernel with the
+// Programmatic dependent launch (PDL, sm_90+).  When Kernels launches a kernel with the
 // programmatic-stream-serialization attribute (the rows path does, inside its CUDA graph), the
 // kernel may start while the previous kernel of the stream is still running.  Every kernel
 // therefore calls pdl_wait() before its first read of data written by earlier kernels and before

@@ -60,22 +60,6 @@ __device__ __forceinline__ void fp_ldsm_x4_t(unsigned addr, unsigned& r0, unsign
                  : "memory");
 }
 
-// d += A (16x16 bf16, row) * B (16x8 bf16, col), fp32 accumulate.
-__device__ __forceinline__ void fp_mma(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                       unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// Two floats -> packed bf16x2 (round to nearest even); lo in the low 16 bits.
-__device__ __forceinline__ unsigned fp_pack_bf16(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
 // Stage keys/values k0 .. k0+FP_BK-1 of one KV head (rows >= kend zero-filled).
 template <int HD, int NTH>
 __device__ __forceinline__ void fp_load_kv(unsigned sk, unsigned sv, const unsigned short* __restrict__ kb,
@@ -154,10 +138,10 @@ flash_prefill_kernel(const float* __restrict__ q, const unsigned short* __restri
                 b = *reinterpret_cast<const float2*>(q1 + ks * 16);
                 b8 = *reinterpret_cast<const float2*>(q1 + ks * 16 + 8);
             }
-            qa[ks][0] = fp_pack_bf16(a.x * qscale, a.y * qscale);
-            qa[ks][1] = fp_pack_bf16(b.x * qscale, b.y * qscale);
-            qa[ks][2] = fp_pack_bf16(a8.x * qscale, a8.y * qscale);
-            qa[ks][3] = fp_pack_bf16(b8.x * qscale, b8.y * qscale);
+            qa[ks][0] = pack_bf16x2(a.x * qscale, a.y * qscale);
+            qa[ks][1] = pack_bf16x2(b.x * qscale, b.y * qscale);
+            qa[ks][2] = pack_bf16x2(a8.x * qscale, a8.y * qscale);
+            qa[ks][3] = pack_bf16x2(b8.x * qscale, b8.y * qscale);
         }
     }
 
@@ -195,9 +179,10 @@ flash_prefill_kernel(const float* __restrict__ q, const unsigned short* __restri
                 for (int ksp = 0; ksp < KS / 2; ++ksp) {
                     unsigned b0, b1, b2, b3;
                     fp_ldsm_x4(kt + (unsigned)(nt * 8 * LD + ksp * 32) * 2u, b0, b1, b2, b3);
-                    fp_mma(s[nt], qa[2 * ksp][0], qa[2 * ksp][1], qa[2 * ksp][2], qa[2 * ksp][3], b0, b1);
-                    fp_mma(s[nt], qa[2 * ksp + 1][0], qa[2 * ksp + 1][1], qa[2 * ksp + 1][2],
-                           qa[2 * ksp + 1][3], b2, b3);
+                    mma_bf16_16816(s[nt], qa[2 * ksp][0], qa[2 * ksp][1], qa[2 * ksp][2], qa[2 * ksp][3], b0,
+                                   b1);
+                    mma_bf16_16816(s[nt], qa[2 * ksp + 1][0], qa[2 * ksp + 1][1], qa[2 * ksp + 1][2],
+                                   qa[2 * ksp + 1][3], b2, b3);
                 }
             }
         }
@@ -252,16 +237,16 @@ flash_prefill_kernel(const float* __restrict__ q, const unsigned short* __restri
 #pragma unroll
         for (int kk = 0; kk < FP_BK / 16; ++kk) {
             if (k0 + kk * 16 > pw_max) continue;  // P is 0 there for every valid row
-            const unsigned a0 = fp_pack_bf16(s[2 * kk][0], s[2 * kk][1]);
-            const unsigned a1 = fp_pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-            const unsigned a2 = fp_pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            const unsigned a3 = fp_pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            const unsigned a0 = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
+            const unsigned a1 = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
+            const unsigned a2 = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            const unsigned a3 = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 #pragma unroll
             for (int dp = 0; dp < DT / 2; ++dp) {
                 unsigned b0, b1, b2, b3;
                 fp_ldsm_x4_t(vt + (unsigned)(kk * 16 * LD + dp * 16) * 2u, b0, b1, b2, b3);
-                fp_mma(o[2 * dp], a0, a1, a2, a3, b0, b1);
-                fp_mma(o[2 * dp + 1], a0, a1, a2, a3, b2, b3);
+                mma_bf16_16816(o[2 * dp], a0, a1, a2, a3, b0, b1);
+                mma_bf16_16816(o[2 * dp + 1], a0, a1, a2, a3, b2, b3);
             }
         }
     }
@@ -286,16 +271,3 @@ flash_prefill_kernel(const float* __restrict__ q, const unsigned short* __restri
             *reinterpret_cast<float2*>(op + dt * 8) = make_float2(o[dt][2] * inv1, o[dt][3] * inv1);
     }
 }
-
-#ifndef METRALE_NVRTC
-#define INST_FLASH_PREFILL(HD, NW)                                                                   \
-    template __global__ void flash_prefill_kernel<HD, NW>(const float*, const unsigned short*,       \
-                                                          const unsigned short*, float*, int, int, int, \
-                                                          int, int, float);
-INST_FLASH_PREFILL(32, 4)
-INST_FLASH_PREFILL(64, 4)
-INST_FLASH_PREFILL(128, 4)
-INST_FLASH_PREFILL(32, 8)
-INST_FLASH_PREFILL(64, 8)
-INST_FLASH_PREFILL(128, 8)
-#endif

@@ -26,6 +26,8 @@ __device__ __forceinline__ void argmax_row(const T* __restrict__ rows, int* __re
         }
     }
     bad = __syncthreads_or(bad);
+    // The two warp reductions of (value, index) below stay written out: as a shared helper (by
+    // reference, pointer, lambda or returned struct) nvcc 13.0 generated different sm_90 code.
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
         const float ov = __shfl_xor_sync(0xffffffffu, best, o);

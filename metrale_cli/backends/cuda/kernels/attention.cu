@@ -62,6 +62,34 @@ __device__ __forceinline__ void decode_mark_empty(float* __restrict__ part_ml, i
     part_ml[slot * 2 + 1] = 0.0f;
 }
 
+// Dim d of the split partial of query vector qi (< M*G) of KV head hk, from the block's W warps'
+// online-softmax states in shared memory: ml[w][r] = (max, sum), acc[w][r][d] (r: the vector's
+// index in the block); the (max, sum) are written by the thread of d == 0.
+template <int W, int HD, typename ML, typename ACC>
+__device__ __forceinline__ void decode_write_partial(const ML& ml, const ACC& acc, int r, int d, float* part_acc,
+                                                     float* part_ml, int split, int qi, int G, int n_heads, int hk,
+                                                     int QT) {
+    float gm = -METRALE_INF;
+#pragma unroll
+    for (int w = 0; w < W; ++w) gm = fmaxf(gm, ml[w][r][0]);
+    float a = 0.0f, lsum = 0.0f;
+    if (gm != -METRALE_INF) {
+#pragma unroll
+        for (int w = 0; w < W; ++w) {
+            const float f = exp2f(ml[w][r][0] - gm);  // 0 for warps without keys
+            a = fmaf(acc[w][r][d], f, a);
+            lsum = fmaf(ml[w][r][1], f, lsum);
+        }
+    }
+    const int m = qi / G, gg = qi - m * G;
+    const u64 slot = (u64)split * QT + (u64)m * n_heads + hk * G + gg;
+    part_acc[slot * HD + d] = a;
+    if (d == 0) {
+        part_ml[slot * 2] = gm;
+        part_ml[slot * 2 + 1] = lsum;
+    }
+}
+
 // ---------------------------------------------------------------------------
 // Tensor-core split kernel (head_dim 32, 64, 128).
 //
@@ -92,22 +120,16 @@ __device__ __forceinline__ void decode_mark_empty(float* __restrict__ part_ml, i
 // end the warps merge through shared memory and the block writes its partials.
 // ---------------------------------------------------------------------------
 
-// bf16x2 of (lo, hi), round to nearest even: lo in the low 16 bits.
-__device__ __forceinline__ unsigned ad_pack_bf16x2(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
 // (x0, x1) ~= hi + lo with hi = bf16(x) and lo = bf16(x - hi).
 __device__ __forceinline__ void ad_split_bf16x2(float x0, float x1, unsigned& hi, unsigned& lo) {
-    hi = ad_pack_bf16x2(x0, x1);
-    lo = ad_pack_bf16x2(x0 - bf16_lo(hi), x1 - bf16_hi(hi));
+    hi = pack_bf16x2(x0, x1);
+    lo = pack_bf16x2(x0 - bf16_lo(hi), x1 - bf16_hi(hi));
 }
 
 // d += A B: A 16x16 bf16 (a0: row g, k 2t..; a1: row g+8; a2: row g, k 2t+8..; a3: row
 // g+8, k 2t+8..), B 16x8 bf16 (b0: k 2t, 2t+1, col g; b1: k 2t+8, 2t+9), d 16x8 fp32
-// (d0, d1: row g, cols 2t, 2t+1; d2, d3: row g+8).
+// (d0, d1: row g, cols 2t, 2t+1; d2, d3: row g+8).  common.cu's mma_bf16_16816 but asm volatile;
+// nvcc 13.0 gives the same sm_90 code with either, but the difference is kept, not merged away.
 __device__ __forceinline__ void ad_mma(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                        unsigned b0, unsigned b1) {
     asm volatile(
@@ -381,25 +403,7 @@ attn_decode_tc_kernel(const float* __restrict__ q, const unsigned short* __restr
         const int r = idx / HD, d = idx - r * HD;
         const int qi = r0 + r;
         if (qi >= MG) break;  // idx only grows: every later qi is past M*G too
-        float gm = -METRALE_INF;
-#pragma unroll
-        for (int w = 0; w < W; ++w) gm = fmaxf(gm, s_ml[w][r][0]);
-        float a = 0.0f, lsum = 0.0f;
-        if (gm != -METRALE_INF) {
-#pragma unroll
-            for (int w = 0; w < W; ++w) {
-                const float f = exp2f(s_ml[w][r][0] - gm);  // 0 for warps without keys
-                a = fmaf(s_o[w][r][d], f, a);
-                lsum = fmaf(s_ml[w][r][1], f, lsum);
-            }
-        }
-        const int m = qi / G, gg = qi - m * G;
-        const u64 slot = (u64)split * QT + (u64)m * n_heads + hk * G + gg;
-        part_acc[slot * HD + d] = a;
-        if (d == 0) {
-            part_ml[slot * 2] = gm;
-            part_ml[slot * 2 + 1] = lsum;
-        }
+        decode_write_partial<W, HD>(s_ml, s_o, r, d, part_acc, part_ml, split, qi, G, n_heads, hk, QT);
     }
 }
 
@@ -566,25 +570,7 @@ attn_decode_split_kernel(const float* __restrict__ q, const unsigned short* __re
         const int qb = idx / HD, d = idx - qb * HD;
         const int qi = blockIdx.z * QB + qb;
         if (qi >= M * G) continue;
-        float gm = -METRALE_INF;
-#pragma unroll
-        for (int w = 0; w < ATTN_WARPS; ++w) gm = fmaxf(gm, s_ml[w][qb][0]);
-        float a = 0.0f, lsum = 0.0f;
-        if (gm != -METRALE_INF) {
-#pragma unroll
-            for (int w = 0; w < ATTN_WARPS; ++w) {
-                const float f = exp2f(s_ml[w][qb][0] - gm);  // 0 for warps without keys
-                a = fmaf(s_acc[w][qb][d], f, a);
-                lsum = fmaf(s_ml[w][qb][1], f, lsum);
-            }
-        }
-        const int m = qi / G, g = qi - m * G;
-        const u64 slot = (u64)split * QT + (u64)m * n_heads + hk * G + g;
-        part_acc[slot * HD + d] = a;
-        if (d == 0) {
-            part_ml[slot * 2] = gm;
-            part_ml[slot * 2 + 1] = lsum;
-        }
+        decode_write_partial<ATTN_WARPS, HD>(s_ml, s_acc, qb, d, part_acc, part_ml, split, qi, G, n_heads, hk, QT);
     }
 }
 
@@ -647,23 +633,3 @@ attn_decode_combine_kernel(const float* __restrict__ part_acc, const float* __re
     for (int s0 = B; s0 < nact; s0 += B) batch(s0);
     if (active) out[(u64)qt * HD + d] = a / lsum;
 }
-
-#ifndef METRALE_NVRTC
-#define INST_SPLIT(HD, QB, KB)                                                                 \
-    template __global__ void attn_decode_split_kernel<HD, QB, KB>(                              \
-        const float*, const unsigned short*, const unsigned short*, const int*, float*, float*, \
-        int, int, int, int, int, float);
-INST_SPLIT(256, 1, 4)
-INST_SPLIT(256, 2, 4)
-INST_SPLIT(256, 4, 4)
-#define INST_TC(HD, NQ)                                                                              \
-    template __global__ void attn_decode_tc_kernel<HD, NQ>(const float*, const unsigned short*,        \
-                                                           const unsigned short*, const int*, float*,  \
-                                                           float*, int, int, int, int, int, float);
-INST_TC(32, 1)
-INST_TC(32, 2)
-INST_TC(64, 1)
-INST_TC(64, 2)
-INST_TC(128, 1)
-INST_TC(128, 2)
-#endif

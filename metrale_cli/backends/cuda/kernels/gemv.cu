@@ -2,7 +2,7 @@
 //
 // x: float32 [M, K] (row-major), w: bf16 [N, K] (Hugging Face [out, in] layout),
 // bias: bf16 [N] (optional), out: float32 [M, N].  fp32 accumulation.
-// Requirements (checked by kernels.py): K % 8 == 0, x and w 16-byte aligned,
+// Requirements (checked by Kernels.gemv): K % 8 == 0, x and w 16-byte aligned,
 // 1 <= M <= 16, x does not overlap out.
 //
 // Work split: a block has GEMV_WARPS warps; each warp owns R consecutive output
@@ -73,6 +73,15 @@ __device__ __forceinline__ void gemv_epilogue(float (&acc)[SWIGLU ? 2 * R : R][M
     }
 }
 
+// s + the sum of squares of v's four values, in order (the NORM prologue).
+__device__ __forceinline__ float sumsq4(float4 v, float s) {
+    s = fmaf(v.x, v.x, s);
+    s = fmaf(v.y, v.y, s);
+    s = fmaf(v.z, v.z, s);
+    s = fmaf(v.w, v.w, s);
+    return s;
+}
+
 // One step of a lane: UU chunks (c, c+32, ..., c+32*(UU-1)) of each of the RW
 // weight rows, all loaded before any is used.  All chunks must be < K/8.
 // NORM: ss[m] += x^2 over the loaded x values, and x is multiplied by norm_w.
@@ -105,33 +114,12 @@ __device__ __forceinline__ void gemv_step(const float* __restrict__ x, const uin
             float4 xa = __ldg(xp);
             float4 xb = __ldg(xp + 1);
             if constexpr (NORM) {
-                float t = ss[m];
-                t = fmaf(xa.x, xa.x, t);
-                t = fmaf(xa.y, xa.y, t);
-                t = fmaf(xa.z, xa.z, t);
-                t = fmaf(xa.w, xa.w, t);
-                t = fmaf(xb.x, xb.x, t);
-                t = fmaf(xb.y, xb.y, t);
-                t = fmaf(xb.z, xb.z, t);
-                t = fmaf(xb.w, xb.w, t);
-                ss[m] = t;
+                ss[m] = sumsq4(xb, sumsq4(xa, ss[m]));
                 xa = make_float4(xa.x * nw[0], xa.y * nw[1], xa.z * nw[2], xa.w * nw[3]);
                 xb = make_float4(xb.x * nw[4], xb.y * nw[5], xb.z * nw[6], xb.w * nw[7]);
             }
 #pragma unroll
-            for (int r = 0; r < RW; ++r) {
-                const uint4 q = wv[u][r];
-                float s = acc[r][m];
-                s = fmaf(bf16_lo(q.x), xa.x, s);
-                s = fmaf(bf16_hi(q.x), xa.y, s);
-                s = fmaf(bf16_lo(q.y), xa.z, s);
-                s = fmaf(bf16_hi(q.y), xa.w, s);
-                s = fmaf(bf16_lo(q.z), xb.x, s);
-                s = fmaf(bf16_hi(q.z), xb.y, s);
-                s = fmaf(bf16_lo(q.w), xb.z, s);
-                s = fmaf(bf16_hi(q.w), xb.w, s);
-                acc[r][m] = s;
-            }
+            for (int r = 0; r < RW; ++r) acc[r][m] = dot8_bf16(wv[u][r], xa, xb, acc[r][m]);
         }
     }
 }
@@ -253,12 +241,7 @@ gemv_xs_kernel(const float* __restrict__ x, const unsigned short* __restrict__ w
                     float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                     if (cc < C) {
                         v = __ldg(reinterpret_cast<const float4*>(x + (u64)m * K) + 2 * cc + half);
-                        float q = ssp[j];
-                        q = fmaf(v.x, v.x, q);
-                        q = fmaf(v.y, v.y, q);
-                        q = fmaf(v.z, v.z, q);
-                        q = fmaf(v.w, v.w, q);
-                        ssp[j] = q;
+                        ssp[j] = sumsq4(v, ssp[j]);
                         const uint2 g = __ldg(reinterpret_cast<const uint2*>(norm_w + (u64)cc * 8 + half * 4));
                         v = make_float4(v.x * bf16_lo(g.x), v.y * bf16_hi(g.x), v.z * bf16_lo(g.y),
                                         v.w * bf16_hi(g.y));
@@ -282,19 +265,7 @@ gemv_xs_kernel(const float* __restrict__ x, const unsigned short* __restrict__ w
                 const float4 xa = xs[0][m][lane];
                 const float4 xb = xs[1][m][lane];
 #pragma unroll
-                for (int r = 0; r < RW; ++r) {
-                    const uint4 q = wc[r];
-                    float s = acc[r][m];
-                    s = fmaf(bf16_lo(q.x), xa.x, s);
-                    s = fmaf(bf16_hi(q.x), xa.y, s);
-                    s = fmaf(bf16_lo(q.y), xa.z, s);
-                    s = fmaf(bf16_hi(q.y), xa.w, s);
-                    s = fmaf(bf16_lo(q.z), xb.x, s);
-                    s = fmaf(bf16_hi(q.z), xb.y, s);
-                    s = fmaf(bf16_lo(q.w), xb.z, s);
-                    s = fmaf(bf16_hi(q.w), xb.w, s);
-                    acc[r][m] = s;
-                }
+                for (int r = 0; r < RW; ++r) acc[r][m] = dot8_bf16(wc[r], xa, xb, acc[r][m]);
             }
         }
     }
@@ -318,35 +289,3 @@ gemv_xs_kernel(const float* __restrict__ x, const unsigned short* __restrict__ w
     if (n0 >= N) return;  // after the last barrier
     gemv_epilogue<M, R, SWIGLU, NORM>(acc, inv, lane, n0, N, bias, out, accumulate, has_bias);
 }
-
-// Explicit instantiations for the compile check (kernels.py names its own set
-// through NVRTC name expressions).
-#ifndef METRALE_NVRTC
-#define GEMV_ARGS const float*, const unsigned short*, const unsigned short*, float*, int, int, int, int, \
-                  const unsigned short*, float
-template __global__ void gemv_kernel<1, 2, 4, false, false>(GEMV_ARGS);
-template __global__ void gemv_kernel<1, 1, 8, false, false>(GEMV_ARGS);
-template __global__ void gemv_kernel<1, 4, 2, false, false>(GEMV_ARGS);
-template __global__ void gemv_kernel<1, 2, 8, false, false>(GEMV_ARGS);
-template __global__ void gemv_kernel<4, 2, 4, false, false>(GEMV_ARGS);
-template __global__ void gemv_kernel<4, 4, 2, false, false>(GEMV_ARGS);
-template __global__ void gemv_kernel<4, 1, 8, false, false>(GEMV_ARGS);
-template __global__ void gemv_kernel<8, 4, 2, false, false>(GEMV_ARGS);
-template __global__ void gemv_kernel<16, 4, 1, false, false>(GEMV_ARGS);
-template __global__ void gemv_kernel<1, 1, 4, true, false>(GEMV_ARGS);
-template __global__ void gemv_kernel<4, 1, 4, true, false>(GEMV_ARGS);
-template __global__ void gemv_kernel<8, 2, 1, true, false>(GEMV_ARGS);
-template __global__ void gemv_kernel<16, 2, 1, true, false>(GEMV_ARGS);
-template __global__ void gemv_xs_kernel<8, 8, false, false>(GEMV_ARGS);
-template __global__ void gemv_xs_kernel<16, 4, false, false>(GEMV_ARGS);
-template __global__ void gemv_xs_kernel<8, 4, true, false>(GEMV_ARGS);
-template __global__ void gemv_xs_kernel<16, 2, true, false>(GEMV_ARGS);
-template __global__ void gemv_kernel<1, 1, 8, false, true>(GEMV_ARGS);
-template __global__ void gemv_kernel<2, 2, 4, false, true>(GEMV_ARGS);
-template __global__ void gemv_kernel<8, 4, 2, false, true>(GEMV_ARGS);
-template __global__ void gemv_kernel<1, 1, 4, true, true>(GEMV_ARGS);
-template __global__ void gemv_kernel<8, 2, 1, true, true>(GEMV_ARGS);
-template __global__ void gemv_xs_kernel<9, 4, false, true>(GEMV_ARGS);
-template __global__ void gemv_xs_kernel<16, 4, false, true>(GEMV_ARGS);
-template __global__ void gemv_xs_kernel<16, 2, true, true>(GEMV_ARGS);
-#endif

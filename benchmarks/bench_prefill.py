@@ -2,7 +2,7 @@
 shape (32 query heads, 8 KV heads, head_dim 128), against a cuBLAS bf16 GEMM measured in the same run
 (the fp32 SIMT kernel it replaced, git 59ceb35, was compared in the same way: see NOTES.md).  Needs CuPy and a CUDA GPU:
 
-    PYTHONPATH=. python3 -m metrale_cli.cuda.bench_prefill
+    PYTHONPATH=. python3 -m benchmarks.bench_prefill
 
 Method as bench_kernels: a CUDA graph of N launches (N = 32 for short prompts, fewer for long ones so
 the run stays short), rotating input copies so the L2 does not serve repeated reads, CUDA events, the
@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import sys
 
-from metrale_cli.cuda.bench_kernels import L2_BYTES, _graph_time_ms
+from benchmarks.bench_kernels import L2_BYTES, _graph_time_ms
 
 
 def _gemm_tflops(cp, n=4096, reps=20):
@@ -68,15 +68,15 @@ def _gemm_tflops(cp, n=4096, reps=20):
 def main() -> int:
     import cupy as cp
 
-    from metrale_cli.cuda import kernels as km
-    from metrale_cli.cuda.bench_kernels import read_bandwidth
+    from metrale_cli.backends.cuda import kernels as km
+    from metrale_cli.bench import read_bandwidth_gpu
 
     K = km.Kernels()
     dev = cp.cuda.Device()
     name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
-    read_gbs = read_bandwidth(cp)
+    read_gbs = read_bandwidth_gpu(cp) / 1e9
     print(f"device: {name}, {K.num_sms} SMs")
-    print(f"read-only kernel (4 GiB, uint4 streaming loads): {read_gbs:8.0f} GB/s")
+    print(f"read-only kernel of metrale bench (4 GiB, uint4 loads): {read_gbs:8.0f} GB/s")
     gemm = _gemm_tflops(cp)
     for k, v in gemm.items():
         print(f"cuBLAS 4096^3 {k}: {v:7.1f} TFLOP/s")

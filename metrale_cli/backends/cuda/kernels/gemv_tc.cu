@@ -5,7 +5,7 @@
 //
 // Operands: x float32 [M, K] row-major, w bf16 bits [N, K] (HF [out, in]); SwiGLU: w [2N, K] (gate
 // rows 0..N-1, up rows N..2N-1) and out[m, n] = silu(x.w[n]) * (x.w[N + n]); bias bf16 [N]; out
-// float32 [M, N].  K % 8 == 0, x / w / norm_w 16-byte aligned (checked by kernels.py).
+// float32 [M, N].  K % 8 == 0, x / w / norm_w 16-byte aligned (checked by Kernels.gemv_tc).
 //
 // Precision: x (times the norm weight with NORM) is split per element into bf16 hi = bf16(x) and
 // lo = bf16(x - hi); both are multiplied with the (exact) bf16 weights into the same fp32
@@ -50,25 +50,10 @@
 
 #define GEMV_TC_P 4  // k chunks (of 32) per partition group; part of the reduction order
 
-// bf16x2 of (lo_elem in bits 0..15, hi_elem in bits 16..31), round to nearest even.
-__device__ __forceinline__ unsigned int gtc_pack_bf16x2(float lo_elem, float hi_elem) {
-    unsigned int d;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi_elem), "f"(lo_elem));
-    return d;
-}
-
 // hi = bf16(x0, x1); lo = bf16(x0 - hi0, x1 - hi1) (the subtractions are exact).
 __device__ __forceinline__ void gtc_split(float x0, float x1, unsigned int& hi, unsigned int& lo) {
-    hi = gtc_pack_bf16x2(x0, x1);
-    lo = gtc_pack_bf16x2(__fsub_rn(x0, bf16_lo(hi)), __fsub_rn(x1, bf16_hi(hi)));
-}
-
-__device__ __forceinline__ void gtc_mma(float (&d)[4], unsigned int a0, unsigned int a1, unsigned int a2,
-                                        unsigned int a3, unsigned int b0, unsigned int b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    hi = pack_bf16x2(x0, x1);
+    lo = pack_bf16x2(__fsub_rn(x0, bf16_lo(hi)), __fsub_rn(x1, bf16_hi(hi)));
 }
 
 // The chunk index of the j-th chunk of warp `warp` (see the top).
@@ -167,10 +152,10 @@ __device__ __forceinline__ void gtc_compute(const uint4 (&wv)[U][RW][2], const f
 #pragma unroll
             for (int r = 0; r < RW; ++r) {
                 const uint4 w0 = wv[u][r][0], w1 = wv[u][r][1];
-                gtc_mma(acc[r][nt], w0.x, w1.x, w0.y, w1.y, hi[0], hi[1]);
-                gtc_mma(acc[r][nt], w0.x, w1.x, w0.y, w1.y, lo[0], lo[1]);
-                gtc_mma(acc[r][nt], w0.z, w1.z, w0.w, w1.w, hi[2], hi[3]);
-                gtc_mma(acc[r][nt], w0.z, w1.z, w0.w, w1.w, lo[2], lo[3]);
+                mma_bf16_16816(acc[r][nt], w0.x, w1.x, w0.y, w1.y, hi[0], hi[1]);
+                mma_bf16_16816(acc[r][nt], w0.x, w1.x, w0.y, w1.y, lo[0], lo[1]);
+                mma_bf16_16816(acc[r][nt], w0.z, w1.z, w0.w, w1.w, hi[2], hi[3]);
+                mma_bf16_16816(acc[r][nt], w0.z, w1.z, w0.w, w1.w, lo[2], lo[3]);
             }
         }
     }
@@ -276,36 +261,3 @@ gemv_tc_kernel(const float* __restrict__ x, const unsigned short* __restrict__ w
         *o = val;
     }
 }
-
-// Explicit instantiations for the compile check (kernels.py names its own set through NVRTC name
-// expressions).
-#ifndef METRALE_NVRTC
-#define GEMV_TC_ARGS const float*, const unsigned short*, const unsigned short*, float*, int, int, int, int, int, \
-                     const unsigned short*, float
-template __global__ void gemv_tc_kernel<1, 2, 8, 2, false, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<1, 2, 8, 2, false, true>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<2, 2, 8, 2, false, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<2, 2, 8, 2, false, true>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<1, 1, 8, 2, false, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<2, 1, 8, 2, false, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<1, 1, 8, 4, false, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<2, 1, 8, 4, false, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<1, 2, 8, 4, false, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<2, 2, 8, 4, false, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<1, 4, 8, 2, false, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<2, 4, 8, 2, false, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<1, 2, 4, 4, false, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<2, 2, 4, 4, false, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<1, 4, 4, 2, false, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<2, 4, 4, 2, false, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<1, 1, 8, 2, true, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<1, 1, 8, 2, true, true>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<2, 1, 8, 2, true, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<2, 1, 8, 2, true, true>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<1, 1, 8, 4, true, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<2, 1, 8, 4, true, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<1, 2, 8, 2, true, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<2, 2, 8, 2, true, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<1, 1, 4, 4, true, false>(GEMV_TC_ARGS);
-template __global__ void gemv_tc_kernel<2, 1, 4, 4, true, false>(GEMV_TC_ARGS);
-#endif

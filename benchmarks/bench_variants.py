@@ -2,7 +2,7 @@
 programmatic dependent launch on/off and the projection kernels (fp32-FMA `gemv`, tensor-core
 `gemv_tc`, or "auto": the engine's default choice by row count).  Needs CuPy and a GPU:
 
-    PYTHONPATH=. python3 scripts/bench_variants.py --preset llama-3.1-8b --context 1024 [--json out.json]
+    PYTHONPATH=. python3 benchmarks/bench_variants.py --preset llama-3.1-8b --context 1024 [--json out.json]
 
 Each variant recaptures the graphs; times are CUDA-event medians (metrale.bench's timer), the floor
 is the step's bytes over the read bandwidth measured in the same run.

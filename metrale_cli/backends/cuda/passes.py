@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import DeviceError
+from ...errors import DeviceError
 
 if TYPE_CHECKING:
-    from ..engine.loop import Tap
-    from ..models.spec import AttentionSpec, Norm
+    from ...engine.loop import Tap
+    from ...models.spec import AttentionSpec, Norm
     from .engine import CudaEngine
 
 

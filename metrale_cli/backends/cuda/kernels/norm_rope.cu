@@ -87,6 +87,23 @@ __device__ __forceinline__ void rope_head(const float* v, const float* __restric
     }
 }
 
+// dst[i] = v, as fp32 or rounded to bf16 bits.
+__device__ __forceinline__ void rope_put(float* dst, int i, float v) { dst[i] = v; }
+__device__ __forceinline__ void rope_put(unsigned short* dst, int i, float v) { dst[i] = f32_to_bf16_bits(v); }
+
+// Store the head that rope_head left in lane's a/b (dst[0 .. head_dim), half = head_dim / 2).
+template <typename T>
+__device__ __forceinline__ void rope_store(T* dst, const float (&a)[4], const float (&b)[4], int half, int lane) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int i = lane + 32 * j;
+        if (i < half) {
+            rope_put(dst, i, a[j]);
+            rope_put(dst, i + half, b[j]);
+        }
+    }
+}
+
 // x: float32 [M, n_heads, head_dim], in place.  One warp per (row, head).
 // head_dim even and <= 256.  Optional per-head RMSNorm, then rotation (rope_head).
 extern "C" __global__ void rope_kernel(float* __restrict__ x, const int* __restrict__ positions,
@@ -105,14 +122,7 @@ extern "C" __global__ void rope_kernel(float* __restrict__ x, const int* __restr
     float a[4], b[4];
     rope_head(v, inv_freq, norm_w, head_dim, eps, has_norm, (float)positions[m], attn_scaling,
               lane, a, b);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const int i = lane + 32 * j;
-        if (i < half) {
-            v[i] = a[j];
-            v[i + half] = b[j];
-        }
-    }
+    rope_store(v, a, b, half, lane);
 }
 
 // Rope and KV-cache append in one launch, straight from the fused QKV GEMV output.
@@ -157,24 +167,8 @@ extern "C" __global__ void rope_kv_append_kernel(const float* qkv, const int* __
     rope_head(src, inv_freq, is_q ? q_norm : k_norm, head_dim, eps, is_q ? has_q_norm : has_k_norm,
               (float)p, attn_scaling, lane, a, b);
     if (is_q) {
-        float* dst = q_out + ((u64)m * n_heads + s) * head_dim;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int i = lane + 32 * j;
-            if (i < half) {
-                dst[i] = a[j];
-                dst[i + half] = b[j];
-            }
-        }
+        rope_store(q_out + ((u64)m * n_heads + s) * head_dim, a, b, half, lane);
     } else {
-        unsigned short* dst = k_cache + ((u64)(s - n_heads) * max_ctx + p) * head_dim;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int i = lane + 32 * j;
-            if (i < half) {
-                dst[i] = f32_to_bf16_bits(a[j]);
-                dst[i + half] = f32_to_bf16_bits(b[j]);
-            }
-        }
+        rope_store(k_cache + ((u64)(s - n_heads) * max_ctx + p) * head_dim, a, b, half, lane);
     }
 }

@@ -1,7 +1,7 @@
-"""Decode attention (attention_decode: split + combine kernels) against the bandwidth of a
-large read-only kernel measured in the same run.  Needs CuPy and a CUDA GPU:
+"""Decode attention (attention_decode: split + combine kernels) against the bandwidth of the
+read-only kernel of `metrale bench` measured in the same run.  Needs CuPy and a CUDA GPU:
 
-    PYTHONPATH=. python3 -m metrale_cli.cuda.bench_attention
+    PYTHONPATH=. python3 -m benchmarks.bench_attention
 
 Llama-3-8B layer shape: 8 KV heads x head_dim 128, G = 4 query heads per KV head; contexts 1024,
 4096, 8192, 32768; M = 1, 4, 8 query rows (decode, verify), row m at position ctx - M + m, so
@@ -18,7 +18,8 @@ from __future__ import annotations
 import math
 import sys
 
-from metrale_cli.cuda.bench_kernels import L2_BYTES, _graph_time_ms, read_bandwidth
+from benchmarks.bench_kernels import L2_BYTES, _graph_time_ms
+from metrale_cli.bench import read_bandwidth_gpu
 
 N_KV, G, HD = 8, 4, 128
 CONTEXTS = (1024, 4096, 8192, 32768)
@@ -26,15 +27,15 @@ ROWS = (1, 4, 8)
 def main() -> int:
     import cupy as cp
 
-    from metrale_cli.cuda.kernels import Kernels
+    from metrale_cli.backends.cuda.kernels import Kernels
 
     K = Kernels()
     dev = cp.cuda.Device()
     name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
-    read_gbs = read_bandwidth(cp)
+    read_gbs = read_bandwidth_gpu(cp) / 1e9
     pdl_ok = bool(getattr(K, "pdl_supported", False))
     print(f"device: {name}, {K.num_sms} SMs; PDL rows: {'yes' if pdl_ok else 'no (needs sm_90)'}")
-    print(f"read-only kernel (4 GiB, uint4 streaming loads): {read_gbs:8.0f} GB/s")
+    print(f"read-only kernel of metrale bench (4 GiB, uint4 loads): {read_gbs:8.0f} GB/s")
     print(f"decode attention, n_kv {N_KV}, G {G}, head_dim {HD}; us per call (split + combine) in a graph")
     print()
     print(f"{'kernel':<12}{'ctx':>7}{'M':>4}{'splits':>8}{'us':>9}{'GB/s':>8}{'% read':>8}")

@@ -1,9 +1,9 @@
-"""Bandwidth of the GEMV kernels (and decode attention) against a large read-only kernel
-measured in the same run.  Needs CuPy and a CUDA GPU:
+"""Bandwidth of the GEMV kernels (and decode attention) against the read-only kernel of `metrale bench`
+(metrale_cli.bench.read_bandwidth_gpu) measured in the same run.  Needs CuPy and a CUDA GPU:
 
-    PYTHONPATH=. python3 -m metrale_cli.cuda.bench_kernels
-    PYTHONPATH=. python3 -m metrale_cli.cuda.bench_kernels --tc   # tensor-core GEMV only (+ sweep)
-    PYTHONPATH=. python3 -m metrale_cli.cuda.bench_kernels --pdl  # launch chains with / without PDL
+    PYTHONPATH=. python3 -m benchmarks.bench_kernels
+    PYTHONPATH=. python3 -m benchmarks.bench_kernels --tc   # tensor-core GEMV only (+ sweep)
+    PYTHONPATH=. python3 -m benchmarks.bench_kernels --pdl  # launch chains with / without PDL
 
 Each measurement captures 32 launches into a CUDA graph (the engine replays graphs too, so
 the per-node launch gap is included), rotating several weight copies so that the 60 MB L2
@@ -16,24 +16,7 @@ import math
 import statistics
 import sys
 
-READ_SRC = r"""
-extern "C" __global__ void read_kernel(const uint4* __restrict__ p, unsigned long long n,
-                                       unsigned int* __restrict__ sink) {
-    unsigned int acc = 0;
-    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-    unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-    for (; i + 3 * stride < n; i += 4 * stride) {
-        const uint4 a = __ldcs(p + i), b = __ldcs(p + i + stride);
-        const uint4 c = __ldcs(p + i + 2 * stride), d = __ldcs(p + i + 3 * stride);
-        acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w ^ c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^ d.z ^ d.w;
-    }
-    for (; i < n; i += stride) {
-        const uint4 a = __ldcs(p + i);
-        acc ^= a.x ^ a.y ^ a.z ^ a.w;
-    }
-    if (acc == 0x9e3779b9u) sink[0] = acc;  // keeps the loads; practically never true
-}
-"""
+from metrale_cli.bench import read_bandwidth_gpu
 
 L2_BYTES = 60 * 2**20
 
@@ -62,19 +45,6 @@ def _graph_time_ms(cp, launches, repeats=15):
     return statistics.median(times)
 
 
-def read_bandwidth(cp, nbytes=4 * 2**30):
-    k = cp.RawKernel(READ_SRC, "read_kernel")
-    n = nbytes // 16
-    buf = cp.random.standard_normal(n * 4, dtype=cp.float32)  # random, never zeros
-    sink = cp.zeros(1, dtype=cp.uint32)
-    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-    grid = (sms * 8,)
-    launches = [lambda s: k(grid, (512,), (buf, cp.uint64(n), sink), stream=s)] * 4
-    ms = _graph_time_ms(cp, launches, repeats=9)
-    del buf
-    return nbytes / (ms * 1e-3) / 1e9
-
-
 def _bf16_weights(cp, K, shape, copies):
     out = []
     for _ in range(copies):
@@ -101,8 +71,8 @@ def tc_section(cp, K, read_gbs) -> None:
     """gemv_tc against gemv / gemv_swiglu (default configs) for M in TC_MS on TC_SHAPES, plus a
     sweep over the compiled gemv_tc configs.  'x M=1' = time / the fp32 gemv's time at M = 1 (the
     verify pass at M = k should cost <= 1.15x / 1.3x a decode step)."""
-    from metrale_cli.cuda.kernels import (GEMV_TC_DEFAULT, GEMV_TC_EXTRA, GEMV_TC_SWIGLU_DEFAULT,
-                                          GEMV_TC_SWIGLU_EXTRA)
+    from metrale_cli.backends.cuda.kernels import (GEMV_TC_DEFAULT, GEMV_TC_EXTRA, GEMV_TC_SWIGLU_DEFAULT,
+                                                   GEMV_TC_SWIGLU_EXTRA)
 
     print(f"{'op':<16}{'N x K':>14}{'M':>4}{'config':>10}{'us':>9}{'GB/s':>8}{'% read':>8}{'x M=1':>7}")
     best = []
@@ -194,15 +164,15 @@ def pdl_section(cp, K) -> None:
 def main() -> int:
     import cupy as cp
 
-    from metrale_cli.cuda.kernels import GEMV_DEFAULT, GEMV_SWIGLU_DEFAULT, Kernels
+    from metrale_cli.backends.cuda.kernels import GEMV_DEFAULT, GEMV_SWIGLU_DEFAULT, Kernels
 
     K = Kernels()
     K.load_extra()  # the configs this bench sweeps
     dev = cp.cuda.Device()
     name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
-    read_gbs = read_bandwidth(cp)
+    read_gbs = read_bandwidth_gpu(cp) / 1e9
     print(f"device: {name}, {K.num_sms} SMs")
-    print(f"read-only kernel (4 GiB, uint4 streaming loads): {read_gbs:8.0f} GB/s")
+    print(f"read-only kernel of metrale bench (4 GiB, uint4 loads): {read_gbs:8.0f} GB/s")
     print()
     if "--tc" in sys.argv[1:]:  # only the tensor-core GEMV section
         tc_section(cp, K, read_gbs)

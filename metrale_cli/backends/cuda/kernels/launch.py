@@ -1,301 +1,37 @@
-"""Python wrappers of the metrale CUDA kernels (CuPy RawModule, NVRTC).
-
-`Kernels()` compiles every kernel once per process (CuPy also caches the binary on disk) and
-exposes one method per kernel.  Each method checks shapes, dtypes, contiguity and alignment
-(raising ValueError with a clear message) and launches; none synchronises the host, calls
-cuBLAS, or reads a device value on the host, so every launch can be captured in a CUDA graph.
-Values that change between decode steps (positions, hence context lengths) are read by the
-kernels from small int32 device arrays.
-
-Conventions (they mirror Hugging Face transformers):
-  * activations: float32 on the device; accumulation in fp32;
-  * weights: bfloat16 in HF layout [out_features, in_features]; a bf16 operand may be a CuPy
-    array of dtype ml_dtypes.bfloat16 or of uint16/int16 holding the raw bits;
-  * KV cache: bf16 [n_kv_heads, max_ctx, head_dim] per layer.  Keep one buffer per layer, or
-    one [layers, n_kv_heads, max_ctx, head_dim] buffer and pass the contiguous view cache[layer];
-  * rounding to bf16 (kv_append, f32_to_bf16) is round-to-nearest-even, bit-identical to
-    torch's CPU `.to(torch.bfloat16)`, every NaN becoming 0x7FC0.
-
-Every method takes `stream=None` (None: CuPy's current stream).
-"""
+"""`Kernels`: the launch wrappers of the kernels, one method per kernel (see the package docstring
+for the conventions they share)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-_CUDA_DIR = Path(__file__).resolve().parent
-_SOURCES = ("elementwise.cu", "norm_rope.cu", "gemv.cu", "attention.cu", "flash_prefill.cu", "argmax.cu", "gemv_tc.cu")
-_INCLUDE_LINE = '#include "common.cu"'
-COMPILE_OPTIONS = ("-std=c++17", "-DMETRALE_NVRTC")
-
-GEMV_WARPS = 4  # must match gemv.cu (register variant)
-GEMV_XS_WARPS = 8  # must match gemv.cu (shared-memory-x variant)
-GEMV_MAX_M = 16
-# A gemv config is (R, U): R output rows per warp and U 16-byte chunks per row in flight per
-# lane (register variant: x read through L1); U = 0 selects the variant that stages x in shared
-# memory (for larger M).  Defaults per M, from the H200 measurements in bench_kernels.py (see
-# NOTES.md): M=1 (1, 8); M=3..8 (4, 2); M>=9 the shared-memory-x variant (at M=16: 19-23% of read
-# bandwidth against 14-15% for the register variant (4, 1), which stays compiled).
-GEMV_DEFAULT = {m: ((1, 8) if m == 1 else (2, 4) if m == 2 else (4, 2) if m <= 8 else (4, 0)) for m in range(1, 17)}
-# SwiGLU: R output rows per warp = 2R weight rows.
-GEMV_SWIGLU_DEFAULT = {m: ((1, 4) if m <= 4 else (2, 1)) for m in range(1, 17)}
-# Further compiled (M, R, U) instances, for benchmarks and tests (pass config=(R, U)).
-GEMV_EXTRA = ((1, 2, 4), (1, 4, 2), (1, 2, 8), (4, 2, 4), (4, 1, 8), (8, 8, 0), (16, 4, 1)) + tuple(
-    (m, 4, 0) for m in range(5, 9)
+from .checks import OperandChecks
+from .names import PLAIN_KERNELS, decode_name, gemv_name, gemv_tc_name, name_expressions, prefill_name
+from .nvrtc import compile_module
+from .pdl import PdlLauncher
+from .tuning import (
+    ATTN_CHUNK_ALIGN,
+    ATTN_TC_WARPS,
+    ATTN_WARPS,
+    DECODE_HEAD_DIMS,
+    DECODE_TC_HEAD_DIMS,
+    GEMV_DEFAULT,
+    GEMV_SWIGLU_DEFAULT,
+    GEMV_TC_DEFAULT,
+    GEMV_TC_SWIGLU_DEFAULT,
+    LOG2E,
+    PREFILL_BQ,
+    PREFILL_BQS,
+    PREFILL_HEAD_DIMS,
+    _ceil_div,
+    _decode_qb,
+    _gemv_block_rows,
+    prefill_smem_bytes,
 )
-GEMV_SWIGLU_EXTRA = tuple((m, 2, 0) for m in range(5, 17))
-# The fused-RMSNorm variants (norm_weight=...) are compiled for the default configs only.
-
-# The rows path (engine) takes the tensor-core GEMV from this many rows on and the fp32-FMA GEMV below
-# (H200, llama-3.1-8b, 1024 context, scripts/bench_variants.py: decode step 4.89 ms with the fp32-FMA
-# GEMV vs 5.01 with gemv_tc, verify k=2 5.01 vs 5.05, k=4 6.11 vs 5.17, k=8 9.21 vs 5.43 ms).
-GEMV_TC_MIN_ROWS = 3
-
-# Tensor-core GEMV (gemv_tc.cu, `Kernels.gemv_tc`).  A config is (TILES, W, U): TILES tiles of 16
-# output rows per block (SwiGLU: 2 TILES weight tiles), W warps splitting K, U chunks of 32 k per
-# step and lane.  Each config is compiled for NT = 1 (M <= 8) and NT = 2 (M <= 16) token tiles.
-# A token's result depends on (W, GEMV_TC_P) only, not on M, TILES or U: keep W the same for all M
-# so that a verify row equals the decode row bit for bit.  Defaults: provisional (to be tuned with
-# `python3 -m metrale_cli.cuda.bench_kernels --tc`).
-GEMV_TC_P = 4  # must match gemv_tc.cu (k chunks per partition group)
-GEMV_TC_DEFAULT = {m: (1, 8, 4) for m in range(1, 17)}
-GEMV_TC_SWIGLU_DEFAULT = {m: (1, 8, 4) for m in range(1, 17)}
-GEMV_TC_EXTRA = ((1, 8, 2), (2, 8, 4), (2, 4, 4), (1, 8, 6), (1, 8, 8), (1, 4, 8))
-GEMV_TC_SWIGLU_EXTRA = ((1, 8, 2), (1, 4, 4), (1, 8, 8), (1, 4, 8))
-# The fused-RMSNorm variants are compiled for the default configs only.
-
-ATTN_WARPS = 4  # must match attention.cu
-DECODE_HEAD_DIMS = (32, 64, 128, 256)
-PREFILL_HEAD_DIMS = (32, 64, 128)
-# flash_prefill.cu (tensor cores): a block takes PREFILL_BQ query rows of one head, 16 rows per warp,
-# and walks key tiles of PREFILL_BK keys (must match FP_BK there).  PREFILL_BQS are compiled; 64
-# (4 warps, 168 registers at head_dim 128 -> 3 blocks per SM) is the default.
-PREFILL_BQ = 64
-PREFILL_BQS = (64,)  # 128 (8 warps, 1 block per SM) was slower at every length measured (NOTES.md)
-PREFILL_BK = 64
-LOG2E = 1.4426950408889634
+from .unfused import UnfusedKernels
 
 
-# Decode attention (attention.cu).  head_dim in DECODE_TC_HEAD_DIMS: the tensor-core split kernel,
-# ATTN_TC_WARPS warps per block, 8 or 16 query vectors (rows x heads of one KV head) per block;
-# head_dim 256: the SIMT split kernel (ATTN_WARPS warps, _decode_qb_max query vectors per block).
-# Splits are multiples of ATTN_CHUNK_ALIGN keys.  All must match attention.cu.
-ATTN_TC_WARPS = 4
-ATTN_CHUNK_ALIGN = 64
-DECODE_TC_HEAD_DIMS = (32, 64, 128)
-
-
-def _decode_qb_max(hd: int) -> int:
-    """Query vectors per block: the most the split kernel of head_dim hd takes."""
-    return 16 if hd in DECODE_TC_HEAD_DIMS else 4
-
-
-def _decode_kb(hd: int) -> int:
-    """Keys per warp step of the SIMT split kernel (head_dim 256)."""
-    return 4
-
-
-def _decode_qb(hd: int, n_qvec: int) -> int:
-    """Query vectors per block for n_qvec = M * G query vectors per KV head."""
-    if hd in DECODE_TC_HEAD_DIMS:
-        return 8 if n_qvec <= 8 else 16
-    return min(_decode_qb_max(hd), _next_pow2(n_qvec))
-
-
-def gemv_name(m: int, r: int, u: int, swiglu: bool, norm: bool = False) -> str:
-    sw = "true" if swiglu else "false"
-    nm = "true" if norm else "false"
-    if u == 0:
-        return f"gemv_xs_kernel<{m}, {r}, {sw}, {nm}>"
-    return f"gemv_kernel<{m}, {r}, {u}, {sw}, {nm}>"
-
-
-def gemv_tc_name(nt: int, tiles: int, w: int, u: int, swiglu: bool, norm: bool = False) -> str:
-    sw = "true" if swiglu else "false"
-    nm = "true" if norm else "false"
-    return f"gemv_tc_kernel<{nt}, {tiles}, {w}, {u}, {sw}, {nm}>"
-
-
-def _gemv_tc_names() -> list[str]:
-    names: list[str] = []
-    for swiglu, default, extra in (
-        (False, GEMV_TC_DEFAULT, GEMV_TC_EXTRA),
-        (True, GEMV_TC_SWIGLU_DEFAULT, GEMV_TC_SWIGLU_EXTRA),
-    ):
-        for m, cfg in default.items():
-            for norm in (False, True):
-                names.append(gemv_tc_name(2 if m > 8 else 1, *cfg, swiglu, norm))
-        for cfg in extra:
-            for nt in (1, 2):
-                names.append(gemv_tc_name(nt, *cfg, swiglu))
-    return list(dict.fromkeys(names))
-
-
-def _gemv_block_rows(r: int, u: int) -> tuple[int, int]:
-    """(threads per block, output rows per block) of a gemv config."""
-    warps = GEMV_XS_WARPS if u == 0 else GEMV_WARPS
-    return warps * 32, warps * r
-
-
-def decode_name(hd: int, qb: int) -> str:
-    """The split kernel for head_dim hd taking qb query vectors per block (_decode_qb)."""
-    if hd in DECODE_TC_HEAD_DIMS:
-        return f"attn_decode_tc_kernel<{hd}, {qb // 8}>"
-    return f"attn_decode_split_kernel<{hd}, {qb}, {_decode_kb(hd)}>"
-
-
-def prefill_name(hd: int, bq: int = PREFILL_BQ) -> str:
-    return f"flash_prefill_kernel<{hd}, {bq // 16}>"
-
-
-def prefill_smem_bytes(hd: int) -> int:
-    """Dynamic shared memory of flash_prefill_kernel: 2 stages x (K, V) x PREFILL_BK x (hd + 8) bf16."""
-    return 2 * 2 * PREFILL_BK * (hd + 8) * 2
-
-
-def _all_name_expressions() -> list[str]:
-    names: list[str] = []
-    for m, (r, u) in GEMV_DEFAULT.items():
-        names.append(gemv_name(m, r, u, False))
-    for m, r, u in GEMV_EXTRA:
-        names.append(gemv_name(m, r, u, False))
-    for m, (r, u) in GEMV_SWIGLU_DEFAULT.items():
-        names.append(gemv_name(m, r, u, True))
-    for m, r, u in GEMV_SWIGLU_EXTRA:
-        names.append(gemv_name(m, r, u, True))
-    for m, (r, u) in GEMV_DEFAULT.items():
-        names.append(gemv_name(m, r, u, False, True))
-    for m, (r, u) in GEMV_SWIGLU_DEFAULT.items():
-        names.append(gemv_name(m, r, u, True, True))
-    for hd in DECODE_HEAD_DIMS:
-        for qb in (8, 16) if hd in DECODE_TC_HEAD_DIMS else (1, 2, 4):
-            names.append(decode_name(hd, qb))
-    for hd in PREFILL_HEAD_DIMS:
-        for bq in PREFILL_BQS:
-            names.append(prefill_name(hd, bq))
-    names += _gemv_tc_names()
-    return list(dict.fromkeys(names))
-
-
-def name_expressions(extra: bool = False) -> tuple[str, ...]:
-    """The template instances of the core module (what the engine launches: the fp32-FMA GEMV for
-    fewer than GEMV_TC_MIN_ROWS rows, the tensor-core GEMV defaults, attention), or with extra=True
-    the remaining ones (other row counts and configs of the fp32-FMA GEMV, other gemv_tc configs: for
-    tests and benchmarks).  Keeping them apart halves the first-use compile time of the engine."""
-    core = set()
-    for m in range(1, GEMV_TC_MIN_ROWS):
-        for sw, table in ((False, GEMV_DEFAULT), (True, GEMV_SWIGLU_DEFAULT)):
-            for norm in (False, True):
-                core.add(gemv_name(m, *table[m], sw, norm))
-    for sw, table in ((False, GEMV_TC_DEFAULT), (True, GEMV_TC_SWIGLU_DEFAULT)):
-        for m, cfg in table.items():
-            for norm in (False, True):
-                core.add(gemv_tc_name(2 if m > 8 else 1, *cfg, sw, norm))
-    names = _all_name_expressions()
-    is_core = [n in core or not n.startswith("gemv") for n in names]
-    return tuple(n for n, c in zip(names, is_core) if c != extra)
-
-
-PLAIN_KERNELS = (
-    "embedding_kernel",
-    "f32_to_bf16_kernel",
-    "bf16_to_f32_kernel",
-    "swiglu_kernel",
-    "kv_append_kernel",
-    "rmsnorm_kernel",
-    "rope_kernel",
-    "rope_kv_append_kernel",
-    "attn_decode_combine_kernel",
-    "argmax_f32_kernel",
-    "argmax_bf16_kernel",
-)
-
-
-def module_source() -> str:
-    """common.cu followed by every kernel file, with their include lines removed."""
-    parts = [(_CUDA_DIR / "common.cu").read_text()]
-    for name in _SOURCES:
-        text = (_CUDA_DIR / name).read_text()
-        lines = [ln for ln in text.splitlines() if ln.strip() != _INCLUDE_LINE]
-        parts.append(f"// ---- {name} ----\n" + "\n".join(lines))
-    return "\n".join(parts) + "\n"
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _next_pow2(n: int) -> int:
-    p = 1
-    while p < n:
-        p *= 2
-    return p
-
-
-class PdlLauncher:
-    """Launches a compiled CuPy kernel through the driver's cuLaunchKernelEx with the
-    programmatic-stream-serialization attribute (PDL), which CuPy's own launcher does not expose.
-    Under stream capture the dependency becomes a programmatic edge of the CUDA graph."""
-
-    _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-
-    def __init__(self, cp: Any) -> None:
-        import ctypes
-
-        import numpy
-
-        self._ct, self._np, self._cp = ctypes, numpy, cp
-        self._lib = ctypes.CDLL("libcuda.so.1")
-
-        class Attr(ctypes.Structure):  # CUlaunchAttribute: id, pad to 8, 64-byte value union
-            _fields_ = [("id", ctypes.c_uint32), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint64 * 8)]
-
-        class Config(ctypes.Structure):  # CUlaunchConfig
-            _fields_ = [
-                ("gridDimX", ctypes.c_uint32), ("gridDimY", ctypes.c_uint32), ("gridDimZ", ctypes.c_uint32),
-                ("blockDimX", ctypes.c_uint32), ("blockDimY", ctypes.c_uint32), ("blockDimZ", ctypes.c_uint32),
-                ("sharedMemBytes", ctypes.c_uint32), ("hStream", ctypes.c_void_p),
-                ("attrs", ctypes.POINTER(Attr)), ("numAttrs", ctypes.c_uint32),
-            ]
-
-        self._attr = Attr()
-        self._attr.id = self._ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
-        self._attr.value[0] = 1  # programmaticStreamSerializationAllowed (int) = 1
-        self._Config = Config
-        self._fn = self._lib.cuLaunchKernelEx
-        self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [ctypes.POINTER(Config), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-
-    def _param(self, a: Any) -> Any:
-        ct, np = self._ct, self._np
-        if isinstance(a, self._cp.ndarray):
-            return ct.c_uint64(a.data.ptr)
-        if isinstance(a, np.int32):
-            return ct.c_int32(int(a))
-        if isinstance(a, np.float32):
-            return ct.c_float(float(a))
-        if isinstance(a, np.int64):
-            return ct.c_int64(int(a))
-        raise TypeError(f"PDL launch: unsupported kernel argument type {type(a).__name__}")
-
-    def launch(self, fn: Any, grid: tuple, block: tuple, args: tuple, stream: Any) -> None:
-        ct = self._ct
-        g = tuple(grid) + (1,) * (3 - len(grid))
-        b = tuple(block) + (1,) * (3 - len(block))
-        if stream is None:
-            stream = self._cp.cuda.get_current_stream()
-        cfg = self._Config(g[0], g[1], g[2], b[0], b[1], b[2], 0, ct.c_void_p(stream.ptr),
-                           ct.pointer(self._attr), 1)
-        params = [self._param(a) for a in args]
-        ptrs = (ct.c_void_p * len(params))(*[ct.cast(ct.pointer(p), ct.c_void_p) for p in params])
-        func = getattr(fn, "kernel", fn).ptr  # RawKernel -> cupy.cuda.function.Function -> CUfunction
-        rc = self._fn(ct.byref(cfg), ct.c_void_p(func), ptrs, None)
-        if rc != 0:
-            raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {rc}")
-
-
-class Kernels:
+class Kernels(OperandChecks, UnfusedKernels):
     """All kernels of the CUDA engine.  Construct once per process (after choosing the device)."""
 
     def __init__(self) -> None:
@@ -305,9 +41,7 @@ class Kernels:
         self._cp = cupy
         self._np = numpy
         self._names = name_expressions()
-        self._module = cupy.RawModule(
-            code=module_source(), options=COMPILE_OPTIONS, name_expressions=self._names
-        )
+        self._module = compile_module(cupy, self._names)
         # Fetch every function now: compiling and loading must not happen during a capture.
         self._fn = {n: self._module.get_function(n) for n in self._names + PLAIN_KERNELS}
         self._extra_names = frozenset(name_expressions(extra=True))
@@ -331,61 +65,7 @@ class Kernels:
         self.pdl_supported = int(dev.compute_capability) >= 90
         self._pdl_launcher = None
 
-    # ------------------------------------------------------------------ checks
-    def _arr(self, a: Any, name: str) -> Any:
-        if not isinstance(a, self._cp.ndarray):
-            raise ValueError(f"{name}: expected a cupy.ndarray, got {type(a).__name__}")
-        if not a.flags.c_contiguous:
-            raise ValueError(f"{name}: must be C-contiguous (shape {a.shape}, strides {a.strides})")
-        if a.device.id != self.device_id:
-            raise ValueError(f"{name}: on device {a.device.id}, kernels on device {self.device_id}")
-        return a
-
-    def _f32(self, a: Any, name: str, ndim: int | None = None) -> Any:
-        self._arr(a, name)
-        if a.dtype != self._np.float32:
-            raise ValueError(f"{name}: dtype must be float32, got {a.dtype}")
-        if ndim is not None and a.ndim != ndim:
-            raise ValueError(f"{name}: expected {ndim} dimensions, got shape {a.shape}")
-        return a
-
-    def _i32(self, a: Any, name: str, ndim: int | None = None) -> Any:
-        self._arr(a, name)
-        if a.dtype != self._np.int32:
-            raise ValueError(f"{name}: dtype must be int32, got {a.dtype}")
-        if ndim is not None and a.ndim != ndim:
-            raise ValueError(f"{name}: expected {ndim} dimensions, got shape {a.shape}")
-        return a
-
-    def _is_bf16(self, dtype: Any) -> bool:
-        return dtype in (self._np.uint16, self._np.int16) or (
-            self._bf16_dtype is not None and dtype == self._bf16_dtype
-        )
-
-    def _bf16(self, a: Any, name: str, ndim: int | None = None) -> Any:
-        self._arr(a, name)
-        if not self._is_bf16(a.dtype):
-            raise ValueError(f"{name}: dtype must be bfloat16 (or uint16 raw bits), got {a.dtype}")
-        if ndim is not None and a.ndim != ndim:
-            raise ValueError(f"{name}: expected {ndim} dimensions, got shape {a.shape}")
-        return a
-
-    @staticmethod
-    def _shape(a: Any, name: str, shape: tuple[int, ...]) -> None:
-        if tuple(a.shape) != tuple(shape):
-            raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(a.shape)}")
-
-    @staticmethod
-    def _aligned(a: Any, name: str, nbytes: int = 16) -> None:
-        if a.data.ptr % nbytes:
-            raise ValueError(f"{name}: device pointer must be {nbytes}-byte aligned")
-
-    @staticmethod
-    def _disjoint(a: Any, an: str, b: Any, bn: str) -> None:
-        a0, b0 = a.data.ptr, b.data.ptr
-        if a0 < b0 + b.nbytes and b0 < a0 + a.nbytes:
-            raise ValueError(f"{an} and {bn} must not overlap")
-
+    # ------------------------------------------------------------------ launching
     def _grid1d(self, n: int, block: int = 256) -> int:
         return max(1, min(_ceil_div(n, block), self.num_sms * 16))
 
@@ -394,9 +74,7 @@ class Kernels:
         compiled on first use, which must not happen during a graph capture."""
         if self._extra_module is None:
             names = tuple(sorted(self._extra_names))
-            self._extra_module = self._cp.RawModule(
-                code=module_source(), options=COMPILE_OPTIONS, name_expressions=names
-            )
+            self._extra_module = compile_module(self._cp, names)
             self._fn.update({n: self._extra_module.get_function(n) for n in names})
 
     def _has(self, name: str) -> bool:
@@ -449,12 +127,18 @@ class Kernels:
         With norm_weight bf16[K] (16-byte aligned): fused RMSNorm prologue, x is the
         un-normalised input and the result is that of rmsnorm(x, norm_weight, eps) followed by
         this GEMV (within fp32 rounding); only the GEMV_DEFAULT configs are compiled for it."""
+        self._gemv("gemv", x, w, "w", out, bias, False, accumulate, config, norm_weight, eps, stream)
+
+    def _gemv(self, op: str, x: Any, w: Any, wname: str, out: Any, bias: Any, swiglu: bool, accumulate: bool,
+              config: tuple[int, int] | None, norm_weight: Any, eps: float, stream: Any) -> None:
+        """Check and launch the fp32-FMA GEMV (gemv.cu) for gemv and gemv_swiglu: config (R, U), or
+        the default for M of GEMV_DEFAULT / GEMV_SWIGLU_DEFAULT."""
         np = self._np
-        M, K, N, norm = self._linear_operands("gemv", x, w, "w", out, bias, norm_weight, swiglu=False)
-        r, u = config if config is not None else GEMV_DEFAULT[M]
-        name = gemv_name(M, r, u, False, norm)
+        M, K, N, norm = self._linear_operands(op, x, w, wname, out, bias, norm_weight, swiglu=swiglu)
+        r, u = config if config is not None else (GEMV_SWIGLU_DEFAULT if swiglu else GEMV_DEFAULT)[M]
+        name = gemv_name(M, r, u, swiglu, norm)
         if not self._has(name):
-            raise ValueError(f"gemv: no compiled variant M={M}, R={r}, U={u}, norm={norm}")
+            raise ValueError(f"{op}: no compiled variant M={M}, R={r}, U={u}, norm={norm}")
         threads, rows = _gemv_block_rows(r, u)
         grid = (_ceil_div(N, rows),)
         args = (
@@ -463,51 +147,6 @@ class Kernels:
             norm_weight if norm else self._dummy, np.float32(eps),
         )
         self._launch(name, grid, (threads,), args, stream)
-
-    def _linear_operands(self, op: str, x: Any, w: Any, wname: str, out: Any, bias: Any, norm_weight: Any,
-                         swiglu: bool) -> tuple[int, int, int, bool]:
-        """Check the operands of a GEMV (gemv, gemv_swiglu, gemv_tc); returns (M, K, N, norm), N the
-        output columns (I with swiglu, whose w holds 2I rows)."""
-        self._f32(x, "x", 2)
-        self._bf16(w, wname, 2)
-        self._f32(out, "out", 2)
-        M, K = x.shape
-        rows = w.shape[0]
-        if w.shape[1] != K:
-            raise ValueError(f"{wname}: expected shape (N, {K}) to match x {x.shape}, got {w.shape}")
-        if swiglu:
-            if rows % 2:
-                raise ValueError(f"{wname}: expected shape (2*I, {K}) with swiglu, got {w.shape}")
-            if bias is not None:
-                raise ValueError(f"{op}: bias is not supported with swiglu")
-        N = rows // 2 if swiglu else rows
-        self._shape(out, "out", (M, N))
-        if not 1 <= M <= GEMV_MAX_M:
-            raise ValueError(f"{op}: M = {M} rows; this kernel takes 1..{GEMV_MAX_M} (use a GEMM)")
-        if K % 8:
-            raise ValueError(f"{op}: K = {K} must be a multiple of 8")
-        if N == 0 or K == 0:
-            raise ValueError(f"{op}: empty operand (N = {N}, K = {K})")
-        self._aligned(x, "x")
-        self._aligned(w, wname)
-        self._disjoint(x, "x", out, "out")
-        if bias is not None:
-            self._bf16(bias, "bias", 1)
-            self._shape(bias, "bias", (N,))
-        return M, K, N, self._norm_weight(norm_weight, K)
-
-    def _norm_weight(self, norm_weight: Any, K: int) -> bool:
-        """Check the optional fused-RMSNorm weight of a GEMV; True when it is given."""
-        if norm_weight is None:
-            return False
-        self._bf16(norm_weight, "norm_weight", 1)
-        self._shape(norm_weight, "norm_weight", (K,))
-        self._aligned(norm_weight, "norm_weight")
-        return True
-
-    def gemv_residual(self, x: Any, w: Any, out: Any, bias: Any = None, *, stream: Any = None) -> None:
-        """out += x @ w.T (+ bias): the o_proj / down_proj residual add.  Same rules as gemv."""
-        self.gemv(x, w, out, bias, accumulate=True, stream=stream)
 
     def gemv_swiglu(
         self,
@@ -523,20 +162,8 @@ class Kernels:
         """out = silu(x @ Wg.T) * (x @ Wu.T) in one pass over the fused weight
         w_gate_up bf16[2I, K] = concat(gate_proj.weight, up_proj.weight).  x f32[M, K], out f32[M, I].
         norm_weight bf16[K]: fused RMSNorm of x first, as in gemv."""
-        np = self._np
-        M, K, inter, norm = self._linear_operands("gemv_swiglu", x, w_gate_up, "w_gate_up", out, None, norm_weight,
-                                                  swiglu=True)
-        r, u = config if config is not None else GEMV_SWIGLU_DEFAULT[M]
-        name = gemv_name(M, r, u, True, norm)
-        if not self._has(name):
-            raise ValueError(f"gemv_swiglu: no compiled variant M={M}, R={r}, U={u}, norm={norm}")
-        threads, rows = _gemv_block_rows(r, u)
-        grid = (_ceil_div(inter, rows),)
-        args = (
-            x, w_gate_up, self._dummy, out, np.int32(inter), np.int32(K), np.int32(0), np.int32(0),
-            norm_weight if norm else self._dummy, np.float32(eps),
-        )
-        self._launch(name, grid, (threads,), args, stream)
+        self._gemv("gemv_swiglu", x, w_gate_up, "w_gate_up", out, None, True, False, config, norm_weight, eps,
+                   stream)
 
     def gemv_tc(
         self,
@@ -607,43 +234,6 @@ class Kernels:
         )
         self._launch("rmsnorm_kernel", (M,), (block,), args, stream)
 
-    def rope(
-        self,
-        x: Any,
-        positions: Any,
-        inv_freq: Any,
-        norm_weight: Any = None,
-        eps: float = 1e-6,
-        *,
-        attention_scaling: float = 1.0,
-        stream: Any = None,
-    ) -> None:
-        """In place on x f32[M, n_heads, head_dim]: optional per-head RMSNorm with
-        norm_weight bf16[head_dim] (Qwen3 q_norm/k_norm), then HF rotate_half rotary embedding at
-        positions int32[M] with inv_freq f32[head_dim/2]; cos/sin are multiplied by
-        attention_scaling (1.0 for default and llama3 rope).  head_dim even, <= 256."""
-        np = self._np
-        self._f32(x, "x", 3)
-        self._i32(positions, "positions", 1)
-        self._f32(inv_freq, "inv_freq", 1)
-        M, nh, hd = x.shape
-        if hd % 2 or hd > 256 or hd == 0:
-            raise ValueError(f"rope: head_dim = {hd} must be even and <= 256")
-        self._shape(positions, "positions", (M,))
-        self._shape(inv_freq, "inv_freq", (hd // 2,))
-        if norm_weight is not None:
-            self._bf16(norm_weight, "norm_weight", 1)
-            self._shape(norm_weight, "norm_weight", (hd,))
-        if M * nh == 0:
-            return
-        warps = 4
-        args = (
-            x, positions, inv_freq, self._dummy if norm_weight is None else norm_weight,
-            np.int32(M), np.int32(nh), np.int32(hd), np.float32(eps),
-            np.int32(0 if norm_weight is None else 1), np.float32(attention_scaling),
-        )
-        self._launch("rope_kernel", (_ceil_div(M * nh, warps),), (32 * warps,), args, stream)
-
     def rope_kv_append(
         self,
         qkv: Any,
@@ -704,36 +294,6 @@ class Kernels:
             np.float32(attention_scaling),
         )
         self._launch("rope_kv_append_kernel", (_ceil_div(M * slots, warps),), (32 * warps,), args, stream)
-
-    def _check_cache(self, k_cache: Any, v_cache: Any) -> tuple[int, int, int]:
-        self._bf16(k_cache, "k_cache", 3)
-        self._bf16(v_cache, "v_cache", 3)
-        if k_cache.shape != v_cache.shape:
-            raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} differ in shape")
-        self._disjoint(k_cache, "k_cache", v_cache, "v_cache")
-        n_kv, max_ctx, hd = k_cache.shape
-        return n_kv, max_ctx, hd
-
-    def kv_append(
-        self, k: Any, v: Any, k_cache: Any, v_cache: Any, positions: Any, *, stream: Any = None
-    ) -> None:
-        """k_cache[:, positions[m], :] = bf16(k[m]); same for v.  k, v f32[M, n_kv, head_dim];
-        caches bf16[n_kv, max_ctx, head_dim]; positions int32[M] (read on the device; a position
-        outside [0, max_ctx) is skipped)."""
-        np = self._np
-        self._f32(k, "k", 3)
-        self._f32(v, "v", 3)
-        self._i32(positions, "positions", 1)
-        n_kv, max_ctx, hd = self._check_cache(k_cache, v_cache)
-        M = k.shape[0]
-        self._shape(k, "k", (M, n_kv, hd))
-        self._shape(v, "v", (M, n_kv, hd))
-        self._shape(positions, "positions", (M,))
-        n = M * n_kv * hd
-        if n == 0:
-            return
-        args = (k, v, k_cache, v_cache, positions, np.int32(M), np.int32(n_kv), np.int32(hd), np.int32(max_ctx))
-        self._launch("kv_append_kernel", (self._grid1d(n),), (256,), args, stream)
 
     def decode_splits(self, max_ctx: int, n_kv: int, n_rows: int = 1, n_heads: int | None = None) -> int:
         """Number of context splits for attention_decode of n_rows query rows (any n_rows >= 1;
@@ -924,8 +484,7 @@ class Kernels:
         np = self._np
         self._arr(rows, "rows")
         self._i32(out, "out", 1)
-        if rows.ndim != 2:
-            raise ValueError(f"rows: expected 2 dimensions, got shape {rows.shape}")
+        self._ndim(rows, "rows", 2)
         n, V = rows.shape
         self._shape(out, "out", (n,))
         if V == 0 or V >= 2**31:
@@ -960,6 +519,3 @@ class Kernels:
         if x.size == 0:
             return
         self._launch("bf16_to_f32_kernel", (self._grid1d(x.size),), (256,), (x, out, np.int64(x.size)), stream)
-
-
-__all__ = ["Kernels", "module_source", "name_expressions"]

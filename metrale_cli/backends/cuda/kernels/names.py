@@ -1,0 +1,124 @@
+"""Template-instance names of the kernels (NVRTC name expressions): which instances the core
+module compiles (what the engine launches) and which the extra module (the rest: tests, benchmarks),
+and the plain extern "C" kernels."""
+
+from __future__ import annotations
+
+from .tuning import (
+    DECODE_HEAD_DIMS,
+    DECODE_SIMT_KB,
+    DECODE_TC_HEAD_DIMS,
+    GEMV_DEFAULT,
+    GEMV_EXTRA,
+    GEMV_SWIGLU_DEFAULT,
+    GEMV_SWIGLU_EXTRA,
+    GEMV_TC_DEFAULT,
+    GEMV_TC_EXTRA,
+    GEMV_TC_MIN_ROWS,
+    GEMV_TC_SWIGLU_DEFAULT,
+    GEMV_TC_SWIGLU_EXTRA,
+    PREFILL_BQ,
+    PREFILL_BQS,
+    PREFILL_HEAD_DIMS,
+)
+
+
+def gemv_name(m: int, r: int, u: int, swiglu: bool, norm: bool = False) -> str:
+    sw = "true" if swiglu else "false"
+    nm = "true" if norm else "false"
+    if u == 0:
+        return f"gemv_xs_kernel<{m}, {r}, {sw}, {nm}>"
+    return f"gemv_kernel<{m}, {r}, {u}, {sw}, {nm}>"
+
+
+def gemv_tc_name(nt: int, tiles: int, w: int, u: int, swiglu: bool, norm: bool = False) -> str:
+    sw = "true" if swiglu else "false"
+    nm = "true" if norm else "false"
+    return f"gemv_tc_kernel<{nt}, {tiles}, {w}, {u}, {sw}, {nm}>"
+
+
+def _gemv_tc_names() -> list[str]:
+    names: list[str] = []
+    for swiglu, default, extra in (
+        (False, GEMV_TC_DEFAULT, GEMV_TC_EXTRA),
+        (True, GEMV_TC_SWIGLU_DEFAULT, GEMV_TC_SWIGLU_EXTRA),
+    ):
+        for m, cfg in default.items():
+            for norm in (False, True):
+                names.append(gemv_tc_name(2 if m > 8 else 1, *cfg, swiglu, norm))
+        for cfg in extra:
+            for nt in (1, 2):
+                names.append(gemv_tc_name(nt, *cfg, swiglu))
+    return list(dict.fromkeys(names))
+
+
+
+def decode_name(hd: int, qb: int) -> str:
+    """The split kernel for head_dim hd taking qb query vectors per block (_decode_qb)."""
+    if hd in DECODE_TC_HEAD_DIMS:
+        return f"attn_decode_tc_kernel<{hd}, {qb // 8}>"
+    return f"attn_decode_split_kernel<{hd}, {qb}, {DECODE_SIMT_KB}>"
+
+
+def prefill_name(hd: int, bq: int = PREFILL_BQ) -> str:
+    return f"flash_prefill_kernel<{hd}, {bq // 16}>"
+
+
+
+def _all_name_expressions() -> list[str]:
+    names: list[str] = []
+    for m, (r, u) in GEMV_DEFAULT.items():
+        names.append(gemv_name(m, r, u, False))
+    for m, r, u in GEMV_EXTRA:
+        names.append(gemv_name(m, r, u, False))
+    for m, (r, u) in GEMV_SWIGLU_DEFAULT.items():
+        names.append(gemv_name(m, r, u, True))
+    for m, r, u in GEMV_SWIGLU_EXTRA:
+        names.append(gemv_name(m, r, u, True))
+    for m, (r, u) in GEMV_DEFAULT.items():
+        names.append(gemv_name(m, r, u, False, True))
+    for m, (r, u) in GEMV_SWIGLU_DEFAULT.items():
+        names.append(gemv_name(m, r, u, True, True))
+    for hd in DECODE_HEAD_DIMS:
+        for qb in (8, 16) if hd in DECODE_TC_HEAD_DIMS else (1, 2, 4):
+            names.append(decode_name(hd, qb))
+    for hd in PREFILL_HEAD_DIMS:
+        for bq in PREFILL_BQS:
+            names.append(prefill_name(hd, bq))
+    names += _gemv_tc_names()
+    return list(dict.fromkeys(names))
+
+
+def name_expressions(extra: bool = False) -> tuple[str, ...]:
+    """The template instances of the core module (what the engine launches: the fp32-FMA GEMV for
+    fewer than GEMV_TC_MIN_ROWS rows, the tensor-core GEMV defaults, attention), or with extra=True
+    the remaining ones (other row counts and configs of the fp32-FMA GEMV, other gemv_tc configs: for
+    tests and benchmarks).  Keeping them apart halves the first-use compile time of the engine."""
+    core = set()
+    for m in range(1, GEMV_TC_MIN_ROWS):
+        for sw, table in ((False, GEMV_DEFAULT), (True, GEMV_SWIGLU_DEFAULT)):
+            for norm in (False, True):
+                core.add(gemv_name(m, *table[m], sw, norm))
+    for sw, table in ((False, GEMV_TC_DEFAULT), (True, GEMV_TC_SWIGLU_DEFAULT)):
+        for m, cfg in table.items():
+            for norm in (False, True):
+                core.add(gemv_tc_name(2 if m > 8 else 1, *cfg, sw, norm))
+    names = _all_name_expressions()
+    is_core = [n in core or not n.startswith("gemv") for n in names]
+    return tuple(n for n, c in zip(names, is_core) if c != extra)
+
+
+PLAIN_KERNELS = (
+    "embedding_kernel",
+    "f32_to_bf16_kernel",
+    "bf16_to_f32_kernel",
+    "swiglu_kernel",
+    "kv_append_kernel",
+    "rmsnorm_kernel",
+    "rope_kernel",
+    "rope_kv_append_kernel",
+    "attn_decode_combine_kernel",
+    "argmax_f32_kernel",
+    "argmax_bf16_kernel",
+)
+

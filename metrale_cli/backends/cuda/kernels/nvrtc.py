@@ -1,0 +1,29 @@
+"""NVRTC source assembly and module loading: the kernels are compiled as ONE CuPy RawModule of
+common.cu followed by every kernel file (CuPy's kernel cache hashes the source text only, so the
+helpers travel inside it), with the template instances named by `names.name_expressions`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+_CUDA_DIR = Path(__file__).resolve().parent
+_SOURCES = ("elementwise.cu", "norm_rope.cu", "gemv.cu", "attention.cu", "flash_prefill.cu", "argmax.cu", "gemv_tc.cu")
+_INCLUDE_LINE = '#include "common.cu"'
+COMPILE_OPTIONS = ("-std=c++17",)
+
+
+def module_source() -> str:
+    """common.cu followed by every kernel file, with their include lines removed."""
+    parts = [(_CUDA_DIR / "common.cu").read_text()]
+    for name in _SOURCES:
+        text = (_CUDA_DIR / name).read_text()
+        lines = [ln for ln in text.splitlines() if ln.strip() != _INCLUDE_LINE]
+        parts.append(f"// ---- {name} ----\n" + "\n".join(lines))
+    return "\n".join(parts) + "\n"
+
+
+def compile_module(cupy: Any, names: Sequence[str]) -> Any:
+    """One RawModule of module_source() with the template instances `names` (compiled on first use
+    of a function, and cached by CuPy on disk)."""
+    return cupy.RawModule(code=module_source(), options=COMPILE_OPTIONS, name_expressions=names)

@@ -1,0 +1,96 @@
+"""Tuning tables of the kernels (which compiled configuration each row count uses, which further ones
+are compiled) and the launch geometry derived from them.  Constants marked "must match" mirror a
+#define or template constant of a .cu file; the measurements behind the defaults are in ../NOTES.md."""
+
+from __future__ import annotations
+
+GEMV_WARPS = 4  # must match gemv.cu (register variant)
+GEMV_XS_WARPS = 8  # must match gemv.cu (shared-memory-x variant)
+GEMV_MAX_M = 16
+# A gemv config is (R, U): R output rows per warp and U 16-byte chunks per row in flight per
+# lane (register variant: x read through L1); U = 0 selects the variant that stages x in shared
+# memory (for larger M).  Defaults per M, chosen from benchmarks/bench_kernels.py sweeps on the H200
+# (figures in NOTES.md): M=1 (1, 8); M=2 (2, 4); M=3..8 (4, 2); M>=9 the shared-memory-x variant,
+# which beat the register variant (4, 1) at M=16 (that one stays compiled).
+GEMV_DEFAULT = {m: ((1, 8) if m == 1 else (2, 4) if m == 2 else (4, 2) if m <= 8 else (4, 0)) for m in range(1, 17)}
+# SwiGLU: R output rows per warp = 2R weight rows.
+GEMV_SWIGLU_DEFAULT = {m: ((1, 4) if m <= 4 else (2, 1)) for m in range(1, 17)}
+# Further compiled (M, R, U) instances, for benchmarks and tests (pass config=(R, U)).
+GEMV_EXTRA = ((1, 2, 4), (1, 4, 2), (1, 2, 8), (4, 2, 4), (4, 1, 8), (8, 8, 0), (16, 4, 1)) + tuple(
+    (m, 4, 0) for m in range(5, 9)
+)
+GEMV_SWIGLU_EXTRA = tuple((m, 2, 0) for m in range(5, 17))
+# The fused-RMSNorm variants (norm_weight=...) are compiled for the default configs only.
+
+# The rows path (engine) takes the tensor-core GEMV from this many rows on and the fp32-FMA GEMV below
+# (the fp32-FMA GEMV is faster at 1-2 rows, gemv_tc from 3 on: NOTES.md, "Tensor-core GEMV").
+GEMV_TC_MIN_ROWS = 3
+
+# Tensor-core GEMV (gemv_tc.cu, `Kernels.gemv_tc`).  A config is (TILES, W, U): TILES tiles of 16
+# output rows per block (SwiGLU: 2 TILES weight tiles), W warps splitting K, U chunks of 32 k per
+# step and lane.  Each config is compiled for NT = 1 (M <= 8) and NT = 2 (M <= 16) token tiles.
+# A token's result depends on (W, GEMV_TC_P) only, not on M, TILES or U: keep W the same for all M
+# so that a verify row equals the decode row bit for bit.  Defaults: provisional (to be tuned with
+# `PYTHONPATH=. python3 -m benchmarks.bench_kernels --tc`).
+GEMV_TC_P = 4  # must match gemv_tc.cu (k chunks per partition group)
+GEMV_TC_DEFAULT = {m: (1, 8, 4) for m in range(1, 17)}
+GEMV_TC_SWIGLU_DEFAULT = {m: (1, 8, 4) for m in range(1, 17)}
+GEMV_TC_EXTRA = ((1, 8, 2), (2, 8, 4), (2, 4, 4), (1, 8, 6), (1, 8, 8), (1, 4, 8))
+GEMV_TC_SWIGLU_EXTRA = ((1, 8, 2), (1, 4, 4), (1, 8, 8), (1, 4, 8))
+# The fused-RMSNorm variants are compiled for the default configs only.
+
+ATTN_WARPS = 4  # must match attention.cu
+DECODE_HEAD_DIMS = (32, 64, 128, 256)
+PREFILL_HEAD_DIMS = (32, 64, 128)
+# flash_prefill.cu (tensor cores): a block takes PREFILL_BQ query rows of one head, 16 rows per warp,
+# and walks key tiles of PREFILL_BK keys (must match FP_BK there).  PREFILL_BQS are compiled; 64
+# (4 warps) is the default: 128 (8 warps) was slower at every length measured (NOTES.md, flash prefill).
+PREFILL_BQ = 64
+PREFILL_BQS = (64,)
+PREFILL_BK = 64
+LOG2E = 1.4426950408889634
+
+
+# Decode attention (attention.cu).  head_dim in DECODE_TC_HEAD_DIMS: the tensor-core split kernel,
+# ATTN_TC_WARPS warps per block, 8 or 16 query vectors (rows x heads of one KV head) per block;
+# head_dim 256: the SIMT split kernel (ATTN_WARPS warps, _decode_qb_max query vectors per block).
+# Splits are multiples of ATTN_CHUNK_ALIGN keys.  All must match attention.cu.
+ATTN_TC_WARPS = 4
+ATTN_CHUNK_ALIGN = 64
+DECODE_TC_HEAD_DIMS = (32, 64, 128)
+DECODE_SIMT_KB = 4  # keys per warp step of the SIMT split kernel (its template argument KB)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+def _decode_qb_max(hd: int) -> int:
+    """Query vectors per block: the most the split kernel of head_dim hd takes."""
+    return 16 if hd in DECODE_TC_HEAD_DIMS else 4
+
+
+def _decode_qb(hd: int, n_qvec: int) -> int:
+    """Query vectors per block for n_qvec = M * G query vectors per KV head."""
+    if hd in DECODE_TC_HEAD_DIMS:
+        return 8 if n_qvec <= 8 else 16
+    return min(_decode_qb_max(hd), _next_pow2(n_qvec))
+
+
+def _gemv_block_rows(r: int, u: int) -> tuple[int, int]:
+    """(threads per block, output rows per block) of a gemv config."""
+    warps = GEMV_XS_WARPS if u == 0 else GEMV_WARPS
+    return warps * 32, warps * r
+
+
+def prefill_smem_bytes(hd: int) -> int:
+    """Dynamic shared memory of flash_prefill_kernel: 2 stages x (K, V) x PREFILL_BK x (hd + 8) bf16."""
+    return 2 * 2 * PREFILL_BK * (hd + 8) * 2
+
