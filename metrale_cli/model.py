@@ -13,7 +13,7 @@ from .config import ModelConfig, load_config
 from .errors import CheckpointError, DeviceError, UsageError
 from .tokenizer import Tokenizer
 
-DEFAULT_MODEL_DIR = Path(__file__).parent / "models" / "default"
+DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "models" / "default"
 DEVICES = ("auto", "cpu", "cuda")
 
 
