@@ -12,7 +12,7 @@ import sys
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional, Sequence
 
 import typer
 from rich.console import Console
@@ -25,14 +25,15 @@ except ImportError:  # pragma: no cover
 
 from . import __version__, render
 from .checkpoint import Checkpoint
-from .decoding import (DecodeResult, ModelDrafter, NgramDrafter, SpecDecodeResult, run_decode, run_forward,
-                       run_verify, speculative_decode)
 from .dumps import HIDDEN_KINDS, DumpInfo, DumpTarget, check_dump_path, commit, write_hidden, write_logits
 from .errors import EXIT_CODES, InputError, Interrupted, MetraleError, UsageError
 from .inputs import (ModelSpec, check_draft_matches, check_ids_in_vocab, check_positive, context_for,
                      parse_token_ids, read_model_spec, resolve_prompt)
 from .model import LoadedModel, open_model, resolve_device
 from .weights import check_checkpoint
+
+if TYPE_CHECKING:  # the commands import decoding (and with it numpy) when they run: --help stays fast
+    from .decoding import DecodeResult, SpecDecodeResult
 
 EXIT_CODE_HELP = "\n".join(f"  {code:>3}  {text}" for code, text in sorted(EXIT_CODES.items()))
 
@@ -315,6 +316,8 @@ def decode(
 
 def _decode(job: Job, steps: int, top_k: int, ignore_eos: bool, speculative: bool, draft_path: str | None,
             k: int) -> None:
+    from .decoding import ModelDrafter, NgramDrafter, run_decode
+
     n = len(job.ids)
     what = f"prompt ({n} tokens) + --steps {steps}"
     ctx = context_for(job.spec, n + steps, what, job.common.max_context, n + steps + (k if speculative else 0))
@@ -352,6 +355,8 @@ def _decode(job: Job, steps: int, top_k: int, ignore_eos: bool, speculative: boo
 
 def _speculative(job: Job, target: LoadedModel, drafter, steps: int, k: int,
                  kwargs: dict[str, Any]) -> tuple[SpecDecodeResult, bool | None]:
+    from .decoding import run_decode, speculative_decode
+
     result = speculative_decode(target.engine, drafter, job.ids, steps, k, **kwargs)
     if not job.common.timings:
         return result, None
@@ -433,6 +438,8 @@ def _parse_draft_ids(draft: str) -> list[int]:
 
 
 def _verify(job: Job, k: int, draft_ids: list[int] | None, draft_path: str | None) -> None:
+    from .decoding import run_verify
+
     n = len(job.ids)
     what = f"prompt ({n} tokens) + --k {k}"
     ctx = context_for(job.spec, n + k, what, job.common.max_context)
@@ -489,6 +496,8 @@ def forward(
     """
     c = Common(model, prompt, tokens, device, logits_dtype, fmt, dump_logits, hidden, dump_hidden, timings,
                max_context)
+    from .decoding import run_forward
+
     if rows not in ("last", "all"):
         raise UsageError(f"--rows must be last or all, got {rows!r}")
     job = prepare(ctx.obj, c)

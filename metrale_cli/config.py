@@ -12,11 +12,12 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:  # numpy is imported where RoPE needs it: the CLI reads configs long before any math
+    import numpy as np
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
@@ -81,6 +82,8 @@ class ModelConfig:
 
         Computed in float64 and rounded once, which matches transformers' fp32 values to the last ulp or so.
         """
+        import numpy as np
+
         d = self.head_dim
         inv = 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
         if self.rope_scaling is not None:
@@ -103,6 +106,8 @@ class ModelConfig:
 
 def _llama3_scale(inv_freq: np.ndarray, s: RopeScaling) -> np.ndarray:
     """Llama 3.1 scaling: long wavelengths divided by `factor`, short ones kept, a smooth blend between."""
+    import numpy as np
+
     low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
     high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
     wavelen = 2 * math.pi / inv_freq

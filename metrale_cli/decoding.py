@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .errors import InputError, NonFiniteLogitsError
-from .logits import BF16, DevicePtr
+from .logits import DevicePtr, bf16_bits_to_fp32
 
 # -- results ---------------------------------------------------------------------------------------------
 
@@ -185,8 +185,9 @@ class Reader:
         return bytes(buf)
 
     def values(self, raw: bytes, ptr: DevicePtr) -> np.ndarray:
-        dt = np.float32 if self.engine.logits_ptr_is_fp32(ptr) else BF16
-        return np.frombuffer(raw, dtype=dt).astype(np.float32)
+        if self.engine.logits_ptr_is_fp32(ptr):
+            return np.frombuffer(raw, dtype=np.float32).copy()
+        return bf16_bits_to_fp32(np.frombuffer(raw, dtype=np.uint16))
 
     def argmax(self, ptr: DevicePtr, position: int) -> int:
         try:

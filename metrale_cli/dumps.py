@@ -37,12 +37,14 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Iterable, Iterator, Sequence
+from typing import IO, TYPE_CHECKING, Iterable, Iterator, Sequence
 
-import numpy as np
-
-from .decoding import Rows
 from .errors import OutputError, UsageError
+
+if TYPE_CHECKING:  # numpy is imported by the writers: the CLI checks dump paths before any math
+    import numpy as np
+
+    from .decoding import Rows
 
 LOGITS_KINDS = ("safetensors", "npy", "bin")
 HIDDEN_KINDS = ("npy", "bin")
@@ -119,6 +121,8 @@ def write_logits(target: DumpTarget, rows: Rows, info: DumpInfo, stdout: IO[byte
 
 
 def _safetensors_chunks(rows: Rows, info: DumpInfo) -> list[bytes]:
+    import numpy as np
+
     n = sum(len(r) for r in rows.data)
     tokens = np.asarray(info.tokens, dtype="<i8").tobytes()
     header = {
@@ -137,6 +141,8 @@ def _safetensors_chunks(rows: Rows, info: DumpInfo) -> list[bytes]:
 
 
 def _npy_header(rows: Rows) -> bytes:
+    import numpy as np
+
     dtype = np.dtype("<f4" if rows.dtype == "fp32" else "<u2")
     buf = io.BytesIO()
     np.lib.format.write_array_header_1_0(
@@ -160,6 +166,8 @@ def _sidecar(target: DumpTarget, rows: Rows, info: DumpInfo) -> bytes:
 
 
 def write_hidden(target: DumpTarget, values: np.ndarray) -> None:
+    import numpy as np
+
     assert target.path is not None
     v = np.ascontiguousarray(values, dtype="<f4").reshape(-1)
     if target.kind == "npy":

@@ -21,7 +21,7 @@ import numpy as np
 from .checkpoint import Checkpoint
 from .config import ModelConfig
 from .engine_base import EngineBase, check_context
-from .logits import BF16, DevicePtr, host_argmax
+from .logits import DevicePtr, bf16_bits_to_fp32, fp32_to_bf16_bits, host_argmax
 from .weights import EMBED, FINAL_NORM, LM_HEAD, check_checkpoint, layer_names
 
 # Queries per prefill chunk: bounds the attention scores to heads x chunk x context floats.
@@ -44,10 +44,20 @@ class LayerWeights:
 
 @dataclass
 class Weights:
-    embed: np.ndarray  # [V, H] in the checkpoint's dtype (rows converted on lookup)
+    embed: np.ndarray  # [V, H] in the checkpoint's dtype, BF16 as uint16 bits (rows converted on lookup)
     layers: list[LayerWeights]
     final_norm: np.ndarray  # [H]
     lm_head: np.ndarray  # [V, H] fp32 (the embedding itself when tied)
+
+    def embed_rows(self, ids: np.ndarray) -> np.ndarray:
+        """The embedding rows of ids as fp32 [T, H]."""
+        return _fp32(self.embed[ids])
+
+
+def _fp32(a: np.ndarray) -> np.ndarray:
+    """A weight as fp32. BF16 tensors are read as their uint16 bit patterns (no ml_dtypes import; no
+    runnable checkpoint dtype is stored as U16, so uint16 here always means bf16)."""
+    return bf16_bits_to_fp32(a) if a.dtype == np.uint16 else np.array(a, dtype=np.float32)
 
 
 def load_weights(cfg: ModelConfig, ckpt: Checkpoint, progress=None) -> Weights:
@@ -58,7 +68,7 @@ def load_weights(cfg: ModelConfig, ckpt: Checkpoint, progress=None) -> Weights:
     def f32(name: str | None) -> np.ndarray | None:
         if name is None:
             return None
-        out = np.array(ckpt.array(name), dtype=np.float32)
+        out = _fp32(ckpt.array(name, bf16_bits=True))
         ckpt.release(name)
         if progress is not None:
             progress(out.nbytes // 2 if ckpt.info(name).dtype != "F32" else out.nbytes)
@@ -89,7 +99,7 @@ def load_weights(cfg: ModelConfig, ckpt: Checkpoint, progress=None) -> Weights:
         embed = lm_head  # one fp32 table serves both
     else:
         lm_head = f32(LM_HEAD)
-        embed = ckpt.array(EMBED)  # stays memory-mapped: a lookup touches only its rows
+        embed = ckpt.array(EMBED, bf16_bits=True)  # stays memory-mapped: a lookup touches only its rows
     return Weights(embed=embed, layers=layers, final_norm=f32(FINAL_NORM), lm_head=lm_head)
 
 
@@ -127,7 +137,7 @@ class NumpyEngine(EngineBase):
         shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, max_context, cfg.head_dim)
         self._k = np.zeros(shape, np.float32)  # [L, nkv, ctx, d]; np.zeros maps pages lazily
         self._v = np.zeros(shape, np.float32)
-        self._logits_dtype = np.float32 if fp32_logits else BF16
+        self._logits_dtype = np.float32 if fp32_logits else np.uint16  # bf16 rows as bit patterns
         self._logits = np.zeros((1, cfg.vocab_size), self._logits_dtype)  # [rows, V], grown on demand
         self._decode_logits = np.zeros((1, cfg.vocab_size), self._logits_dtype)  # [1, V]
         self._hidden = np.zeros((1, cfg.hidden_size), np.float32)  # [1, H]
@@ -149,7 +159,7 @@ class NumpyEngine(EngineBase):
 
     def decode(self, token: int) -> None:
         h = self._forward(self._check_tokens([token]))
-        self._decode_logits[:] = self._lm_head(h).astype(self._logits_dtype)
+        self._decode_logits[:] = self._round_logits(self._lm_head(h))
 
     def verify(self, tokens: Sequence[int]) -> int:
         """k draft tokens at the next k positions in one forward; rows [k, vocab] in the logits buffer."""
@@ -163,7 +173,7 @@ class NumpyEngine(EngineBase):
         hidden states [T, H]. The hidden state of the last position is kept for hidden_after_norm()."""
         cfg = self.cfg
         t, start = len(ids), self.length
-        x = np.asarray(self.w.embed[ids], dtype=np.float32)  # [T, H]
+        x = self.w.embed_rows(ids)  # [T, H]
         angles = np.arange(start, start + t, dtype=np.float32)[:, None] * self._inv_freq[None, :]
         cos, sin = np.cos(angles), np.sin(angles)  # [T, d/2]
         for li, lw in enumerate(self.w.layers):
@@ -225,15 +235,20 @@ class NumpyEngine(EngineBase):
         logits = self._lm_head(h)
         if self._logits.shape[0] != logits.shape[0]:
             self._logits = np.empty((logits.shape[0], self.cfg.vocab_size), self._logits_dtype)
-        self._logits[:] = logits.astype(self._logits_dtype)
+        self._logits[:] = self._round_logits(logits)
         self._n_rows = logits.shape[0]
+
+    def _round_logits(self, logits: np.ndarray) -> np.ndarray:
+        """fp32 logits in the buffers' dtype: kept as they are, or rounded to bf16 (nearest even)."""
+        return logits if self._fp32_logits else fp32_to_bf16_bits(logits)
 
     # -- LogitsBuffers hooks -----------------------------------------------------------------------------
     def _row_to_host(self, ptr: DevicePtr) -> np.ndarray:
         return ptr._buffer[ptr.row]
 
     def _argmax_rows(self, ptr: DevicePtr, n: int, stream: int) -> np.ndarray:
-        return host_argmax(ptr._buffer[ptr.row:ptr.row + n])
+        rows = ptr._buffer[ptr.row:ptr.row + n]
+        return host_argmax(bf16_bits_to_fp32(rows) if rows.dtype == np.uint16 else rows)
 
 
 def load_numpy_engine(cfg: ModelConfig, ckpt: Checkpoint, max_context: int, fp32_logits: bool = False,

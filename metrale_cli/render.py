@@ -55,7 +55,7 @@ import json
 import math
 import unicodedata
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from rich.console import Console, Group
 from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
@@ -64,9 +64,10 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from .decoding import (DecodeResult, DecodeStep, ForwardResult, HiddenSummary, SpecDecodeResult, Timings,
-                       VerifyResult)
 from .errors import UsageError
+
+if TYPE_CHECKING:  # decoding (and numpy) is imported by the commands that compute, not by `--help`
+    from .decoding import DecodeResult, DecodeStep, ForwardResult, HiddenSummary, Timings, VerifyResult
 
 FORMATS = ("rich", "plain", "json")
 PROGRESS_MIN_BYTES = 200_000_000  # checkpoints smaller than this load too fast to need a bar
@@ -324,6 +325,8 @@ def _rich_spec(spec: dict[str, Any]) -> Table:
 
 
 def _spec_json(result: DecodeResult, meta: Meta) -> dict[str, Any] | None:
+    from .decoding import SpecDecodeResult
+
     if not isinstance(result, SpecDecodeResult) or result.stats is None:
         return None
     s = result.stats
@@ -356,6 +359,8 @@ def decode_json(meta: Meta, result: DecodeResult, plain_match: bool | None = Non
 
 
 def decode_timings_json(result: DecodeResult, plain_match: bool | None = None) -> dict[str, Any]:
+    from .decoding import SpecDecodeResult
+
     t = result.timings
     out = _base_timings(t)
     spec = isinstance(result, SpecDecodeResult) and result.stats is not None
