@@ -128,6 +128,10 @@ class Checkpoint:
         patterns with bf16_bits)."""
         return self._file_of(name).array(name, bf16_bits=bf16_bits)
 
+    def raw(self, name: str) -> np.ndarray:
+        """The bytes of tensor `name`: a read-only, zero-copy uint8 view over its shard's memory map."""
+        return self._file_of(name).raw(name)
+
     def release(self, name: str) -> None:
         """Let the OS drop tensor `name`'s resident pages (after the caller converted it)."""
         self._file_of(name).release(name)

@@ -6,13 +6,14 @@ checked against config.json (and tokenizer.json) before any weight is loaded.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Iterator, Optional, Sequence
 
 import typer
 from rich.console import Console
@@ -26,7 +27,7 @@ except ImportError:  # pragma: no cover
 from . import __version__, render
 from .checkpoint import Checkpoint
 from .dumps import HIDDEN_KINDS, DumpInfo, DumpTarget, check_dump_path, commit, write_hidden, write_logits
-from .errors import EXIT_CODES, InputError, Interrupted, MetraleError, UsageError
+from .errors import EXIT_CODES, InputError, Interrupted, MetraleError, NonFiniteLogitsError, UsageError
 from .inputs import (ModelSpec, check_draft_matches, check_ids_in_vocab, check_positive, context_for,
                      parse_token_ids, read_model_spec, resolve_prompt)
 from .model import LoadedModel, open_model, resolve_device
@@ -253,6 +254,33 @@ def write_dumps(job: Job, command: str, rows, hidden, tokens: list[int], positio
         write_hidden(job.hidden_dump, hidden.values)
 
 
+@contextlib.contextmanager
+def dumps_on_nonfinite(job: Job, command: str, engine: Any) -> Iterator[None]:
+    """When the run inside meets NaN/Inf, the requested dumps of the rows it produced (the failing ones
+    included) are written first, as they are the evidence; then it fails (exit 6), naming where the
+    values appeared when the engine can tell."""
+    from .decoding import NonFiniteRun, describe_nonfinite
+
+    try:
+        yield
+    except NonFiniteRun as e:
+        ev = e.evidence
+        write_dumps(job, command, ev.rows, ev.hidden, ev.tokens, ev.positions)
+        parts = [str(e)]
+        where = describe_nonfinite(engine, ev.tokens)
+        if where:
+            parts.append(where)
+        written = []
+        if ev.rows is not None:
+            n = len(ev.rows.data)
+            written.append(f"{job.common.dump_logits} ({n} row{'s' if n != 1 else ''})")
+        if ev.hidden is not None and job.common.dump_hidden is not None:
+            written.append(job.common.dump_hidden)
+        if written:
+            parts.append("written anyway: " + ", ".join(written))
+        raise NonFiniteLogitsError("; ".join(parts), row=e.row, position=e.position) from None
+
+
 def _token_text(model: LoadedModel):
     return model.tokenizer.token_text if model.tokenizer is not None else None
 
@@ -336,11 +364,12 @@ def _decode(job: Job, steps: int, top_k: int, ignore_eos: bool, speculative: boo
                       token_text=_token_text(target), keep_rows=job.logits_dump is not None,
                       want_hidden=job.want_hidden, on_step=report.step)
         plain_match = None
-        if speculative:
-            drafter = ModelDrafter(drafter_model.engine) if drafter_model is not None else NgramDrafter()
-            result, plain_match = _speculative(job, target, drafter, steps, k, kwargs)
-        else:
-            result = run_decode(target.engine, job.ids, steps, **kwargs)
+        with dumps_on_nonfinite(job, "decode", target.engine):
+            if speculative:
+                drafter = ModelDrafter(drafter_model.engine) if drafter_model is not None else NgramDrafter()
+                result, plain_match = _speculative(job, target, drafter, steps, k, kwargs)
+            else:
+                result = run_decode(target.engine, job.ids, steps, **kwargs)
         result.timings.load_s = target.load_seconds + (drafter_model.load_seconds if drafter_model else 0.0)
         fed = job.ids + [s.token for s in result.steps[:-1]]
         write_dumps(job, "decode", result.rows, result.hidden, fed, [s.position - 1 for s in result.steps])
@@ -452,10 +481,11 @@ def _verify(job: Job, k: int, draft_ids: list[int] | None, draft_path: str | Non
     try:
         drafter_model = load(job, draft_spec, n + k) if draft_spec is not None else None
         source: Any = draft_ids if draft_ids is not None else ("model" if drafter_model else "self")
-        result = run_verify(target.engine, job.ids, k, draft=source,
-                            draft_engine=drafter_model.engine if drafter_model else None,
-                            token_text=_token_text(target), keep_rows=job.logits_dump is not None,
-                            want_hidden=job.want_hidden)
+        with dumps_on_nonfinite(job, "verify", target.engine):
+            result = run_verify(target.engine, job.ids, k, draft=source,
+                                draft_engine=drafter_model.engine if drafter_model else None,
+                                token_text=_token_text(target), keep_rows=job.logits_dump is not None,
+                                want_hidden=job.want_hidden)
         result.timings.load_s = target.load_seconds + (drafter_model.load_seconds if drafter_model else 0.0)
         drafts = [row.draft for row in result.rows]
         write_dumps(job, "verify", result.logit_rows, result.hidden, job.ids + drafts,
@@ -505,8 +535,9 @@ def forward(
     model_ctx = context_for(job.spec, n, f"prompt ({n} tokens)", c.max_context)
     target = load(job, job.spec, model_ctx)
     try:
-        result = run_forward(target.engine, job.ids, all_rows=rows == "all", token_text=_token_text(target),
-                             keep_rows=job.logits_dump is not None, want_hidden=job.want_hidden)
+        with dumps_on_nonfinite(job, "forward", target.engine):
+            result = run_forward(target.engine, job.ids, all_rows=rows == "all", token_text=_token_text(target),
+                                 keep_rows=job.logits_dump is not None, want_hidden=job.want_hidden)
         result.timings.load_s = target.load_seconds
         write_dumps(job, "forward", result.logit_rows, result.hidden, job.ids,
                     [row.position for row in result.rows])
@@ -525,15 +556,19 @@ def inspect(
         metavar="[PATH]", help="Checkpoint directory, .safetensors file or index.json (default: the embedded model).",
         show_default=False)] = None,
     fmt: FormatOpt = None,
+    scan: Annotated[bool, typer.Option(
+        "--scan", help="Also read every tensor and list those holding NaN or Inf (reads the whole checkpoint).")] = False,
 ) -> None:
     """Describe a checkpoint: architecture, sizes, parameter count, dtypes, shards, rope, tokenizer.
 
     The tensors are checked against config.json (names, shapes, dtypes).
     An invalid checkpoint is still described; metrale then exits non-zero with the problems on stderr.
+    Without --scan no tensor value is read, so NaN/Inf in the weights are not looked for.
 
     Examples:
       metrale inspect
       metrale inspect path/to/checkpoint --format json
+      metrale inspect path/to/checkpoint --scan
     """
     state: State = ctx.obj
     fmt_ = render.choose_format(fmt, state.out)
@@ -546,7 +581,13 @@ def inspect(
             check_checkpoint(spec.config, ckpt)
         except MetraleError as e:
             problem = e
-        render.render_inspect(state.out, fmt_, _inspect_info(spec, ckpt, problem))
+        info = _inspect_info(spec, ckpt, problem)
+        if scan:
+            from .scan import scan_nonfinite
+
+            info["nonfinite"] = [t.to_json() for t in scan_nonfinite(ckpt)]
+        info["scanned"] = scan
+        render.render_inspect(state.out, fmt_, info)
     finally:
         ckpt.close()
     if problem is not None:
@@ -578,6 +619,7 @@ def _inspect_info(spec: ModelSpec, ckpt: Checkpoint, problem: MetraleError | Non
         "rope": {"theta": cfg.rope_theta, "type": "llama3" if scaling else "default", "scaling": scaling},
         "tokenizer": ckpt.has_tokenizer, "bos_token_id": cfg.bos_token_id, "eos_token_ids": list(cfg.eos_token_ids),
         "valid": problem is None, "problems": str(problem) if problem is not None else None,
+        "scanned": False, "nonfinite": None,  # --scan: the tensors holding NaN/Inf (name, dtype, nan, inf)
     }
 
 

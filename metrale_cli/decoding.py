@@ -165,6 +165,37 @@ class SpecDecodeResult(DecodeResult):
     spec_tokens_per_s: float | None = None
 
 
+@dataclass
+class Evidence:
+    """What a pass produced up to its first non-finite logits row, kept for the dumps: the rows (the
+    failing ones included), the hidden state, and the ids the engine ran."""
+
+    rows: Rows | None  # None when no logits dump was asked for
+    hidden: HiddenSummary | None
+    tokens: list[int]  # every input id the engine ran, from position 0
+    first_position: int  # rows[i] is the output at input position first_position + i
+
+    @property
+    def positions(self) -> list[int]:
+        return list(range(self.first_position, self.first_position + (len(self.rows.data) if self.rows else 0)))
+
+
+class NonFiniteRun(NonFiniteLogitsError):
+    """A pass's NonFiniteLogitsError with the evidence it produced: the CLI writes the dumps, then fails."""
+
+    def __init__(self, err: NonFiniteLogitsError, evidence: Evidence) -> None:
+        super().__init__(str(err), row=err.row, position=err.position)
+        self.evidence = evidence
+
+
+def describe_nonfinite(engine, tokens: Sequence[int]) -> str | None:
+    """Where the non-finite values of the pass over `tokens` first appeared (the first layer, attention
+    or MLP, or the embedding row), in words for the error message; None when the engine cannot tell.
+
+    The hook for the engines' own diagnosis: until they provide one, this says nothing."""
+    return None
+
+
 # -- reading rows through ModelLogits ---------------------------------------------------------------------
 
 
@@ -175,6 +206,7 @@ class Reader:
         self.engine = engine
         self.vocab = engine.vocab_size()
         self.token_text = token_text
+        self.failed: list[bytes] = []  # the raw rows of the argmax call that found NaN/Inf
 
     def text(self, token: int) -> str | None:
         return self.token_text(token) if self.token_text is not None else None
@@ -190,9 +222,12 @@ class Reader:
         return bf16_bits_to_fp32(np.frombuffer(raw, dtype=np.uint16))
 
     def argmax(self, ptr: DevicePtr, position: int) -> int:
+        """`position`: the input position whose output the row is (as the dumps number rows), for the
+        message when the row holds NaN/Inf."""
         try:
             return self.engine.argmax_on_device(ptr)
         except NonFiniteLogitsError:
+            self.failed = [self.raw(ptr)]
             raise NonFiniteLogitsError(
                 f"the logits row for position {position} holds NaN or Inf", position=position
             ) from None
@@ -201,6 +236,7 @@ class Reader:
         try:
             return self.engine.argmax_batch(ptr, n)
         except NonFiniteLogitsError as e:
+            self.failed = [self.raw(ptr.row_ptr(i)) for i in range(n)]
             pos = first_position + (e.row or 0)
             raise NonFiniteLogitsError(
                 f"the logits row for position {pos} holds NaN or Inf", position=pos
@@ -234,6 +270,15 @@ def summarize_hidden(values: np.ndarray, first: int = 8) -> HiddenSummary:
     )
 
 
+def _evidence(err: NonFiniteLogitsError, engine, rows: Rows | None, failed: list[bytes], tokens: Sequence[int],
+              first_position: int, want_hidden: bool) -> NonFiniteRun:
+    """The error to raise once a pass met a non-finite row: the rows so far plus the `failed` ones."""
+    if rows is not None:
+        rows.data.extend(failed)
+    hidden = summarize_hidden(engine.copy_hidden_to_host()) if want_hidden else None
+    return NonFiniteRun(err, Evidence(rows, hidden, list(tokens), first_position))
+
+
 def _sync(engine) -> None:
     sync = getattr(engine, "synchronize", None)
     if sync is not None:
@@ -254,8 +299,11 @@ def run_forward(engine, prompt: Sequence[int], *, all_rows: bool, token_text=Non
     timings.prefill_s = time.perf_counter() - t0
     buf = engine.logits_buffer_ptr()
     first_pos = len(prompt) - n
-    ids = rd.argmax_batch(buf, n, first_pos)
     rows = _rows_for(engine, buf, rd) if keep_rows else None
+    try:
+        ids = rd.argmax_batch(buf, n, first_pos)
+    except NonFiniteLogitsError as e:
+        raise _evidence(e, engine, rows, rd.failed, prompt, first_pos, want_hidden) from None
     out = []
     for i in range(n):
         ptr = buf.row_ptr(i)
@@ -296,9 +344,22 @@ def run_decode(engine, prompt: Sequence[int], steps: int, *, top_k: int = 0, eos
     rd = Reader(engine, token_text)
     timings = Timings(prompt_tokens=len(prompt))
     rows = _rows_for(engine, engine.logits_buffer_ptr(), rd) if keep_rows else None
-    token, values = prefill_next(engine, rd, prompt, timings, rows)
     out: list[DecodeStep] = []
-    eos = set(eos_ids)
+    try:
+        stopped = _greedy_steps(engine, rd, prompt, steps, top_k, set(eos_ids), ignore_eos, timings, rows, out,
+                                on_step)
+    except NonFiniteLogitsError as e:  # every produced token was fed back: the engine ran prompt + out
+        ran = list(prompt) + [s.token for s in out]
+        raise _evidence(e, engine, rows, rd.failed, ran, len(prompt) - 1, want_hidden) from None
+    hidden = summarize_hidden(engine.copy_hidden_to_host()) if want_hidden else None
+    return DecodeResult(list(prompt), out, stopped, rows, hidden, timings)
+
+
+def _greedy_steps(engine, rd: Reader, prompt: Sequence[int], steps: int, top_k: int, eos: set[int],
+                  ignore_eos: bool, timings: Timings, rows: Rows | None, out: list[DecodeStep],
+                  on_step: Callable[[DecodeStep], None] | None) -> bool:
+    """run_decode's loop: appends each produced step to `out`; True when it stopped at an EOS token."""
+    token, values = prefill_next(engine, rd, prompt, timings, rows)
     stopped = False
     for i in range(steps):
         step = DecodeStep(len(prompt) + i, token, rd.text(token), float(values[token]), rd.top_k(values, top_k))
@@ -313,14 +374,13 @@ def run_decode(engine, prompt: Sequence[int], steps: int, *, top_k: int = 0, eos
         t0 = time.perf_counter()
         engine.decode(token)
         ptr = engine.decode_logits_ptr()
-        token = rd.argmax(ptr, len(prompt) + i + 1)
+        token = rd.argmax(ptr, len(prompt) + i)  # the row of the token fed at len(prompt) + i
         timings.step_s.append(time.perf_counter() - t0)
         raw = rd.raw(ptr)
         if rows is not None:
             rows.append(raw)
         values = rd.values(raw, ptr)
-    hidden = summarize_hidden(engine.copy_hidden_to_host()) if want_hidden else None
-    return DecodeResult(list(prompt), out, stopped, rows, hidden, timings)
+    return stopped
 
 
 def _rows_for(engine, ptr: DevicePtr, rd: Reader) -> Rows:
@@ -330,19 +390,19 @@ def _rows_for(engine, ptr: DevicePtr, rd: Reader) -> Rows:
 # -- verify ------------------------------------------------------------------------------------------------------
 
 
-def draft_greedy(engine, rd: Reader, first: int, k: int, first_position: int,
-                 keep_rows: bool = False) -> tuple[list[int], list[bytes]]:
-    """k tokens by sequential greedy decode steps starting from `first` (already chosen); with keep_rows
-    also the raw decode rows, row i being the one computed after feeding draft i. The cache grows by k."""
-    drafts, raws = [first], []
+def draft_greedy(engine, rd: Reader, drafts: list[int], k: int, first_position: int,
+                 raws: list[bytes] | None = None) -> None:
+    """Extend `drafts` ([first], already chosen) to k tokens by sequential greedy decode steps; with
+    `raws` also append the raw decode rows, row i being the one computed after feeding draft i. Both
+    lists are the caller's, so a non-finite row leaves them holding what was fed and computed. The
+    cache grows by k."""
     for i in range(k):
         engine.decode(drafts[-1])
         ptr = engine.decode_logits_ptr()
-        if keep_rows:
+        if raws is not None:
             raws.append(rd.raw(ptr))
         if i < k - 1:
-            drafts.append(rd.argmax(ptr, first_position + i + 1))
-    return drafts, raws
+            drafts.append(rd.argmax(ptr, first_position + i))
 
 
 def run_verify(engine, prompt: Sequence[int], k: int, *, draft: str | Sequence[int] = "self",
@@ -360,24 +420,33 @@ def run_verify(engine, prompt: Sequence[int], k: int, *, draft: str | Sequence[i
     timings = Timings(prompt_tokens=len(prompt))
     n = len(prompt)
     logit_rows = _rows_for(engine, engine.logits_buffer_ptr(), rd) if keep_rows else None
-    first, first_values = prefill_next(engine, rd, prompt, timings, logit_rows)
+    drafts: list[int] = []
     seq_raws: list[bytes] | None = None
-    if draft == "self":
-        source = "self"
-        drafts, seq_raws = draft_greedy(engine, rd, first, k, n, keep_rows=True)
-        engine.trim(n)
-    elif draft == "model":
-        source = "model"
-        drafts = draft_from_model(draft_engine, prompt, k)
-    else:
-        source = "ids"
-        drafts = [int(t) for t in draft]
-        if len(drafts) != k:
-            raise InputError(f"--draft gives {len(drafts)} ids but --k is {k}")
-    t0 = time.perf_counter()
-    engine.verify(drafts)
-    buf = engine.logits_buffer_ptr()
-    targets_after = rd.argmax_batch(buf, k, n)
+    verifying = False
+    try:
+        first, first_values = prefill_next(engine, rd, prompt, timings, logit_rows)
+        if draft == "self":
+            source, drafts, seq_raws = "self", [first], []
+            draft_greedy(engine, rd, drafts, k, n, seq_raws)
+            engine.trim(n)
+        elif draft == "model":
+            source = "model"
+            drafts = draft_from_model(draft_engine, prompt, k)
+        else:
+            source = "ids"
+            drafts = [int(t) for t in draft]
+            if len(drafts) != k:
+                raise InputError(f"--draft gives {len(drafts)} ids but --k is {k}")
+        t0 = time.perf_counter()
+        verifying = True
+        engine.verify(drafts)
+        buf = engine.logits_buffer_ptr()
+        targets_after = rd.argmax_batch(buf, k, n)
+    except NonFiniteLogitsError as e:
+        # After the prompt's last row come the failing verify rows, or, when self-drafting met the
+        # non-finite row, the sequential decode rows up to it (the positions the verify rows would have).
+        failed = seq_raws if seq_raws and not verifying else rd.failed
+        raise _evidence(e, engine, logit_rows, failed, list(prompt) + drafts, n - 1, want_hidden) from None
     timings.step_s.append(time.perf_counter() - t0)
 
     raws = [rd.raw(buf.row_ptr(i)) for i in range(k)]
@@ -434,11 +503,12 @@ class ModelDrafter:
         behind = committed[e.length:-1]
         if behind:
             e.prefill(behind, all_logits=False)
-        drafts, _ = draft_greedy(e, self.rd, committed[-1], k, len(committed) - 1)
-        # draft_greedy fed committed[-1] and drafts[0..k-2]; the proposals are what came out of those.
+        drafts = [committed[-1]]
+        draft_greedy(e, self.rd, drafts, k, len(committed) - 1)
+        # draft_greedy fed committed[-1] and drafts[1..k-1]; the proposals are what came out of those.
         out = drafts[1:]
         e_ptr = e.decode_logits_ptr()
-        out.append(self.rd.argmax(e_ptr, len(committed) + k - 1))
+        out.append(self.rd.argmax(e_ptr, len(committed) + k - 2))  # the row of drafts[k - 1]
         return out
 
     def accept(self, committed_len_before: int, accepted: int) -> None:
@@ -490,7 +560,14 @@ def speculative_decode(engine, drafter, prompt: Sequence[int], steps: int, k: in
     timings = Timings(prompt_tokens=len(prompt))
     rows = _rows_for(engine, engine.logits_buffer_ptr(), rd) if keep_rows else None
     stats = SpecStats(k, drafter.name, drafted_at=[0] * k, accepted_at=[0] * k)
-    cur, values = prefill_next(engine, rd, prompt, timings, rows)
+
+    def evidence(e: NonFiniteLogitsError, ran: Sequence[int], failed: list[bytes]) -> NonFiniteRun:
+        return _evidence(e, engine, rows, failed, ran, len(prompt) - 1, want_hidden)
+
+    try:
+        cur, values = prefill_next(engine, rd, prompt, timings, rows)
+    except NonFiniteLogitsError as e:
+        raise evidence(e, prompt, rd.failed) from None
     drafter.start(prompt)
     committed = list(prompt) + [cur]
     out: list[DecodeStep] = []
@@ -509,11 +586,17 @@ def speculative_decode(engine, drafter, prompt: Sequence[int], steps: int, k: in
         t0 = time.perf_counter()
         base = len(committed)  # target cache holds committed[:-1]
         room = engine.max_context - engine.length - 1
-        drafts = drafter.propose(committed, min(k, max(room, 0)))[:max(room, 0)]
+        try:  # a draft model's own rows can be non-finite: the target's rows so far are the evidence
+            drafts = drafter.propose(committed, min(k, max(room, 0)))[:max(room, 0)]
+        except NonFiniteLogitsError as e:
+            raise evidence(e, committed[:-1], []) from None
         engine.verify([cur] + drafts)
         buf = engine.logits_buffer_ptr()
         m = len(drafts)
-        targets = rd.argmax_batch(buf, m + 1, base - 1)
+        try:
+            targets = rd.argmax_batch(buf, m + 1, base - 1)
+        except NonFiniteLogitsError as e:
+            raise evidence(e, committed + drafts, rd.failed) from None
         accepted = 0
         while accepted < m and drafts[accepted] == targets[accepted]:
             accepted += 1

@@ -610,7 +610,8 @@ def render_inspect(console: Console, fmt: str, info: dict[str, Any]) -> None:
     t.add_column(style="bold")
     t.add_column()
     for key, value in rows:
-        style = "red" if key == "problems" else ("green" if key == "valid" and value == "yes" else None)
+        bad = key == "problems" or key.startswith("  ")  # the problems and each tensor with NaN/Inf
+        style = "red" if bad else ("green" if key == "valid" and value == "yes" else None)
         t.add_row(key, Text(str(value), style=style or ""))
     console.print(t)
 
@@ -640,7 +641,19 @@ def _inspect_rows(info: dict[str, Any]) -> list[tuple[str, str]]:
     ]
     if info["problems"]:
         rows.append(("problems", info["problems"]))
+    rows.extend(_nonfinite_rows(info))
     return [(k, str(v)) for k, v in rows]
+
+
+def _nonfinite_rows(info: dict[str, Any]) -> list[tuple[str, str]]:
+    """inspect's NaN/Inf lines: what --scan found, or that nothing was looked at without it."""
+    if not info.get("scanned"):
+        return [("nonfinite", "not scanned (--scan reads every tensor)")]
+    found = info["nonfinite"] or []
+    if not found:
+        return [("nonfinite", "none")]
+    rows = [("nonfinite", "1 tensor holds NaN or Inf" if len(found) == 1 else f"{len(found)} tensors hold NaN or Inf")]
+    return rows + [(f"  {t['name']}", f"{t['dtype']}: {t['nan']:,} NaN, {t['inf']:,} Inf") for t in found]
 
 
 # -- errors and progress ------------------------------------------------------------------------------------------

@@ -423,6 +423,17 @@ class SafetensorsFile:
         out.flags.writeable = False
         return out
 
+    def raw(self, name: str) -> np.ndarray:
+        """The bytes of tensor `name` as a read-only, zero-copy uint8 view (any dtype, packed ones too)."""
+        import numpy as np
+
+        info = self.info(name)
+        if info.nbytes == 0:
+            return np.empty(0, np.uint8)
+        out = np.frombuffer(self._live(), dtype=np.uint8, count=info.nbytes, offset=self.data_start + info.begin)
+        out.flags.writeable = False
+        return out
+
     def release(self, name: str) -> None:
         """Drop the resident pages wholly inside tensor `name` (advisory; they are re-read if touched again)."""
         info = self.info(name)
