@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,9 @@ from .tokenizer import Tokenizer
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "models" / "default"
 DEVICES = ("auto", "cpu", "cuda")
+# owner/name, as Hugging Face spells repo ids (letters, digits, '-', '_', '.'; neither part starts with
+# '.' or '-'): a missing path of that shape was probably meant as one.
+_HUB_REPO_ID = re.compile(r"[A-Za-z0-9_][\w.-]{0,95}/[A-Za-z0-9_][\w.-]{0,95}")
 
 
 @dataclass
@@ -62,8 +66,17 @@ def resolve_device(device: str) -> str:
 def model_dir(path: str | Path | None) -> Path:
     p = Path(path) if path is not None else DEFAULT_MODEL_DIR
     if not p.exists():
-        raise CheckpointError(f"{p}: no such file or directory")
+        raise CheckpointError(f"{p}: no such file or directory{hub_hint(path)}")
     return p.parent if p.is_file() else p
+
+
+def hub_hint(path: str | Path | None) -> str:
+    """For a missing path shaped like a Hugging Face repo id: how to get a local copy (else "")."""
+    if path is None or not _HUB_REPO_ID.fullmatch(str(path)):
+        return ""
+    return (f" (if {path} is a Hugging Face repo id: metrale reads local checkpoint directories only; "
+            f"download it with `hf download {path} --local-dir DIR` or `huggingface-cli download {path} "
+            "--local-dir DIR` and pass DIR)")
 
 
 def open_model(path: str | Path | None = None, *, device: str = "auto", max_context: int | None = None,
