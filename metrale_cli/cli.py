@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import sys
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Callable, Iterator, Optional, Sequence
@@ -114,6 +113,8 @@ def _guarded(err: Console, run: Callable[[], Any]) -> int:
         return 0
     except Exception as e:  # a bug: one line, the traceback only on request
         if os.environ.get("METRALE_DEBUG"):
+            import traceback  # only for this, a bug's report
+
             render.help_text(err, traceback.format_exc().rstrip())
         msg = " ".join(str(e).split()) or "(no message)"
         render.error_line(err, f"metrale: internal error: {type(e).__name__}: {msg} "

@@ -7,7 +7,6 @@ not after gigabytes of weights were converted.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +40,8 @@ class ModelSpec:
         return p if p.is_file() else None
 
     def tokenizer_sha256(self) -> str | None:
+        import hashlib  # loads OpenSSL (~8 ms): only for the commands that report this hash
+
         p = self.tokenizer_path
         return hashlib.sha256(p.read_bytes()).hexdigest() if p is not None else None
 

@@ -58,8 +58,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from rich.console import Console, Group
-from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
-                           TimeRemainingColumn)
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
@@ -67,6 +65,8 @@ from rich.text import Text
 from .errors import UsageError
 
 if TYPE_CHECKING:  # decoding (and numpy) is imported by the commands that compute, not by `--help`
+    from rich.progress import Progress
+
     from .decoding import DecodeResult, DecodeStep, ForwardResult, HiddenSummary, Timings, VerifyResult
 
 FORMATS = ("rich", "plain", "json")
@@ -210,6 +210,8 @@ class DecodeReport:
 
     def begin(self, prompt_tokens: list[int], steps: int) -> None:
         if self.meta.fmt == "rich" and isatty(self.console):
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
             self._live = Progress(TextColumn("[bold]decoding[/]"), BarColumn(), MofNCompleteColumn(),
                                   console=self.console, transient=True)
             self._live.start()
@@ -720,6 +722,8 @@ def load_progress(err_console: Console, label: str,
         if total < min_bytes or not isatty(err_console):
             return
         if "bar" not in state:
+            from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
             bar = Progress(TextColumn("[bold]loading[/] {task.description}"), BarColumn(), DownloadColumn(),
                            TimeRemainingColumn(), console=err_console, transient=True)
             bar.start()
