@@ -151,7 +151,9 @@ def pytest_terminal_summary(terminalreporter) -> None:
     for rep in skipped:
         if isinstance(rep.longrepr, tuple):
             path, line, reason = rep.longrepr
-            where = f"{path}:{line + 1 if line is not None else ''}"
+            if Path(path).is_absolute() and Path(path).is_relative_to(terminalreporter.config.rootpath):
+                path = Path(path).relative_to(terminalreporter.config.rootpath)  # as pytest's -rs shows it
+            where = f"{path}:{line if line is not None else ''}"
         else:
             where, reason = rep.nodeid, str(rep.longrepr)
         reason = reason.removeprefix("Skipped: ")
