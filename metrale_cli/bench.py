@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from importlib import resources
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -23,7 +24,9 @@ from .config import ModelConfig, load_config
 from .errors import UsageError
 from .random_weights import RandomTensors
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+# The presets: shipped as metrale_cli.assets.presets when installed; read from the repository's
+# top-level configs/ when running from a source checkout (that subpackage has no directory there).
+SOURCE_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
 @dataclass
@@ -54,13 +57,20 @@ class BenchResult:
         return next((f for f in self.figures if f.name == name), None)
 
 
+def presets_dir() -> Path:
+    """Where the preset JSON files are: the installed package's, else the source tree's configs/."""
+    installed = Path(str(resources.files("metrale_cli.assets") / "presets"))
+    return installed if installed.is_dir() else SOURCE_CONFIGS
+
+
 def preset_path(name: str) -> Path:
     p = Path(name)
     if p.suffix == ".json" and p.is_file():
         return p
-    cand = CONFIGS / f"{name}.json"
+    folder = presets_dir()
+    cand = folder / f"{name}.json"
     if not cand.is_file():
-        names = ", ".join(sorted(q.stem for q in CONFIGS.glob("*.json")))
+        names = ", ".join(sorted(q.stem for q in folder.glob("*.json"))) or f"none found in {folder}"
         raise UsageError(f"unknown preset '{name}' (available: {names})")
     return cand
 

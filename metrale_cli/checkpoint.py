@@ -14,12 +14,13 @@ import os
 from collections import Counter
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from types import TracebackType
-from typing import Any, Iterable
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Iterable
 
 from metrale_cli.errors import CheckpointError
 from metrale_cli.safetensors_file import SafetensorsFile, TensorInfo, _show, _suggest
+
+if TYPE_CHECKING:
+    import numpy as np
 
 SINGLE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -126,9 +127,14 @@ class Checkpoint:
     def info(self, name: str) -> TensorInfo:
         return self._file_of(name).tensors[name]
 
-    def array(self, name: str) -> np.ndarray:
-        """A read-only, zero-copy view of tensor `name` over its shard's memory map."""
-        return self._file_of(name).array(name)
+    def array(self, name: str, *, bf16_bits: bool = False) -> np.ndarray:
+        """A read-only, zero-copy view of tensor `name` over its shard's memory map (BF16 as uint16 bit
+        patterns with bf16_bits)."""
+        return self._file_of(name).array(name, bf16_bits=bf16_bits)
+
+    def raw(self, name: str) -> np.ndarray:
+        """The bytes of tensor `name`: a read-only, zero-copy uint8 view over its shard's memory map."""
+        return self._file_of(name).raw(name)
 
     def release(self, name: str) -> None:
         """Let the OS drop tensor `name`'s resident pages (after the caller converted it)."""

@@ -4,7 +4,6 @@ No math and no printing here: decoding.py computes, render.py prints, dumps.py w
 checked against config.json (and tokenizer.json) before any weight is loaded.
 """
 
-from __future__ import annotations
 
 import contextlib
 import json
@@ -14,7 +13,6 @@ import re
 import signal
 import sys
 import threading
-import traceback
 from dataclasses import dataclass, field
 from inspect import cleandoc
 from pathlib import Path
@@ -32,18 +30,16 @@ except ImportError:  # pragma: no cover
 
 from . import __version__, render
 from .checkpoint import Checkpoint
-from .decoding import (DecodeResult, ModelDrafter, NgramDrafter, SpecDecodeResult, TextStream, run_decode,
-                       run_forward, run_verify, speculative_decode)
 from .dumps import HIDDEN_KINDS, DumpInfo, DumpTarget, check_dump_path, commit, write_hidden, write_logits
-if TYPE_CHECKING:
-    from .engine.observe import LayerRecorder
-
-from .errors import EXIT_CODES, ConfigError, Interrupted, MetraleError, UsageError
+from .errors import EXIT_CODES, ConfigError, Interrupted, MetraleError, NonFiniteLogitsError, UsageError
 from .inputs import (ModelSpec, PromptFormat, check_draft_matches, check_ids_in_vocab, check_positive,
                      check_prompt_format, context_for, parse_token_ids, read_model_spec, resolve_prompt)
 from .model import EMBEDDED_MODELS, LoadedModel, model_dir, model_path, open_model, resolve_device
 from .models import FAMILIES
 from .models.weights import check_checkpoint
+
+if TYPE_CHECKING:  # the commands import decoding (and with it numpy) when they run: --help stays fast
+    from .decoding import DecodeResult, SpecDecodeResult
 
 EXIT_CODE_HELP = "\n".join(f"  {code:>3}  {text}" for code, text in sorted(EXIT_CODES.items()))
 
@@ -166,6 +162,8 @@ def _guarded(err: Console, run: Callable[[], Any]) -> int:
         return 0
     except Exception as e:  # a bug: one line, the traceback only on request
         if os.environ.get("METRALE_DEBUG"):
+            import traceback  # only for this, a bug's report
+
             render.help_text(err, traceback.format_exc().rstrip())
         msg = " ".join(str(e).split()) or "(no message)"
         render.error_line(err, f"metrale: internal error: {type(e).__name__}: {msg} "
@@ -260,7 +258,7 @@ class Common:
     chat: bool = False
     system: str | None = None
     no_special_tokens: bool = False
-    layers: LayerOptions | None = None
+    layers: "LayerOptions | None" = None
 
     @property
     def prompt_format(self) -> PromptFormat:
@@ -341,22 +339,22 @@ def prepare(state: State, c: Common) -> Job:
 
 
 def _check_layer_options(opts: LayerOptions | None) -> DumpTarget | None:
-    from .layer_dumps import check_layer_dump_path
-
     if opts is None or not opts.wanted:
         if opts is not None and (opts.select is not None or opts.stats):
             raise UsageError(f"{'--layers' if opts.select is not None else '--dump-stats'} needs --dump-layers PATH")
         return None
+    from .layer_dumps import check_layer_dump_path  # numpy: only for a command that dumps layers
+
     return check_layer_dump_path(opts.path, stats=opts.stats)
 
 
 def record_layers(job: Job, model: LoadedModel) -> "LayerRecorder | None":
     """With --dump-layers, every pass of `model` from now on is recorded (the taps run beside the passes)."""
+    if job.layers_dump is None:
+        return None
     from .engine.observe import LayerRecorder
     from .layer_dumps import parse_layers
 
-    if job.layers_dump is None:
-        return None
     chosen = set(parse_layers(job.common.layers.select, model.config.num_hidden_layers))
     recorder = LayerRecorder(model.engine, lambda name: _tap_layer(name) in chosen | {None}, sorted(chosen))
     model.engine.tap = recorder
@@ -411,6 +409,36 @@ def ctrl_c_stops() -> Iterator[Callable[[], bool]]:
         yield lambda: bool(asked)
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def dumps_on_nonfinite(job: Job, command: str, engine: Any,
+                       recorder: "LayerRecorder | None" = None) -> Iterator[None]:
+    """When the run inside meets NaN/Inf, the requested dumps of the rows it produced (the failing ones
+    included, and the layers of every pass so far) are written first, as they are the evidence; then it
+    fails (exit 6), naming where the values first appear (a rerun of the tokens with every tap on)."""
+    from .decoding import NonFiniteRun, describe_nonfinite
+
+    try:
+        yield
+    except NonFiniteRun as e:
+        ev = e.evidence
+        write_dumps(job, command, ev.rows, ev.hidden, ev.tokens, ev.positions, recorder)
+        parts = [str(e)]
+        where = describe_nonfinite(engine, ev.tokens)
+        if where:
+            parts.append(where)
+        written = []
+        if ev.rows is not None:
+            n = len(ev.rows.data)
+            written.append(f"{job.common.dump_logits} ({n} row{'s' if n != 1 else ''})")
+        if ev.hidden is not None and job.common.dump_hidden is not None:
+            written.append(job.common.dump_hidden)
+        if recorder is not None:
+            written.append(job.common.layers.path)
+        if written:
+            parts.append("written anyway: " + ", ".join(written))
+        raise NonFiniteLogitsError("; ".join(parts), row=e.row, position=e.position) from None
 
 
 def _token_text(model: LoadedModel):
@@ -497,6 +525,8 @@ def _cap_top_k(state: State, top_k: int, vocab: int) -> int:
 
 def _decode(job: Job, steps: int, top_k: int, ignore_eos: bool, speculative: bool, draft_path: str | None,
             k: int) -> None:
+    from .decoding import ModelDrafter, NgramDrafter, TextStream, run_decode
+
     n = len(job.ids)
     what = f"prompt ({n} tokens) + --steps {steps}"
     ctx = context_for(job.spec, n + steps, what, job.common.max_context, n + steps + (k if speculative else 0))
@@ -522,7 +552,7 @@ def _decode(job: Job, steps: int, top_k: int, ignore_eos: bool, speculative: boo
                       want_hidden=job.want_hidden, on_step=report.step,
                       detokenize=tok.decode if tok is not None else None)
         plain_match = None
-        with ctrl_c_stops() as stop:
+        with ctrl_c_stops() as stop, dumps_on_nonfinite(job, "decode", target.engine, recorder):
             kwargs["should_stop"] = stop
             if speculative:
                 drafter = ModelDrafter(drafter_model.engine) if drafter_model is not None else NgramDrafter()
@@ -546,7 +576,9 @@ def _decode(job: Job, steps: int, top_k: int, ignore_eos: bool, speculative: boo
 
 
 def _speculative(job: Job, target: LoadedModel, drafter, steps: int, k: int,
-                 kwargs: dict[str, Any]) -> tuple[SpecDecodeResult, bool | None]:
+                 kwargs: dict[str, Any]) -> "tuple[SpecDecodeResult, bool | None]":
+    from .decoding import run_decode, speculative_decode
+
     result = speculative_decode(target.engine, drafter, job.ids, steps, k, **kwargs)
     if not job.common.timings or result.interrupted:
         return result, None
@@ -562,7 +594,7 @@ def _speculative(job: Job, target: LoadedModel, drafter, steps: int, k: int,
     return result, [s.token for s in plain.steps] == [s.token for s in result.steps]
 
 
-def _decode_rate(result: DecodeResult) -> float | None:
+def _decode_rate(result: "DecodeResult") -> float | None:
     seconds = sum(result.timings.step_s)
     return (len(result.steps) - 1) / seconds if seconds > 0 and len(result.steps) > 1 else None
 
@@ -646,6 +678,8 @@ def _parse_draft_ids(draft: str) -> list[int]:
 
 
 def _verify(job: Job, k: int, draft_ids: list[int] | None, draft_path: str | None) -> None:
+    from .decoding import run_verify
+
     n = len(job.ids)
     what = f"prompt ({n} tokens) + --k {k}"
     ctx = context_for(job.spec, n + k, what, job.common.max_context)
@@ -659,10 +693,11 @@ def _verify(job: Job, k: int, draft_ids: list[int] | None, draft_path: str | Non
     try:
         drafter_model = load(job, draft_spec, n + k) if draft_spec is not None else None
         source: Any = draft_ids if draft_ids is not None else ("model" if drafter_model else "self")
-        result = run_verify(target.engine, job.ids, k, draft=source,
-                            draft_engine=drafter_model.engine if drafter_model else None,
-                            token_text=_token_text(target), keep_rows=job.logits_dump is not None,
-                            want_hidden=job.want_hidden)
+        with dumps_on_nonfinite(job, "verify", target.engine, recorder):
+            result = run_verify(target.engine, job.ids, k, draft=source,
+                                draft_engine=drafter_model.engine if drafter_model else None,
+                                token_text=_token_text(target), keep_rows=job.logits_dump is not None,
+                                want_hidden=job.want_hidden)
         result.timings.load_s = target.load_seconds + (drafter_model.load_seconds if drafter_model else 0.0)
         drafts = [row.draft for row in result.rows]
         write_dumps(job, "verify", result.logit_rows, result.hidden_rows, job.ids + drafts,
@@ -713,6 +748,8 @@ def forward(
     """
     c = Common(model, prompt, tokens, device, logits_dtype, fmt, dump_logits, hidden, dump_hidden, timings,
                max_context, chat, system, no_special_tokens, LayerOptions(dump_layers, layers, dump_stats))
+    from .decoding import run_forward
+
     if rows not in ("last", "all"):
         raise UsageError(f"--rows must be last or all, got {rows!r}")
     job = prepare(ctx.obj, c)
@@ -721,8 +758,9 @@ def forward(
     target = load(job, job.spec, model_ctx)
     recorder = record_layers(job, target)
     try:
-        result = run_forward(target.engine, job.ids, all_rows=rows == "all", token_text=_token_text(target),
-                             keep_rows=job.logits_dump is not None, want_hidden=job.want_hidden)
+        with dumps_on_nonfinite(job, "forward", target.engine, recorder):
+            result = run_forward(target.engine, job.ids, all_rows=rows == "all", token_text=_token_text(target),
+                                 keep_rows=job.logits_dump is not None, want_hidden=job.want_hidden)
         result.timings.load_s = target.load_seconds
         write_dumps(job, "forward", result.logit_rows, result.hidden_rows, job.ids,
                     [row.position for row in result.rows], recorder)
@@ -741,23 +779,27 @@ def inspect(
         metavar="PATH", help=f"Checkpoint directory, .safetensors file or index.json, or {EMBEDDED_HELP}. "
                              "Default: default.", show_default=False)] = None,
     fmt: FormatOpt = None,
+    scan: Annotated[bool, typer.Option(
+        "--scan", help="Also read every tensor and list those holding NaN or Inf (reads the whole checkpoint).")] = False,
 ) -> None:
     """Describe a checkpoint: architecture, sizes, parameter count, dtypes, shards, rope, tokenizer.
 
     The tensors are checked against config.json (names, shapes, dtypes).
     An invalid checkpoint is still described; metrale then exits non-zero with the problems on stderr.
     A config.json metrale cannot run (another model_type, hidden_act...) is described from its raw fields and the tensors, then named (exit 4).
+    Without --scan no tensor value is read, so NaN/Inf in the weights are not looked for.
 
     Examples:
       metrale inspect
       metrale inspect default-draft --format json
+      metrale inspect default --scan
     """
     state: State = ctx.obj
     fmt_ = render.choose_format(fmt, state.out)
     try:
         spec = read_model_spec(path)
     except ConfigError as unsupported:  # describe what config.json and the tensors say, then fail (exit 4)
-        _inspect_without_config(state, fmt_, path, unsupported)
+        _inspect_without_config(state, fmt_, path, unsupported, scan)
         raise
     ckpt = Checkpoint.open(spec.checkpoint_path)
     try:
@@ -766,14 +808,25 @@ def inspect(
             check_checkpoint(spec.config, ckpt)
         except MetraleError as e:
             problem = e
-        render.render_inspect(state.out, fmt_, _inspect_info(spec, ckpt, problem))
+        render.render_inspect(state.out, fmt_, _with_scan(_inspect_info(spec, ckpt, problem), ckpt, scan))
     finally:
         ckpt.close()
     if problem is not None:
         raise problem
 
 
-def _inspect_without_config(state: State, fmt: str, path: str | None, problem: ConfigError) -> None:
+def _with_scan(info: dict[str, Any], ckpt: Checkpoint, scan: bool) -> dict[str, Any]:
+    """inspect's "scanned" and "nonfinite" keys: with --scan, the tensors holding NaN or Inf."""
+    info["nonfinite"] = None
+    if scan:
+        from .scan import scan_nonfinite
+
+        info["nonfinite"] = [t.to_json() for t in scan_nonfinite(ckpt)]
+    info["scanned"] = scan
+    return info
+
+
+def _inspect_without_config(state: State, fmt: str, path: str | None, problem: ConfigError, scan: bool) -> None:
     """A config.json metrale cannot run (model_type gemma2, hidden_act gelu...): its raw fields and the
     tensor listing, with the problem named. Prints nothing when config.json is no JSON object or the
     weights cannot be listed (the caller's error then says why)."""
@@ -786,8 +839,8 @@ def _inspect_without_config(state: State, fmt: str, path: str | None, problem: C
         return
     try:
         if isinstance(raw, dict):
-            render.render_inspect(state.out, fmt, _raw_inspect_info("default" if path is None else path, raw,
-                                                                    ckpt, problem))
+            info = _raw_inspect_info("default" if path is None else path, raw, ckpt, problem)
+            render.render_inspect(state.out, fmt, _with_scan(info, ckpt, scan))
     finally:
         ckpt.close()
 
@@ -851,6 +904,7 @@ def _inspect_info(spec: ModelSpec, ckpt: Checkpoint, problem: MetraleError | Non
         "rope": {"theta": cfg.rope_theta, "type": "llama3" if scaling else "default", "scaling": scaling},
         "tokenizer": ckpt.has_tokenizer, "bos_token_id": cfg.bos_token_id, "eos_token_ids": list(cfg.eos_token_ids),
         "valid": problem is None, "problems": str(problem) if problem is not None else None,
+        "scanned": False, "nonfinite": None,  # --scan: the tensors holding NaN/Inf (name, dtype, nan, inf)
     }
 
 

@@ -12,15 +12,15 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
 from functools import cached_property
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
 from .models import FAMILIES, Family
 from .models.spec import ModelDefinition, Rope, RopeScaling
+
+if TYPE_CHECKING:  # numpy is imported where RoPE needs it: the CLI reads configs long before any math
+    import numpy as np
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .errors import InputError, NonFiniteLogitsError
-from .logits import BF16, DevicePtr
+from .logits import DevicePtr, bf16_bits_to_fp32
 
 # -- results ---------------------------------------------------------------------------------------------
 
@@ -199,6 +199,41 @@ class SpecDecodeResult(DecodeResult):
     spec_tokens_per_s: float | None = None
 
 
+@dataclass
+class Evidence:
+    """What a pass produced up to its first non-finite logits row, kept for the dumps: the rows (the
+    failing ones included), the hidden rows behind them, and the ids the engine ran."""
+
+    rows: Rows | None  # None when no logits dump was asked for
+    hidden: HiddenRows | None  # None when no hidden state was asked for; else one per row, as `rows`
+    tokens: list[int]  # every input id the engine ran, from position 0
+    first_position: int  # rows[i] is the output at input position first_position + i
+
+    @property
+    def positions(self) -> list[int]:
+        n = len(self.rows.data) if self.rows is not None else len(self.hidden.data) if self.hidden else 0
+        return list(range(self.first_position, self.first_position + n))
+
+
+class NonFiniteRun(NonFiniteLogitsError):
+    """A pass's NonFiniteLogitsError with the evidence it produced: the CLI writes the dumps, then fails."""
+
+    def __init__(self, err: NonFiniteLogitsError, evidence: Evidence) -> None:
+        super().__init__(str(err), row=err.row, position=err.position)
+        self.evidence = evidence
+
+
+def describe_nonfinite(engine, tokens: Sequence[int]) -> str | None:
+    """Where the non-finite values of the pass over `tokens` first appeared (the embedding rows, a layer's
+    attention or MLP, the final norm), in words for the error message; None when the engine cannot tap
+    its passes. Reruns `tokens` as one prefill from position 0 with every tap on (the cache is reset)."""
+    if not hasattr(engine, "tap") or len(tokens) > engine.max_context:
+        return None
+    from .engine.observe import describe_nonfinite as where
+
+    return where(engine, tokens)
+
+
 # -- reading rows through ModelLogits ---------------------------------------------------------------------
 
 
@@ -209,6 +244,7 @@ class Reader:
         self.engine = engine
         self.vocab = engine.vocab_size()
         self.token_text = token_text
+        self.failed: list[bytes] = []  # the raw rows of the argmax call that found NaN/Inf
 
     def text(self, token: int) -> str | None:
         return self.token_text(token) if self.token_text is not None else None
@@ -219,13 +255,17 @@ class Reader:
         return bytes(buf)
 
     def values(self, raw: bytes, ptr: DevicePtr) -> np.ndarray:
-        dt = np.float32 if self.engine.logits_ptr_is_fp32(ptr) else BF16
-        return np.frombuffer(raw, dtype=dt).astype(np.float32)
+        if self.engine.logits_ptr_is_fp32(ptr):
+            return np.frombuffer(raw, dtype=np.float32).copy()
+        return bf16_bits_to_fp32(np.frombuffer(raw, dtype=np.uint16))
 
     def argmax(self, ptr: DevicePtr, position: int) -> int:
+        """`position`: the input position whose output the row is (as the dumps number rows), for the
+        message when the row holds NaN/Inf."""
         try:
             return self.engine.argmax_on_device(ptr)
         except NonFiniteLogitsError:
+            self.failed = [self.raw(ptr)]
             raise NonFiniteLogitsError(
                 f"the logits row for position {position} holds NaN or Inf", position=position
             ) from None
@@ -234,6 +274,7 @@ class Reader:
         try:
             return self.engine.argmax_batch(ptr, n)
         except NonFiniteLogitsError as e:
+            self.failed = [self.raw(ptr.row_ptr(i)) for i in range(n)]
             pos = first_position + (e.row or 0)
             raise NonFiniteLogitsError(
                 f"the logits row for position {pos} holds NaN or Inf", position=pos
@@ -320,6 +361,22 @@ def _take_hidden(engine, hidden: HiddenRows | None, n: int | None = None) -> Non
         hidden.extend(rows if n is None else rows[:n])
 
 
+def _evidence(err: NonFiniteLogitsError, engine, rows: Rows | None, hidden: HiddenRows | None,
+              failed: list[bytes], tokens: Sequence[int], first_position: int,
+              failed_hidden: HiddenRows | None = None) -> NonFiniteRun:
+    """The error to raise once a pass met a non-finite row: the rows so far plus the `failed` ones, and the
+    hidden rows behind them (the failing pass's last rows, or `failed_hidden` when several passes made
+    the failed rows)."""
+    if rows is not None:
+        rows.data.extend(failed)
+    if hidden is not None:
+        if failed_hidden is not None:
+            hidden.data.extend(failed_hidden.data)
+        elif failed:
+            hidden.extend(engine.copy_hidden_rows_to_host()[-len(failed):])
+    return NonFiniteRun(err, Evidence(rows, hidden, list(tokens), first_position))
+
+
 # -- forward -------------------------------------------------------------------------------------------------
 
 
@@ -334,8 +391,12 @@ def run_forward(engine, prompt: Sequence[int], *, all_rows: bool, token_text=Non
     timings.prefill_s = time.perf_counter() - t0
     buf = engine.logits_buffer_ptr()
     first_pos = len(prompt) - n
-    ids = rd.argmax_batch(buf, n, first_pos)
     rows = _rows_for(engine, buf, rd) if keep_rows else None
+    hidden_rows = _hidden_rows_for(engine, want_hidden)
+    try:
+        ids = rd.argmax_batch(buf, n, first_pos)
+    except NonFiniteLogitsError as e:
+        raise _evidence(e, engine, rows, hidden_rows, rd.failed, prompt, first_pos) from None
     out = []
     for i in range(n):
         ptr = buf.row_ptr(i)
@@ -344,7 +405,6 @@ def run_forward(engine, prompt: Sequence[int], *, all_rows: bool, token_text=Non
             rows.append(raw)
         vals = rd.values(raw, ptr)
         out.append(ForwardRow(first_pos + i, ids[i], rd.text(ids[i]), float(vals[ids[i]])))
-    hidden_rows = _hidden_rows_for(engine, want_hidden)
     _take_hidden(engine, hidden_rows)
     return ForwardResult(list(prompt), out, rows, hidden_rows.summary() if hidden_rows else None, timings,
                          hidden_rows)
@@ -385,9 +445,23 @@ def run_decode(engine, prompt: Sequence[int], steps: int, *, top_k: int = 0, eos
     timings = Timings(prompt_tokens=len(prompt))
     rows = _rows_for(engine, engine.logits_buffer_ptr(), rd) if keep_rows else None
     hidden = _hidden_rows_for(engine, want_hidden)
-    token, values = prefill_next(engine, rd, prompt, timings, rows, hidden)
     out: list[DecodeStep] = []
-    eos = set(eos_ids)
+    try:
+        stopped, interrupted = _greedy_steps(engine, rd, prompt, steps, top_k, set(eos_ids), ignore_eos, timings,
+                                             rows, hidden, out, on_step, should_stop)
+    except NonFiniteLogitsError as e:  # every produced token was fed back: the engine ran prompt + out
+        ran = list(prompt) + [s.token for s in out]
+        raise _evidence(e, engine, rows, hidden, rd.failed, ran, len(prompt) - 1) from None
+    return DecodeResult(list(prompt), out, stopped, rows, hidden.summary() if hidden else None, timings,
+                        _text(detokenize, prompt, out), hidden, interrupted)
+
+
+def _greedy_steps(engine, rd: Reader, prompt: Sequence[int], steps: int, top_k: int, eos: set[int],
+                  ignore_eos: bool, timings: Timings, rows: Rows | None, hidden: HiddenRows | None,
+                  out: list[DecodeStep], on_step: Callable[[DecodeStep], None] | None,
+                  should_stop: Callable[[], bool] | None) -> tuple[bool, bool]:
+    """run_decode's loop: appends each produced step to `out`; (stopped at EOS, interrupted)."""
+    token, values = prefill_next(engine, rd, prompt, timings, rows, hidden)
     stopped = interrupted = False
     for i in range(steps):
         step = DecodeStep(len(prompt) + i, token, rd.text(token), float(values[token]), rd.top_k(values, top_k))
@@ -405,15 +479,14 @@ def run_decode(engine, prompt: Sequence[int], steps: int, *, top_k: int = 0, eos
         t0 = time.perf_counter()
         engine.decode(token)
         ptr = engine.decode_logits_ptr()
-        token = rd.argmax(ptr, len(prompt) + i + 1)
+        token = rd.argmax(ptr, len(prompt) + i)  # the row of the token fed at len(prompt) + i
         timings.step_s.append(time.perf_counter() - t0)
         raw = rd.raw(ptr)
         if rows is not None:
             rows.append(raw)
         _take_hidden(engine, hidden)
         values = rd.values(raw, ptr)
-    return DecodeResult(list(prompt), out, stopped, rows, hidden.summary() if hidden else None, timings,
-                        _text(detokenize, prompt, out), hidden, interrupted)
+    return stopped, interrupted
 
 
 def _text(detokenize: Callable[[list[int]], str] | None, prompt: Sequence[int],
@@ -428,19 +501,20 @@ def _rows_for(engine, ptr: DevicePtr, rd: Reader) -> Rows:
 # -- verify ------------------------------------------------------------------------------------------------------
 
 
-def draft_greedy(engine, rd: Reader, first: int, k: int, first_position: int,
-                 keep_rows: bool = False) -> tuple[list[int], list[bytes]]:
-    """k tokens by sequential greedy decode steps starting from `first` (already chosen); with keep_rows
-    also the raw decode rows, row i being the one computed after feeding draft i. The cache grows by k."""
-    drafts, raws = [first], []
+def draft_greedy(engine, rd: Reader, drafts: list[int], k: int, first_position: int,
+                 raws: list[bytes] | None = None, hidden: HiddenRows | None = None) -> None:
+    """Extend `drafts` ([first], already chosen) to k tokens by sequential greedy decode steps; with
+    `raws` (`hidden`) also append the raw decode rows (their hidden rows), row i being the one computed
+    after feeding draft i. The lists are the caller's, so a non-finite row leaves them holding what was
+    fed and computed. The cache grows by k."""
     for i in range(k):
         engine.decode(drafts[-1])
         ptr = engine.decode_logits_ptr()
-        if keep_rows:
+        if raws is not None:
             raws.append(rd.raw(ptr))
+        _take_hidden(engine, hidden)
         if i < k - 1:
-            drafts.append(rd.argmax(ptr, first_position + i + 1))
-    return drafts, raws
+            drafts.append(rd.argmax(ptr, first_position + i))
 
 
 def run_verify(engine, prompt: Sequence[int], k: int, *, draft: str | Sequence[int] = "self",
@@ -459,24 +533,36 @@ def run_verify(engine, prompt: Sequence[int], k: int, *, draft: str | Sequence[i
     n = len(prompt)
     logit_rows = _rows_for(engine, engine.logits_buffer_ptr(), rd) if keep_rows else None
     hidden = _hidden_rows_for(engine, want_hidden)
-    first, first_values = prefill_next(engine, rd, prompt, timings, logit_rows, hidden)
+    drafts: list[int] = []
     seq_raws: list[bytes] | None = None
-    if draft == "self":
-        source = "self"
-        drafts, seq_raws = draft_greedy(engine, rd, first, k, n, keep_rows=True)
-        engine.trim(n)
-    elif draft == "model":
-        source = "model"
-        drafts = draft_from_model(draft_engine, prompt, k)
-    else:
-        source = "ids"
-        drafts = [int(t) for t in draft]
-        if len(drafts) != k:
-            raise InputError(f"--draft gives {len(drafts)} ids but --k is {k}")
-    t0 = time.perf_counter()
-    engine.verify(drafts)
-    buf = engine.logits_buffer_ptr()
-    targets_after = rd.argmax_batch(buf, k, n)
+    seq_hidden = _hidden_rows_for(engine, want_hidden)  # the self-draft decode steps' hidden rows
+    verifying = False
+    try:
+        first, first_values = prefill_next(engine, rd, prompt, timings, logit_rows, hidden)
+        if draft == "self":
+            source, drafts, seq_raws = "self", [first], []
+            draft_greedy(engine, rd, drafts, k, n, seq_raws, seq_hidden)
+            engine.trim(n)
+        elif draft == "model":
+            source = "model"
+            drafts = draft_from_model(draft_engine, prompt, k)
+        else:
+            source = "ids"
+            drafts = [int(t) for t in draft]
+            if len(drafts) != k:
+                raise InputError(f"--draft gives {len(drafts)} ids but --k is {k}")
+        t0 = time.perf_counter()
+        verifying = True
+        engine.verify(drafts)
+        buf = engine.logits_buffer_ptr()
+        targets_after = rd.argmax_batch(buf, k, n)
+    except NonFiniteLogitsError as e:
+        # After the prompt's last row come the failing verify rows, or, when self-drafting met the
+        # non-finite row, the sequential decode rows up to it (the positions the verify rows would have).
+        if seq_raws and not verifying:
+            raise _evidence(e, engine, logit_rows, hidden, seq_raws, list(prompt) + drafts, n - 1,
+                            seq_hidden) from None
+        raise _evidence(e, engine, logit_rows, hidden, rd.failed, list(prompt) + drafts, n - 1) from None
     timings.step_s.append(time.perf_counter() - t0)
 
     raws = [rd.raw(buf.row_ptr(i)) for i in range(k)]
@@ -562,11 +648,12 @@ class ModelDrafter:
         behind = committed[e.length:-1]
         if behind:
             e.prefill(behind, all_logits=False)
-        drafts, _ = draft_greedy(e, self.rd, committed[-1], k, len(committed) - 1)
-        # draft_greedy fed committed[-1] and drafts[0..k-2]; the proposals are what came out of those.
+        drafts = [committed[-1]]
+        draft_greedy(e, self.rd, drafts, k, len(committed) - 1)
+        # draft_greedy fed committed[-1] and drafts[1..k-1]; the proposals are what came out of those.
         out = drafts[1:]
         e_ptr = e.decode_logits_ptr()
-        out.append(self.rd.argmax(e_ptr, len(committed) + k - 1))
+        out.append(self.rd.argmax(e_ptr, len(committed) + k - 2))  # the row of drafts[k - 1]
         return out
 
     def accept(self, committed_len_before: int, accepted: int) -> None:
@@ -622,7 +709,14 @@ def speculative_decode(engine, drafter, prompt: Sequence[int], steps: int, k: in
     rows = _rows_for(engine, engine.logits_buffer_ptr(), rd) if keep_rows else None
     hidden = _hidden_rows_for(engine, want_hidden)
     stats = SpecStats(k, drafter.name, drafted_at=[0] * k, accepted_at=[0] * k)
-    cur, values = prefill_next(engine, rd, prompt, timings, rows, hidden)
+
+    def evidence(e: NonFiniteLogitsError, ran: Sequence[int], failed: list[bytes]) -> NonFiniteRun:
+        return _evidence(e, engine, rows, hidden, failed, ran, len(prompt) - 1)
+
+    try:
+        cur, values = prefill_next(engine, rd, prompt, timings, rows, hidden)
+    except NonFiniteLogitsError as e:
+        raise evidence(e, prompt, rd.failed) from None
     drafter.start(prompt)
     committed = list(prompt) + [cur]
     out: list[DecodeStep] = []
@@ -645,11 +739,17 @@ def speculative_decode(engine, drafter, prompt: Sequence[int], steps: int, k: in
         t0 = time.perf_counter()
         base = len(committed)  # target cache holds committed[:-1]
         room = engine.max_context - engine.length - 1
-        drafts = drafter.propose(committed, min(k, max(room, 0)))[:max(room, 0)]
+        try:  # a draft model's own rows can be non-finite: the target's rows so far are the evidence
+            drafts = drafter.propose(committed, min(k, max(room, 0)))[:max(room, 0)]
+        except NonFiniteLogitsError as e:
+            raise evidence(e, committed[:-1], []) from None
         engine.verify([cur] + drafts)
         buf = engine.logits_buffer_ptr()
         m = len(drafts)
-        targets = rd.argmax_batch(buf, m + 1, base - 1)
+        try:
+            targets = rd.argmax_batch(buf, m + 1, base - 1)
+        except NonFiniteLogitsError as e:
+            raise evidence(e, committed + drafts, rd.failed) from None
         accepted = 0
         while accepted < m and drafts[accepted] == targets[accepted]:
             accepted += 1

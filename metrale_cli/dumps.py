@@ -42,12 +42,14 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Iterable, Iterator, Sequence
+from typing import IO, TYPE_CHECKING, Iterable, Iterator, Sequence
 
-import numpy as np
-
-from .decoding import HiddenRows, Rows
 from .errors import OutputError, UsageError
+
+if TYPE_CHECKING:  # numpy is imported by the writers: the CLI checks dump paths before any math
+    import numpy as np
+
+    from .decoding import HiddenRows, Rows
 
 LOGITS_KINDS = ("safetensors", "npy", "bin")
 HIDDEN_KINDS = ("safetensors", "npy", "bin")
@@ -134,6 +136,8 @@ def write_logits(target: DumpTarget, rows: Rows, info: DumpInfo, stdout: IO[byte
 
 def write_hidden(target: DumpTarget, hidden: HiddenRows, info: DumpInfo) -> None:
     """The hidden state behind every logits row, [rows, hidden] fp32 (see the module docstring)."""
+    import numpy as np
+
     data = [np.ascontiguousarray(r, dtype="<f4").tobytes() for r in hidden.data]
     if len(info.positions) != len(data):
         raise ValueError(f"{len(data)} hidden rows but {len(info.positions)} positions")
@@ -150,6 +154,8 @@ def _write_matrix(target: DumpTarget, m: _Matrix, info: DumpInfo) -> None:
 
 
 def _safetensors_chunks(m: _Matrix, info: DumpInfo) -> list[bytes]:
+    import numpy as np
+
     n = sum(len(r) for r in m.data)
     tokens = np.asarray(info.tokens, dtype="<i8").tobytes()
     header = {
@@ -168,6 +174,8 @@ def _safetensors_chunks(m: _Matrix, info: DumpInfo) -> list[bytes]:
 
 
 def _npy_header(m: _Matrix) -> bytes:
+    import numpy as np
+
     dtype = np.dtype("<f4" if m.dtype == "fp32" else "<u2")
     buf = io.BytesIO()
     np.lib.format.write_array_header_1_0(

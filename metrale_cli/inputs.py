@@ -7,7 +7,6 @@ not after gigabytes of weights were converted.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -49,6 +48,8 @@ class ModelSpec:
         return p if p.is_file() else self.directory
 
     def tokenizer_sha256(self) -> str | None:
+        import hashlib  # loads OpenSSL (~8 ms): only for the commands that report this hash
+
         p = self.tokenizer_path
         return hashlib.sha256(p.read_bytes()).hexdigest() if p is not None else None
 

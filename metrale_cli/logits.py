@@ -24,12 +24,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-import ml_dtypes
 import numpy as np
 
 from .errors import InputError, NonFiniteLogitsError
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
+
+def _bf16() -> np.dtype:
+    # ml_dtypes' bfloat16, imported on first use: importing ml_dtypes takes about a second, and the CPU
+    # path needs none of it (it keeps bf16 values as uint16 bit patterns, as the GPU engine does).
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def __getattr__(name: str) -> Any:  # `logits.BF16`, resolved lazily (PEP 562)
+    if name == "BF16":
+        return _bf16()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -72,12 +83,31 @@ class ModelLogits(Protocol):
 
 def fp32_to_bf16(x: np.ndarray) -> np.ndarray:
     """Round-to-nearest-even, bit-identical to `torch.Tensor.to(torch.bfloat16)`."""
-    return np.asarray(x, dtype=np.float32).astype(BF16)
+    return np.asarray(x, dtype=np.float32).astype(_bf16())
 
 
 def bf16_bits(x: np.ndarray) -> np.ndarray:
     """The uint16 bit patterns of a bfloat16 array (what `.npy` dumps store)."""
-    return np.ascontiguousarray(x, dtype=BF16).view(np.uint16)
+    return np.ascontiguousarray(x, dtype=_bf16()).view(np.uint16)
+
+
+def fp32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """Round-to-nearest-even to bf16, as uint16 bit patterns, in integer arithmetic (no ml_dtypes).
+
+    The same bits as `bf16_bits(fp32_to_bf16(x))`, NaN included (sign | 0x7FC0). Adding 0x7FFF plus the
+    lowest kept bit, then dropping the low half, rounds ties to even and overflows into Inf as it should.
+    """
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    bits = ((u + (np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1)))) >> 16).astype(np.uint16)
+    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    if nan.any():
+        bits[nan] = ((u[nan] >> 16) & 0x8000).astype(np.uint16) | np.uint16(0x7FC0)
+    return bits
+
+
+def bf16_bits_to_fp32(bits: np.ndarray) -> np.ndarray:
+    """float32 values of bf16 bit patterns (exact: a bf16 is the high half of a float32)."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
 def host_argmax(rows: np.ndarray) -> np.ndarray:

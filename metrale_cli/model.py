@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +17,11 @@ from .tokenizer import Tokenizer
 if TYPE_CHECKING:
     from .engine.protocols import Engine
 
-DEFAULT_MODEL_DIR = Path(__file__).parent / "models" / "default"
+DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "models" / "default"
 DEVICES = ("auto", "cpu", "cuda")
+# owner/name, as Hugging Face spells repo ids (letters, digits, '-', '_', '.'; neither part starts with
+# '.' or '-'): a missing path of that shape was probably meant as one.
+_HUB_REPO_ID = re.compile(r"[A-Za-z0-9_][\w.-]{0,95}/[A-Za-z0-9_][\w.-]{0,95}")
 
 
 @dataclass
@@ -77,13 +81,23 @@ def model_path(path: str | Path | None) -> Path:
         return p
     if str(path) in EMBEDDED_MODELS:
         return DEFAULT_MODEL_DIR.parent / str(path)
-    raise CheckpointError(f"{p}: no such file or directory (embedded models: {', '.join(EMBEDDED_MODELS)})")
+    hint = hub_hint(path) or f" (embedded models: {', '.join(EMBEDDED_MODELS)})"
+    raise CheckpointError(f"{p}: no such file or directory{hint}")
 
 
 def model_dir(path: str | Path | None) -> Path:
     """The checkpoint directory: model_path itself, or the directory of a .safetensors/index.json file."""
     p = model_path(path)
     return p.parent if p.is_file() else p
+
+
+def hub_hint(path: str | Path | None) -> str:
+    """For a missing path shaped like a Hugging Face repo id: how to get a local copy (else "")."""
+    if path is None or not _HUB_REPO_ID.fullmatch(str(path)):
+        return ""
+    return (f" (if {path} is a Hugging Face repo id: metrale reads local checkpoint directories only; "
+            f"download it with `hf download {path} --local-dir DIR` or `huggingface-cli download {path} "
+            "--local-dir DIR` and pass DIR)")
 
 
 def open_model(path: str | Path | None = None, *, device: str = "auto", max_context: int | None = None,

@@ -10,10 +10,10 @@ from __future__ import annotations
 import zlib
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 
 from .config import ModelConfig
+from .logits import fp32_to_bf16, fp32_to_bf16_bits
 from .safetensors_file import TensorInfo
 
 
@@ -43,11 +43,13 @@ class RandomTensors:
     def total_bytes(self) -> int:
         return sum(2 * int(np.prod(s)) for s in self.shapes.values())
 
-    def array(self, name: str) -> np.ndarray:
+    def array(self, name: str, *, bf16_bits: bool = False) -> np.ndarray:
+        """bf16 (uint16 bit patterns with bf16_bits, as Checkpoint.array gives them)."""
         rng = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
         shape = self.shapes[name]
         mean, std = self._moments(name, shape)
-        return (rng.standard_normal(shape, dtype=np.float32) * std + mean).astype(ml_dtypes.bfloat16)
+        values = rng.standard_normal(shape, dtype=np.float32) * std + mean
+        return fp32_to_bf16_bits(values) if bf16_bits else fp32_to_bf16(values)
 
     def device_array(self, name: str, cp):
         """The same distribution drawn on the device (not the same numbers as `array`), as float32;

@@ -107,19 +107,21 @@ import json
 import math
 import unicodedata
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from rich import box
 from rich.console import Console
-from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
-                           TimeRemainingColumn)
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from .decoding import (DecodeResult, DecodeStep, ForwardResult, HiddenSummary, SpecDecodeResult, TextStream,
-                       Timings, VerifyResult)
 from .errors import UsageError
+
+if TYPE_CHECKING:  # decoding (and numpy) is imported by the commands that compute, not by `--help`
+    from rich.progress import Progress
+
+    from .decoding import (DecodeResult, DecodeStep, ForwardResult, HiddenSummary, SpecDecodeResult, TextStream,
+                           Timings, VerifyResult)
 
 FORMATS = ("rich", "plain", "json")
 PROGRESS_MIN_BYTES = 200_000_000  # checkpoints smaller than this load too fast to need a bar
@@ -303,6 +305,8 @@ class DecodeReport:
                 if self.meta.prompt is not None:
                     self.console.out(display_text(self.meta.prompt), style="dim", highlight=False, end="")
             else:
+                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
                 self._live = Progress(TextColumn("[bold]decoding[/]"), BarColumn(), MofNCompleteColumn(),
                                       console=self.console, transient=True)
                 self._live.start()
@@ -468,6 +472,8 @@ def _rich_spec(spec: dict[str, Any]) -> Table:
 
 
 def _spec_json(result: DecodeResult, meta: Meta) -> dict[str, Any] | None:
+    from .decoding import SpecDecodeResult
+
     if not isinstance(result, SpecDecodeResult) or result.stats is None:
         return None
     s = result.stats
@@ -502,6 +508,8 @@ def decode_json(meta: Meta, result: DecodeResult, plain_match: bool | None = Non
 
 
 def decode_timings_json(result: DecodeResult, plain_match: bool | None = None) -> dict[str, Any]:
+    from .decoding import SpecDecodeResult
+
     t = result.timings
     out = _base_timings(t)
     spec = isinstance(result, SpecDecodeResult) and result.stats is not None
@@ -783,7 +791,8 @@ def render_inspect(console: Console, fmt: str, info: dict[str, Any]) -> None:
     t.add_column(style="bold")
     t.add_column()
     for key, value in rows:
-        style = "red" if key == "problems" else ("green" if key == "valid" and value == "yes" else None)
+        bad = key == "problems" or key.startswith("  ")  # the problems and each tensor with NaN/Inf
+        style = "red" if bad else ("green" if key == "valid" and value == "yes" else None)
         t.add_row(key, Text(str(value), style=style or ""))
     console.print(t)
 
@@ -820,7 +829,19 @@ def _inspect_rows(info: dict[str, Any]) -> list[tuple[str, str]]:
     ]
     if info["problems"]:
         rows.append(("problems", info["problems"]))
+    rows.extend(_nonfinite_rows(info))
     return [(k, shown(v)) for k, v in rows]
+
+
+def _nonfinite_rows(info: dict[str, Any]) -> list[tuple[str, str]]:
+    """inspect's NaN/Inf lines: what --scan found, or that nothing was looked at without it."""
+    if not info.get("scanned"):
+        return [("nonfinite", "not scanned (--scan reads every tensor)")]
+    found = info["nonfinite"] or []
+    if not found:
+        return [("nonfinite", "none")]
+    rows = [("nonfinite", "1 tensor holds NaN or Inf" if len(found) == 1 else f"{len(found)} tensors hold NaN or Inf")]
+    return rows + [(f"  {t['name']}", f"{t['dtype']}: {t['nan']:,} NaN, {t['inf']:,} Inf") for t in found]
 
 
 # -- errors and progress ------------------------------------------------------------------------------------------
@@ -891,6 +912,8 @@ def load_progress(err_console: Console, label: str,
         if total < min_bytes or not isatty(err_console):
             return
         if "bar" not in state:
+            from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
             bar = Progress(TextColumn("[bold]loading[/] {task.description}"), BarColumn(), DownloadColumn(),
                            TimeRemainingColumn(), console=err_console, transient=True)
             bar.start()

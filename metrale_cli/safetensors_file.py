@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from difflib import get_close_matches
 from pathlib import Path
 from types import TracebackType
-from typing import Any
-
-import ml_dtypes
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from metrale_cli.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # The reference reader's limit on the JSON header (safetensors MAX_HEADER_SIZE).
 MAX_HEADER_BYTES = 100_000_000
@@ -49,37 +49,50 @@ STRICTER_THAN_REFERENCE: dict[str, str] = {
 }
 
 
-def _ml(name: str) -> Any:
-    """An ml_dtypes type, or None where the installed ml_dtypes predates it (then the dtype is unreadable)."""
-    return getattr(ml_dtypes, name, None)
-
-
-# dtype name -> (bits per element, numpy dtype or None when numpy has no such type).
-DTYPES: dict[str, tuple[int, Any]] = {
-    "BOOL": (8, np.dtype(np.bool_)),
-    "U8": (8, np.dtype(np.uint8)),
-    "I8": (8, np.dtype(np.int8)),
-    "F8_E5M2": (8, _ml("float8_e5m2")),
-    "F8_E4M3": (8, _ml("float8_e4m3fn")),  # torch.float8_e4m3fn is stored as F8_E4M3
-    "F8_E8M0": (8, _ml("float8_e8m0fnu")),
-    "F8_E4M3FNUZ": (8, _ml("float8_e4m3fnuz")),
-    "F8_E5M2FNUZ": (8, _ml("float8_e5m2fnuz")),
-    "I16": (16, np.dtype("<i2")),
-    "U16": (16, np.dtype("<u2")),
-    "F16": (16, np.dtype("<f2")),
-    "BF16": (16, _ml("bfloat16")),
-    "I32": (32, np.dtype("<i4")),
-    "U32": (32, np.dtype("<u4")),
-    "F32": (32, np.dtype("<f4")),
-    "C64": (64, np.dtype("<c8")),
-    "F64": (64, np.dtype("<f8")),
-    "I64": (64, np.dtype("<i8")),
-    "U64": (64, np.dtype("<u8")),
+# dtype name -> (bits per element, numpy type: a numpy dtype string, "ml_dtypes.NAME" for the types
+# numpy lacks, or None where numpy has no layout at all). Resolved by numpy_dtype() on first use: numpy
+# and above all ml_dtypes (about a second) are imported only when an array is read.
+DTYPES: dict[str, tuple[int, str | None]] = {
+    "BOOL": (8, "bool"),
+    "U8": (8, "u1"),
+    "I8": (8, "i1"),
+    "F8_E5M2": (8, "ml_dtypes.float8_e5m2"),
+    "F8_E4M3": (8, "ml_dtypes.float8_e4m3fn"),  # torch.float8_e4m3fn is stored as F8_E4M3
+    "F8_E8M0": (8, "ml_dtypes.float8_e8m0fnu"),
+    "F8_E4M3FNUZ": (8, "ml_dtypes.float8_e4m3fnuz"),
+    "F8_E5M2FNUZ": (8, "ml_dtypes.float8_e5m2fnuz"),
+    "I16": (16, "<i2"),
+    "U16": (16, "<u2"),
+    "F16": (16, "<f2"),
+    "BF16": (16, "ml_dtypes.bfloat16"),
+    "I32": (32, "<i4"),
+    "U32": (32, "<u4"),
+    "F32": (32, "<f4"),
+    "C64": (64, "<c8"),
+    "F64": (64, "<f8"),
+    "I64": (64, "<i8"),
+    "U64": (64, "<u8"),
     # Packed sub-byte floats: valid in a file, but numpy has no packed layout for them.
     "F4": (4, None),
     "F6_E2M3": (6, None),
     "F6_E3M2": (6, None),
 }
+
+
+def numpy_dtype(name: str) -> np.dtype | None:
+    """The numpy dtype of safetensors dtype `name`; None where numpy cannot hold it (packed sub-byte
+    floats, or an ml_dtypes too old to know the type)."""
+    import numpy as np
+
+    spec = DTYPES[name][1]
+    if spec is None:
+        return None
+    if spec.startswith("ml_dtypes."):
+        import ml_dtypes
+
+        found = getattr(ml_dtypes, spec.removeprefix("ml_dtypes."), None)
+        return np.dtype(found) if found is not None else None
+    return np.dtype(spec)
 
 
 @dataclass(frozen=True)
@@ -388,10 +401,13 @@ class SafetensorsFile:
         except KeyError:
             raise CheckpointError(f"{self.path}: no tensor named {name!r}{_suggest(name, self.tensors)}") from None
 
-    def array(self, name: str) -> np.ndarray:
-        """A read-only, zero-copy view of tensor `name` with its numpy dtype and shape."""
+    def array(self, name: str, *, bf16_bits: bool = False) -> np.ndarray:
+        """A read-only, zero-copy view of tensor `name` with its numpy dtype and shape. With bf16_bits a
+        BF16 tensor comes as its uint16 bit patterns (which needs no ml_dtypes)."""
+        import numpy as np
+
         info = self.info(name)
-        dtype = DTYPES[info.dtype][1]
+        dtype = np.dtype("<u2") if bf16_bits and info.dtype == "BF16" else numpy_dtype(info.dtype)
         if dtype is None:
             raise CheckpointError(
                 f"{self.path}: tensor {name!r} has dtype {info.dtype}, which metrale cannot read "
@@ -404,6 +420,17 @@ class SafetensorsFile:
         else:
             out = np.frombuffer(mapping, dtype=dtype, count=info.numel, offset=self.data_start + info.begin)
             out = out.reshape(info.shape)
+        out.flags.writeable = False
+        return out
+
+    def raw(self, name: str) -> np.ndarray:
+        """The bytes of tensor `name` as a read-only, zero-copy uint8 view (any dtype, packed ones too)."""
+        import numpy as np
+
+        info = self.info(name)
+        if info.nbytes == 0:
+            return np.empty(0, np.uint8)
+        out = np.frombuffer(self._live(), dtype=np.uint8, count=info.nbytes, offset=self.data_start + info.begin)
         out.flags.writeable = False
         return out
 

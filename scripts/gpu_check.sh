@@ -21,6 +21,6 @@ python3 -m metrale_cli bench --device cuda --preset llama-3.1-8b --context 8192 
   --format plain --json "$out/bench-8b-8192.json" 2>/dev/null | tee "$out/bench-8b-8192.txt"
 for p in "The while statement" "The for statement" "The import system"; do
   python3 -m metrale_cli decode --device cuda --prompt "$p" --steps 128 --ignore-eos \
-    --draft-model metrale_cli/models/default-draft --k 4 --timings --format json > "$out/spec-$(echo $p | tr ' ' _).json"
+    --draft-model metrale_cli/assets/models/default-draft --k 4 --timings --format json > "$out/spec-$(echo $p | tr ' ' _).json"
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); s=d['speculative']; t=d.get('timings',{}); print(sys.argv[1].split('/')[-1], 'acceptance', s['acceptance_rate'], 'mean/pass', s['mean_accepted_per_pass'], {k: v for k, v in t.items() if 'per_s' in k or 'match' in k})" "$out/spec-$(echo $p | tr ' ' _).json"
 done

@@ -7,7 +7,7 @@ it needs torch, transformers and tokenizers (CPU is fine) and no network.
 Data: the Python standard library's ``pydoc_data.topics.topics`` (help-topic
 strings), joined in sorted-key order with ``<|endoftext|>`` between topics.
 
-Outputs (under --out, default ``metrale_cli/models``):
+Outputs (under --out, default ``metrale_cli/assets/models``):
   default/        target LlamaForCausalLM, bf16 safetensors + config + tokenizer.json
   default-draft/  draft  LlamaForCausalLM, bf16 safetensors + config + tokenizer.json
   TRAINING.md     data hash, settings, losses, samples, draft acceptance rate
@@ -325,7 +325,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps-target", type=int, default=DEFAULT_STEPS_TARGET)
     ap.add_argument("--steps-draft", type=int, default=DEFAULT_STEPS_DRAFT)
-    ap.add_argument("--out", type=Path, default=REPO / "metrale_cli" / "models")
+    ap.add_argument("--out", type=Path, default=REPO / "metrale_cli" / "assets" / "models")
     args = ap.parse_args()
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -448,7 +448,7 @@ def write_report(args, sha, n_chars, docs, val_keys, val_chars, vocab, eot_id, n
              "They are toys: they write Python-documentation-flavoured text, not answers.\n")
     L.append("## Reproduce\n")
     L.append("```\npython scripts/train_default_models.py\n```\n")
-    L.append(f"(defaults: `--steps-target {t['steps']} --steps-draft {d['steps']} --out metrale_cli/models`). "
+    L.append(f"(defaults: `--steps-target {t['steps']} --steps-draft {d['steps']} --out metrale_cli/assets/models`). "
              "Needs torch (CPU), transformers and tokenizers; no network. The script fixes all seeds; "
              "bit-exact results may still vary across torch versions / CPU kernels.\n")
     L.append("## Data\n")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
@@ -135,3 +136,32 @@ def random_llama(dest: Path, *, hidden: int = 128, layers: int = 2, heads: int =
 def helpers() -> SimpleNamespace:
     return SimpleNamespace(copy_model=copy_model, edit_tensors=edit_tensors, random_llama=random_llama,
                            byte_level_tokenizer=byte_level_tokenizer, REPO=REPO, LLAMA=LLAMA)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The skipped tests, in place of -r's "s" (pyproject's addopts leaves it out): one line per reason
+    for the GPU tests (without CuPy or a GPU ~750 of them skip for one reason), one per test elsewhere.
+    They stay in the totals line as skipped."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    gpu: Counter[str] = Counter()
+    others: Counter[str] = Counter()
+    for rep in skipped:
+        if isinstance(rep.longrepr, tuple):
+            path, line, reason = rep.longrepr
+            if Path(path).is_absolute() and Path(path).is_relative_to(terminalreporter.config.rootpath):
+                path = Path(path).relative_to(terminalreporter.config.rootpath)  # as pytest's -rs shows it
+            where = f"{path}:{line if line is not None else ''}"
+        else:
+            where, reason = rep.nodeid, str(rep.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        if rep.nodeid.startswith("tests/gpu/"):
+            gpu[reason] += 1
+        else:
+            others[f"{where}: {reason}"] += 1
+    terminalreporter.write_sep("=", "skipped")
+    for reason, n in gpu.most_common():
+        terminalreporter.write_line(f"SKIPPED [{n}] tests/gpu (GPU tests): {reason}")
+    for text, n in others.items():
+        terminalreporter.write_line(f"SKIPPED [{n}] {text}")

@@ -210,10 +210,11 @@ CASES = [
          setup=_tensors(_set("model.norm.weight", np.ones(64, np.float64)))),
     Case("inspect-invalid-checkpoint", ["inspect", "{model}"], 3, "model.norm.weight",
          setup=_tensors(lambda t: t.pop("model.norm.weight")), dump=False),
-    # numerics
-    Case("nan-in-weight", ["decode", "-m", "{model}", *T], 6, "position 2", setup=_tensors(_nan_in_lm_head)),
+    # numerics (without dumps: with them the rows are written before exit 6, see test_nonfinite.py)
+    Case("nan-in-weight", ["decode", "-m", "{model}", *T], 6, "position 2", setup=_tensors(_nan_in_lm_head),
+         dump=False),
     Case("nan-in-weight-forward-all", ["forward", "-m", "{model}", *T, "--rows", "all"], 6, "position 0",
-         setup=_tensors(_nan_in_lm_head)),
+         setup=_tensors(_nan_in_lm_head), dump=False),
 ]
 
 

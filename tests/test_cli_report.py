@@ -320,7 +320,9 @@ def test_inspect_plain_has_every_json_key(run_cli, model):
     doc = as_json(run_cli("inspect", *path, "-f", "json"))
     plain = run_cli("inspect", *path, "-f", "plain").stdout.splitlines()
     keys = [line.split(":", 1)[0] for line in plain[1:]]
-    assert set(keys) == set(doc) - {"command"} - ({"problems"} if doc["problems"] is None else set())
+    # "scanned" is said by the nonfinite line ("not scanned (--scan reads every tensor)" without --scan)
+    assert set(keys) == set(doc) - {"command", "scanned"} - ({"problems"} if doc["problems"] is None else set())
+    assert not doc["scanned"] and "nonfinite: not scanned (--scan reads every tensor)" in plain
     assert f"bos_token_id: {doc['bos_token_id'] if doc['bos_token_id'] is not None else 'n/a'}" in plain
     assert f"files: {' '.join(doc['files'])}" in plain
 

@@ -2,7 +2,7 @@
 
 Update after an intended change with `pytest tests/test_cli_snapshots.py --snapshot-update` and review the
 diff of tests/__snapshots__/test_cli_snapshots.ambr. The embedded default model's snapshots are taken once
-metrale_cli/models/default exists (skipped before).
+metrale_cli/assets/models/default exists (skipped before).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from metrale_cli.errors import InputError, NonFiniteLogitsError
-from metrale_cli.logits import DevicePtr, ModelLogits, bf16_bits, fp32_to_bf16
+from metrale_cli.logits import (DevicePtr, ModelLogits, bf16_bits, bf16_bits_to_fp32, fp32_to_bf16,
+                                fp32_to_bf16_bits)
 from metrale_cli.model import open_model
 
 MODEL = Path(__file__).parent / "fixtures" / "models" / "llama"
@@ -20,10 +21,16 @@ def eng(request):
 
 
 def load_rows(e, rows: np.ndarray) -> DevicePtr:
-    """Put rows into the engine's logits buffer (as a verify pass would) and return its pointer."""
-    e._logits = rows.astype(e._logits.dtype)
+    """Put rows into the engine's logits buffer (as a verify pass would: fp32, or bf16 bit patterns)
+    and return its pointer."""
+    e._logits = rows.astype(np.float32) if e._fp32_logits else fp32_to_bf16_bits(rows)
     e._n_rows = rows.shape[0]
     return e.logits_buffer_ptr()
+
+
+def stored(e) -> np.ndarray:
+    """The engine's logits buffer as fp32 values."""
+    return bf16_bits_to_fp32(e._logits) if e._logits.dtype == np.uint16 else np.asarray(e._logits, np.float32)
 
 
 def test_engine_implements_the_protocol(eng):
@@ -36,7 +43,7 @@ def test_argmax_matches_numpy_on_fresh_random_rows(eng):
     rng = np.random.default_rng()
     rows = rng.standard_normal((6, eng.vocab_size())).astype(np.float32) * 4
     ptr = load_rows(eng, rows)
-    as_stored = np.asarray(eng._logits, dtype=np.float32)
+    as_stored = stored(eng)
     assert eng.argmax_batch(ptr, 6) == [int(i) for i in np.argmax(as_stored, axis=1)]
     for i in range(6):
         assert eng.argmax_on_device(ptr.row_ptr(i)) == int(np.argmax(as_stored[i]))
@@ -57,7 +64,7 @@ def test_non_finite_row_is_an_error_not_an_answer(eng, bad):
     rows = rng.standard_normal((4, eng.vocab_size())).astype(np.float32)
     rows[2, int(rng.integers(eng.vocab_size()))] = bad
     ptr = load_rows(eng, rows)
-    assert eng.argmax_on_device(ptr.row_ptr(1)) == int(np.argmax(np.asarray(eng._logits[1], np.float32)))
+    assert eng.argmax_on_device(ptr.row_ptr(1)) == int(np.argmax(stored(eng)[1]))
     with pytest.raises(NonFiniteLogitsError) as info:
         eng.argmax_batch(ptr, 4)
     assert info.value.row == 2
@@ -98,6 +105,34 @@ def test_fp32_to_bf16_matches_torch_bit_for_bit():
     assert np.array_equal(ours[~nan], theirs[~nan])
     # NaN stays NaN (payload bits may differ between libraries)
     assert np.all((ours[nan] & 0x7F80) == 0x7F80) and np.all(ours[nan] & 0x007F)
+
+
+def test_integer_bf16_rounding_equals_ml_dtypes_bit_for_bit():
+    """The CPU engine rounds logits to bf16 without ml_dtypes (too slow to import); same bits, NaN too."""
+    rng = np.random.default_rng()
+    with np.errstate(over="ignore", invalid="ignore"):
+        x = _mixed_inputs(rng)
+        ours = fp32_to_bf16_bits(x)
+        assert np.array_equal(ours, bf16_bits(fp32_to_bf16(x)))
+    assert np.array_equal(fp32_to_bf16_bits(x[:700].reshape(100, 7)), ours[:700].reshape(100, 7))  # keeps shape
+
+
+def test_bf16_bits_to_fp32_is_exact_for_every_pattern():
+    every = np.arange(2**16, dtype=np.uint32).astype(np.uint16)
+    ours = bf16_bits_to_fp32(every)
+    theirs = every.view(fp32_to_bf16(np.zeros(1)).dtype).astype(np.float32)
+    assert ours.dtype == np.float32 and np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+
+
+def test_bf16_engine_rows_are_the_rounded_fp32_rows():
+    """Same prompt on both logits dtypes: the bf16 rows are exactly the fp32 rows rounded."""
+    rows = {}
+    prompt = [int(t) for t in np.random.default_rng().integers(0, 300, 6)]
+    for fp32 in (False, True):
+        e = open_model(MODEL, device="cpu", max_context=32, fp32_logits=fp32).engine
+        n = e.prefill(prompt, all_logits=True)
+        rows[fp32] = np.array(e._logits[:n])
+    assert rows[False].dtype == np.uint16 and np.array_equal(rows[False], fp32_to_bf16_bits(rows[True]))
 
 
 def _mixed_inputs(rng):

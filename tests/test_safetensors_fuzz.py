@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.numpy import save
 
 from metrale_cli.errors import CheckpointError
-from metrale_cli.safetensors_file import DTYPES, STRICTER_THAN_REFERENCE, SafetensorsFile
+from metrale_cli.safetensors_file import DTYPES, STRICTER_THAN_REFERENCE, SafetensorsFile, numpy_dtype
 
 MAX_EXAMPLES = int(os.environ.get("METRALE_FUZZ_EXAMPLES", "2000"))
 
@@ -177,7 +177,7 @@ def our_verdict(path: Path, content: bytes) -> dict[str, Any] | CheckpointError:
         return e
     with f:
         for name, info in f.tensors.items():
-            np_dtype = DTYPES[info.dtype][1]
+            np_dtype = numpy_dtype(info.dtype)
             if np_dtype is None:
                 with pytest.raises(CheckpointError, match="cannot read"):
                     f.array(name)

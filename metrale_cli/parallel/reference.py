@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..backends.numpy.engine import NumpyPass, rms_norm
+from ..backends.numpy.engine import NumpyPass, as_fp32, rms_norm
 from ..engine.loop import decoder_forward
 from ..models.spec import AttentionSpec, ModelDefinition
 from ..models.weights import Weights
@@ -62,7 +62,7 @@ class _LockstepPass:
         for r, part in enumerate(table.parts):  # each rank looks up the ids in its range; all-reduce
             rows = vocab_range(vocab, r, self.sim.n)
             mine = (self.ids >= rows.start) & (self.ids < rows.stop)
-            total[mine] += np.asarray(part[self.ids[mine] - rows.start], dtype=np.float32)
+            total[mine] += as_fp32(part[self.ids[mine] - rows.start])
         return total
 
     def linear(self, x, w: Sharded, bias=None, *, out, norm=None, residual=None, tap=None):

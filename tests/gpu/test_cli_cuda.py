@@ -49,7 +49,7 @@ def test_speculative_decode_on_gpu_equals_plain(cp, run_cli):
     base = ["decode", "--prompt", "The while statement", "--steps", "40", "--ignore-eos", "--device", "cuda"]
     plain = run_json(run_cli, *base)
     for k in (1, 4, 8):
-        spec = run_json(run_cli, *base, "--draft-model", "metrale_cli/models/default-draft", "--k", str(k))
+        spec = run_json(run_cli, *base, "--draft-model", "metrale_cli/assets/models/default-draft", "--k", str(k))
         assert [s["token"] for s in spec["steps"]] == [s["token"] for s in plain["steps"]]
         assert spec["speculative"]["drafted"] > 0
 

@@ -17,7 +17,7 @@ import numpy as np
 from ...config import ModelConfig
 from ...engine.loop import Tap, decoder_forward
 from ...engine_base import EngineBase, check_context
-from ...logits import BF16, DevicePtr, host_argmax
+from ...logits import DevicePtr, bf16_bits_to_fp32, fp32_to_bf16_bits, host_argmax
 from ...models.spec import AttentionSpec, Norm
 from ...models.weights import WeightSource, Weights, check_checkpoint, load_weights
 
@@ -32,16 +32,22 @@ def read_weights(cfg: ModelConfig, source: WeightSource, progress: Callable[[int
         check_checkpoint(cfg, source)
 
     def f32(name: str) -> np.ndarray:
-        out = np.array(source.array(name), dtype=np.float32)
+        out = as_fp32(source.array(name, bf16_bits=True))
         source.release(name)
         if progress is not None:
             progress(out.nbytes // 2 if source.info(name).dtype != "F32" else out.nbytes)
         return out
 
     def mapped(name: str) -> np.ndarray:
-        return source.array(name)  # stays memory-mapped: a lookup touches only its rows
+        return source.array(name, bf16_bits=True)  # stays memory-mapped: a lookup touches only its rows
 
     return load_weights(cfg.definition, f32, lambda parts: np.concatenate(parts, axis=0), embed=mapped)
+
+
+def as_fp32(a: np.ndarray) -> np.ndarray:
+    """A weight as fp32. BF16 tensors are read as their uint16 bit patterns (no ml_dtypes import; no
+    runnable checkpoint dtype is stored as U16, so uint16 here always means bf16)."""
+    return bf16_bits_to_fp32(a) if a.dtype == np.uint16 else np.array(a, dtype=np.float32)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -74,7 +80,7 @@ class NumpyPass:
         self._rope: dict[object, tuple[np.ndarray, np.ndarray]] = {}
 
     def embed(self, table) -> np.ndarray:
-        return np.asarray(table[self.ids], dtype=np.float32)  # [T, H]
+        return as_fp32(table[self.ids])  # [T, H]
 
     def linear(self, x, w, bias=None, *, out, norm=None, residual=None, tap=None):
         if norm is not None:
@@ -155,7 +161,7 @@ class NumpyEngine(EngineBase):
         shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, max_context, cfg.head_dim)
         self._k = np.zeros(shape, np.float32)  # [L, nkv, ctx, d]; np.zeros maps pages lazily
         self._v = np.zeros(shape, np.float32)
-        self._logits_dtype = np.float32 if fp32_logits else BF16
+        self._logits_dtype = np.float32 if fp32_logits else np.uint16  # bf16 rows as bit patterns
         self._logits = np.zeros((1, cfg.vocab_size), self._logits_dtype)  # [rows, V], grown on demand
         self._decode_logits = np.zeros((1, cfg.vocab_size), self._logits_dtype)  # [1, V]
         self._hidden = np.zeros((1, cfg.hidden_size), np.float32)  # [1, H]
@@ -182,7 +188,7 @@ class NumpyEngine(EngineBase):
 
     def decode(self, token: int) -> None:
         h = self._forward(self._check_tokens([token]))
-        self._decode_logits[:] = self._lm_head(h).astype(self._logits_dtype)
+        self._decode_logits[:] = self._round_logits(self._lm_head(h))
         self._hidden_rows = h  # [1, H]
 
     def verify(self, tokens: Sequence[int]) -> int:
@@ -210,15 +216,20 @@ class NumpyEngine(EngineBase):
         self._hidden_rows = h  # the rows behind these logits (hidden_rows_ptr)
         if self._logits.shape[0] != logits.shape[0]:
             self._logits = np.empty((logits.shape[0], self.cfg.vocab_size), self._logits_dtype)
-        self._logits[:] = logits.astype(self._logits_dtype)
+        self._logits[:] = self._round_logits(logits)
         self._n_rows = logits.shape[0]
+
+    def _round_logits(self, logits: np.ndarray) -> np.ndarray:
+        """fp32 logits in the buffers' dtype: kept as they are, or rounded to bf16 (nearest even)."""
+        return logits if self._fp32_logits else fp32_to_bf16_bits(logits)
 
     # -- LogitsBuffers hooks -----------------------------------------------------------------------------
     def _row_to_host(self, ptr: DevicePtr) -> np.ndarray:
         return ptr._buffer[ptr.row]
 
     def _argmax_rows(self, ptr: DevicePtr, n: int, stream: int) -> np.ndarray:
-        return host_argmax(ptr._buffer[ptr.row:ptr.row + n])
+        rows = ptr._buffer[ptr.row:ptr.row + n]
+        return host_argmax(bf16_bits_to_fp32(rows) if rows.dtype == np.uint16 else rows)
 
 
 def load_numpy_engine(cfg: ModelConfig, source: WeightSource, max_context: int, fp32_logits: bool = False,
