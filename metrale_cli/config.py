@@ -20,6 +20,7 @@ import numpy as np
 
 from .errors import ConfigError
 from .models import FAMILIES, Family
+from .models.moe import MoeConfig
 from .models.spec import ModelDefinition, Rope, RopeScaling
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
@@ -50,6 +51,7 @@ class ModelConfig:
     dtype: str  # the checkpoint's declared dtype: bfloat16 | float16 | float32
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    moe: MoeConfig | None = None  # the sparse MLP block and its layers (qwen2_moe, qwen3_moe, mixtral)
 
     @property
     def family(self) -> Family:

@@ -368,6 +368,9 @@ def load_cuda_engine(cfg: ModelConfig, source, max_context: int, fp32_logits: bo
                      progress: Callable[[int], None] | None = None, use_graphs: bool = True) -> CudaEngine:
     """Check the tensors, upload them once, and build the engine (CuPy is imported here, not before)."""
     check_context(cfg, max_context)
+    if cfg.moe is not None:  # until the router and expert kernels exist: refused, never computed wrong
+        raise DeviceError(f"{cfg.model_type}: the CUDA engine has no mixture-of-experts kernels (router, "
+                          "expert GEMVs) yet; use --device cpu")
     if not source.made_from_definition:
         check_checkpoint(cfg, source)
     _cupy()
