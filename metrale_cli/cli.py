@@ -569,7 +569,20 @@ def _inspect_info(spec: ModelSpec, ckpt: Checkpoint, problem: MetraleError | Non
         "rope": {"theta": cfg.rope_theta, "type": "llama3" if scaling else "default", "scaling": scaling},
         "tokenizer": ckpt.has_tokenizer, "bos_token_id": cfg.bos_token_id, "eos_token_ids": list(cfg.eos_token_ids),
         "valid": problem is None, "problems": str(problem) if problem is not None else None,
+        "experts": _experts_info(cfg),
     }
+
+
+def _experts_info(cfg: Any) -> dict[str, Any] | None:
+    """The sparse block of a mixture of experts (None for a dense model)."""
+    if cfg.moe is None:
+        return None
+    s = cfg.moe.spec
+    per_expert = 3 * s.intermediate_size * cfg.hidden_size
+    return {"count": s.num_experts, "top_k": s.top_k, "intermediate": s.intermediate_size,
+            "norm_topk_prob": s.norm_topk_prob, "shared_expert_intermediate": s.shared_expert_size,
+            "sparse_layers": list(cfg.moe.sparse_layers),
+            "active_parameters": cfg.parameter_count() - len(cfg.moe.sparse_layers) * (s.num_experts - s.top_k) * per_expert}
 
 
 # -- bench ---------------------------------------------------------------------------------------------------------

@@ -633,9 +633,24 @@ def _inspect_rows(info: dict[str, Any]) -> list[tuple[str, str]]:
         ("eos_token_ids", " ".join(map(str, info["eos_token_ids"])) or "none"),
         ("valid", yn(info["valid"])),
     ]
+    if info.get("experts"):
+        rows[rows.index(("valid", yn(info["valid"]))):0] = _expert_rows(info["experts"], info["layers"])
     if info["problems"]:
         rows.append(("problems", info["problems"]))
     return [(k, str(v)) for k, v in rows]
+
+
+def _expert_rows(x: dict[str, Any], layers: int) -> list[tuple[str, str]]:
+    """A mixture of experts: its experts, the routing rule and which layers are sparse."""
+    routing = f"softmax over {x['count']} in fp32, top-{x['top_k']}, " + (
+        "renormalised" if x["norm_topk_prob"] else "not renormalised")
+    if x["shared_expert_intermediate"]:
+        routing += f"; + shared expert (intermediate {x['shared_expert_intermediate']}, sigmoid gate)"
+    sparse = x["sparse_layers"]
+    dense = [i for i in range(layers) if i not in set(sparse)]
+    where = f"all {layers}" if not dense else ", ".join(map(str, sparse)) + " (dense: " + ", ".join(map(str, dense)) + ")"
+    return [("experts", f"{x['count']} per sparse layer, intermediate {x['intermediate']}"), ("routing", routing),
+            ("sparse_layers", where), ("active_parameters", f"{x['active_parameters']:,} per token")]
 
 
 # -- errors and progress ------------------------------------------------------------------------------------------
