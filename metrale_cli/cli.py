@@ -6,17 +6,24 @@ checked against config.json (and tokenizer.json) before any weight is loaded.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
+import re
+import signal
 import sys
+import threading
 import traceback
 from dataclasses import dataclass, field
+from inspect import cleandoc
 from pathlib import Path
-from typing import Annotated, Any, Callable, Optional, Sequence
+from typing import Annotated, Any, Callable, Iterator, Optional, Sequence
 
 import typer
 from rich.console import Console
-from typer.core import TyperGroup
+from rich.markup import escape
+from typer.core import TyperCommand, TyperGroup
 
 try:  # typer >= 0.25 vendors click as typer._click; earlier versions use click itself
     from typer._click import exceptions as click_exc
@@ -25,27 +32,37 @@ except ImportError:  # pragma: no cover
 
 from . import __version__, render
 from .checkpoint import Checkpoint
-from .decoding import (DecodeResult, ModelDrafter, NgramDrafter, SpecDecodeResult, run_decode, run_forward,
-                       run_verify, speculative_decode)
+from .decoding import (DecodeResult, ModelDrafter, NgramDrafter, SpecDecodeResult, TextStream, run_decode,
+                       run_forward, run_verify, speculative_decode)
 from .dumps import HIDDEN_KINDS, DumpInfo, DumpTarget, check_dump_path, commit, write_hidden, write_logits
-from .errors import EXIT_CODES, InputError, Interrupted, MetraleError, UsageError
+from .errors import EXIT_CODES, ConfigError, Interrupted, MetraleError, UsageError
 from .inputs import (ModelSpec, check_draft_matches, check_ids_in_vocab, check_positive, context_for,
                      parse_token_ids, read_model_spec, resolve_prompt)
-from .model import LoadedModel, open_model, resolve_device
+from .model import EMBEDDED_MODELS, LoadedModel, model_dir, model_path, open_model, resolve_device
+from .models import FAMILIES
 from .models.weights import check_checkpoint
 
 EXIT_CODE_HELP = "\n".join(f"  {code:>3}  {text}" for code, text in sorted(EXIT_CODES.items()))
 
-TOP_HELP = f"""Forward, decode and verify passes on Hugging Face checkpoints (Llama, Mistral, Qwen2, Qwen3),
+EMBEDDED_HELP = f"an embedded model by name: {', '.join(EMBEDDED_MODELS)} (an existing path of that name wins)"
+
+TOP_HELP = f"""Forward, decode and verify passes on Hugging Face checkpoints ({", ".join(FAMILIES)}),
 on the CPU (NumPy) or a CUDA GPU (CuPy), reporting exactly what the model computed.
+
+--model takes a checkpoint directory, a .safetensors file or index.json, or {EMBEDDED_HELP}.
+Without --model: the embedded model "default".
 
 Examples:
   metrale decode --prompt "The for statement" --steps 8 --top-k 3
-  metrale verify --tokens "1 2 3" --k 4 --model path/to/checkpoint
-  metrale inspect path/to/checkpoint
+  metrale verify --tokens "1 2 3" --k 4 --model default
+  metrale inspect default-draft
 
 Exit codes:
 {EXIT_CODE_HELP}
+
+Exit 2 when the command line is wrong whatever the model (an unknown option, a malformed value, a count
+below 1, options that disagree); exit 5 when this model cannot take it (a token id beyond its vocabulary,
+text without a tokenizer.json, a length beyond its context).
 
 Set METRALE_DEBUG=1 to see the traceback of an internal error."""
 
@@ -64,7 +81,41 @@ class State:
     err: Console = field(default_factory=lambda: Console(stderr=True, highlight=False))
 
 
-class MetraleGroup(TyperGroup):
+# -- help text -------------------------------------------------------------------------------------------------
+
+
+def reflow_help(doc: str) -> str:
+    """A docstring as typer's rich help needs it: prose paragraphs, hard-wrapped in the source, become one
+    line each (Rich wraps them to the terminal; typer would keep the source's breaks, giving ragged lines);
+    a paragraph with an indented line (examples, the exit codes) is kept verbatim, line for line."""
+    paragraphs = [p for p in re.split(r"\n[ \t]*\n", cleandoc(doc)) if p.strip()]
+    out = [escape(p if any(line[:1].isspace() for line in p.splitlines())
+                  else " ".join(line.strip() for line in p.splitlines())) for p in paragraphs]
+    # typer dedents the paragraphs after the first as one text (inspect.cleandoc), which strips the
+    # examples' indent when every line but the first ("Examples:") is indented; starting that text with a
+    # blank line, which cleandoc drops, makes "Examples:" count for the indentation.
+    return out[0] + "\n\n\n" + "\n\n".join(out[1:]) if len(out) > 1 else "".join(out)
+
+
+class HelpFormat:
+    """Mixed into metrale's typer command and group classes: reflowed docstrings, and no "<bool>" for flags
+    (it suggested `--ignore-eos true`, which fails: a flag takes no value)."""
+
+    def __init__(self, *args: Any, help: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, help=reflow_help(help) if help else help, **kwargs)  # type: ignore[call-arg]
+
+    def format_help(self, ctx: typer.Context, formatter: Any) -> None:
+        for param in self.get_params(ctx):  # type: ignore[attr-defined]
+            if getattr(param, "is_flag", False) and param.metavar is None:
+                param.metavar = ""
+        super().format_help(ctx, formatter)  # type: ignore[misc]
+
+
+class MetraleCommand(HelpFormat, TyperCommand):
+    """A metrale command: typer's, with metrale's help format."""
+
+
+class MetraleGroup(HelpFormat, TyperGroup):
     """Turns every failure into one line on stderr and a documented exit code (see errors.py)."""
 
     def invoke(self, ctx: typer.Context) -> Any:
@@ -148,11 +199,12 @@ def _root(version: Annotated[bool, typer.Option("--version", callback=_version, 
 
 ModelOpt = Annotated[Optional[str], typer.Option(
     "--model", "-m", metavar="PATH",
-    help="Checkpoint directory, .safetensors file or index.json (default: the embedded model).")]
+    help=f"Checkpoint directory, .safetensors file or index.json, or {EMBEDDED_HELP}. Default: default.")]
 PromptOpt = Annotated[Optional[str], typer.Option(
     "--prompt", "-p", metavar="TEXT", help="Prompt text (needs tokenizer.json). Default: \"The for statement\".")]
 TokensOpt = Annotated[Optional[str], typer.Option(
-    "--tokens", "-t", metavar="IDS", help="Prompt token ids, comma or space separated; '-' reads stdin.")]
+    "--tokens", "-t", metavar="IDS",
+    help="Prompt token ids: \"1 2 3\", \"1,2,3\" or a JSON array \"[1, 2, 3]\"; '-' reads them from stdin.")]
 DeviceOpt = Annotated[str, typer.Option("--device", metavar="auto|cpu|cuda", help="Where to run.")]
 LogitsDtypeOpt = Annotated[str, typer.Option(
     "--logits-dtype", metavar="bf16|fp32", help="Dtype of the logits rows the engine writes.")]
@@ -167,7 +219,9 @@ TimingsOpt = Annotated[bool, typer.Option("--timings", help="Report load, prefil
 MaxContextOpt = Annotated[Optional[int], typer.Option(
     "--max-context", metavar="N", help="KV cache positions (default: just what the job needs).")]
 DraftModelOpt = Annotated[Optional[str], typer.Option(
-    "--draft-model", metavar="PATH", help="A smaller checkpoint with the same tokenizer that drafts tokens.")]
+    "--draft-model", metavar="PATH",
+    help="A smaller checkpoint with the same tokenizer that drafts tokens (a path or an embedded name, "
+         "e.g. default-draft).")]
 
 
 @dataclass
@@ -230,8 +284,8 @@ def prepare(state: State, c: Common) -> Job:
     if logits_dump and hidden_dump and logits_dump.path is not None and \
             os.path.abspath(logits_dump.path) == os.path.abspath(hidden_dump.path):
         raise UsageError(f"--dump-logits and --dump-hidden name the same file {c.dump_logits}")
-    if c.max_context is not None and c.max_context <= 0:
-        raise InputError(f"--max-context must be at least 1, got {c.max_context}")
+    if c.max_context is not None:
+        check_positive(c.max_context, "--max-context")
     device = resolve_device(c.device)
     spec = read_model_spec(c.model)
     ids, text = resolve_prompt(spec, c.prompt, c.tokens, lambda: typer.get_text_stream("stdin").read())
@@ -244,12 +298,35 @@ def load(job: Job, spec: ModelSpec, ctx: int) -> LoadedModel:
                           progress=progress)
 
 
-def write_dumps(job: Job, command: str, rows, hidden, tokens: list[int], positions: list[int]) -> None:
+def write_dumps(job: Job, command: str, rows, hidden_rows, tokens: list[int], positions: list[int]) -> None:
+    """The logits rows and the hidden rows behind them, with the same tokens and positions."""
+    info = DumpInfo(command, job.spec.label, tokens, positions)
     if job.logits_dump is not None:
-        info = DumpInfo(command, job.spec.label, tokens, positions)
         write_logits(job.logits_dump, rows, info, typer.get_binary_stream("stdout"))
     if job.hidden_dump is not None:
-        write_hidden(job.hidden_dump, hidden.values)
+        write_hidden(job.hidden_dump, hidden_rows, info)
+
+
+@contextlib.contextmanager
+def ctrl_c_stops() -> Iterator[Callable[[], bool]]:
+    """While decoding, the first Ctrl-C asks the decoding loop to stop after the current step (the tokens
+    so far are then reported, marked interrupted, and metrale exits 130); a second one interrupts at once.
+    Yields the should_stop() that the loop polls."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield lambda: False
+        return
+    asked: list[int] = []
+    previous = signal.getsignal(signal.SIGINT) or signal.default_int_handler  # None: not set from Python
+
+    def first_ctrl_c(signum: int, frame: Any) -> None:
+        asked.append(signum)
+        signal.signal(signal.SIGINT, previous)  # the next Ctrl-C is KeyboardInterrupt again
+
+    signal.signal(signal.SIGINT, first_ctrl_c)
+    try:
+        yield lambda: bool(asked)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _token_text(model: LoadedModel):
@@ -259,19 +336,23 @@ def _token_text(model: LoadedModel):
 # -- decode -------------------------------------------------------------------------------------------------------
 
 
-@app.command()
+@app.command(cls=MetraleCommand)
 def decode(
     ctx: typer.Context,
     model: ModelOpt = None,
     prompt: PromptOpt = None,
     tokens: TokensOpt = None,
-    steps: Annotated[int, typer.Option("--steps", "-n", help="Tokens to produce.")] = 16,
-    top_k: Annotated[int, typer.Option("--top-k", "-k", help="Also show the K best tokens per step.")] = 0,
+    steps: Annotated[int, typer.Option("--steps", "-n", metavar="N", help="Tokens to produce.")] = 16,
+    # No short form: "-k" would read like --k (the draft count) and silently mean something else.
+    top_k: Annotated[Optional[int], typer.Option(
+        "--top-k", metavar="K",
+        help="Also show the K best tokens per step (K >= 1; more than the vocabulary shows all of it).")] = None,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at an EOS token.")] = False,
     draft: Annotated[Optional[str], typer.Option(
         "--draft", metavar="ngram", help="Speculative decoding with prompt-lookup (n-gram) drafts.")] = None,
     draft_model: DraftModelOpt = None,
-    k: Annotated[Optional[int], typer.Option("--k", help=f"Drafts per verify pass (default {DEFAULT_K}).")] = None,
+    k: Annotated[Optional[int], typer.Option(
+        "--k", metavar="K", help=f"Drafts per verify pass (default {DEFAULT_K}).")] = None,
     device: DeviceOpt = "auto",
     logits_dtype: LogitsDtypeOpt = "bf16",
     fmt: FormatOpt = None,
@@ -283,16 +364,18 @@ def decode(
 ) -> None:
     """Greedy decoding: prefill the prompt, then --steps decode steps, one line per produced token.
 
-    Each step shows the position, token id, token text and its logit.
-    --top-k K adds the K best tokens with their logits and probabilities.
-    Decoding stops at an EOS token unless --ignore-eos.
-    --draft ngram or --draft-model PATH decodes speculatively (the same tokens) and reports the accepted drafts.
+    Each step shows the position, token id, token text and its logit; --top-k K adds the K best tokens
+    with their logits and probabilities. Decoding stops at an EOS token unless --ignore-eos.
+
+    --draft ngram (prompt lookup) or --draft-model PATH decodes speculatively, --k drafts per verify pass:
+    the tokens are those of plain greedy decoding, and the report adds the drafted and accepted counts.
     With --timings a speculative run also times plain greedy decoding of the same prompt.
 
     Examples:
       metrale decode --prompt "The for statement" --steps 8 --top-k 3
-      metrale decode --tokens "1 2 3" --model path/to/checkpoint --format json
-      metrale decode --draft-model path/to/draft --k 4 --timings
+      metrale decode --tokens "[1, 2, 3]" --model default --format json
+      metrale decode --draft-model default-draft --k 4 --timings
+      metrale decode --draft ngram --k 4 --steps 32 --ignore-eos
     """
     c = Common(model, prompt, tokens, device, logits_dtype, fmt, dump_logits, hidden, dump_hidden, timings,
                max_context)
@@ -305,12 +388,21 @@ def decode(
         raise UsageError(f"--k {k} needs a draft source: --draft ngram or --draft-model PATH")
     job = prepare(ctx.obj, c)
     check_positive(steps, "--steps")
-    if top_k < 0:
-        raise InputError(f"--top-k must be 0 or more, got {top_k}")
+    if top_k is not None:
+        check_positive(top_k, "--top-k", " (leave --top-k out for no candidates)")
+        top_k = _cap_top_k(ctx.obj, top_k, job.spec.config.vocab_size)
     k = DEFAULT_K if k is None else k
     if speculative:
         check_positive(k, "--k")
-    _decode(job, steps, top_k, ignore_eos, speculative, draft_model, k)
+    _decode(job, steps, top_k or 0, ignore_eos, speculative, draft_model, k)
+
+
+def _cap_top_k(state: State, top_k: int, vocab: int) -> int:
+    """A K beyond the vocabulary means "every token": cap it, and say so (the report shows the capped K)."""
+    if top_k <= vocab:
+        return top_k
+    render.note(state.err, f"--top-k {top_k} is more than the vocabulary: showing all {vocab} tokens")
+    return vocab
 
 
 def _decode(job: Job, steps: int, top_k: int, ignore_eos: bool, speculative: bool, draft_path: str | None,
@@ -327,21 +419,30 @@ def _decode(job: Job, steps: int, top_k: int, ignore_eos: bool, speculative: boo
     try:
         drafter_model = load(job, draft_spec, ctx) if draft_spec is not None else None
         meta = job.meta("decode", target, top_k=top_k, draft_model=draft_spec.label if draft_spec else None)
-        report = render.DecodeReport(job.report_console, meta)
+        tok = target.tokenizer
+        report = render.DecodeReport(job.report_console, meta,
+                                     TextStream(tok.decode, job.ids) if tok is not None else None)
         report.begin(job.ids, steps)
         kwargs = dict(top_k=top_k, eos_ids=target.config.eos_token_ids, ignore_eos=ignore_eos,
                       token_text=_token_text(target), keep_rows=job.logits_dump is not None,
-                      want_hidden=job.want_hidden, on_step=report.step)
+                      want_hidden=job.want_hidden, on_step=report.step,
+                      detokenize=tok.decode if tok is not None else None)
         plain_match = None
-        if speculative:
-            drafter = ModelDrafter(drafter_model.engine) if drafter_model is not None else NgramDrafter()
-            result, plain_match = _speculative(job, target, drafter, steps, k, kwargs)
-        else:
-            result = run_decode(target.engine, job.ids, steps, **kwargs)
+        with ctrl_c_stops() as stop:
+            kwargs["should_stop"] = stop
+            if speculative:
+                drafter = ModelDrafter(drafter_model.engine) if drafter_model is not None else NgramDrafter()
+                result, plain_match = _speculative(job, target, drafter, steps, k, kwargs)
+            else:
+                result = run_decode(target.engine, job.ids, steps, **kwargs)
         result.timings.load_s = target.load_seconds + (drafter_model.load_seconds if drafter_model else 0.0)
-        fed = job.ids + [s.token for s in result.steps[:-1]]
-        write_dumps(job, "decode", result.rows, result.hidden, fed, [s.position - 1 for s in result.steps])
+        if not result.interrupted:  # an interrupted run writes no dump: the rows would be a partial run
+            fed = job.ids + [s.token for s in result.steps[:-1]]
+            write_dumps(job, "decode", result.rows, result.hidden_rows, fed,
+                        [s.position - 1 for s in result.steps])
         report.finish(result, plain_match)
+        if result.interrupted:
+            raise Interrupted(f"stopped by Ctrl-C after {len(result.steps)} tokens (no dump file is written)")
     finally:
         if report is not None:
             report.close()
@@ -353,12 +454,15 @@ def _decode(job: Job, steps: int, top_k: int, ignore_eos: bool, speculative: boo
 def _speculative(job: Job, target: LoadedModel, drafter, steps: int, k: int,
                  kwargs: dict[str, Any]) -> tuple[SpecDecodeResult, bool | None]:
     result = speculative_decode(target.engine, drafter, job.ids, steps, k, **kwargs)
-    if not job.common.timings:
+    if not job.common.timings or result.interrupted:
         return result, None
     # Plain greedy decoding of the same prompt on the same engine, for the tokens/s comparison. Both rates
     # count the tokens after the first (which the identical prefill produces) over the decode-phase time.
     plain: DecodeResult = run_decode(target.engine, job.ids, steps, eos_ids=kwargs["eos_ids"],
-                                     ignore_eos=kwargs["ignore_eos"])
+                                     ignore_eos=kwargs["ignore_eos"], should_stop=kwargs["should_stop"])
+    if plain.interrupted:  # Ctrl-C during the comparison: the speculative tokens stand, without it
+        result.interrupted = True
+        return result, None
     result.spec_tokens_per_s = _decode_rate(result)
     result.plain_tokens_per_s = _decode_rate(plain)
     return result, [s.token for s in plain.steps] == [s.token for s in result.steps]
@@ -372,14 +476,15 @@ def _decode_rate(result: DecodeResult) -> float | None:
 # -- verify --------------------------------------------------------------------------------------------------------
 
 
-@app.command()
+@app.command(cls=MetraleCommand)
 def verify(
     ctx: typer.Context,
     model: ModelOpt = None,
     prompt: PromptOpt = None,
     tokens: TokensOpt = None,
     k: Annotated[Optional[int], typer.Option(
-        "--k", help=f"Drafts checked in the one verify pass (default {DEFAULT_K}, or the --draft ids' count).",
+        "--k", metavar="K",
+        help=f"Drafts checked in the one verify pass (default {DEFAULT_K}, or the --draft ids' count).",
     )] = None,
     draft: Annotated[Optional[str], typer.Option(
         "--draft", metavar="self|IDS",
@@ -398,13 +503,21 @@ def verify(
 
     Per position: the draft token, the target's greedy token, accepted or not, and the top1-top2 margin.
     Acceptance stops at the first mismatch; then the accepted count and the next token.
-    --draft self (the default) drafts by K sequential decode steps of the same model.
-    For self drafts, max_abs_diff_vs_sequential compares each verify row with the matching decode row.
+
+    Drafts: --draft self (the default) drafts by K sequential decode steps of the same model, and
+    max_abs_diff_vs_sequential compares each verify row with the matching decode row; --draft "IDS" checks
+    exactly K given token ids; --draft-model PATH drafts with a smaller model. Rows after the first
+    rejection are not checked.
+
+    Expected for --draft self: a rounding difference of a step or a few of the logits dtype
+    (max_abs_diff_ulps_vs_sequential; 1 bf16 step on the CPU engine, and one bf16 step is 0.0625 for logits
+    from 8 to 16), since one pass over K rows sums in another order than K one-row steps;
+    rows_identical_vs_sequential counts the bit-identical rows.
 
     Examples:
       metrale verify --prompt "The for statement" --k 4
-      metrale verify --tokens "1 2 3" --k 3 --draft "17 42 7" --model path/to/checkpoint
-      metrale verify --draft-model path/to/draft --k 4 --format json
+      metrale verify --tokens "1 2 3" --draft "17 42 7" --model default
+      metrale verify --draft-model default-draft --k 4 --format json
     """
     c = Common(model, prompt, tokens, device, logits_dtype, fmt, dump_logits, hidden, dump_hidden, timings,
                max_context)
@@ -419,8 +532,8 @@ def verify(
     k = DEFAULT_K if k is None else k
     check_positive(k, "--k")
     if draft_ids is not None:
-        if len(draft_ids) != k:
-            raise InputError(f"--draft gives {len(draft_ids)} token ids ({draft.strip()!r}) but --k is {k}")
+        if len(draft_ids) != k:  # two options that disagree: a usage error, whatever the model
+            raise UsageError(f"--draft gives {len(draft_ids)} token ids ({draft.strip()!r}) but --k is {k}")
         check_ids_in_vocab(draft_ids, job.spec.config.vocab_size, "--draft")
     _verify(job, k, draft_ids, draft_model)
 
@@ -428,8 +541,8 @@ def verify(
 def _parse_draft_ids(draft: str) -> list[int]:
     try:
         return parse_token_ids(draft, "--draft")
-    except InputError as e:
-        raise InputError(f"{e}; verify --draft takes 'self' or K token ids") from None
+    except UsageError as e:
+        raise UsageError(f"{e}; verify --draft takes 'self' or K token ids") from None
 
 
 def _verify(job: Job, k: int, draft_ids: list[int] | None, draft_path: str | None) -> None:
@@ -451,7 +564,7 @@ def _verify(job: Job, k: int, draft_ids: list[int] | None, draft_path: str | Non
                             want_hidden=job.want_hidden)
         result.timings.load_s = target.load_seconds + (drafter_model.load_seconds if drafter_model else 0.0)
         drafts = [row.draft for row in result.rows]
-        write_dumps(job, "verify", result.logit_rows, result.hidden, job.ids + drafts,
+        write_dumps(job, "verify", result.logit_rows, result.hidden_rows, job.ids + drafts,
                     list(range(n - 1, n + k)))
         meta = job.meta("verify", target, draft_model=draft_spec.label if draft_spec else None)
         render.render_verify(job.report_console, meta, result)
@@ -464,7 +577,7 @@ def _verify(job: Job, k: int, draft_ids: list[int] | None, draft_path: str | Non
 # -- forward --------------------------------------------------------------------------------------------------------
 
 
-@app.command()
+@app.command(cls=MetraleCommand)
 def forward(
     ctx: typer.Context,
     model: ModelOpt = None,
@@ -483,9 +596,12 @@ def forward(
 ) -> None:
     """One forward pass over the prompt: the argmax token and its logit for the last row or every row.
 
+    --dump-logits writes the logits rows themselves (.safetensors, .npy, .bin), to compare with another
+    engine bit for bit.
+
     Examples:
       metrale forward --prompt "The for statement" --rows all
-      metrale forward --tokens "1 2 3" --model path/to/checkpoint --dump-logits rows.npy
+      metrale forward --tokens "1 2 3" --model default --dump-logits rows.npy
     """
     c = Common(model, prompt, tokens, device, logits_dtype, fmt, dump_logits, hidden, dump_hidden, timings,
                max_context)
@@ -499,7 +615,7 @@ def forward(
         result = run_forward(target.engine, job.ids, all_rows=rows == "all", token_text=_token_text(target),
                              keep_rows=job.logits_dump is not None, want_hidden=job.want_hidden)
         result.timings.load_s = target.load_seconds
-        write_dumps(job, "forward", result.logit_rows, result.hidden, job.ids,
+        write_dumps(job, "forward", result.logit_rows, result.hidden_rows, job.ids,
                     [row.position for row in result.rows])
         render.render_forward(job.report_console, job.meta("forward", target), result)
     finally:
@@ -509,28 +625,32 @@ def forward(
 # -- inspect -------------------------------------------------------------------------------------------------------
 
 
-@app.command()
+@app.command(cls=MetraleCommand)
 def inspect(
     ctx: typer.Context,
     path: Annotated[Optional[str], typer.Argument(
-        metavar="[PATH]", help="Checkpoint directory, .safetensors file or index.json (default: the embedded model).",
-        show_default=False)] = None,
+        metavar="PATH", help=f"Checkpoint directory, .safetensors file or index.json, or {EMBEDDED_HELP}. "
+                             "Default: default.", show_default=False)] = None,
     fmt: FormatOpt = None,
 ) -> None:
     """Describe a checkpoint: architecture, sizes, parameter count, dtypes, shards, rope, tokenizer.
 
     The tensors are checked against config.json (names, shapes, dtypes).
     An invalid checkpoint is still described; metrale then exits non-zero with the problems on stderr.
+    A config.json metrale cannot run (another model_type, hidden_act...) is described from its raw fields and the tensors, then named (exit 4).
 
     Examples:
       metrale inspect
-      metrale inspect path/to/checkpoint --format json
+      metrale inspect default-draft --format json
     """
     state: State = ctx.obj
     fmt_ = render.choose_format(fmt, state.out)
-    spec = read_model_spec(path)
-    ckpt_path = Path(path) if path is not None and not Path(path).is_dir() else spec.directory
-    ckpt = Checkpoint.open(ckpt_path)
+    try:
+        spec = read_model_spec(path)
+    except ConfigError as unsupported:  # describe what config.json and the tensors say, then fail (exit 4)
+        _inspect_without_config(state, fmt_, path, unsupported)
+        raise
+    ckpt = Checkpoint.open(spec.checkpoint_path)
     try:
         problem: MetraleError | None = None
         try:
@@ -542,6 +662,59 @@ def inspect(
         ckpt.close()
     if problem is not None:
         raise problem
+
+
+def _inspect_without_config(state: State, fmt: str, path: str | None, problem: ConfigError) -> None:
+    """A config.json metrale cannot run (model_type gemma2, hidden_act gelu...): its raw fields and the
+    tensor listing, with the problem named. Prints nothing when config.json is no JSON object or the
+    weights cannot be listed (the caller's error then says why)."""
+    directory = model_dir(path)
+    try:
+        raw = json.loads((directory / "config.json").read_text("utf-8"))
+        target = model_path(path)
+        ckpt = Checkpoint.open(target if target.is_file() else directory)
+    except (OSError, ValueError, MetraleError):
+        return
+    try:
+        if isinstance(raw, dict):
+            render.render_inspect(state.out, fmt, _raw_inspect_info("default" if path is None else path, raw,
+                                                                    ckpt, problem))
+    finally:
+        ckpt.close()
+
+
+def _raw_inspect_info(label: str, raw: dict[str, Any], ckpt: Checkpoint, problem: ConfigError) -> dict[str, Any]:
+    """inspect's keys from config.json as written (None where a field is absent or not a number) and
+    the parameter count from the tensor listing."""
+    def integer(key: str, fallback: Any = None) -> int | None:
+        v = raw.get(key)
+        return v if isinstance(v, int) and not isinstance(v, bool) else fallback
+
+    hidden, heads = integer("hidden_size"), integer("num_attention_heads")
+    head_dim = integer("head_dim", hidden // heads if hidden and heads and hidden % heads == 0 else None)
+    archs = raw.get("architectures")
+    scaling = raw.get("rope_scaling") if isinstance(raw.get("rope_scaling"), dict) else None
+    rope_params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+    eos = raw.get("eos_token_id")
+    params = sum(math.prod(ckpt.info(n).shape) for n in ckpt.tensor_names())
+    return {
+        "command": "inspect", "model": label,
+        "architecture": archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str)
+        else raw.get("model_type"),
+        "model_type": raw.get("model_type"), "layers": integer("num_hidden_layers"), "heads": heads,
+        "kv_heads": integer("num_key_value_heads", heads), "head_dim": head_dim, "hidden": hidden,
+        "intermediate": integer("intermediate_size"), "vocab": integer("vocab_size"),
+        "max_position_embeddings": integer("max_position_embeddings"), "sliding_window": integer("sliding_window"),
+        "parameters": params, "dtype": raw.get("torch_dtype", raw.get("dtype")), "dtypes": ckpt.dtypes(),
+        "shards": len(ckpt.files), "files": [p.name for p in ckpt.files], "bytes": ckpt.total_bytes,
+        "tied_embeddings": raw.get("tie_word_embeddings") is True,
+        "rope": {"theta": raw.get("rope_theta", rope_params.get("rope_theta")),
+                 "type": (scaling or rope_params).get("rope_type", (scaling or {}).get("type", "default")),
+                 "scaling": scaling},
+        "tokenizer": ckpt.has_tokenizer, "bos_token_id": integer("bos_token_id"),
+        "eos_token_ids": eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [],
+        "valid": False, "problems": str(problem),
+    }
 
 
 def _inspect_info(spec: ModelSpec, ckpt: Checkpoint, problem: MetraleError | None) -> dict[str, Any]:
@@ -588,20 +761,25 @@ def _experts_info(cfg: Any) -> dict[str, Any] | None:
 # -- bench ---------------------------------------------------------------------------------------------------------
 
 
-@app.command()
+@app.command(cls=MetraleCommand)
 def bench(
     ctx: typer.Context,
     preset: Annotated[Optional[str], typer.Option(
-        "--preset", help="A preset in configs/ (llama-3.1-8b, llama-3.2-1b, qwen3-8b, mistral-7b, tiny-llama) "
+        "--preset", metavar="NAME|PATH", help="A preset in configs/ (llama-3.1-8b, llama-3.2-1b, qwen3-8b, mistral-7b, tiny-llama) "
                          "or a config.json path. Default: llama-3.1-8b on cuda, tiny-llama on cpu.",
         show_default=False)] = None,
     device: DeviceOpt = "auto",
-    context: Annotated[int, typer.Option("--context", help="KV cache positions each decode/verify step attends over.")] = 1024,
-    ks: Annotated[str, typer.Option("--ks", help="Verify sizes to time, comma separated.")] = "1,2,4,8",
-    prefill: Annotated[int, typer.Option("--prefill", help="Prompt length of the prefill measurement.")] = 2048,
-    repeats: Annotated[int, typer.Option("--repeats", help="Timed runs per figure (the median is reported).")] = 50,
-    transformers: Annotated[bool, typer.Option("--transformers/--no-transformers",
-                                               help="Also time transformers eager on the same weights (GPU).")] = True,
+    context: Annotated[int, typer.Option("--context", metavar="N",
+                                         help="KV cache positions each decode/verify step attends over.")] = 1024,
+    ks: Annotated[str, typer.Option("--ks", metavar="K,K,...", help="Verify sizes to time, comma separated.")] = "1,2,4,8",
+    prefill: Annotated[int, typer.Option("--prefill", metavar="N", help="Prompt length of the prefill measurement.")] = 2048,
+    repeats: Annotated[int, typer.Option("--repeats", metavar="N",
+                                         help="Timed runs per figure (the median is reported).")] = 50,
+    # One flag, not --transformers/--no-transformers: timing transformers is the default, and the pair's
+    # second column squeezed the help text to ~20 characters.
+    no_transformers: Annotated[bool, typer.Option(
+        "--no-transformers", help="Do not time transformers eager on the same weights (timed by default on cuda, "
+                                  "when transformers is installed).")] = False,
     json_path: Annotated[Optional[str], typer.Option("--json", metavar="PATH",
                                                      help="Also write the results as JSON (atomically).")] = None,
     fmt: FormatOpt = None,
@@ -615,7 +793,7 @@ def bench(
 
     Examples:
       metrale bench --device cpu --preset tiny-llama --context 256 --prefill 256
-      metrale bench --device cuda --preset llama-3.1-8b --context 8192 --json bench-8k.json
+      metrale bench --device cuda --context 8192 --json bench-8k.json
     """
     from . import bench as bench_mod
 
@@ -633,7 +811,7 @@ def bench(
     chosen = resolve_device(device)
     result = bench_mod.run_bench(preset or ("llama-3.1-8b" if chosen == "cuda" else "tiny-llama"), device=chosen,
                                  context=context, ks=k_list, prefill_tokens=prefill, repeats=repeats,
-                                 with_transformers=transformers, progress=lambda m: render.note(state.err, m))
+                                 with_transformers=not no_transformers, progress=lambda m: render.note(state.err, m))
     render.render_bench(state.out, fmt_, result)
     if target is not None:
         commit([(target.path, [json.dumps(result.to_json(), indent=2).encode() + b"\n"])])
@@ -650,3 +828,122 @@ def main(argv: Sequence[str] | None = None) -> None:
         except (AttributeError, ValueError):
             pass
     typer.main.get_command(app).main(args=argv, prog_name="metrale")
+
+
+# -- compare and score (issue 15) ----------------------------------------------------------------------------------
+
+
+@app.command()
+def compare(
+    ctx: typer.Context,
+    a: Annotated[Optional[str], typer.Argument(metavar="A", help="The reference: a logits dump or a layer dump.",
+                                               show_default=False)] = None,
+    b: Annotated[Optional[str], typer.Argument(metavar="B", help="The dump compared with A, of the same kind.",
+                                               show_default=False)] = None,
+    tensor: Annotated[Optional[str], typer.Option(
+        "--tensor", metavar="NAME", help="Read this tensor of a .safetensors/.npz input as the logits rows.")] = None,
+    tensor_b: Annotated[Optional[str], typer.Option(
+        "--tensor-b", metavar="NAME", help="B's tensor name, when it differs from --tensor.")] = None,
+    vocab: Annotated[Optional[int], typer.Option(
+        "--vocab", metavar="N", help="Row width of a raw .bin without a sidecar.")] = None,
+    dtype: Annotated[Optional[str], typer.Option(
+        "--dtype", metavar="f32|bf16|f16", help="Dtype of a raw .bin, or of uint16 .npy/U16 data.")] = None,
+    rows: Annotated[bool, typer.Option("--rows", help="Also list the statistics of every row.")] = False,
+    max_kl: Annotated[Optional[float], typer.Option(
+        "--max-kl", metavar="X", help="Check: every row's KL(P_A || P_B) <= X.")] = None,
+    max_rel_err: Annotated[Optional[float], typer.Option(
+        "--max-rel-err", metavar="X", help="Check: every row's max|A-B| / max|A| <= X.")] = None,
+    min_top1: Annotated[Optional[float], typer.Option(
+        "--min-top1", metavar="X", help="Check: the fraction of rows whose argmax agrees >= X.")] = None,
+    rtol: Annotated[Optional[float], typer.Option(
+        "--rtol", metavar="X", help="Layer dumps: the first tensor with max|A-B| / max|A| > X is the first "
+                                    "divergence; exit 9 if there is one (default report threshold 1e-3).")] = None,
+    fmt: FormatOpt = None,
+) -> None:
+    """Compare two logits dumps or two layer dumps; A is the reference.
+
+    Logits: max|A-B|, max|A-B|/max|A|, NMSE, cosine, rel_diff, argmax agreement, top-5/10 overlap,
+    every row whose argmax differs (both candidates, A's margin), KL(P_A || P_B) and Δp statistics as
+    llama-perplexity --kl-divergence reports them.
+    Inputs: metrale's dumps (.safetensors, .npy, .bin with their sidecars), a plain .npy [rows, vocab]
+    (float32, float16, or bf16 bit patterns with --dtype bf16), a .safetensors tensor (--tensor NAME),
+    raw .bin (--vocab N --dtype f32|bf16|f16).
+    Layer dumps (.safetensors/.npz from --dump-layers): the same error statistics per tensor in forward
+    order, and the first tensor that diverges.
+    With --max-kl, --max-rel-err, --min-top1 or --rtol it is a check: exit 9 when exceeded.
+
+    Examples:
+      metrale compare ref.safetensors mine.npy --dtype bf16
+      metrale compare ref.safetensors mine.bin --vocab 128256 --dtype bf16 --max-kl 1e-3 --min-top1 0.99
+      metrale compare ref-layers.safetensors mine-layers.safetensors --rtol 1e-3
+    """
+    from .compare import Tolerances, failure_message, run_compare
+    from .compare_inputs import ReadOptions
+    from .errors import DivergenceError
+
+    state: State = ctx.obj
+    fmt_ = render.choose_format(fmt, state.out)
+    if a is None or b is None:
+        raise UsageError("compare needs two files: metrale compare A B (A is the reference)")
+    result = run_compare(a, b, ReadOptions(tensor, tensor_b, vocab, dtype),
+                         Tolerances(max_kl, max_rel_err, min_top1, rtol), keep_rows=rows)
+    render.render_compare(state.out, fmt_, result)
+    if result.passed is False:
+        raise DivergenceError(failure_message(result))
+
+
+@app.command()
+def score(
+    ctx: typer.Context,
+    model: ModelOpt = None,
+    prompt: PromptOpt = None,
+    tokens: TokensOpt = None,
+    text_file: Annotated[Optional[str], typer.Option(
+        "--text-file", metavar="F", help="Score the text of file F (UTF-8; '-' reads stdin).")] = None,
+    top_k: Annotated[int, typer.Option("--top-k", "-k", help="Alternatives shown per token.")] = 3,
+    chunk: Annotated[Optional[int], typer.Option(
+        "--chunk", metavar="N", help="Tokens per window (default: the whole text, at most the context).")] = None,
+    stride: Annotated[Optional[int], typer.Option(
+        "--stride", metavar="S", help="Windows start every S tokens (default N - 1: each token scored once).")] = None,
+    device: DeviceOpt = "auto",
+    logits_dtype: Annotated[str, typer.Option(
+        "--logits-dtype", metavar="bf16|fp32", help="Dtype of the logits rows scored (fp32: exact).")] = "fp32",
+    fmt: FormatOpt = None,
+    timings: TimingsOpt = False,
+    max_context: MaxContextOpt = None,
+) -> None:
+    """Teacher-forced scoring: the log-probability and rank of every actual next token of a text.
+
+    Each token after the first is scored from the row of the position before it (log-softmax in float64,
+    fp32 logits); then the total log-likelihood, the mean NLL and the perplexity, which for a text within
+    one window equals transformers' exp(model(ids, labels=ids).loss).
+    Longer texts: windows of --chunk N tokens every --stride S tokens, each a fresh forward; a window
+    scores only the tokens no earlier one scored, so each of them sees at least N - S tokens of context.
+
+    Examples:
+      metrale score --prompt "The for statement iterates over a sequence"
+      metrale score --text-file notes.txt --chunk 512 --stride 256 --format json
+      metrale score --tokens "1 2 3 4 5" --model path/to/checkpoint --top-k 5
+    """
+    from .scoring import choose_chunk, read_text_file, run_score
+
+    if text_file is not None and (prompt is not None or tokens is not None):
+        raise UsageError("--text-file, --prompt and --tokens are exclusive: give one of them")
+    if top_k < 0:
+        raise UsageError(f"--top-k must be 0 or more, got {top_k}")
+    if text_file is not None:
+        prompt = read_text_file(text_file, lambda: typer.get_text_stream("stdin").read())
+    c = Common(model, prompt, tokens, device, logits_dtype, fmt, None, False, None, timings, max_context)
+    job = prepare(ctx.obj, c)
+    n_chunk, n_stride, kv = choose_chunk(job.spec.config, job.spec.label, len(job.ids), chunk, stride, max_context)
+    target = load(job, job.spec, kv)
+    try:
+        result = run_score(target.engine, job.ids, chunk=n_chunk, stride=n_stride, top_k=top_k,
+                           token_text=_token_text(target))
+        result.timings.load_s = target.load_seconds
+        meta = job.meta("score", target, top_k=top_k)
+        if text_file is not None:
+            meta.prompt = None  # the file may be long: reports name it instead
+        render.render_score(job.report_console, meta, result, text_file)
+    finally:
+        target.close()

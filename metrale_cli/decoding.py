@@ -61,6 +61,26 @@ class Rows:
 
 
 @dataclass
+class HiddenRows:
+    """The post-final-norm hidden state behind every logits row a command produced, in the same order
+    (row i is the hidden state the logits row i was computed from), as fp32 [hidden] vectors."""
+
+    size: int
+    data: list[np.ndarray] = field(default_factory=list)
+
+    def extend(self, rows: np.ndarray) -> None:
+        self.data.extend(np.asarray(r, dtype=np.float32) for r in rows)
+
+    def array(self) -> np.ndarray:
+        """[rows, hidden] float32."""
+        return np.stack(self.data) if self.data else np.zeros((0, self.size), np.float32)
+
+    def summary(self) -> HiddenSummary | None:
+        """The --hidden summary: the last row."""
+        return summarize_hidden(self.data[-1]) if self.data else None
+
+
+@dataclass
 class Timings:
     load_s: float = 0.0
     prefill_s: float = 0.0
@@ -90,6 +110,9 @@ class DecodeResult:
     rows: Rows | None
     hidden: HiddenSummary | None
     timings: Timings
+    text: str | None = None  # the continuation, decoded from the produced ids together (continuation_text)
+    hidden_rows: HiddenRows | None = None  # with want_hidden: one per logits row, in the same order
+    interrupted: bool = False  # should_stop() asked to stop before the steps or an EOS were reached
 
 
 @dataclass
@@ -97,10 +120,15 @@ class VerifyRow:
     position: int  # position of the draft token
     draft: int
     target: int  # the target model's greedy token at this position
-    accepted: bool
+    accepted: bool | None  # None: not checked, acceptance stopped at an earlier rejection
     margin: float  # top-1 minus top-2 logit of the row that decided this position
     draft_text: str | None = None
     target_text: str | None = None
+
+    @property
+    def status(self) -> str:
+        """accepted | rejected | unchecked (after the first rejection, whatever draft and target are)."""
+        return "unchecked" if self.accepted is None else ("accepted" if self.accepted else "rejected")
 
 
 @dataclass
@@ -116,6 +144,11 @@ class VerifyResult:
     logit_rows: Rows | None
     hidden: HiddenSummary | None
     timings: Timings
+    # --draft self: max_abs_diff_vs_sequential in steps (ulps) of the logits dtype at the logit where it
+    # occurs, and how many of the k verify rows are bit-identical to their sequential decode rows
+    max_abs_diff_ulps_vs_sequential: int | None = None
+    rows_identical_vs_sequential: int | None = None
+    hidden_rows: HiddenRows | None = None  # with want_hidden: one per logits row, in the same order
 
 
 @dataclass
@@ -133,6 +166,7 @@ class ForwardResult:
     logit_rows: Rows | None
     hidden: HiddenSummary | None
     timings: Timings
+    hidden_rows: HiddenRows | None = None  # with want_hidden: one per reported row, in the same order
 
 
 @dataclass
@@ -233,6 +267,59 @@ def summarize_hidden(values: np.ndarray, first: int = 8) -> HiddenSummary:
     )
 
 
+def continuation_text(detokenize: Callable[[list[int]], str], prompt: Sequence[int],
+                      generated: Sequence[int]) -> str:
+    """The generated text as the tokenizer decodes the ids together (a character split over byte tokens
+    comes out whole): decode(prompt + generated) minus decode(prompt), so a sentencepiece word's leading
+    space is kept; decode(generated) when the first does not start with the second."""
+    head = detokenize(list(prompt))
+    full = detokenize(list(prompt) + list(generated))
+    return full[len(head):] if full.startswith(head) else detokenize(list(generated))
+
+
+class TextStream:
+    """Incremental detokenization for showing tokens as they are decoded: push(token) returns the text
+    that became final (nothing while a multi-byte character is still incomplete). Each push decodes only
+    a few tokens (a window ending at the last emitted text), so a long generation stays linear."""
+
+    WINDOW = 6  # tokens of prompt context for the first push (a decoder may treat the first piece apart)
+    HOLD = 4  # tokens held back at most while they end in an incomplete character (a UTF-8 char is <= 4 bytes)
+
+    def __init__(self, detokenize: Callable[[list[int]], str], prompt: Sequence[int]) -> None:
+        self._detok = detokenize
+        self._ids = list(prompt)
+        self._read = len(self._ids)  # ids before this are shown
+        self._prefix = max(0, self._read - self.WINDOW)
+
+    def push(self, token: int) -> str:
+        self._ids.append(token)
+        head = self._detok(self._ids[self._prefix:self._read])
+        full = self._detok(self._ids[self._prefix:])
+        held = len(self._ids) - self._read
+        if held < self.HOLD and (len(full) <= len(head) or full.endswith("\ufffd")):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return full[len(head):]
+
+    def flush(self) -> str:
+        """What is left when the stream ends (an incomplete character, as the decoder shows it)."""
+        head = self._detok(self._ids[self._prefix:self._read])
+        full = self._detok(self._ids[self._prefix:])
+        self._prefix = self._read = len(self._ids)
+        return full[len(head):]
+
+
+def _hidden_rows_for(engine, want: bool) -> HiddenRows | None:
+    return HiddenRows(int(engine.cfg.hidden_size)) if want else None
+
+
+def _take_hidden(engine, hidden: HiddenRows | None, n: int | None = None) -> None:
+    """Append the first n (default: all) hidden rows of the engine's last pass."""
+    if hidden is not None:
+        rows = engine.copy_hidden_rows_to_host()
+        hidden.extend(rows if n is None else rows[:n])
+
+
 def _sync(engine) -> None:
     sync = getattr(engine, "synchronize", None)
     if sync is not None:
@@ -263,14 +350,17 @@ def run_forward(engine, prompt: Sequence[int], *, all_rows: bool, token_text=Non
             rows.append(raw)
         vals = rd.values(raw, ptr)
         out.append(ForwardRow(first_pos + i, ids[i], rd.text(ids[i]), float(vals[ids[i]])))
-    hidden = summarize_hidden(engine.copy_hidden_to_host()) if want_hidden else None
-    return ForwardResult(list(prompt), out, rows, hidden, timings)
+    hidden_rows = _hidden_rows_for(engine, want_hidden)
+    _take_hidden(engine, hidden_rows)
+    return ForwardResult(list(prompt), out, rows, hidden_rows.summary() if hidden_rows else None, timings,
+                         hidden_rows)
 
 
 # -- greedy decode ---------------------------------------------------------------------------------------------
 
 
-def prefill_next(engine, rd: Reader, prompt: Sequence[int], timings: Timings, rows: Rows | None):
+def prefill_next(engine, rd: Reader, prompt: Sequence[int], timings: Timings, rows: Rows | None,
+                 hidden: HiddenRows | None = None):
     """Prefill the prompt; return (next token, its row values) from the prompt's last row."""
     engine.reset()
     t0 = time.perf_counter()
@@ -282,23 +372,29 @@ def prefill_next(engine, rd: Reader, prompt: Sequence[int], timings: Timings, ro
     raw = rd.raw(ptr)
     if rows is not None:
         rows.append(raw)
+    _take_hidden(engine, hidden)
     return token, rd.values(raw, ptr)
 
 
 def run_decode(engine, prompt: Sequence[int], steps: int, *, top_k: int = 0, eos_ids: Sequence[int] = (),
                ignore_eos: bool = False, token_text=None, keep_rows: bool = False,
-               want_hidden: bool = False, on_step: Callable[[DecodeStep], None] | None = None) -> DecodeResult:
+               want_hidden: bool = False, on_step: Callable[[DecodeStep], None] | None = None,
+               detokenize: Callable[[list[int]], str] | None = None,
+               should_stop: Callable[[], bool] | None = None) -> DecodeResult:
     """Prefill, then greedy steps: each produced token is fed back by one decode step.
 
     Step i reports the token produced at position len(prompt) + i, read from the row that chose it.
+    should_stop() is asked before each decode step; True ends decoding there (result.interrupted), with
+    every token produced so far reported (Ctrl-C in the CLI).
     """
     rd = Reader(engine, token_text)
     timings = Timings(prompt_tokens=len(prompt))
     rows = _rows_for(engine, engine.logits_buffer_ptr(), rd) if keep_rows else None
-    token, values = prefill_next(engine, rd, prompt, timings, rows)
+    hidden = _hidden_rows_for(engine, want_hidden)
+    token, values = prefill_next(engine, rd, prompt, timings, rows, hidden)
     out: list[DecodeStep] = []
     eos = set(eos_ids)
-    stopped = False
+    stopped = interrupted = False
     for i in range(steps):
         step = DecodeStep(len(prompt) + i, token, rd.text(token), float(values[token]), rd.top_k(values, top_k))
         out.append(step)
@@ -309,6 +405,9 @@ def run_decode(engine, prompt: Sequence[int], steps: int, *, top_k: int = 0, eos
             break
         if i == steps - 1:
             break
+        if should_stop is not None and should_stop():
+            interrupted = True
+            break
         t0 = time.perf_counter()
         engine.decode(token)
         ptr = engine.decode_logits_ptr()
@@ -317,9 +416,15 @@ def run_decode(engine, prompt: Sequence[int], steps: int, *, top_k: int = 0, eos
         raw = rd.raw(ptr)
         if rows is not None:
             rows.append(raw)
+        _take_hidden(engine, hidden)
         values = rd.values(raw, ptr)
-    hidden = summarize_hidden(engine.copy_hidden_to_host()) if want_hidden else None
-    return DecodeResult(list(prompt), out, stopped, rows, hidden, timings)
+    return DecodeResult(list(prompt), out, stopped, rows, hidden.summary() if hidden else None, timings,
+                        _text(detokenize, prompt, out), hidden, interrupted)
+
+
+def _text(detokenize: Callable[[list[int]], str] | None, prompt: Sequence[int],
+          steps: list[DecodeStep]) -> str | None:
+    return continuation_text(detokenize, prompt, [s.token for s in steps]) if detokenize is not None else None
 
 
 def _rows_for(engine, ptr: DevicePtr, rd: Reader) -> Rows:
@@ -359,7 +464,8 @@ def run_verify(engine, prompt: Sequence[int], k: int, *, draft: str | Sequence[i
     timings = Timings(prompt_tokens=len(prompt))
     n = len(prompt)
     logit_rows = _rows_for(engine, engine.logits_buffer_ptr(), rd) if keep_rows else None
-    first, first_values = prefill_next(engine, rd, prompt, timings, logit_rows)
+    hidden = _hidden_rows_for(engine, want_hidden)
+    first, first_values = prefill_next(engine, rd, prompt, timings, logit_rows, hidden)
     seq_raws: list[bytes] | None = None
     if draft == "self":
         source = "self"
@@ -380,6 +486,7 @@ def run_verify(engine, prompt: Sequence[int], k: int, *, draft: str | Sequence[i
     timings.step_s.append(time.perf_counter() - t0)
 
     raws = [rd.raw(buf.row_ptr(i)) for i in range(k)]
+    _take_hidden(engine, hidden)
     if logit_rows is not None:
         for raw in raws:
             logit_rows.append(raw)
@@ -387,19 +494,47 @@ def run_verify(engine, prompt: Sequence[int], k: int, *, draft: str | Sequence[i
     targets = [first] + targets_after  # targets[i]: greedy token at position n + i
     rows, accepted, mismatch_seen = [], 0, False
     for i, d in enumerate(drafts):
-        ok = (not mismatch_seen) and d == targets[i]
+        ok: bool | None = None if mismatch_seen else d == targets[i]
         mismatch_seen = mismatch_seen or not ok
-        accepted += ok
+        accepted += bool(ok)
         rows.append(VerifyRow(n + i, d, targets[i], ok, margin(values[i]), rd.text(d), rd.text(targets[i])))
     next_token = targets[accepted]
     engine.trim(n + accepted)
-    diff = None
+    diff = ulps = identical = None
     if seq_raws is not None:
-        ptr = buf.row_ptr(0)
-        diff = max(float(np.max(np.abs(rd.values(a, ptr) - rd.values(b, ptr)))) for a, b in zip(raws, seq_raws))
-    hidden = summarize_hidden(engine.copy_hidden_to_host()) if want_hidden else None
+        diff, ulps, identical = compare_rows(rd, buf.row_ptr(0), raws, seq_raws)
     return VerifyResult(k, source, list(prompt), rows, accepted, next_token, rd.text(next_token), diff,
-                        logit_rows, hidden, timings)
+                        logit_rows, hidden.summary() if hidden else None, timings, ulps, identical, hidden)
+
+
+def compare_rows(rd: Reader, ptr: DevicePtr, rows: list[bytes], others: list[bytes]) -> tuple[float, int, int]:
+    """Row by row: the largest |difference|, that difference in ulps of the logits dtype (the largest ulp
+    distance among the elements where the largest |difference| occurs: a logit near zero has tiny ulps,
+    so the largest ulp distance over all elements would flag rounding noise), and how many rows are
+    bit-identical."""
+    fp32 = rd.engine.logits_ptr_is_fp32(ptr)
+    diff, ulps = 0.0, 0
+    for a, b in zip(rows, others):
+        d = np.abs(rd.values(a, ptr) - rd.values(b, ptr))
+        worst = float(d.max())
+        if worst > diff or (worst == diff and worst > 0):
+            u = int(ulp_distance(a, b, fp32)[d == worst].max())
+            ulps = u if worst > diff else max(ulps, u)
+            diff = worst
+    return diff, ulps, sum(a == b for a, b in zip(rows, others))
+
+
+def ulp_distance(a: bytes, b: bytes, fp32: bool) -> np.ndarray:
+    """Per element of two raw logits rows (bf16 or fp32 bytes), how many steps of that dtype apart they
+    are: the distance of their bit patterns on the line of ordered floats (+0 and -0 are one value)."""
+    dt, sign = ("<u4", 1 << 31) if fp32 else ("<u2", 1 << 15)
+
+    def ordered(raw: bytes) -> np.ndarray:
+        bits = np.frombuffer(raw, dtype=dt).astype(np.int64)
+        magnitude = bits & (sign - 1)
+        return np.where(bits & sign, -magnitude, magnitude)
+
+    return np.abs(ordered(a) - ordered(b))
 
 
 def draft_from_model(draft_engine, prompt: Sequence[int], k: int) -> list[int]:
@@ -475,21 +610,25 @@ class NgramDrafter:
 def speculative_decode(engine, drafter, prompt: Sequence[int], steps: int, k: int, *, eos_ids=(),
                        ignore_eos: bool = False, token_text=None, top_k: int = 0,
                        keep_rows: bool = False, want_hidden: bool = False,
-                       on_step: Callable[[DecodeStep], None] | None = None) -> SpecDecodeResult:
+                       on_step: Callable[[DecodeStep], None] | None = None,
+                       detokenize: Callable[[list[int]], str] | None = None,
+                       should_stop: Callable[[], bool] | None = None) -> SpecDecodeResult:
     """Greedy speculative decoding: its tokens equal plain greedy decoding of `engine`.
 
     Loop: the current token `cur` is known but not yet run by the target. The drafter proposes up to k
     tokens after it; one verify pass runs [cur, d1..dm]; row j predicts the token after d_j (row 0: after
     cur). The longest prefix with d_{j+1} == argmax(row j) is kept, then the correction or bonus token
     argmax(row a) becomes the next `cur`; the target cache is trimmed to the accepted prefix.
+    should_stop() is asked before each verify pass (as in run_decode).
     """
     if k <= 0:
         raise InputError(f"--k must be at least 1, got {k}")
     rd = Reader(engine, token_text)
     timings = Timings(prompt_tokens=len(prompt))
     rows = _rows_for(engine, engine.logits_buffer_ptr(), rd) if keep_rows else None
+    hidden = _hidden_rows_for(engine, want_hidden)
     stats = SpecStats(k, drafter.name, drafted_at=[0] * k, accepted_at=[0] * k)
-    cur, values = prefill_next(engine, rd, prompt, timings, rows)
+    cur, values = prefill_next(engine, rd, prompt, timings, rows, hidden)
     drafter.start(prompt)
     committed = list(prompt) + [cur]
     out: list[DecodeStep] = []
@@ -504,7 +643,11 @@ def speculative_decode(engine, drafter, prompt: Sequence[int], steps: int, k: in
         return len(out) >= steps or (token in eos and not ignore_eos)
 
     stopped = emit(cur, values)
+    interrupted = False
     while not stopped:
+        if should_stop is not None and should_stop():
+            interrupted = True
+            break
         t0 = time.perf_counter()
         base = len(committed)  # target cache holds committed[:-1]
         room = engine.max_context - engine.length - 1
@@ -525,10 +668,13 @@ def speculative_decode(engine, drafter, prompt: Sequence[int], steps: int, k: in
         engine.trim(base + accepted)
         drafter.accept(base, accepted)
         timings.step_s.append(time.perf_counter() - t0)
+        pass_hidden = engine.copy_hidden_rows_to_host() if hidden is not None else None
         for j in range(accepted + 1):  # accepted drafts, then the correction/bonus token
             raw = rd.raw(buf.row_ptr(j))
             if rows is not None:
                 rows.append(raw)
+            if hidden is not None:
+                hidden.extend(pass_hidden[j:j + 1])
             token = drafts[j] if j < accepted else targets[accepted]
             committed.append(token)
             if emit(token, rd.values(raw, buf.row_ptr(j))):
@@ -536,5 +682,5 @@ def speculative_decode(engine, drafter, prompt: Sequence[int], steps: int, k: in
                 break
         cur = committed[-1]
     stopped_at_eos = bool(out) and out[-1].token in eos and not ignore_eos
-    hidden = summarize_hidden(engine.copy_hidden_to_host()) if want_hidden else None
-    return SpecDecodeResult(list(prompt), out, stopped_at_eos, rows, hidden, timings, stats=stats)
+    return SpecDecodeResult(list(prompt), out, stopped_at_eos, rows, hidden.summary() if hidden else None, timings,
+                            _text(detokenize, prompt, out), hidden, interrupted, stats=stats)

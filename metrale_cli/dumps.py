@@ -18,7 +18,12 @@ vocab, tokens, positions.
 `tokens` are the ids the model ran: the prompt, then for decode the produced tokens fed back, for
 verify the k drafts; so row i is the output for input tokens[positions[i]].
 
-`--dump-hidden PATH` (.npy or .bin) writes the post-final-norm hidden state [hidden] as float32.
+`--dump-hidden PATH` writes the post-final-norm hidden state of every row the command produced, [rows,
+hidden] float32, in the same row order (and with the same tokens and positions) as the logits dump:
+row i is the hidden state logits row i was computed from. `.safetensors`: tensor `hidden` F32 and
+`tokens` I64, metadata format "metrale-hidden", dtype, hidden_size, rows, command, model, positions;
+`.npy` float32 and `.bin` raw little-endian fp32, each with a PATH.json sidecar (as above, with
+hidden_size in place of vocab).
 
 Every file is written to a temporary file in the destination's directory, fsynced and renamed over the
 destination with os.replace; on any error or Ctrl-C the temporary file is removed and the destination is
@@ -41,11 +46,11 @@ from typing import IO, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from .decoding import Rows
+from .decoding import HiddenRows, Rows
 from .errors import OutputError, UsageError
 
 LOGITS_KINDS = ("safetensors", "npy", "bin")
-HIDDEN_KINDS = ("npy", "bin")
+HIDDEN_KINDS = ("safetensors", "npy", "bin")
 
 
 @dataclass(frozen=True)
@@ -104,72 +109,82 @@ class DumpInfo:
     positions: list[int]
 
 
+@dataclass(frozen=True)
+class _Matrix:
+    """Rows of one dump: what they are (`name` names the safetensors tensor), their dtype and width."""
+
+    name: str  # "logits" | "hidden"
+    dtype: str  # "bf16" | "fp32"
+    width: int
+    data: Sequence[bytes]  # one entry per row
+
+    @property
+    def width_key(self) -> str:
+        return "vocab" if self.name == "logits" else "hidden_size"
+
+
 def write_logits(target: DumpTarget, rows: Rows, info: DumpInfo, stdout: IO[bytes] | None = None) -> None:
     if len(info.positions) != len(rows.data):
         raise ValueError(f"{len(rows.data)} rows but {len(info.positions)} positions")
     if target.to_stdout:
         _write_stream(stdout, rows.data)
         return
+    _write_matrix(target, _Matrix("logits", rows.dtype, rows.vocab, rows.data), info)
+
+
+def write_hidden(target: DumpTarget, hidden: HiddenRows, info: DumpInfo) -> None:
+    """The hidden state behind every logits row, [rows, hidden] fp32 (see the module docstring)."""
+    data = [np.ascontiguousarray(r, dtype="<f4").tobytes() for r in hidden.data]
+    if len(info.positions) != len(data):
+        raise ValueError(f"{len(data)} hidden rows but {len(info.positions)} positions")
+    _write_matrix(target, _Matrix("hidden", "fp32", hidden.size, data), info)
+
+
+def _write_matrix(target: DumpTarget, m: _Matrix, info: DumpInfo) -> None:
     assert target.path is not None
     if target.kind == "safetensors":
-        commit([(target.path, _safetensors_chunks(rows, info))])
+        commit([(target.path, _safetensors_chunks(m, info))])
         return
-    chunks = rows.data if target.kind == "bin" else [_npy_header(rows)] + rows.data
-    commit([(target.path, chunks), (target.sidecar, [_sidecar(target, rows, info)])])
+    chunks = list(m.data) if target.kind == "bin" else [_npy_header(m), *m.data]
+    commit([(target.path, chunks), (target.sidecar, [_sidecar(target, m, info)])])
 
 
-def _safetensors_chunks(rows: Rows, info: DumpInfo) -> list[bytes]:
-    n = sum(len(r) for r in rows.data)
+def _safetensors_chunks(m: _Matrix, info: DumpInfo) -> list[bytes]:
+    n = sum(len(r) for r in m.data)
     tokens = np.asarray(info.tokens, dtype="<i8").tobytes()
     header = {
         "__metadata__": {
-            "format": "metrale-logits", "dtype": rows.dtype, "vocab": str(rows.vocab),
-            "rows": str(len(rows.data)), "command": info.command, "model": info.model,
+            "format": f"metrale-{m.name}", "dtype": m.dtype, m.width_key: str(m.width),
+            "rows": str(len(m.data)), "command": info.command, "model": info.model,
             "positions": json.dumps(info.positions, separators=(",", ":")),
         },
-        "logits": {"dtype": "F32" if rows.dtype == "fp32" else "BF16", "shape": [len(rows.data), rows.vocab],
-                   "data_offsets": [0, n]},
+        m.name: {"dtype": "F32" if m.dtype == "fp32" else "BF16", "shape": [len(m.data), m.width],
+                 "data_offsets": [0, n]},
         "tokens": {"dtype": "I64", "shape": [len(info.tokens)], "data_offsets": [n, n + len(tokens)]},
     }
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
-    return [len(raw).to_bytes(8, "little"), raw, *rows.data, tokens]
+    return [len(raw).to_bytes(8, "little"), raw, *m.data, tokens]
 
 
-def _npy_header(rows: Rows) -> bytes:
-    dtype = np.dtype("<f4" if rows.dtype == "fp32" else "<u2")
+def _npy_header(m: _Matrix) -> bytes:
+    dtype = np.dtype("<f4" if m.dtype == "fp32" else "<u2")
     buf = io.BytesIO()
     np.lib.format.write_array_header_1_0(
         buf, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
-              "shape": (len(rows.data), rows.vocab)})
+              "shape": (len(m.data), m.width)})
     return buf.getvalue()
 
 
-def _sidecar(target: DumpTarget, rows: Rows, info: DumpInfo) -> bytes:
+def _sidecar(target: DumpTarget, m: _Matrix, info: DumpInfo) -> bytes:
     if target.kind == "npy":
-        storage = "float32" if rows.dtype == "fp32" else "uint16 bf16 bit patterns"
+        storage = "float32" if m.dtype == "fp32" else "uint16 bf16 bit patterns"
     else:
-        storage = f"raw little-endian {rows.dtype}"
-    doc = {"command": info.command, "model": info.model, "dtype": rows.dtype, "storage": storage,
-           "shape": [len(rows.data), rows.vocab], "vocab": rows.vocab, "tokens": info.tokens,
+        storage = f"raw little-endian {m.dtype}"
+    doc = {"command": info.command, "model": info.model, "dtype": m.dtype, "storage": storage,
+           "shape": [len(m.data), m.width], m.width_key: m.width, "tokens": info.tokens,
            "positions": info.positions}
     return (json.dumps(doc, indent=1) + "\n").encode()
-
-
-# -- hidden state ------------------------------------------------------------------------------------------------
-
-
-def write_hidden(target: DumpTarget, values: np.ndarray) -> None:
-    assert target.path is not None
-    v = np.ascontiguousarray(values, dtype="<f4").reshape(-1)
-    if target.kind == "npy":
-        buf = io.BytesIO()
-        np.lib.format.write_array_header_1_0(
-            buf, {"descr": "<f4", "fortran_order": False, "shape": (v.size,)})
-        chunks = [buf.getvalue(), v.tobytes()]
-    else:
-        chunks = [v.tobytes()]
-    commit([(target.path, chunks)])
 
 
 # -- atomic writes ---------------------------------------------------------------------------------------------

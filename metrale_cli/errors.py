@@ -10,6 +10,7 @@ Exit codes (also in `metrale --help` and the README):
     6   non-finite logits: a produced logits row holds NaN or Inf
     7   output error: a dump path that cannot be written (directory, permissions, disk full)
     8   device error: no CUDA device or CuPy, or device memory exhausted
+    9   outputs differ beyond the tolerance (`metrale compare` with --max-kl, --max-rel-err, --min-top1 or --rtol)
     70  internal error: a bug in metrale (run with METRALE_DEBUG=1 for the traceback)
     130 interrupted (Ctrl-C); no partial output file is left behind
 """
@@ -85,3 +86,13 @@ EXIT_CODES: dict[int, str] = {
     MetraleError.exit_code: "internal error (set METRALE_DEBUG=1 for a traceback)",
     Interrupted.exit_code: "interrupted (Ctrl-C); no partial file is left",
 }
+
+
+class DivergenceError(MetraleError):
+    """`metrale compare` with a tolerance: the outputs differ beyond it (the report is printed first)."""
+
+    exit_code = 9
+    kind = "outputs differ"
+
+
+EXIT_CODES[DivergenceError.exit_code] = "outputs differ beyond the tolerance (compare --max-kl, --rtol ...)"

@@ -8,6 +8,7 @@ not after gigabytes of weights were converted.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Callable, Sequence
 
 from .config import ModelConfig, load_config
 from .errors import InputError, UsageError
-from .model import DEFAULT_MODEL_DIR, model_dir
+from .model import model_dir, model_path
 from .tokenizer import Tokenizer
 
 DEFAULT_PROMPT = "The for statement"
@@ -40,14 +41,20 @@ class ModelSpec:
         p = self.directory / TOKENIZER_NAME
         return p if p.is_file() else None
 
+    @property
+    def checkpoint_path(self) -> Path:
+        """What Checkpoint.open reads: the .safetensors or index.json file --model named, else the directory."""
+        p = model_path(self.path)
+        return p if p.is_file() else self.directory
+
     def tokenizer_sha256(self) -> str | None:
         p = self.tokenizer_path
         return hashlib.sha256(p.read_bytes()).hexdigest() if p is not None else None
 
 
 def read_model_spec(path: str | None) -> ModelSpec:
-    """Resolve --model (default: the embedded model) and read its config.json."""
-    directory = model_dir(path) if path is not None else model_dir(DEFAULT_MODEL_DIR)
+    """Resolve --model (default: the embedded model; an embedded model's name; a path) and read its config.json."""
+    directory = model_dir(path)
     return ModelSpec(path, directory, load_config(directory))
 
 
@@ -57,18 +64,44 @@ _SEPARATORS = re.compile(r"[\s,]+")
 
 
 def parse_token_ids(text: str, option: str = "--tokens") -> list[int]:
-    """'1 2 3', '1,2,3' or '1, 2, 3' -> [1, 2, 3]; anything that is not an integer is an InputError."""
-    parts = [p for p in _SEPARATORS.split(text.strip()) if p]
-    if not parts:
-        raise InputError(f"{option} is empty: give token ids such as '1 2 3'")
+    """'1 2 3', '1,2,3', '1, 2, 3' or the JSON array '[1, 2, 3]' (what Python and JSON print) -> [1, 2, 3].
+
+    Text that is not a list of integers is a UsageError: it is wrong whatever the model (exit 2); whether
+    the ids fit the model's vocabulary is check_ids_in_vocab's question (an InputError, exit 5).
+    """
+    stripped = text.strip()
+    ids = _json_ids(stripped, option) if stripped.startswith("[") else _separated_ids(stripped, option)
+    if not ids:
+        raise UsageError(f"{option} is empty: give token ids such as '1 2 3' or '[1, 2, 3]'")
+    return ids
+
+
+def _separated_ids(text: str, option: str) -> list[int]:
     ids = []
-    for p in parts:
+    for p in (p for p in _SEPARATORS.split(text) if p):
         try:
             ids.append(int(p, 10))
         except ValueError:
-            shown = p if len(p) <= 40 else p[:40] + "..."
-            raise InputError(f"{option}: {shown!r} is not a token id (an integer)") from None
+            raise UsageError(f"{option}: {_shown(p)!r} is not a token id (an integer)") from None
     return ids
+
+
+def _json_ids(text: str, option: str) -> list[int]:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise UsageError(f"{option}: {_shown(text)!r} is not a JSON array of token ids ({e}); "
+                         "give '[1, 2, 3]' or '1 2 3'") from None
+    for i, item in enumerate(value):
+        # bool is an int subclass in Python: true/false are not token ids; neither are 2.0 or "2".
+        if type(item) is not int:
+            raise UsageError(f"{option}: item {i + 1} of the JSON array, {_shown(json.dumps(item))}, "
+                             "is not a token id (an integer)")
+    return value
+
+
+def _shown(text: str) -> str:
+    return text if len(text) <= 40 else text[:40] + "..."
 
 
 def check_ids_in_vocab(ids: Sequence[int], vocab: int, option: str = "--tokens") -> None:
@@ -90,8 +123,8 @@ def resolve_prompt(spec: ModelSpec, prompt: str | None, tokens: str | None,
         return ids, None
     tok_path = spec.tokenizer_path
     if prompt is None:
-        if tok_path is None:
-            raise UsageError(
+        if tok_path is None:  # this model cannot take text: an input error (5), like --prompt below
+            raise InputError(
                 f"give --tokens '1 2 3' or --prompt TEXT: {spec.label} has no {TOKENIZER_NAME} "
                 "to encode the default prompt"
             )
@@ -99,7 +132,7 @@ def resolve_prompt(spec: ModelSpec, prompt: str | None, tokens: str | None,
     if tok_path is None:
         raise InputError(f"--prompt needs {TOKENIZER_NAME}, and {spec.directory} has none: pass --tokens instead")
     if not prompt.strip():
-        raise InputError("--prompt is empty")
+        raise UsageError("--prompt is empty")
     ids = Tokenizer.from_file(tok_path).encode(prompt)
     if not ids:
         raise InputError(f"--prompt {prompt!r} encodes to no tokens")
@@ -110,9 +143,11 @@ def resolve_prompt(spec: ModelSpec, prompt: str | None, tokens: str | None,
 # -- lengths -----------------------------------------------------------------------------------------------------
 
 
-def check_positive(value: int, option: str) -> None:
+def check_positive(value: int, option: str, hint: str = "") -> None:
+    """An option that counts something (steps, drafts, candidates, positions) must be >= 1: wrong whatever
+    the model, so a UsageError (exit 2), like a malformed option value."""
     if value <= 0:
-        raise InputError(f"{option} must be at least 1, got {value}")
+        raise UsageError(f"{option} must be at least 1, got {value}{hint}")
 
 
 def limit_of(cfg: ModelConfig) -> str:

@@ -9,6 +9,8 @@ Method names and meanings follow the engine metrale is modelled on (`ModelLogits
     argmax_on_device(ptr, stream)      first index of the maximum of one row, computed where the row lives
     argmax_batch(ptr, n, stream)       the same for n consecutive rows
     hidden_after_norm()                post-final-norm hidden state [hidden] of the last position of the last pass
+    hidden_rows_ptr()                  (beyond the seed) the post-final-norm rows [n, hidden] of the last pass,
+                                       one per logits row it wrote
     decode_logits_fp32()               whether single-token decode writes FP32 rows
     decode_logits_ptr()                the row single-token decode last wrote
 
@@ -90,7 +92,8 @@ class LogitsBuffers:
     """The ModelLogits methods shared by every engine.
 
     An engine sets `_logits` ([rows, vocab] buffer for prefill/verify, `_n_rows` of them valid), `_decode_logits` ([1, vocab]),
-    `_hidden` ([1, hidden] fp32) and `_fp32_logits`, and implements the two backend hooks:
+    `_hidden` ([1, hidden] fp32), `_hidden_rows` ([n, hidden] fp32: the post-final-norm rows of the last pass
+    behind the logits rows it wrote) and `_fp32_logits`, and implements the two backend hooks:
     `_row_to_host(ptr) -> np.ndarray` (one row, in the buffer's dtype) and
     `_argmax_rows(ptr, n, stream) -> np.ndarray` (indices, -1 for a non-finite row).
     """
@@ -100,6 +103,7 @@ class LogitsBuffers:
     _hidden: Any
     _fp32_logits: bool
     _n_rows: int = 1  # rows of _logits written by the last prefill/verify pass
+    _hidden_rows: Any = None  # [n, hidden] fp32 of the last pass; None before the first
 
     # -- seed interface -------------------------------------------------------------------------
     def vocab_size(self) -> int:
@@ -120,6 +124,13 @@ class LogitsBuffers:
 
     def hidden_after_norm(self) -> DevicePtr:
         return DevicePtr(self._hidden, 0, 1)
+
+    def hidden_rows_ptr(self) -> DevicePtr:
+        """The post-final-norm hidden rows [n, hidden] of the last pass, one per logits row it wrote:
+        prefill (every position with all_logits, else the last), verify (k rows), decode (1 row).
+        Valid until the next pass."""
+        rows = self._hidden if self._hidden_rows is None else self._hidden_rows
+        return DevicePtr(rows, 0, int(rows.shape[0]))
 
     def copy_logits_to_host(self, logits_ptr: DevicePtr, dst: Any) -> None:
         """Copy the first row of `logits_ptr` into `dst` (a writable bytes-like or uint8 array)."""
@@ -142,6 +153,11 @@ class LogitsBuffers:
     def copy_hidden_to_host(self) -> np.ndarray:
         """hidden_after_norm() as a host fp32 vector [hidden]."""
         return np.array(self._row_to_host(self.hidden_after_norm()), dtype=np.float32)
+
+    def copy_hidden_rows_to_host(self) -> np.ndarray:
+        """hidden_rows_ptr() as a host fp32 array [n, hidden]."""
+        ptr = self.hidden_rows_ptr()
+        return np.stack([np.asarray(self._row_to_host(ptr.row_ptr(i)), dtype=np.float32) for i in range(ptr.rows)])
 
     def row_nbytes(self, logits_ptr: DevicePtr) -> int:
         return self.vocab_size() * (4 if self.logits_ptr_is_fp32(logits_ptr) else 2)

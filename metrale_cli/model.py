@@ -6,12 +6,15 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from .checkpoint import Checkpoint
 from .config import ModelConfig, load_config
 from .errors import CheckpointError, DeviceError, UsageError
 from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .engine.protocols import Engine
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "models" / "default"
 DEVICES = ("auto", "cpu", "cuda")
@@ -22,7 +25,7 @@ class LoadedModel:
     path: Path
     config: ModelConfig
     checkpoint: Checkpoint
-    engine: object  # NumpyEngine or CudaEngine: both implement ModelLogits and the passes
+    engine: Engine  # NumpyEngine or CudaEngine (engine/protocols.py)
     tokenizer: Tokenizer | None
     device: str  # "cpu" or "cuda"
     load_seconds: float
@@ -59,10 +62,27 @@ def resolve_device(device: str) -> str:
     return device
 
 
+# Names for the models shipped in the package, usable as --model/--draft-model from any directory. Their
+# directories sit beside DEFAULT_MODEL_DIR, so moving the embedded models only changes that constant.
+EMBEDDED_MODELS = ("default", "default-draft")
+
+
+def model_path(path: str | Path | None) -> Path:
+    """What --model names: None is the embedded default; an existing file or directory is itself (so a
+    ./default directory wins over the embedded model of that name); otherwise an embedded model's name."""
+    if path is None:
+        return DEFAULT_MODEL_DIR
+    p = Path(path)
+    if p.exists():
+        return p
+    if str(path) in EMBEDDED_MODELS:
+        return DEFAULT_MODEL_DIR.parent / str(path)
+    raise CheckpointError(f"{p}: no such file or directory (embedded models: {', '.join(EMBEDDED_MODELS)})")
+
+
 def model_dir(path: str | Path | None) -> Path:
-    p = Path(path) if path is not None else DEFAULT_MODEL_DIR
-    if not p.exists():
-        raise CheckpointError(f"{p}: no such file or directory")
+    """The checkpoint directory: model_path itself, or the directory of a .safetensors/index.json file."""
+    p = model_path(path)
     return p.parent if p.is_file() else p
 
 
@@ -77,7 +97,8 @@ def open_model(path: str | Path | None = None, *, device: str = "auto", max_cont
     chosen = resolve_device(device)
     directory = model_dir(path)
     cfg = load_config(directory)
-    ckpt = Checkpoint.open(directory if path is None or Path(path).is_dir() else Path(path))
+    target = model_path(path)
+    ckpt = Checkpoint.open(target if target.is_file() else directory)
     try:
         ctx = max_context or min(cfg.max_context, 4096)
         total = ckpt.total_bytes

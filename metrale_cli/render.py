@@ -1,9 +1,13 @@
 """Turning results into Rich tables, plain text or JSON. This is the only module that prints.
 
 Formats (`--format`, default: rich when stdout is a terminal, plain otherwise):
-    rich   tables, colour for accepted/rejected drafts, bars for top-k probabilities, timings at the end
+    rich   tables, colour for accepted/rejected drafts, bars for top-k probabilities, timings at the end;
+           everything fits the console's width (80 columns included): a row of a table is one line
+           (a top-k candidate is a row of its own; token texts are cut with an ellipsis rather than
+           wrapped), and only prose (inspect's values, bench's targets) wraps at spaces
     plain  deterministic text: fixed column widths, no colour, nothing that depends on the terminal width;
-           decode prints one line per step as it is produced
+           decode prints one line per step as it is produced, then "stopped: eos|steps|interrupted
+           after N tokens"
     json   one JSON object per command (indented, UTF-8)
 
 plain and json are snapshot-stable: timings appear only with --timings, and numbers have fixed formats:
@@ -14,9 +18,16 @@ max_abs_diff_vs_sequential %.3e (4 significant digits), hidden-state statistics 
 Token text (plain and rich) is escaped so that whitespace and control characters are visible:
     space -> ␣ (U+2423);  newline, tab, carriage return -> \\n \\t \\r;  backslash -> \\\\;
     a literal ␣ -> \\u2423;  other control, format and separator characters -> \\uXXXX (\\UXXXXXXXX above
-    U+FFFF);  U+FFFD (a byte-level piece of a multi-byte character) and every other printable character
-    are kept as they are.
+    U+FFFF);  every other printable character is kept as it is.
+A token that is not valid UTF-8 on its own (a byte-level or byte-fallback piece of a multi-byte
+character) shows the bytes that are no character as <0xF0><0x9F> (tokenizer.py), in every format.
 In JSON, "text" fields hold the raw token text (JSON string escapes only), or null without a tokenizer.
+
+The generated text of decode ("text") is decoded by the tokenizer from the produced ids together
+(decoding.continuation_text), never joined from the token texts, so a character split over byte
+tokens comes out whole. plain prints it on one line as a JSON string, `text: "..."` (quote_text: JSON's
+escapes, and every other invisible character as \\uXXXX); rich prints it after the prompt, keeping
+newlines, and on a terminal streams it while decoding; JSON holds it raw.
 
 JSON keys (decode, verify and forward objects start with "command", "model" (the --model path as given,
 or "default"), "device" ("cpu"|"cuda") and "logits_dtype" ("bf16"|"fp32"); "hidden" appears only with
@@ -24,13 +35,24 @@ or "default"), "device" ("cpu"|"cuda") and "logits_dtype" ("bf16"|"fp32"); "hidd
 
 decode   {"prompt": text|null, "prompt_tokens": [ids],
           "steps": [{"position", "token", "text", "logit", "top_k": [{"token", "text", "logit", "prob"}]}],
-          "stopped_at_eos": bool,
+          "text": the generated text (null without a tokenizer), "stopped_at_eos": bool,
+          "interrupted": bool (Ctrl-C stopped decoding: the report holds the tokens produced so far),
           "speculative": {"k", "draft_source", "draft_model", "drafted", "accepted", "acceptance_rate",
                           "mean_accepted_per_pass", "verify_passes", "acceptance_by_position": [rates]}
                          (only with --draft ngram or --draft-model)}
 verify   {"prompt", "prompt_tokens", "k", "draft_source", "draft_model",
-          "rows": [{"position", "draft", "draft_text", "target", "target_text", "accepted", "margin"}],
-          "accepted", "next_token", "next_text", "max_abs_diff_vs_sequential" (null unless --draft self)}
+          "rows": [{"position", "draft", "draft_text", "target", "target_text", "accepted", "status",
+                    "margin"}],
+          "accepted", "next_token", "next_text", "max_abs_diff_vs_sequential",
+          "max_abs_diff_ulps_vs_sequential", "rows_identical_vs_sequential" (the last three null unless
+          --draft self)}
+         A row's "status" is "accepted", "rejected" or "unchecked": acceptance stops at the first
+         rejection, so the rows after it are not checked, whatever their draft and target (their target
+         is the argmax of a row that follows the rejected draft). "accepted" is true, false, or null for
+         an unchecked row. plain shows yes / no / unchecked, rich a green check, a red cross, a dim dot.
+         max_abs_diff_ulps_vs_sequential: max_abs_diff_vs_sequential in steps (ulps) of the logits dtype
+         at the logit where it occurs (one bf16 step is 0.0625 for logits from 8 to 16);
+         rows_identical_vs_sequential: how many of the k verify rows equal their decode rows bit for bit.
 forward  {"prompt", "prompt_tokens", "rows": [{"position", "input", "argmax", "text", "logit"}]}
 inspect  {"command", "model", "architecture", "model_type", "layers", "heads", "kv_heads",
           "head_dim", "hidden", "intermediate", "vocab", "max_position_embeddings", "sliding_window",
@@ -38,7 +60,9 @@ inspect  {"command", "model", "architecture", "model_type", "layers", "heads", "
           "rope": {"theta", "type", "scaling"}, "tokenizer", "bos_token_id", "eos_token_ids", "valid",
           "problems"}
 "hidden"  {"size", "norm", "mean", "std", "min", "max", "first": [8 values], "sha256"}
-          (the post-final-norm hidden state of the last position run; sha256 of its fp32 bytes)
+          (the post-final-norm hidden state of the last row the command produced, the last row of
+          --dump-hidden: for decode, plain or speculative, the row that chose the last token; sha256 of
+          its fp32 bytes)
 "timings" {"load_s", "prefill_ms", "per_token_ms_median", "tokens_per_s"} for decode (tokens/s of the
           decode steps after the prefill). Speculative decode has "per_pass_ms_median" (per verify pass)
           instead of "per_token_ms_median", and adds "speculative_tokens_per_s", "plain_tokens_per_s",
@@ -46,6 +70,34 @@ inspect  {"command", "model", "architecture", "model_type", "layers", "heads", "
           after the prefill) of speculative and of plain greedy decoding run in the same process on the
           same engine, and whether both produced the same tokens;
           {"load_s", "prefill_ms", "verify_ms"} for verify; {"load_s", "prefill_ms", "tokens_per_s"} for forward.
+
+compare (logits)  {"command": "compare", "kind": "logits", "a"/"b": {"path", "source", "dtype", "shape"},
+          "rows", "vocab", "overall": {"max_abs_diff", "max_abs_a", "rel_err", "nmse", "cosine", "rel_diff"}
+          (null when no row is finite on both sides), "top1": {"agree", "rows", "rate"}, "top5_overlap",
+          "top10_overlap", "softmax": {"kl_mean", "kl_max", "kl_percentiles": {"99.9", "99", "95", "90", "50",
+          "10", "5", "1", "0.1"}, "kl_min", "dp_mean", "dp_max", "dp_percentiles": {"99.9", "99", "95", "90",
+          "75", "50", "25", "10", "5", "1", "0.1"}, "dp_min", "dp_rms", "same_top_p_pct"},
+          "argmax_mismatches": [{"row", "position", "a_token", "a_logit", "b_logit_at_a_token", "b_token",
+          "a_logit_at_b_token", "b_logit", "margin_a"}], "first_argmax_mismatch": row|null,
+          "nonfinite_rows": [rows], "tolerances": {"max_kl", "max_rel_err", "min_top1"} (null: not given),
+          "first_exceeding": {"row", "position", "reasons": [text]}|null, "exceeding_rows",
+          "passed": bool|null (null: no tolerance given), "failures": [text],
+          "row_stats": [{"row", "position", "finite", "max_abs_diff", "max_abs_a", "rel_err", "nmse", "cosine",
+          "rel_diff", "argmax_a", "argmax_b", "top5_overlap", "top10_overlap", "kl", "dp"}] (only with --rows)}
+compare (layers)  {"command": "compare", "kind": "layers", "a"/"b": {"path", "source", "tensors"}, "rows",
+          "positions": [ints]|null, "tensors": [{"name", "shape", "max_abs_diff", "max_abs_a", "rel_err", "nmse",
+          "cosine", "rel_diff", "worst_row", "worst_position", "nonfinite_mismatch", "diverged"}] (forward order),
+          "only_in_a", "only_in_b", "rtol", "rtol_is_check", "first_divergence": {"name", "rel_err",
+          "before_max_rel_err"}|null, "summary": the first-divergence line, "passed": bool|null, "failures"}
+          Error statistics, KL and Δp are %.3e (4 significant digits), cosine %.8f, overlaps and rates %.4f,
+          same_top_p_pct %.3f; positions are null for inputs that do not record them.
+score     {"command", "model", "device", "logits_dtype", "prompt": text|null (null with --text-file),
+          "text_file": path|null, "prompt_tokens": [ids], "chunk", "stride",
+          "windows": [{"start", "end", "first_scored"}],
+          "scored": [{"position", "token", "text", "logprob", "prob", "rank",
+                      "top_k": [{"token", "text", "logit", "prob"}]}],
+          "scored_tokens", "total_logprob", "mean_nll", "perplexity" (%.6f; natural log),
+          "timings": {"load_s", "prefill_ms", "tokens_per_s"} (only with --timings)}
 """
 
 from __future__ import annotations
@@ -57,15 +109,16 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from rich.console import Console, Group
+from rich import box
+from rich.console import Console
 from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeRemainingColumn)
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from .decoding import (DecodeResult, DecodeStep, ForwardResult, HiddenSummary, SpecDecodeResult, Timings,
-                       VerifyResult)
+from .decoding import (DecodeResult, DecodeStep, ForwardResult, HiddenSummary, SpecDecodeResult, TextStream,
+                       Timings, VerifyResult)
 from .errors import UsageError
 
 FORMATS = ("rich", "plain", "json")
@@ -105,6 +158,36 @@ def escape_text(s: str | None) -> str:
             out.append(f"\\u{ord(ch):04x}" if ord(ch) <= 0xFFFF else f"\\U{ord(ch):08x}")
         else:
             out.append(ch)
+    return "".join(out)
+
+
+def display_text(s: str) -> str:
+    """Generated text for reading (rich): newlines, tabs and spaces kept; other control, format and
+    separator characters as \\uXXXX (carriage return as \\r), so a model's output cannot move the
+    cursor or colour the terminal."""
+    out = []
+    for ch in s:
+        if ch in "\n\t " or ch == "\ufffd" or unicodedata.category(ch) not in _INVISIBLE:
+            out.append(ch)
+        elif ch == "\r":
+            out.append("\\r")
+        else:
+            out.append(f"\\u{ord(ch):04x}" if ord(ch) <= 0xFFFF else f"\\U{ord(ch):08x}")
+    return "".join(out)
+
+
+def quote_text(s: str) -> str:
+    """Generated text on one line (plain): a JSON string (json.loads gives the text back) that escapes
+    every invisible character as \\uXXXX besides JSON's own \\n \\t \\r \\" \\\\; spaces stay spaces."""
+    out = []
+    for ch in json.dumps(s, ensure_ascii=False):
+        if ch == " " or unicodedata.category(ch) not in _INVISIBLE:
+            out.append(ch)
+        elif ord(ch) <= 0xFFFF:
+            out.append(f"\\u{ord(ch):04x}")
+        else:  # JSON spells a character above U+FFFF as its UTF-16 surrogate pair
+            high, low = divmod(ord(ch) - 0x10000, 0x400)
+            out.append(f"\\u{0xD800 + high:04x}\\u{0xDC00 + low:04x}")
     return "".join(out)
 
 
@@ -198,21 +281,32 @@ def _rich_head(console: Console, meta: Meta, prompt_tokens: list[int]) -> None:
 
 
 class DecodeReport:
-    """decode output: `begin` before the first step, `step` per produced token (plain streams them),
-    `finish` with the whole result."""
+    """decode output: `begin` before the first step, `step` per produced token, `finish` with the whole
+    result. Plain prints a line per step as it is produced; rich on a terminal streams the generated text
+    as it is decoded (`stream`, when there is a tokenizer) or shows a transient progress bar."""
 
-    def __init__(self, console: Console, meta: Meta) -> None:
+    def __init__(self, console: Console, meta: Meta, stream: TextStream | None = None) -> None:
         self.console = console
         self.meta = meta
-        self._live: Progress | None = None  # rich on a terminal: a transient bar while decoding
+        self._live: Progress | None = None  # rich on a terminal without a tokenizer: a transient bar
         self._task: Any = None
+        self._stream: TextStream | None = None  # rich on a terminal with a tokenizer: the text as it comes
+        self._offered_stream = stream
+        self._streamed = False  # the head and the text were printed while decoding
 
     def begin(self, prompt_tokens: list[int], steps: int) -> None:
         if self.meta.fmt == "rich" and isatty(self.console):
-            self._live = Progress(TextColumn("[bold]decoding[/]"), BarColumn(), MofNCompleteColumn(),
-                                  console=self.console, transient=True)
-            self._live.start()
-            self._task = self._live.add_task("decode", total=steps)
+            if self._offered_stream is not None:
+                self._stream, self._streamed = self._offered_stream, True
+                _rich_head(self.console, self.meta, prompt_tokens)
+                self.console.print(Text("text", style="bold"))
+                if self.meta.prompt is not None:
+                    self.console.out(display_text(self.meta.prompt), style="dim", highlight=False, end="")
+            else:
+                self._live = Progress(TextColumn("[bold]decoding[/]"), BarColumn(), MofNCompleteColumn(),
+                                      console=self.console, transient=True)
+                self._live.start()
+                self._task = self._live.add_task("decode", total=steps)
         if self.meta.fmt != "plain":
             return
         _plain_head(self.console, self.meta, prompt_tokens)
@@ -223,6 +317,8 @@ class DecodeReport:
     def step(self, step: DecodeStep) -> None:
         if self._live is not None:
             self._live.advance(self._task)
+        if self._stream is not None:
+            self._stream_out(self._stream.push(step.token))
         if self.meta.fmt != "plain":
             return
         line = f"{step.position:>8}  {step.token:>8}  {f4(step.logit):>10}"
@@ -231,10 +327,19 @@ class DecodeReport:
             sub = f"{'top' + str(rank):>8}  {t.token:>8}  {f4(t.logit):>10}  p={f4(t.prob)}"
             _write(self.console, sub + (f"  {escape_text(t.text)}" if self.meta.has_tokenizer else ""))
 
+    def _stream_out(self, text: str) -> None:
+        if text:
+            self.console.out(display_text(text), style="cyan", highlight=False, end="")
+            self.console.file.flush()
+
     def close(self) -> None:
         if self._live is not None:
             self._live.stop()
             self._live = None
+        if self._stream is not None:
+            self._stream_out(self._stream.flush())
+            self.console.out("")  # end the streamed line
+            self._stream = None
 
     def finish(self, result: DecodeResult, plain_match: bool | None = None) -> None:
         self.close()
@@ -248,7 +353,9 @@ class DecodeReport:
     def _plain_tail(self, result: DecodeResult, plain_match: bool | None) -> None:
         c = self.console
         _write(c, "")
-        _write(c, f"stopped: {'eos' if result.stopped_at_eos else 'steps'} after {len(result.steps)} tokens")
+        _write(c, f"stopped: {_stop_reason(result)} after {len(result.steps)} tokens")
+        if result.text is not None:
+            _write(c, f"text: {quote_text(result.text)}")
         spec = _spec_json(result, self.meta)
         if spec is not None:
             for key, value in spec.items():
@@ -265,25 +372,11 @@ class DecodeReport:
 
     def _rich(self, result: DecodeResult, plain_match: bool | None) -> None:
         c, meta = self.console, self.meta
-        _rich_head(c, meta, result.prompt_tokens)
-        table = Table(title=f"decode: {len(result.steps)} tokens"
-                      + (" (stopped at EOS)" if result.stopped_at_eos else ""), title_justify="left")
-        table.add_column("pos", justify="right")
-        table.add_column("token", justify="right")
-        if meta.has_tokenizer:
-            table.add_column("text")
-        table.add_column("logit", justify="right")
-        if meta.top_k:
-            table.add_column(f"top-{meta.top_k}: token, logit, p")
-        for s in result.steps:
-            row: list[Any] = [str(s.position), str(s.token)]
-            if meta.has_tokenizer:
-                row.append(Text(escape_text(s.text), style="cyan"))
-            row.append(f4(s.logit))
-            if meta.top_k:
-                row.append(_rich_top_k(s, meta.has_tokenizer))
-            table.add_row(*row)
-        c.print(table)
+        if not self._streamed:  # else the head and the text were printed while decoding
+            _rich_head(c, meta, result.prompt_tokens)
+            if result.text is not None:
+                _rich_text(c, meta, result.text)
+        c.print(_rich_steps(c, meta, result))
         spec = _spec_json(result, meta)
         if spec is not None:
             c.print(_rich_spec(spec))
@@ -292,21 +385,72 @@ class DecodeReport:
             _rich_timings(c, decode_timings_json(result, plain_match))
 
 
+# A token text column: at most this wide, and the first to narrow when a table must fit the console; its
+# cells (_token_cell) stay on one line, cut with an ellipsis, so a row is always one line.
+_TEXT_COLUMN: dict[str, Any] = {"max_width": 24, "min_width": 4}
+
+
+def _token_cell(text: str | None, style: str = "") -> Text:
+    return Text(escape_text(text), style=style, no_wrap=True, overflow="ellipsis")
+
+
+def _rich_text(c: Console, meta: Meta, text: str) -> None:
+    """The generated text, after the prompt (dim) when the prompt came as text."""
+    shown = Text()
+    if meta.prompt is not None:
+        shown.append(display_text(meta.prompt), style="dim")
+    shown.append(display_text(text), style="cyan")
+    c.print(Text("text", style="bold"))
+    c.print(shown)
+
+
+def _stop_reason(result: DecodeResult) -> str:
+    return "interrupted" if result.interrupted else "eos" if result.stopped_at_eos else "steps"
+
+
+_RICH_STOP = {"interrupted": " (interrupted by Ctrl-C)", "eos": " (stopped at EOS)"}
+
+
 def _bar(p: float, width: int = 20) -> str:
     full = max(0, min(width, round(p * width)))
     return "\u2588" * full + "\u00b7" * (width - full)
 
 
-def _rich_top_k(step: DecodeStep, has_tokenizer: bool) -> Group:
-    lines = []
-    for t in step.top_k:
-        line = Text(f"{t.token:>6} ")
-        if has_tokenizer:
-            line.append(f"{escape_text(t.text)[:16]:<16} ", style="cyan")
-        line.append(f"{f4(t.logit):>9} {f4(t.prob)} ")
-        line.append(_bar(t.prob), style="green" if t.token == step.token else "blue")
-        lines.append(line)
-    return Group(*lines)
+def _rich_steps(c: Console, meta: Meta, result: DecodeResult) -> Table:
+    """One row per step; with --top-k, one row per candidate (the step's own token first, its position
+    on that row only) with its probability and a bar, so no candidate ever spans two lines."""
+    title = f"decode: {len(result.steps)} tokens" + _RICH_STOP.get(_stop_reason(result), "")
+    if meta.top_k:
+        title += f", top-{meta.top_k} candidates each"
+    t = Table(title=title, title_justify="left")
+    t.add_column("pos", justify="right", no_wrap=True)
+    t.add_column("token", justify="right", no_wrap=True)
+    if meta.has_tokenizer:
+        t.add_column("text", **_TEXT_COLUMN)
+    t.add_column("logit", justify="right", no_wrap=True)
+    bar = 20 if c.width >= 100 else 10  # 80 columns leave room for a 10-character bar
+    if meta.top_k:
+        t.add_column("p", justify="right", no_wrap=True)
+        t.add_column("", no_wrap=True)
+    for n, s in enumerate(result.steps):
+        if not meta.top_k:
+            t.add_row(*_step_cells(meta, str(s.position), s.token, s.text, s.logit, "cyan"))
+            continue
+        for rank, cand in enumerate(s.top_k):
+            chosen = cand.token == s.token
+            cells = _step_cells(meta, str(s.position) if rank == 0 else "", cand.token, cand.text, cand.logit,
+                                "cyan" if chosen else "")
+            cells += [f4(cand.prob), Text(_bar(cand.prob, bar), style="green" if chosen else "blue")]
+            t.add_row(*cells, style=None if chosen else "dim",
+                      end_section=rank == len(s.top_k) - 1 and n < len(result.steps) - 1)
+    return t
+
+
+def _step_cells(meta: Meta, position: str, token: int, text: str | None, logit: float, style: str) -> list[Any]:
+    cells: list[Any] = [position, str(token)]
+    if meta.has_tokenizer:
+        cells.append(_token_cell(text, style))
+    return cells + [f4(logit)]
 
 
 def _rich_spec(spec: dict[str, Any]) -> Table:
@@ -346,7 +490,9 @@ def decode_json(meta: Meta, result: DecodeResult, plain_match: bool | None = Non
                        for t in s.top_k]}
             for s in result.steps
         ],
+        "text": result.text,
         "stopped_at_eos": result.stopped_at_eos,
+        "interrupted": result.interrupted,
     })
     spec = _spec_json(result, meta)
     if spec is not None:
@@ -397,11 +543,13 @@ def verify_json(meta: Meta, r: VerifyResult) -> dict[str, Any]:
         "draft_model": meta.draft_model,
         "rows": [{"position": row.position, "draft": row.draft, "draft_text": row.draft_text,
                   "target": row.target, "target_text": row.target_text, "accepted": row.accepted,
-                  "margin": num(row.margin)} for row in r.rows],
+                  "status": row.status, "margin": num(row.margin)} for row in r.rows],
         "accepted": r.accepted,
         "next_token": r.next_token,
         "next_text": r.next_text,
         "max_abs_diff_vs_sequential": num(r.max_abs_diff_vs_sequential, ".3e"),
+        "max_abs_diff_ulps_vs_sequential": r.max_abs_diff_ulps_vs_sequential,
+        "rows_identical_vs_sequential": r.rows_identical_vs_sequential,
     })
     _json_tail(doc, meta, r.hidden, lambda: verify_timings_json(r))
     return doc
@@ -428,10 +576,11 @@ def _plain_verify(c: Console, meta: Meta, r: VerifyResult) -> None:
     _write(c, f"draft_source: {r.draft_source}")
     _write(c, "")
     text = meta.has_tokenizer
-    _write(c, f"{'position':>8}  {'draft':>8}  {'target':>8}  {'accepted':>8}  {'margin':>10}"
+    _write(c, f"{'position':>8}  {'draft':>8}  {'target':>8}  {'accepted':>9}  {'margin':>10}"
            + ("  draft_text | target_text" if text else ""))
+    shown = {"accepted": "yes", "rejected": "no", "unchecked": "unchecked"}
     for row in r.rows:
-        line = (f"{row.position:>8}  {row.draft:>8}  {row.target:>8}  {'yes' if row.accepted else 'no':>8}  "
+        line = (f"{row.position:>8}  {row.draft:>8}  {row.target:>8}  {shown[row.status]:>9}  "
                 f"{f4(row.margin):>10}")
         if text:
             line += f"  {escape_text(row.draft_text)} | {escape_text(row.target_text)}"
@@ -441,9 +590,15 @@ def _plain_verify(c: Console, meta: Meta, r: VerifyResult) -> None:
     _write(c, f"next_token: {r.next_token}" + (f"  {escape_text(r.next_text)}" if text else ""))
     diff = r.max_abs_diff_vs_sequential
     _write(c, f"max_abs_diff_vs_sequential: {'n/a' if diff is None else format(diff, '.3e')}")
+    ulps, same = r.max_abs_diff_ulps_vs_sequential, r.rows_identical_vs_sequential
+    _write(c, f"max_abs_diff_ulps_vs_sequential: {'n/a' if ulps is None else ulps}")
+    _write(c, f"rows_identical_vs_sequential: {'n/a' if same is None else f'{same}/{r.k}'}")
     _plain_hidden(c, r.hidden)
     if meta.timings:
         _plain_timings(c, verify_timings_json(r))
+
+
+_VERIFY_MARKS = {"accepted": ("\u2713", "green"), "rejected": ("\u2717", "red"), "unchecked": ("\u00b7", "dim")}
 
 
 def _rich_verify(c: Console, meta: Meta, r: VerifyResult) -> None:
@@ -451,25 +606,36 @@ def _rich_verify(c: Console, meta: Meta, r: VerifyResult) -> None:
     t = Table(title=f"verify: k={r.k}, drafts from {r.draft_source}", title_justify="left")
     for name, justify in (("pos", "right"), ("draft", "right"), ("target", "right"), ("", "center"),
                           ("margin", "right")):
-        t.add_column(name, justify=justify)  # type: ignore[arg-type]
+        t.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
     if meta.has_tokenizer:
-        t.add_column("draft text")
-        t.add_column("target text")
+        t.add_column("draft text", **_TEXT_COLUMN)
+        t.add_column("target text", **_TEXT_COLUMN)
     for row in r.rows:
-        style = "green" if row.accepted else "red"
+        mark, style = _VERIFY_MARKS[row.status]
         cells: list[Any] = [str(row.position), str(row.draft), str(row.target),
-                            Text("\u2713" if row.accepted else "\u2717", style=f"bold {style}"), f4(row.margin)]
+                            Text(mark, style=f"bold {style}"), f4(row.margin)]
         if meta.has_tokenizer:
-            cells += [Text(escape_text(row.draft_text)), Text(escape_text(row.target_text))]
+            cells += [_token_cell(row.draft_text), _token_cell(row.target_text)]
         t.add_row(*cells, style=style)
     c.print(t)
-    summary = Text(f"accepted {r.accepted}/{r.k}", style="bold green" if r.accepted == r.k else "bold")
-    summary.append(f"; next token {r.next_token}")
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column()
+    grid.add_row("accepted", Text(f"{r.accepted}/{r.k}", style="bold green" if r.accepted == r.k else "bold"))
+    rejected = next((row for row in r.rows if row.status == "rejected"), None)
+    if rejected is not None and rejected is not r.rows[-1]:
+        grid.add_row("", Text(f"\u00b7 not checked: acceptance stopped at position {rejected.position}",
+                              style="dim"))
+    nxt = Text(str(r.next_token))
     if meta.has_tokenizer:
-        summary.append(f" {escape_text(r.next_text)}", style="cyan")
+        nxt.append(f" {escape_text(r.next_text)}", style="cyan")
+    grid.add_row("next token", nxt)
     if r.max_abs_diff_vs_sequential is not None:
-        summary.append(f"; max |verify - sequential decode| = {r.max_abs_diff_vs_sequential:.3e}")
-    c.print(summary)
+        ulps = r.max_abs_diff_ulps_vs_sequential
+        grid.add_row("vs sequential", f"max |verify - decode| {r.max_abs_diff_vs_sequential:.3e} = {ulps} "
+                                      f"{meta.logits_dtype} ulp{'' if ulps == 1 else 's'}")
+        grid.add_row("", f"{r.rows_identical_vs_sequential}/{r.k} rows bit-identical")
+    c.print(grid)
     _rich_hidden(c, r.hidden)
     if meta.timings:
         _rich_timings(c, verify_timings_json(r))
@@ -516,14 +682,14 @@ def render_forward(console: Console, meta: Meta, r: ForwardResult) -> None:
     _rich_head(console, meta, r.prompt_tokens)
     t = Table(title=f"forward: {len(r.rows)} of {len(r.prompt_tokens)} rows", title_justify="left")
     for name in ("pos", "input", "argmax"):
-        t.add_column(name, justify="right")
+        t.add_column(name, justify="right", no_wrap=True)
     if meta.has_tokenizer:
-        t.add_column("text")
-    t.add_column("logit", justify="right")
+        t.add_column("text", **_TEXT_COLUMN)
+    t.add_column("logit", justify="right", no_wrap=True)
     for row in r.rows:
         cells: list[Any] = [str(row.position), str(r.prompt_tokens[row.position]), str(row.argmax)]
         if meta.has_tokenizer:
-            cells.append(Text(escape_text(row.text), style="cyan"))
+            cells.append(_token_cell(row.text, "cyan"))
         t.add_row(*cells, f4(row.logit))
     console.print(t)
     _rich_hidden(console, r.hidden)
@@ -551,15 +717,27 @@ def _plain_hidden(c: Console, h: HiddenSummary | None) -> None:
 
 
 def _rich_hidden(c: Console, h: HiddenSummary | None) -> None:
+    """Grids that fit 80 columns whatever the values (a %.6g value takes up to 12 characters): the
+    statistics three to a line, the first values four to a line, then the sha256."""
     if h is None:
         return
-    t = Table(title="hidden state after the final norm (last position)", title_justify="left")
-    for name in ("size", "norm", "mean", "std", "min", "max"):
-        t.add_column(name, justify="right")
-    t.add_row(str(h.size), *(f"{v:.6g}" for v in (h.norm, h.mean, h.std, h.min, h.max)))
-    c.print(t)
-    c.print(Text("first: " + " ".join(f"{x:.6g}" for x in h.first)))
-    c.print(Text(f"sha256: {h.sha256}", style="dim"))
+    c.print(Text("hidden state after the final norm (last row)", style="italic"))
+    stats = Table.grid(padding=(0, 2))
+    for _ in range(3):
+        stats.add_column(style="bold", no_wrap=True)
+        stats.add_column(justify="right", no_wrap=True)
+    stats.add_row("size", str(h.size), "norm", f"{h.norm:.6g}", "mean", f"{h.mean:.6g}")
+    stats.add_row("std", f"{h.std:.6g}", "min", f"{h.min:.6g}", "max", f"{h.max:.6g}")
+    c.print(stats)
+    first = Table.grid(padding=(0, 1))
+    first.add_column(style="bold", no_wrap=True)
+    for _ in range(4):
+        first.add_column(justify="right", no_wrap=True)
+    for i in range(0, len(h.first), 4):
+        values = [f"{x:.6g}" for x in h.first[i:i + 4]]
+        first.add_row(f"first[{i}:{i + len(values)}]", *values, *[""] * (4 - len(values)))
+    c.print(first)
+    c.print(Text(f"sha256 {h.sha256}", style="dim", no_wrap=True, overflow="ellipsis"))
 
 
 _TIMING_LABELS = {
@@ -611,33 +789,40 @@ def render_inspect(console: Console, fmt: str, info: dict[str, Any]) -> None:
 
 
 def _inspect_rows(info: dict[str, Any]) -> list[tuple[str, str]]:
-    def yn(b: bool) -> str:
-        return "yes" if b else "no"
+    """Every key of the JSON but "command", as text; "n/a" where a value is unknown (a config.json
+    metrale cannot run is described from its raw fields)."""
+    def shown(v: Any) -> str:
+        if v is None:
+            return "n/a"
+        if isinstance(v, bool):
+            return "yes" if v else "no"
+        return f"{v:g}" if isinstance(v, float) else str(v)
 
     rope = info["rope"]
-    rope_s = f"theta {rope['theta']:g}, {rope['type']}"
+    rope_s = f"theta {shown(rope['theta'])}, {shown(rope['type'])}"
     if rope["scaling"]:
-        rope_s += " (" + ", ".join(f"{k} {v:g}" for k, v in rope["scaling"].items()) + ")"
+        rope_s += " (" + ", ".join(f"{k} {shown(v)}" for k, v in rope["scaling"].items()) + ")"
     rows = [
         ("model", info["model"]), ("architecture", info["architecture"]), ("model_type", info["model_type"]),
         ("layers", info["layers"]), ("heads", info["heads"]), ("kv_heads", info["kv_heads"]),
         ("head_dim", info["head_dim"]), ("hidden", info["hidden"]), ("intermediate", info["intermediate"]),
         ("vocab", info["vocab"]), ("max_position_embeddings", info["max_position_embeddings"]),
         ("sliding_window", info["sliding_window"] if info["sliding_window"] is not None else "none"),
-        ("parameters", f"{info['parameters']:,}"), ("dtype", info["dtype"]),
-        ("dtypes", ", ".join(f"{k} x{v}" for k, v in info["dtypes"].items()) or "n/a"),
-        ("shards", info["shards"]),
-        ("bytes", f"{info['bytes']:,}" if info["bytes"] is not None else "n/a"),
-        ("tied_embeddings", yn(info["tied_embeddings"])), ("rope", rope_s),
-        ("tokenizer", yn(info["tokenizer"])),
+        ("parameters", f"{info['parameters']:,}" if info["parameters"] is not None else None),
+        ("dtype", info["dtype"]),
+        ("dtypes", ", ".join(f"{k} x{v}" for k, v in info["dtypes"].items()) or None),
+        ("shards", info["shards"]), ("files", " ".join(info["files"]) or None),
+        ("bytes", f"{info['bytes']:,}" if info["bytes"] is not None else None),
+        ("tied_embeddings", info["tied_embeddings"]), ("rope", rope_s),
+        ("tokenizer", info["tokenizer"]), ("bos_token_id", info["bos_token_id"]),
         ("eos_token_ids", " ".join(map(str, info["eos_token_ids"])) or "none"),
-        ("valid", yn(info["valid"])),
+        ("valid", info["valid"]),
     ]
     if info.get("experts"):
         rows[rows.index(("valid", yn(info["valid"]))):0] = _expert_rows(info["experts"], info["layers"])
     if info["problems"]:
         rows.append(("problems", info["problems"]))
-    return [(k, str(v)) for k, v in rows]
+    return [(k, shown(v)) for k, v in rows]
 
 
 def _expert_rows(x: dict[str, Any], layers: int) -> list[tuple[str, str]]:
@@ -670,18 +855,22 @@ def render_bench(console: Console, fmt: str, result: Any) -> None:
     def verdict(f) -> str:
         return "" if f.met is None else ("met" if f.met else "MISSED")
 
-    if fmt == "plain":
+    if fmt == "plain":  # a field a figure does not have (no target, no ratio, no verdict) is left out
         _write(console, "metrale bench")
         _write(console, head)
         for f in result.figures:
-            ratio = "" if f.ratio is None else f"{f.ratio:.3f}"
-            _write(console, f"{f.name}: {f.value:.4g} {f.unit} | target: {f.target} | ratio: {ratio} | {verdict(f)}")
+            fields = [f"{f.name}: {f.value:.4g} {f.unit}"]
+            fields += [f"target: {f.target}"] if f.target else []
+            fields += [f"ratio: {f.ratio:.3f}"] if f.ratio is not None else []
+            fields += [verdict(f)] if f.met is not None else []
+            _write(console, " | ".join(fields))
         for n in result.notes:
             _write(console, f"note: {n}")
         return
     t = Table(title=head, title_justify="left")
-    for col in ("figure", "value", "unit", "target", "ratio", ""):
-        t.add_column(col, justify="right" if col in ("value", "ratio") else "left")
+    for col in ("figure", "value", "unit", "target", "ratio", ""):  # names and targets wrap at spaces
+        t.add_column(col, justify="right" if col in ("value", "ratio") else "left",
+                     no_wrap=col not in ("figure", "target"))
     for f in result.figures:
         style = "green" if f.met else ("red" if f.met is False else "")
         t.add_row(f.name, f"{f.value:.4g}", f.unit, f.target, "" if f.ratio is None else f"{f.ratio:.3f}",
@@ -728,3 +917,386 @@ def load_progress(err_console: Console, label: str,
     finally:
         if "bar" in state:
             state["bar"].stop()
+
+
+# -- compare and score (issue 15) ----------------------------------------------------------------------------------
+
+
+def _e3(x: float | None) -> str:
+    return "n/a" if x is None or not math.isfinite(x) else f"{x:.3e}"
+
+
+def _cos(x: float | None) -> str:
+    return "n/a" if x is None or not math.isfinite(x) else f"{x:.8f}"
+
+
+def _errors_json(e: Any) -> dict[str, Any] | None:
+    if e is None:
+        return None
+    return {"max_abs_diff": num(e.max_abs_diff, ".3e"), "max_abs_a": num(e.max_abs_a, ".3e"),
+            "rel_err": num(e.rel_err, ".3e"), "nmse": num(e.nmse, ".3e"), "cosine": num(e.cosine, ".8f"),
+            "rel_diff": num(e.rel_diff, ".3e")}
+
+
+def _side_json(s: Any) -> dict[str, Any]:
+    doc: dict[str, Any] = {"path": s.path, "source": s.source}
+    if s.tensors is None:
+        doc.update({"dtype": s.dtype, "shape": s.shape})
+    else:
+        doc["tensors"] = s.tensors
+    return doc
+
+
+def _side_text(s: Any) -> str:
+    what = f"{s.tensors} tensors" if s.tensors is not None else f"{s.dtype}, [{s.shape[0]}, {s.shape[1]}]"
+    return f"{s.path} ({s.source}, {what})"
+
+
+def _where(row: int, position: int | None) -> str:
+    return f"row {row}" + (f" (position {position})" if position is not None else "")
+
+
+def compare_json(r: Any) -> dict[str, Any]:
+    doc: dict[str, Any] = {"command": "compare", "kind": r.kind, "a": _side_json(r.a), "b": _side_json(r.b),
+                           "rows": r.rows}
+    if r.kind == "layers":
+        return _layers_json(doc, r)
+    t = r.tolerances
+    sm = r.softmax
+    doc.update({
+        "vocab": r.vocab, "overall": _errors_json(r.overall),
+        "top1": {"agree": r.top1_agree, "rows": r.rows, "rate": num(r.top1_rate)},
+        **{f"top{k}_overlap": num(v) for k, v in r.top_overlap.items()},
+        "softmax": None if sm is None else {
+            "kl_mean": num(sm.kl_mean, ".3e"), "kl_max": num(sm.kl_max, ".3e"),
+            "kl_percentiles": {q: num(v, ".3e") for q, v in sm.kl_percentiles.items()},
+            "kl_min": num(sm.kl_min, ".3e"), "dp_mean": num(sm.dp_mean, ".3e"), "dp_max": num(sm.dp_max, ".3e"),
+            "dp_percentiles": {q: num(v, ".3e") for q, v in sm.dp_percentiles.items()},
+            "dp_min": num(sm.dp_min, ".3e"), "dp_rms": num(sm.dp_rms, ".3e"),
+            "same_top_p_pct": num(sm.same_top_p_pct, ".3f")},
+        "argmax_mismatches": [_mismatch_json(m) for m in r.mismatches],
+        "first_argmax_mismatch": None if r.first_argmax_mismatch is None else r.first_argmax_mismatch.row,
+        "nonfinite_rows": list(r.nonfinite_rows),
+        "tolerances": {"max_kl": t.max_kl, "max_rel_err": t.max_rel_err, "min_top1": t.min_top1},
+        "first_exceeding": None if r.first_exceeding is None else {
+            "row": r.first_exceeding.row, "position": r.first_exceeding.position,
+            "reasons": list(r.first_exceeding.reasons)},
+        "exceeding_rows": r.exceeding_rows, "passed": r.passed, "failures": list(r.failures),
+    })
+    if r.row_stats is not None:
+        doc["row_stats"] = [_row_json(s) for s in r.row_stats]
+    return doc
+
+
+def _mismatch_json(m: Any) -> dict[str, Any]:
+    return {"row": m.row, "position": m.position, "a_token": m.a_token, "a_logit": num(m.a_logit),
+            "b_logit_at_a_token": num(m.b_logit_at_a), "b_token": m.b_token,
+            "a_logit_at_b_token": num(m.a_logit_at_b), "b_logit": num(m.b_logit), "margin_a": num(m.margin_a)}
+
+
+def _row_json(s: Any) -> dict[str, Any]:
+    return {"row": s.row, "position": s.position, "finite": s.finite, **(_errors_json(s.errors) or {}),
+            "argmax_a": s.argmax_a, "argmax_b": s.argmax_b,
+            **{f"top{k}_overlap": num(v) for k, v in s.top_overlap.items()},
+            "kl": num(s.kl, ".3e"), "dp": num(s.dp, ".3e")}
+
+
+def _layers_json(doc: dict[str, Any], r: Any) -> dict[str, Any]:
+    first = r.first_divergence
+    doc.update({
+        "positions": r.positions,
+        "tensors": [{"name": t.name, "shape": t.shape, **(_errors_json(t.errors) or {}), "worst_row": t.worst_row,
+                     "worst_position": t.worst_position, "nonfinite_mismatch": t.nonfinite_mismatch,
+                     "diverged": t.diverged} for t in r.tensors],
+        "only_in_a": list(r.only_a), "only_in_b": list(r.only_b), "rtol": r.rtol, "rtol_is_check": r.rtol_is_check,
+        "first_divergence": None if first is None else {
+            "name": first.name, "rel_err": num(first.errors.rel_err, ".3e"),
+            "before_max_rel_err": num(r.before_max_rel_err, ".3e")},
+        "summary": r.divergence_line(), "passed": r.passed, "failures": list(r.failures),
+    })
+    return doc
+
+
+def render_compare(console: Console, fmt: str, r: Any) -> None:
+    """The report of `metrale compare` (logits or layer dumps); --rows adds the per-row table."""
+    if fmt == "json":
+        _dump_json(console, compare_json(r))
+    elif r.kind == "layers":
+        (_plain_layers if fmt == "plain" else _rich_layers)(console, r)
+    else:
+        (_plain_logits_compare if fmt == "plain" else _rich_logits_compare)(console, r)
+
+
+def _check_text(r: Any, hint: str) -> str:
+    if r.passed is None:
+        return f"not run (a report; {hint} to check)"
+    if r.kind == "layers":  # the divergence line just above says why
+        return f"{'passed' if r.passed else 'FAILED'} (--rtol {r.rtol:g})"
+    return "passed" if r.passed else "FAILED: " + "; ".join(r.failures)
+
+
+_LOGITS_HINT = "give --max-kl, --max-rel-err or --min-top1"
+
+
+def _softmax_lines(sm: Any) -> list[tuple[str, str]]:
+    if sm is None:
+        return []
+    out = [("kl_mean", _e3(sm.kl_mean)), ("kl_max", _e3(sm.kl_max))]
+    out += [(f"kl_p{q}", _e3(v)) for q, v in sm.kl_percentiles.items()]
+    out += [("kl_min", _e3(sm.kl_min)), ("dp_mean", _e3(sm.dp_mean)), ("dp_max", _e3(sm.dp_max))]
+    out += [(f"dp_p{q}", _e3(v)) for q, v in sm.dp_percentiles.items()]
+    out += [("dp_min", _e3(sm.dp_min)), ("dp_rms", _e3(sm.dp_rms)), ("same_top_p", f"{sm.same_top_p_pct:.3f}%")]
+    return out
+
+
+def _logits_summary(r: Any) -> list[tuple[str, str]]:
+    e = r.overall
+    rows = [] if e is None else [("max_abs_diff", _e3(e.max_abs_diff)), ("max_abs_a", _e3(e.max_abs_a)),
+                                 ("rel_err", _e3(e.rel_err)), ("nmse", _e3(e.nmse)), ("cosine", _cos(e.cosine)),
+                                 ("rel_diff", _e3(e.rel_diff))]
+    rows.append(("top1_agreement", f"{r.top1_agree}/{r.rows} ({r.top1_rate:.4f})"))
+    rows += [(f"top{k}_overlap", "n/a" if not math.isfinite(v) else f4(v)) for k, v in r.top_overlap.items()]
+    return rows + _softmax_lines(r.softmax)
+
+
+def _mismatch_cells(m: Any) -> list[str]:
+    return [str(m.row), "-" if m.position is None else str(m.position), str(m.a_token), f4(m.a_logit),
+            f4(m.b_logit_at_a), str(m.b_token), f4(m.a_logit_at_b), f4(m.b_logit), f4(m.margin_a)]
+
+
+_MISMATCH_HEAD = ["row", "position", "a_token", "a_logit", "b_at_a_token", "b_token", "a_at_b_token", "b_logit",
+                  "margin_a"]
+_ROW_HEAD = ["row", "position", "max_abs_diff", "rel_err", "nmse", "cosine", "kl", "dp", "argmax_a", "argmax_b",
+             "top5", "top10"]
+
+
+def _row_cells(s: Any) -> list[str]:
+    e = s.errors
+    return [str(s.row), "-" if s.position is None else str(s.position), _e3(e.max_abs_diff), _e3(e.rel_err),
+            _e3(e.nmse), _cos(e.cosine), _e3(s.kl), _e3(s.dp), str(s.argmax_a), str(s.argmax_b),
+            *("n/a" if not math.isfinite(s.top_overlap[k]) else f4(s.top_overlap[k]) for k in (5, 10))]
+
+
+def _plain_table(c: Console, head: list[str], rows: list[list[str]], first_left: bool = False) -> None:
+    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(cell.ljust(w) if first_left and i == 0 else cell.rjust(w)
+                         for i, (cell, w) in enumerate(zip(cells, widths))).rstrip()
+
+    _write(c, line(head))
+    for row in rows:
+        _write(c, line(row))
+
+
+def _plain_logits_compare(c: Console, r: Any) -> None:
+    _write(c, "metrale compare")
+    _write(c, f"a: {_side_text(r.a)}")
+    _write(c, f"b: {_side_text(r.b)}")
+    _write(c, f"kind: logits, rows: {r.rows}, vocab: {r.vocab}")
+    _write(c, "")
+    for key, value in _logits_summary(r):
+        _write(c, f"{key}: {value}")
+    _write(c, f"nonfinite_rows: {' '.join(map(str, r.nonfinite_rows)) or 'none'}")
+    _write(c, "")
+    _write(c, f"argmax_mismatches: {len(r.mismatches)}")
+    if r.mismatches:
+        _plain_table(c, _MISMATCH_HEAD, [_mismatch_cells(m) for m in r.mismatches])
+    if r.row_stats is not None:
+        _write(c, "")
+        _plain_table(c, _ROW_HEAD, [_row_cells(s) for s in r.row_stats])
+    _write(c, "")
+    m = r.first_argmax_mismatch
+    _write(c, f"first_argmax_mismatch: {'none' if m is None else _where(m.row, m.position)}")
+    fe = r.first_exceeding
+    shown = "none" if fe is None else f"{_where(fe.row, fe.position)}: {', '.join(fe.reasons)}"
+    _write(c, f"first_exceeding: {shown}")
+    _write(c, f"check: {_check_text(r, _LOGITS_HINT)}")
+
+
+def _rich_logits_compare(c: Console, r: Any) -> None:
+    c.print(Text(f"A (reference): {_side_text(r.a)}"))
+    c.print(Text(f"B: {_side_text(r.b)}"))
+    e = r.overall
+    if e is not None:
+        c.print(_rich_grid(f"logits: {r.rows} rows x {r.vocab}, over every value",
+                           ["max|A-B|", "max|A|", "max|A-B|/max|A|", "NMSE", "cosine", "rel_diff"],
+                           [[_e3(e.max_abs_diff), _e3(e.max_abs_a), _e3(e.rel_err), _e3(e.nmse), _cos(e.cosine),
+                             _e3(e.rel_diff)]]))
+    overlap = ["n/a" if not math.isfinite(v) else f4(v) for v in r.top_overlap.values()]
+    c.print(_rich_grid("argmax", ["top-1 agree", *(f"top-{k} overlap" for k in r.top_overlap), "nonfinite rows"],
+                       [[f"{r.top1_agree}/{r.rows} ({r.top1_rate:.4f})", *overlap,
+                         " ".join(map(str, r.nonfinite_rows)) or "none"]]))
+    sm = r.softmax
+    if sm is not None:
+        keys = ["mean", "max", *sm.kl_percentiles, "min"]
+        kl = {"mean": sm.kl_mean, "max": sm.kl_max, **sm.kl_percentiles, "min": sm.kl_min}
+        dp = {"mean": sm.dp_mean, "max": sm.dp_max, **sm.dp_percentiles, "min": sm.dp_min, "rms": sm.dp_rms}
+        rows = [[k if k in ("mean", "max", "min", "rms") else f"{k}%", _e3(kl[k]) if k in kl else "",
+                 _e3(dp[k]) if k in dp else ""] for k in keys[:2] + list(sm.dp_percentiles) + ["min", "rms"]]
+        c.print(_rich_grid(f"softmax (same top p {sm.same_top_p_pct:.3f}%)", ["", "KL(P_A||P_B)", "Δp (A's top)"],
+                           rows, first_left=True))
+    if r.mismatches:
+        head = ["row", "pos", "A top", "A logit", "B there", "B top", "A there", "B logit", "A margin"]
+        c.print(_rich_grid(f"argmax differs in {len(r.mismatches)} rows", head,
+                           [_mismatch_cells(m) for m in r.mismatches], compact=True))
+    if r.row_stats is not None:
+        head = ["row", "pos", "max|A-B|", "rel err", "KL", "Δp", "A top", "B top", "top5"]
+        c.print(_rich_grid("per row", head, [[x for i, x in enumerate(_row_cells(s)) if i not in (4, 5, 11)]
+                                             for s in r.row_stats], compact=True))
+    fe = r.first_exceeding
+    if fe is not None:
+        c.print(Text(f"first row exceeding: {_where(fe.row, fe.position)}: {', '.join(fe.reasons)}", style="red"))
+    _rich_check(c, r, _LOGITS_HINT)
+
+
+def _rich_grid(title: str, head: list[str], rows: list[list[str]], first_left: bool = False,
+               compact: bool = False) -> Table:
+    # compact: no vertical rules, so a wide per-row table still fits an 80-column terminal
+    t = (Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+               collapse_padding=True)
+         if compact else Table(title=title, title_justify="left"))
+    for i, h in enumerate(head):
+        t.add_column(h, justify="left" if first_left and i == 0 else "right")
+    for row in rows:
+        t.add_row(*row)
+    return t
+
+
+def _rich_check(c: Console, r: Any, hint: str) -> None:
+    style = "dim" if r.passed is None else ("bold green" if r.passed else "bold red")
+    c.print(Text(f"check: {_check_text(r, hint)}", style=style))
+
+
+_LAYER_HEAD = ["tensor", "shape", "max_abs_diff", "rel_err", "nmse", "cosine", "rel_diff", "worst_row"]
+
+
+def _layer_cells(t: Any) -> list[str]:
+    e = t.errors
+    worst = str(t.worst_row) + (f" (pos {t.worst_position})" if t.worst_position is not None else "")
+    return [t.name, "x".join(map(str, t.shape)), _e3(e.max_abs_diff), _e3(e.rel_err), _e3(e.nmse), _cos(e.cosine),
+            _e3(e.rel_diff), worst]
+
+
+_LAYERS_HINT = "give --rtol"
+
+
+def _plain_layers(c: Console, r: Any) -> None:
+    _write(c, "metrale compare")
+    _write(c, f"a: {_side_text(r.a)}")
+    _write(c, f"b: {_side_text(r.b)}")
+    _write(c, f"kind: layers, rows: {r.rows}, tensors compared: {len(r.tensors)}")
+    _write(c, f"positions: {' '.join(map(str, r.positions)) if r.positions is not None else 'n/a'}")
+    _write(c, "")
+    _plain_table(c, _LAYER_HEAD, [_layer_cells(t) for t in r.tensors], first_left=True)
+    _write(c, "")
+    _write(c, f"only_in_a: {' '.join(r.only_a) or 'none'}")
+    _write(c, f"only_in_b: {' '.join(r.only_b) or 'none'}")
+    _write(c, r.divergence_line())
+    _write(c, f"check: {_check_text(r, _LAYERS_HINT)}")
+
+
+def _rich_layers(c: Console, r: Any) -> None:
+    c.print(Text(f"A (reference): {_side_text(r.a)}"))
+    c.print(Text(f"B: {_side_text(r.b)}"))
+    t = Table(title=f"layer dumps: {r.rows} rows, {len(r.tensors)} tensors in forward order", title_justify="left",
+              box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
+    for i, h in enumerate(["tensor", "shape", "max|A-B|", "rel err", "cosine", "worst row"]):
+        t.add_column(h, justify="left" if i == 0 else "right", no_wrap=i == 0)
+    first = r.first_divergence
+    seen = False
+    for tc in r.tensors:
+        seen = seen or tc is first
+        style = "bold red" if tc is first else ("yellow" if seen and tc.diverged else "")
+        cells = _layer_cells(tc)
+        t.add_row(*cells[:4], cells[5], str(tc.worst_row), style=style)
+    c.print(t)
+    for label, names in (("only in A", r.only_a), ("only in B", r.only_b)):
+        if names:
+            c.print(Text(f"{label}: {' '.join(names)}", style="yellow"))
+    c.print(Text(r.divergence_line(), style="bold red" if first is not None else "bold green"))
+    _rich_check(c, r, _LAYERS_HINT)
+
+
+def score_json(meta: Meta, r: Any, text_file: str | None = None) -> dict[str, Any]:
+    doc = meta.json_head()
+    doc.update({
+        "prompt": meta.prompt, "text_file": text_file, "prompt_tokens": list(r.tokens),
+        "chunk": r.chunk, "stride": r.stride,
+        "windows": [{"start": w.start, "end": w.end, "first_scored": w.first_scored} for w in r.windows],
+        "scored": [{"position": s.position, "token": s.token, "text": s.text, "logprob": num(s.logprob),
+                    "prob": num(s.prob), "rank": s.rank,
+                    "top_k": [{"token": t.token, "text": t.text, "logit": num(t.logit), "prob": num(t.prob)}
+                              for t in s.top_k]} for s in r.scored],
+        "scored_tokens": len(r.scored), "total_logprob": num(r.total_logprob, ".6f"),
+        "mean_nll": num(r.mean_nll, ".6f"), "perplexity": num(r.perplexity, ".6f"),
+    })
+    if meta.timings:
+        doc["timings"] = score_timings_json(r)
+    return doc
+
+
+def score_timings_json(r: Any) -> dict[str, Any]:
+    out = _base_timings(r.timings)
+    s = r.timings.prefill_s
+    out["tokens_per_s"] = num(len(r.scored) / s, ".1f") if s > 0 else None
+    return out
+
+
+def _score_summary(r: Any) -> list[tuple[str, str]]:
+    return [("scored_tokens", str(len(r.scored))), ("total_logprob", f"{r.total_logprob:.6f}"),
+            ("mean_nll", f"{r.mean_nll:.6f}"), ("perplexity", f"{r.perplexity:.6f}")]
+
+
+def render_score(console: Console, meta: Meta, r: Any, text_file: str | None = None) -> None:
+    """The report of `metrale score`: one line per scored token, then the totals."""
+    if meta.fmt == "json":
+        _dump_json(console, score_json(meta, r, text_file))
+        return
+    tok = meta.has_tokenizer
+
+    def alts(s: Any, sep: str = ", ") -> str:
+        return sep.join(f"{t.token}{' ' + escape_text(t.text) if tok else ''} {f4(t.prob)}" for t in s.top_k)
+
+    if meta.fmt == "plain":
+        _plain_head(console, meta, r.tokens)
+        if text_file is not None:
+            _write(console, f"text_file: {text_file}")
+        _write(console, f"chunk: {r.chunk}, stride: {r.stride}, windows: {len(r.windows)}")
+        _write(console, "")
+        _write(console, f"{'position':>8}  {'token':>8}  {'logprob':>10}  {'prob':>8}  {'rank':>6}"
+               + ("  text" if tok else "") + (f"  | top-{meta.top_k}" if meta.top_k else ""))
+        for s in r.scored:
+            line = f"{s.position:>8}  {s.token:>8}  {f4(s.logprob):>10}  {f4(s.prob):>8}  {s.rank:>6}"
+            line += f"  {escape_text(s.text)}" if tok else ""
+            _write(console, line + (f"  | {alts(s)}" if s.top_k else ""))
+        _write(console, "")
+        for key, value in _score_summary(r):
+            _write(console, f"{key}: {value}")
+        if meta.timings:
+            _plain_timings(console, score_timings_json(r))
+        return
+    _rich_head(console, meta, r.tokens)
+    t = Table(title=f"score: {len(r.scored)} tokens, {len(r.windows)} window(s) of {r.chunk}, stride {r.stride}",
+              title_justify="left")
+    for name in ("pos", "token") + (("text",) if tok else ()) + ("logprob", "prob", "rank"):
+        t.add_column(name, justify="left" if name == "text" else "right")
+    if meta.top_k:
+        t.add_column(f"top-{meta.top_k}")
+    for s in r.scored:
+        cells: list[Any] = [str(s.position), str(s.token)]
+        if tok:
+            cells.append(Text(escape_text(s.text), style="cyan"))
+        cells += [f4(s.logprob), f4(s.prob), Text(str(s.rank), style="green" if s.rank == 1 else "")]
+        if meta.top_k:
+            cells.append(Text(alts(s, "\n")))
+        t.add_row(*cells)
+    console.print(t)
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column(justify="right")
+    for key, value in _score_summary(r):
+        grid.add_row(key, value)
+    console.print(grid)
+    if meta.timings:
+        _rich_timings(console, score_timings_json(r))

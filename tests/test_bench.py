@@ -39,7 +39,8 @@ def test_unknown_preset_lists_the_available_ones():
         preset_path("gpt-5")
 
 
-@pytest.mark.parametrize("args, code", [(["--ks", "a,b"], 2), (["--context", "0"], 5), (["--ks", "0"], 2)])
+@pytest.mark.parametrize("args, code", [(["--ks", "a,b"], 2), (["--context", "0"], 2), (["--prefill", "0"], 2),
+                                        (["--repeats=-1"], 2), (["--ks", "0"], 2)])
 def test_bench_bad_options(args, code, capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "--device", "cpu", *args])

@@ -11,7 +11,7 @@ from rich.console import Console
 
 from metrale_cli import cli, render
 from metrale_cli.errors import EXIT_CODES
-from metrale_cli.model import open_model
+from metrale_cli.model import DEFAULT_MODEL_DIR, EMBEDDED_MODELS, model_dir, open_model
 
 REPO = Path(__file__).resolve().parent.parent
 LLAMA = "tests/fixtures/models/llama"  # relative: the CLI tests run in REPO
@@ -86,6 +86,48 @@ def test_decode_tokens_from_stdin_and_commas(run_cli):
     b = as_json(run_cli("decode", "-m", LLAMA, "-t", "1,2,3", "--steps", 3, "-f", "json"))
     assert a["prompt_tokens"] == b["prompt_tokens"] == [1, 2, 3]
     assert a["steps"] == b["steps"]
+
+
+@pytest.mark.parametrize("text", ["[1, 2, 3]", "[1,2,3]\n", " [ 1 ,\n 2, 3 ] "])
+def test_tokens_accept_a_json_array(run_cli, text):
+    """The list form Python and JSON print, as --tokens and on stdin, means the same ids as '1 2 3'."""
+    want = as_json(run_cli("forward", "-m", LLAMA, "-t", TOKENS, "--rows", "all", "-f", "json"))
+    for args, stdin in ((["-t", text], None), (["-t", "-"], text)):
+        doc = as_json(run_cli("forward", "-m", LLAMA, *args, "--rows", "all", "-f", "json", input=stdin))
+        assert doc["prompt_tokens"] == [1, 2, 3] and doc["rows"] == want["rows"]
+
+
+def test_verify_draft_accepts_a_json_array(run_cli):
+    want = greedy_tokens(LLAMA, [1, 2, 3], 2)
+    doc = as_json(run_cli("verify", "-m", LLAMA, "-t", TOKENS, "--draft", json.dumps(want), "-f", "json"))
+    assert doc["k"] == 2 and [row["draft"] for row in doc["rows"]] == want and doc["accepted"] == 2
+
+
+def test_top_k_beyond_the_vocabulary_is_capped_and_said(run_cli):
+    r = run_cli("decode", "-m", LLAMA, "-t", TOKENS, "--steps", 2, "--top-k", 100000, "-f", "json")
+    doc = as_json(r)
+    assert "--top-k 100000 is more than the vocabulary: showing all 300 tokens" in r.stderr
+    for s in doc["steps"]:  # every token once, best first: the whole distribution
+        assert sorted(t["token"] for t in s["top_k"]) == list(range(300))
+        # JSON rounds each prob to 4 decimals: 300 of them sum to 1 within 300 * 5e-5
+        assert abs(sum(t["prob"] for t in s["top_k"]) - 1) <= 300 * 5e-5
+    exact = run_cli("decode", "-m", LLAMA, "-t", TOKENS, "--steps", 2, "--top-k", 300, "-f", "json")
+    assert json.loads(exact.stdout) == doc and exact.stderr == ""  # K = vocabulary: no note
+
+
+def test_k_is_the_draft_count_and_minus_k_is_gone(run_cli):
+    """--k counts drafts on decode and verify; -k (once short for --top-k) is now unknown, so
+    `decode -k 2 --draft ngram` fails instead of silently meaning top-k 2 with 4 drafts."""
+    doc = as_json(run_cli("decode", "-m", LLAMA, "-t", "5 6 7 5 6 7", "--steps", 6, "--draft", "ngram", "--k", 2,
+                          "-f", "json"))
+    assert doc["speculative"]["k"] == 2 and len(doc["speculative"]["acceptance_by_position"]) == 2
+    assert all(s["top_k"] == [] for s in doc["steps"])
+    doc = as_json(run_cli("verify", "-m", LLAMA, "-t", TOKENS, "--k", 2, "-f", "json"))
+    assert doc["k"] == 2 and len(doc["rows"]) == 2
+    for command in (["decode", "--draft", "ngram"], ["verify"]):
+        r = run_cli(*command, "-m", LLAMA, "-t", TOKENS, "-k", 2)
+        assert r.exit_code == 2 and "No such option: -k" in r.stderr, r.stderr
+        assert r.stdout == ""
 
 
 def test_decode_stops_at_eos_unless_ignored(run_cli, tmp_path, helpers):
@@ -197,9 +239,11 @@ def test_verify_given_ids_stops_at_first_mismatch(run_cli):
     drafts = f"{want[0]},{wrong},{want[2]}"
     doc = as_json(run_cli("verify", "-m", LLAMA, "-t", TOKENS, "--draft", drafts, "-f", "json"))
     assert doc["k"] == 3 and doc["draft_source"] == "ids"  # k taken from the ids
-    assert [row["accepted"] for row in doc["rows"]] == [True, False, False]
+    assert [row["accepted"] for row in doc["rows"]] == [True, False, None]  # d[2] is not checked
+    assert [row["status"] for row in doc["rows"]] == ["accepted", "rejected", "unchecked"]
     assert doc["accepted"] == 1 and doc["next_token"] == want[1]
-    assert doc["max_abs_diff_vs_sequential"] is None
+    assert doc["max_abs_diff_vs_sequential"] is None and doc["max_abs_diff_ulps_vs_sequential"] is None
+    assert doc["rows_identical_vs_sequential"] is None
 
 
 def test_verify_with_draft_model(run_cli):
@@ -207,6 +251,45 @@ def test_verify_with_draft_model(run_cli):
                           "tests/fixtures/models/llama_bf16", "-f", "json"))
     assert doc["draft_source"] == "model" and doc["draft_model"] == "tests/fixtures/models/llama_bf16"
     assert len(doc["rows"]) == 3
+
+
+# -- embedded models by name -------------------------------------------------------------------------------------
+
+
+def test_embedded_models_live_beside_the_default():
+    for name in EMBEDDED_MODELS:
+        assert model_dir(name) == DEFAULT_MODEL_DIR.parent / name
+        assert (model_dir(name) / "config.json").is_file()
+
+
+def test_embedded_models_by_name_work_from_any_directory(run_cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # outside the repository: the names must not depend on the cwd
+    named = as_json(run_cli("decode", "--model", "default", "--steps", 8, "--draft-model", "default-draft",
+                            "--k", 4, "-f", "json"))
+    plain = as_json(run_cli("decode", "--steps", 8, "-f", "json"))
+    assert named["model"] == "default" and named["speculative"]["draft_model"] == "default-draft"
+    assert [s["token"] for s in named["steps"]] == [s["token"] for s in plain["steps"]]
+    draft = as_json(run_cli("inspect", "default-draft", "-f", "json"))
+    assert draft["model"] == "default-draft" and draft["valid"]
+    assert draft["parameters"] < as_json(run_cli("inspect", "default", "-f", "json"))["parameters"]
+    doc = as_json(run_cli("verify", "--draft-model", "default-draft", "--k", 2, "-f", "json"))
+    assert doc["draft_model"] == "default-draft" and len(doc["rows"]) == 2
+
+
+def test_an_existing_path_wins_over_an_embedded_name(run_cli, tmp_path, monkeypatch, helpers):
+    helpers.copy_model(tmp_path / "default")  # the 300-token fixture, under the embedded model's name
+    monkeypatch.chdir(tmp_path)
+    doc = as_json(run_cli("inspect", "default", "-f", "json"))
+    assert doc["vocab"] == 300 and doc["model"] == "default"
+    r = run_cli("forward", "--model", "default", "-t", TOKENS, "-f", "json")
+    assert as_json(r)["rows"][0]["argmax"] == greedy_tokens(str(tmp_path / "default"), [1, 2, 3], 1)[0]
+
+
+def test_unknown_model_name_lists_the_embedded_ones(run_cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    r = run_cli("decode", "--model", "default-draft2", "-t", TOKENS)
+    assert r.exit_code == 3
+    assert "default-draft2: no such file or directory (embedded models: default, default-draft)" in r.stderr
 
 
 def test_forward_rows(run_cli):

@@ -29,13 +29,14 @@ def test_python_dash_m_runs_the_cli():
     assert r.returncode == 0 and "Exit codes" in r.stdout
 
 
-def test_sigint_during_decode_exits_130_and_leaves_no_file(tmp_path, helpers):
+@pytest.mark.parametrize("draft", [[], ["--draft", "ngram", "--k", "3"]], ids=["plain", "speculative"])
+def test_sigint_during_decode_reports_the_tokens_so_far_exits_130_and_leaves_no_file(tmp_path, helpers, draft):
     model = helpers.random_llama(tmp_path / "model")  # 32k positions: far more steps than the test waits for
     out = tmp_path / "out"
     out.mkdir()
     cmd = [sys.executable, "-m", "metrale_cli", "decode", "--model", str(model), "--tokens", "1 2 3",
            "--steps", "20000", "--ignore-eos", "--device", "cpu", "--format", "plain",
-           "--dump-logits", str(out / "out.safetensors")]
+           "--dump-logits", str(out / "out.safetensors"), "--dump-hidden", str(out / "hidden.npy"), *draft]
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         # Plain decode prints a line per step: wait until steps are being produced, then interrupt.
@@ -48,13 +49,16 @@ def test_sigint_during_decode_exits_130_and_leaves_no_file(tmp_path, helpers):
             if line.strip() and line.split()[0].isdigit():
                 steps_seen += 1
         proc.send_signal(signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=60)
+        rest, stderr = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     assert proc.returncode == 130, stderr
-    assert stderr.splitlines() == ["metrale: interrupted: stopped by Ctrl-C (no partial output file is left)"]
+    steps = steps_seen + sum(1 for line in rest.splitlines() if line.strip() and line.split()[0].isdigit())
+    assert 20 <= steps < 20000  # it really was interrupted, and every step is in the report
+    assert f"\nstopped: interrupted after {steps} tokens\n" in rest
+    assert stderr.splitlines() == [f"metrale: interrupted: stopped by Ctrl-C after {steps} tokens "
+                                   "(no dump file is written)"]
     assert "Traceback" not in stderr
-    assert list(out.iterdir()) == []  # neither the dump nor a temp file
-    assert stdout.count("\n") < 20000  # it really was interrupted
+    assert list(out.iterdir()) == []  # neither a dump nor a temp file

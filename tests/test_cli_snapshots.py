@@ -29,16 +29,22 @@ def output(run_cli, *args) -> str:
 
 
 def without_diff(text: str, fmt: str) -> str:
-    """max_abs_diff_vs_sequential depends on the CPU's summation order: check it is small, then mask it."""
+    """The one-pass-vs-sequential figures depend on the CPU's summation order: check them, then mask them."""
     if fmt == "json":
         doc = json.loads(text)
-        diff = doc["max_abs_diff_vs_sequential"]
-        assert diff is not None and 0 <= diff < 0.1
-        doc["max_abs_diff_vs_sequential"] = "<masked>"
+        diff, ulps, same = (doc[f"{key}_vs_sequential"] for key in ("max_abs_diff", "max_abs_diff_ulps",
+                                                                    "rows_identical"))
+        assert diff is not None and 0 <= diff < 0.1 and 0 <= ulps <= 8 and 0 <= same <= doc["k"]
+        assert (diff == 0) == (ulps == 0)
+        for key in ("max_abs_diff", "max_abs_diff_ulps", "rows_identical"):
+            doc[f"{key}_vs_sequential"] = "<masked>"
         return json.dumps(doc, indent=2, ensure_ascii=False)
-    m = re.search(r"^max_abs_diff_vs_sequential: (\S+)$", text, re.M)
-    assert m is not None and 0 <= float(m.group(1)) < 0.1
-    return text.replace(m.group(0), "max_abs_diff_vs_sequential: <masked>")
+    m = re.search(r"^max_abs_diff_vs_sequential: (\S+)\nmax_abs_diff_ulps_vs_sequential: (\d+)\n"
+                  r"rows_identical_vs_sequential: (\d+)/(\d+)$", text, re.M)
+    assert m is not None and 0 <= float(m.group(1)) < 0.1 and 0 <= int(m.group(2)) <= 8
+    assert int(m.group(3)) <= int(m.group(4))
+    return text.replace(m.group(0), "max_abs_diff_vs_sequential: <masked>\nmax_abs_diff_ulps_vs_sequential: "
+                                     "<masked>\nrows_identical_vs_sequential: <masked>")
 
 
 # -- fixture model (no tokenizer) ----------------------------------------------------------------------------------

@@ -174,19 +174,94 @@ def test_speculative_dump_equals_plain_decode_dump(run_cli, tmp_path):
     assert sa["tokens"] == sb["tokens"] and sa["positions"] == sb["positions"]
 
 
-@pytest.mark.parametrize("ext", ["npy", "bin"])
-def test_hidden_dump(run_cli, tmp_path, ext):
-    out = tmp_path / f"hidden.{ext}"
-    r = run_cli("forward", "-m", LLAMA, "-t", "1 2 3", "-f", "json", "--dump-hidden", out)
-    assert r.exit_code == 0, r.stderr
+def reference_hidden(command: str) -> np.ndarray:
+    """The hidden rows a --dump-hidden must hold, read after each pass exactly like reference()'s rows."""
     e = _engine("bf16")
+    if command == "forward":
+        e.prefill(PROMPT, all_logits=True)
+        return e.copy_hidden_rows_to_host()
     e.prefill(PROMPT)
-    want = e.copy_hidden_to_host().astype("<f4")
-    got = np.load(out) if ext == "npy" else np.frombuffer(out.read_bytes(), "<f4")
-    assert got.dtype == np.float32 and got.tobytes() == want.tobytes()
+    rows = [e.copy_hidden_rows_to_host()]
+    if command == "verify":
+        e.verify(DRAFTS)
+        return np.concatenate(rows + [e.copy_hidden_rows_to_host()])
+    token = e.argmax_on_device(e.logits_buffer_ptr())
+    for _ in range(STEPS - 1):
+        e.decode(token)
+        rows.append(e.copy_hidden_rows_to_host())
+        token = e.argmax_on_device(e.decode_logits_ptr())
+    return np.concatenate(rows)
+
+
+def transformers_hidden(tokens: list[int]) -> np.ndarray:
+    """transformers' post-final-norm hidden states [len(tokens), hidden] (fp32, eager, no cache)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(REPO / LLAMA, dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+    with torch.no_grad():
+        out = model(torch.tensor([tokens]), output_hidden_states=True, use_cache=False)
+    return out.hidden_states[-1][0].numpy()  # the last entry is the final norm's output
+
+
+def read_hidden(path: Path, ext: str) -> tuple[np.ndarray, list[int], list[int]]:
+    """(rows, tokens, positions) of a hidden dump, read without dumps.py."""
+    if ext == "safetensors":
+        header, data = read_safetensors(path)
+        shape = header["hidden"]["shape"]
+        assert header["hidden"]["dtype"] == "F32" and header["__metadata__"]["format"] == "metrale-hidden"
+        assert header["__metadata__"]["hidden_size"] == str(shape[1])
+        n = shape[0] * shape[1] * 4
+        return (np.frombuffer(data[:n], "<f4").reshape(shape), np.frombuffer(data[n:], "<i8").tolist(),
+                json.loads(header["__metadata__"]["positions"]))
+    side = json.loads(path.with_name(path.name + ".json").read_text())
+    assert side["dtype"] == "fp32" and side["hidden_size"] == side["shape"][1] == 64
+    if ext == "npy":
+        rows = np.load(path, allow_pickle=False)
+        assert side["storage"] == "float32"
+    else:
+        rows = np.frombuffer(path.read_bytes(), "<f4").reshape(side["shape"])
+        assert side["storage"] == "raw little-endian fp32"
+    return rows, side["tokens"], side["positions"]
+
+
+@pytest.mark.parametrize("ext", ["safetensors", "npy", "bin"])
+@pytest.mark.parametrize("command", COMMANDS)
+def test_hidden_dump_has_every_row_in_the_logits_order(run_cli, tmp_path, command, ext):
+    out, logits = tmp_path / f"hidden.{ext}", tmp_path / "logits.safetensors"
+    r = run_cli(*command_args(command), "--dump-hidden", out, "--dump-logits", logits, "--hidden")
+    assert r.exit_code == 0, r.stderr
+    rows, tokens, positions = read_hidden(out, ext)
+    want = reference_hidden(command)
+    assert rows.dtype == np.float32 and rows.shape == want.shape == (len(positions), 64)
+    assert rows.tobytes() == want.astype("<f4").tobytes()
+    _, logit_tokens, logit_positions = reference(command, "bf16")
+    assert tokens == logit_tokens and positions == logit_positions  # the logits dump's rows, one for one
     import hashlib
 
-    assert json.loads(r.stdout)["hidden"]["sha256"] == hashlib.sha256(want.tobytes()).hexdigest()
+    assert json.loads(r.stdout)["hidden"]["sha256"] == hashlib.sha256(rows[-1].tobytes()).hexdigest()
+    assert json.loads(read_safetensors(logits)[0]["__metadata__"]["positions"]) == positions
+    if ext != "safetensors":
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([out.name, out.name + ".json", logits.name])
+
+
+@pytest.mark.parametrize("command", COMMANDS + ["speculative", "forward-last"])
+def test_hidden_dump_rows_equal_transformers(run_cli, tmp_path, command):
+    """Each dumped row against transformers' final-norm output at that row's position, from the tokens."""
+    out = tmp_path / "hidden.npy"
+    args = {"speculative": command_args("decode") + ["--draft-model", LLAMA, "--k", 2],  # multi-row passes
+            "forward-last": command_args("forward")[:-2]}.get(command) or command_args(command)
+    r = run_cli(*args, "--dump-hidden", out)
+    assert r.exit_code == 0, command
+    rows, tokens, positions = read_hidden(out, "npy")
+    import hashlib
+
+    assert json.loads(r.stdout)["hidden"]["sha256"] == hashlib.sha256(rows[-1].tobytes()).hexdigest()
+    ref = transformers_hidden(tokens)[positions]
+    assert rows.shape == ref.shape and len(rows) == (1 if command == "forward-last" else len(positions))
+    if command == "forward-last":
+        assert positions == [len(PROMPT) - 1]
+    np.testing.assert_allclose(rows, ref, rtol=0, atol=1e-5 * float(np.abs(ref).max()))
 
 
 # -- the atomic writer ------------------------------------------------------------------------------------------------

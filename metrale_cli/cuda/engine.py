@@ -184,6 +184,7 @@ class CudaEngine(EngineBase):
             with self.stream:
                 self._logits[0] = self._logits[len(ids) - 1]
             self._n_rows = 1
+            self._hidden_rows = self._h[len(ids) - 1:len(ids)]  # the row behind that logits row
             return 1
         return self._prefill_long(ids, all_logits)
 
@@ -228,6 +229,7 @@ class CudaEngine(EngineBase):
                 graph = self._capture(m, kind)
             graph.launch(stream=self.stream)
         self.length += m
+        self._hidden_rows = self._h[:m]  # post-final-norm rows of this pass (hidden_rows_ptr)
         self._decode_amax_fresh = kind == "decode"
         if kind == "rows":
             self._logits = self._rows_logits
@@ -284,7 +286,7 @@ class CudaEngine(EngineBase):
     # -- the prefill path (cuBLAS, eager) -------------------------------------------------------------
     def _prefill_long(self, ids: np.ndarray, all_logits: bool) -> int:
         cp, cfg = self.cp, self.cfg
-        rows = []
+        rows, hidden = [], []
         with self.stream:
             for start in range(0, len(ids), PREFILL_CHUNK):
                 chunk = ids[start:start + PREFILL_CHUNK]
@@ -292,9 +294,12 @@ class CudaEngine(EngineBase):
                 h = self._prefill_chunk(chunk)
                 if all_logits:
                     rows.append(self._lm_head_rows(h))
+                    hidden.append(h)
                 elif last:
                     rows.append(self._lm_head_rows(h[-1:]))
+                    hidden.append(h[-1:])
             logits = rows[0] if len(rows) == 1 else cp.concatenate(rows, axis=0)
+            self._hidden_rows = hidden[0] if len(hidden) == 1 else cp.concatenate(hidden, axis=0)
             n = logits.shape[0]
             if self._long_logits is None or self._long_logits.shape[0] < n:
                 self._long_logits = cp.empty((n, cfg.vocab_size), self._rows_logits.dtype)

@@ -31,8 +31,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from math import prod
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,8 @@ class Rope:
     def inv_freq(self) -> np.ndarray:
         """Inverse frequencies [head_dim/2] as fp32, computed in float64 and rounded once (matches
         transformers' fp32 values to the last ulp or so)."""
+        import numpy as np
+
         d = self.head_dim
         inv = 1.0 / (self.theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
         if self.scaling is not None:
@@ -102,6 +107,8 @@ class Rope:
 
 def _llama3_scale(inv_freq: np.ndarray, s: RopeScaling) -> np.ndarray:
     """Llama 3.1 scaling: long wavelengths divided by `factor`, short ones kept, a smooth blend between."""
+    import numpy as np
+
     low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
     high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -203,4 +210,4 @@ class ModelDefinition:
         return {t.name: t.shape for p in self.params() for t in p.parts}
 
     def parameter_count(self) -> int:
-        return sum(int(np.prod(s)) for s in self.expected_tensors().values())
+        return sum(prod(s) for s in self.expected_tensors().values())

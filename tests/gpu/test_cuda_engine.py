@@ -246,3 +246,30 @@ def test_transformers_bf16_on_gpu_as_second_reference(cp, tmp_path, rng):
           f"{err32:.2e} (transformers bf16 vs fp32: {rel(ref, ref32):.2e}), argmax agreement {agree:.2f}")
     assert err <= TOL and err32 <= TOL
     assert agree >= 0.9
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("plen", [5, 40])  # the rows (graph) path and the cuBLAS prefill path
+def test_hidden_rows_follow_the_logits_rows(cp, checkpoints, name, plen, rng):
+    """hidden_rows_ptr(): one post-final-norm row per logits row of the last pass, on both engines."""
+    cpu, gpu = pair(checkpoints[name])
+    hidden = cpu.cfg.hidden_size
+    prompt = [int(t) for t in rng.integers(0, cpu.vocab_size(), plen)]
+    drafts = [int(t) for t in rng.integers(0, cpu.vocab_size(), 4)]
+
+    def both(run):
+        out = []
+        for e in (cpu, gpu):
+            run(e)
+            out.append(e.copy_hidden_rows_to_host())
+        return out
+
+    a, b = both(lambda e: (e.reset(), e.prefill(prompt, all_logits=True)))
+    assert a.shape == b.shape == (plen, hidden) and rel(b, a) <= TOL
+    assert np.array_equal(b[-1], gpu.copy_hidden_to_host())
+    last_a, last_b = both(lambda e: (e.reset(), e.prefill(prompt)))
+    assert last_b.shape == (1, hidden) and rel(last_b, last_a) <= TOL and rel(last_b[0], b[-1]) <= TOL
+    a, b = both(lambda e: e.verify(drafts))
+    assert b.shape == (4, hidden) and rel(b, a) <= TOL
+    a, b = both(lambda e: e.decode(drafts[0]))
+    assert b.shape == (1, hidden) and rel(b, a) <= TOL

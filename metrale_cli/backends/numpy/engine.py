@@ -196,6 +196,7 @@ class NumpyEngine(EngineBase):
     def decode(self, token: int) -> None:
         h = self._forward(self._check_tokens([token]))
         self._decode_logits[:] = self._lm_head(h).astype(self._logits_dtype)
+        self._hidden_rows = h  # [1, H]
 
     def verify(self, tokens: Sequence[int]) -> int:
         """k draft tokens at the next k positions in one forward; rows [k, vocab] in the logits buffer."""
@@ -224,6 +225,7 @@ class NumpyEngine(EngineBase):
     def _write_rows(self, h: np.ndarray) -> None:
         """lm_head over the post-norm rows h [n, H]; the logits buffer holds exactly these n rows."""
         logits = self._lm_head(h)
+        self._hidden_rows = h  # the rows behind these logits (hidden_rows_ptr)
         if self._logits.shape[0] != logits.shape[0]:
             self._logits = np.empty((logits.shape[0], self.cfg.vocab_size), self._logits_dtype)
         self._logits[:] = logits.astype(self._logits_dtype)

@@ -1,0 +1,79 @@
+"""What the block loop's taps are used for: finding where non-finite values start, and capturing layers.
+
+Both re-run tokens through `engine.observe` (eager, the same kernels and numbers as the fast path) from
+an empty cache, so they can be called after any pass without knowing what it was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .protocols import Engine
+
+
+@dataclass(frozen=True)
+class NonFinite:
+    name: str  # the tap: model.embed_tokens, model.layers.{i}.self_attn / .mlp, model.layers.{i}, model.norm
+    row: int  # the first row (of the tokens run) holding NaN/Inf there
+    nan: int  # NaN count in that tensor
+    inf: int  # Inf count
+
+    def describe(self, tokens: Sequence[int]) -> str:
+        where = _module_words(self.name)
+        token = f"token {tokens[self.row]} " if 0 <= self.row < len(tokens) else ""
+        return (f"first non-finite values in {self.name} ({where}), {token}at position {self.row}: "
+                f"{self.nan} NaN, {self.inf} Inf")
+
+
+def first_nonfinite(engine: Engine, tokens: Sequence[int]) -> NonFinite | None:
+    """The first tapped tensor, in forward order, holding NaN or Inf when `tokens` run from position 0.
+    None when every tapped tensor is finite (then the non-finite values come from lm_head)."""
+    found: list[NonFinite] = []
+
+    def tap(name: str, x: np.ndarray) -> None:
+        if found:
+            return
+        bad = ~np.isfinite(x)
+        if bad.any():
+            rows = bad.reshape(bad.shape[0], -1).any(axis=1)
+            found.append(NonFinite(name, int(np.argmax(rows)), int(np.isnan(x).sum()), int(np.isinf(x).sum())))
+
+    engine.reset()
+    engine.observe(list(tokens), tap)
+    return found[0] if found else None
+
+
+def describe_nonfinite(engine: Engine, tokens: Sequence[int]) -> str:
+    """One sentence naming where non-finite values first appear for `tokens` (prompt + generated)."""
+    hit = first_nonfinite(engine, tokens)
+    if hit is None:
+        return "every layer's output and the final norm are finite: lm_head (or the logits conversion) made them"
+    return hit.describe(tokens)
+
+
+def capture(engine: Engine, tokens: Sequence[int], keep: Callable[[str], bool]) -> dict[str, np.ndarray]:
+    """The tapped tensors `keep` selects for `tokens` run from position 0: name -> fp32 [rows, width]."""
+    out: dict[str, list[np.ndarray]] = {}
+
+    def tap(name: str, x: np.ndarray) -> None:
+        if keep(name):
+            out.setdefault(name, []).append(np.array(x, dtype=np.float32).reshape(x.shape[0], -1))
+
+    engine.reset()
+    engine.observe(list(tokens), tap)
+    return {name: np.concatenate(parts, axis=0) for name, parts in out.items()}
+
+
+def _module_words(name: str) -> str:
+    parts = name.split(".")
+    if name == "model.embed_tokens":
+        return "the embedding rows"
+    if name == "model.norm":
+        return "the final norm"
+    if len(parts) == 3:
+        return f"the residual stream after layer {parts[2]}"
+    what = {"self_attn": "attention output", "mlp": "MLP output"}.get(parts[3], parts[3])
+    return f"layer {parts[2]} {what}"

@@ -1,0 +1,1 @@
+"""Tensor parallelism: how a model definition's weights are split over N ranks (Megatron style)."""

@@ -1,0 +1,129 @@
+"""Tensor parallelism simulated on one CPU: N ranks' shards run in lockstep, all-reduces are sums.
+
+This is the NumPy reference for the multi-GPU engine: every rank holds exactly the weights
+`sharding.shard_weights` gives it and runs engine/loop.py with NumPy's ops over its own heads and its
+own KV cache; where the GPUs would all-reduce (after the row-parallel o and down projections, and to
+assemble vocabulary-parallel embedding rows) the partial results are summed; lm_head rows of each
+rank's vocabulary range are concatenated as a gather would. Comparing it with the unsharded NumPy
+engine checks the sharding plan for every family without a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..backends.numpy.engine import NumpyPass, rms_norm
+from ..engine.loop import decoder_forward
+from ..models.spec import AttentionSpec, ModelDefinition
+from ..models.weights import Weights
+from .sharding import COLUMN, ROW, VOCAB, check_tp, kind_of, rank_definition, shard_weights, vocab_range
+
+
+@dataclass
+class Sharded:
+    """One weight as every rank holds it."""
+
+    kind: str  # sharding.COLUMN | ROW | VOCAB | REPLICATED
+    parts: list[Any]  # per rank
+
+
+class PerRank(list):
+    """An activation that differs per rank (the output of a column-parallel projection)."""
+
+
+class _RankState:
+    """What NumpyPass reads of an engine: one rank's KV cache (its KV heads only) and length."""
+
+    def __init__(self, definition: ModelDefinition, max_context: int) -> None:
+        a = definition.layers[0].attention
+        shape = (len(definition.layers), a.num_kv_heads, max_context, a.head_dim)
+        self._k = np.zeros(shape, np.float32)
+        self._v = np.zeros(shape, np.float32)
+        self.length = 0
+        self._inv: dict[object, np.ndarray] = {}
+
+    def inv_freq(self, rope) -> np.ndarray:
+        return self._inv.setdefault(rope, rope.inv_freq())
+
+
+class _LockstepPass:
+    """engine/loop.py's ops over all ranks at once."""
+
+    def __init__(self, sim: SimulatedTensorParallel, ids: np.ndarray) -> None:
+        self.sim, self.ids = sim, ids
+        self.ranks = [NumpyPass(state, ids) for state in sim.states]
+
+    def embed(self, table: Sharded):
+        vocab = self.sim.vocab
+        total = np.zeros((len(self.ids), table.parts[0].shape[1]), np.float32)
+        for r, part in enumerate(table.parts):  # each rank looks up the ids in its range; all-reduce
+            rows = vocab_range(vocab, r, self.sim.n)
+            mine = (self.ids >= rows.start) & (self.ids < rows.stop)
+            total[mine] += np.asarray(part[self.ids[mine] - rows.start], dtype=np.float32)
+        return total
+
+    def linear(self, x, w: Sharded, bias=None, *, out, norm=None, residual=None, tap=None):
+        if norm is not None:
+            x = rms_norm(x, norm[0].parts[0], norm[1].eps)
+        if w.kind == COLUMN:
+            return PerRank(x @ wr.T + (0 if bias is None else bias.parts[r]) for r, wr in enumerate(w.parts))
+        assert w.kind == ROW, w.kind
+        y = sum(xr @ wr.T for xr, wr in zip(x, w.parts))  # the all-reduce
+        if bias is not None:
+            y = y + bias.parts[0]  # replicated: added once, after the sum
+        if tap is not None:
+            self.tap(tap, y)
+        return y if residual is None else residual + y
+
+    def norm(self, x, weight: Sharded, norm, *, out):
+        return rms_norm(x, weight.parts[0], norm.eps)
+
+    def gated_mlp(self, x, w_gate_up: Sharded, *, norm, activation):
+        h = rms_norm(x, norm[0].parts[0], norm[1].eps)
+        return PerRank(rank.gated_mlp(h, wr, norm=None, activation=activation)
+                       for rank, wr in zip(self.ranks, w_gate_up.parts))
+
+    def rope_kv_append(self, qkv: PerRank, layer: int, a: AttentionSpec, q_norm, k_norm, norm):
+        return PerRank(rank.rope_kv_append(qkv[r], layer, self.sim.spec(r, layer), _part(q_norm, r),
+                                           _part(k_norm, r), norm) for r, rank in enumerate(self.ranks))
+
+    def attention(self, q: PerRank, layer: int, a: AttentionSpec):
+        return PerRank(rank.attention(q[r], layer, self.sim.spec(r, layer)) for r, rank in enumerate(self.ranks))
+
+    def tap(self, name: str, x) -> None:
+        pass
+
+
+def _part(w: Sharded | None, r: int):
+    return None if w is None else w.parts[r]
+
+
+class SimulatedTensorParallel:
+    """prefill / decode of an N-way sharded model on the CPU; logits rows in fp32."""
+
+    def __init__(self, definition: ModelDefinition, weights: Weights, n: int, max_context: int) -> None:
+        check_tp(definition, n)
+        self.n, self.definition = n, definition
+        self.vocab = weights.lm_head.shape[0]
+        shards = [shard_weights(definition, weights, r, n) for r in range(n)]
+        self.rank_definitions = [rank_definition(definition, r, n) for r in range(n)]
+        self.states = [_RankState(d, max_context) for d in self.rank_definitions]
+        layers = [{key: Sharded(kind_of(key), [s.layers[i][key] for s in shards]) for key in lw}
+                  for i, lw in enumerate(weights.layers)]
+        self.weights = Weights(embed=Sharded(VOCAB, [s.embed for s in shards]),
+                               final_norm=Sharded(kind_of("final_norm"), [s.final_norm for s in shards]),
+                               lm_head=Sharded(VOCAB, [s.lm_head for s in shards]), layers=layers)
+
+    def spec(self, rank: int, layer: int) -> AttentionSpec:
+        return self.rank_definitions[rank].layers[layer].attention
+
+    def forward(self, tokens: Sequence[int]) -> np.ndarray:
+        """Run tokens at the next positions; the logits rows [T, V] gathered from every rank's range."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        h = decoder_forward(_LockstepPass(self, ids), self.definition, self.weights)
+        for state in self.states:
+            state.length += len(ids)
+        return np.concatenate([h @ part.T for part in self.weights.lm_head.parts], axis=1)

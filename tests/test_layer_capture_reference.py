@@ -1,0 +1,44 @@
+"""Captured layers equal transformers' hidden states, for every fixture family (skipped without it).
+
+transformers' `output_hidden_states` gives L + 1 entries: [0] the embeddings, [i + 1] the residual
+stream after layer i for i < L - 1, and [L] the output of the final norm (its last layer's residual
+stream is not returned). metrale's taps `model.embed_tokens`, `model.layers.{i}` and `model.norm` are
+checked against exactly those.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from metrale_cli.engine.observe import capture  # noqa: E402
+from metrale_cli.model import open_model  # noqa: E402
+
+pytestmark = pytest.mark.reference
+
+FIXTURES = Path(__file__).parent / "fixtures" / "models"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").is_file()))
+def test_layers_equal_transformers_hidden_states(name):
+    m = open_model(FIXTURES / name, device="cpu", fp32_logits=True)
+    rng = np.random.default_rng()
+    tokens = rng.integers(0, m.config.vocab_size, 11)
+    got = capture(m.engine, tokens.tolist(), lambda n: True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(FIXTURES / name, dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+    with torch.no_grad():
+        hs = model(torch.from_numpy(tokens)[None], output_hidden_states=True).hidden_states
+    L = m.config.num_hidden_layers
+    assert len(hs) == L + 1
+    pairs = [("model.embed_tokens", hs[0])] + [(f"model.layers.{i}", hs[i + 1]) for i in range(L - 1)]
+    pairs.append(("model.norm", hs[L]))
+    for key, ref in pairs:
+        ref = ref[0].numpy()
+        err = np.abs(got[key] - ref).max() / np.abs(ref).max()
+        assert err < 1e-5, f"{name} {key}: rel err {err:.2e}"
