@@ -713,6 +713,7 @@ def _raw_inspect_info(label: str, raw: dict[str, Any], ckpt: Checkpoint, problem
                  "scaling": scaling},
         "tokenizer": ckpt.has_tokenizer, "bos_token_id": integer("bos_token_id"),
         "eos_token_ids": eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [],
+        "experts": None,
         "valid": False, "problems": str(problem),
     }
 
@@ -741,8 +742,8 @@ def _inspect_info(spec: ModelSpec, ckpt: Checkpoint, problem: MetraleError | Non
         "tied_embeddings": cfg.tie_word_embeddings,
         "rope": {"theta": cfg.rope_theta, "type": "llama3" if scaling else "default", "scaling": scaling},
         "tokenizer": ckpt.has_tokenizer, "bos_token_id": cfg.bos_token_id, "eos_token_ids": list(cfg.eos_token_ids),
-        "valid": problem is None, "problems": str(problem) if problem is not None else None,
         "experts": _experts_info(cfg),
+        "valid": problem is None, "problems": str(problem) if problem is not None else None,
     }
 
 

@@ -816,26 +816,24 @@ def _inspect_rows(info: dict[str, Any]) -> list[tuple[str, str]]:
         ("tied_embeddings", info["tied_embeddings"]), ("rope", rope_s),
         ("tokenizer", info["tokenizer"]), ("bos_token_id", info["bos_token_id"]),
         ("eos_token_ids", " ".join(map(str, info["eos_token_ids"])) or "none"),
+        ("experts", _experts_text(info["experts"], info["layers"]) if info.get("experts") else "none"),
         ("valid", info["valid"]),
     ]
-    if info.get("experts"):
-        rows[rows.index(("valid", yn(info["valid"]))):0] = _expert_rows(info["experts"], info["layers"])
     if info["problems"]:
         rows.append(("problems", info["problems"]))
     return [(k, shown(v)) for k, v in rows]
 
 
-def _expert_rows(x: dict[str, Any], layers: int) -> list[tuple[str, str]]:
-    """A mixture of experts: its experts, the routing rule and which layers are sparse."""
-    routing = f"softmax over {x['count']} in fp32, top-{x['top_k']}, " + (
-        "renormalised" if x["norm_topk_prob"] else "not renormalised")
+def _experts_text(x: dict[str, Any], layers: int) -> str:
+    """A mixture of experts in one line: the experts, the routing rule, the sparse layers, the active size."""
+    routing = f"top-{x['top_k']} (softmax in fp32, " + ("renormalised)" if x["norm_topk_prob"] else "not renormalised)")
     if x["shared_expert_intermediate"]:
-        routing += f"; + shared expert (intermediate {x['shared_expert_intermediate']}, sigmoid gate)"
+        routing += f" + a shared expert of intermediate {x['shared_expert_intermediate']} (sigmoid gate)"
     sparse = x["sparse_layers"]
     dense = [i for i in range(layers) if i not in set(sparse)]
     where = f"all {layers}" if not dense else ", ".join(map(str, sparse)) + " (dense: " + ", ".join(map(str, dense)) + ")"
-    return [("experts", f"{x['count']} per sparse layer, intermediate {x['intermediate']}"), ("routing", routing),
-            ("sparse_layers", where), ("active_parameters", f"{x['active_parameters']:,} per token")]
+    return (f"{x['count']} of intermediate {x['intermediate']}, {routing}; sparse layers {where}; "
+            f"{x['active_parameters']:,} active parameters per token")
 
 
 # -- errors and progress ------------------------------------------------------------------------------------------

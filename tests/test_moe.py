@@ -225,8 +225,10 @@ def test_inspect_shows_experts_and_routing(run_cli):
     assert x["sparse_layers"] == [0, 2] and x["shared_expert_intermediate"] is None
     assert x["active_parameters"] == json.loads(r.stdout)["parameters"] - 2 * 8 * 3 * 40 * 64
     plain = run_cli("inspect", "tests/fixtures/models/qwen2_moe", "-f", "plain").stdout
-    assert "routing: softmax over 8 in fp32, top-2, not renormalised; + shared expert (intermediate 56" in plain
-    assert "sparse_layers: all 2" in plain
+    assert ("experts: 8 of intermediate 40, top-2 (softmax in fp32, not renormalised) + a shared expert of "
+            "intermediate 56 (sigmoid gate); sparse layers all 2;") in plain
+    plain = run_cli("inspect", "tests/fixtures/models/qwen3_moe", "-f", "plain").stdout
+    assert "sparse layers 0, 2 (dense: 1); 234,576 active parameters per token" in plain
     dense = json.loads(run_cli("inspect", "tests/fixtures/models/llama", "-f", "json").stdout)
     assert dense["experts"] is None
 
