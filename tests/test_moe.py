@@ -250,3 +250,11 @@ def test_cuda_engine_refuses_moe_until_its_kernels_exist():
     cfg = load_config(FIXTURES / "mixtral")
     with pytest.raises(DeviceError, match="mixtral: the CUDA engine has no mixture-of-experts kernels"):
         load_cuda_engine(cfg, RandomTensors(cfg), 16)
+
+
+def test_nonfinite_search_names_the_router():
+    from metrale_cli.engine.observe import NonFinite
+
+    hit = NonFinite("model.layers.2.mlp.gate", 1, 3, 0)
+    assert "(layer 2 router logits)" in hit.describe([5, 6])
+    assert "(layer 2 router top k weights)" in NonFinite("model.layers.2.mlp.gate.top_k_weights", 0, 1, 0).describe([5])
