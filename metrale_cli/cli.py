@@ -766,7 +766,8 @@ def _experts_info(cfg: Any) -> dict[str, Any] | None:
 def bench(
     ctx: typer.Context,
     preset: Annotated[Optional[str], typer.Option(
-        "--preset", metavar="NAME|PATH", help="A preset in configs/ (llama-3.1-8b, llama-3.2-1b, qwen3-8b, mistral-7b, tiny-llama) "
+        "--preset", metavar="NAME|PATH", help="A preset in configs/ (llama-3.1-8b, llama-3.2-1b, qwen3-8b, mistral-7b, qwen3-30b-a3b, mixtral-8x7b, "
+                         "tiny-llama) "
                          "or a config.json path. Default: llama-3.1-8b on cuda, tiny-llama on cpu.",
         show_default=False)] = None,
     device: DeviceOpt = "auto",

@@ -240,15 +240,20 @@ def test_decode_runs_from_the_cli(run_cli, name):
     assert len(json.loads(r.stdout)["steps"]) == 4
 
 
-def test_cuda_engine_refuses_moe_until_its_kernels_exist():
+@pytest.mark.parametrize("raw, why", [
+    ({**QWEN3_MOE, "num_experts": 300}, "300 experts"),
+    ({**QWEN3_MOE, "num_experts": 64, "num_experts_per_tok": 20}, "num_experts_per_tok 20"),
+    ({**QWEN3_MOE, "moe_intermediate_size": 36}, "expert size 36"),
+    ({**QWEN2_MOE, "shared_expert_intermediate_size": 44}, "expert size 44"),
+])
+def test_cuda_engine_refuses_sizes_its_moe_kernels_do_not_take(raw, why):
     """No GPU needed: the refusal comes before CuPy is imported."""
-    from metrale_cli.config import load_config
     from metrale_cli.cuda.engine import load_cuda_engine
     from metrale_cli.errors import DeviceError
     from metrale_cli.random_weights import RandomTensors
 
-    cfg = load_config(FIXTURES / "mixtral")
-    with pytest.raises(DeviceError, match="mixtral: the CUDA engine has no mixture-of-experts kernels"):
+    cfg = parse_config(raw)
+    with pytest.raises(DeviceError, match=f"the CUDA MoE kernels do not take .*{why}"):
         load_cuda_engine(cfg, RandomTensors(cfg), 16)
 
 
@@ -258,3 +263,34 @@ def test_nonfinite_search_names_the_router():
     hit = NonFinite("model.layers.2.mlp.gate", 1, 3, 0)
     assert "(layer 2 router logits)" in hit.describe([5, 6])
     assert "(layer 2 router top k weights)" in NonFinite("model.layers.2.mlp.gate.top_k_weights", 0, 1, 0).describe([5])
+
+
+# -- bench -----------------------------------------------------------------------------------------------
+
+
+def test_bench_floor_counts_only_the_chosen_experts(tmp_path):
+    from metrale_cli.bench import run_bench
+
+    raw = {**QWEN2_MOE, "num_experts": 16, "num_experts_per_tok": 4, "mlp_only_layers": [1]}
+    (tmp_path / "tiny-moe.json").write_text(json.dumps(raw))
+    r = run_bench(str(tmp_path / "tiny-moe.json"), device="cpu", context=16, ks=(4,), prefill_tokens=16, repeats=2)
+    # one row chooses exactly top_k of the experts in each sparse layer
+    assert r.get("experts read by the decode step").value == pytest.approx(100 * 4 / 16)
+    share = r.get("experts read by the verify k=4").value
+    assert 100 * 4 / 16 <= share <= 100  # the union of 4 rows' choices
+    assert r.get("verify k=4 floor").value >= r.get("decode floor").value
+    # below the floor of reading every weight (streamed_bytes counts all experts), in ms
+    assert r.get("decode floor").value < (r.streamed_bytes + r.kv_bytes) / (r.get("read bandwidth").value * 1e9) * 1e3
+    assert r.get("decode step").target == "<= 1.3 x floor"
+
+
+def test_moe_presets_parse_to_their_published_sizes():
+    from metrale_cli.bench import preset_path
+    from metrale_cli.config import load_config
+
+    q = load_config(preset_path("qwen3-30b-a3b"))
+    assert q.moe.spec == MoeSpec(128, 8, 768, True, "silu", None) and len(q.moe.sparse_layers) == 48
+    assert round(q.parameter_count() / 1e9, 1) == 30.5
+    m = load_config(preset_path("mixtral-8x7b"))
+    assert m.moe.spec == MoeSpec(8, 2, 14336, True, "silu", None)
+    assert round(m.parameter_count() / 1e9, 1) == 46.7
