@@ -294,3 +294,16 @@ def test_moe_presets_parse_to_their_published_sizes():
     m = load_config(preset_path("mixtral-8x7b"))
     assert m.moe.spec == MoeSpec(8, 2, 14336, True, "silu", None)
     assert round(m.parameter_count() / 1e9, 1) == 46.7
+
+
+def test_moe_kernel_source_is_common_cu_then_moe_cu():
+    """The MoE module's NVRTC source (no GPU needed): the shared helpers, then every MoE kernel, with the
+    standalone-nvcc instances left to nvcc (METRALE_NVRTC) and one name per compiled instance."""
+    from metrale_cli.cuda.moe_kernels import PLAIN, module_source, name_expressions
+
+    src = module_source()
+    assert src.index("METRALE_COMMON_CU") < src.index("moe_route_kernel")
+    assert '#include "common.cu"' not in [ln.strip() for ln in src.splitlines()] and "#ifndef METRALE_NVRTC" in src
+    for name in PLAIN + name_expressions():
+        assert name.split("<")[0] in src
+    assert len(set(name_expressions())) == 10

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-_CUDA_DIR = Path(__file__).resolve().parent
+_HERE = Path(__file__).resolve().parent
+# The .cu files sit beside this module, or in kernels/ once the CUDA backend moves there (issue 12).
+_CUDA_DIR = _HERE / "kernels" if (_HERE / "kernels" / "moe.cu").is_file() else _HERE
 MOE_MAX_EXPERTS = 256  # must match moe.cu
 MOE_MAX_ROWS = 16
 MOE_MAX_K = 16
