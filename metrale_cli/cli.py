@@ -875,6 +875,7 @@ def _raw_inspect_info(label: str, raw: dict[str, Any], ckpt: Checkpoint, problem
                  "scaling": scaling},
         "tokenizer": ckpt.has_tokenizer, "bos_token_id": integer("bos_token_id"),
         "eos_token_ids": eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [],
+        "experts": None,
         "valid": False, "problems": str(problem),
     }
 
@@ -903,9 +904,22 @@ def _inspect_info(spec: ModelSpec, ckpt: Checkpoint, problem: MetraleError | Non
         "tied_embeddings": cfg.tie_word_embeddings,
         "rope": {"theta": cfg.rope_theta, "type": "llama3" if scaling else "default", "scaling": scaling},
         "tokenizer": ckpt.has_tokenizer, "bos_token_id": cfg.bos_token_id, "eos_token_ids": list(cfg.eos_token_ids),
+        "experts": _experts_info(cfg),
         "valid": problem is None, "problems": str(problem) if problem is not None else None,
         "scanned": False, "nonfinite": None,  # --scan: the tensors holding NaN/Inf (name, dtype, nan, inf)
     }
+
+
+def _experts_info(cfg: Any) -> dict[str, Any] | None:
+    """The sparse block of a mixture of experts (None for a dense model)."""
+    if cfg.moe is None:
+        return None
+    s = cfg.moe.spec
+    per_expert = 3 * s.intermediate_size * cfg.hidden_size
+    return {"count": s.num_experts, "top_k": s.top_k, "intermediate": s.intermediate_size,
+            "norm_topk_prob": s.norm_topk_prob, "shared_expert_intermediate": s.shared_expert_size,
+            "sparse_layers": list(cfg.moe.sparse_layers),
+            "active_parameters": cfg.parameter_count() - len(cfg.moe.sparse_layers) * (s.num_experts - s.top_k) * per_expert}
 
 
 # -- bench ---------------------------------------------------------------------------------------------------------
@@ -915,7 +929,8 @@ def _inspect_info(spec: ModelSpec, ckpt: Checkpoint, problem: MetraleError | Non
 def bench(
     ctx: typer.Context,
     preset: Annotated[Optional[str], typer.Option(
-        "--preset", metavar="NAME|PATH", help="A preset in configs/ (llama-3.1-8b, llama-3.2-1b, qwen3-8b, mistral-7b, tiny-llama) "
+        "--preset", metavar="NAME|PATH", help="A preset in configs/ (llama-3.1-8b, llama-3.2-1b, qwen3-8b, mistral-7b, qwen3-30b-a3b, mixtral-8x7b, "
+                         "tiny-llama) "
                          "or a config.json path. Default: llama-3.1-8b on cuda, tiny-llama on cpu.",
         show_default=False)] = None,
     device: DeviceOpt = "auto",

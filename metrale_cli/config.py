@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
 from .models import FAMILIES, Family
+from .models.moe import MoeConfig
 from .models.spec import ModelDefinition, Rope, RopeScaling
 
 if TYPE_CHECKING:  # numpy is imported where RoPE needs it: the CLI reads configs long before any math
@@ -50,6 +51,7 @@ class ModelConfig:
     dtype: str  # the checkpoint's declared dtype: bfloat16 | float16 | float32
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    moe: MoeConfig | None = None  # the sparse MLP block and its layers (qwen2_moe, qwen3_moe, mixtral)
 
     @property
     def family(self) -> Family:

@@ -825,6 +825,7 @@ def _inspect_rows(info: dict[str, Any]) -> list[tuple[str, str]]:
         ("tied_embeddings", info["tied_embeddings"]), ("rope", rope_s),
         ("tokenizer", info["tokenizer"]), ("bos_token_id", info["bos_token_id"]),
         ("eos_token_ids", " ".join(map(str, info["eos_token_ids"])) or "none"),
+        ("experts", _experts_text(info["experts"], info["layers"]) if info.get("experts") else "none"),
         ("valid", info["valid"]),
     ]
     if info["problems"]:
@@ -842,6 +843,18 @@ def _nonfinite_rows(info: dict[str, Any]) -> list[tuple[str, str]]:
         return [("nonfinite", "none")]
     rows = [("nonfinite", "1 tensor holds NaN or Inf" if len(found) == 1 else f"{len(found)} tensors hold NaN or Inf")]
     return rows + [(f"  {t['name']}", f"{t['dtype']}: {t['nan']:,} NaN, {t['inf']:,} Inf") for t in found]
+
+
+def _experts_text(x: dict[str, Any], layers: int) -> str:
+    """A mixture of experts in one line: the experts, the routing rule, the sparse layers, the active size."""
+    routing = f"top-{x['top_k']} (softmax in fp32, " + ("renormalised)" if x["norm_topk_prob"] else "not renormalised)")
+    if x["shared_expert_intermediate"]:
+        routing += f" + a shared expert of intermediate {x['shared_expert_intermediate']} (sigmoid gate)"
+    sparse = x["sparse_layers"]
+    dense = [i for i in range(layers) if i not in set(sparse)]
+    where = f"all {layers}" if not dense else ", ".join(map(str, sparse)) + " (dense: " + ", ".join(map(str, dense)) + ")"
+    return (f"{x['count']} of intermediate {x['intermediate']}, {routing}; sparse layers {where}; "
+            f"{x['active_parameters']:,} active parameters per token")
 
 
 # -- errors and progress ------------------------------------------------------------------------------------------

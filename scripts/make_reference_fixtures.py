@@ -51,6 +51,14 @@ from transformers import (  # noqa: E402
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+from transformers import (  # noqa: E402  (mixtures of experts)
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "tests" / "fixtures"
@@ -114,6 +122,74 @@ def model_specs():
     ]
 
 
+# --------------------------------------------------------------------------- mixtures of experts
+# Sparse families: >= 8 experts, top-k 2 and 8, dense and sparse layers mixed, norm_topk_prob both ways.
+# Goldens add the router's view of the prompt (see moe_golden); prompts are also required to keep every
+# routing decision clear of a near tie (MIN_ROUTE_GAP), so fp32 rounding cannot change an expert.
+MOE_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
+MIN_ROUTE_GAP = 1e-5  # smallest allowed gap between the k-th and (k+1)-th routing probability
+
+
+def moe_model_specs():
+    return [
+        # 3 layers, layer 1 dense (mlp_only_layers); top-8 of 16 experts, renormalised; q/k norm, untied
+        ("qwen3_moe", 1101, Qwen3MoeForCausalLM, Qwen3MoeConfig,
+         dict(num_hidden_layers=3, head_dim=24, num_experts=16, num_experts_per_tok=8, moe_intermediate_size=40,
+              norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1, tie_word_embeddings=False,
+              rope_parameters=dict(ROPE_DEFAULT)), {}),
+        # top-2 of 8 experts, not renormalised, a sigmoid-gated shared expert, q/k/v bias
+        ("qwen2_moe", 1102, Qwen2MoeForCausalLM, Qwen2MoeConfig,
+         dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40, shared_expert_intermediate_size=56,
+              norm_topk_prob=False, tie_word_embeddings=False, rope_parameters=dict(ROPE_DEFAULT)), {}),
+        # top-2 of 8 experts of intermediate_size, always renormalised (block_sparse_moe.experts.{i}.w1/w2/w3)
+        ("mixtral", 1103, MixtralForCausalLM, MixtralConfig,
+         dict(num_local_experts=8, num_experts_per_tok=2, head_dim=32, sliding_window=None,
+              tie_word_embeddings=False, rope_parameters=dict(ROPE_DEFAULT)), {}),
+    ]
+
+
+def is_moe(model) -> bool:
+    return model.config.model_type in MOE_TYPES
+
+
+def moe_golden(model, ids: torch.Tensor) -> tuple[dict, float]:
+    """Router logits, chosen experts and weights, and the sparse block's output per sparse layer on `ids`
+    [1, T] (no cache), and the smallest top-k boundary gap of the routing probabilities."""
+    logs: dict[str, list] = {"router_logits": [], "top_k_index": [], "top_k_weights": [], "moe_output": []}
+    def router_hook(module, args, out) -> None:  # the router returns (logits, weights, indices)
+        for key, value in zip(("router_logits", "top_k_weights", "top_k_index"), out):
+            logs[key].append(value.detach().clone())
+
+    def block_hook(module, args, out) -> None:
+        logs["moe_output"].append(out[0].detach().clone())
+
+    hooks, layers = [], []
+    for i, layer in enumerate(model.model.layers):
+        if not hasattr(layer.mlp, "gate"):
+            continue  # a dense layer
+        layers.append(i)
+        hooks.append(layer.mlp.gate.register_forward_hook(router_hook))
+        hooks.append(layer.mlp.register_forward_hook(block_hook))
+    with torch.no_grad():
+        model(ids, use_cache=False)
+    for h in hooks:
+        h.remove()
+    k = model.config.num_experts_per_tok
+    gap = float("inf")
+    for logits in logs["router_logits"]:
+        probs = torch.softmax(logits.float(), dim=-1).sort(dim=-1, descending=True).values
+        if k < probs.shape[-1]:
+            gap = min(gap, float((probs[:, k - 1] - probs[:, k]).min()))
+    arrays = {
+        "moe_layers": np.array(layers, np.int64),
+        "router_logits": torch.stack(logs["router_logits"]).numpy().astype(np.float32),
+        "top_k_index": torch.stack(logs["top_k_index"]).numpy().astype(np.int64),
+        "top_k_weights": torch.stack(logs["top_k_weights"]).numpy().astype(np.float32),
+        "moe_output": torch.stack(logs["moe_output"]).numpy().astype(np.float32),
+    }
+    return arrays, gap
+
+
 # --------------------------------------------------------------------------- helpers
 
 
@@ -137,8 +213,8 @@ def reinit_(model: torch.nn.Module, seed: int, tied: bool) -> None:
                 new = embed_std * torch.randn(p.shape, generator=g, dtype=torch.float32)
             elif "lm_head" in name:
                 new = 2.5 / p.shape[1] ** 0.5 * torch.randn(p.shape, generator=g, dtype=torch.float32)
-            else:  # Linear [out, in]
-                new = 1.2 / p.shape[1] ** 0.5 * torch.randn(p.shape, generator=g, dtype=torch.float32)
+            else:  # Linear [out, in], or stacked experts [E, out, in]
+                new = 1.2 / p.shape[-1] ** 0.5 * torch.randn(p.shape, generator=g, dtype=torch.float32)
             p.copy_(new)
 
 
@@ -180,7 +256,10 @@ def bf16_bits(t: torch.Tensor) -> np.ndarray:
 
 
 def load_fp32(path: Path) -> torch.nn.Module:
-    m = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    moe = json.loads((path / "config.json").read_text())["model_type"] in MOE_TYPES
+    # MoE: transformers' plain per-expert loop (its CPU default is a grouped matmul)
+    m = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager",
+                                             **({"experts_implementation": "eager"} if moe else {}))
     return m.float().eval()
 
 
@@ -254,6 +333,13 @@ def pick_prompt(model, vocab: int, seed: int, cfg):
         prompt = rng.integers(0, vocab, size=PROMPT_LEN, dtype=np.int64)
         arrays, info = run_golden(model, prompt, cfg)
         info["attempt"] = attempt
+        if is_moe(model):  # the router's view of the prompt, and no near tie anywhere in the greedy run
+            extra, _ = moe_golden(model, torch.from_numpy(prompt)[None])
+            seq = np.concatenate([prompt, arrays["greedy_tokens"][:-1]])
+            _, info["route_gap"] = moe_golden(model, torch.from_numpy(seq)[None])
+            arrays.update(extra)
+            if info["route_gap"] < MIN_ROUTE_GAP:
+                continue
         if info["margin"] >= MIN_MARGIN and info["distinct"] >= MIN_DISTINCT:
             return arrays, info
     raise RuntimeError("no prompt without near ties found")
@@ -339,7 +425,7 @@ def main(argv):
     transformers.logging.disable_progress_bar()
     only = set(argv[1:])
     MODELS_DIR.mkdir(parents=True, exist_ok=True)
-    for spec in model_specs():
+    for spec in model_specs() + moe_model_specs():
         name = spec[0]
         if only and name not in only:
             continue
@@ -348,6 +434,8 @@ def main(argv):
               f"min-greedy-margin={info['margin']:.4f} distinct-greedy={info['distinct']} prompt-attempt={info['attempt']}")
         for k, v in {**info["checks"], **notes}.items():
             print(f"   {k}: {v}")
+        if "route_gap" in info:
+            print(f"   min top-k routing gap (prompt + greedy tokens): {info['route_gap']:.2e}")
 
 
 if __name__ == "__main__":

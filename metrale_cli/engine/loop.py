@@ -8,17 +8,25 @@ takes the norm that precedes it and the residual it adds into, and a backend may
 
 Taps: at every point named after a Hugging Face module (`model.embed_tokens`, `model.layers.{i}.self_attn`
 = the attention output after o_proj, before the residual add, `model.layers.{i}.mlp`, `model.layers.{i}`
-= the residual stream after the layer, `model.norm`) the loop hands the value to `ops.tap`. A backend
+= the residual stream after the layer, `model.norm`) the loop hands the value to `ops.tap`. A sparse layer
+(mixture of experts) adds its router's: `model.layers.{i}.mlp.gate` = the router logits [T, E] (fp32, the
+shared expert's gate excluded), `model.layers.{i}.mlp.gate.top_k_index` = the chosen experts [T, k] (int,
+by decreasing probability, ties to the lowest index) and `model.layers.{i}.mlp.gate.top_k_weights` = their
+weights [T, k] (after renormalisation when norm_topk_prob); `model.layers.{i}.mlp` is the whole sparse
+block's output (routed experts plus shared expert) before the residual add. A backend
 with no observer makes that free; one with an observer computes the tapped value beside the fused path,
 never instead of it, so the numbers the observer sees are the ones the pass computes.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
+from ..models.spec import MoeSpec
+
 if TYPE_CHECKING:
-    from ..models.spec import AttentionSpec, ModelDefinition, Norm
+    from ..models.spec import AttentionSpec, LayerSpec, ModelDefinition, Norm
     from ..models.weights import Weights
 
 X = Any  # a backend's activation array, [rows, width] fp32
@@ -42,7 +50,27 @@ class Ops(Protocol):
     def attention(self, q: X, layer: int, spec: AttentionSpec) -> X: ...  # [T, heads * d]
     def gated_mlp(self, x: X, w_gate_up: Any, *, norm: Any, activation: str) -> X: ...  # act(g) * u [T, I]
     def norm(self, x: X, weight: Any, norm: Norm, *, out: str) -> X: ...
+    def route(self, x: X, w_router: Any, spec: MoeSpec, *, norm: Any) -> Route:
+        """The router of a sparse layer on norm(x): softmax over the experts in fp32, top-k, renormalised
+        when spec.norm_topk_prob; w_router [E (+1 shared gate row), H]."""
+        ...
+    def experts(self, x: X, route: Route, w_gate_up: Any, w_down: Any, spec: MoeSpec, *, norm: Any,
+                shared: tuple[Any, Any] | None, tap: str) -> X:
+        """x + y, y = sum over the route's experts of weight * down_e(act(gate_e(h)) * up_e(h)), h = norm(x),
+        plus sigmoid(route.shared_gate) * the shared expert (shared = its gate_up, down) when given;
+        `tap` names y."""
+        ...
     def tap(self, name: str, x: X) -> None: ...
+
+
+@dataclass
+class Route:
+    """The router's choice for T rows, in a backend's arrays."""
+
+    logits: Any  # [T, E] router logits
+    top_k_index: Any  # [T, k] chosen experts, by decreasing probability (ties: the lowest index first)
+    top_k_weights: Any  # [T, k] their weights
+    shared_gate: Any = None  # [T, 1] sigmoid(shared_expert_gate(h)) when the block has a shared expert
 
 
 def decoder_forward(ops: Ops, definition: ModelDefinition, w: Weights) -> X:
@@ -55,17 +83,34 @@ def decoder_forward(ops: Ops, definition: ModelDefinition, w: Weights) -> X:
         q = ops.rope_kv_append(qkv, i, a, lw.get("q_norm"), lw.get("k_norm"), layer.norm)
         attn = ops.attention(q, i, a)
         x = ops.linear(attn, lw["o"], lw.get("o_bias"), out="x", residual=x, tap=f"model.layers.{i}.self_attn")
-        act = ops.gated_mlp(x, lw["gate_up"], norm=(lw["mlp_norm"], layer.norm), activation=layer.mlp.activation)
-        x = ops.linear(act, lw["down"], out="x", residual=x, tap=f"model.layers.{i}.mlp")
+        if isinstance(layer.mlp, MoeSpec):
+            x = sparse_mlp(ops, layer, lw, x, i)
+        else:
+            act = ops.gated_mlp(x, lw["gate_up"], norm=(lw["mlp_norm"], layer.norm), activation=layer.mlp.activation)
+            x = ops.linear(act, lw["down"], out="x", residual=x, tap=f"model.layers.{i}.mlp")
         ops.tap(f"model.layers.{i}", x)
     h = ops.norm(x, w.final_norm, definition.norm, out="h")
     ops.tap("model.norm", h)
     return h
 
 
+def sparse_mlp(ops: Ops, layer: LayerSpec, lw: dict[str, Any], x: X, i: int) -> X:
+    """A mixture-of-experts MLP (layer.mlp a MoeSpec): route, then the chosen experts added into x."""
+    spec, norm, p = layer.mlp, (lw["mlp_norm"], layer.norm), f"model.layers.{i}.mlp"
+    route = ops.route(x, lw["router"], spec, norm=norm)
+    ops.tap(f"{p}.gate", route.logits)
+    ops.tap(f"{p}.gate.top_k_index", route.top_k_index)
+    ops.tap(f"{p}.gate.top_k_weights", route.top_k_weights)
+    shared = (lw["shared_gate_up"], lw["shared_down"]) if spec.shared_expert_size else None
+    return ops.experts(x, route, lw["experts_gate_up"], lw["experts_down"], spec, norm=norm, shared=shared, tap=p)
+
+
 def tap_names(definition: ModelDefinition) -> list[str]:
     """Every tap point in forward order (what a layer dump can hold)."""
     names = ["model.embed_tokens"]
-    for i in range(len(definition.layers)):
-        names += [f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp", f"model.layers.{i}"]
+    for i, layer in enumerate(definition.layers):
+        p = f"model.layers.{i}"
+        router = [f"{p}.mlp.gate{s}" for s in ("", ".top_k_index", ".top_k_weights")] if isinstance(
+            layer.mlp, MoeSpec) else []
+        names += [f"{p}.self_attn", *router, f"{p}.mlp", p]
     return names + ["model.norm"]

@@ -109,5 +109,7 @@ def _module_words(name: str) -> str:
         return "the final norm"
     if len(parts) == 3:
         return f"the residual stream after layer {parts[2]}"
+    if parts[3:5] == ["mlp", "gate"]:  # a sparse layer's router taps (engine/loop.py)
+        return f"layer {parts[2]} router " + (parts[5].replace("_", " ") if len(parts) > 5 else "logits")
     what = {"self_attn": "attention output", "mlp": "MLP output"}.get(parts[3], parts[3])
     return f"layer {parts[2]} {what}"

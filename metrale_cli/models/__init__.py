@@ -7,8 +7,11 @@ lists and the fixture scripts read it.
 from __future__ import annotations
 
 from . import llama, mistral, qwen2, qwen3
+from . import mixtral, qwen2_moe, qwen3_moe
 from .family import Family
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY)}
+# Mixtures of experts (models/moe.py)
+FAMILIES.update({f.model_type: f for f in (qwen2_moe.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY)})
 
 __all__ = ["FAMILIES", "Family"]

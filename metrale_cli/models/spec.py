@@ -17,6 +17,14 @@ Engine weight keys (`Param.key`), one vocabulary for every family:
     gate_up         gate and up projections fused (gate_proj/up_proj, or gate_up_proj)
     down            the MLP output projection                   (down_proj)
     mlp_out_norm    norm of the MLP output before the residual add (Gemma's post_feedforward_layernorm)
+
+Sparse (mixture-of-experts) layers, whose LayerSpec.mlp is a MoeSpec, read instead of gate_up/down:
+    router          the router [E, H] (HF mlp.gate / block_sparse_moe.gate), with the shared expert's gate
+                    row appended [E + 1, H] when there is one (qwen2_moe shared_expert_gate)
+    experts_gate_up every expert's gate and up projections, stacked [E, 2I, H] (`Param.experts`)
+    experts_down    every expert's down projection, stacked [E, H, I]
+    shared_gate_up  the shared expert's gate/up [2S, H] and down [H, S] (qwen2_moe shared_expert)
+    shared_down
 """
 
 from __future__ import annotations
@@ -40,19 +48,33 @@ class Tensor:
 
 @dataclass(frozen=True)
 class Param:
-    """One engine weight, read from `parts` concatenated along axis 0 at load (q, k, v -> qkv)."""
+    """One engine weight, read from `parts` concatenated along axis 0 at load (q, k, v -> qkv).
+
+    With `experts` = E > 0 the parts are E equal groups, one per expert in order (expert 0's gate and up,
+    expert 1's, ...): their concatenation is reshaped to [E, rows of one group, ...], so one tensor per
+    expert in the checkpoint becomes one stacked engine weight."""
 
     key: str
     parts: tuple[Tensor, ...]
+    experts: int = 0
 
     @property
     def shape(self) -> tuple[int, ...]:
         first = self.parts[0].shape
-        return (sum(p.shape[0] for p in self.parts),) + tuple(first[1:])
+        rows = sum(p.shape[0] for p in self.parts)
+        if self.experts:
+            return (self.experts, rows // self.experts) + tuple(first[1:])
+        return (rows,) + tuple(first[1:])
 
     @staticmethod
     def of(key: str, *parts: tuple[str, tuple[int, ...]]) -> Param:
         return Param(key, tuple(Tensor(name, tuple(shape)) for name, shape in parts))
+
+    @staticmethod
+    def stacked(key: str, per_expert: list[list[tuple[str, tuple[int, ...]]]]) -> Param:
+        """One stacked weight from the parts of each expert (every expert's parts alike in shape)."""
+        parts = tuple(Tensor(name, tuple(shape)) for group in per_expert for name, shape in group)
+        return Param(key, parts, experts=len(per_expert))
 
 
 @dataclass(frozen=True)
@@ -136,11 +158,29 @@ class MlpSpec:
 
 
 @dataclass(frozen=True)
+class MoeSpec:
+    """A sparse MLP block (mixture of experts) in place of the dense MLP, per token t with h = norm(x):
+
+        p = softmax(router(h))  over the num_experts experts, in fp32
+        the top_k largest p (ties: the lowest expert index first), renormalised to sum 1 when
+        norm_topk_prob; y = sum over them of p_e * down_e(act(gate_e(h)) * up_e(h))
+        + sigmoid(shared_gate(h)) * shared_expert(h)  when shared_expert_size (qwen2_moe)
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    norm_topk_prob: bool
+    activation: str = "silu"
+    shared_expert_size: int | None = None  # intermediate size of the sigmoid-gated shared expert
+
+
+@dataclass(frozen=True)
 class LayerSpec:
     """One decoder block: pre-norm attention and MLP, each added to the residual stream."""
 
     attention: AttentionSpec
-    mlp: MlpSpec
+    mlp: MlpSpec | MoeSpec  # a MoeSpec makes the layer sparse
     norm: Norm
     params: tuple[Param, ...]
 

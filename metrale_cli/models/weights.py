@@ -2,7 +2,8 @@
 
 Both engines load through `load_weights`: it walks the definition's `Param`s once, reads each
 checkpoint tensor through the backend's `read` (fp32 NumPy on the CPU, bf16 on the device for CUDA) and
-fuses multi-part params (q/k/v -> qkv, gate/up -> gate_up) with the backend's `concat`. Tensor names
+fuses multi-part params (q/k/v -> qkv, gate/up -> gate_up) with the backend's `concat`; a stacked param
+(`Param.experts`: one tensor per expert in the checkpoint) is that concatenation reshaped to [E, ...]. Tensor names
 are the Hugging Face names the family module declared.
 """
 
@@ -59,7 +60,8 @@ def load_weights(definition: ModelDefinition, read: Callable[[str], A], concat: 
 
     def param(p: Param) -> A:
         parts = [read(t.name) for t in p.parts]
-        return parts[0] if len(parts) == 1 else concat(parts)
+        value = parts[0] if len(parts) == 1 else concat(parts)
+        return value.reshape(p.shape) if p.experts else value  # stacked experts: [E, rows, ...]
 
     layers = [{p.key: param(p) for p in layer.params} for layer in definition.layers]
     final_norm = param(definition.final_norm)
@@ -73,6 +75,8 @@ def load_weights(definition: ModelDefinition, read: Callable[[str], A], concat: 
 
 def split_param(p: Param, value: Any) -> dict[str, Any]:
     """The inverse of the load-time fusion: checkpoint name -> the rows of `value` it supplied."""
+    if p.experts:  # stacked [E, rows, ...]: the parts follow each other in the flattened rows
+        value = value.reshape((-1,) + tuple(value.shape[2:]))
     out, row = {}, 0
     for t in p.parts:
         out[t.name] = value[row:row + t.shape[0]]

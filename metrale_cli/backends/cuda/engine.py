@@ -31,6 +31,7 @@ from ...logits import DevicePtr
 from ...engine.loop import Tap, decoder_forward
 from ...models.weights import WeightSource, Weights, check_checkpoint, load_weights
 from .kernels import GEMV_TC_MIN_ROWS
+from .moe_passes import MoeState
 from .passes import PrefillPass, RowsPass
 
 MAX_ROWS = 16  # rows the GEMV path takes (decode, verify k <= 15 plus one, short prefills)
@@ -134,6 +135,7 @@ class CudaEngine(EngineBase):
             self._inv_freq = {layer.attention.rope: cp.asarray(layer.attention.rope.inv_freq())
                               for layer in cfg.definition.layers}
             self._io_host = cp.cuda.alloc_pinned_memory(2 * R * 4)
+            self.moe = MoeState(cfg, kern) if cfg.moe is not None else None  # sparse layers' buffers, kernels
         except cp.cuda.memory.OutOfMemoryError:
             need = 2 * L * nkv * max_context * d * 2 + R * V * 8
             raise _oom(cp, f"allocating the KV cache for {max_context} positions", need) from None
@@ -356,6 +358,13 @@ def load_cuda_engine(cfg: ModelConfig, source, max_context: int, fp32_logits: bo
                      progress: Callable[[int], None] | None = None, use_graphs: bool = True) -> CudaEngine:
     """Check the tensors, upload them once, and build the engine (CuPy is imported here, not before)."""
     check_context(cfg, max_context)
+    if cfg.moe is not None:
+        from .kernels.moe import MoeKernels
+
+        s = cfg.moe.spec
+        why = MoeKernels.check_sizes(s.num_experts, s.top_k, s.intermediate_size, s.shared_expert_size or 8)
+        if why is not None:
+            raise DeviceError(f"{cfg.model_type}: the CUDA MoE kernels do not take {why}; use --device cpu")
     if not source.made_from_definition:
         check_checkpoint(cfg, source)
     _cupy()

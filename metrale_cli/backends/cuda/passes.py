@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...errors import DeviceError
+from .moe_passes import PrefillMoe, RowsMoe
 
 if TYPE_CHECKING:
     from ...engine.loop import Tap
@@ -41,7 +42,7 @@ class _Pass:
             self._tap(name, x.get(stream=self.s))
 
 
-class RowsPass(_Pass):
+class RowsPass(RowsMoe, _Pass):
     """m rows at positions io[1, :m] (device): every launch is capturable, every buffer preallocated."""
 
     def __init__(self, engine: CudaEngine, m: int, tap: Tap | None = None) -> None:
@@ -93,7 +94,7 @@ class RowsPass(_Pass):
         return attn.reshape(m, a.q_size)
 
 
-class PrefillPass(_Pass):
+class PrefillPass(PrefillMoe, _Pass):
     """T tokens at positions length..length+T-1 (eager): cuBLAS GEMMs, flash attention, chunk buffers."""
 
     def __init__(self, engine: CudaEngine, ids: np.ndarray, tap: Tap | None = None) -> None:

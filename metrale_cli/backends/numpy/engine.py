@@ -18,8 +18,9 @@ from ...config import ModelConfig
 from ...engine.loop import Tap, decoder_forward
 from ...engine_base import EngineBase, check_context
 from ...logits import DevicePtr, bf16_bits_to_fp32, fp32_to_bf16_bits, host_argmax
-from ...models.spec import AttentionSpec, Norm
+from ...models.spec import AttentionSpec, MoeSpec, Norm
 from ...models.weights import WeightSource, Weights, check_checkpoint, load_weights
+from . import moe
 
 # Queries per prefill chunk: bounds the attention scores to heads x chunk x context floats.
 PREFILL_CHUNK = 256
@@ -99,6 +100,18 @@ class NumpyPass:
         gu = self.linear(x, w_gate_up, out="gate_up", norm=norm)  # [T, 2I]
         i = gu.shape[1] // 2
         return ACTIVATIONS[activation](gu[:, :i]) * gu[:, i:]  # [T, I]
+
+    def route(self, x, w_router, spec: MoeSpec, *, norm):
+        return moe.route(rms_norm(x, norm[0], norm[1].eps), w_router, spec)
+
+    def experts(self, x, route, w_gate_up, w_down, spec: MoeSpec, *, norm, shared, tap):
+        h = rms_norm(x, norm[0], norm[1].eps)
+        act = ACTIVATIONS[spec.activation]
+        y = moe.experts(h, route, w_gate_up, w_down, act)
+        if shared is not None:  # qwen2_moe: + sigmoid(shared_expert_gate(h)) * shared_expert(h)
+            y = y + route.shared_gate * (moe.gated(h, shared[0], act) @ shared[1].T)
+        self.tap(tap, y)
+        return x + y
 
     def rope_kv_append(self, qkv, layer: int, a: AttentionSpec, q_norm, k_norm, norm: Norm):
         t, d, nkv = self.t, a.head_dim, a.num_kv_heads

@@ -1,0 +1,219 @@
+"""Python wrappers of the mixture-of-experts kernels (moe.cu), a CuPy RawModule of their own.
+
+The module is built from common.cu + moe.cu only when a sparse model is loaded, so dense models pay no
+compile time for it. Launches go through the engine's `Kernels` (the same PDL setting); every method
+checks its operands (ValueError with a clear message) and launches without host reads or syncs, so the
+rows path stays capturable in a CUDA graph.
+
+Device buffers of one sparse layer's routing (`RouteBuffers`, allocated once by the engine per layer):
+  idx int32 [16, k], wts f32 [16, k], sgate f32 [16], h f32 [16, H], n_union int32 [1],
+  union_e int32 [U], union_mask uint32 [U], union_slot int32 [U, 16] with U = min(E, 16 k).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_CUDA_DIR = Path(__file__).resolve().parent  # moe.cu and common.cu sit beside this module
+MOE_MAX_EXPERTS = 256  # must match moe.cu
+MOE_MAX_ROWS = 16
+MOE_MAX_K = 16
+MOE_WARPS = 4
+GATE_UP_R, DOWN_R, MOE_U = 1, 2, 4  # output rows per warp (gate_up, down), chunks in flight per lane
+MOE_MTS = (1, 2, 4, 8, 16)  # compiled row-count bounds; a call with M rows takes the smallest MT >= M
+
+
+def _mt(m: int) -> int:
+    return next(t for t in MOE_MTS if t >= m)
+
+
+def gate_up_name(mt: int) -> str:
+    return f"moe_gate_up_kernel<{mt}, {GATE_UP_R}, {MOE_U}>"
+
+
+def down_name(mt: int) -> str:
+    return f"moe_down_kernel<{mt}, {DOWN_R}, {MOE_U}>"
+
+
+def module_source() -> str:
+    text = (_CUDA_DIR / "moe.cu").read_text()
+    body = "\n".join(ln for ln in text.splitlines() if ln.strip() != '#include "common.cu"')
+    return (_CUDA_DIR / "common.cu").read_text() + "\n// ---- moe.cu ----\n" + body + "\n"
+
+
+def name_expressions() -> tuple[str, ...]:
+    return tuple(n for mt in MOE_MTS for n in (gate_up_name(mt), down_name(mt)))
+
+
+PLAIN = ("moe_route_kernel", "moe_topk_rows_kernel")
+
+
+@dataclass
+class RouteBuffers:
+    """One sparse layer's routing on the rows path (device arrays; see the module docstring)."""
+
+    idx: Any
+    wts: Any
+    sgate: Any
+    h: Any
+    n_union: Any
+    union_e: Any
+    union_mask: Any
+    union_slot: Any
+
+    @staticmethod
+    def allocate(cp, experts: int, k: int, hidden: int) -> RouteBuffers:
+        u = min(experts, MOE_MAX_ROWS * k)
+        r = MOE_MAX_ROWS
+        return RouteBuffers(cp.zeros((r, k), cp.int32), cp.zeros((r, k), cp.float32), cp.zeros(r, cp.float32),
+                            cp.zeros((r, hidden), cp.float32), cp.zeros(1, cp.int32), cp.zeros(u, cp.int32),
+                            cp.zeros(u, cp.uint32), cp.full((u, r), -1, cp.int32))
+
+
+class MoeKernels:
+    """The MoE kernels, launched through `kern` (a cuda.kernels.Kernels) for its checks and PDL."""
+
+    def __init__(self, kern: Any) -> None:
+        cp = kern._cp
+        self.k, self._cp, self._np = kern, cp, kern._np
+        names = name_expressions()
+        try:
+            module = cp.RawModule(code=module_source(), options=("-std=c++17", "-DMETRALE_NVRTC"),
+                                  name_expressions=names)
+            self._fn = {n: module.get_function(n) for n in names + PLAIN}
+        except Exception as e:  # an NVRTC or driver failure: one clear line
+            from ....errors import DeviceError
+
+            raise DeviceError(f"cannot compile the MoE kernels ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+
+    def _launch(self, name: str, grid: tuple, block: tuple, args: tuple, stream: Any) -> None:
+        k = self.k
+        if k.pdl:
+            if k._pdl_launcher is None:
+                from .pdl import PdlLauncher
+
+                k._pdl_launcher = PdlLauncher(self._cp)
+            k._pdl_launcher.launch(self._fn[name], grid, block, args, stream)
+        else:
+            self._fn[name](grid, block, args, stream=stream)
+
+    @staticmethod
+    def check_sizes(experts: int, top_k: int, *sizes: int) -> str | None:
+        """Why these MoE sizes cannot run on the kernels (None when they can)."""
+        if experts > MOE_MAX_EXPERTS:
+            return f"{experts} experts (the router kernel takes at most {MOE_MAX_EXPERTS})"
+        if top_k > MOE_MAX_K:
+            return f"num_experts_per_tok {top_k} (at most {MOE_MAX_K})"
+        odd = [s for s in sizes if s % 8]
+        if odd:
+            return f"an expert size {odd[0]} that is not a multiple of 8"
+        return None
+
+    # ------------------------------------------------------------------ launches
+    def route(self, logits: Any, x: Any, norm_w: Any, eps: float, experts: int, top_k: int, norm_topk: bool,
+              has_shared: bool, b: RouteBuffers, *, stream: Any = None) -> None:
+        """Top-k, shared gate, h = rmsnorm(x) and the union of the rows' experts (one block).
+        logits f32 [M, E (+1)], x f32 [M, H], norm_w bf16 [H]; M <= 16."""
+        np, k = self._np, self.k
+        k._f32(logits, "logits", 2)
+        k._f32(x, "x", 2)
+        k._bf16(norm_w, "norm_w", 1)
+        m, ld = logits.shape
+        hidden = x.shape[1]
+        if not 1 <= m <= MOE_MAX_ROWS or x.shape[0] != m:
+            raise ValueError(f"moe route: {m} logits rows and {x.shape[0]} x rows (1..{MOE_MAX_ROWS}, equal)")
+        if ld != experts + (1 if has_shared else 0) or experts > MOE_MAX_EXPERTS or not 1 <= top_k <= min(experts, MOE_MAX_K):
+            raise ValueError(f"moe route: logits width {ld} for {experts} experts (shared gate {has_shared}), top-{top_k}")
+        k._shape(norm_w, "norm_w", (hidden,))
+        if b.h.shape[1] != hidden or b.idx.shape[1] != top_k:
+            raise ValueError("moe route: buffers allocated for another hidden size or top-k")
+        args = (logits, np.int32(ld), x, norm_w, np.float32(eps), np.int32(m), np.int32(hidden), np.int32(experts),
+                np.int32(top_k), np.int32(1 if norm_topk else 0), np.int32(1 if has_shared else 0),
+                b.idx, b.wts, b.sgate, b.h, b.n_union, b.union_e, b.union_mask, b.union_slot)
+        self._launch("moe_route_kernel", (1,), (MOE_MAX_ROWS * 32,), args, stream)
+
+    def topk_rows(self, logits: Any, experts: int, top_k: int, norm_topk: bool, has_shared: bool, idx: Any,
+                  wts: Any, sgate: Any, *, stream: Any = None) -> None:
+        """The prefill router: idx int32 [T, k], wts f32 [T, k], sgate f32 [T] from logits f32 [T, E (+1)]."""
+        np, k = self._np, self.k
+        k._f32(logits, "logits", 2)
+        t, ld = logits.shape
+        if ld != experts + (1 if has_shared else 0) or not 1 <= top_k <= min(experts, MOE_MAX_K):
+            raise ValueError(f"moe topk: logits width {ld} for {experts} experts, top-{top_k}")
+        k._i32(idx, "idx", 2)
+        k._shape(idx, "idx", (t, top_k))
+        k._f32(wts, "wts", 2)
+        k._shape(wts, "wts", (t, top_k))
+        k._f32(sgate, "sgate", 1)
+        if t == 0:
+            return
+        args = (logits, np.int32(ld), np.int32(t), np.int32(experts), np.int32(top_k),
+                np.int32(1 if norm_topk else 0), np.int32(1 if has_shared else 0), idx, wts, sgate)
+        self._launch("moe_topk_rows_kernel", (-(-t // 8),), (256,), args, stream)
+
+    def gate_up(self, m: int, w_gate_up: Any, b: RouteBuffers, act: Any, *, stream: Any = None) -> None:
+        """act f32 [16 k, I] rows m k + j = silu(gate) * up of the expert row m chose at slot j, from b.h;
+        w_gate_up bf16 [E, 2I, H]. Reads each chosen expert once."""
+        np, k = self._np, self.k
+        k._bf16(w_gate_up, "w_gate_up", 3)
+        k._f32(act, "act", 2)
+        e, i2, hidden = w_gate_up.shape
+        inter = i2 // 2
+        top_k = b.idx.shape[1]
+        k._shape(act, "act", (MOE_MAX_ROWS * top_k, inter))
+        self._common(m, hidden, inter, w_gate_up, act, b)
+        rows = MOE_WARPS * GATE_UP_R
+        grid = (-(-inter // rows), min(e, m * top_k))
+        args = (b.h, w_gate_up, b.n_union, b.union_e, b.union_mask, b.union_slot, act,
+                np.int32(inter), np.int32(hidden), np.int32(top_k))
+        self._launch(gate_up_name(_mt(m)), grid, (MOE_WARPS * 32,), args, stream)
+
+    def down(self, m: int, w_down: Any, b: RouteBuffers, act: Any, out: Any, *, shared: tuple[Any, Any] | None = None,
+             accumulate: bool, stream: Any = None) -> None:
+        """out f32 [M, H] (=|+=) the weighted sum of the chosen experts' down projections of act, plus
+        sigmoid-gated shared = (w_shared bf16 [H, S], act_shared f32 [M, S]) when given."""
+        np, k = self._np, self.k
+        k._bf16(w_down, "w_down", 3)
+        k._f32(out, "out", 2)
+        e, hidden, inter = w_down.shape
+        top_k = b.idx.shape[1]
+        k._shape(out, "out", (m, hidden))
+        k._shape(act, "act", (MOE_MAX_ROWS * top_k, inter))
+        self._common(m, hidden, inter, w_down, act, b)
+        if shared is not None:
+            w_s, act_s = shared
+            k._bf16(w_s, "w_shared", 2)
+            k._f32(act_s, "act_shared", 2)
+            s = w_s.shape[1]
+            k._shape(w_s, "w_shared", (hidden, s))
+            k._shape(act_s, "act_shared", (m, s))
+            if s % 8:
+                raise ValueError(f"moe down: shared expert size {s} must be a multiple of 8")
+            k._aligned(w_s, "w_shared")
+            k._aligned(act_s, "act_shared")
+        else:
+            w_s, act_s, s = k._dummy, b.h, 0
+        k._disjoint(out, "out", act, "act")
+        rows = MOE_WARPS * DOWN_R
+        args = (act, w_down, b.wts, b.n_union, b.union_e, b.union_mask, b.union_slot, act_s, w_s, b.sgate,
+                np.int32(s), out, np.int32(m), np.int32(hidden), np.int32(inter), np.int32(top_k),
+                np.int32(1 if accumulate else 0))
+        self._launch(down_name(_mt(m)), (-(-hidden // rows),), (MOE_WARPS * 32,), args, stream)
+
+    def _common(self, m: int, hidden: int, inter: int, w: Any, act: Any, b: RouteBuffers) -> None:
+        k = self.k
+        if not 1 <= m <= MOE_MAX_ROWS:
+            raise ValueError(f"moe experts: M = {m} rows (1..{MOE_MAX_ROWS})")
+        if hidden % 8 or inter % 8:
+            raise ValueError(f"moe experts: hidden {hidden} and expert size {inter} must be multiples of 8")
+        if b.h.shape[1] != hidden:
+            raise ValueError(f"moe experts: routing buffers for hidden {b.h.shape[1]}, weights for {hidden}")
+        if w.shape[0] > MOE_MAX_EXPERTS:
+            raise ValueError(f"moe experts: {w.shape[0]} experts (at most {MOE_MAX_EXPERTS})")
+        for a, name in ((w, "weights"), (act, "act"), (b.h, "h")):
+            k._aligned(a, name)
+
+
+__all__ = ["MoeKernels", "RouteBuffers", "module_source", "name_expressions"]
