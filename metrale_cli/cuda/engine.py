@@ -91,6 +91,41 @@ def upload_weights(cfg: ModelConfig, source: WeightSource, kern, progress: Calla
     return load_weights(cfg.definition, get, lambda parts: cp.concatenate(parts, axis=0))
 
 
+def unsupported_features(cfg: ModelConfig, max_context: int) -> list[str]:
+    """What the model definition asks for that the CUDA kernels do not compute yet (each is refused with a
+    DeviceError naming it, never run with wrong numbers)."""
+    d = cfg.definition
+    found = []
+    if d.embed_scale is not None:
+        found.append("embedding scale")
+    if d.final_logit_softcap is not None:
+        found.append("final logit softcapping")
+    for i, layer in enumerate(d.layers):
+        a, keys = layer.attention, layer.keys()
+        if layer.norm.offset or d.norm.offset:
+            found.append("RMSNorm (1 + w)")
+        if {"attn_out_norm", "mlp_out_norm"} & keys:
+            found.append("post-attention / post-feedforward norms")
+        if layer.mlp.activation != "silu":
+            found.append(f"activation {layer.mlp.activation}")
+        if a.softcap is not None:
+            found.append("attention logit softcapping")
+        if a.window is not None and a.window < max_context:  # within the window, sliding == full
+            found.append(f"sliding-window attention (window {a.window} < context {max_context})")
+        if a.rope.dims != a.head_dim:
+            found.append("partial rotary embedding")
+        if a.rope.longrope is not None:
+            found.append("longrope")
+    return list(dict.fromkeys(found))
+
+
+def _refuse_unsupported(cfg: ModelConfig, max_context: int) -> None:
+    found = unsupported_features(cfg, max_context)
+    if found:
+        raise DeviceError(f"{cfg.model_type}: the CUDA engine does not implement {', '.join(found)} yet; "
+                          "use --device cpu")
+
+
 class CudaEngine(EngineBase):
     """Prefill, decode, verify and trim on the GPU behind the ModelLogits interface."""
 
@@ -98,6 +133,7 @@ class CudaEngine(EngineBase):
 
     def __init__(self, cfg: ModelConfig, weights: Weights, kern, max_context: int,
                  fp32_logits: bool = False, use_graphs: bool = True) -> None:
+        _refuse_unsupported(cfg, max_context)
         cp = kern._cp
         self.cp, self.kern, self.cfg, self.w = cp, kern, cfg, weights
         self.max_context = max_context
@@ -357,6 +393,7 @@ def load_cuda_engine(cfg: ModelConfig, source, max_context: int, fp32_logits: bo
                      progress: Callable[[int], None] | None = None, use_graphs: bool = True) -> CudaEngine:
     """Check the tensors, upload them once, and build the engine (CuPy is imported here, not before)."""
     check_context(cfg, max_context)
+    _refuse_unsupported(cfg, max_context)
     if not source.made_from_definition:
         check_checkpoint(cfg, source)
     _cupy()

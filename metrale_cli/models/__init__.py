@@ -6,9 +6,12 @@ lists and the fixture scripts read it.
 
 from __future__ import annotations
 
-from . import llama, mistral, qwen2, qwen3
+from . import gemma2, gemma3, llama, mistral, phi3, qwen2, qwen3
 from .family import Family
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY)}
+# issue 13: Gemma 2 / 3 and Phi-3 (sandwich norms, softcaps, sliding layers, partial rotary, longrope)
+FAMILIES.update({f.model_type: f for f in (gemma2.FAMILY, gemma3.TEXT_FAMILY, gemma3.MULTIMODAL_FAMILY,
+                                           phi3.FAMILY)})
 
 __all__ = ["FAMILIES", "Family"]
