@@ -179,6 +179,12 @@ def gemm_rate_cpu(n: int = 1024) -> float:
 # -- the bench -------------------------------------------------------------------------------------------
 
 
+def kv_bytes_read(cfg: ModelConfig, context: int, elem: int) -> int:
+    """K and V bytes one decode step at `context` reads: a sliding layer only its window of them."""
+    return sum(2 * layer.attention.kv_size * elem * min(context, layer.attention.window or context)
+               for layer in cfg.definition.layers)
+
+
 def build_engine(cfg: ModelConfig, device: str, context: int):
     source = RandomTensors(cfg, seed=0)
     if device == "cuda":
@@ -202,8 +208,8 @@ def run_bench(preset: str, *, device: str = "cpu", context: int = 1024, ks: tupl
     eng = build_engine(cfg, device, ctx_alloc)
     elem = 2 if device == "cuda" else 4
     streamed = _streamed_bytes(cfg, elem)
-    kv_per_pos = 2 * cfg.num_hidden_layers * cfg.kv_size * elem
-    res = BenchResult(path.stem, device, context, cfg.parameter_count(), streamed, kv_per_pos * context)
+    kv_read = kv_bytes_read(cfg, context, elem)
+    res = BenchResult(path.stem, device, context, cfg.parameter_count(), streamed, kv_read)
     timer = _Timer(eng)
     rng = np.random.default_rng(0)
 
@@ -212,7 +218,7 @@ def run_bench(preset: str, *, device: str = "cpu", context: int = 1024, ks: tupl
         bw, gemm = read_bandwidth_gpu(eng.cp), gemm_rate_gpu(eng.cp)
     else:
         bw, gemm = read_bandwidth_cpu(), gemm_rate_cpu()
-    floor = (streamed + kv_per_pos * context) / bw
+    floor = (streamed + kv_read) / bw
     res.figures += [
         Figure("read bandwidth", bw / 1e9, "GB/s", "measured ceiling"),
         Figure("decode floor", floor * 1e3, "ms", "weights + KV bytes / read bandwidth"),

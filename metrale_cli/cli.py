@@ -774,7 +774,7 @@ def inspect(
 
 
 def _inspect_without_config(state: State, fmt: str, path: str | None, problem: ConfigError) -> None:
-    """A config.json metrale cannot run (model_type gemma2, hidden_act gelu...): its raw fields and the
+    """A config.json metrale cannot run (model_type gpt_neox, hidden_act gelu...): its raw fields and the
     tensor listing, with the problem named. Prints nothing when config.json is no JSON object or the
     weights cannot be listed (the caller's error then says why)."""
     directory = model_dir(path)
@@ -799,6 +799,10 @@ def _raw_inspect_info(label: str, raw: dict[str, Any], ckpt: Checkpoint, problem
         v = raw.get(key)
         return v if isinstance(v, int) and not isinstance(v, bool) else fallback
 
+    def number(key: str) -> float | None:
+        v = raw.get(key)
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
     hidden, heads = integer("hidden_size"), integer("num_attention_heads")
     head_dim = integer("head_dim", hidden // heads if hidden and heads and hidden % heads == 0 else None)
     archs = raw.get("architectures")
@@ -819,7 +823,11 @@ def _raw_inspect_info(label: str, raw: dict[str, Any], ckpt: Checkpoint, problem
         "tied_embeddings": raw.get("tie_word_embeddings") is True,
         "rope": {"theta": raw.get("rope_theta", rope_params.get("rope_theta")),
                  "type": (scaling or rope_params).get("rope_type", (scaling or {}).get("type", "default")),
-                 "scaling": scaling},
+                 "scaling": scaling, "rotary_fraction": number("partial_rotary_factor")},
+        # the block features of models/describe.py: unknown without a definition, but the softcaps as written
+        "sliding_layers": None, "sliding_rope": None, "attn_logit_softcapping": number("attn_logit_softcapping"),
+        "final_logit_softcapping": number("final_logit_softcapping"), "attention_scale": None, "norm": None,
+        "post_norms": None, "activation": raw.get("hidden_activation", raw.get("hidden_act")), "embed_scale": None,
         "tokenizer": ckpt.has_tokenizer, "bos_token_id": integer("bos_token_id"),
         "eos_token_ids": eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [],
         "valid": False, "problems": str(problem),
@@ -833,11 +841,8 @@ def _inspect_info(spec: ModelSpec, ckpt: Checkpoint, problem: MetraleError | Non
     except (OSError, ValueError):
         raw = {}
     archs = raw.get("architectures")
-    scaling = None
-    if cfg.rope_scaling is not None:
-        s = cfg.rope_scaling
-        scaling = {"factor": s.factor, "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
-                   "original_max_position_embeddings": s.original_max_position_embeddings}
+    from .models.describe import block_features
+
     return {
         "command": "inspect", "model": spec.label,
         "architecture": archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else cfg.model_type,
@@ -848,7 +853,7 @@ def _inspect_info(spec: ModelSpec, ckpt: Checkpoint, problem: MetraleError | Non
         "parameters": cfg.parameter_count(), "dtype": cfg.dtype, "dtypes": ckpt.dtypes(),
         "shards": len(ckpt.files), "files": [p.name for p in ckpt.files], "bytes": ckpt.total_bytes,
         "tied_embeddings": cfg.tie_word_embeddings,
-        "rope": {"theta": cfg.rope_theta, "type": "llama3" if scaling else "default", "scaling": scaling},
+        **block_features(cfg),  # rope, sliding layers, softcaps, norms, activation, embedding scale
         "tokenizer": ckpt.has_tokenizer, "bos_token_id": cfg.bos_token_id, "eos_token_ids": list(cfg.eos_token_ids),
         "valid": problem is None, "problems": str(problem) if problem is not None else None,
     }
