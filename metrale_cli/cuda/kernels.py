@@ -66,24 +66,35 @@ GEMV_TC_SWIGLU_EXTRA = ((1, 8, 2), (1, 4, 4), (1, 8, 8), (1, 4, 8))
 # The fused-RMSNorm variants are compiled for the default configs only.
 
 ATTN_WARPS = 4  # must match attention.cu
-DECODE_HEAD_DIMS = (32, 64, 128, 256)
-PREFILL_HEAD_DIMS = (32, 64, 128)
+DECODE_HEAD_DIMS = (32, 64, 96, 128, 256)
+PREFILL_HEAD_DIMS = (32, 64, 96, 128, 256)
+# Gate activations of the fused gated MLP (gate_act in common.cu).
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 # flash_prefill.cu (tensor cores): a block takes PREFILL_BQ query rows of one head, 16 rows per warp,
 # and walks key tiles of PREFILL_BK keys (must match FP_BK there).  PREFILL_BQS are compiled; 64
 # (4 warps, 168 registers at head_dim 128 -> 3 blocks per SM) is the default.
 PREFILL_BQ = 64
 PREFILL_BQS = (64,)  # 128 (8 warps, 1 block per SM) was slower at every length measured (NOTES.md)
 PREFILL_BK = 64
+
+
+def prefill_bk(hd: int) -> int:
+    """Keys per tile of flash_prefill_kernel (32 at head_dim 256, whose fragments fill the registers)."""
+    return 32 if hd > 128 else PREFILL_BK
+
+
 LOG2E = 1.4426950408889634
 
 
 # Decode attention (attention.cu).  head_dim in DECODE_TC_HEAD_DIMS: the tensor-core split kernel,
 # ATTN_TC_WARPS warps per block, 8 or 16 query vectors (rows x heads of one KV head) per block;
-# head_dim 256: the SIMT split kernel (ATTN_WARPS warps, _decode_qb_max query vectors per block).
+# head_dim 96 and 256: the SIMT split kernel (ATTN_WARPS warps, _decode_qb_max query vectors per block).
+# Each tensor-core instance is also compiled with the window / softcap code (EXT, decode_name).
 # Splits are multiples of ATTN_CHUNK_ALIGN keys.  All must match attention.cu.
 ATTN_TC_WARPS = 4
 ATTN_CHUNK_ALIGN = 64
 DECODE_TC_HEAD_DIMS = (32, 64, 128)
+DECODE_TC_EXT_HEAD_DIMS = DECODE_TC_HEAD_DIMS
 
 
 def _decode_qb_max(hd: int) -> int:
@@ -138,20 +149,21 @@ def _gemv_block_rows(r: int, u: int) -> tuple[int, int]:
     return warps * 32, warps * r
 
 
-def decode_name(hd: int, qb: int) -> str:
-    """The split kernel for head_dim hd taking qb query vectors per block (_decode_qb)."""
+def decode_name(hd: int, qb: int, ext: bool = False) -> str:
+    """The split kernel for head_dim hd taking qb query vectors per block (_decode_qb); ext: with the
+    sliding-window / softcap code (the SIMT kernel always has it)."""
     if hd in DECODE_TC_HEAD_DIMS:
-        return f"attn_decode_tc_kernel<{hd}, {qb // 8}>"
+        return f"attn_decode_tc_kernel<{hd}, {qb // 8}, {'true' if ext else 'false'}>"
     return f"attn_decode_split_kernel<{hd}, {qb}, {_decode_kb(hd)}>"
 
 
 def prefill_name(hd: int, bq: int = PREFILL_BQ) -> str:
-    return f"flash_prefill_kernel<{hd}, {bq // 16}>"
+    return f"flash_prefill_kernel<{hd}, {bq // 16}, {prefill_bk(hd)}>"
 
 
 def prefill_smem_bytes(hd: int) -> int:
-    """Dynamic shared memory of flash_prefill_kernel: 2 stages x (K, V) x PREFILL_BK x (hd + 8) bf16."""
-    return 2 * 2 * PREFILL_BK * (hd + 8) * 2
+    """Dynamic shared memory of flash_prefill_kernel: 2 stages x (K, V) x prefill_bk x (hd + 8) bf16."""
+    return 2 * 2 * prefill_bk(hd) * (hd + 8) * 2
 
 
 def _all_name_expressions() -> list[str]:
@@ -171,6 +183,8 @@ def _all_name_expressions() -> list[str]:
     for hd in DECODE_HEAD_DIMS:
         for qb in (8, 16) if hd in DECODE_TC_HEAD_DIMS else (1, 2, 4):
             names.append(decode_name(hd, qb))
+            if hd in DECODE_TC_EXT_HEAD_DIMS:
+                names.append(decode_name(hd, qb, ext=True))
     for hd in PREFILL_HEAD_DIMS:
         for bq in PREFILL_BQS:
             names.append(prefill_name(hd, bq))
@@ -204,6 +218,8 @@ PLAIN_KERNELS = (
     "swiglu_kernel",
     "kv_append_kernel",
     "rmsnorm_kernel",
+    "rmsnorm_add_kernel",
+    "softcap_kernel",
     "rope_kernel",
     "rope_kv_append_kernel",
     "attn_decode_combine_kernel",
@@ -414,9 +430,9 @@ class Kernels:
             self._fn[name](grid, block, args, stream=stream)
 
     # ------------------------------------------------------------------ kernels
-    def embedding(self, ids: Any, table: Any, out: Any, *, stream: Any = None) -> None:
-        """out[m, :] = float32(table[ids[m], :]).  ids int32[M], table bf16[V, H], out f32[M, H].
-        An id outside [0, V) yields a row of NaN."""
+    def embedding(self, ids: Any, table: Any, out: Any, *, scale: float | None = None, stream: Any = None) -> None:
+        """out[m, :] = float32(table[ids[m], :]) (* scale, an fp32 value: Gemma's sqrt(hidden)).
+        ids int32[M], table bf16[V, H], out f32[M, H].  An id outside [0, V) yields a row of NaN."""
         np = self._np
         self._i32(ids, "ids", 1)
         self._bf16(table, "table", 2)
@@ -425,7 +441,8 @@ class Kernels:
         self._shape(out, "out", (M, H))
         if M == 0:
             return
-        self._launch("embedding_kernel", (M,), (256,), (ids, table, out, np.int32(V), np.int32(H)), stream)
+        s = np.float32(1.0 if scale is None else scale)
+        self._launch("embedding_kernel", (M,), (256,), (ids, table, out, np.int32(V), np.int32(H), s), stream)
 
     def gemv(
         self,
@@ -438,6 +455,7 @@ class Kernels:
         config: tuple[int, int] | None = None,
         norm_weight: Any = None,
         eps: float = 1e-6,
+        norm_offset: float = 0.0,
         stream: Any = None,
     ) -> None:
         """out = x @ w.T (+ bias), or out += x @ w.T (+ bias) with accumulate=True.
@@ -448,7 +466,8 @@ class Kernels:
         U = 0: x staged in shared memory).
         With norm_weight bf16[K] (16-byte aligned): fused RMSNorm prologue, x is the
         un-normalised input and the result is that of rmsnorm(x, norm_weight, eps) followed by
-        this GEMV (within fp32 rounding); only the GEMV_DEFAULT configs are compiled for it."""
+        this GEMV (within fp32 rounding); only the GEMV_DEFAULT configs are compiled for it.
+        norm_offset is added to the norm weight in fp32 (Gemma's (1 + w): 1.0)."""
         np = self._np
         M, K, N, norm = self._linear_operands("gemv", x, w, "w", out, bias, norm_weight, swiglu=False)
         r, u = config if config is not None else GEMV_DEFAULT[M]
@@ -460,7 +479,7 @@ class Kernels:
         args = (
             x, w, self._dummy if bias is None else bias, out,
             np.int32(N), np.int32(K), np.int32(1 if accumulate else 0), np.int32(0 if bias is None else 1),
-            norm_weight if norm else self._dummy, np.float32(eps),
+            norm_weight if norm else self._dummy, np.float32(eps), np.float32(norm_offset), np.int32(0),
         )
         self._launch(name, grid, (threads,), args, stream)
 
@@ -518,11 +537,14 @@ class Kernels:
         config: tuple[int, int] | None = None,
         norm_weight: Any = None,
         eps: float = 1e-6,
+        norm_offset: float = 0.0,
+        activation: str = "silu",
         stream: Any = None,
     ) -> None:
-        """out = silu(x @ Wg.T) * (x @ Wu.T) in one pass over the fused weight
-        w_gate_up bf16[2I, K] = concat(gate_proj.weight, up_proj.weight).  x f32[M, K], out f32[M, I].
-        norm_weight bf16[K]: fused RMSNorm of x first, as in gemv."""
+        """out = act(x @ Wg.T) * (x @ Wu.T) in one pass over the fused weight
+        w_gate_up bf16[2I, K] = concat(gate_proj.weight, up_proj.weight).  x f32[M, K], out f32[M, I];
+        act: "silu" (SwiGLU) or "gelu_tanh" (GeGLU).  norm_weight bf16[K]: fused RMSNorm of x first,
+        as in gemv (norm_offset likewise)."""
         np = self._np
         M, K, inter, norm = self._linear_operands("gemv_swiglu", x, w_gate_up, "w_gate_up", out, None, norm_weight,
                                                   swiglu=True)
@@ -534,7 +556,7 @@ class Kernels:
         grid = (_ceil_div(inter, rows),)
         args = (
             x, w_gate_up, self._dummy, out, np.int32(inter), np.int32(K), np.int32(0), np.int32(0),
-            norm_weight if norm else self._dummy, np.float32(eps),
+            norm_weight if norm else self._dummy, np.float32(eps), np.float32(norm_offset), self._act(activation),
         )
         self._launch(name, grid, (threads,), args, stream)
 
@@ -550,6 +572,8 @@ class Kernels:
         norm_weight: Any = None,
         eps: float = 1e-6,
         config: tuple[int, int, int] | None = None,
+        norm_offset: float = 0.0,
+        activation: str = "silu",
         stream: Any = None,
     ) -> None:
         """Tensor-core version of gemv / gemv_swiglu (mma.sync bf16, x split into bf16 hi + lo,
@@ -559,7 +583,8 @@ class Kernels:
         K a positive multiple of 8; x must not overlap out.  norm_weight bf16[K]: fused RMSNorm of x
         first, as in gemv.  `config=(TILES, W, U)` picks a compiled variant (GEMV_TC_DEFAULT /
         GEMV_TC_EXTRA, GEMV_TC_SWIGLU_*; norm only for the defaults).  Row m of the result is
-        bit-identical whatever M is, for configs with the same W."""
+        bit-identical whatever M is, for configs with the same W.  norm_offset and activation (the
+        swiglu gate's: "silu" or "gelu_tanh") as in gemv / gemv_swiglu."""
         np = self._np
         op = "gemv_tc"
         M, K, N, norm = self._linear_operands(op, x, w, "w", out, bias, norm_weight, swiglu)
@@ -575,15 +600,23 @@ class Kernels:
             x, w, self._dummy if bias is None else bias, out,
             np.int32(M), np.int32(N), np.int32(K), np.int32(1 if accumulate else 0),
             np.int32(0 if bias is None else 1), norm_weight if norm else self._dummy, np.float32(eps),
+            np.float32(norm_offset), self._act(activation),
         )
         self._launch(name, grid, (warps * 32,), args, stream)
 
+    def _act(self, activation: str) -> Any:
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation {activation!r}: supported {', '.join(ACTIVATIONS)}")
+        return self._np.int32(ACTIVATIONS[activation])
+
     def rmsnorm(
-        self, x: Any, weight: Any, eps: float, out: Any, residual: Any = None, *, stream: Any = None
+        self, x: Any, weight: Any, eps: float, out: Any, residual: Any = None, *, offset: float = 0.0,
+        stream: Any = None
     ) -> None:
-        """out = weight * (h * rsqrt(mean(h^2) + eps)) per row, h = x, or, with residual given,
-        residual += x (in place) and h = the new residual.  x, out, residual f32[M, H], weight bf16[H].
-        out may be x itself; residual must not overlap x or out."""
+        """out = (offset + weight) * (h * rsqrt(mean(h^2) + eps)) per row, h = x, or, with residual
+        given, residual += x (in place) and h = the new residual.  x, out, residual f32[M, H], weight
+        bf16[H]; offset 1.0: Gemma's (1 + w), added in fp32.  out may be x itself; residual must not
+        overlap x or out."""
         np = self._np
         self._f32(x, "x", 2)
         self._bf16(weight, "weight", 1)
@@ -603,9 +636,35 @@ class Kernels:
         block = 512 if H >= 2048 else 256 if H >= 512 else 128
         args = (
             x, weight, out, self._dummy if residual is None else residual,
-            np.int32(H), np.float32(eps), np.int32(0 if residual is None else 1),
+            np.int32(H), np.float32(eps), np.int32(0 if residual is None else 1), np.float32(offset),
         )
         self._launch("rmsnorm_kernel", (M,), (block,), args, stream)
+
+    def rmsnorm_add(self, x: Any, weight: Any, eps: float, residual: Any, *, offset: float = 0.0,
+                    stream: Any = None) -> None:
+        """residual += (offset + weight) * (x * rsqrt(mean(x^2) + eps)) per row: a sandwich block's
+        post-norm before its residual add.  x, residual f32[M, H] (disjoint), weight bf16[H]."""
+        np = self._np
+        self._f32(x, "x", 2)
+        self._bf16(weight, "weight", 1)
+        self._f32(residual, "residual", 2)
+        M, H = x.shape
+        self._shape(weight, "weight", (H,))
+        self._shape(residual, "residual", (M, H))
+        self._disjoint(x, "x", residual, "residual")
+        if M == 0:
+            return
+        block = 512 if H >= 2048 else 256 if H >= 512 else 128
+        args = (x, weight, residual, np.int32(H), np.float32(eps), np.float32(offset))
+        self._launch("rmsnorm_add_kernel", (M,), (block,), args, stream)
+
+    def softcap(self, x: Any, cap: float, *, stream: Any = None) -> None:
+        """x = cap * tanh(x / cap) in place, x f32[...] (final-logit softcapping)."""
+        np = self._np
+        self._f32(x, "x")
+        if x.size == 0:
+            return
+        self._launch("softcap_kernel", (self._grid1d(x.size),), (256,), (x, np.int64(x.size), np.float32(cap)), stream)
 
     def rope(
         self,
@@ -616,12 +675,16 @@ class Kernels:
         eps: float = 1e-6,
         *,
         attention_scaling: float = 1.0,
+        norm_offset: float = 0.0,
+        rotary_dim: int | None = None,
         stream: Any = None,
     ) -> None:
         """In place on x f32[M, n_heads, head_dim]: optional per-head RMSNorm with
-        norm_weight bf16[head_dim] (Qwen3 q_norm/k_norm), then HF rotate_half rotary embedding at
-        positions int32[M] with inv_freq f32[head_dim/2]; cos/sin are multiplied by
-        attention_scaling (1.0 for default and llama3 rope).  head_dim even, <= 256."""
+        norm_weight bf16[head_dim] (Qwen3 q_norm/k_norm; (norm_offset + w): Gemma 3's 1 + w), then HF
+        rotate_half rotary embedding at positions int32[M] with inv_freq f32[rotary_dim/2] over the first
+        rotary_dim dims (default head_dim; fewer: partial rotary, the rest pass through); cos/sin are
+        multiplied by attention_scaling (longrope's attention factor; 1.0 otherwise).  head_dim even,
+        <= 256; rotary_dim even, <= head_dim."""
         np = self._np
         self._f32(x, "x", 3)
         self._i32(positions, "positions", 1)
@@ -629,8 +692,9 @@ class Kernels:
         M, nh, hd = x.shape
         if hd % 2 or hd > 256 or hd == 0:
             raise ValueError(f"rope: head_dim = {hd} must be even and <= 256")
+        rd = self._rotary_dim(hd, rotary_dim)
         self._shape(positions, "positions", (M,))
-        self._shape(inv_freq, "inv_freq", (hd // 2,))
+        self._shape(inv_freq, "inv_freq", (rd // 2,))
         if norm_weight is not None:
             self._bf16(norm_weight, "norm_weight", 1)
             self._shape(norm_weight, "norm_weight", (hd,))
@@ -641,6 +705,7 @@ class Kernels:
             x, positions, inv_freq, self._dummy if norm_weight is None else norm_weight,
             np.int32(M), np.int32(nh), np.int32(hd), np.float32(eps),
             np.int32(0 if norm_weight is None else 1), np.float32(attention_scaling),
+            np.float32(norm_offset), np.int32(rd),
         )
         self._launch("rope_kernel", (_ceil_div(M * nh, warps),), (32 * warps,), args, stream)
 
@@ -657,9 +722,12 @@ class Kernels:
         eps: float = 1e-6,
         *,
         attention_scaling: float = 1.0,
+        norm_offset: float = 0.0,
+        rotary_dim: int | None = None,
         stream: Any = None,
     ) -> None:
-        """rope on q and k plus kv_append, in one launch, from the fused QKV GEMV output:
+        """rope on q and k plus kv_append, in one launch, from the fused QKV GEMV output
+        (norm_offset, rotary_dim and attention_scaling as in rope):
         qkv f32[M, (n_heads + 2 n_kv) * head_dim] (per row: q heads, k heads, v heads).
         q_out f32[M, n_heads, head_dim] = rope(q) (optional per-head q_norm first), and
         k_cache[:, positions[m], :] = bf16(rope(k)) (optional k_norm), v_cache[...] = bf16(v):
@@ -679,9 +747,10 @@ class Kernels:
             raise ValueError(f"q_out: head_dim {qhd} differs from the cache's {hd}")
         if hd % 2 or hd > 256 or hd == 0:
             raise ValueError(f"rope_kv_append: head_dim = {hd} must be even and <= 256")
+        rd = self._rotary_dim(hd, rotary_dim)
         self._shape(qkv, "qkv", (M, (nh + 2 * n_kv) * hd))
         self._shape(positions, "positions", (M,))
-        self._shape(inv_freq, "inv_freq", (hd // 2,))
+        self._shape(inv_freq, "inv_freq", (rd // 2,))
         for a, an in ((q_norm, "q_norm"), (k_norm, "k_norm")):
             if a is not None:
                 self._bf16(a, an, 1)
@@ -701,9 +770,16 @@ class Kernels:
             q_out, k_cache, v_cache,
             np.int32(M), np.int32(nh), np.int32(n_kv), np.int32(hd), np.int32(max_ctx), np.float32(eps),
             np.int32(0 if q_norm is None else 1), np.int32(0 if k_norm is None else 1),
-            np.float32(attention_scaling),
+            np.float32(attention_scaling), np.float32(norm_offset), np.int32(rd),
         )
         self._launch("rope_kv_append_kernel", (_ceil_div(M * slots, warps),), (32 * warps,), args, stream)
+
+    @staticmethod
+    def _rotary_dim(hd: int, rotary_dim: int | None) -> int:
+        rd = hd if rotary_dim is None else int(rotary_dim)
+        if rd <= 0 or rd % 2 or rd > hd:
+            raise ValueError(f"rotary_dim = {rd} must be even and in 2..head_dim {hd}")
+        return rd
 
     def _check_cache(self, k_cache: Any, v_cache: Any) -> tuple[int, int, int]:
         self._bf16(k_cache, "k_cache", 3)
@@ -773,6 +849,8 @@ class Kernels:
         *,
         n_splits: int | None = None,
         workspace: Any = None,
+        window: int | None = None,
+        softcap: float | None = None,
         stream: Any = None,
     ) -> None:
         """Causal attention of M query rows (decode M=1, verify M=k) against the cache:
@@ -787,7 +865,10 @@ class Kernels:
         `workspace`: f32 buffer of >= decode_workspace_size(M, n_heads, head_dim, n_splits)
         elements, any content; if None an internal one is used (grown on demand: make one eager
         call before capturing, or pass your own, and pass your own when calls on different streams
-        may overlap)."""
+        may overlap).
+        `window`: row m sees only keys (positions[m] - window, positions[m]], and the split work covers
+        only the keys some row sees (a long context costs what the window costs).  `softcap`: scores
+        -> softcap * tanh(scores / softcap) before the mask (Gemma 2).  Both fixed at capture time."""
         np = self._np
         self._f32(q, "q", 3)
         self._f32(out, "out", 3)
@@ -829,6 +910,10 @@ class Kernels:
         part_acc = ws[:n_acc]
         part_ml = ws[n_acc : n_acc + 2 * n_splits * M * nh]
         qb = _decode_qb(hd, M * G)
+        win, cap2 = self._window_softcap(window, softcap)
+        ext = bool(win or cap2)
+        if ext and hd in DECODE_TC_HEAD_DIMS and hd not in DECODE_TC_EXT_HEAD_DIMS:
+            raise ValueError(f"attention_decode: window / softcap at head_dim {hd}: compiled for {DECODE_TC_EXT_HEAD_DIMS}")
         if hd in DECODE_TC_HEAD_DIMS:
             grid = (_ceil_div(M * G, qb), n_splits, n_kv)
             threads = ATTN_TC_WARPS * 32
@@ -839,13 +924,24 @@ class Kernels:
         args = (
             q, k_cache, v_cache, positions, part_acc, part_ml,
             np.int32(M), np.int32(nh), np.int32(n_kv), np.int32(max_ctx), np.int32(n_splits), qscale,
+            win, cap2,
         )
-        self._launch(decode_name(hd, qb), grid, (threads,), args, stream)
+        self._launch(decode_name(hd, qb, ext), grid, (threads,), args, stream)
         args2 = (
             part_acc, part_ml, positions, out,
-            np.int32(M), np.int32(nh), np.int32(hd), np.int32(max_ctx), np.int32(n_splits),
+            np.int32(M), np.int32(nh), np.int32(hd), np.int32(max_ctx), np.int32(n_splits), win,
         )
         self._launch("attn_decode_combine_kernel", (M * nh,), (hd,), args2, stream)
+
+    def _window_softcap(self, window: int | None, softcap: float | None) -> tuple[Any, Any]:
+        """Kernel arguments: window (0 = none) and the softcap in base 2, softcap * log2(e) (0 = none)."""
+        np = self._np
+        if window is not None and int(window) <= 0:
+            raise ValueError(f"window = {window} must be positive")
+        if softcap is not None and not float(softcap) > 0:
+            raise ValueError(f"softcap = {softcap} must be positive")
+        return (np.int32(0 if window is None else int(window)),
+                np.float32(0.0 if softcap is None else float(softcap) * LOG2E))
 
     def attention_prefill(
         self,
@@ -858,11 +954,15 @@ class Kernels:
         scale: float,
         *,
         block_q: int | None = None,
+        window: int | None = None,
+        softcap: float | None = None,
         stream: Any = None,
     ) -> None:
         """Causal attention of a prompt chunk: query row t (position start_pos + t) attends to
-        cache rows 0..start_pos+t, whose K/V were appended before.  q, out f32[>=T, n_heads,
-        head_dim] (rows T.. untouched); head_dim in {32, 64, 128}; start_pos + T <= max_ctx.
+        cache rows 0..start_pos+t (with `window`: only the last `window` of them; tiles before every
+        row's window are skipped), whose K/V were appended before.  `softcap` as in attention_decode.
+        q, out f32[>=T, n_heads, head_dim] (rows T.. untouched); head_dim in PREFILL_HEAD_DIMS;
+        start_pos + T <= max_ctx.
         Tensor cores (flash_prefill.cu): q and the softmax weights P are rounded to bf16 for the
         mma (as bf16 attention in transformers does), the softmax state and sums stay fp32.
         `block_q`: query rows per block, one of PREFILL_BQS (default PREFILL_BQ).  Eager only:
@@ -900,11 +1000,13 @@ class Kernels:
         args = (
             q, k_cache, v_cache, out, np.int32(T), np.int32(start_pos), np.int32(nh),
             np.int32(n_kv), np.int32(max_ctx), np.float32(float(scale) * LOG2E),
+            *self._window_softcap(window, softcap),
         )
         fn(grid, (bq // 16 * 32,), args, shared_mem=smem, stream=stream)
 
-    def swiglu(self, gate_up: Any, out: Any, *, stream: Any = None) -> None:
-        """out = silu(gate_up[:, :I]) * gate_up[:, I:].  gate_up f32[M, 2I], out f32[M, I]."""
+    def swiglu(self, gate_up: Any, out: Any, *, activation: str = "silu", stream: Any = None) -> None:
+        """out = act(gate_up[:, :I]) * gate_up[:, I:], act "silu" or "gelu_tanh".  gate_up f32[M, 2I],
+        out f32[M, I]."""
         np = self._np
         self._f32(gate_up, "gate_up", 2)
         self._f32(out, "out", 2)
@@ -916,7 +1018,8 @@ class Kernels:
         n = M * (I2 // 2)
         if n == 0:
             return
-        self._launch("swiglu_kernel", (self._grid1d(n),), (256,), (gate_up, out, np.int32(M), np.int32(I2 // 2)), stream)
+        args = (gate_up, out, np.int32(M), np.int32(I2 // 2), self._act(activation))
+        self._launch("swiglu_kernel", (self._grid1d(n),), (256,), args, stream)
 
     def argmax(self, rows: Any, out: Any, *, stream: Any = None) -> None:
         """out[i] = index of the first maximum of rows[i] (torch.argmax), or -1 if rows[i] holds
