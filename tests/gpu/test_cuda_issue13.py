@@ -138,8 +138,8 @@ def test_prefill_window_softcap_and_new_head_dims(cp, kernels, rng, seed, hd, n_
 
 
 def test_windowed_decode_reads_only_the_window(cp, kernels, rng):
-    """A 512-window decode step at 16k context takes about what a 512-context step takes (the splits
-    cover only the window), far less than the full 16k."""
+    """A 512-window decode step at 64k context takes about what a 512-context step takes (the splits
+    cover only the window), far less than the full 64k (which reads 0.5 GB of keys)."""
     hd, n_kv, G, nh = 256, 8, 2, 16
     def timed(ctx, window):
         kb = cp.asarray(bf16_bits(rng.standard_normal((n_kv, ctx, hd), dtype=np.float32)))
@@ -155,8 +155,8 @@ def test_windowed_decode_reads_only_the_window(cp, kernels, rng):
             kernels.attention_decode(q, kb, kb, pos, out, 0.1, n_splits=n, window=window)
         cp.cuda.Device().synchronize()
         return (time.perf_counter() - t0) / 50
-    full, win, small = timed(16384, None), timed(16384, 512), timed(512, None)
-    print(f"decode attention: 16k full {full * 1e6:.1f} us, 16k window 512 {win * 1e6:.1f} us, "
+    full, win, small = timed(65536, None), timed(65536, 512), timed(512, None)
+    print(f"decode attention: 64k full {full * 1e6:.1f} us, 64k window 512 {win * 1e6:.1f} us, "
           f"512 context {small * 1e6:.1f} us")
     assert win < 0.35 * full and win < 2.5 * small
 
@@ -422,7 +422,7 @@ def test_longrope_switch_on_the_gpu(cp, checkpoints, rng):
     ver = rows(gpu, gpu.logits_buffer_ptr(), 15)
     whole = open_model(path, device="cuda", max_context=256, fp32_logits=True).engine
     whole.prefill(prompt + drafts, all_logits=True)
-    assert rel(ver, rows(whole, whole.logits_buffer_ptr(), 55)[-15:]) <= 1e-3
+    assert rel(ver, rows(whole, whole.logits_buffer_ptr(), 55)[-15:]) <= TOL  # GEMV rows vs the cuBLAS path
     gpu.trim(45)
     gpu.decode(7)
     fresh = open_model(path, device="cuda", max_context=256, fp32_logits=True).engine
