@@ -327,7 +327,8 @@ def test_inspect_plain_has_every_json_key(run_cli, model):
 
 def test_inspect_unsupported_config_describes_what_it_can_then_exits_4(run_cli, tmp_path, helpers):
     supported = as_json(run_cli("inspect", LLAMA, "-f", "json"))
-    model = helpers.copy_model(tmp_path / "g", config={"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"],
+    model = helpers.copy_model(tmp_path / "g", config={"model_type": "gpt_neox",
+                                                     "architectures": ["GPTNeoXForCausalLM"],
                                                      "hidden_act": "gelu"})
     r = run_cli("inspect", model, "-f", "json")
     assert r.exit_code == 4

@@ -77,7 +77,8 @@ def test_phi3_longrope_layouts_and_attention_factor():
                        "rope_scaling": {"type": "longrope", "short_factor": short, "long_factor": long}})
     v5 = parse_config({**SHAPE, "model_type": "phi3", "max_position_embeddings": 131072,
                        "original_max_position_embeddings": 4096,
-                       "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                       "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                           "partial_rotary_factor": 0.75,
                                            "short_factor": short, "long_factor": long}})
     assert v4.definition == v5.definition
     rope = v5.options.rope

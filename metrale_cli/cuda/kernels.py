@@ -94,7 +94,6 @@ LOG2E = 1.4426950408889634
 ATTN_TC_WARPS = 4
 ATTN_CHUNK_ALIGN = 64
 DECODE_TC_HEAD_DIMS = (32, 64, 128)
-DECODE_TC_EXT_HEAD_DIMS = DECODE_TC_HEAD_DIMS
 
 
 def _decode_qb_max(hd: int) -> int:
@@ -183,7 +182,7 @@ def _all_name_expressions() -> list[str]:
     for hd in DECODE_HEAD_DIMS:
         for qb in (8, 16) if hd in DECODE_TC_HEAD_DIMS else (1, 2, 4):
             names.append(decode_name(hd, qb))
-            if hd in DECODE_TC_EXT_HEAD_DIMS:
+            if hd in DECODE_TC_HEAD_DIMS:  # and its instance with the window / softcap code
                 names.append(decode_name(hd, qb, ext=True))
     for hd in PREFILL_HEAD_DIMS:
         for bq in PREFILL_BQS:
@@ -911,9 +910,7 @@ class Kernels:
         part_ml = ws[n_acc : n_acc + 2 * n_splits * M * nh]
         qb = _decode_qb(hd, M * G)
         win, cap2 = self._window_softcap(window, softcap)
-        ext = bool(win or cap2)
-        if ext and hd in DECODE_TC_HEAD_DIMS and hd not in DECODE_TC_EXT_HEAD_DIMS:
-            raise ValueError(f"attention_decode: window / softcap at head_dim {hd}: compiled for {DECODE_TC_EXT_HEAD_DIMS}")
+        ext = bool(win or cap2)  # the tensor-core instance with the window / softcap code
         if hd in DECODE_TC_HEAD_DIMS:
             grid = (_ceil_div(M * G, qb), n_splits, n_kv)
             threads = ATTN_TC_WARPS * 32

@@ -50,7 +50,8 @@ def _rope(r: ConfigReader) -> Rope:
     head_dim = r.optional("head_dim", int, None) or hidden // heads
     rotary_dim = int(head_dim * partial)
     if rotary_dim % 2 or rotary_dim <= 0:
-        r.refuse("partial_rotary_factor", partial, f"gives {rotary_dim} rotary dims of head_dim {head_dim}: must be even")
+        r.refuse("partial_rotary_factor", partial,
+                 f"gives {rotary_dim} rotary dims of head_dim {head_dim}: must be even")
     if rope_type(params) in ("su", "yarn"):
         params["rope_type"] = "longrope"
     longrope = None
