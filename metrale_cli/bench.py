@@ -191,6 +191,12 @@ def gemm_rate_cpu(n: int = 1024) -> float:
 # -- the bench -------------------------------------------------------------------------------------------
 
 
+def kv_bytes_read(cfg: ModelConfig, context: int, elem: int) -> int:
+    """K and V bytes one decode step at `context` reads: a sliding layer only its window of them."""
+    return sum(2 * layer.attention.kv_size * elem * min(context, layer.attention.window or context)
+               for layer in cfg.definition.layers)
+
+
 def build_engine(cfg: ModelConfig, device: str, context: int):
     source = RandomTensors(cfg, seed=0)
     if device == "cuda":
@@ -214,8 +220,8 @@ def run_bench(preset: str, *, device: str = "cpu", context: int = 1024, ks: tupl
     eng = build_engine(cfg, device, ctx_alloc)
     elem = 2 if device == "cuda" else 4
     streamed = _streamed_bytes(cfg, elem)
-    kv_per_pos = 2 * cfg.num_hidden_layers * cfg.kv_size * elem
-    res = BenchResult(path.stem, device, context, cfg.parameter_count(), streamed, kv_per_pos * context)
+    kv_read = kv_bytes_read(cfg, context, elem)
+    res = BenchResult(path.stem, device, context, cfg.parameter_count(), streamed, kv_read)
     timer = _Timer(eng)
     rng = np.random.default_rng(0)
 
@@ -231,7 +237,7 @@ def run_bench(preset: str, *, device: str = "cpu", context: int = 1024, ks: tupl
     eng.synchronize()
     # A mixture of experts reads the experts its router chose, not all of them: the floor counts those.
     step_bytes = streamed if cfg.moe is None else _moe_step_bytes(eng, cfg, [5], context, elem, streamed)
-    floor = (step_bytes + kv_per_pos * context) / bw
+    floor = (step_bytes + kv_read) / bw
     res.figures += [
         Figure("read bandwidth", bw / 1e9, "GB/s", "measured ceiling"),
         Figure("decode floor", floor * 1e3, "ms", "weights + KV bytes / read bandwidth"
@@ -282,7 +288,7 @@ def run_bench(preset: str, *, device: str = "cpu", context: int = 1024, ks: tupl
                                   v / decode_s, (v <= limit * decode_s) if k in (4, 8) else None))
         if cfg.moe is not None:  # against its own floor: the union of the experts its k rows chose
             vb = _moe_step_bytes(eng, cfg, drafts, context, elem, streamed)
-            vfloor = (vb + kv_per_pos * context) / bw
+            vfloor = (vb + kv_read) / bw
             res.figures.append(Figure(f"verify k={k} floor", vfloor * 1e3, "ms", "weights (its experts) + KV / bw",
                                       v / vfloor))
             res.figures.append(_experts_figure(f"verify k={k}", cfg, vb, streamed, elem))

@@ -827,7 +827,7 @@ def _with_scan(info: dict[str, Any], ckpt: Checkpoint, scan: bool) -> dict[str, 
 
 
 def _inspect_without_config(state: State, fmt: str, path: str | None, problem: ConfigError, scan: bool) -> None:
-    """A config.json metrale cannot run (model_type gemma2, hidden_act gelu...): its raw fields and the
+    """A config.json metrale cannot run (model_type gpt_neox, hidden_act gelu...): its raw fields and the
     tensor listing, with the problem named. Prints nothing when config.json is no JSON object or the
     weights cannot be listed (the caller's error then says why)."""
     directory = model_dir(path)
@@ -852,6 +852,10 @@ def _raw_inspect_info(label: str, raw: dict[str, Any], ckpt: Checkpoint, problem
         v = raw.get(key)
         return v if isinstance(v, int) and not isinstance(v, bool) else fallback
 
+    def number(key: str) -> float | None:
+        v = raw.get(key)
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
     hidden, heads = integer("hidden_size"), integer("num_attention_heads")
     head_dim = integer("head_dim", hidden // heads if hidden and heads and hidden % heads == 0 else None)
     archs = raw.get("architectures")
@@ -872,7 +876,11 @@ def _raw_inspect_info(label: str, raw: dict[str, Any], ckpt: Checkpoint, problem
         "tied_embeddings": raw.get("tie_word_embeddings") is True,
         "rope": {"theta": raw.get("rope_theta", rope_params.get("rope_theta")),
                  "type": (scaling or rope_params).get("rope_type", (scaling or {}).get("type", "default")),
-                 "scaling": scaling},
+                 "scaling": scaling, "rotary_fraction": number("partial_rotary_factor")},
+        # the block features of models/describe.py: unknown without a definition, but the softcaps as written
+        "sliding_layers": None, "sliding_rope": None, "attn_logit_softcapping": number("attn_logit_softcapping"),
+        "final_logit_softcapping": number("final_logit_softcapping"), "attention_scale": None, "norm": None,
+        "post_norms": None, "activation": raw.get("hidden_activation", raw.get("hidden_act")), "embed_scale": None,
         "tokenizer": ckpt.has_tokenizer, "bos_token_id": integer("bos_token_id"),
         "eos_token_ids": eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [],
         "experts": None,
@@ -887,11 +895,8 @@ def _inspect_info(spec: ModelSpec, ckpt: Checkpoint, problem: MetraleError | Non
     except (OSError, ValueError):
         raw = {}
     archs = raw.get("architectures")
-    scaling = None
-    if cfg.rope_scaling is not None:
-        s = cfg.rope_scaling
-        scaling = {"factor": s.factor, "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
-                   "original_max_position_embeddings": s.original_max_position_embeddings}
+    from .models.describe import block_features
+
     return {
         "command": "inspect", "model": spec.label,
         "architecture": archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else cfg.model_type,
@@ -902,7 +907,7 @@ def _inspect_info(spec: ModelSpec, ckpt: Checkpoint, problem: MetraleError | Non
         "parameters": cfg.parameter_count(), "dtype": cfg.dtype, "dtypes": ckpt.dtypes(),
         "shards": len(ckpt.files), "files": [p.name for p in ckpt.files], "bytes": ckpt.total_bytes,
         "tied_embeddings": cfg.tie_word_embeddings,
-        "rope": {"theta": cfg.rope_theta, "type": "llama3" if scaling else "default", "scaling": scaling},
+        **block_features(cfg),  # rope, sliding layers, softcaps, norms, activation, embedding scale
         "tokenizer": ckpt.has_tokenizer, "bos_token_id": cfg.bos_token_id, "eos_token_ids": list(cfg.eos_token_ids),
         "experts": _experts_info(cfg),
         "valid": problem is None, "problems": str(problem) if problem is not None else None,
@@ -929,8 +934,8 @@ def _experts_info(cfg: Any) -> dict[str, Any] | None:
 def bench(
     ctx: typer.Context,
     preset: Annotated[Optional[str], typer.Option(
-        "--preset", metavar="NAME|PATH", help="A preset in configs/ (llama-3.1-8b, llama-3.2-1b, qwen3-8b, mistral-7b, qwen3-30b-a3b, mixtral-8x7b, "
-                         "tiny-llama) "
+        "--preset", metavar="NAME|PATH", help="A preset in configs/ (llama-3.1-8b, llama-3.2-1b, qwen3-8b, mistral-7b, "
+                         "gemma-2-9b, gemma-3-12b, phi-3-mini, phi-4-mini, qwen3-30b-a3b, mixtral-8x7b, tiny-llama) "
                          "or a config.json path. Default: llama-3.1-8b on cuda, tiny-llama on cpu.",
         show_default=False)] = None,
     device: DeviceOpt = "auto",

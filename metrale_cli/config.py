@@ -47,11 +47,15 @@ class ModelConfig:
     attention_bias: bool  # q/k/v projections carry a bias (qwen2 always; llama when attention_bias)
     o_proj_bias: bool  # o_proj carries a bias (llama/qwen3 attention_bias; never qwen2)
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (qwen3)
-    sliding_window: int | None  # attention window; contexts beyond it are refused, not approximated
+    sliding_window: int | None  # the attention window of the layers layer_types marks sliding
     dtype: str  # the checkpoint's declared dtype: bfloat16 | float16 | float32
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     moe: MoeConfig | None = None  # the sparse MLP block and its layers (qwen2_moe, qwen3_moe, mixtral)
+    # Per layer "full_attention" or "sliding_attention" (attends to the last sliding_window positions);
+    # empty: every layer full. Set by the family's parse (models/windows.py reads the HF fields).
+    layer_types: tuple[str, ...] = ()
+    options: Any = None  # the family's own parsed fields, a frozen dataclass (e.g. gemma2.GemmaOptions)
 
     @property
     def family(self) -> Family:
@@ -77,10 +81,14 @@ class ModelConfig:
 
     @property
     def max_context(self) -> int:
-        """The longest context whose results are exact: positions beyond a sliding window are refused."""
-        if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """The longest context the model is defined for (sliding layers attend to their window of it)."""
         return self.max_position_embeddings
+
+    def window_of(self, layer: int) -> int | None:
+        """The attention window of a layer: sliding_window for a sliding layer, None for a full one."""
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
 
     def inv_freq(self) -> np.ndarray:
         """RoPE inverse frequencies [head_dim/2] as fp32, with llama3 scaling applied when configured."""
@@ -121,7 +129,10 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
     model_type = r.required("model_type", str)
     if model_type not in FAMILIES:
         r.refuse("model_type", model_type, f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    family_fields = FAMILIES[model_type].parse(r)  # refuses what the family does not implement
+    family = FAMILIES[model_type]
+    if family.prepare is not None:  # defaults under the given fields, or a nested text_config
+        r = ConfigReader(family.prepare(r), source)
+    family_fields = family.parse(r)  # refuses what the family does not implement
 
     hidden = r.positive_int("hidden_size")
     heads = r.positive_int("num_attention_heads")
@@ -145,7 +156,8 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
             f"{source}: num_attention_heads {heads} is not divisible by num_key_value_heads {kv_heads}"
         )
 
-    rope_theta, rope_scaling = _parse_rope(r)
+    if "rope_theta" not in family_fields:  # families with per-layer or other rope types read their own
+        family_fields["rope_theta"], family_fields["rope_scaling"] = _parse_rope(r)
     return ModelConfig(
         model_type=model_type,
         vocab_size=r.positive_int("vocab_size"),
@@ -156,8 +168,6 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
         rms_norm_eps=float(r.optional("rms_norm_eps", (int, float), 1e-6)),
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
         max_position_embeddings=r.optional("max_position_embeddings", int, 2048),
         tie_word_embeddings=r.optional("tie_word_embeddings", bool, False),
         dtype=_parse_dtype(r),

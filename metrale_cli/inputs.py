@@ -185,8 +185,6 @@ def check_positive(value: int, option: str, hint: str = "") -> None:
 
 
 def limit_of(cfg: ModelConfig) -> str:
-    if cfg.sliding_window is not None and cfg.sliding_window < cfg.max_position_embeddings:
-        return f"sliding_window {cfg.sliding_window}"
     return f"max_position_embeddings {cfg.max_position_embeddings}"
 
 

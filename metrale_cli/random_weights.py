@@ -27,6 +27,8 @@ class RandomTensors:
         self.cfg = cfg
         self.seed = seed
         self.shapes = cfg.definition.expected_tensors()
+        # (1 + w) norms (Gemma) store w: drawn around 0, so the scale is near 1 as for the other families
+        self.norm_mean = 1.0 - cfg.definition.norm.offset
         self.directory = Path(f"<random {cfg.model_type} weights, seed {seed}>")
         self.files: list[Path] = []
         self.has_tokenizer = False
@@ -47,7 +49,7 @@ class RandomTensors:
         """bf16 (uint16 bit patterns with bf16_bits, as Checkpoint.array gives them)."""
         rng = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
         shape = self.shapes[name]
-        mean, std = self._moments(name, shape)
+        mean, std = self._moments(name, shape, self.norm_mean)
         values = rng.standard_normal(shape, dtype=np.float32) * std + mean
         return fp32_to_bf16_bits(values) if bf16_bits else fp32_to_bf16(values)
 
@@ -55,7 +57,7 @@ class RandomTensors:
         """The same distribution drawn on the device (not the same numbers as `array`), as float32;
         the CUDA loader rounds it to bf16 on the device."""
         shape = self.shapes[name]
-        mean, std = self._moments(name, shape)
+        mean, std = self._moments(name, shape, self.norm_mean)
         rs = cp.random.RandomState(self.seed * 1000003 + zlib.crc32(name.encode()))
         return rs.standard_normal(shape, dtype=cp.float32) * cp.float32(std) + cp.float32(mean)
 
@@ -69,9 +71,9 @@ class RandomTensors:
         return {"BF16": len(self.shapes)}
 
     @staticmethod
-    def _moments(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
+    def _moments(name: str, shape: tuple[int, ...], norm_mean: float = 1.0) -> tuple[float, float]:
         if name.endswith("norm.weight"):
-            return 1.0, 0.1
+            return norm_mean, 0.1
         if name.endswith("bias"):
             return 0.0, 0.1
         if "embed_tokens" in name:

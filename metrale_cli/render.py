@@ -57,8 +57,10 @@ forward  {"prompt", "prompt_tokens", "rows": [{"position", "input", "argmax", "t
 inspect  {"command", "model", "architecture", "model_type", "layers", "heads", "kv_heads",
           "head_dim", "hidden", "intermediate", "vocab", "max_position_embeddings", "sliding_window",
           "parameters", "dtype", "dtypes": {dtype: tensors}, "shards", "files", "bytes", "tied_embeddings",
-          "rope": {"theta", "type", "scaling"}, "tokenizer", "bos_token_id", "eos_token_ids", "valid",
-          "problems"}
+          "rope": {"theta", "type", "scaling", "rotary_fraction"}, "sliding_layers": [layer indices],
+          "sliding_rope": {as rope} | null (when the sliding layers' rope differs), "attn_logit_softcapping",
+          "final_logit_softcapping", "attention_scale", "norm", "post_norms", "activation", "embed_scale",
+          "tokenizer", "bos_token_id", "eos_token_ids", "valid", "problems"}
 "hidden"  {"size", "norm", "mean", "std", "min", "max", "first": [8 values], "sha256"}
           (the post-final-norm hidden state of the last row the command produced, the last row of
           --dump-hidden: for decode, plain or speculative, the row that chose the last token; sha256 of
@@ -797,6 +799,22 @@ def render_inspect(console: Console, fmt: str, info: dict[str, Any]) -> None:
     console.print(t)
 
 
+def _layer_pattern(sliding: list[int] | None, n: int | None) -> str | None:
+    """"none", "all", or how many slide and the shortest repeating pattern ("4 of 6: S S F repeated");
+    None when unknown (a config.json metrale cannot run)."""
+    if sliding is None or n is None:
+        return None
+    if not sliding:
+        return "none"
+    if len(sliding) == n:
+        return "all"
+    kinds = ["S" if i in set(sliding) else "F" for i in range(n)]
+    period = next(p for p in range(1, n + 1) if all(kinds[i] == kinds[i % p] for i in range(n)))
+    if period <= n // 2:
+        return f"{len(sliding)} of {n}: {' '.join(kinds[:period])} repeated"
+    return f"{len(sliding)} of {n}: " + ", ".join(map(str, sliding))
+
+
 def _inspect_rows(info: dict[str, Any]) -> list[tuple[str, str]]:
     """Every key of the JSON but "command", as text; "n/a" where a value is unknown (a config.json
     metrale cannot run is described from its raw fields)."""
@@ -807,10 +825,14 @@ def _inspect_rows(info: dict[str, Any]) -> list[tuple[str, str]]:
             return "yes" if v else "no"
         return f"{v:g}" if isinstance(v, float) else str(v)
 
-    rope = info["rope"]
-    rope_s = f"theta {shown(rope['theta'])}, {shown(rope['type'])}"
-    if rope["scaling"]:
-        rope_s += " (" + ", ".join(f"{k} {shown(v)}" for k, v in rope["scaling"].items()) + ")"
+    def rope_text(rope: dict[str, Any]) -> str:
+        text = f"theta {shown(rope['theta'])}, {shown(rope['type'])}"
+        if rope["scaling"]:
+            text += " (" + ", ".join(f"{k} {shown(v)}" for k, v in rope["scaling"].items()) + ")"
+        fraction = rope.get("rotary_fraction")
+        return text + (f", rotary fraction {shown(fraction)}" if fraction not in (None, 1) else "")
+
+    rope_s = rope_text(info["rope"])
     rows = [
         ("model", info["model"]), ("architecture", info["architecture"]), ("model_type", info["model_type"]),
         ("layers", info["layers"]), ("heads", info["heads"]), ("kv_heads", info["kv_heads"]),
@@ -823,6 +845,14 @@ def _inspect_rows(info: dict[str, Any]) -> list[tuple[str, str]]:
         ("shards", info["shards"]), ("files", " ".join(info["files"]) or None),
         ("bytes", f"{info['bytes']:,}" if info["bytes"] is not None else None),
         ("tied_embeddings", info["tied_embeddings"]), ("rope", rope_s),
+        ("sliding_layers", _layer_pattern(info["sliding_layers"], info["layers"])),
+        ("sliding_rope", rope_text(info["sliding_rope"]) if info["sliding_rope"] else
+         "as rope" if info["sliding_layers"] else "none" if info["sliding_layers"] is not None else None),
+        ("attn_logit_softcapping", info["attn_logit_softcapping"] or "none"),
+        ("final_logit_softcapping", info["final_logit_softcapping"] or "none"),
+        ("attention_scale", f"{info['attention_scale']:.6g}" if info["attention_scale"] is not None else None),
+        ("norm", info["norm"]), ("post_norms", info["post_norms"]), ("activation", info["activation"]),
+        ("embed_scale", info["embed_scale"] or ("none" if info["norm"] is not None else None)),
         ("tokenizer", info["tokenizer"]), ("bos_token_id", info["bos_token_id"]),
         ("eos_token_ids", " ".join(map(str, info["eos_token_ids"])) or "none"),
         ("experts", _experts_text(info["experts"], info["layers"]) if info.get("experts") else "none"),

@@ -269,7 +269,8 @@ def load_fp32(path: Path) -> torch.nn.Module:
 def run_golden(model, prompt: np.ndarray, cfg) -> tuple[dict, dict]:
     ids = torch.from_numpy(prompt).long()[None]
     captured = {}
-    hook = model.model.norm.register_forward_hook(lambda m, i, o: captured.__setitem__("norm", o.detach().clone()))
+    decoder = getattr(model.model, "language_model", model.model)  # Gemma3ForConditionalGeneration nests it
+    hook = decoder.norm.register_forward_hook(lambda m, i, o: captured.__setitem__("norm", o.detach().clone()))
     with torch.no_grad():
         out = model(ids, output_hidden_states=True, use_cache=False)
         hook.remove()
@@ -343,6 +344,175 @@ def pick_prompt(model, vocab: int, seed: int, cfg):
         if info["margin"] >= MIN_MARGIN and info["distinct"] >= MIN_DISTINCT:
             return arrays, info
     raise RuntimeError("no prompt without near ties found")
+
+
+# --------------------------------------------------------------------------- issue 13: Gemma 2/3, Phi-3
+#
+# Windows of 8 (every prompt of 12 and every greedy run crosses them), (1 + w) norm weights drawn around 0,
+# small softcaps so that tanh bends the scores and logits, query_pre_attn_scalar != head_dim, and longrope
+# with original_max_position_embeddings small enough that the short/long switch happens inside the run.
+
+ISSUE13_BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=80, num_attention_heads=4,
+                    num_key_value_heads=2, rms_norm_eps=1e-5, initializer_range=0.5, bos_token_id=None,
+                    eos_token_id=None, pad_token_id=None)
+S, F = "sliding_attention", "full_attention"
+
+
+def _longrope(seed: int, rotary_dim: int, original: int) -> dict:
+    g = np.random.default_rng(seed)
+    return {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": original,
+            "short_factor": [round(float(x), 3) for x in g.uniform(1.0, 2.0, rotary_dim // 2)],
+            "long_factor": [round(float(x), 3) for x in g.uniform(2.0, 8.0, rotary_dim // 2)]}
+
+
+def issue13_specs():
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3Config, Gemma3ForCausalLM,
+                              Gemma3ForConditionalGeneration, Gemma3TextConfig, Phi3Config, Phi3ForCausalLM)
+
+    rope = {"rope_parameters": dict(ROPE_DEFAULT)}
+
+    gemma3_text = dict(num_hidden_layers=6, head_dim=32, query_pre_attn_scalar=20, sliding_window=8,
+                       max_position_embeddings=256)
+    return [
+        # name, seed, model class, config factory, layout ("5.x" | "4.x")
+        ("gemma2", 1301, Gemma2ForCausalLM, lambda: Gemma2Config(
+            **ISSUE13_BASE, num_hidden_layers=3, head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
+            max_position_embeddings=256, attn_logit_softcapping=4.0, final_logit_softcapping=30.0,
+            layer_types=[S, F, S]), "5.x"),
+        ("gemma3_text", 1302, Gemma3ForCausalLM, lambda: Gemma3TextConfig(
+            **ISSUE13_BASE, **gemma3_text, final_logit_softcapping=30.0, layer_types=[S, S, F, S, S, F],
+            rope_parameters={F: {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+                             S: {"rope_type": "default", "rope_theta": 1000.0}}), "5.x"),
+        ("gemma3_text_4x", 1303, Gemma3ForCausalLM, lambda: Gemma3TextConfig(
+            **ISSUE13_BASE, **gemma3_text,  # default pattern 5 sliding : 1 full
+            rope_parameters={F: {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                             S: {"rope_type": "default", "rope_theta": 10000.0}}), "4.x"),
+        ("gemma3_mm", 1304, Gemma3ForConditionalGeneration, lambda: Gemma3Config(
+            text_config=dict(**ISSUE13_BASE, num_hidden_layers=3, head_dim=32, query_pre_attn_scalar=20,
+                             sliding_window=8, max_position_embeddings=256, layer_types=[S, S, F]),
+            vision_config=dict(hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=2,
+                               image_size=28, patch_size=14, model_type="siglip_vision_model"),
+            mm_tokens_per_image=4, boi_token_index=290, eoi_token_index=291, image_token_index=292), "5.x"),
+        ("phi3", 1305, Phi3ForCausalLM, lambda: Phi3Config(
+            **ISSUE13_BASE, num_hidden_layers=3, sliding_window=8, max_position_embeddings=256,
+            tie_word_embeddings=False), "5.x"),
+        ("phi3_longrope", 1306, Phi3ForCausalLM, lambda: Phi3Config(
+            **ISSUE13_BASE, num_hidden_layers=3, max_position_embeddings=256, original_max_position_embeddings=16,
+            rope_parameters=_longrope(1306, 16, 16), tie_word_embeddings=False), "4.x"),
+        ("phi4_mini", 1307, Phi3ForCausalLM, lambda: Phi3Config(
+            **ISSUE13_BASE, num_hidden_layers=3, max_position_embeddings=256, original_max_position_embeddings=8,
+            rope_parameters={**_longrope(1307, 12, 8), "partial_rotary_factor": 0.75}, tie_word_embeddings=True),
+         "5.x"),
+        # the Llama-block families' windows, now attended to instead of refused
+        ("mistral_window", 1308, MistralForCausalLM, lambda: MistralConfig(
+            **ISSUE13_BASE, num_hidden_layers=2, head_dim=32, sliding_window=8, max_position_embeddings=256,
+            tie_word_embeddings=False, **rope), "5.x"),
+        ("qwen3_window", 1309, Qwen3ForCausalLM, lambda: Qwen3Config(
+            **ISSUE13_BASE, num_hidden_layers=3, head_dim=24, use_sliding_window=True, sliding_window=8,
+            max_window_layers=1, max_position_embeddings=256, tie_word_embeddings=False, **rope), "5.x"),
+    ]
+
+
+GEMMA_TIED_EMBED_STD = 0.04  # times sqrt(hidden) = 8 at the input: 0.32, so a token does not predict itself
+GEMMA_FINAL_NORM_SHIFT = 16.0  # final norm scale ~16: the tied head's logits keep a spread of ~10
+
+
+def reinit_issue13_(model: torch.nn.Module, seed: int, tied: bool) -> None:
+    """reinit_, then for Gemma: (1 + w) norm weights w ~ U(-0.5, 0.5) (a scale of 0.5..1.5, as the other
+    families' U(0.5, 1.5) weights, so a norm that forgets the 1 is noticed); with tied embeddings a small
+    embedding (the input is scaled by sqrt(hidden)) and a large final norm scale (the head is that embedding)."""
+    # A multimodal model: only its language model is redrawn (the vision tower keeps its seeded init).
+    model = getattr(getattr(model, "model", None), "language_model", model)
+    reinit_(model, seed, tied)
+    if "Gemma" not in type(model).__name__:
+        return
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if "vision" in name or "multi_modal" in name:
+                continue
+            if "norm" in name:
+                new = torch.rand(p.shape, generator=g, dtype=torch.float32) - 0.5
+                if tied and name.endswith("norm.weight") and "layers." not in name:  # the final norm
+                    new += GEMMA_FINAL_NORM_SHIFT
+                p.copy_(new)
+            elif tied and "embed_tokens" in name:
+                p.copy_(GEMMA_TIED_EMBED_STD * torch.randn(p.shape, generator=g, dtype=torch.float32))
+
+
+def legacy_gemma3(cfg: dict) -> dict:
+    """A 5.x Gemma 3 text config.json in the 4.x layout: rope_theta / rope_local_base_freq / rope_scaling,
+    sliding_window_pattern instead of layer_types, torch_dtype."""
+    cfg = dict(cfg)
+    cfg["torch_dtype"] = cfg.pop("dtype")
+    rp = cfg.pop("rope_parameters")
+    full, local = dict(rp[F]), dict(rp[S])
+    cfg["rope_theta"] = full.pop("rope_theta")
+    cfg["rope_local_base_freq"] = local.pop("rope_theta")
+    cfg["rope_scaling"] = full if full.get("rope_type") != "default" else None
+    cfg.pop("layer_types")
+    cfg.pop("_sliding_window_pattern", None)
+    cfg["sliding_window_pattern"] = 6
+    return cfg
+
+
+def legacy_phi3(cfg: dict) -> dict:
+    """A 5.x Phi-3 config.json in the 4.x layout: rope_scaling {type, short_factor, long_factor}, rope_theta
+    and partial_rotary_factor at the top level, torch_dtype."""
+    cfg = dict(cfg)
+    cfg["torch_dtype"] = cfg.pop("dtype")
+    rp = dict(cfg.pop("rope_parameters"))
+    cfg["rope_theta"] = rp.pop("rope_theta")
+    cfg["partial_rotary_factor"] = rp.pop("partial_rotary_factor", 1.0)
+    rp.pop("original_max_position_embeddings", None)  # Phi-3 keeps it at the top level
+    kind = rp.pop("rope_type")
+    cfg["rope_scaling"] = {"type": kind, **rp} if kind != "default" else None
+    return cfg
+
+
+def build_issue13(name, seed, model_cls, make_config, layout):
+    out_dir = MODELS_DIR / name
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    config = make_config()
+    text = config.get_text_config()
+    text._attn_implementation = "eager"
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_cls(config).float().eval()
+    tied = bool(getattr(text, "tie_word_embeddings", False))
+    reinit_issue13_(model, seed, tied)
+    model.save_pretrained(out_dir)
+    model = load_fp32(out_dir)
+    arrays, info = pick_prompt(model, text.vocab_size, seed, config)
+    notes = {"layer_types": getattr(text, "layer_types", None), "sliding_window": text.sliding_window}
+    rope = model.model.rotary_emb if hasattr(model.model, "rotary_emb") else None
+    if rope is not None and getattr(rope, "attention_scaling", 1.0) != 1.0:
+        notes["longrope attention_scaling"] = rope.attention_scaling
+    cfg_path = out_dir / "config.json"
+    new_cfg = json.loads(cfg_path.read_text())
+    if layout == "4.x":
+        legacy = legacy_gemma3(new_cfg) if "gemma3" in name else legacy_phi3(new_cfg)
+        write_json(cfg_path, legacy)
+        m2 = load_fp32(out_dir)
+        drop_type = lambda rp: {k: v for k, v in rp.items() if k != "type"}  # noqa: E731 (the 4.x alias)
+        assert drop_type(m2.config.rope_parameters) == drop_type(model.config.rope_parameters), (
+            m2.config.rope_parameters, model.config.rope_parameters)
+        assert list(getattr(m2.config, "layer_types", [])) == list(getattr(model.config, "layer_types", []))
+        with torch.no_grad():
+            l2 = m2(torch.from_numpy(arrays["prompt"])[None]).logits[0].float().numpy()
+        assert np.array_equal(l2, arrays["prefill_logits"]), "the 4.x layout changed the logits"
+        notes["4.x layout reload"] = "identical logits"
+    else:
+        write_json(cfg_path, new_cfg)
+    from safetensors import safe_open
+    with safe_open(out_dir / "model.safetensors", "pt") as sf:
+        keys = list(sf.keys())
+    notes["n_tensors"] = len(keys)
+    notes["has lm_head"] = any("lm_head" in k for k in keys)
+    GOLDEN_DIR.mkdir(parents=True, exist_ok=True)
+    write_npz(GOLDEN_DIR / f"{name}.npz", arrays)
+    return info, notes
 
 
 # --------------------------------------------------------------------------- main
@@ -425,11 +595,12 @@ def main(argv):
     transformers.logging.disable_progress_bar()
     only = set(argv[1:])
     MODELS_DIR.mkdir(parents=True, exist_ok=True)
-    for spec in model_specs() + moe_model_specs():
-        name = spec[0]
+    builds = [(spec[0], build, spec) for spec in model_specs() + moe_model_specs()]
+    builds += [(spec[0], build_issue13, spec) for spec in issue13_specs()]
+    for name, builder, spec in builds:
         if only and name not in only:
             continue
-        info, notes = build(*spec)
+        info, notes = builder(*spec)
         print(f"== {name}: spread(max-min)={info['spread']:.3f} mean-row-spread={info['row_spread']:.3f} "
               f"min-greedy-margin={info['margin']:.4f} distinct-greedy={info['distinct']} prompt-attempt={info['attempt']}")
         for k, v in {**info["checks"], **notes}.items():

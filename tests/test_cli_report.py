@@ -329,20 +329,21 @@ def test_inspect_plain_has_every_json_key(run_cli, model):
 
 def test_inspect_unsupported_config_describes_what_it_can_then_exits_4(run_cli, tmp_path, helpers):
     supported = as_json(run_cli("inspect", LLAMA, "-f", "json"))
-    model = helpers.copy_model(tmp_path / "g", config={"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"],
-                                                     "hidden_act": "gelu_pytorch_tanh"})
+    model = helpers.copy_model(tmp_path / "g", config={"model_type": "gpt_neox",
+                                                     "architectures": ["GPTNeoXForCausalLM"],
+                                                     "hidden_act": "gelu"})
     r = run_cli("inspect", model, "-f", "json")
     assert r.exit_code == 4
     doc = json.loads(r.stdout)
     assert set(doc) == set(supported)
-    assert doc["model_type"] == "gemma2" and doc["architecture"] == "Gemma2ForCausalLM"
+    assert doc["model_type"] == "gpt_neox" and doc["architecture"] == "GPTNeoXForCausalLM"
     same = ("layers", "heads", "kv_heads", "head_dim", "hidden", "intermediate", "vocab", "parameters", "dtypes",
             "shards", "files", "bytes", "tied_embeddings", "max_position_embeddings", "tokenizer")
     assert {k: doc[k] for k in same} == {k: supported[k] for k in same}  # from the raw fields and tensors
-    assert doc["valid"] is False and "gemma2" in doc["problems"] and "model_type" in doc["problems"]
-    assert r.stderr.count("\n") == 1 and r.stderr.startswith("metrale: config error: ") and "gemma2" in r.stderr
+    assert doc["valid"] is False and "gpt_neox" in doc["problems"] and "model_type" in doc["problems"]
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("metrale: config error: ") and "gpt_neox" in r.stderr
     plain = run_cli("inspect", model, "-f", "plain")
-    assert plain.exit_code == 4 and "model_type: gemma2\n" in plain.stdout and "valid: no\n" in plain.stdout
+    assert plain.exit_code == 4 and "model_type: gpt_neox\n" in plain.stdout and "valid: no\n" in plain.stdout
     assert "problems: " in plain.stdout and "layers: 2\n" in plain.stdout
 
 

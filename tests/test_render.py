@@ -248,7 +248,11 @@ def test_rich_inspect_and_bench_fit(width):
             "files": [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)], "bytes": 16060522496,
             "tied_embeddings": False, "rope": {"theta": 500000.0, "type": "llama3", "scaling": {
                 "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192}},
+                "original_max_position_embeddings": 8192}, "rotary_fraction": 1.0},
+            "sliding_layers": list(range(0, 32, 2)), "sliding_rope": {"theta": 10000.0, "type": "default",
+                                                                     "scaling": None, "rotary_fraction": 0.75},
+            "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "attention_scale": 0.0625,
+            "norm": "rmsnorm (1 + w)", "post_norms": True, "activation": "gelu_tanh", "embed_scale": 64.0,
             "tokenizer": True, "bos_token_id": 128000, "eos_token_ids": [128001, 128008, 128009], "valid": False,
             "problems": "tensor model.layers.0.self_attn.q_proj.weight has shape [4096, 4096], config.json needs "
                         "[4096, 4096] and more words to make it wrap"}

@@ -13,7 +13,9 @@ Taps: at every point named after a Hugging Face module (`model.embed_tokens`, `m
 shared expert's gate excluded), `model.layers.{i}.mlp.gate.top_k_index` = the chosen experts [T, k] (int,
 by decreasing probability, ties to the lowest index) and `model.layers.{i}.mlp.gate.top_k_weights` = their
 weights [T, k] (after renormalisation when norm_topk_prob); `model.layers.{i}.mlp` is the whole sparse
-block's output (routed experts plus shared expert) before the residual add. A backend
+block's output (routed experts plus shared expert) before the residual add. In sandwich blocks also
+`model.layers.{i}.post_attention_layernorm` / `post_feedforward_layernorm`, the normed sublayer outputs
+before their residual add. A backend
 with no observer makes that free; one with an observer computes the tapped value beside the fused path,
 never instead of it, so the numbers the observer sees are the ones the pass computes.
 """
@@ -39,7 +41,7 @@ Tap = Callable[[str, Any], None]
 class Ops(Protocol):
     """What a backend implements for one pass of T rows at positions start..start+T-1."""
 
-    def embed(self, table: Any) -> X: ...  # [T, H] fp32 rows of the embedding table
+    def embed(self, table: Any, scale: float | None = None) -> X: ...  # [T, H] fp32 rows (times scale)
     def linear(self, x: X, w: Any, bias: Any = None, *, out: str, norm: Any = None, residual: X | None = None,
                tap: str | None = None) -> X:
         """y = norm(x) @ w.T + bias; with `residual`, residual += y and residual is returned. `out` names
@@ -49,7 +51,9 @@ class Ops(Protocol):
                        norm: Norm) -> X: ...  # rotated q [T, heads, d]; k/v appended to the cache
     def attention(self, q: X, layer: int, spec: AttentionSpec) -> X: ...  # [T, heads * d]
     def gated_mlp(self, x: X, w_gate_up: Any, *, norm: Any, activation: str) -> X: ...  # act(g) * u [T, I]
-    def norm(self, x: X, weight: Any, norm: Norm, *, out: str) -> X: ...
+    def norm(self, x: X, weight: Any, norm: Norm, *, out: str, residual: X | None = None,
+             tap: str | None = None) -> X:
+        """RMSNorm of x; with `residual`, residual += it and residual is returned (`tap` names the norm)."""
     def route(self, x: X, w_router: Any, spec: MoeSpec, *, norm: Any) -> Route:
         """The router of a sparse layer on norm(x): softmax over the experts in fp32, top-k, renormalised
         when spec.norm_topk_prob; w_router [E (+1 shared gate row), H]."""
@@ -75,20 +79,22 @@ class Route:
 
 def decoder_forward(ops: Ops, definition: ModelDefinition, w: Weights) -> X:
     """Embed, run every block, apply the final norm; returns the post-final-norm rows [T, H]."""
-    x = ops.embed(w.embed)
+    x = ops.embed(w.embed, scale=definition.embed_scale)
     ops.tap("model.embed_tokens", x)
     for i, (layer, lw) in enumerate(zip(definition.layers, w.layers)):
-        a = layer.attention
+        a, p = layer.attention, f"model.layers.{i}"
         qkv = ops.linear(x, lw["qkv"], lw.get("qkv_bias"), out="qkv", norm=(lw["input_norm"], layer.norm))
         q = ops.rope_kv_append(qkv, i, a, lw.get("q_norm"), lw.get("k_norm"), layer.norm)
         attn = ops.attention(q, i, a)
-        x = ops.linear(attn, lw["o"], lw.get("o_bias"), out="x", residual=x, tap=f"model.layers.{i}.self_attn")
+        x = _sublayer_out(ops, attn, lw["o"], lw.get("o_bias"), lw.get("attn_out_norm"), layer.norm, x,
+                          f"{p}.self_attn", f"{p}.post_attention_layernorm")
         if isinstance(layer.mlp, MoeSpec):
             x = sparse_mlp(ops, layer, lw, x, i)
         else:
             act = ops.gated_mlp(x, lw["gate_up"], norm=(lw["mlp_norm"], layer.norm), activation=layer.mlp.activation)
-            x = ops.linear(act, lw["down"], out="x", residual=x, tap=f"model.layers.{i}.mlp")
-        ops.tap(f"model.layers.{i}", x)
+            x = _sublayer_out(ops, act, lw["down"], None, lw.get("mlp_out_norm"), layer.norm, x,
+                              f"{p}.mlp", f"{p}.post_feedforward_layernorm")
+        ops.tap(p, x)
     h = ops.norm(x, w.final_norm, definition.norm, out="h")
     ops.tap("model.norm", h)
     return h
@@ -105,12 +111,26 @@ def sparse_mlp(ops: Ops, layer: LayerSpec, lw: dict[str, Any], x: X, i: int) -> 
     return ops.experts(x, route, lw["experts_gate_up"], lw["experts_down"], spec, norm=norm, shared=shared, tap=p)
 
 
+def _sublayer_out(ops: Ops, y_in: X, w: Any, bias: Any, out_norm: Any, norm: Norm, x: X, tap: str,
+                  norm_tap: str) -> X:
+    """The o / down projection added to the residual x: straight into it (the projection's epilogue), or
+    in a sandwich block (out_norm given) through that norm first, which needs the projection on its own."""
+    if out_norm is None:
+        return ops.linear(y_in, w, bias, out="x", residual=x, tap=tap)
+    y = ops.linear(y_in, w, bias, out="h", tap=tap)
+    return ops.norm(y, out_norm, norm, out="x", residual=x, tap=norm_tap)
+
+
 def tap_names(definition: ModelDefinition) -> list[str]:
     """Every tap point in forward order (what a layer dump can hold)."""
     names = ["model.embed_tokens"]
     for i, layer in enumerate(definition.layers):
-        p = f"model.layers.{i}"
-        router = [f"{p}.mlp.gate{s}" for s in ("", ".top_k_index", ".top_k_weights")] if isinstance(
-            layer.mlp, MoeSpec) else []
-        names += [f"{p}.self_attn", *router, f"{p}.mlp", p]
+        p, keys = f"model.layers.{i}", layer.keys()
+        names.append(f"{p}.self_attn")
+        names += [f"{p}.post_attention_layernorm"] if "attn_out_norm" in keys else []
+        if isinstance(layer.mlp, MoeSpec):
+            names += [f"{p}.mlp.gate{s}" for s in ("", ".top_k_index", ".top_k_weights")]
+        names.append(f"{p}.mlp")
+        names += [f"{p}.post_feedforward_layernorm"] if "mlp_out_norm" in keys else []
+        names.append(p)
     return names + ["model.norm"]

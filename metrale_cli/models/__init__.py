@@ -6,11 +6,13 @@ lists and the fixture scripts read it.
 
 from __future__ import annotations
 
-from . import llama, mistral, qwen2, qwen3
-from . import mixtral, qwen2_moe, qwen3_moe
+from . import gemma2, gemma3, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe
 from .family import Family
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY)}
+# Gemma 2 / 3 and Phi-3 (sandwich norms, softcaps, sliding layers, partial rotary, longrope)
+FAMILIES.update({f.model_type: f for f in (gemma2.FAMILY, gemma3.TEXT_FAMILY, gemma3.MULTIMODAL_FAMILY,
+                                           phi3.FAMILY)})
 # Mixtures of experts (models/moe.py)
 FAMILIES.update({f.model_type: f for f in (qwen2_moe.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY)})
 

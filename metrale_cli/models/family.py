@@ -24,3 +24,7 @@ class Family:
     # define(cfg) -> the blocks and tensors the engines run
     define: Callable[[ModelConfig], ModelDefinition]
     summary: str = ""  # one line for --help, inspect and the README
+    # prepare(reader) -> the dict the generic fields are read from, when it is not config.json itself: the
+    # family's transformers defaults under the fields a config.json leaves out (Gemma's hub configs omit
+    # many), or a multimodal checkpoint's `text_config`. None: config.json as it is.
+    prepare: Callable[[ConfigReader], dict[str, Any]] | None = None

@@ -24,7 +24,7 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 def parse(r: ConfigReader) -> dict[str, Any]:
     refuse_non_swiglu(r)
     bias = r.optional("attention_bias", bool, False)
-    return dict(attention_bias=bias, o_proj_bias=bias, qk_norm=False, sliding_window=None)
+    return dict(attention_bias=bias, o_proj_bias=bias, qk_norm=False, sliding_window=None, layer_types=())
 
 
 def refuse_non_swiglu(r: ConfigReader) -> None:
@@ -39,15 +39,16 @@ def define(cfg: ModelConfig) -> ModelDefinition:
     """The Llama block for every layer; the q/k/v bias, o bias and q/k norm follow the config's flags."""
     h, v = cfg.hidden_size, cfg.vocab_size
     rope = Rope(cfg.rope_theta, cfg.head_dim, cfg.rope_scaling)
-    attention = AttentionSpec(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, rope,
-                              scale=cfg.head_dim ** -0.5, qk_norm=cfg.qk_norm)
     mlp = MlpSpec(cfg.intermediate_size, "silu")
     norm = Norm(cfg.rms_norm_eps)
-    layers = tuple(LayerSpec(attention, mlp, norm, layer_params(cfg, i, attention)) for i in
-                   range(cfg.num_hidden_layers))
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        attention = AttentionSpec(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, rope,
+                                  scale=cfg.head_dim ** -0.5, qk_norm=cfg.qk_norm, window=cfg.window_of(i))
+        layers.append(LayerSpec(attention, mlp, norm, layer_params(cfg, i, attention)))
     return ModelDefinition(
         family=cfg.model_type,
-        layers=layers,
+        layers=tuple(layers),
         embed=Param.of("embed", ("model.embed_tokens.weight", (v, h))),
         final_norm=Param.of("final_norm", ("model.norm.weight", (h,))),
         lm_head=None if cfg.tie_word_embeddings else Param.of("lm_head", ("lm_head.weight", (v, h))),

@@ -1,10 +1,11 @@
-"""Mistral (`MistralForCausalLM`): the Llama block with an attention window (`sliding_window`)."""
+"""Mistral (`MistralForCausalLM`): the Llama block with an attention window (`sliding_window`) on every
+layer (MistralForCausalLM ignores `layer_types`)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from . import llama
+from . import llama, windows
 from .family import Family
 
 if TYPE_CHECKING:
@@ -13,8 +14,7 @@ if TYPE_CHECKING:
 
 def parse(r: ConfigReader) -> dict[str, Any]:
     llama.refuse_non_swiglu(r)
-    return dict(attention_bias=False, o_proj_bias=False, qk_norm=False,
-                sliding_window=r.optional("sliding_window", int, None))
+    return dict(attention_bias=False, o_proj_bias=False, qk_norm=False, **windows.all_sliding(r))
 
 
 FAMILY = Family("mistral", "MistralForCausalLM", parse, llama.define, "Mistral (sliding_window)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from . import llama, moe, qwen2
+from . import llama, moe, windows
 from .family import Family
 from .qwen3_moe import EXPERT_NAMES, qwen_moe_config
 
@@ -23,7 +23,7 @@ def parse(r: ConfigReader) -> dict[str, Any]:
     moe.refuse_other_routing(r)
     bias = r.optional("qkv_bias", bool, True)  # a transformers 5 field; earlier configs always had the bias
     shared = moe.positive(r, "shared_expert_intermediate_size", 5632)
-    return dict(attention_bias=bias, o_proj_bias=False, qk_norm=False, sliding_window=qwen2.sliding_window(r),
+    return dict(attention_bias=bias, o_proj_bias=False, qk_norm=False, **windows.qwen_windows(r),
                 moe=qwen_moe_config(r, experts_default=60, top_k_default=4, size_default=1408,
                                     shared_expert_size=shared))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from . import llama, qwen2
+from . import llama, windows
 from .family import Family
 
 if TYPE_CHECKING:
@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 def parse(r: ConfigReader) -> dict[str, Any]:
     llama.refuse_non_swiglu(r)
     bias = r.optional("attention_bias", bool, False)
-    return dict(attention_bias=bias, o_proj_bias=bias, qk_norm=True, sliding_window=qwen2.sliding_window(r))
+    return dict(attention_bias=bias, o_proj_bias=bias, qk_norm=True, **windows.qwen_windows(r))
 
 
 FAMILY = Family("qwen3", "Qwen3ForCausalLM", parse, llama.define, "Qwen3 dense (per-head q/k RMSNorm)")

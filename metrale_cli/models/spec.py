@@ -25,6 +25,10 @@ Sparse (mixture-of-experts) layers, whose LayerSpec.mlp is a MoeSpec, read inste
     experts_down    every expert's down projection, stacked [E, H, I]
     shared_gate_up  the shared expert's gate/up [2S, H] and down [H, S] (qwen2_moe shared_expert)
     shared_down
+
+Per-layer attention options live in `AttentionSpec` (window, score softcap, rope with its partial
+rotary / per-layer base / scaling), model-wide ones in `ModelDefinition` (embedding scale, final logit
+softcap). Every default is the Llama behaviour.
 """
 
 from __future__ import annotations
@@ -88,21 +92,55 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class LongRope:
+    """Phi-3's `longrope`: per-frequency divisors, `short_factor` while a forward's sequence fits
+    `original_max_position_embeddings`, `long_factor` beyond it, and cos/sin scaled by
+    `attention_factor`. Like transformers, the choice is made once per forward call (prefill, decode
+    step, verify pass) from the highest position it runs: keys cached by earlier calls keep their rotation.
+    """
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+    attention_factor: float
+
+
+@dataclass(frozen=True)
 class Rope:
     theta: float
     head_dim: int
-    scaling: RopeScaling | None = None
+    scaling: RopeScaling | None = None  # llama3 frequency scaling
+    rotary_dim: int | None = None  # partial rotary (Phi-4-mini): only the first rotary_dim dims rotate
+    linear_factor: float = 1.0  # `linear` scaling (Gemma 3 global layers): positions / factor
+    longrope: LongRope | None = None
 
-    def inv_freq(self) -> np.ndarray:
-        """Inverse frequencies [head_dim/2] as fp32, computed in float64 and rounded once (matches
-        transformers' fp32 values to the last ulp or so)."""
+    @property
+    def dims(self) -> int:
+        """How many leading dims of each head rotate (rotate_half pairs i with i + dims/2)."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    @property
+    def attention_scaling(self) -> float:
+        """The factor on cos and sin (longrope's attention_factor; 1 otherwise)."""
+        return self.longrope.attention_factor if self.longrope is not None else 1.0
+
+    def uses_long(self, seq_len: int) -> bool:
+        """longrope: whether a forward call whose highest position is seq_len - 1 takes the long factors."""
+        return self.longrope is not None and seq_len > self.longrope.original_max_position_embeddings
+
+    def inv_freq(self, long: bool = False) -> np.ndarray:
+        """Inverse frequencies [dims/2] as fp32, computed in float64 and rounded once (matches
+        transformers' fp32 values to the last ulp or so). `long` picks longrope's long factors."""
         import numpy as np
 
-        d = self.head_dim
+        d = self.dims
         inv = 1.0 / (self.theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
         if self.scaling is not None:
             inv = _llama3_scale(inv, self.scaling)
-        return inv.astype(np.float32)
+        if self.longrope is not None:
+            lr = self.longrope
+            inv = inv / np.asarray(lr.long_factor if long else lr.short_factor, dtype=np.float64)
+        return (inv / self.linear_factor).astype(np.float32)
 
 
 def _llama3_scale(inv_freq: np.ndarray, s: RopeScaling) -> np.ndarray:
@@ -123,9 +161,11 @@ def _llama3_scale(inv_freq: np.ndarray, s: RopeScaling) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Norm:
-    """RMSNorm: x / sqrt(mean(x^2) + eps) * weight, in fp32."""
+    """RMSNorm: x / sqrt(mean(x^2) + eps) * (offset + weight), in fp32. Gemma stores w with offset 1
+    (the scale is 1 + w, added in fp32: in bf16 the sum would lose w's low bits)."""
 
     eps: float
+    offset: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -135,7 +175,10 @@ class AttentionSpec:
     head_dim: int
     rope: Rope
     scale: float  # on the scores q.k: head_dim ** -0.5 unless the family says otherwise
-    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (qwen3)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (qwen3, gemma3)
+    # Sliding window: the query at position p attends to keys in (p - window, p]; None = all of [0, p].
+    window: int | None = None
+    softcap: float | None = None  # scores -> tanh(scores / softcap) * softcap before the mask (gemma2)
 
     @property
     def q_size(self) -> int:
@@ -154,7 +197,7 @@ class AttentionSpec:
 @dataclass(frozen=True)
 class MlpSpec:
     intermediate_size: int
-    activation: str = "silu"  # gate activation of the gated MLP: act(gate) * up
+    activation: str = "silu"  # gate activation of the gated MLP: act(gate) * up; "silu" | "gelu_tanh"
 
 
 @dataclass(frozen=True)
@@ -197,6 +240,9 @@ class ModelDefinition:
     lm_head: Param | None  # [V, H]; None when tied to the embedding
     norm: Norm  # the final norm's kind
     ignored: tuple[str, ...] = field(default=())  # checkpoint tensors tolerated and never read
+    ignored_prefixes: tuple[str, ...] = field(default=())  # whole subtrees never read (a vision tower)
+    embed_scale: float | None = None  # embedding rows times this fp32 value (Gemma: sqrt(hidden_size))
+    final_logit_softcap: float | None = None  # logits -> tanh(logits / c) * c on every lm_head row
 
     def params(self) -> list[Param]:
         """Every weight, globals first (the order loaders and checks walk them)."""

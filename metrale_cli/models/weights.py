@@ -126,7 +126,8 @@ def check_checkpoint(cfg: ModelConfig, ckpt: WeightSource) -> None:
 
 
 def _tolerated(definition: ModelDefinition, name: str) -> bool:
-    return any(name == s or name.endswith(s) for s in definition.ignored)
+    return (any(name == s or name.endswith(s) for s in definition.ignored)
+            or name.startswith(definition.ignored_prefixes))
 
 
 def _listing(names: list[str], limit: int = 12) -> str:

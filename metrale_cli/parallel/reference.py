@@ -15,7 +15,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..backends.numpy.engine import NumpyPass, as_fp32, rms_norm
+from ..backends.numpy.engine import NumpyPass, as_fp32, rms_norm, softcap
+from ..backends.numpy.kv_cache import KVCache
+from ..engine.longrope import long_factors
 from ..engine.loop import decoder_forward
 from ..models.spec import AttentionSpec, ModelDefinition
 from ..models.weights import Weights
@@ -38,15 +40,12 @@ class _RankState:
     """What NumpyPass reads of an engine: one rank's KV cache (its KV heads only) and length."""
 
     def __init__(self, definition: ModelDefinition, max_context: int) -> None:
-        a = definition.layers[0].attention
-        shape = (len(definition.layers), a.num_kv_heads, max_context, a.head_dim)
-        self._k = np.zeros(shape, np.float32)
-        self._v = np.zeros(shape, np.float32)
+        self.cache = KVCache(definition, max_context, rows=max_context)  # no ring: every position kept
         self.length = 0
         self._inv: dict[object, np.ndarray] = {}
 
-    def inv_freq(self, rope) -> np.ndarray:
-        return self._inv.setdefault(rope, rope.inv_freq())
+    def inv_freq(self, rope, long: bool = False) -> np.ndarray:
+        return self._inv.setdefault((rope, long), rope.inv_freq(long))
 
 
 class _LockstepPass:
@@ -54,20 +53,22 @@ class _LockstepPass:
 
     def __init__(self, sim: SimulatedTensorParallel, ids: np.ndarray) -> None:
         self.sim, self.ids = sim, ids
-        self.ranks = [NumpyPass(state, ids) for state in sim.states]
+        # longrope: the call's factor set (the engine's recomputation at a switch is not simulated)
+        long = long_factors(sim.definition, sim.states[0].length + len(ids))
+        self.ranks = [NumpyPass(state, ids, long=long) for state in sim.states]
 
-    def embed(self, table: Sharded):
+    def embed(self, table: Sharded, scale=None):
         vocab = self.sim.vocab
         total = np.zeros((len(self.ids), table.parts[0].shape[1]), np.float32)
         for r, part in enumerate(table.parts):  # each rank looks up the ids in its range; all-reduce
             rows = vocab_range(vocab, r, self.sim.n)
             mine = (self.ids >= rows.start) & (self.ids < rows.stop)
             total[mine] += as_fp32(part[self.ids[mine] - rows.start])
-        return total
+        return total if scale is None else total * np.float32(scale)
 
     def linear(self, x, w: Sharded, bias=None, *, out, norm=None, residual=None, tap=None):
         if norm is not None:
-            x = rms_norm(x, norm[0].parts[0], norm[1].eps)
+            x = rms_norm(x, norm[0].parts[0], norm[1].eps, norm[1].offset)
         if w.kind == COLUMN:
             return PerRank(x @ wr.T + (0 if bias is None else bias.parts[r]) for r, wr in enumerate(w.parts))
         assert w.kind == ROW, w.kind
@@ -78,11 +79,12 @@ class _LockstepPass:
             self.tap(tap, y)
         return y if residual is None else residual + y
 
-    def norm(self, x, weight: Sharded, norm, *, out):
-        return rms_norm(x, weight.parts[0], norm.eps)
+    def norm(self, x, weight: Sharded, norm, *, out, residual=None, tap=None):
+        y = rms_norm(x, weight.parts[0], norm.eps, norm.offset)  # replicated: on the all-reduced rows
+        return y if residual is None else residual + y
 
     def gated_mlp(self, x, w_gate_up: Sharded, *, norm, activation):
-        h = rms_norm(x, norm[0].parts[0], norm[1].eps)
+        h = rms_norm(x, norm[0].parts[0], norm[1].eps, norm[1].offset)
         return PerRank(rank.gated_mlp(h, wr, norm=None, activation=activation)
                        for rank, wr in zip(self.ranks, w_gate_up.parts))
 
@@ -126,4 +128,6 @@ class SimulatedTensorParallel:
         h = decoder_forward(_LockstepPass(self, ids), self.definition, self.weights)
         for state in self.states:
             state.length += len(ids)
-        return np.concatenate([h @ part.T for part in self.weights.lm_head.parts], axis=1)
+        logits = np.concatenate([h @ part.T for part in self.weights.lm_head.parts], axis=1)
+        cap = self.definition.final_logit_softcap
+        return logits if cap is None else softcap(logits, cap)

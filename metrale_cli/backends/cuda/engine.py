@@ -29,6 +29,7 @@ from ...errors import DeviceError, NonFiniteLogitsError
 from ...engine_base import EngineBase, check_context
 from ...logits import DevicePtr
 from ...engine.loop import Tap, decoder_forward
+from ...models.spec import ModelDefinition
 from ...models.weights import WeightSource, Weights, check_checkpoint, load_weights
 from .kernels import GEMV_TC_MIN_ROWS
 from .moe_passes import MoeState
@@ -354,10 +355,44 @@ class CudaEngine(EngineBase):
         return out.get()
 
 
+# The block weights the CUDA passes compute with (engine/loop.py's keys): a family adding another (Gemma's
+# sandwich norms attn_out_norm / mlp_out_norm) is refused until the kernels take it.
+_KNOWN_KEYS = {"input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "mlp_norm", "gate_up", "down",
+               "router", "experts_gate_up", "experts_down", "shared_gate_up", "shared_down"}
+
+
+def unsupported_features(definition: ModelDefinition) -> list[str]:
+    """What the model definition asks for that the CUDA kernels do not compute yet. Each is refused with a
+    DeviceError naming it, never run with wrong numbers (the NumPy engine runs them all)."""
+    found: list[str] = []
+    if definition.embed_scale is not None:
+        found.append("a scaled embedding")
+    if definition.final_logit_softcap is not None:
+        found.append("final-logit softcapping")
+    if definition.norm.offset:
+        found.append("(1 + w) RMSNorm")
+    for layer in definition.layers:
+        a, rope = layer.attention, layer.attention.rope
+        found += ["sliding-window attention"] if a.window is not None else []
+        found += ["attention softcapping"] if a.softcap is not None else []
+        found += ["(1 + w) RMSNorm"] if layer.norm.offset else []
+        found += ["partial rotary"] if rope.rotary_dim not in (None, rope.head_dim) else []
+        found += ["linear rope scaling"] if rope.linear_factor != 1.0 else []
+        found += ["longrope"] if rope.longrope is not None else []
+        act = getattr(layer.mlp, "activation", "silu")
+        found += [f"activation {act}"] if act != "silu" else []
+        found += [f"weight {k}" for k in sorted(layer.keys() - _KNOWN_KEYS)]
+    return list(dict.fromkeys(found))
+
+
 def load_cuda_engine(cfg: ModelConfig, source, max_context: int, fp32_logits: bool = False,
                      progress: Callable[[int], None] | None = None, use_graphs: bool = True) -> CudaEngine:
     """Check the tensors, upload them once, and build the engine (CuPy is imported here, not before)."""
     check_context(cfg, max_context)
+    missing = unsupported_features(cfg.definition)
+    if missing:
+        raise DeviceError(f"{cfg.model_type}: the CUDA engine does not implement {', '.join(missing)} yet; "
+                          "use --device cpu")
     if cfg.moe is not None:
         from .kernels.moe import MoeKernels
 

@@ -52,7 +52,8 @@ class RowsPass(RowsMoe, _Pass):
         self.ids, self.pos = e._io[0, :m], e._io[1, :m]
         self.buffers = {"x": e._x[:m], "h": e._h[:m], "qkv": e._qkv[:m]}
 
-    def embed(self, table):
+    def embed(self, table, scale=None):
+        assert scale is None, "embedding scale: refused by unsupported_features"
         x = self.buffers["x"]
         self.k.embedding(self.ids, table, x, stream=self.s)
         return x
@@ -67,7 +68,8 @@ class RowsPass(RowsMoe, _Pass):
         self.e._linear(x, w, target, bias, accumulate=residual is not None, norm_weight=norm_weight, eps=eps)
         return target
 
-    def norm(self, x, weight, norm: Norm, *, out):
+    def norm(self, x, weight, norm: Norm, *, out, residual=None, tap=None):
+        assert residual is None, "sandwich norms: refused by unsupported_features"
         y = self.buffers[out]
         self.k.rmsnorm(x, weight, norm.eps, y, stream=self.s)
         return y
@@ -112,7 +114,8 @@ class PrefillPass(PrefillMoe, _Pass):
         except cp.cuda.memory.OutOfMemoryError:
             raise engine.oom(f"prefilling {t} tokens", t * cfg.hidden_size * 16) from None
 
-    def embed(self, table):
+    def embed(self, table, scale=None):
+        assert scale is None, "embedding scale: refused by unsupported_features"
         self.k.embedding(self.ids, table, self.x, stream=self.s)
         return self.x
 
@@ -123,7 +126,8 @@ class PrefillPass(PrefillMoe, _Pass):
             self.tap(tap, self.e._gemm(x, w, bias))
         return self.e._gemm(x, w, bias, accumulate_into=residual)
 
-    def norm(self, x, weight, norm: Norm, *, out):
+    def norm(self, x, weight, norm: Norm, *, out, residual=None, tap=None):
+        assert residual is None, "sandwich norms: refused by unsupported_features"
         self.k.rmsnorm(x, weight, norm.eps, self.h, stream=self.s)
         return self.h
 

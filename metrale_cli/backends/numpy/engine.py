@@ -15,12 +15,14 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ...config import ModelConfig
+from ...engine.longrope import has_longrope, long_factors
 from ...engine.loop import Tap, decoder_forward
 from ...engine_base import EngineBase, check_context
 from ...logits import DevicePtr, bf16_bits_to_fp32, fp32_to_bf16_bits, host_argmax
-from ...models.spec import AttentionSpec, MoeSpec, Norm
+from ...models.spec import AttentionSpec, MoeSpec, Norm, Rope
 from ...models.weights import WeightSource, Weights, check_checkpoint, load_weights
 from . import moe
+from .kv_cache import KVCache
 
 # Queries per prefill chunk: bounds the attention scores to heads x chunk x context floats.
 PREFILL_CHUNK = 256
@@ -51,41 +53,60 @@ def as_fp32(a: np.ndarray) -> np.ndarray:
     return bf16_bits_to_fp32(a) if a.dtype == np.uint16 else np.array(a, dtype=np.float32)
 
 
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """HF RMSNorm over the last axis: weight * x / sqrt(mean(x^2) + eps), in fp32."""
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, offset: float = 0.0) -> np.ndarray:
+    """HF RMSNorm over the last axis: (offset + weight) * x / sqrt(mean(x^2) + eps), in fp32."""
     var = np.mean(np.square(x), axis=-1, keepdims=True)
-    return weight * (x / np.sqrt(var + np.float32(eps)))
+    scale = weight if not offset else np.float32(offset) + weight  # Gemma: 1 + w, in fp32
+    return scale * (x / np.sqrt(var + np.float32(eps)))
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Rotate x [T, heads, d] by HF's rotate_half convention; cos/sin are [T, d/2]."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]  # (T, 1, d/2): broadcast over heads
-    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    """Rotate x [T, heads, d] by HF's rotate_half convention; cos/sin are [T, r/2] for the first r dims
+    (partial rotary: the dims past r pass through unrotated)."""
+    r = 2 * cos.shape[-1]
+    half = r // 2
+    x1, x2 = x[..., :half], x[..., half:r]
+    c, s = cos[:, None, :], sin[:, None, :]  # (T, 1, r/2): broadcast over heads
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, x[..., r:]], axis=-1)
 
 
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (np.float32(1.0) + np.exp(-x))
 
 
-ACTIVATIONS = {"silu": silu}
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """torch's gelu(approximate="tanh") (HF gelu_pytorch_tanh): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    inner = np.float32(np.sqrt(2.0 / np.pi)) * (x + np.float32(0.044715) * x * x * x)
+    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(inner))
+
+
+def softcap(x: np.ndarray, cap: float) -> np.ndarray:
+    """tanh(x / cap) * cap (Gemma 2's attention and final-logit softcapping), in fp32."""
+    c = np.float32(cap)
+    return np.tanh(x / c) * c
+
+
+ACTIVATIONS = {"silu": silu, "gelu_tanh": gelu_tanh}
 
 
 class NumpyPass:
     """engine/loop.py's ops for one pass of T rows at positions start..start+T-1 (plain NumPy)."""
 
-    def __init__(self, engine: NumpyEngine, ids: np.ndarray, tap: Tap | None = None) -> None:
+    def __init__(self, engine: NumpyEngine, ids: np.ndarray, tap: Tap | None = None, long: bool = False) -> None:
         self.e, self.ids, self.t, self.start = engine, ids, len(ids), engine.length
+        self.long = long  # longrope: this call runs the long factors (engine/longrope.py)
         self._tap = tap
         self._rope: dict[object, tuple[np.ndarray, np.ndarray]] = {}
 
-    def embed(self, table) -> np.ndarray:
-        return as_fp32(table[self.ids])  # [T, H]
+    def embed(self, table, scale=None) -> np.ndarray:
+        x = as_fp32(table[self.ids])  # [T, H]
+        # Gemma: times sqrt(hidden) as an fp32 value, as transformers computes in fp32. (A bf16 model run
+        # in bf16 by transformers rounds the normalizer to bf16 first, e.g. sqrt(3584) = 59.87 -> 60.0.)
+        return x if scale is None else x * np.float32(scale)
 
     def linear(self, x, w, bias=None, *, out, norm=None, residual=None, tap=None):
         if norm is not None:
-            x = rms_norm(x, norm[0], norm[1].eps)
+            x = rms_norm(x, norm[0], norm[1].eps, norm[1].offset)
         y = x @ w.T
         if bias is not None:
             y += bias
@@ -93,8 +114,11 @@ class NumpyPass:
             self.tap(tap, y)
         return y if residual is None else residual + y
 
-    def norm(self, x, weight, norm: Norm, *, out):
-        return rms_norm(x, weight, norm.eps)
+    def norm(self, x, weight, norm: Norm, *, out, residual=None, tap=None):
+        y = rms_norm(x, weight, norm.eps, norm.offset)
+        if tap is not None:
+            self.tap(tap, y)
+        return y if residual is None else residual + y
 
     def gated_mlp(self, x, w_gate_up, *, norm, activation):
         gu = self.linear(x, w_gate_up, out="gate_up", norm=norm)  # [T, 2I]
@@ -102,10 +126,10 @@ class NumpyPass:
         return ACTIVATIONS[activation](gu[:, :i]) * gu[:, i:]  # [T, I]
 
     def route(self, x, w_router, spec: MoeSpec, *, norm):
-        return moe.route(rms_norm(x, norm[0], norm[1].eps), w_router, spec)
+        return moe.route(rms_norm(x, norm[0], norm[1].eps, norm[1].offset), w_router, spec)
 
     def experts(self, x, route, w_gate_up, w_down, spec: MoeSpec, *, norm, shared, tap):
-        h = rms_norm(x, norm[0], norm[1].eps)
+        h = rms_norm(x, norm[0], norm[1].eps, norm[1].offset)
         act = ACTIVATIONS[spec.activation]
         y = moe.experts(h, route, w_gate_up, w_down, act)
         if shared is not None:  # qwen2_moe: + sigmoid(shared_expert_gate(h)) * shared_expert(h)
@@ -119,27 +143,34 @@ class NumpyPass:
         k = qkv[:, a.q_size:a.q_size + a.kv_size].reshape(t, nkv, d)  # (T, nkv, d)
         v = qkv[:, a.q_size + a.kv_size:].reshape(t, nkv, d)  # (T, nkv, d)
         if q_norm is not None:
-            q = rms_norm(q, q_norm, norm.eps)
-            k = rms_norm(k, k_norm, norm.eps)
-        cos, sin = self._cos_sin(a)
+            q = rms_norm(q, q_norm, norm.eps, norm.offset)
+            k = rms_norm(k, k_norm, norm.eps, norm.offset)
+        cos, sin = self._cos_sin(a.rope)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        end = self.start + t
-        self.e._k[layer, :, self.start:end] = k.transpose(1, 0, 2)  # (nkv, T, d)
-        self.e._v[layer, :, self.start:end] = v.transpose(1, 0, 2)
+        self.e.cache.write(layer, self.start, k.transpose(1, 0, 2), v.transpose(1, 0, 2))  # (nkv, T, d)
         return q
 
     def attention(self, q, layer: int, a: AttentionSpec):
         t, d, nkv, rep = self.t, a.head_dim, a.num_kv_heads, a.n_rep
         start, end = self.start, self.start + t
-        keys, values = self.e._k[layer, :, :end], self.e._v[layer, :, :end]  # (nkv, L, d)
+        # A sliding layer reads only the keys some query of this pass can see: (start - window, end).
+        lo = 0 if a.window is None else max(0, start - a.window + 1)
+        keys, values = self.e.cache.read(layer, lo, end)  # (nkv, L, d), positions lo..end-1
+        n = end - lo
         # Query head h reads KV head h // rep: group the rep query heads of each KV head together.
         qg = q.reshape(t, nkv, rep, d).transpose(1, 2, 0, 3).reshape(nkv, rep * t, d)  # (nkv, rep*T, d)
         scores = (qg @ keys.transpose(0, 2, 1)) * np.float32(a.scale)  # (nkv, rep*T, L)
-        if t > 1:  # query i (position start+i) sees keys 0..start+i
-            future = np.arange(end)[None, :] > (start + np.arange(t))[:, None]  # (T, L)
-            scores = scores.reshape(nkv, rep, t, end)
-            scores[:, :, future] = -np.inf
-            scores = scores.reshape(nkv, rep * t, end)
+        if a.softcap is not None:
+            scores = softcap(scores, a.softcap)
+        # query i (position start+i) sees keys in (start+i - window, start+i]
+        kpos, qpos = np.arange(lo, end)[None, :], (start + np.arange(t))[:, None]
+        hidden = kpos > qpos
+        if a.window is not None:
+            hidden |= kpos <= qpos - a.window
+        if hidden.any():
+            scores = scores.reshape(nkv, rep, t, n)
+            scores[:, :, hidden] = -np.inf
+            scores = scores.reshape(nkv, rep * t, n)
         scores -= scores.max(axis=-1, keepdims=True)
         p = np.exp(scores)
         p /= p.sum(axis=-1, keepdims=True)
@@ -149,13 +180,17 @@ class NumpyPass:
         if self._tap is not None:
             self._tap(name, x)
 
-    def _cos_sin(self, a: AttentionSpec) -> tuple[np.ndarray, np.ndarray]:
-        """cos/sin [T, d/2] of this pass's positions, once per distinct rope (layers share it)."""
-        if a.rope not in self._rope:
-            inv = self.e.inv_freq(a.rope)
+    def _cos_sin(self, rope: Rope) -> tuple[np.ndarray, np.ndarray]:
+        """cos/sin [T, r/2] of this pass's positions, once per distinct rope (layers share it)."""
+        if rope not in self._rope:
+            inv = self.e.inv_freq(rope, self.long and rope.longrope is not None)
             angles = np.arange(self.start, self.start + self.t, dtype=np.float32)[:, None] * inv[None, :]
-            self._rope[a.rope] = (np.cos(angles), np.sin(angles))
-        return self._rope[a.rope]
+            cos, sin = np.cos(angles), np.sin(angles)
+            if rope.attention_scaling != 1.0:  # longrope: both scaled, as transformers does
+                s = np.float32(rope.attention_scaling)
+                cos, sin = cos * s, sin * s
+            self._rope[rope] = (cos, sin)
+        return self._rope[rope]
 
 
 class NumpyEngine(EngineBase):
@@ -163,64 +198,101 @@ class NumpyEngine(EngineBase):
 
     device = "cpu"
 
-    def __init__(self, cfg: ModelConfig, weights: Weights, max_context: int, fp32_logits: bool = False):
+    def __init__(self, cfg: ModelConfig, weights: Weights, max_context: int, fp32_logits: bool = False,
+                 pass_rows: int = PREFILL_CHUNK):
+        """`pass_rows`: the most tokens one forward runs (prefill and verify are chunked to it); it sizes
+        the sliding layers' ring buffers (engine/kv_layout.py)."""
         check_context(cfg, max_context)
         self.cfg = cfg
         self.w = weights
         self.max_context = max_context
         self.length = 0  # positions held in the KV cache
+        self.pass_rows = pass_rows
         self._fp32_logits = fp32_logits
-        self._inv_freq: dict[object, np.ndarray] = {}  # Rope -> [d/2] fp32
-        shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, max_context, cfg.head_dim)
-        self._k = np.zeros(shape, np.float32)  # [L, nkv, ctx, d]; np.zeros maps pages lazily
-        self._v = np.zeros(shape, np.float32)
+        self._inv_freq: dict[tuple[Rope, bool], np.ndarray] = {}  # (Rope, long) -> [r/2] fp32
+        self.cache = KVCache(cfg.definition, max_context, pass_rows)
+        # longrope (engine/longrope.py): the tokens cached so far, and which factor set computed them
+        self._longrope = has_longrope(cfg.definition)
+        self._tokens = np.zeros(max_context, np.int64)
+        self._cache_long = False
         self._logits_dtype = np.float32 if fp32_logits else np.uint16  # bf16 rows as bit patterns
         self._logits = np.zeros((1, cfg.vocab_size), self._logits_dtype)  # [rows, V], grown on demand
         self._decode_logits = np.zeros((1, cfg.vocab_size), self._logits_dtype)  # [1, V]
         self._hidden = np.zeros((1, cfg.hidden_size), np.float32)  # [1, H]
 
-    def inv_freq(self, rope) -> np.ndarray:
-        if rope not in self._inv_freq:
-            self._inv_freq[rope] = rope.inv_freq()
-        return self._inv_freq[rope]
+    def inv_freq(self, rope: Rope, long: bool = False) -> np.ndarray:
+        if (rope, long) not in self._inv_freq:
+            self._inv_freq[rope, long] = rope.inv_freq(long)
+        return self._inv_freq[rope, long]
+
+    def trim(self, length: int) -> None:
+        if 0 <= length <= self.length:
+            self.cache.check_trim(length)  # a ring cannot give back positions it has overwritten
+        super().trim(length)
+
+    def reset(self) -> None:
+        super().reset()
+        self.cache.reset()
 
     # -- passes ------------------------------------------------------------------------------------------
     def prefill(self, tokens: Sequence[int], all_logits: bool = False) -> int:
         """Run the prompt; write every row's logits (all_logits) or only the last row's to the logits
         buffer. Returns the number of rows written."""
         ids = self._check_tokens(tokens)
-        rows = []
-        for start in range(0, len(ids), PREFILL_CHUNK):
-            chunk = ids[start:start + PREFILL_CHUNK]
-            last_chunk = start + PREFILL_CHUNK >= len(ids)
-            h = self._forward(chunk)
-            if all_logits or last_chunk:
-                rows.append(h if all_logits else h[-1:])
+        rows = self._chunks(ids, all_logits)
         self._write_rows(np.concatenate(rows, axis=0))
         return len(ids) if all_logits else 1
 
     def decode(self, token: int) -> None:
-        h = self._forward(self._check_tokens([token]))
+        ids = self._check_tokens([token])
+        h = self._forward(ids, long=self._begin_call(len(ids)))
         self._decode_logits[:] = self._round_logits(self._lm_head(h))
         self._hidden_rows = h  # [1, H]
 
     def verify(self, tokens: Sequence[int]) -> int:
         """k draft tokens at the next k positions in one forward; rows [k, vocab] in the logits buffer."""
         ids = self._check_tokens(tokens)
-        self._write_rows(self._forward(ids))
+        self._write_rows(np.concatenate(self._chunks(ids, True), axis=0))
         return len(ids)
 
     # -- the forward ---------------------------------------------------------------------------------------
-    def _forward(self, ids: np.ndarray) -> np.ndarray:
+    def _chunks(self, ids: np.ndarray, all_rows: bool) -> list[np.ndarray]:
+        """One call (prefill, verify) in forwards of at most pass_rows tokens; the post-norm rows
+        of every token (all_rows) or of the last one."""
+        long, rows = self._begin_call(len(ids)), []
+        for start in range(0, len(ids), self.pass_rows):
+            h = self._forward(ids[start:start + self.pass_rows], long)
+            if all_rows or start + self.pass_rows >= len(ids):
+                rows.append(h if all_rows else h[-1:])
+        return rows
+
+    def _begin_call(self, n: int) -> bool:
+        """The longrope factor set of a call of n tokens; a cache computed with the other set is first
+        recomputed from its tokens (engine/longrope.py). False for every other model."""
+        if not self._longrope:
+            return False
+        long = long_factors(self.cfg.definition, self.length + n)
+        if long != self._cache_long:
+            self._cache_long = long
+            prefix, self.length = self._tokens[:self.length].copy(), 0
+            for start in range(0, len(prefix), self.pass_rows):
+                self._forward(prefix[start:start + self.pass_rows], long, quiet=True)  # not the caller's pass
+        return long
+
+    def _forward(self, ids: np.ndarray, long: bool = False, quiet: bool = False) -> np.ndarray:
         """Run ids [T] at positions length..length+T-1, append their K/V, return the post-final-norm
-        hidden states [T, H]. The hidden state of the last position is kept for hidden_after_norm()."""
-        h = decoder_forward(NumpyPass(self, ids, self.tap), self.cfg.definition, self.w)
+        hidden states [T, H]. The hidden state of the last position is kept for hidden_after_norm().
+        The pass's taps go to the engine's observer (`self.tap`), unless `quiet` (a cache recomputation)."""
+        h = decoder_forward(NumpyPass(self, ids, None if quiet else self.tap, long), self.cfg.definition, self.w)
+        self._tokens[self.length:self.length + len(ids)] = ids
         self.length += len(ids)
         self._hidden[0] = h[-1]
         return h
 
     def _lm_head(self, h: np.ndarray) -> np.ndarray:
-        return h @ self.w.lm_head.T  # [rows, V]
+        logits = h @ self.w.lm_head.T  # [rows, V]
+        cap = self.cfg.definition.final_logit_softcap
+        return logits if cap is None else softcap(logits, cap)
 
     # -- buffers -------------------------------------------------------------------------------------------
     def _write_rows(self, h: np.ndarray) -> None:
@@ -247,5 +319,6 @@ class NumpyEngine(EngineBase):
 
 def load_numpy_engine(cfg: ModelConfig, source: WeightSource, max_context: int, fp32_logits: bool = False,
                       progress=None) -> NumpyEngine:
+    """Check and convert the weights, then build the engine (cache sized for max_context positions)."""
     check_context(cfg, max_context)  # refuse before converting gigabytes of weights
     return NumpyEngine(cfg, read_weights(cfg, source, progress), max_context, fp32_logits)

@@ -1,0 +1,52 @@
+"""The block features of a model definition as plain data, for `inspect` (cli.py) to report.
+
+Read from the definition the engines run (not from config.json), so what inspect shows is what runs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .spec import Rope
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
+
+
+def rope_info(rope: Rope) -> dict[str, Any]:
+    """{"theta", "type", "scaling", "rotary_fraction"}; scaling holds the type's numbers (no factor lists)."""
+    scaling: dict[str, Any] | None = None
+    kind = "default"
+    if rope.scaling is not None:
+        s, kind = rope.scaling, "llama3"
+        scaling = {"factor": s.factor, "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
+                   "original_max_position_embeddings": s.original_max_position_embeddings}
+    elif rope.longrope is not None:
+        lr, kind = rope.longrope, "longrope"
+        scaling = {"original_max_position_embeddings": lr.original_max_position_embeddings,
+                   "attention_factor": lr.attention_factor}
+    elif rope.linear_factor != 1.0:
+        kind, scaling = "linear", {"factor": rope.linear_factor}
+    return {"theta": rope.theta, "type": kind, "scaling": scaling, "rotary_fraction": rope.dims / rope.head_dim}
+
+
+def block_features(cfg: ModelConfig) -> dict[str, Any]:
+    """Sliding layers, softcaps, norms, activation, embedding scale and the rope of each layer kind."""
+    d = cfg.definition
+    layers = d.layers
+    sliding = [i for i, layer in enumerate(layers) if layer.attention.window is not None]
+    first_full = next((layer for layer in layers if layer.attention.window is None), layers[0])
+    first_sliding = layers[sliding[0]] if sliding else None
+    sliding_rope = first_sliding.attention.rope if first_sliding is not None else None
+    return {
+        "rope": rope_info(first_full.attention.rope),
+        "sliding_layers": sliding,
+        "sliding_rope": rope_info(sliding_rope) if sliding_rope not in (None, first_full.attention.rope) else None,
+        "attn_logit_softcapping": layers[0].attention.softcap,
+        "final_logit_softcapping": d.final_logit_softcap,
+        "attention_scale": layers[0].attention.scale,
+        "norm": "rmsnorm (1 + w)" if d.norm.offset else "rmsnorm",
+        "post_norms": "attn_out_norm" in layers[0].keys(),
+        "activation": layers[0].mlp.activation,
+        "embed_scale": d.embed_scale,
+    }
