@@ -348,8 +348,13 @@ def test_moe_router_taps_match_cpu(cp, checkpoints, name, rng, seed):
     prompt = [int(t) for t in rng.integers(0, cpu.vocab_size(), 12)]
     c, g = trace(cpu, [prompt]), trace(gpu, [prompt])
     n = first_flip(c, g, _spec(cpu), seed)
-    for i in c:
-        assert rel(g[i][1][:n], c[i][1][:n]) <= TOL, f"seed={seed}: layer {i} router logits"
+    # The first sparse layer's router sees the same inputs on every row; a later layer's only on the rows
+    # before the first routing flip (a near tie, checked by first_flip), which changes what follows.
+    first = min(c)
+    assert rel(g[first][1], c[first][1]) <= TOL, f"seed={seed}: layer {first} router logits"
+    for i in sorted(c)[1:]:
+        if n:
+            assert rel(g[i][1][:n], c[i][1][:n]) <= TOL, f"seed={seed}: layer {i} router logits"
 
 
 @pytest.mark.parametrize("name", list(ARCHS))
