@@ -1003,7 +1003,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 # -- compare and score (issue 15) ----------------------------------------------------------------------------------
 
 
-@app.command()
+@app.command(cls=MetraleCommand)
 def compare(
     ctx: typer.Context,
     a: Annotated[Optional[str], typer.Argument(metavar="A", help="The reference: a logits dump or a layer dump.",
@@ -1044,7 +1044,7 @@ def compare(
 
     Examples:
       metrale compare ref.safetensors mine.npy --dtype bf16
-      metrale compare ref.safetensors mine.bin --vocab 128256 --dtype bf16 --max-kl 1e-3 --min-top1 0.99
+      metrale compare ref.npy mine.bin --vocab 128256 --dtype bf16 --max-kl 1e-3
       metrale compare ref-layers.safetensors mine-layers.safetensors --rtol 1e-3
     """
     from .compare import Tolerances, failure_message, run_compare
@@ -1062,7 +1062,7 @@ def compare(
         raise DivergenceError(failure_message(result))
 
 
-@app.command()
+@app.command(cls=MetraleCommand)
 def score(
     ctx: typer.Context,
     model: ModelOpt = None,
@@ -1070,7 +1070,7 @@ def score(
     tokens: TokensOpt = None,
     text_file: Annotated[Optional[str], typer.Option(
         "--text-file", metavar="F", help="Score the text of file F (UTF-8; '-' reads stdin).")] = None,
-    top_k: Annotated[int, typer.Option("--top-k", "-k", help="Alternatives shown per token.")] = 3,
+    top_k: Annotated[int, typer.Option("--top-k", "-k", metavar="K", help="Alternatives shown per token.")] = 3,
     chunk: Annotated[Optional[int], typer.Option(
         "--chunk", metavar="N", help="Tokens per window (default: the whole text, at most the context).")] = None,
     stride: Annotated[Optional[int], typer.Option(
