@@ -219,9 +219,12 @@ FormatOpt = Annotated[Optional[str], typer.Option(
     "--format", "-f", metavar="rich|plain|json", help="Output format (default: rich on a terminal, else plain).")]
 DumpLogitsOpt = Annotated[Optional[str], typer.Option(
     "--dump-logits", metavar="PATH", help="Write every logits row: .safetensors, .npy, .bin, or - (stdout).")]
-HiddenOpt = Annotated[bool, typer.Option("--hidden", help="Summarize the hidden state after the final norm.")]
+HiddenOpt = Annotated[bool, typer.Option(
+    "--hidden", help="Summarize the hidden state after the final norm (of the last row).")]
 DumpHiddenOpt = Annotated[Optional[str], typer.Option(
-    "--dump-hidden", metavar="PATH", help="Write that hidden state as fp32: .npy or .bin.")]
+    "--dump-hidden", metavar="PATH",
+    help="Write the hidden state after the final norm behind every logits row, fp32 [rows, hidden]: "
+         ".safetensors, .npy or .bin.")]
 DumpLayersOpt = Annotated[Optional[str], typer.Option(
     "--dump-layers", metavar="PATH",
     help="Write every module's output (fp32 [rows, width], named after the Hugging Face modules) for every "
