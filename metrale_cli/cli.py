@@ -1070,8 +1070,8 @@ def compare(
       metrale compare ref.safetensors mine.npy --dtype bf16
       metrale compare ref.safetensors mine.bin --vocab 128256 --dtype bf16 --max-kl 1e-3 --min-top1 0.99
       metrale compare ref-layers.safetensors mine-layers.safetensors --rtol 1e-3
-      metrale compare --reference transformers --model default --prompt "The for statement" --steps 4
-      metrale compare --reference transformers --model default --tokens "1 2 3" --layers 0,-1
+      metrale compare --reference transformers --prompt "The for" --steps 4
+      metrale compare --reference transformers --tokens "1 2 3" --layers 0,-1
     """
     from .compare import Tolerances, failure_message, run_compare
     from .compare_inputs import ReadOptions
