@@ -1031,6 +1031,20 @@ def compare(
     rtol: Annotated[Optional[float], typer.Option(
         "--rtol", metavar="X", help="Layer dumps: the first tensor with max|A-B| / max|A| > X is the first "
                                     "divergence; exit 9 if there is one (default report threshold 1e-3).")] = None,
+    reference: Annotated[Optional[str], typer.Option(
+        "--reference", metavar="transformers", help="Instead of A and B: run transformers and metrale on --model "
+                                                    "and compare them (needs the `reference` extra).")] = None,
+    model: ModelOpt = None,
+    prompt: PromptOpt = None,
+    tokens: TokensOpt = None,
+    steps: Annotated[Optional[int], typer.Option(
+        "--steps", "-n", metavar="N", help="With --reference: greedy tokens compared after the prompt (default 8).")] = None,
+    layers: Annotated[Optional[str], typer.Option(
+        "--layers", metavar="I,J,...|all", help="With --reference: also compare these layers' taps.")] = None,
+    device: Annotated[Optional[str], typer.Option(
+        "--device", metavar="cpu|cuda", help="With --reference: where metrale runs (default cpu).")] = None,
+    logits_dtype: Annotated[Optional[str], typer.Option(
+        "--logits-dtype", metavar="fp32|bf16", help="With --reference: both sides' dtype (default fp32).")] = None,
     fmt: FormatOpt = None,
 ) -> None:
     """Compare two logits dumps or two layer dumps; A is the reference.
@@ -1045,10 +1059,22 @@ def compare(
     order, and the first tensor that diverges.
     With --max-kl, --max-rel-err, --min-top1 or --rtol it is a check: exit 9 when exceeded.
 
+    --reference transformers --model DIR checks metrale itself: transformers (pip install
+    'metrale[reference]') decodes --steps N greedy tokens after the prompt; both then run prompt + those
+    tokens teacher-forced (one forward, so an early difference does not cascade), and the prompt's last row
+    and the N step rows are compared as above (A = transformers, B = metrale), with each row's argmax and
+    whether metrale's greedy tokens are transformers'. --layers also compares those layers' taps with
+    transformers' hidden_states and module outputs, naming the first diverging one. fp32 on both sides by
+    default; --logits-dtype bf16 runs both in bf16 (with --device cuda: metrale's GPU engine).
+    transformers always runs on the CPU. It is a check by default (exit 9 beyond it): fp32 rel err 1e-3,
+    KL 1e-4, every argmax agrees, layers --rtol 1e-3; bf16 5e-2, 1e-2, 0.9, 5e-2; the options override.
+
     Examples:
       metrale compare ref.safetensors mine.npy --dtype bf16
       metrale compare ref.npy mine.bin --vocab 128256 --dtype bf16 --max-kl 1e-3
       metrale compare ref-layers.safetensors mine-layers.safetensors --rtol 1e-3
+      metrale compare --reference transformers --prompt "The for" --steps 4
+      metrale compare --reference transformers --tokens "1 2 3" --layers 0,-1
     """
     from .compare import Tolerances, failure_message, run_compare
     from .compare_inputs import ReadOptions
@@ -1056,6 +1082,17 @@ def compare(
 
     state: State = ctx.obj
     fmt_ = render.choose_format(fmt, state.out)
+    given = {"--model": model, "--prompt": prompt, "--tokens": tokens, "--steps": steps, "--layers": layers,
+             "--device": device, "--logits-dtype": logits_dtype}
+    if reference is not None:
+        if a is not None or b is not None:
+            raise UsageError("--reference runs the comparison itself: give --model, not files A and B")
+        return _reference_check(ctx, reference, Common(model, prompt, tokens, device or "cpu", logits_dtype or "fp32",
+                                                       fmt, None, False, None, False, None),
+                                steps, layers, Tolerances(max_kl, max_rel_err, min_top1, rtol))
+    extra = [name for name, value in given.items() if value is not None]
+    if extra:
+        raise UsageError(f"{', '.join(extra)} go with --reference transformers (comparing two files needs none)")
     if a is None or b is None:
         raise UsageError("compare needs two files: metrale compare A B (A is the reference)")
     result = run_compare(a, b, ReadOptions(tensor, tensor_b, vocab, dtype),
@@ -1063,6 +1100,35 @@ def compare(
     render.render_compare(state.out, fmt_, result)
     if result.passed is False:
         raise DivergenceError(failure_message(result))
+
+
+def _reference_check(ctx: typer.Context, reference: str, c: Common, steps: int | None, layers: str | None,
+                     tol: Any) -> None:
+    """compare --reference: check the options, load metrale's engine, run the check, render, exit 9 if it failed."""
+    from .errors import DivergenceError
+    from .layer_dumps import parse_layers
+    from .reference_check import DEFAULT_STEPS, REFERENCES, check_reference, divergence_message, import_reference
+
+    if reference not in REFERENCES:
+        raise UsageError(f"--reference takes {', '.join(REFERENCES)}, got {reference!r}")
+    steps = DEFAULT_STEPS if steps is None else steps
+    check_positive(steps, "--steps")
+    tol.check()
+    import_reference()  # a missing extra fails before anything is loaded
+    job = prepare(ctx.obj, c)
+    chosen = parse_layers(layers, job.spec.config.num_hidden_layers) if layers is not None else None
+    n = len(job.ids)
+    kv = context_for(job.spec, n + steps, f"prompt ({n} tokens) + --steps {steps}", None)
+    target = load(job, job.spec, kv)
+    try:
+        result = check_reference(target.engine, target.config, directory=job.spec.directory, model=job.spec.label,
+                                 device=target.device, dtype=c.logits_dtype, prompt=job.ids, steps=steps,
+                                 layers=chosen, tolerances=tol, reference=reference)
+    finally:
+        target.close()
+    render.render_reference_check(ctx.obj.out, job.fmt, result)
+    if not result.passed:
+        raise DivergenceError(divergence_message(result))
 
 
 @app.command(cls=MetraleCommand)

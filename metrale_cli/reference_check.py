@@ -1,0 +1,299 @@
+"""The one-command reference check (`metrale compare --reference transformers --model DIR ...`): is metrale
+right on this checkpoint? Hugging Face transformers (the optional `reference` extra: torch + transformers,
+imported only here) and metrale run the same checkpoint on the same prompt; compare.py's statistics say by
+how much they differ.
+
+1. transformers decodes greedily: the prompt, then --steps N tokens (its KV cache, EOS ignored). These are
+   the reference tokens t_1 .. t_N.
+2. Both sides then run prompt + t_1 .. t_N teacher-forced, as one forward pass (metrale: one prefill with
+   every row's logits), so a difference at one step cannot change the rows after it.
+3. The logits rows compared are the prompt's last row and one row per reference token: N + 1 rows at
+   positions P - 1 .. P + N - 1 (P prompt tokens; row j predicts t_{j+1}, the last one the token after
+   t_N). A is transformers, B is metrale: compare.compare_logits with every row kept, so each row says
+   whether metrale's argmax agrees with the reference's. metrale's greedy tokens are the argmax of the
+   first N rows; `tokens_identical` says whether they are t_1 .. t_N.
+4. With --layers, the taps of the selected layers over every row of that forward (prompt rows too) are
+   compared with what transformers computed there, as compare.compare_layers does for two dumps:
+   model.embed_tokens = hidden_states[0], model.layers.{i} = hidden_states[i + 1] for i < L - 1,
+   model.norm = hidden_states[L] (transformers' last entry is after the final norm); the other taps
+   (model.layers.{i}.self_attn, .mlp, Gemma's post-norms, the last layer's residual stream, a router's
+   logits) from forward hooks on the transformers modules of the same name, where that module's output
+   (its first element, for modules returning a tuple) has the tap's shape. Taps without a counterpart
+   are listed as metrale's only.
+
+Dtypes: fp32 on both sides by default (transformers loads the weights as fp32, eager attention, on the
+CPU). With --logits-dtype bf16 transformers runs in bf16 too (with --device cuda, metrale's GPU engine
+against transformers bf16); the reference always runs on the CPU.
+
+Default tolerances (the check exits 9, errors.DivergenceError, beyond them; --max-kl, --max-rel-err,
+--min-top1 and --rtol override each): fp32 every row's max|Δ|/max|A| <= 1e-3 (compare's layer default),
+KL <= 1e-4, every argmax agrees, every layer tensor's rel err <= 1e-3; bf16 5e-2, 1e-2, 0.9 of the rows,
+5e-2 (bf16 rounds each value by up to 2^-9 relative: looser, not measured on every model).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from .compare import LayerComparison, LogitsComparison, Tolerances, compare_layers, compare_logits, failure_message
+from .compare_inputs import Matrix
+from .config import ModelConfig
+from .decoding import Reader
+from .engine.loop import tap_names
+from .errors import UsageError
+from .layer_dumps import EMBED, NORM, LayerDump
+
+REFERENCES = ("transformers",)
+EXTRA_HINT = "pip install 'metrale[reference]'"
+DEFAULT_STEPS = 8
+DEFAULT_TOLERANCES = {
+    "fp32": Tolerances(max_kl=1e-4, max_rel_err=1e-3, min_top1=1.0, rtol=1e-3),
+    "bf16": Tolerances(max_kl=1e-2, max_rel_err=5e-2, min_top1=0.9, rtol=5e-2),
+}
+
+
+class MissingExtraError(UsageError):
+    """The reference check needs torch and transformers (the `reference` extra)."""
+
+    kind = "missing dependency"
+
+
+@dataclass
+class ReferenceRun:
+    """What transformers computed."""
+
+    tokens: list[int]  # its greedy tokens t_1 .. t_N
+    logits: np.ndarray  # [N + 1, vocab] fp32: the rows of positions P - 1 .. P + N - 1, teacher-forced
+    taps: dict[str, np.ndarray] | None  # tap name -> [P + N, width] fp32 (with --layers)
+
+
+@dataclass
+class ReferenceCheck:
+    model: str
+    reference: str  # "transformers"
+    reference_version: str
+    dtype: str  # fp32 | bf16, both sides
+    device: str  # metrale's; the reference runs on the CPU
+    prompt_tokens: list[int]
+    steps: int
+    reference_tokens: list[int]
+    metrale_tokens: list[int]  # argmax of metrale's first N compared rows
+    positions: list[int]  # of the compared logits rows
+    logits: LogitsComparison
+    layers: LayerComparison | None
+    selected_layers: list[int] | None
+    tolerances: Tolerances
+    failures: list[str] = field(default_factory=list)
+    kind: str = "reference"
+
+    @property
+    def tokens_identical(self) -> bool:
+        return self.metrale_tokens == self.reference_tokens
+
+    @property
+    def first_token_mismatch(self) -> int | None:
+        """The first step (0-based) whose metrale token differs from the reference's."""
+        return next((j for j, (a, b) in enumerate(zip(self.reference_tokens, self.metrale_tokens)) if a != b), None)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+
+# -- transformers -----------------------------------------------------------------------------------------------
+
+
+def import_reference() -> tuple[Any, Any]:
+    """(torch, transformers), or MissingExtraError naming the extra that provides them."""
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        missing = getattr(e, "name", None) or "torch/transformers"
+        raise MissingExtraError(f"--reference transformers needs torch and transformers ({missing} is not "
+                                f"installed): {EXTRA_HINT}") from None
+    return torch, transformers
+
+
+def run_transformers(directory: Path, prompt: Sequence[int], steps: int, dtype: str,
+                     tap_names: Sequence[str] | None) -> ReferenceRun:
+    """Greedy tokens, then the teacher-forced rows (and taps) of prompt + those tokens, on the CPU."""
+    torch, transformers = import_reference()
+    with _quiet(transformers):
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            directory, dtype=torch.float32 if dtype == "fp32" else torch.bfloat16,
+            attn_implementation="eager").eval()
+    with torch.no_grad(), _quiet(transformers):
+        tokens = _greedy(torch, transformers, model, list(prompt), steps)
+        ids = torch.tensor([list(prompt) + tokens], dtype=torch.long)
+        hooked: dict[str, Any] = {}
+        handles = _hook_taps(model, tap_names or [], hooked)
+        try:
+            out = model(ids, output_hidden_states=tap_names is not None, use_cache=False)
+        finally:
+            for h in handles:
+                h.remove()
+    first = len(prompt) - 1
+    logits = out.logits[0, first:].float().numpy()
+    taps = None
+    if tap_names is not None:
+        taps = {n: t[0].float().numpy() for n, t in _hidden_state_taps(out.hidden_states).items()}
+        taps.update({n: v for n, v in hooked.items() if n not in taps})
+    return ReferenceRun(tokens, logits, taps)
+
+
+def _greedy(torch: Any, transformers: Any, model: Any, prompt: list[int], steps: int) -> list[int]:
+    """transformers' greedy decoding (generate, its KV cache) for exactly `steps` tokens. A fresh generation
+    config: the checkpoint's generation_config.json (sampling, repetition penalty, EOS) is not applied."""
+    ids = torch.tensor([prompt], dtype=torch.long)
+    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=steps, min_new_tokens=steps,
+                                           eos_token_id=None, pad_token_id=0)
+    # An explicit mask: without it generate() takes every prompt token equal to pad_token_id for padding.
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    return [int(t) for t in out[0, len(prompt):]]
+
+
+@contextlib.contextmanager
+def _quiet(transformers: Any) -> Iterator[None]:
+    """No progress bars, log lines or warnings from transformers in metrale's report (stderr stays ours)."""
+    logging = transformers.utils.logging
+    level = logging.get_verbosity()
+    bars = logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.set_verbosity(level)
+        if bars:
+            logging.enable_progress_bar()
+
+
+def _hidden_state_taps(hs: Sequence[Any]) -> dict[str, Any]:
+    """hidden_states -> tap names: [0] the embedding, [i + 1] layer i's output for i < L - 1, [L] the final
+    norm's output (transformers does not return the last layer's residual stream)."""
+    L = len(hs) - 1
+    taps = {EMBED: hs[0], NORM: hs[L]}
+    taps.update({f"model.layers.{i}": hs[i + 1] for i in range(L - 1)})
+    return taps
+
+
+def _hook_taps(model: Any, names: Sequence[str], into: dict[str, Any]) -> list[Any]:
+    """Forward hooks on the decoder's modules named like metrale's taps (model.layers.{i}[.sub]); each
+    stores its output (the first element of a tuple) as fp32 [rows, width]."""
+    decoder = model.get_decoder()
+    modules = {f"model.{n}": m for n, m in decoder.named_modules() if n.startswith("layers.")}
+    handles = []
+    for name in names:
+        if name in modules:
+            handles.append(modules[name].register_forward_hook(_store(name, into)))
+    return handles
+
+
+def _store(name: str, into: dict[str, Any]) -> Callable[..., None]:
+    def hook(module: Any, args: Any, output: Any) -> None:
+        y = output[0] if isinstance(output, (tuple, list)) else output
+        if hasattr(y, "detach"):
+            a = y.detach().float().numpy()
+            into[name] = a.reshape(-1, a.shape[-1]) if a.ndim != 2 else a
+    return hook
+
+
+# -- metrale -----------------------------------------------------------------------------------------------------------
+
+
+def run_metrale(engine: Any, ids: Sequence[int], first_row: int,
+                keep: Callable[[str], bool] | None) -> tuple[np.ndarray, dict[str, np.ndarray] | None]:
+    """One prefill of `ids` with every row's logits: rows first_row.. as fp32, and the taps `keep` selects."""
+    from .engine.observe import LayerRecorder, tapping
+
+    recorder = LayerRecorder(engine, keep) if keep is not None else None
+    engine.reset()
+    if recorder is not None:
+        with tapping(engine, recorder):
+            n = engine.prefill(list(ids), all_logits=True)
+    else:
+        n = engine.prefill(list(ids), all_logits=True)
+    engine.synchronize()
+    rd = Reader(engine)
+    buf = engine.logits_buffer_ptr()
+    start = len(ids) - n
+    rows = np.stack([rd.values(rd.raw(buf.row_ptr(i - start)), buf.row_ptr(i - start))
+                     for i in range(first_row, len(ids))])
+    return rows, recorder.tensors() if recorder is not None else None
+
+
+# -- the check ---------------------------------------------------------------------------------------------------------
+
+
+def tolerances_for(dtype: str, given: Tolerances) -> Tolerances:
+    """The defaults of `dtype`, each replaced by the one given on the command line."""
+    base = DEFAULT_TOLERANCES[dtype]
+    return replace(base, **{k: v for k, v in vars(given).items() if v is not None})
+
+
+def check_reference(engine: Any, config: ModelConfig, *, directory: Path, model: str, device: str, dtype: str, prompt: Sequence[int],
+                    steps: int, layers: Sequence[int] | None, tolerances: Tolerances,
+                    reference: str = "transformers") -> ReferenceCheck:
+    """Run the reference and metrale (`engine` of `config`, loaded with max_context >= P + steps, fp32 logits
+    for dtype fp32) and compare them."""
+    if reference not in REFERENCES:
+        raise UsageError(f"--reference takes {', '.join(REFERENCES)}, got {reference!r}")
+    if steps < 1:
+        raise UsageError(f"--steps must be at least 1, got {steps}")
+    tolerances.check()
+    tol = tolerances_for(dtype, tolerances)
+    _, transformers = import_reference()  # before the slow part: a missing extra fails at once
+    chosen = set(layers) if layers is not None else None
+    keep = (lambda name: _tap_layer(name) in chosen | {None}) if chosen is not None else None
+    # transformers is asked for every tap metrale can record in the chosen layers (their names do not depend
+    # on the tokens); its hooks keep those whose module exists.
+    names = None if chosen is None else [n for n in tap_names(config.definition) if keep(n)]
+    ref = run_transformers(directory, prompt, steps, dtype, names)
+    rows, taps = run_metrale(engine, list(prompt) + ref.tokens, len(prompt) - 1, keep)
+    first = len(prompt) - 1
+    positions = list(range(first, len(prompt) + steps))
+    a = Matrix("A", Path("transformers"), f"transformers {transformers.__version__} on cpu", dtype, ref.logits,
+               positions)
+    b = Matrix("B", Path("metrale"), f"metrale on {device}", dtype, rows, positions)
+    logits = compare_logits(a, b, replace(tol, rtol=None), keep_rows=True)
+    layer_cmp = None
+    if taps is not None and ref.taps is not None:
+        layer_cmp = _compare_taps(ref.taps, taps, list(prompt) + ref.tokens, tol.rtol, a.path, b.path)
+    result = ReferenceCheck(model, reference, transformers.__version__, dtype, device, list(prompt), steps,
+                            ref.tokens, [r.argmax_b for r in logits.row_stats[:steps]], positions, logits,
+                            layer_cmp, sorted(chosen) if chosen is not None else None, tol)
+    result.failures = [f"logits: {failure_message(logits)}"] if logits.failures else []
+    if layer_cmp is not None and layer_cmp.failures:
+        result.failures.append(f"layers: {failure_message(layer_cmp)}")
+    return result
+
+
+def _compare_taps(ref: dict[str, np.ndarray], mine: dict[str, np.ndarray], tokens: list[int], rtol: float | None,
+                  a_path: Path, b_path: Path) -> LayerComparison:
+    """compare_layers over the taps both sides have with the same shape (metrale's others: only in B)."""
+    rows = len(tokens)
+    common = {n: ref[n] for n in mine if n in ref and ref[n].shape == mine[n].shape}
+    positions = list(range(rows))
+    a = LayerDump(a_path, common, positions, tokens, source="transformers hidden_states and module outputs")
+    b = LayerDump(b_path, dict(mine), positions, tokens, source="metrale taps")
+    return compare_layers(a, b, rtol, a_path=str(a_path), b_path=str(b_path))
+
+
+def _tap_layer(name: str) -> int | None:
+    """model.layers.{i}[.sub] -> i; None (always kept) for the embedding and the final norm."""
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) > 2 and parts[1] == "layers" else None
+
+
+def divergence_message(r: ReferenceCheck) -> str:
+    """The one line a failed reference check ends with."""
+    return "; ".join(r.failures)

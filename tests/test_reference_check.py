@@ -1,0 +1,153 @@
+"""`metrale compare --reference transformers`: run live against transformers (skipped without it).
+
+Agreement on the embedded model and fixture families (a dense llama, qwen3, a mixture of experts, gemma2 with
+its sandwich norms); a divergence planted in metrale's engine (both sides read the same checkpoint, so the
+perturbation is a monkeypatched op) is reported with exit 9 and the first diverging layer named; the missing
+extra is one line naming it; the JSON keys; the help's --reference examples run.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+
+import numpy as np
+import pytest
+
+from metrale_cli.backends.numpy import engine as numpy_engine
+
+pytestmark = pytest.mark.reference
+
+FIXTURES = "tests/fixtures/models"
+KEYS = {"command", "kind", "reference", "reference_version", "model", "device", "reference_device", "dtype",
+        "prompt_tokens", "steps", "positions", "reference_tokens", "metrale_tokens", "tokens_identical",
+        "first_token_mismatch", "layers_selected", "tolerances", "logits", "layers", "passed", "failures"}
+
+
+@pytest.fixture
+def needs_transformers():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+
+
+def _check(run_cli, model: str, vocab: int, *extra: str):
+    prompt = np.random.default_rng().integers(0, vocab, 6).tolist()
+    r = run_cli("compare", "--reference", "transformers", "--model", model, "--tokens", " ".join(map(str, prompt)),
+                "--steps", "3", "--format", "json", *extra)
+    return r, (json.loads(r.stdout) if r.stdout.strip() else None), prompt
+
+
+@pytest.mark.parametrize("model", ["default", f"{FIXTURES}/llama", f"{FIXTURES}/qwen3", f"{FIXTURES}/qwen3_moe",
+                                   f"{FIXTURES}/gemma2"])
+def test_metrale_agrees_with_transformers(needs_transformers, run_cli, model):
+    from metrale_cli.config import load_config
+    from metrale_cli.model import model_dir
+
+    vocab = load_config(model_dir(model)).vocab_size
+    r, doc, prompt = _check(run_cli, model, vocab, "--layers", "all")
+    assert r.exit_code == 0, (r.stdout, r.stderr)
+    assert set(doc) == KEYS
+    assert doc["kind"] == "reference" and doc["passed"] is True and doc["failures"] == []
+    assert doc["prompt_tokens"] == prompt and doc["positions"] == list(range(5, 9))
+    assert doc["tokens_identical"] and doc["metrale_tokens"] == doc["reference_tokens"]
+    assert len(doc["reference_tokens"]) == 3
+    lg = doc["logits"]
+    assert lg["rows"] == 4 and lg["top1"]["agree"] == 4
+    assert lg["overall"]["rel_err"] < 1e-4
+    assert [row["argmax_a"] for row in lg["row_stats"][:3]] == doc["reference_tokens"]
+    layers = doc["layers"]
+    names = [t["name"] for t in layers["tensors"]]
+    L = load_config(model_dir(model)).num_hidden_layers
+    for i in range(L):  # every layer, its last one included (a module hook: not in hidden_states)
+        assert f"model.layers.{i}" in names and f"model.layers.{i}.self_attn" in names and f"model.layers.{i}.mlp" in names
+    assert names[0] == "model.embed_tokens" and names[-1] == "model.norm"
+    assert layers["rows"] == 9 and layers["first_divergence"] is None
+    assert max(t["rel_err"] for t in layers["tensors"]) < 1e-4
+
+
+def _perturb(monkeypatch, tap_name: str, scale: float = 1e-2) -> None:
+    """metrale's `tap_name` projection output gets a random relative error of `scale` (transformers does not)."""
+    original = numpy_engine.NumpyPass.linear
+    rng = np.random.default_rng()
+
+    def linear(self, x, w, bias=None, *, out, norm=None, residual=None, tap=None):
+        y = original(self, x, w, bias, out=out, norm=norm, residual=None, tap=None)
+        if tap == tap_name:
+            y = y + scale * np.abs(y).max() * rng.standard_normal(y.shape).astype(np.float32)
+        if tap is not None:
+            self.tap(tap, y)
+        return y if residual is None else residual + y
+
+    monkeypatch.setattr(numpy_engine.NumpyPass, "linear", linear)
+
+
+def test_planted_divergence_exits_9_naming_the_layer(needs_transformers, run_cli, monkeypatch):
+    _perturb(monkeypatch, "model.layers.1.mlp")
+    r, doc, _ = _check(run_cli, f"{FIXTURES}/llama", 300, "--layers", "all")
+    assert r.exit_code == 9, (r.stdout, r.stderr)
+    assert doc["passed"] is False
+    first = doc["layers"]["first_divergence"]
+    assert first["name"] == "model.layers.1.mlp", doc["layers"]["summary"]
+    assert first["before_max_rel_err"] < 1e-4  # everything before it agrees
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("metrale: outputs differ: ")
+    assert "first divergence: model.layers.1.mlp" in err[0]
+
+
+def test_planted_divergence_without_layers_fails_on_the_logits(needs_transformers, run_cli, monkeypatch):
+    _perturb(monkeypatch, "model.layers.0.self_attn", scale=5e-2)
+    r, doc, _ = _check(run_cli, f"{FIXTURES}/llama", 300)
+    assert r.exit_code == 9, (r.stdout, r.stderr)
+    assert doc["layers"] is None and doc["logits"]["overall"]["rel_err"] > 1e-3
+    assert doc["failures"] and doc["failures"][0].startswith("logits: ")
+    # a looser tolerance given on the command line replaces the default, and the check passes
+    r2, doc2, _ = _check(run_cli, f"{FIXTURES}/llama", 300, "--max-rel-err", "10", "--max-kl", "100",
+                         "--min-top1", "0")
+    assert r2.exit_code == 0, (r2.stdout, r2.stderr)
+    assert doc2["tolerances"]["max_rel_err"] == 10 and doc2["tolerances"]["rtol"] == 1e-3
+
+
+def test_missing_extra_is_one_line_naming_it(run_cli, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now raises ImportError
+    r = run_cli("compare", "--reference", "transformers", "--model", "default", "--tokens", "1 2 3")
+    assert r.exit_code == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("metrale: missing dependency: "), r.stderr
+    assert "pip install 'metrale[reference]'" in lines[0]
+    assert r.stdout == ""
+
+
+@pytest.mark.parametrize("args, words", [
+    (["a.npy", "b.npy", "--reference", "transformers"], "give --model, not files A and B"),
+    (["a.npy", "b.npy", "--steps", "3"], "--steps go with --reference"),
+    (["--reference", "llama.cpp"], "--reference takes transformers"),
+    (["--reference", "transformers", "--steps", "0"], "--steps"),
+])
+def test_usage_errors(run_cli, args, words):
+    r = run_cli("compare", *args)
+    assert r.exit_code == 2 and words in r.stderr, r.stderr
+
+
+def test_plain_and_rich_reports(needs_transformers, run_cli):
+    r = run_cli("compare", "--reference", "transformers", "--tokens", "4 5 6", "--steps", "2", "--layers", "-1",
+                "--format", "plain")
+    assert r.exit_code == 0, r.stderr
+    out = r.stdout
+    assert out.startswith("metrale compare --reference\n") and "tokens_identical: yes" in out
+    assert "kind: layers" in out and "model.layers.4.mlp" in out and "model.layers.0." not in out
+    assert out.rstrip().endswith("reference_check: passed")
+    r = run_cli("compare", "--reference", "transformers", "--tokens", "4 5 6", "--steps", "2", "--format", "rich")
+    assert r.exit_code == 0 and "reference check: passed" in r.stdout
+
+
+def test_help_reference_examples_run(needs_transformers, run_cli, tmp_path, monkeypatch):
+    """tests/test_help.py runs the examples of the commands it lists; these are compare's --reference ones."""
+    from tests.test_help import examples_block, render_help
+
+    lines = [line for line in examples_block(render_help("compare", 250)) if "--reference" in line]
+    assert len(lines) == 2
+    monkeypatch.chdir(tmp_path)
+    for line in lines:
+        r = run_cli(*shlex.split(line)[1:])
+        assert r.exit_code == 0 and "passed" in r.stdout, (line, r.stdout, r.stderr)
