@@ -123,6 +123,35 @@ def test_gemma3_multimodal_needs_a_text_config():
         parse_config({"model_type": "gemma3"})
 
 
+@pytest.mark.parametrize("raw", [
+    {"model_type": "gemma2"}, {"model_type": "gemma3_text"}, {"model_type": "mistral", "sliding_window": 16},
+    {"model_type": "phi3", "partial_rotary_factor": 0.5},
+    {"model_type": "phi3", "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8}},
+])
+def test_cuda_engine_takes_every_issue13_feature(raw):
+    from metrale_cli.backends.cuda.engine import unsupported_features
+
+    assert unsupported_features(parse_config({**SHAPE, **raw}).definition) == []
+
+
+def test_cuda_engine_refuses_a_block_it_does_not_know():
+    """A weight its loop ops do not read (a family added on the CPU first; here a router in a dense layer)
+    is refused by name, before CuPy is imported."""
+    import dataclasses
+
+    from metrale_cli.backends.cuda.engine import load_cuda_engine
+    from metrale_cli.models.spec import Param
+    from metrale_cli.random_weights import RandomTensors
+
+    cfg = parse_config({**SHAPE, "model_type": "llama"})
+    d = cfg.definition
+    extra = Param.of("router", ("model.layers.0.mlp.gate.weight", (4, 64)))
+    layers = (dataclasses.replace(d.layers[0], params=d.layers[0].params + (extra,)),) + d.layers[1:]
+    cfg.__dict__["definition"] = dataclasses.replace(d, layers=layers)  # the cached_property's slot
+    with pytest.raises(DeviceError, match="does not implement weight router"):
+        load_cuda_engine(cfg, RandomTensors(cfg), 32)
+
+
 def test_fixture_dirs_exist():
     root = Path(__file__).parent / "fixtures" / "models"
     for name in ("gemma2", "gemma3_text", "gemma3_text_4x", "gemma3_mm", "phi3", "phi3_longrope", "phi4_mini"):

@@ -55,7 +55,7 @@ def run_prefill(cp, kernels, rng, hd, n_kv, G, start, T, block_q=None, q_scale=1
 
 
 @pytest.mark.parametrize("block_q", PREFILL_BQS)
-@pytest.mark.parametrize("hd", [32, 64, 128])
+@pytest.mark.parametrize("hd", [32, 64, 96, 128, 256])
 @pytest.mark.parametrize("n_kv,G", [(2, 1), (1, 4)])
 @pytest.mark.parametrize("start,T", [(0, 1), (0, 7), (0, 63), (0, 64), (0, 65), (0, 300), (5, 64), (100, 257), (37, 129)])
 def test_flash_prefill(cp, kernels, rng, seed, block_q, hd, n_kv, G, start, T):
@@ -116,10 +116,10 @@ def test_flash_prefill_rejects_bad_input(cp, kernels):
         kernels.attention_prefill(q, kb, vb, 60, 8, out, 0.1)
     with pytest.raises(ValueError, match="T = 9"):
         kernels.attention_prefill(q, kb, vb, 0, 9, out, 0.1)
-    k256 = cp.zeros((2, 64, 256), dtype=cp.uint16)
+    k48 = cp.zeros((2, 64, 48), dtype=cp.uint16)  # head_dim 48: no compiled instance (256 has one)
     with pytest.raises(ValueError, match="head_dim"):
-        kernels.attention_prefill(cp.zeros((8, 4, 256), cp.float32), k256, k256.copy(), 0, 8,
-                                  cp.zeros((8, 4, 256), cp.float32), 0.1)
+        kernels.attention_prefill(cp.zeros((8, 4, 48), cp.float32), k48, k48.copy(), 0, 8,
+                                  cp.zeros((8, 4, 48), cp.float32), 0.1)
     big = cp.zeros(2 * 65 * 128 + 8, dtype=cp.uint16)
     with pytest.raises(ValueError, match="aligned"):  # a cache view that starts 2 bytes in
         kernels.attention_prefill(q, big[1 : 1 + 2 * 64 * 128].reshape(2, 64, 128), vb, 0, 8, out, 0.1)

@@ -14,7 +14,11 @@ The residual stream `x` is updated in place by the o_proj/down_proj GEMVs (accum
 is: norm, qkv GEMV, rope (+qk norm), KV append, attention, o GEMV(+=), norm, gate/up GEMV with SwiGLU,
 down GEMV(+=).  On the rows path the two norms run inside the GEMVs that consume them (fused RMSNorm
 prologue) and rope + KV append are one launch: per layer qkv GEMV(norm), rope_kv_append, attention
-(2 launches), o GEMV(+=), gate/up GEMV(norm, SwiGLU), down GEMV(+=).
+(2 launches), o GEMV(+=), gate/up GEMV(norm, SwiGLU), down GEMV(+=).  A sandwich block (Gemma) instead
+projects o and down into `h` and adds each through its post-norm (rmsnorm_add): two launches more per
+layer.  Sliding layers keep a full-length cache (the NumPy engine's ring buffer is not on the GPU yet);
+their attention kernels read only the window.  Longrope's factor set lives in the inv_freq buffers,
+rewritten (and the cache recomputed) when a call switches sets, so the captured graphs stay valid.
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ from ...config import ModelConfig
 from ...errors import DeviceError, NonFiniteLogitsError
 from ...engine_base import EngineBase, check_context
 from ...logits import DevicePtr
+from ...engine.longrope import has_longrope, long_factors
 from ...engine.loop import Tap, decoder_forward
-from ...models.spec import ModelDefinition
+from ...models.spec import ModelDefinition, MoeSpec
 from ...models.weights import WeightSource, Weights, check_checkpoint, load_weights
 from .kernels import GEMV_TC_MIN_ROWS
 from .moe_passes import MoeState
@@ -133,6 +138,8 @@ class CudaEngine(EngineBase):
             ws = max(kern.decode_workspace_size(m, nh, d, s) for m, s in self._splits.items())
             self._ws = cp.zeros(ws, cp.float32)
             # RoPE inverse frequencies per distinct rope of the definition (uploaded before any capture)
+            # (longrope: the buffer holds the factor set of the current call, engine/longrope.py; the
+            # captured graphs read whatever it holds)
             self._inv_freq = {layer.attention.rope: cp.asarray(layer.attention.rope.inv_freq())
                               for layer in cfg.definition.layers}
             self._io_host = cp.cuda.alloc_pinned_memory(2 * R * 4)
@@ -153,6 +160,11 @@ class CudaEngine(EngineBase):
         self.gemv_impl = "auto"
         self._long_logits = None  # [rows, V] for long prefills, grown on demand
         self._decode_amax_fresh = False
+        # longrope (engine/longrope.py): the cached tokens, to recompute the cache when a call switches
+        # factor sets, and the set the cache was computed with
+        self._longrope = has_longrope(cfg.definition)
+        self._tokens = np.zeros(max_context, np.int64)
+        self._cache_long = False
 
     def set_pdl(self, enabled: bool) -> None:
         """Turn programmatic dependent launch on the rows path on or off (recaptures the graphs)."""
@@ -166,10 +178,12 @@ class CudaEngine(EngineBase):
 
     def decode(self, token: int) -> None:
         self._check_tokens([token])
+        self._begin_call(1)
         self._run_rows([token], "decode")
 
     def verify(self, tokens: Sequence[int]) -> int:
         ids = self._check_tokens(tokens)
+        self._begin_call(len(ids))
         if len(ids) > MAX_ROWS:  # beyond the GEMV kernels' rows: the cuBLAS path, all rows kept
             return self._prefill_long(ids, all_logits=True)
         self._run_rows(ids, "rows")
@@ -178,6 +192,7 @@ class CudaEngine(EngineBase):
 
     def prefill(self, tokens: Sequence[int], all_logits: bool = False) -> int:
         ids = self._check_tokens(tokens)
+        self._begin_call(len(ids))
         if len(ids) <= MAX_ROWS:  # short prompts take the graph path: the same pass as verify
             self._run_rows(ids, "rows")
             if all_logits:
@@ -192,6 +207,28 @@ class CudaEngine(EngineBase):
 
     def inv_freq(self, rope):
         return self._inv_freq[rope]
+
+    def _begin_call(self, n: int) -> None:
+        """longrope: put the factor set of a call of n tokens in the inv_freq buffers and, when the cache
+        was computed with the other set, recompute it from the cached tokens first (engine/longrope.py)."""
+        if not self._longrope:
+            return
+        long = long_factors(self.cfg.definition, self.length + n)
+        if long == self._cache_long:
+            return
+        self._cache_long = long
+        for rope, buf in self._inv_freq.items():
+            if rope.longrope is not None:
+                buf.set(rope.inv_freq(long), stream=self.stream)
+        prefix, self.length = self._tokens[:self.length].copy(), 0
+        tap, self.tap = self.tap, None  # a cache recomputation is not the caller's pass: not observed
+        try:
+            if len(prefix) > MAX_ROWS:
+                self._prefill_long(prefix, all_logits=False)
+            elif len(prefix):
+                self._run_rows(prefix, "rows")
+        finally:
+            self.tap = tap
 
     def oom(self, what: str, nbytes: int) -> DeviceError:
         return _oom(self.cp, what, nbytes)
@@ -214,6 +251,7 @@ class CudaEngine(EngineBase):
             if graph is None:
                 graph = self._capture(m, kind)
             graph.launch(stream=self.stream)
+        self._tokens[self.length:self.length + m] = ids
         self.length += m
         self._hidden_rows = self._h[:m]  # post-final-norm rows of this pass (hidden_rows_ptr)
         self._decode_amax_fresh = kind == "decode"
@@ -249,25 +287,35 @@ class CudaEngine(EngineBase):
         out = self._decode_logits if kind == "decode" else self._rows_logits[:m]
         if self._fp32_logits:
             self._linear(h, w.lm_head, out)
+            self._softcap_logits(out)
         else:
             self._linear(h, w.lm_head, self._logits32[:m])
+            self._softcap_logits(self._logits32[:m])
             k.f32_to_bf16(self._logits32[:m], out, stream=s)
         if kind == "decode":
             k.argmax(out, self._decode_amax, stream=s)
 
     def _linear(self, x, w, out, bias=None, *, accumulate=False, swiglu=False, norm_weight=None,
-                eps: float = 1e-6) -> None:
+                eps: float = 1e-6, norm_offset: float = 0.0, activation: str = "silu") -> None:
         """One projection of the rows path: metrale's tensor-core GEMV (gemv_tc) or the fp32-FMA GEMV,
-        with the RMSNorm of x (norm_weight, eps) fused in its prologue when given."""
+        with the RMSNorm of x (norm_weight, eps, norm_offset) fused in its prologue when given and, with
+        swiglu, the gate activation in its epilogue."""
         k, s = self.kern, self.stream
         impl = self.gemv_impl
+        norm = dict(norm_weight=norm_weight, eps=eps, norm_offset=norm_offset)
         if impl == "tc" or (impl == "auto" and x.shape[0] >= GEMV_TC_MIN_ROWS):
-            k.gemv_tc(x, w, out, bias, accumulate=accumulate, swiglu=swiglu, norm_weight=norm_weight, eps=eps,
-                      stream=s)
+            k.gemv_tc(x, w, out, bias, accumulate=accumulate, swiglu=swiglu, activation=activation, stream=s,
+                      **norm)
         elif swiglu:
-            k.gemv_swiglu(x, w, out, norm_weight=norm_weight, eps=eps, stream=s)
+            k.gemv_swiglu(x, w, out, activation=activation, stream=s, **norm)
         else:
-            k.gemv(x, w, out, bias, accumulate=accumulate, norm_weight=norm_weight, eps=eps, stream=s)
+            k.gemv(x, w, out, bias, accumulate=accumulate, stream=s, **norm)
+
+    def _softcap_logits(self, logits) -> None:
+        """Final-logit softcapping (Gemma 2) on fp32 logits rows, in place, before any bf16 rounding."""
+        cap = self.cfg.definition.final_logit_softcap
+        if cap is not None:
+            self.kern.softcap(logits, cap, stream=self.stream)
 
     # -- the prefill path (cuBLAS, eager) -------------------------------------------------------------
     def _prefill_long(self, ids: np.ndarray, all_logits: bool) -> int:
@@ -301,6 +349,7 @@ class CudaEngine(EngineBase):
         """One chunk of T tokens at positions length..length+T-1 (engine/loop.py over PrefillPass);
         returns post-final-norm rows [T, H]."""
         h = decoder_forward(PrefillPass(self, ids, tap), self.cfg.definition, self.w)
+        self._tokens[self.length:self.length + len(ids)] = ids
         self.length += len(ids)
         self._hidden[0] = h[len(ids) - 1]
         return h
@@ -336,8 +385,10 @@ class CudaEngine(EngineBase):
         if h.shape[0] <= MAX_ROWS:
             out = self.cp.empty((h.shape[0], self.cfg.vocab_size), self.cp.float32)
             self._linear(self.cp.ascontiguousarray(h), self.w.lm_head, out)
-            return out
-        return self._gemm(h, self.w.lm_head)
+        else:
+            out = self._gemm(h, self.w.lm_head)
+        self._softcap_logits(out)
+        return out
 
     # -- checks and LogitsBuffers hooks ---------------------------------------------------------------
     def _row_to_host(self, ptr: DevicePtr) -> np.ndarray:
@@ -355,33 +406,33 @@ class CudaEngine(EngineBase):
         return out.get()
 
 
-# The block weights the CUDA passes compute with (engine/loop.py's keys): a family adding another (Gemma's
-# sandwich norms attn_out_norm / mlp_out_norm) is refused until the kernels take it.
-_KNOWN_KEYS = {"input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "mlp_norm", "gate_up", "down",
-               "router", "experts_gate_up", "experts_down", "shared_gate_up", "shared_down"}
+# The block weights the CUDA passes compute with (engine/loop.py's keys): a family adding another is refused
+# until the kernels take it.  A sparse layer's are the MoE kernels' (moe_passes.py), which have no sandwich
+# post-norm.
+_DENSE_KEYS = {"input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "attn_out_norm", "mlp_norm",
+               "gate_up", "down", "mlp_out_norm"}
+_MOE_KEYS = {"input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "attn_out_norm", "mlp_norm",
+             "router", "experts_gate_up", "experts_down", "shared_gate_up", "shared_down"}
 
 
 def unsupported_features(definition: ModelDefinition) -> list[str]:
-    """What the model definition asks for that the CUDA kernels do not compute yet. Each is refused with a
-    DeviceError naming it, never run with wrong numbers (the NumPy engine runs them all)."""
+    """What the model definition asks for that the CUDA kernels do not compute. Each is refused with a
+    DeviceError naming it, never run with wrong numbers (the NumPy engine runs them all). The issue-13
+    features (embedding scale, softcaps, (1 + w) norms, sliding windows, partial rotary, linear and
+    longrope scaling, gelu_tanh, sandwich norms) run in the kernels; what remains is a weight the passes
+    do not know, a gate activation the fused MLP lacks, and what the MoE kernels do not take."""
+    from .kernels.tuning import ACTIVATIONS  # no CuPy needed
+
     found: list[str] = []
-    if definition.embed_scale is not None:
-        found.append("a scaled embedding")
-    if definition.final_logit_softcap is not None:
-        found.append("final-logit softcapping")
-    if definition.norm.offset:
-        found.append("(1 + w) RMSNorm")
     for layer in definition.layers:
-        a, rope = layer.attention, layer.attention.rope
-        found += ["sliding-window attention"] if a.window is not None else []
-        found += ["attention softcapping"] if a.softcap is not None else []
-        found += ["(1 + w) RMSNorm"] if layer.norm.offset else []
-        found += ["partial rotary"] if rope.rotary_dim not in (None, rope.head_dim) else []
-        found += ["linear rope scaling"] if rope.linear_factor != 1.0 else []
-        found += ["longrope"] if rope.longrope is not None else []
-        act = getattr(layer.mlp, "activation", "silu")
-        found += [f"activation {act}"] if act != "silu" else []
-        found += [f"weight {k}" for k in sorted(layer.keys() - _KNOWN_KEYS)]
+        if isinstance(layer.mlp, MoeSpec):  # kernels/moe.cu: SwiGLU experts after a plain RMSNorm
+            found += [f"mixture-of-experts activation {layer.mlp.activation}"] if layer.mlp.activation != "silu" else []
+            found += ["(1 + w) RMSNorm in a mixture-of-experts layer"] if layer.norm.offset else []
+            known = _MOE_KEYS
+        else:
+            found += [f"activation {layer.mlp.activation}"] if layer.mlp.activation not in ACTIVATIONS else []
+            known = _DENSE_KEYS
+        found += [f"weight {k}" for k in sorted(layer.keys() - known)]
     return list(dict.fromkeys(found))
 
 

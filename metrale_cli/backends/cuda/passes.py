@@ -9,6 +9,13 @@ runs cuBLAS GEMMs and tensor-core flash attention over freshly allocated chunk b
 Both keep the fused path untouched when a tap observer is set: the tapped value of a fused projection
 (`self_attn`, `mlp` before the residual add) is computed by a second, non-accumulating launch of the same
 kernel beside it, and copied to the host for the observer.
+
+The family features of models/spec.py run in the same kernels: the (1 + w) norm offset in every norm
+and fused norm prologue, the embedding scale in the gather, gelu_tanh as the gated MLP's gate
+activation, partial rotary and longrope's attention factor in rope_kv_append, the window (only the
+keys some row sees are read) and the score softcap in both attention kernels, and the sandwich post-norms
+as a projection into `h` followed by one norm-and-add launch (rmsnorm_add).  What the kernels lack is
+refused before any pass runs (engine.unsupported_features).
 """
 
 from __future__ import annotations
@@ -27,8 +34,15 @@ if TYPE_CHECKING:
 
 
 def _check_activation(activation: str) -> None:
-    if activation != "silu":
+    from .kernels.tuning import ACTIVATIONS
+
+    if activation not in ACTIVATIONS:
         raise DeviceError(f"the CUDA kernels have no fused gated MLP for activation '{activation}'")
+
+
+def _window(e: CudaEngine, a: AttentionSpec) -> int | None:
+    """The window to pass the attention kernels: None when it holds the whole cache (sliding == full)."""
+    return a.window if a.window is not None and a.window < e.max_context else None
 
 
 class _Pass:
@@ -53,31 +67,39 @@ class RowsPass(RowsMoe, _Pass):
         self.buffers = {"x": e._x[:m], "h": e._h[:m], "qkv": e._qkv[:m]}
 
     def embed(self, table, scale=None):
-        assert scale is None, "embedding scale: refused by unsupported_features"
         x = self.buffers["x"]
-        self.k.embedding(self.ids, table, x, stream=self.s)
+        self.k.embedding(self.ids, table, x, scale=scale, stream=self.s)
         return x
 
     def linear(self, x, w, bias=None, *, out, norm=None, residual=None, tap=None):
-        norm_weight, eps = (norm[0], norm[1].eps) if norm is not None else (None, 1e-6)
-        if tap is not None and self._tap is not None:  # the value before the residual add, on the side
+        nw, eps, off = (norm[0], norm[1].eps, norm[1].offset) if norm is not None else (None, 1e-6, 0.0)
+        if tap is not None and self._tap is not None and residual is not None:  # the value before the add
             y = self.e.cp.empty((self.m, w.shape[0]), self.e.cp.float32)
-            self.e._linear(x, w, y, bias, norm_weight=norm_weight, eps=eps)
+            self.e._linear(x, w, y, bias, norm_weight=nw, eps=eps, norm_offset=off)
             self.tap(tap, y)
         target = residual if residual is not None else self.buffers[out]
-        self.e._linear(x, w, target, bias, accumulate=residual is not None, norm_weight=norm_weight, eps=eps)
+        self.e._linear(x, w, target, bias, accumulate=residual is not None, norm_weight=nw, eps=eps, norm_offset=off)
+        if tap is not None and residual is None:  # a sandwich block's projection: its own output is the value
+            self.tap(tap, target)
         return target
 
     def norm(self, x, weight, norm: Norm, *, out, residual=None, tap=None):
-        assert residual is None, "sandwich norms: refused by unsupported_features"
-        y = self.buffers[out]
-        self.k.rmsnorm(x, weight, norm.eps, y, stream=self.s)
-        return y
+        if residual is None:
+            y = self.buffers[out]
+            self.k.rmsnorm(x, weight, norm.eps, y, offset=norm.offset, stream=self.s)
+            return y
+        if tap is not None and self._tap is not None:  # the normed value before the add, on the side
+            y = self.e.cp.empty_like(x)
+            self.k.rmsnorm(x, weight, norm.eps, y, offset=norm.offset, stream=self.s)
+            self.tap(tap, y)
+        self.k.rmsnorm_add(x, weight, norm.eps, residual, offset=norm.offset, stream=self.s)
+        return residual
 
     def gated_mlp(self, x, w_gate_up, *, norm, activation):
         _check_activation(activation)
         act = self.e._act[:self.m]
-        self.e._linear(x, w_gate_up, act, swiglu=True, norm_weight=norm[0], eps=norm[1].eps)
+        self.e._linear(x, w_gate_up, act, swiglu=True, norm_weight=norm[0], eps=norm[1].eps,
+                       norm_offset=norm[1].offset, activation=activation)
         return act
 
     def rope_kv_append(self, qkv, layer: int, a: AttentionSpec, q_norm, k_norm, norm: Norm):
@@ -85,14 +107,15 @@ class RowsPass(RowsMoe, _Pass):
         # rotated q: in place in the GEMV output for one row, else its own contiguous buffer
         q = qkv[:, :a.q_size].reshape(1, a.num_heads, a.head_dim) if self.m == 1 else e._q[:self.m]
         self.k.rope_kv_append(qkv, self.pos, e.inv_freq(a.rope), q, e._kc[layer], e._vc[layer], q_norm, k_norm,
-                              norm.eps, stream=self.s)
+                              norm.eps, attention_scaling=a.rope.attention_scaling, norm_offset=norm.offset,
+                              rotary_dim=a.rope.dims, stream=self.s)
         return q
 
     def attention(self, q, layer: int, a: AttentionSpec):
         e, m = self.e, self.m
         attn = e._attn[:m]
         self.k.attention_decode(q, e._kc[layer], e._vc[layer], self.pos, attn, a.scale, n_splits=e._splits[m],
-                                workspace=e._ws, stream=self.s)
+                                workspace=e._ws, window=_window(e, a), softcap=a.softcap, stream=self.s)
         return attn.reshape(m, a.q_size)
 
 
@@ -115,38 +138,48 @@ class PrefillPass(PrefillMoe, _Pass):
             raise engine.oom(f"prefilling {t} tokens", t * cfg.hidden_size * 16) from None
 
     def embed(self, table, scale=None):
-        assert scale is None, "embedding scale: refused by unsupported_features"
-        self.k.embedding(self.ids, table, self.x, stream=self.s)
+        self.k.embedding(self.ids, table, self.x, scale=scale, stream=self.s)
         return self.x
 
     def linear(self, x, w, bias=None, *, out, norm=None, residual=None, tap=None):
         if norm is not None:
             x = self.norm(x, norm[0], norm[1], out="h")
+        if residual is None:  # a sandwich block's projection, or qkv / gate_up: its own output
+            y = self.e._gemm(x, w, bias)
+            if tap is not None:
+                self.tap(tap, y)
+            return y
         if tap is not None and self._tap is not None:  # the value before the residual add, on the side
             self.tap(tap, self.e._gemm(x, w, bias))
         return self.e._gemm(x, w, bias, accumulate_into=residual)
 
     def norm(self, x, weight, norm: Norm, *, out, residual=None, tap=None):
-        assert residual is None, "sandwich norms: refused by unsupported_features"
-        self.k.rmsnorm(x, weight, norm.eps, self.h, stream=self.s)
-        return self.h
+        if residual is None:
+            self.k.rmsnorm(x, weight, norm.eps, self.h, offset=norm.offset, stream=self.s)
+            return self.h
+        if tap is not None and self._tap is not None:  # the normed value before the add, on the side
+            self.k.rmsnorm(x, weight, norm.eps, self.h, offset=norm.offset, stream=self.s)
+            self.tap(tap, self.h)
+        self.k.rmsnorm_add(x, weight, norm.eps, residual, offset=norm.offset, stream=self.s)
+        return residual
 
     def gated_mlp(self, x, w_gate_up, *, norm, activation):
         _check_activation(activation)
         gu = self.linear(x, w_gate_up, out="gate_up", norm=norm)
         act = self.e.cp.empty((self.t, gu.shape[1] // 2), self.e.cp.float32)
-        self.k.swiglu(gu, act, stream=self.s)
+        self.k.swiglu(gu, act, activation=activation, stream=self.s)
         return act
 
     def rope_kv_append(self, qkv, layer: int, a: AttentionSpec, q_norm, k_norm, norm: Norm):
         e = self.e
         # rope on q and k (+ qk norm) and the KV append in one pass over the GEMM output
         self.k.rope_kv_append(qkv, self.pos, e.inv_freq(a.rope), self.q, e._kc[layer], e._vc[layer], q_norm,
-                              k_norm, norm.eps, stream=self.s)
+                              k_norm, norm.eps, attention_scaling=a.rope.attention_scaling, norm_offset=norm.offset,
+                              rotary_dim=a.rope.dims, stream=self.s)
         return self.q
 
     def attention(self, q, layer: int, a: AttentionSpec):
         e = self.e
         self.k.attention_prefill(q, e._kc[layer], e._vc[layer], self.start, self.t, self.attn, a.scale,
-                                 stream=self.s)
+                                 window=_window(e, a), softcap=a.softcap, stream=self.s)
         return self.attn.reshape(self.t, a.q_size)

@@ -38,6 +38,7 @@ from .names import (
 from .nvrtc import COMPILE_OPTIONS, compile_module, module_source
 from .pdl import PdlLauncher
 from .tuning import (
+    ACTIVATIONS,
     ATTN_CHUNK_ALIGN,
     ATTN_TC_WARPS,
     ATTN_WARPS,
@@ -62,6 +63,7 @@ from .tuning import (
     PREFILL_BQ,
     PREFILL_BQS,
     PREFILL_HEAD_DIMS,
+    prefill_bk,
     prefill_smem_bytes,
 )
 

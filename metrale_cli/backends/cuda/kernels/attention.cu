@@ -8,6 +8,11 @@
 // with group G = n_heads / n_kv: query head h reads KV head h / G.
 // Softmax runs in base 2: the caller's `qscale` is scale * log2(e), so
 // exp2(q.k * qscale - max) == exp(q.k * scale - max').
+//
+// Sliding window (window > 0): row m sees keys (positions[m] - window, positions[m]]; the split work
+// covers only [lo, L) with lo = the first key any row sees (decode_lo), so a long context costs what
+// its window costs.  Score softcapping (softcap_l2 > 0, Gemma 2): s = c tanh(s / c) on the natural-log
+// scores before the mask, i.e. on the base-2 scores s2 = s log2(e): s2 = c2 tanh(s2 / c2), c2 = c log2(e).
 #include "common.cu"
 
 #define ATTN_WARPS 4         // warps per block of the SIMT split kernel (head_dim 256)
@@ -45,6 +50,29 @@ __device__ __forceinline__ int decode_len(const int* __restrict__ positions, int
     for (int m = lane; m < M; m += 32) L = max(L, min(positions[m], max_ctx - 1) + 1);
     return __reduce_max_sync(0xffffffffu, L);
 }
+
+// The first key any row sees: 0 without a window, else min over rows of (position - window + 1),
+// clamped to >= 0 and rounded down to ATTN_CHUNK_ALIGN (so splits stay aligned).  Rows with a negative
+// position are ignored.  The whole warp must call it.
+__device__ __forceinline__ int decode_lo(const int* __restrict__ positions, int M, int max_ctx, int window) {
+    if (window <= 0) return 0;
+    const int lane = threadIdx.x & 31;
+    int lo = 0x7fffffff;
+    for (int m = lane; m < M; m += 32) {
+        const int p = positions[m];
+        if (p >= 0) lo = min(lo, min(p, max_ctx - 1) - window + 1);
+    }
+    lo = __reduce_min_sync(0xffffffffu, lo);
+    if (lo == 0x7fffffff) return 0;
+    return max(0, lo) & ~(ATTN_CHUNK_ALIGN - 1);
+}
+
+// The first key query vector qi's row sees (0 without a window).
+__device__ __forceinline__ int decode_first(int p, int max_ctx, int window) {
+    return window > 0 ? max(0, min(p, max_ctx - 1) - window + 1) : 0;
+}
+
+__device__ __forceinline__ float softcap_l2f(float s, float c2) { return c2 > 0.0f ? c2 * tanhf(s / c2) : s; }
 
 // Keys per split for context length L: ceil(L / n_splits) rounded up to ATTN_CHUNK_ALIGN.
 // The splits that hold keys are 0 .. ceil(L / chunk) - 1.
@@ -171,12 +199,14 @@ __device__ __forceinline__ int ad_load_q(const float* __restrict__ q, const int*
     return min(positions[m], max_ctx - 1);
 }
 
-template <int HD, int NQ>
+// EXT: the window / softcap code is compiled in (instances without it keep the registers of the
+// plain kernel: at head_dim 128, NQ 2 the extra state would spill).
+template <int HD, int NQ, bool EXT>
 __global__ void __launch_bounds__(ATTN_TC_WARPS * 32, NQ == 1 ? 3 : 2)
 attn_decode_tc_kernel(const float* __restrict__ q, const unsigned short* __restrict__ k_cache,
                       const unsigned short* __restrict__ v_cache, const int* __restrict__ positions,
                       float* __restrict__ part_acc, float* __restrict__ part_ml, int M, int n_heads, int n_kv,
-                      int max_ctx, int n_splits, float qscale) {
+                      int max_ctx, int n_splits, float qscale, int window, float softcap_l2) {
     static_assert(HD == 32 || HD == 64 || HD == 128, "tensor-core decode: head_dim 32, 64 or 128");
     static_assert(NQ == 1 || NQ == 2, "8 or 16 query vectors per block");
     constexpr int W = ATTN_TC_WARPS;
@@ -196,8 +226,9 @@ attn_decode_tc_kernel(const float* __restrict__ q, const unsigned short* __restr
     pdl_wait();  // q, positions and the cache come from earlier kernels
     pdl_trigger();
     const int L = decode_len(positions, M, max_ctx);
-    const int chunk = decode_chunk(L, n_splits);
-    const int start = split * chunk;
+    const int lo = EXT ? decode_lo(positions, M, max_ctx, window) : 0;
+    const int chunk = decode_chunk(L - lo, n_splits);
+    const int start = lo + split * chunk;
     if (start >= L) {  // the same for the whole block
         if (threadIdx.x < ROWS && r0 + (int)threadIdx.x < MG)
             decode_mark_empty(part_ml, split, r0 + threadIdx.x, G, n_heads, hk, QT);
@@ -207,7 +238,7 @@ attn_decode_tc_kernel(const float* __restrict__ q, const unsigned short* __restr
 
     // q of query vector 8 nq + g (B fragments); last key of query vectors 8 nq + 2t + e
     unsigned qh[NQ][NKS][2], ql[NQ][NKS][2];
-    int last[NQ][2];
+    int last[NQ][2], first[EXT ? NQ : 1][2];
 #pragma unroll
     for (int nq = 0; nq < NQ; ++nq) {
         ad_load_q<HD>(q, positions, r0 + 8 * nq + g, MG, G, n_heads, hk, max_ctx, t, qscale, qh[nq], ql[nq]);
@@ -215,6 +246,7 @@ attn_decode_tc_kernel(const float* __restrict__ q, const unsigned short* __restr
         for (int e = 0; e < 2; ++e) {
             const int qi = r0 + 8 * nq + 2 * t + e;
             last[nq][e] = (qi < MG) ? min(min(positions[qi / G], max_ctx - 1), end - 1) : -1;
+            if constexpr (EXT) first[nq][e] = (qi < MG) ? decode_first(positions[qi / G], max_ctx, window) : 0;
         }
     }
 
@@ -316,6 +348,11 @@ attn_decode_tc_kernel(const float* __restrict__ q, const unsigned short* __restr
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
                     s[nq][e] = (d[nq][0][e] + d[nq][2][e]) + (d[nq][1][e] + d[nq][3][e]);
+            if constexpr (EXT)
+#pragma unroll
+                for (int nq = 0; nq < NQ; ++nq)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[nq][e] = softcap_l2f(s[nq][e], softcap_l2);
         }
         if (more) load_k(jn);  // the K registers are free: fetch the next step's keys now
 
@@ -329,6 +366,10 @@ attn_decode_tc_kernel(const float* __restrict__ q, const unsigned short* __restr
             for (int e = 0; e < 2; ++e) {
                 float s0 = (j0 + g <= last[nq][e]) ? s[nq][e] : -METRALE_INF;
                 float s1 = (j0 + g + 8 <= last[nq][e]) ? s[nq][2 + e] : -METRALE_INF;
+                if constexpr (EXT) {
+                    if (j0 + g < first[nq][e]) s0 = -METRALE_INF;
+                    if (j0 + g + 8 < first[nq][e]) s1 = -METRALE_INF;
+                }
                 float mx = fmaxf(s0, s1);
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
@@ -408,7 +449,7 @@ attn_decode_tc_kernel(const float* __restrict__ q, const unsigned short* __restr
 }
 
 // ---------------------------------------------------------------------------
-// SIMT split kernel (head_dim 256; any head_dim that is a multiple of 32).
+// SIMT split kernel (head_dim 96 and 256; any head_dim of 32 E, E in 1, 2, 3, 4, 8).
 // Grid (n_kv, n_splits, ceil(M*G / QB)); block ATTN_WARPS warps.  Each block takes
 // one KV head, one split and QB of that head's M*G query vectors; its warps take
 // interleaved groups of KB keys, keep an online-softmax state per query in
@@ -416,7 +457,7 @@ attn_decode_tc_kernel(const float* __restrict__ q, const unsigned short* __restr
 // the partials as described above.
 // ---------------------------------------------------------------------------
 
-// E consecutive bf16 values held as raw bits (E = 1, 2, 4, 8).
+// E consecutive bf16 values held as raw bits (E = 1, 2, 3, 4, 8; 3: head_dim 96, 2-byte aligned).
 template <int E>
 struct Bf16Vec {
     unsigned int w[(E + 1) / 2];
@@ -425,6 +466,9 @@ struct Bf16Vec {
             w[0] = *p;
         } else if constexpr (E == 2) {
             w[0] = *reinterpret_cast<const unsigned int*>(p);
+        } else if constexpr (E == 3) {
+            w[0] = (unsigned int)p[0] | ((unsigned int)p[1] << 16);
+            w[1] = p[2];
         } else if constexpr (E == 4) {
             const uint2 t = *reinterpret_cast<const uint2*>(p);
             w[0] = t.x;
@@ -452,7 +496,7 @@ attn_decode_split_kernel(const float* __restrict__ q, const unsigned short* __re
                          const unsigned short* __restrict__ v_cache,
                          const int* __restrict__ positions, float* __restrict__ part_acc,
                          float* __restrict__ part_ml, int M, int n_heads, int n_kv, int max_ctx,
-                         int n_splits, float qscale) {
+                         int n_splits, float qscale, int window, float softcap_l2) {
     constexpr int E = HD / 32;  // head_dim elements per lane
     __shared__ float s_acc[ATTN_WARPS][QB][HD];
     __shared__ float s_ml[ATTN_WARPS][QB][2];
@@ -464,8 +508,9 @@ attn_decode_split_kernel(const float* __restrict__ q, const unsigned short* __re
     pdl_wait();  // q, positions and the cache come from earlier kernels
     pdl_trigger();
     const int L = decode_len(positions, M, max_ctx);
-    const int chunk = decode_chunk(L, n_splits);
-    const int start = split * chunk;
+    const int lo = decode_lo(positions, M, max_ctx, window);
+    const int chunk = decode_chunk(L - lo, n_splits);
+    const int start = lo + split * chunk;
     if (start >= L) {  // the same for the whole block
         const int qi = blockIdx.z * QB + threadIdx.x;
         if (threadIdx.x < QB && qi < M * G) decode_mark_empty(part_ml, split, qi, G, n_heads, hk, QT);
@@ -474,13 +519,15 @@ attn_decode_split_kernel(const float* __restrict__ q, const unsigned short* __re
     const int end = min(L, start + chunk);
 
     float qr[QB][E];
-    int lim[QB];
+    int lim[QB], first[QB];
 #pragma unroll
     for (int qb = 0; qb < QB; ++qb) {
         const int qi = blockIdx.z * QB + qb;
+        first[qb] = 0;
         if (qi < M * G) {
             const int m = qi / G, g = qi - m * G;
             lim[qb] = min(positions[m], max_ctx - 1);
+            first[qb] = decode_first(positions[m], max_ctx, window);
             const float* qp = q + ((u64)m * n_heads + hk * G + g) * HD + lane * E;
 #pragma unroll
             for (int e = 0; e < E; ++e) qr[qb][e] = qp[e] * qscale;
@@ -527,12 +574,12 @@ attn_decode_split_kernel(const float* __restrict__ q, const unsigned short* __re
                 s[kk] = d;
             }
 #pragma unroll
-            for (int kk = 0; kk < KB; ++kk) s[kk] = warp_sum(s[kk]);
+            for (int kk = 0; kk < KB; ++kk) s[kk] = softcap_l2f(warp_sum(s[kk]), softcap_l2);
             float bm = mx[qb];
 #pragma unroll
             for (int kk = 0; kk < KB; ++kk) {
                 const int j = j0 + kk;
-                if (j >= end || j > lim[qb]) s[kk] = -METRALE_INF;
+                if (j >= end || j > lim[qb] || j < first[qb]) s[kk] = -METRALE_INF;
                 bm = fmaxf(bm, s[kk]);
             }
             if (bm == -METRALE_INF) continue;  // no valid key yet (same in every lane)
@@ -584,7 +631,7 @@ attn_decode_split_kernel(const float* __restrict__ q, const unsigned short* __re
 extern "C" __global__ void __launch_bounds__(256)
 attn_decode_combine_kernel(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
                            const int* __restrict__ positions, float* __restrict__ out, int M, int n_heads,
-                           int HD, int max_ctx, int n_splits) {
+                           int HD, int max_ctx, int n_splits, int window) {
     constexpr int B = ATTN_COMBINE_BATCH;
     const int qt = blockIdx.x;
     const int QT = M * n_heads;
@@ -628,8 +675,9 @@ attn_decode_combine_kernel(const float* __restrict__ part_acc, const float* __re
     };
     batch(0);
     const int L = decode_len(positions, M, max_ctx);
-    const int chunk = decode_chunk(L, n_splits);
-    const int nact = (L + chunk - 1) / chunk;  // splits that hold keys (<= n_splits)
+    const int lo = decode_lo(positions, M, max_ctx, window);
+    const int chunk = decode_chunk(L - lo, n_splits);
+    const int nact = (L - lo + chunk - 1) / chunk;  // splits that hold keys (<= n_splits)
     for (int s0 = B; s0 < nact; s0 += B) batch(s0);
     if (active) out[(u64)qt * HD + d] = a / lsum;
 }

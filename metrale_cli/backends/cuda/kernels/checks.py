@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .tuning import GEMV_MAX_M
+from .tuning import ACTIVATIONS, GEMV_MAX_M, LOG2E
 
 
 class OperandChecks:
@@ -114,3 +114,28 @@ class OperandChecks:
         self._disjoint(k_cache, "k_cache", v_cache, "v_cache")
         n_kv, max_ctx, hd = k_cache.shape
         return n_kv, max_ctx, hd
+
+    def _act(self, activation: str) -> Any:
+        """The gate_act code (common.cu) of a gated MLP's activation."""
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation {activation!r}: supported {', '.join(ACTIVATIONS)}")
+        return self._np.int32(ACTIVATIONS[activation])
+
+    @staticmethod
+    def _rotary_dim(hd: int, rotary_dim: int | None) -> int:
+        """The rotated dims of a head (None: all of them; fewer: partial rotary)."""
+        rd = hd if rotary_dim is None else int(rotary_dim)
+        if rd <= 0 or rd % 2 or rd > hd:
+            raise ValueError(f"rotary_dim = {rd} must be even and in 2..head_dim {hd}")
+        return rd
+
+    def _window_softcap(self, window: int | None, softcap: float | None) -> tuple[Any, Any]:
+        """Attention kernel arguments: window (0 = none) and the softcap in base 2, softcap * log2(e)
+        (0 = none)."""
+        np = self._np
+        if window is not None and int(window) <= 0:
+            raise ValueError(f"window = {window} must be positive")
+        if softcap is not None and not float(softcap) > 0:
+            raise ValueError(f"softcap = {softcap} must be positive")
+        return (np.int32(0 if window is None else int(window)),
+                np.float32(0.0 if softcap is None else float(softcap) * LOG2E))

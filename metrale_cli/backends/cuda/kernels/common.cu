@@ -125,6 +125,18 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
+// Gate activation of a gated MLP, act(gate) * up: ACT_SILU (SwiGLU, Llama) or ACT_GELU_TANH (GeGLU,
+// Gemma: torch's gelu(approximate="tanh") = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))).
+#define ACT_SILU 0
+#define ACT_GELU_TANH 1
+__device__ __forceinline__ float gate_act(float g, int act) {
+    if (act == ACT_GELU_TANH) {
+        const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+        return 0.5f * g * (1.0f + tanhf(inner));
+    }
+    return g / (1.0f + expf(-g));
+}
+
 // Prefetch the 128-byte line holding p into L2 (no register result, never faults on a valid address).
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 

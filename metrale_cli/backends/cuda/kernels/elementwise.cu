@@ -1,11 +1,11 @@
 // Element-wise kernels: embedding gather, dtype conversion, SwiGLU, KV-cache append.
 #include "common.cu"
 
-// out[m, :] = float(table[ids[m], :]).  One block per row.  An id outside
-// [0, V) writes NaN (a visible failure instead of an out-of-bounds read).
+// out[m, :] = float(table[ids[m], :]) * scale (Gemma's sqrt(hidden) as an fp32 value; 1 otherwise).
+// One block per row.  An id outside [0, V) writes NaN (a visible failure instead of an out-of-bounds read).
 extern "C" __global__ void embedding_kernel(const int* __restrict__ ids,
                                             const unsigned short* __restrict__ table,
-                                            float* __restrict__ out, int V, int H) {
+                                            float* __restrict__ out, int V, int H, float scale) {
     pdl_wait();
     pdl_trigger();
     const int m = blockIdx.x;
@@ -16,7 +16,17 @@ extern "C" __global__ void embedding_kernel(const int* __restrict__ ids,
         return;
     }
     const unsigned short* t = table + (u64)id * H;
-    for (int i = threadIdx.x; i < H; i += blockDim.x) o[i] = bf16_to_f32_bits(t[i]);
+    for (int i = threadIdx.x; i < H; i += blockDim.x) o[i] = bf16_to_f32_bits(t[i]) * scale;
+}
+
+// x = cap * tanh(x / cap) in place, every element of x[n] (Gemma 2's final-logit softcapping on
+// every logits row the engine produces).
+extern "C" __global__ void softcap_kernel(float* __restrict__ x, long long n, float cap) {
+    pdl_wait();
+    pdl_trigger();
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x)
+        x[i] = tanhf(x[i] / cap) * cap;
 }
 
 // Round-to-nearest-even float32 -> bf16 bits (torch CPU semantics, see common.cu).
@@ -38,9 +48,10 @@ extern "C" __global__ void bf16_to_f32_kernel(const unsigned short* __restrict__
         out[i] = bf16_to_f32_bits(x[i]);
 }
 
-// out[m, i] = silu(gate_up[m, i]) * gate_up[m, I + i]   (silu(g) = g * sigmoid(g)).
+// out[m, i] = act(gate_up[m, i]) * gate_up[m, I + i]: act = silu (g * sigmoid(g)) or gelu_tanh
+// (gate_act, common.cu).
 extern "C" __global__ void swiglu_kernel(const float* __restrict__ gate_up,
-                                         float* __restrict__ out, int M, int I) {
+                                         float* __restrict__ out, int M, int I, int act) {
     pdl_wait();
     pdl_trigger();
     const long long n = (long long)M * I;
@@ -50,7 +61,7 @@ extern "C" __global__ void swiglu_kernel(const float* __restrict__ gate_up,
         const long long i = idx - m * I;
         const float g = gate_up[m * 2 * I + i];
         const float u = gate_up[m * 2 * I + I + i];
-        out[idx] = g / (1.0f + expf(-g)) * u;
+        out[idx] = gate_act(g, act) * u;
     }
 }
 

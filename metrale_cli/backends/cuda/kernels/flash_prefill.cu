@@ -27,6 +27,13 @@
 //      registers as the A operand (the C layout of two n8 tiles is the A layout
 //      of one k16 step); V B fragments from ldmatrix.trans.  O stays in fp32
 //      registers, rescaled per tile, normalised and written once at the end.
+// Sliding window (window > 0): row p sees keys (p - window, p]: the block starts at the tile of its
+// first row's first visible key, a warp skips tiles wholly before its rows' windows, and keys before
+// a row's window are masked.  Score softcapping (softcap_l2 > 0): s2 = c2 tanh(s2 / c2) on the base-2
+// scores before the mask (attention.cu).  Both only in the EXT instances: the window / softcap state
+// would take registers from the plain ones (168 -> 204 at head_dim 128: 3 -> 2 blocks per SM), which
+// every full-attention family runs.  BK: keys per tile (FP_BK; 32 at head_dim 256, whose Q and O
+// fragments already take 192 registers a thread).
 #include "common.cu"
 
 #define FP_BK 64
@@ -60,15 +67,15 @@ __device__ __forceinline__ void fp_ldsm_x4_t(unsigned addr, unsigned& r0, unsign
                  : "memory");
 }
 
-// Stage keys/values k0 .. k0+FP_BK-1 of one KV head (rows >= kend zero-filled).
-template <int HD, int NTH>
+// Stage keys/values k0 .. k0+BK-1 of one KV head (rows >= kend zero-filled).
+template <int HD, int NTH, int BK>
 __device__ __forceinline__ void fp_load_kv(unsigned sk, unsigned sv, const unsigned short* __restrict__ kb,
                                            const unsigned short* __restrict__ vb, int k0, int kend) {
     constexpr int CH = HD / 8;  // 16-byte chunks per row
     constexpr int LD = HD + 8;
-    static_assert((FP_BK * CH) % NTH == 0, "tile chunks must divide among the threads");
+    static_assert((BK * CH) % NTH == 0, "tile chunks must divide among the threads");
 #pragma unroll
-    for (int j = 0; j < FP_BK * CH / NTH; ++j) {
+    for (int j = 0; j < BK * CH / NTH; ++j) {
         const int i = threadIdx.x + j * NTH;
         const int row = i / CH, ch = i - row * CH;
         const int key = k0 + row;
@@ -80,18 +87,19 @@ __device__ __forceinline__ void fp_load_kv(unsigned sk, unsigned sv, const unsig
     }
 }
 
-// Dynamic shared memory: 2 stages x (K, V) x FP_BK x (HD + 8) bf16.
-template <int HD, int NW>
+// Dynamic shared memory: 2 stages x (K, V) x BK x (HD + 8) bf16.
+template <int HD, int NW, int BK, bool EXT>
 __global__ void __launch_bounds__(NW * 32)
 flash_prefill_kernel(const float* __restrict__ q, const unsigned short* __restrict__ k_cache,
                      const unsigned short* __restrict__ v_cache, float* __restrict__ out, int T,
-                     int start_pos, int n_heads, int n_kv, int max_ctx, float qscale) {
+                     int start_pos, int n_heads, int n_kv, int max_ctx, float qscale, int window,
+                     float softcap_l2) {
     constexpr int NTH = NW * 32;
     constexpr int LD = HD + 8;         // shared row stride in bf16 elements
     constexpr int KS = HD / 16;        // k16 steps of S = Q K^T
     constexpr int DT = HD / 8;         // n8 tiles of O
-    constexpr int NT = FP_BK / 8;      // n8 tiles of S
-    constexpr unsigned STAGE = FP_BK * LD * 2;  // bytes of one K (or V) tile
+    constexpr int NT = BK / 8;         // n8 tiles of S
+    constexpr unsigned STAGE = BK * LD * 2;  // bytes of one K (or V) tile
     static_assert(HD % 32 == 0, "head_dim must be a multiple of 32");
     extern __shared__ __align__(16) unsigned short fp_smem[];
 
@@ -102,13 +110,19 @@ flash_prefill_kernel(const float* __restrict__ q, const unsigned short* __restri
     const int hk = h / (n_heads / n_kv);
     const int t0 = qblock * (NW * 16);
     const int kend = start_pos + min(T, t0 + NW * 16);  // keys 0 .. kend-1
-    const int ntiles = (kend + FP_BK - 1) / FP_BK;
+    const int ntiles = (kend + BK - 1) / BK;
+    // Window: the block's first row sees keys from start_pos + t0 - window + 1 on: its tile first.
+    const int it0 = (EXT && window > 0) ? max(0, start_pos + t0 - window + 1) / BK : 0;
     const int tw = t0 + warp * 16;                      // first row of this warp
     const bool active = tw < T;
     const int pw_min = start_pos + tw;                  // positions of the warp's valid rows
     const int pw_max = start_pos + min(tw + 15, T - 1);
     const int r0 = tw + g, r1 = tw + g + 8;             // this thread's two rows
     const int p0 = start_pos + r0, p1 = start_pos + r1;
+    // First visible key of the warp's first row (its lowest), of its last row, of this thread's rows.
+    const bool win = EXT && window > 0;
+    const int fw_min = win ? pw_min - window + 1 : 0, fw_max = win ? pw_max - window + 1 : 0;
+    const int f0 = win ? p0 - window + 1 : 0, f1 = win ? p1 - window + 1 : 0;
 
     const unsigned short* kb = k_cache + (u64)hk * max_ctx * HD;
     const unsigned short* vb = v_cache + (u64)hk * max_ctx * HD;
@@ -118,7 +132,7 @@ flash_prefill_kernel(const float* __restrict__ q, const unsigned short* __restri
     pdl_wait();  // q and the cache were written by earlier kernels
     pdl_trigger();
 
-    fp_load_kv<HD, NTH>(sK, sV, kb, vb, 0, kend);
+    fp_load_kv<HD, NTH, BK>(sK + (it0 & 1) * STAGE, sV + (it0 & 1) * STAGE, kb, vb, it0 * BK, kend);
     fp_cp_commit();
 
     // Q as bf16 A fragments: qa[ks] = rows (g, g+8) x dims ks*16 + {2c, 2c+1, 2c+8, 2c+9}.
@@ -157,16 +171,17 @@ flash_prefill_kernel(const float* __restrict__ q, const unsigned short* __restri
     // V (trans): matrix mi = keys kk*16 + (mi&1)*8 + mr, dims (2dp + (mi>>1))*8 -> b0,b1 of dim tile 2dp, of 2dp+1.
     const unsigned v_lane_off = (unsigned)((((mi & 1) * 8) + mr) * LD + (mi >> 1) * 8) * 2u;
 
-    for (int it = 0; it < ntiles; ++it) {
+    for (int it = it0; it < ntiles; ++it) {
         fp_cp_wait_all();
         __syncthreads();  // tile it is in place; every warp is done with the other buffer
         if (it + 1 < ntiles)
-            fp_load_kv<HD, NTH>(sK + ((it + 1) & 1) * STAGE, sV + ((it + 1) & 1) * STAGE, kb, vb,
-                                (it + 1) * FP_BK, kend);
+            fp_load_kv<HD, NTH, BK>(sK + ((it + 1) & 1) * STAGE, sV + ((it + 1) & 1) * STAGE, kb, vb,
+                                    (it + 1) * BK, kend);
         fp_cp_commit();
 
-        const int k0 = it * FP_BK;
-        if (!active || k0 > pw_max) continue;  // nothing of this tile is visible to the warp
+        const int k0 = it * BK;
+        // nothing of this tile is visible to the warp: past its last position, or before its windows
+        if (!active || k0 > pw_max || (EXT && k0 + BK - 1 < fw_min)) continue;
         const unsigned kt = sK + (it & 1) * STAGE + k_lane_off;
         const unsigned vt = sV + (it & 1) * STAGE + v_lane_off;
 
@@ -187,7 +202,13 @@ flash_prefill_kernel(const float* __restrict__ q, const unsigned short* __restri
             }
         }
 
-        if (k0 + FP_BK - 1 > pw_min) {  // the tile reaches past some row's position: mask
+        if (EXT && softcap_l2 > 0.0f) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[nt][e] = softcap_l2 * tanhf(s[nt][e] / softcap_l2);
+        }
+        if (k0 + BK - 1 > pw_min) {  // the tile reaches past some row's position: mask
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 const int key = k0 + nt * 8 + 2 * c;
@@ -195,6 +216,16 @@ flash_prefill_kernel(const float* __restrict__ q, const unsigned short* __restri
                 if (key + 1 > p0) s[nt][1] = -METRALE_INF;
                 if (key > p1) s[nt][2] = -METRALE_INF;
                 if (key + 1 > p1) s[nt][3] = -METRALE_INF;
+            }
+        }
+        if (EXT && k0 < fw_max) {  // the tile starts before some row's window: mask those keys
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const int key = k0 + nt * 8 + 2 * c;
+                if (key < f0) s[nt][0] = -METRALE_INF;
+                if (key + 1 < f0) s[nt][1] = -METRALE_INF;
+                if (key < f1) s[nt][2] = -METRALE_INF;
+                if (key + 1 < f1) s[nt][3] = -METRALE_INF;
             }
         }
 
@@ -235,7 +266,7 @@ flash_prefill_kernel(const float* __restrict__ q, const unsigned short* __restri
         }
 
 #pragma unroll
-        for (int kk = 0; kk < FP_BK / 16; ++kk) {
+        for (int kk = 0; kk < BK / 16; ++kk) {
             if (k0 + kk * 16 > pw_max) continue;  // P is 0 there for every valid row
             const unsigned a0 = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
             const unsigned a1 = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
@@ -256,7 +287,7 @@ flash_prefill_kernel(const float* __restrict__ q, const unsigned short* __restri
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
     if (!active) return;
-    // l > 0 for every valid row: key 0 is visible to all of them.
+    // l > 0 for every valid row: its own key is visible to it.
     const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
     if (r0 < T) {
         float* op = out + ((u64)r0 * n_heads + h) * HD + 2 * c;

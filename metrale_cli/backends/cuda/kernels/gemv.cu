@@ -19,7 +19,9 @@
 // multiplied by the bf16 norm weight as it is loaded; the sum of squares of each
 // row is accumulated from the same loads (every warp reads all of x, so it needs
 // no extra pass and no barrier), and the per-row factor inv_rms, being a scalar,
-// is applied to the reduced dot products in the epilogue.
+// is applied to the reduced dot products in the epilogue.  norm_offset is added to the
+// norm weight in fp32 (Gemma's (1 + w): 1.0; Llama: 0).
+// SWIGLU's gate activation is `act` (ACT_SILU or ACT_GELU_TANH, common.cu).
 #include "common.cu"
 
 #define GEMV_WARPS 4
@@ -44,7 +46,7 @@ template <int M, int R, bool SWIGLU, bool NORM>
 __device__ __forceinline__ void gemv_epilogue(float (&acc)[SWIGLU ? 2 * R : R][M],
                                               const float (&inv)[M], int lane, int n0,
                                               int N, const unsigned short* __restrict__ bias,
-                                              float* __restrict__ out, int accumulate, int has_bias) {
+                                              float* __restrict__ out, int accumulate, int has_bias, int act) {
     constexpr int RW = SWIGLU ? 2 * R : R;
 #pragma unroll
     for (int r = 0; r < RW; ++r)
@@ -61,7 +63,7 @@ __device__ __forceinline__ void gemv_epilogue(float (&acc)[SWIGLU ? 2 * R : R][M
                 if (SWIGLU) {
                     const float g = NORM ? acc[r][m] * inv[m] : acc[r][m];
                     const float u = NORM ? acc[R + r][m] * inv[m] : acc[R + r][m];
-                    val = g / (1.0f + expf(-g)) * u;
+                    val = gate_act(g, act) * u;
                 } else {
                     val = NORM ? acc[r][m] * inv[m] : acc[r][m];
                     if (has_bias) val += bf16_to_f32_bits(bias[n]);
@@ -87,8 +89,8 @@ __device__ __forceinline__ float sumsq4(float4 v, float s) {
 // NORM: ss[m] += x^2 over the loaded x values, and x is multiplied by norm_w.
 template <int M, int RW, int UU, bool NORM>
 __device__ __forceinline__ void gemv_step(const float* __restrict__ x, const uint4* const (&wrow)[RW],
-                                          const unsigned short* __restrict__ norm_w, int K, int c,
-                                          float (&acc)[RW][M], float (&ss)[M]) {
+                                          const unsigned short* __restrict__ norm_w, float norm_offset, int K,
+                                          int c, float (&acc)[RW][M], float (&ss)[M]) {
     uint4 wv[UU][RW];
 #pragma unroll
     for (int u = 0; u < UU; ++u)
@@ -99,14 +101,14 @@ __device__ __forceinline__ void gemv_step(const float* __restrict__ x, const uin
         float nw[8];
         if constexpr (NORM) {
             const uint4 g = __ldg(reinterpret_cast<const uint4*>(norm_w) + c + 32 * u);
-            nw[0] = bf16_lo(g.x);
-            nw[1] = bf16_hi(g.x);
-            nw[2] = bf16_lo(g.y);
-            nw[3] = bf16_hi(g.y);
-            nw[4] = bf16_lo(g.z);
-            nw[5] = bf16_hi(g.z);
-            nw[6] = bf16_lo(g.w);
-            nw[7] = bf16_hi(g.w);
+            nw[0] = bf16_lo(g.x) + norm_offset;
+            nw[1] = bf16_hi(g.x) + norm_offset;
+            nw[2] = bf16_lo(g.y) + norm_offset;
+            nw[3] = bf16_hi(g.y) + norm_offset;
+            nw[4] = bf16_lo(g.z) + norm_offset;
+            nw[5] = bf16_hi(g.z) + norm_offset;
+            nw[6] = bf16_lo(g.w) + norm_offset;
+            nw[7] = bf16_hi(g.w) + norm_offset;
         }
 #pragma unroll
         for (int m = 0; m < M; ++m) {
@@ -128,7 +130,8 @@ template <int M, int R, int U, bool SWIGLU, bool NORM>
 __global__ void __launch_bounds__(GEMV_WARPS * 32)
 gemv_kernel(const float* __restrict__ x, const unsigned short* __restrict__ w,
             const unsigned short* __restrict__ bias, float* __restrict__ out, int N, int K,
-            int accumulate, int has_bias, const unsigned short* __restrict__ norm_w, float eps) {
+            int accumulate, int has_bias, const unsigned short* __restrict__ norm_w, float eps,
+            float norm_offset, int act) {
     // N: number of output columns.  SWIGLU: w has 2N rows (gate rows 0..N-1, up
     // rows N..2N-1) and out[m, n] = silu(x.w[n]) * (x.w[N + n]).  NORM: see the top.
     constexpr int RW = SWIGLU ? 2 * R : R;
@@ -160,14 +163,15 @@ gemv_kernel(const float* __restrict__ x, const unsigned short* __restrict__ w,
     for (int m = 0; m < M; ++m) ss[m] = 0.0f;
 
     int c = lane;
-    for (; c + 32 * (U - 1) < C; c += 32 * U) gemv_step<M, RW, U, NORM>(x, wrow, norm_w, K, c, acc, ss);
-    for (; c < C; c += 32) gemv_step<M, RW, 1, NORM>(x, wrow, norm_w, K, c, acc, ss);
+    for (; c + 32 * (U - 1) < C; c += 32 * U)
+        gemv_step<M, RW, U, NORM>(x, wrow, norm_w, norm_offset, K, c, acc, ss);
+    for (; c < C; c += 32) gemv_step<M, RW, 1, NORM>(x, wrow, norm_w, norm_offset, K, c, acc, ss);
 
     // The lanes of the warp together loaded every chunk of x once: ss sums to the
     // whole row.
 #pragma unroll
     for (int m = 0; m < M; ++m) inv[m] = NORM ? rsqrtf(warp_sum(ss[m]) / (float)K + eps) : 1.0f;
-    gemv_epilogue<M, R, SWIGLU, NORM>(acc, inv, lane, n0, N, bias, out, accumulate, has_bias);
+    gemv_epilogue<M, R, SWIGLU, NORM>(acc, inv, lane, n0, N, bias, out, accumulate, has_bias, act);
 }
 
 
@@ -192,7 +196,8 @@ template <int M, int R, bool SWIGLU, bool NORM>
 __global__ void __launch_bounds__(GEMV_XS_WARPS * 32)
 gemv_xs_kernel(const float* __restrict__ x, const unsigned short* __restrict__ w,
                const unsigned short* __restrict__ bias, float* __restrict__ out, int N, int K,
-               int accumulate, int has_bias, const unsigned short* __restrict__ norm_w, float eps) {
+               int accumulate, int has_bias, const unsigned short* __restrict__ norm_w, float eps,
+               float norm_offset, int act) {
     constexpr int RW = SWIGLU ? 2 * R : R;
     constexpr int NT = GEMV_XS_WARPS * 32;
     constexpr int XS_ITERS = (M * 64 + NT - 1) / NT;  // staging items per thread and tile
@@ -243,8 +248,8 @@ gemv_xs_kernel(const float* __restrict__ x, const unsigned short* __restrict__ w
                         v = __ldg(reinterpret_cast<const float4*>(x + (u64)m * K) + 2 * cc + half);
                         ssp[j] = sumsq4(v, ssp[j]);
                         const uint2 g = __ldg(reinterpret_cast<const uint2*>(norm_w + (u64)cc * 8 + half * 4));
-                        v = make_float4(v.x * bf16_lo(g.x), v.y * bf16_hi(g.x), v.z * bf16_lo(g.y),
-                                        v.w * bf16_hi(g.y));
+                        v = make_float4(v.x * (bf16_lo(g.x) + norm_offset), v.y * (bf16_hi(g.x) + norm_offset),
+                                        v.z * (bf16_lo(g.y) + norm_offset), v.w * (bf16_hi(g.y) + norm_offset));
                     }
                     xs[half][m][l] = v;
                 }
@@ -287,5 +292,5 @@ gemv_xs_kernel(const float* __restrict__ x, const unsigned short* __restrict__ w
         }
     }
     if (n0 >= N) return;  // after the last barrier
-    gemv_epilogue<M, R, SWIGLU, NORM>(acc, inv, lane, n0, N, bias, out, accumulate, has_bias);
+    gemv_epilogue<M, R, SWIGLU, NORM>(acc, inv, lane, n0, N, bias, out, accumulate, has_bias, act);
 }

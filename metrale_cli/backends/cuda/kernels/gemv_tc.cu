@@ -44,6 +44,10 @@
 // squares of its token; the four lanes of a group and then the warps (in order) are summed, and
 // inv_rms = rsqrt(ss / K + eps) scales the reduced dot products in the epilogue.
 //
+// norm_offset is added to the norm weight in fp32 (Gemma's (1 + w): 1.0).  SWIGLU's gate activation
+// is `act` (ACT_SILU or ACT_GELU_TANH, common.cu), in explicitly rounded operations as the rest of the
+// epilogue.
+//
 // PDL: the first step's weight loads are issued before pdl_wait(); x, norm_w, bias and out are
 // touched only after it.
 #include "common.cu"
@@ -54,6 +58,16 @@
 __device__ __forceinline__ void gtc_split(float x0, float x1, unsigned int& hi, unsigned int& lo) {
     hi = pack_bf16x2(x0, x1);
     lo = pack_bf16x2(__fsub_rn(x0, bf16_lo(hi)), __fsub_rn(x1, bf16_hi(hi)));
+}
+
+// act(a) with explicitly rounded operations (the same bits in every instance).
+__device__ __forceinline__ float gtc_act(float a, int act) {
+    if (act == ACT_GELU_TANH) {
+        const float cube = __fmul_rn(__fmul_rn(a, a), a);
+        const float inner = __fmul_rn(0.7978845608028654f, __fadd_rn(a, __fmul_rn(0.044715f, cube)));
+        return __fmul_rn(__fmul_rn(0.5f, a), __fadd_rn(1.0f, tanhf(inner)));
+    }
+    return __fdiv_rn(a, __fadd_rn(1.0f, expf(-a)));
 }
 
 // The chunk index of the j-th chunk of warp `warp` (see the top).
@@ -104,8 +118,9 @@ __device__ __forceinline__ void gtc_load_w(uint4 (&wv)[U][RW][2], const unsigned
 // x loads, hi/lo split and mmas of one step.
 template <int W, int NT, int RW, int U, bool NORM>
 __device__ __forceinline__ void gtc_compute(const uint4 (&wv)[U][RW][2], const float* __restrict__ x,
-                                            const unsigned short* __restrict__ norm_w, int M, int K, int j0,
-                                            int warp, int g, int q, float (&acc)[RW][NT][4], float (&ss)[NT]) {
+                                            const unsigned short* __restrict__ norm_w, float norm_offset, int M,
+                                            int K, int j0, int warp, int g, int q, float (&acc)[RW][NT][4],
+                                            float (&ss)[NT]) {
     float xv[U][NT][8];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -131,8 +146,11 @@ __device__ __forceinline__ void gtc_compute(const uint4 (&wv)[U][RW][2], const f
         if constexpr (NORM) {
             const int k = 32 * gtc_chunk<W>(j0 + u, warp) + 8 * q;
             const uint4 nb = gtc_ld_x(norm_w + (k < K ? k : 0), k < K);
-            const float nw[8] = {bf16_lo(nb.x), bf16_hi(nb.x), bf16_lo(nb.y), bf16_hi(nb.y),
-                                 bf16_lo(nb.z), bf16_hi(nb.z), bf16_lo(nb.w), bf16_hi(nb.w)};
+            const float nw[8] = {
+                __fadd_rn(bf16_lo(nb.x), norm_offset), __fadd_rn(bf16_hi(nb.x), norm_offset),
+                __fadd_rn(bf16_lo(nb.y), norm_offset), __fadd_rn(bf16_hi(nb.y), norm_offset),
+                __fadd_rn(bf16_lo(nb.z), norm_offset), __fadd_rn(bf16_hi(nb.z), norm_offset),
+                __fadd_rn(bf16_lo(nb.w), norm_offset), __fadd_rn(bf16_hi(nb.w), norm_offset)};
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 float t = ss[nt];
@@ -167,7 +185,8 @@ template <int NT, int TILES, int W, int U, bool SWIGLU, bool NORM>
 __global__ void __launch_bounds__(W * 32)
 gemv_tc_kernel(const float* __restrict__ x, const unsigned short* __restrict__ w,
                const unsigned short* __restrict__ bias, float* __restrict__ out, int M, int N, int K,
-               int accumulate, int has_bias, const unsigned short* __restrict__ norm_w, float eps) {
+               int accumulate, int has_bias, const unsigned short* __restrict__ norm_w, float eps,
+               float norm_offset, int act) {
     constexpr int RW = SWIGLU ? 2 * TILES : TILES;  // weight tiles per block
     constexpr int NV = RW * NT * 4 * 32;            // partial values per warp
     constexpr int NO = TILES * NT * 4 * 32;         // output values per block
@@ -205,10 +224,10 @@ gemv_tc_kernel(const float* __restrict__ x, const unsigned short* __restrict__ w
     gtc_load_w<W, RW, U>(wv, wrow, 0, warp, q, K);  // weights only: before the PDL wait
     pdl_wait();
     pdl_trigger();
-    gtc_compute<W, NT, RW, U, NORM>(wv, x, norm_w, M, K, 0, warp, g, q, acc, ss);
+    gtc_compute<W, NT, RW, U, NORM>(wv, x, norm_w, norm_offset, M, K, 0, warp, g, q, acc, ss);
     for (int j0 = U; gtc_chunk<W>(j0, warp) < C; j0 += U) {
         gtc_load_w<W, RW, U>(wv, wrow, j0, warp, q, K);
-        gtc_compute<W, NT, RW, U, NORM>(wv, x, norm_w, M, K, j0, warp, g, q, acc, ss);
+        gtc_compute<W, NT, RW, U, NORM>(wv, x, norm_w, norm_offset, M, K, j0, warp, g, q, acc, ss);
     }
 
     // Split-K reduction through shared memory: red[warp][((r NT + nt) 4 + e) 32 + lane].
@@ -251,7 +270,7 @@ gemv_tc_kernel(const float* __restrict__ x, const unsigned short* __restrict__ w
 #pragma unroll
             for (int ww = 1; ww < W; ++ww) u = __fadd_rn(u, red[ww][v + NO]);
             if constexpr (NORM) u = __fmul_rn(u, inv);
-            val = __fmul_rn(__fdiv_rn(a, __fadd_rn(1.0f, expf(-a))), u);
+            val = __fmul_rn(gtc_act(a, act), u);
         } else {
             val = a;
             if (has_bias) val = __fadd_rn(val, bf16_to_f32_bits(bias[n]));

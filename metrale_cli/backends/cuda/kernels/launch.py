@@ -92,9 +92,9 @@ class Kernels(OperandChecks, UnfusedKernels):
             self._fn[name](grid, block, args, stream=stream)
 
     # ------------------------------------------------------------------ kernels
-    def embedding(self, ids: Any, table: Any, out: Any, *, stream: Any = None) -> None:
-        """out[m, :] = float32(table[ids[m], :]).  ids int32[M], table bf16[V, H], out f32[M, H].
-        An id outside [0, V) yields a row of NaN."""
+    def embedding(self, ids: Any, table: Any, out: Any, *, scale: float | None = None, stream: Any = None) -> None:
+        """out[m, :] = float32(table[ids[m], :]) (* scale, an fp32 value: Gemma's sqrt(hidden)).
+        ids int32[M], table bf16[V, H], out f32[M, H].  An id outside [0, V) yields a row of NaN."""
         np = self._np
         self._i32(ids, "ids", 1)
         self._bf16(table, "table", 2)
@@ -103,7 +103,8 @@ class Kernels(OperandChecks, UnfusedKernels):
         self._shape(out, "out", (M, H))
         if M == 0:
             return
-        self._launch("embedding_kernel", (M,), (256,), (ids, table, out, np.int32(V), np.int32(H)), stream)
+        s = np.float32(1.0 if scale is None else scale)
+        self._launch("embedding_kernel", (M,), (256,), (ids, table, out, np.int32(V), np.int32(H), s), stream)
 
     def gemv(
         self,
@@ -116,6 +117,7 @@ class Kernels(OperandChecks, UnfusedKernels):
         config: tuple[int, int] | None = None,
         norm_weight: Any = None,
         eps: float = 1e-6,
+        norm_offset: float = 0.0,
         stream: Any = None,
     ) -> None:
         """out = x @ w.T (+ bias), or out += x @ w.T (+ bias) with accumulate=True.
@@ -126,11 +128,14 @@ class Kernels(OperandChecks, UnfusedKernels):
         U = 0: x staged in shared memory).
         With norm_weight bf16[K] (16-byte aligned): fused RMSNorm prologue, x is the
         un-normalised input and the result is that of rmsnorm(x, norm_weight, eps) followed by
-        this GEMV (within fp32 rounding); only the GEMV_DEFAULT configs are compiled for it."""
-        self._gemv("gemv", x, w, "w", out, bias, False, accumulate, config, norm_weight, eps, stream)
+        this GEMV (within fp32 rounding); only the GEMV_DEFAULT configs are compiled for it.
+        norm_offset is added to the norm weight in fp32 (Gemma's (1 + w): 1.0)."""
+        self._gemv("gemv", x, w, "w", out, bias, False, accumulate, config, norm_weight, eps, stream,
+                   norm_offset=norm_offset)
 
     def _gemv(self, op: str, x: Any, w: Any, wname: str, out: Any, bias: Any, swiglu: bool, accumulate: bool,
-              config: tuple[int, int] | None, norm_weight: Any, eps: float, stream: Any) -> None:
+              config: tuple[int, int] | None, norm_weight: Any, eps: float, stream: Any, *,
+              norm_offset: float = 0.0, activation: str = "silu") -> None:
         """Check and launch the fp32-FMA GEMV (gemv.cu) for gemv and gemv_swiglu: config (R, U), or
         the default for M of GEMV_DEFAULT / GEMV_SWIGLU_DEFAULT."""
         np = self._np
@@ -144,7 +149,7 @@ class Kernels(OperandChecks, UnfusedKernels):
         args = (
             x, w, self._dummy if bias is None else bias, out,
             np.int32(N), np.int32(K), np.int32(1 if accumulate else 0), np.int32(0 if bias is None else 1),
-            norm_weight if norm else self._dummy, np.float32(eps),
+            norm_weight if norm else self._dummy, np.float32(eps), np.float32(norm_offset), self._act(activation),
         )
         self._launch(name, grid, (threads,), args, stream)
 
@@ -157,13 +162,16 @@ class Kernels(OperandChecks, UnfusedKernels):
         config: tuple[int, int] | None = None,
         norm_weight: Any = None,
         eps: float = 1e-6,
+        norm_offset: float = 0.0,
+        activation: str = "silu",
         stream: Any = None,
     ) -> None:
-        """out = silu(x @ Wg.T) * (x @ Wu.T) in one pass over the fused weight
-        w_gate_up bf16[2I, K] = concat(gate_proj.weight, up_proj.weight).  x f32[M, K], out f32[M, I].
-        norm_weight bf16[K]: fused RMSNorm of x first, as in gemv."""
+        """out = act(x @ Wg.T) * (x @ Wu.T) in one pass over the fused weight
+        w_gate_up bf16[2I, K] = concat(gate_proj.weight, up_proj.weight).  x f32[M, K], out f32[M, I];
+        act: "silu" (SwiGLU) or "gelu_tanh" (GeGLU).  norm_weight bf16[K]: fused RMSNorm of x first,
+        as in gemv (norm_offset likewise)."""
         self._gemv("gemv_swiglu", x, w_gate_up, "w_gate_up", out, None, True, False, config, norm_weight, eps,
-                   stream)
+                   stream, norm_offset=norm_offset, activation=activation)
 
     def gemv_tc(
         self,
@@ -177,6 +185,8 @@ class Kernels(OperandChecks, UnfusedKernels):
         norm_weight: Any = None,
         eps: float = 1e-6,
         config: tuple[int, int, int] | None = None,
+        norm_offset: float = 0.0,
+        activation: str = "silu",
         stream: Any = None,
     ) -> None:
         """Tensor-core version of gemv / gemv_swiglu (mma.sync bf16, x split into bf16 hi + lo,
@@ -186,7 +196,8 @@ class Kernels(OperandChecks, UnfusedKernels):
         K a positive multiple of 8; x must not overlap out.  norm_weight bf16[K]: fused RMSNorm of x
         first, as in gemv.  `config=(TILES, W, U)` picks a compiled variant (GEMV_TC_DEFAULT /
         GEMV_TC_EXTRA, GEMV_TC_SWIGLU_*; norm only for the defaults).  Row m of the result is
-        bit-identical whatever M is, for configs with the same W."""
+        bit-identical whatever M is, for configs with the same W.  norm_offset and activation (the
+        swiglu gate's: "silu" or "gelu_tanh") as in gemv / gemv_swiglu."""
         np = self._np
         op = "gemv_tc"
         M, K, N, norm = self._linear_operands(op, x, w, "w", out, bias, norm_weight, swiglu)
@@ -202,15 +213,18 @@ class Kernels(OperandChecks, UnfusedKernels):
             x, w, self._dummy if bias is None else bias, out,
             np.int32(M), np.int32(N), np.int32(K), np.int32(1 if accumulate else 0),
             np.int32(0 if bias is None else 1), norm_weight if norm else self._dummy, np.float32(eps),
+            np.float32(norm_offset), self._act(activation),
         )
         self._launch(name, grid, (warps * 32,), args, stream)
 
     def rmsnorm(
-        self, x: Any, weight: Any, eps: float, out: Any, residual: Any = None, *, stream: Any = None
+        self, x: Any, weight: Any, eps: float, out: Any, residual: Any = None, *, offset: float = 0.0,
+        stream: Any = None
     ) -> None:
-        """out = weight * (h * rsqrt(mean(h^2) + eps)) per row, h = x, or, with residual given,
-        residual += x (in place) and h = the new residual.  x, out, residual f32[M, H], weight bf16[H].
-        out may be x itself; residual must not overlap x or out."""
+        """out = (offset + weight) * (h * rsqrt(mean(h^2) + eps)) per row, h = x, or, with residual
+        given, residual += x (in place) and h = the new residual.  x, out, residual f32[M, H], weight
+        bf16[H]; offset 1.0: Gemma's (1 + w), added in fp32.  out may be x itself; residual must not
+        overlap x or out."""
         np = self._np
         self._f32(x, "x", 2)
         self._bf16(weight, "weight", 1)
@@ -230,9 +244,38 @@ class Kernels(OperandChecks, UnfusedKernels):
         block = 512 if H >= 2048 else 256 if H >= 512 else 128
         args = (
             x, weight, out, self._dummy if residual is None else residual,
-            np.int32(H), np.float32(eps), np.int32(0 if residual is None else 1),
+            np.int32(H), np.float32(eps), np.int32(0 if residual is None else 1), np.float32(offset),
         )
         self._launch("rmsnorm_kernel", (M,), (block,), args, stream)
+
+    def rmsnorm_add(self, x: Any, weight: Any, eps: float, residual: Any, *, offset: float = 0.0,
+                    stream: Any = None) -> None:
+        """residual += (offset + weight) * (x * rsqrt(mean(x^2) + eps)) per row: a sandwich block's
+        post-norm before its residual add.  x, residual f32[M, H] (disjoint), weight bf16[H]."""
+        np = self._np
+        self._f32(x, "x", 2)
+        self._bf16(weight, "weight", 1)
+        self._f32(residual, "residual", 2)
+        M, H = x.shape
+        self._shape(weight, "weight", (H,))
+        self._shape(residual, "residual", (M, H))
+        self._disjoint(x, "x", residual, "residual")
+        if M == 0:
+            return
+        block = 512 if H >= 2048 else 256 if H >= 512 else 128
+        args = (x, weight, residual, np.int32(H), np.float32(eps), np.float32(offset))
+        self._launch("rmsnorm_add_kernel", (M,), (block,), args, stream)
+
+    def softcap(self, x: Any, cap: float, *, stream: Any = None) -> None:
+        """x = cap * tanh(x / cap) in place, x f32[...] (final-logit softcapping)."""
+        np = self._np
+        self._f32(x, "x")
+        if not float(cap) > 0:
+            raise ValueError(f"softcap: cap = {cap} must be positive")
+        if x.size == 0:
+            return
+        args = (x, np.int64(x.size), np.float32(cap))
+        self._launch("softcap_kernel", (self._grid1d(x.size),), (256,), args, stream)
 
     def rope_kv_append(
         self,
@@ -247,9 +290,12 @@ class Kernels(OperandChecks, UnfusedKernels):
         eps: float = 1e-6,
         *,
         attention_scaling: float = 1.0,
+        norm_offset: float = 0.0,
+        rotary_dim: int | None = None,
         stream: Any = None,
     ) -> None:
-        """rope on q and k plus kv_append, in one launch, from the fused QKV GEMV output:
+        """rope on q and k plus kv_append, in one launch, from the fused QKV GEMV output
+        (norm_offset, rotary_dim and attention_scaling as in rope):
         qkv f32[M, (n_heads + 2 n_kv) * head_dim] (per row: q heads, k heads, v heads).
         q_out f32[M, n_heads, head_dim] = rope(q) (optional per-head q_norm first), and
         k_cache[:, positions[m], :] = bf16(rope(k)) (optional k_norm), v_cache[...] = bf16(v):
@@ -269,9 +315,10 @@ class Kernels(OperandChecks, UnfusedKernels):
             raise ValueError(f"q_out: head_dim {qhd} differs from the cache's {hd}")
         if hd % 2 or hd > 256 or hd == 0:
             raise ValueError(f"rope_kv_append: head_dim = {hd} must be even and <= 256")
+        rd = self._rotary_dim(hd, rotary_dim)
         self._shape(qkv, "qkv", (M, (nh + 2 * n_kv) * hd))
         self._shape(positions, "positions", (M,))
-        self._shape(inv_freq, "inv_freq", (hd // 2,))
+        self._shape(inv_freq, "inv_freq", (rd // 2,))
         for a, an in ((q_norm, "q_norm"), (k_norm, "k_norm")):
             if a is not None:
                 self._bf16(a, an, 1)
@@ -291,7 +338,7 @@ class Kernels(OperandChecks, UnfusedKernels):
             q_out, k_cache, v_cache,
             np.int32(M), np.int32(nh), np.int32(n_kv), np.int32(hd), np.int32(max_ctx), np.float32(eps),
             np.int32(0 if q_norm is None else 1), np.int32(0 if k_norm is None else 1),
-            np.float32(attention_scaling),
+            np.float32(attention_scaling), np.float32(norm_offset), np.int32(rd),
         )
         self._launch("rope_kv_append_kernel", (_ceil_div(M * slots, warps),), (32 * warps,), args, stream)
 
@@ -333,13 +380,15 @@ class Kernels(OperandChecks, UnfusedKernels):
         *,
         n_splits: int | None = None,
         workspace: Any = None,
+        window: int | None = None,
+        softcap: float | None = None,
         stream: Any = None,
     ) -> None:
         """Causal attention of M query rows (decode M=1, verify M=k) against the cache:
         row m attends to cache rows 0..positions[m] inclusive (a position >= max_ctx counts as
         max_ctx - 1; a row with a negative position gets NaN).  q, out f32[M, n_heads, head_dim];
         caches bf16[n_kv, max_ctx, head_dim], 16-byte aligned; positions int32[M] (device).
-        head_dim in {32, 64, 128, 256}; n_heads a multiple of n_kv.  Flash-decoding in two
+        head_dim in DECODE_HEAD_DIMS; n_heads a multiple of n_kv.  Flash-decoding in two
         launches (split + combine): `n_splits` (default decode_splits(max_ctx, n_kv, M, n_heads))
         fixed at capture time; the length L = max(positions) + 1 and the split size are computed
         on the device, splits past L exit at once.  head_dim <= 128 runs on tensor cores with q
@@ -347,7 +396,10 @@ class Kernels(OperandChecks, UnfusedKernels):
         `workspace`: f32 buffer of >= decode_workspace_size(M, n_heads, head_dim, n_splits)
         elements, any content; if None an internal one is used (grown on demand: make one eager
         call before capturing, or pass your own, and pass your own when calls on different streams
-        may overlap)."""
+        may overlap).
+        `window`: row m sees only keys (positions[m] - window, positions[m]], and the split work covers
+        only the keys some row sees (a long context costs what the window costs).  `softcap`: scores
+        -> softcap * tanh(scores / softcap) before the mask (Gemma 2).  Both fixed at capture time."""
         np = self._np
         self._f32(q, "q", 3)
         self._f32(out, "out", 3)
@@ -389,6 +441,8 @@ class Kernels(OperandChecks, UnfusedKernels):
         part_acc = ws[:n_acc]
         part_ml = ws[n_acc : n_acc + 2 * n_splits * M * nh]
         qb = _decode_qb(hd, M * G)
+        win, cap2 = self._window_softcap(window, softcap)
+        ext = bool(win or cap2)  # the tensor-core instance with the window / softcap code
         if hd in DECODE_TC_HEAD_DIMS:
             grid = (_ceil_div(M * G, qb), n_splits, n_kv)
             threads = ATTN_TC_WARPS * 32
@@ -399,11 +453,12 @@ class Kernels(OperandChecks, UnfusedKernels):
         args = (
             q, k_cache, v_cache, positions, part_acc, part_ml,
             np.int32(M), np.int32(nh), np.int32(n_kv), np.int32(max_ctx), np.int32(n_splits), qscale,
+            win, cap2,
         )
-        self._launch(decode_name(hd, qb), grid, (threads,), args, stream)
+        self._launch(decode_name(hd, qb, ext), grid, (threads,), args, stream)
         args2 = (
             part_acc, part_ml, positions, out,
-            np.int32(M), np.int32(nh), np.int32(hd), np.int32(max_ctx), np.int32(n_splits),
+            np.int32(M), np.int32(nh), np.int32(hd), np.int32(max_ctx), np.int32(n_splits), win,
         )
         self._launch("attn_decode_combine_kernel", (M * nh,), (hd,), args2, stream)
 
@@ -418,11 +473,15 @@ class Kernels(OperandChecks, UnfusedKernels):
         scale: float,
         *,
         block_q: int | None = None,
+        window: int | None = None,
+        softcap: float | None = None,
         stream: Any = None,
     ) -> None:
         """Causal attention of a prompt chunk: query row t (position start_pos + t) attends to
-        cache rows 0..start_pos+t, whose K/V were appended before.  q, out f32[>=T, n_heads,
-        head_dim] (rows T.. untouched); head_dim in {32, 64, 128}; start_pos + T <= max_ctx.
+        cache rows 0..start_pos+t (with `window`: only the last `window` of them; tiles before every
+        row's window are skipped), whose K/V were appended before.  `softcap` as in attention_decode.
+        q, out f32[>=T, n_heads, head_dim] (rows T.. untouched); head_dim in PREFILL_HEAD_DIMS;
+        start_pos + T <= max_ctx.
         Tensor cores (flash_prefill.cu): q and the softmax weights P are rounded to bf16 for the
         mma (as bf16 attention in transformers does), the softmax state and sums stay fp32.
         `block_q`: query rows per block, one of PREFILL_BQS (default PREFILL_BQ).  Eager only:
@@ -449,7 +508,8 @@ class Kernels(OperandChecks, UnfusedKernels):
         self._disjoint(q, "q", out, "out")
         for a, an, nbytes in ((q, "q", 8), (out, "out", 8), (k_cache, "k_cache", 16), (v_cache, "v_cache", 16)):
             self._aligned(a, an, nbytes)
-        name = prefill_name(hd, bq)
+        win, cap2 = self._window_softcap(window, softcap)
+        name = prefill_name(hd, bq, ext=bool(win or cap2))  # the instance with the window / softcap code
         fn = self._fn[name]
         smem = prefill_smem_bytes(hd)
         done = self.__dict__.setdefault("_prefill_smem_set", set())
@@ -459,12 +519,13 @@ class Kernels(OperandChecks, UnfusedKernels):
         grid = (nh, _ceil_div(T, bq))  # heads vary fastest; the kernel starts the longest blocks first
         args = (
             q, k_cache, v_cache, out, np.int32(T), np.int32(start_pos), np.int32(nh),
-            np.int32(n_kv), np.int32(max_ctx), np.float32(float(scale) * LOG2E),
+            np.int32(n_kv), np.int32(max_ctx), np.float32(float(scale) * LOG2E), win, cap2,
         )
         fn(grid, (bq // 16 * 32,), args, shared_mem=smem, stream=stream)
 
-    def swiglu(self, gate_up: Any, out: Any, *, stream: Any = None) -> None:
-        """out = silu(gate_up[:, :I]) * gate_up[:, I:].  gate_up f32[M, 2I], out f32[M, I]."""
+    def swiglu(self, gate_up: Any, out: Any, *, activation: str = "silu", stream: Any = None) -> None:
+        """out = act(gate_up[:, :I]) * gate_up[:, I:], act "silu" or "gelu_tanh".  gate_up f32[M, 2I],
+        out f32[M, I]."""
         np = self._np
         self._f32(gate_up, "gate_up", 2)
         self._f32(out, "out", 2)
@@ -476,7 +537,8 @@ class Kernels(OperandChecks, UnfusedKernels):
         n = M * (I2 // 2)
         if n == 0:
             return
-        self._launch("swiglu_kernel", (self._grid1d(n),), (256,), (gate_up, out, np.int32(M), np.int32(I2 // 2)), stream)
+        args = (gate_up, out, np.int32(M), np.int32(I2 // 2), self._act(activation))
+        self._launch("swiglu_kernel", (self._grid1d(n),), (256,), args, stream)
 
     def argmax(self, rows: Any, out: Any, *, stream: Any = None) -> None:
         """out[i] = index of the first maximum of rows[i] (torch.argmax), or -1 if rows[i] holds

@@ -20,6 +20,7 @@ from .tuning import (
     PREFILL_BQ,
     PREFILL_BQS,
     PREFILL_HEAD_DIMS,
+    prefill_bk,
 )
 
 
@@ -53,15 +54,18 @@ def _gemv_tc_names() -> list[str]:
 
 
 
-def decode_name(hd: int, qb: int) -> str:
-    """The split kernel for head_dim hd taking qb query vectors per block (_decode_qb)."""
+def decode_name(hd: int, qb: int, ext: bool = False) -> str:
+    """The split kernel for head_dim hd taking qb query vectors per block (_decode_qb); ext: with the
+    sliding-window / softcap code (the SIMT kernel always has it)."""
     if hd in DECODE_TC_HEAD_DIMS:
-        return f"attn_decode_tc_kernel<{hd}, {qb // 8}>"
+        return f"attn_decode_tc_kernel<{hd}, {qb // 8}, {'true' if ext else 'false'}>"
     return f"attn_decode_split_kernel<{hd}, {qb}, {DECODE_SIMT_KB}>"
 
 
-def prefill_name(hd: int, bq: int = PREFILL_BQ) -> str:
-    return f"flash_prefill_kernel<{hd}, {bq // 16}>"
+def prefill_name(hd: int, bq: int = PREFILL_BQ, ext: bool = False) -> str:
+    """The flash prefill kernel for head_dim hd, bq query rows per block; ext: with the sliding-window /
+    softcap code."""
+    return f"flash_prefill_kernel<{hd}, {bq // 16}, {prefill_bk(hd)}, {'true' if ext else 'false'}>"
 
 
 
@@ -82,9 +86,12 @@ def _all_name_expressions() -> list[str]:
     for hd in DECODE_HEAD_DIMS:
         for qb in (8, 16) if hd in DECODE_TC_HEAD_DIMS else (1, 2, 4):
             names.append(decode_name(hd, qb))
+            if hd in DECODE_TC_HEAD_DIMS:  # and its instance with the window / softcap code
+                names.append(decode_name(hd, qb, ext=True))
     for hd in PREFILL_HEAD_DIMS:
         for bq in PREFILL_BQS:
             names.append(prefill_name(hd, bq))
+            names.append(prefill_name(hd, bq, ext=True))
     names += _gemv_tc_names()
     return list(dict.fromkeys(names))
 
@@ -115,6 +122,8 @@ PLAIN_KERNELS = (
     "swiglu_kernel",
     "kv_append_kernel",
     "rmsnorm_kernel",
+    "rmsnorm_add_kernel",
+    "softcap_kernel",
     "rope_kernel",
     "rope_kv_append_kernel",
     "attn_decode_combine_kernel",

@@ -40,20 +40,31 @@ GEMV_TC_SWIGLU_EXTRA = ((1, 8, 2), (1, 4, 4), (1, 8, 8), (1, 4, 8))
 # The fused-RMSNorm variants are compiled for the default configs only.
 
 ATTN_WARPS = 4  # must match attention.cu
-DECODE_HEAD_DIMS = (32, 64, 128, 256)
-PREFILL_HEAD_DIMS = (32, 64, 128)
+DECODE_HEAD_DIMS = (32, 64, 96, 128, 256)
+PREFILL_HEAD_DIMS = (32, 64, 96, 128, 256)
+# Gate activations of the fused gated MLP (gate_act in common.cu, its ACT_* codes).
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 # flash_prefill.cu (tensor cores): a block takes PREFILL_BQ query rows of one head, 16 rows per warp,
 # and walks key tiles of PREFILL_BK keys (must match FP_BK there).  PREFILL_BQS are compiled; 64
 # (4 warps) is the default: 128 (8 warps) was slower at every length measured (NOTES.md, flash prefill).
 PREFILL_BQ = 64
 PREFILL_BQS = (64,)
 PREFILL_BK = 64
+
+
+def prefill_bk(hd: int) -> int:
+    """Keys per tile of flash_prefill_kernel (32 at head_dim 256, whose fragments fill the registers)."""
+    return 32 if hd > 128 else PREFILL_BK
+
+
 LOG2E = 1.4426950408889634
 
 
 # Decode attention (attention.cu).  head_dim in DECODE_TC_HEAD_DIMS: the tensor-core split kernel,
 # ATTN_TC_WARPS warps per block, 8 or 16 query vectors (rows x heads of one KV head) per block;
-# head_dim 256: the SIMT split kernel (ATTN_WARPS warps, _decode_qb_max query vectors per block).
+# head_dim 96 and 256: the SIMT split kernel (ATTN_WARPS warps, _decode_qb_max query vectors per block).
+# Each tensor-core instance (and each flash prefill instance) is also compiled with the window / softcap
+# code (EXT, names.decode_name / prefill_name).
 # Splits are multiples of ATTN_CHUNK_ALIGN keys.  All must match attention.cu.
 ATTN_TC_WARPS = 4
 ATTN_CHUNK_ALIGN = 64
@@ -91,6 +102,6 @@ def _gemv_block_rows(r: int, u: int) -> tuple[int, int]:
 
 
 def prefill_smem_bytes(hd: int) -> int:
-    """Dynamic shared memory of flash_prefill_kernel: 2 stages x (K, V) x PREFILL_BK x (hd + 8) bf16."""
-    return 2 * 2 * PREFILL_BK * (hd + 8) * 2
+    """Dynamic shared memory of flash_prefill_kernel: 2 stages x (K, V) x prefill_bk x (hd + 8) bf16."""
+    return 2 * 2 * prefill_bk(hd) * (hd + 8) * 2
 

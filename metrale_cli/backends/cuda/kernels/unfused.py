@@ -25,12 +25,16 @@ class UnfusedKernels:
         eps: float = 1e-6,
         *,
         attention_scaling: float = 1.0,
+        norm_offset: float = 0.0,
+        rotary_dim: int | None = None,
         stream: Any = None,
     ) -> None:
         """In place on x f32[M, n_heads, head_dim]: optional per-head RMSNorm with
-        norm_weight bf16[head_dim] (Qwen3 q_norm/k_norm), then HF rotate_half rotary embedding at
-        positions int32[M] with inv_freq f32[head_dim/2]; cos/sin are multiplied by
-        attention_scaling (1.0 for default and llama3 rope).  head_dim even, <= 256."""
+        norm_weight bf16[head_dim] (Qwen3 q_norm/k_norm; (norm_offset + w): Gemma 3's 1 + w), then HF
+        rotate_half rotary embedding at positions int32[M] with inv_freq f32[rotary_dim/2] over the first
+        rotary_dim dims (default head_dim; fewer: partial rotary, the rest pass through); cos/sin are
+        multiplied by attention_scaling (longrope's attention factor; 1.0 otherwise).  head_dim even,
+        <= 256; rotary_dim even, <= head_dim."""
         np = self._np
         self._f32(x, "x", 3)
         self._i32(positions, "positions", 1)
@@ -38,8 +42,9 @@ class UnfusedKernels:
         M, nh, hd = x.shape
         if hd % 2 or hd > 256 or hd == 0:
             raise ValueError(f"rope: head_dim = {hd} must be even and <= 256")
+        rd = self._rotary_dim(hd, rotary_dim)
         self._shape(positions, "positions", (M,))
-        self._shape(inv_freq, "inv_freq", (hd // 2,))
+        self._shape(inv_freq, "inv_freq", (rd // 2,))
         if norm_weight is not None:
             self._bf16(norm_weight, "norm_weight", 1)
             self._shape(norm_weight, "norm_weight", (hd,))
@@ -50,6 +55,7 @@ class UnfusedKernels:
             x, positions, inv_freq, self._dummy if norm_weight is None else norm_weight,
             np.int32(M), np.int32(nh), np.int32(hd), np.float32(eps),
             np.int32(0 if norm_weight is None else 1), np.float32(attention_scaling),
+            np.float32(norm_offset), np.int32(rd),
         )
         self._launch("rope_kernel", (_ceil_div(M * nh, warps),), (32 * warps,), args, stream)
 

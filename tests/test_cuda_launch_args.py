@@ -1,0 +1,186 @@
+"""Every launch wrapper of `Kernels` passes its kernel the arguments the .cu signature declares, on a
+machine without a GPU: the wrappers run against stand-in arrays (shape, dtype, pointer; no data), the
+launches are recorded instead of run, and each recorded argument tuple is checked against the kernel's
+parameter list parsed from its .cu file, one by one: a device array for a pointer, np.int32 for int,
+np.float32 for float, np.int64 for long long. A kernel parameter added in CUDA but not in Python (or
+the other way round, or in another order of types) fails here instead of on the GPU, where it would
+read garbage. It checks no numbers: tests/gpu does."""
+
+from __future__ import annotations
+
+import re
+from math import prod
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from metrale_cli.backends.cuda.kernels import names, nvrtc
+from metrale_cli.backends.cuda.kernels.launch import Kernels
+
+SIGNATURE = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)", re.S)
+
+
+def _param_kinds(params: str) -> list[str]:
+    kinds = []
+    for p in params.split(","):
+        p = p.strip()
+        if "*" in p:
+            kinds.append("ptr")
+        elif re.search(r"\blong long\b", p):
+            kinds.append("i64")
+        elif re.search(r"\bint\b", p):
+            kinds.append("i32")
+        elif re.search(r"\bfloat\b", p):
+            kinds.append("f32")
+        else:
+            raise AssertionError(f"parameter {p!r}: unknown kind")
+    return kinds
+
+
+def kernel_params() -> dict[str, list[str]]:
+    """Kernel (template) name -> the kinds of its parameters, from the kernel files NVRTC compiles."""
+    out = {}
+    for f in nvrtc._SOURCES:
+        for name, params in SIGNATURE.findall((nvrtc._CUDA_DIR / f).read_text()):
+            out[name] = _param_kinds(params)
+    return out
+
+
+class FakeArray:
+    """The surface of cupy.ndarray the wrappers read: shape, dtype, flags, device, pointer."""
+
+    _next = 1 << 20
+
+    def __init__(self, shape, dtype, ptr=None):
+        self.shape, self.dtype = tuple(int(s) for s in shape), np.dtype(dtype)
+        self.ndim, self.size = len(self.shape), prod(self.shape)
+        self.nbytes = self.size * self.dtype.itemsize
+        if ptr is None:
+            ptr = FakeArray._next
+            FakeArray._next += -(-max(self.nbytes, 1) // 4096) * 4096 + 4096  # disjoint, aligned
+        self.data = SimpleNamespace(ptr=ptr)
+        self.flags = SimpleNamespace(c_contiguous=True)
+        self.device = SimpleNamespace(id=0)
+
+    def reshape(self, *shape):
+        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        if shape == (-1,):
+            shape = (self.size,)
+        return FakeArray(shape, self.dtype, self.data.ptr)
+
+    def __getitem__(self, s):  # 1-D slices of the workspace
+        start, stop, _ = s.indices(self.shape[0])
+        return FakeArray((stop - start,), self.dtype, self.data.ptr + start * self.dtype.itemsize)
+
+
+class Recorder:
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
+
+    def __call__(self, grid, block, args, **kw):
+        self.calls.append((self.name, args))
+
+
+@pytest.fixture
+def kern():
+    """A real `Kernels` with no CUDA behind it: its launches are recorded in kern.calls."""
+    k = object.__new__(Kernels)
+    k._np = np
+    k._cp = SimpleNamespace(ndarray=FakeArray, float32=np.float32,
+                            empty=lambda n, dtype: FakeArray((n,), dtype))
+    k.device_id, k.num_sms, k._bf16_dtype = 0, 132, None
+    k._dummy = FakeArray((8,), np.uint16)
+    k._workspace, k.pdl, k._pdl_launcher = None, False, None
+    k.calls = []
+    every = names.name_expressions() + names.name_expressions(extra=True) + names.PLAIN_KERNELS
+    k._fn = {n: Recorder(n, k.calls) for n in every}
+    k._extra_names, k._extra_module = frozenset(), object()
+    return k
+
+
+def f32(*shape):
+    return FakeArray(shape, np.float32)
+
+
+def bf16(*shape):
+    return FakeArray(shape, np.uint16)
+
+
+def i32(*shape):
+    return FakeArray(shape, np.int32)
+
+
+KIND_OK = {"ptr": lambda a: isinstance(a, FakeArray), "i32": lambda a: type(a) is np.int32,
+           "f32": lambda a: type(a) is np.float32, "i64": lambda a: type(a) is np.int64}
+
+
+def check(kern, n_launches: int) -> None:
+    params = kernel_params()
+    assert len(kern.calls) == n_launches, [c[0] for c in kern.calls]
+    for name, args in kern.calls:
+        kinds = params[name.split("<")[0].strip()]
+        assert len(args) == len(kinds), f"{name}: {len(args)} arguments, the kernel takes {len(kinds)}"
+        for i, (a, kind) in enumerate(zip(args, kinds)):
+            assert KIND_OK[kind](a), f"{name}: argument {i} is {type(a).__name__}, the kernel takes {kind}"
+    kern.calls.clear()
+
+
+H, K, N, V = 64, 64, 40, 50
+
+
+def test_elementwise_and_norm_launches(kern):
+    kern.embedding(i32(3), bf16(V, H), f32(3, H), scale=8.0)
+    kern.embedding(i32(3), bf16(V, H), f32(3, H))
+    kern.f32_to_bf16(f32(3, H), bf16(3, H))
+    kern.bf16_to_f32(bf16(3, H), f32(3, H))
+    kern.softcap(f32(3, V), 30.0)
+    kern.swiglu(f32(3, 2 * N), f32(3, N), activation="gelu_tanh")
+    kern.swiglu(f32(3, 2 * N), f32(3, N))
+    kern.rmsnorm(f32(3, H), bf16(H), 1e-6, f32(3, H), f32(3, H), offset=1.0)
+    kern.rmsnorm_add(f32(3, H), bf16(H), 1e-6, f32(3, H), offset=1.0)
+    kern.argmax(f32(3, V), i32(3))
+    check(kern, 10)
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 16])
+def test_gemv_launches(kern, m):
+    kern.gemv(f32(m, K), bf16(N, K), f32(m, N), bf16(N), accumulate=True)
+    kern.gemv(f32(m, K), bf16(N, K), f32(m, N), norm_weight=bf16(K), norm_offset=1.0)
+    kern.gemv_swiglu(f32(m, K), bf16(2 * N, K), f32(m, N), norm_weight=bf16(K), activation="gelu_tanh")
+    kern.gemv_tc(f32(m, K), bf16(N, K), f32(m, N), bf16(N))
+    kern.gemv_tc(f32(m, K), bf16(2 * N, K), f32(m, N), swiglu=True, norm_weight=bf16(K), norm_offset=1.0,
+                 activation="gelu_tanh")
+    check(kern, 5)
+
+
+@pytest.mark.parametrize("rotary_dim", [None, 12])
+def test_rope_launches(kern, rotary_dim):
+    m, nh, nkv, hd, ctx = 3, 4, 2, 16, 32
+    rd = hd if rotary_dim is None else rotary_dim
+    kern.rope(f32(m, nh, hd), i32(m), f32(rd // 2), bf16(hd), rotary_dim=rotary_dim, norm_offset=1.0)
+    kern.rope_kv_append(f32(m, (nh + 2 * nkv) * hd), i32(m), f32(rd // 2), f32(m, nh, hd), bf16(nkv, ctx, hd),
+                        bf16(nkv, ctx, hd), bf16(hd), bf16(hd), attention_scaling=1.2, rotary_dim=rotary_dim)
+    kern.kv_append(f32(m, nkv, hd), f32(m, nkv, hd), bf16(nkv, ctx, hd), bf16(nkv, ctx, hd), i32(m))
+    check(kern, 3)
+
+
+@pytest.mark.parametrize("hd", [64, 96, 128, 256])
+@pytest.mark.parametrize("window,softcap", [(None, None), (24, None), (None, 50.0), (24, 50.0)])
+def test_attention_launches(kern, hd, window, softcap):
+    m, nh, nkv, ctx = 5, 8, 2, 256
+    kern.attention_decode(f32(m, nh, hd), bf16(nkv, ctx, hd), bf16(nkv, ctx, hd), i32(m), f32(m, nh, hd), 0.1,
+                          window=window, softcap=softcap)
+    ext = window is not None or softcap is not None
+    split = kern.calls[0][0]
+    assert split == names.decode_name(hd, split_qb(split), ext=ext)  # the EXT instance only when needed
+    kern.attention_prefill(f32(40, nh, hd), bf16(nkv, ctx, hd), bf16(nkv, ctx, hd), 7, 40, f32(40, nh, hd), 0.1,
+                           window=window, softcap=softcap)
+    assert kern.calls[2][0] == names.prefill_name(hd, ext=ext)
+    check(kern, 3)
+
+
+def split_qb(name: str) -> int:
+    """Query vectors per block of a decode split instance name (tensor-core: 8 x its NQ argument)."""
+    a = [int(x) for x in re.findall(r"\d+", name.split("<")[1].split(",", 2)[1])]
+    return a[0] * 8 if name.startswith("attn_decode_tc_kernel") else a[0]

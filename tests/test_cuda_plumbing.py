@@ -1,0 +1,348 @@
+"""The CUDA engine's Python side (backends/cuda/engine.py, passes.py) on the CPU, with its kernels replaced by
+NumPy implementations of their documented contracts (bf16 weights, KV cache and rounding included).
+
+This checks the orchestration the GPU tests also cover, where no GPU is: which kernel each op calls with
+which arguments (every call is bound against the real `Kernels` method's signature, so a wrong keyword
+fails here), the sandwich post-norm buffers, the window / softcap / rotary / norm-offset arguments, the
+final-logit softcap on every logits row, and longrope's factor switch with its cache recomputation,
+against the NumPy engine on the issue-13 fixtures. It does not test a single CUDA kernel: tests/gpu does.
+"""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from metrale_cli.checkpoint import Checkpoint
+from metrale_cli.config import load_config
+from metrale_cli.logits import bf16_bits, fp32_to_bf16
+
+kernels_mod = pytest.importorskip("metrale_cli.backends.cuda.kernels")
+from metrale_cli.backends.cuda import engine as cuda_engine  # noqa: E402
+
+FIXTURES = Path(__file__).parent / "fixtures" / "models"
+
+
+class Arr(np.ndarray):
+    """A NumPy array with the bits of the cupy.ndarray surface the engine uses."""
+
+    def get(self, stream=None):
+        return np.asarray(self).copy()
+
+    def set(self, value, stream=None):
+        self[...] = np.asarray(value).reshape(self.shape)
+
+
+def _wrap(a):
+    return np.asarray(a).view(Arr)
+
+
+class FakeStream:
+    ptr = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def synchronize(self):
+        pass
+
+
+def fake_cupy():
+    cuda = SimpleNamespace(
+        Stream=lambda non_blocking=True: FakeStream(),
+        alloc_pinned_memory=lambda n: bytearray(n),
+        Device=lambda *a: SimpleNamespace(synchronize=lambda: None),
+        memory=SimpleNamespace(OutOfMemoryError=MemoryError),
+        runtime=SimpleNamespace(memGetInfo=lambda: (0, 0)),
+    )
+    wrap = lambda f: (lambda *a, **k: _wrap(f(*a, **k)))  # noqa: E731
+    return SimpleNamespace(
+        cuda=cuda, float32=np.float32, uint16=np.uint16, int32=np.int32,
+        zeros=wrap(np.zeros), empty=wrap(np.zeros), empty_like=wrap(np.zeros_like), full=wrap(np.full),
+        asarray=wrap(np.asarray), concatenate=wrap(np.concatenate), arange=wrap(np.arange),
+        ascontiguousarray=wrap(np.ascontiguousarray),
+    )
+
+
+def f32(bits):
+    return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def bf16(x):
+    return bf16_bits(fp32_to_bf16(np.asarray(x, np.float32)))
+
+
+ACT = {"silu": lambda g: g / (1 + np.exp(-g)),
+       "gelu_tanh": lambda g: 0.5 * g * (1 + np.tanh(np.float32(np.sqrt(2 / np.pi)) * (g + 0.044715 * g ** 3)))}
+
+
+class FakeKernels:
+    """Each method: the real Kernels method's signature (bound, so an unknown keyword fails), then its
+    documented result in NumPy."""
+
+    pdl_supported = False
+
+    def __init__(self):
+        self._cp = fake_cupy()
+        self.pdl = False
+        self.calls: list[str] = []
+
+    def __getattribute__(self, name):
+        real = getattr(kernels_mod.Kernels, name, None)
+        attr = object.__getattribute__(self, name)
+        if callable(real) and not name.startswith("_") and callable(attr):
+            sig = inspect.signature(real)
+            bound_self = () if isinstance(inspect.getattr_static(kernels_mod.Kernels, name), staticmethod) else (None,)
+
+            def checked(*args, **kwargs):
+                sig.bind(*bound_self, *args, **kwargs)
+                object.__getattribute__(self, "calls").append(name)
+                return attr(*args, **kwargs)
+            return checked
+        return attr
+
+    def decode_splits(self, max_ctx, n_kv, n_rows=1, n_heads=None):
+        return 1
+
+    @staticmethod
+    def decode_workspace_size(n_rows, n_heads, head_dim, n_splits):
+        return 1
+
+    def embedding(self, ids, table, out, *, scale=None, stream=None):
+        rows = f32(table[np.asarray(ids)])
+        out[...] = rows if scale is None else rows * np.float32(scale)
+
+    def f32_to_bf16(self, x, out, *, stream=None):
+        out[...] = bf16(x)
+
+    def bf16_to_f32(self, x, out, *, stream=None):
+        out[...] = f32(x)
+
+    def _normed(self, x, norm_weight, eps, offset):
+        if norm_weight is None:
+            return np.asarray(x, np.float32)
+        x = np.asarray(x, np.float32)
+        inv = 1 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps))
+        return (f32(norm_weight) + np.float32(offset)) * (x * inv)
+
+    def _gemv(self, x, w, out, bias, accumulate, swiglu, norm_weight, eps, norm_offset, activation):
+        y = self._normed(x, norm_weight, eps, norm_offset) @ f32(w).T
+        if bias is not None:
+            y = y + f32(bias)
+        if swiglu:
+            n = y.shape[1] // 2
+            y = ACT[activation](y[:, :n]) * y[:, n:]
+        out[...] = (out + y) if accumulate else y
+
+    def gemv(self, x, w, out, bias=None, *, accumulate=False, config=None, norm_weight=None, eps=1e-6,
+             norm_offset=0.0, stream=None):
+        self._gemv(x, w, out, bias, accumulate, False, norm_weight, eps, norm_offset, "silu")
+
+    def gemv_swiglu(self, x, w_gate_up, out, *, config=None, norm_weight=None, eps=1e-6, norm_offset=0.0,
+                    activation="silu", stream=None):
+        self._gemv(x, w_gate_up, out, None, False, True, norm_weight, eps, norm_offset, activation)
+
+    def gemv_tc(self, x, w, out, bias=None, *, accumulate=False, swiglu=False, norm_weight=None, eps=1e-6,
+                config=None, norm_offset=0.0, activation="silu", stream=None):
+        self._gemv(x, w, out, bias, accumulate, swiglu, norm_weight, eps, norm_offset, activation)
+
+    def rmsnorm(self, x, weight, eps, out, residual=None, *, offset=0.0, stream=None):
+        if residual is not None:
+            residual += x
+            x = residual
+        out[...] = self._normed(x, weight, eps, offset)
+
+    def rmsnorm_add(self, x, weight, eps, residual, *, offset=0.0, stream=None):
+        residual += self._normed(x, weight, eps, offset)
+
+    def softcap(self, x, cap, *, stream=None):
+        x[...] = np.tanh(x / np.float32(cap)) * np.float32(cap)
+
+    def swiglu(self, gate_up, out, *, activation="silu", stream=None):
+        n = gate_up.shape[1] // 2
+        out[...] = ACT[activation](gate_up[:, :n]) * gate_up[:, n:]
+
+    def rope_kv_append(self, qkv, positions, inv_freq, q_out, k_cache, v_cache, q_norm=None, k_norm=None,
+                       eps=1e-6, *, attention_scaling=1.0, norm_offset=0.0, rotary_dim=None, stream=None):
+        M, nh, d = q_out.shape
+        nkv = k_cache.shape[0]
+        rd = d if rotary_dim is None else rotary_dim
+        x = np.asarray(qkv, np.float32).reshape(M, nh + 2 * nkv, d)
+        q, k, v = x[:, :nh].copy(), x[:, nh:nh + nkv].copy(), x[:, nh + nkv:]
+        if q_norm is not None:
+            q, k = self._normed(q, q_norm, eps, norm_offset), self._normed(k, k_norm, eps, norm_offset)
+        ang = np.asarray(positions, np.float32)[:, None] * np.asarray(inv_freq)[None, :]
+        c = (np.cos(ang) * np.float32(attention_scaling))[:, None, :]
+        s = (np.sin(ang) * np.float32(attention_scaling))[:, None, :]
+
+        def rot(t):
+            a, b = t[..., :rd // 2], t[..., rd // 2:rd]
+            return np.concatenate([a * c - b * s, b * c + a * s, t[..., rd:]], axis=-1)
+
+        q_out[...] = rot(q)
+        for m, p in enumerate(np.asarray(positions)):
+            k_cache[:, p] = bf16(rot(k)[m])
+            v_cache[:, p] = bf16(v[m])
+
+    def _attend(self, q, k_cache, v_cache, positions, scale, window, softcap):
+        M, nh, d = q.shape
+        nkv = k_cache.shape[0]
+        out = np.zeros((M, nh, d), np.float32)
+        for m, p in enumerate(np.asarray(positions)):
+            lo = 0 if window is None else max(0, p - window + 1)
+            K, V = f32(k_cache[:, lo:p + 1]), f32(v_cache[:, lo:p + 1])
+            qq = q[m].reshape(nkv, nh // nkv, d)
+            sc = np.einsum("kgd,kld->kgl", qq, K) * np.float32(scale)
+            if softcap is not None:
+                sc = np.tanh(sc / np.float32(softcap)) * np.float32(softcap)
+            e = np.exp(sc - sc.max(axis=-1, keepdims=True))
+            out[m] = (np.einsum("kgl,kld->kgd", e, V) / e.sum(axis=-1, keepdims=True)).reshape(nh, d)
+        return out
+
+    def attention_decode(self, q, k_cache, v_cache, positions, out, scale, *, n_splits=None, workspace=None,
+                         window=None, softcap=None, stream=None):
+        out[...] = self._attend(q, k_cache, v_cache, positions, scale, window, softcap)
+
+    def attention_prefill(self, q, k_cache, v_cache, start_pos, T, out, scale, *, block_q=None, window=None,
+                          softcap=None, stream=None):
+        out[:T] = self._attend(q[:T], k_cache, v_cache, start_pos + np.arange(T), scale, window, softcap)
+
+    def argmax(self, rows, out, *, stream=None):
+        r = f32(rows) if rows.dtype == np.uint16 else np.asarray(rows)
+        out[...] = np.argmax(r, axis=-1)
+
+
+def _fake_gemm(self, x, w, bias=None, accumulate_into=None):
+    y = f32(bf16(x)) @ f32(w).T  # bf16 operands, fp32 accumulation, as the cuBLAS call
+    if bias is not None:
+        y = y + f32(bias)
+    if accumulate_into is None:
+        return _wrap(y.astype(np.float32))
+    accumulate_into += y
+    return accumulate_into
+
+
+@contextmanager
+def fake_engine(name: str, ctx: int = 64):
+    cfg = load_config(FIXTURES / name)
+    ckpt = Checkpoint.open(FIXTURES / name)
+    kern = FakeKernels()
+    orig = cuda_engine.CudaEngine._gemm
+    cuda_engine.CudaEngine._gemm = _fake_gemm
+    try:
+        weights = cuda_engine.upload_weights(cfg, ckpt, kern)
+        yield cuda_engine.CudaEngine(cfg, weights, kern, ctx, fp32_logits=True, use_graphs=False)
+    finally:
+        cuda_engine.CudaEngine._gemm = orig
+        ckpt.close()
+
+
+def cpu_engine(name: str, ctx: int = 64):
+    """The NumPy engine on the same bf16-rounded weights the CUDA engine holds (the remaining differences
+    are the bf16 KV cache and the prefill GEMMs' bf16 activations)."""
+    from metrale_cli.backends.numpy.engine import NumpyEngine, read_weights
+
+    cfg = load_config(FIXTURES / name)
+    w = read_weights(cfg, Checkpoint.open(FIXTURES / name))
+    r = lambda a: f32(bf16(a))  # noqa: E731
+    w.embed, w.final_norm, w.lm_head = r(w.embed), r(w.final_norm), r(w.lm_head)
+    w.layers = [{k: r(v) for k, v in lw.items()} for lw in w.layers]
+    return NumpyEngine(cfg, w, ctx, fp32_logits=True)
+
+
+def rows(e, ptr, n):
+    out = []
+    for i in range(n):
+        buf = bytearray(e.row_nbytes(ptr.row_ptr(i)))
+        e.copy_logits_to_host(ptr.row_ptr(i), buf)
+        out.append(np.frombuffer(buf, np.float32))
+    return np.stack(out)
+
+
+def rel(a, b):
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+
+
+MODELS = ["gemma2", "gemma3_text", "gemma3_mm", "phi3", "phi3_longrope", "phi4_mini", "mistral_window", "qwen3_window"]
+
+
+TOL = 3e-2  # bf16 KV cache and GEMM activations; a wrong argument shows as an error of 0.1 and more
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("plen", [12, 20])  # the rows path (<= 16 rows) and the prefill path
+def test_prefill_and_decode_rows_match_the_numpy_engine(name, plen):
+    rng = np.random.default_rng()
+    prompt = [int(t) for t in rng.integers(0, 300, plen)]
+    steps = [int(t) for t in rng.integers(0, 300, 24)]  # the same tokens fed to both: rows comparable
+    cpu = cpu_engine(name)
+    with fake_engine(name) as gpu:
+        assert gpu.prefill(prompt, all_logits=True) == cpu.prefill(prompt, all_logits=True) == plen
+        err = rel(rows(gpu, gpu.logits_buffer_ptr(), plen), rows(cpu, cpu.logits_buffer_ptr(), plen))
+        a, b = [], []
+        for t in steps:
+            cpu.decode(t)
+            gpu.decode(t)
+            a.append(rows(cpu, cpu.decode_logits_ptr(), 1)[0])
+            b.append(rows(gpu, gpu.decode_logits_ptr(), 1)[0])
+        derr = rel(np.stack(b), np.stack(a))
+        print(f"{name} T={plen}: prefill rel err {err:.2e}, decode rows {derr:.2e}")
+        assert err < TOL and derr < TOL
+        calls = set(gpu.kern.calls)
+    if cpu.cfg.definition.final_logit_softcap is not None:
+        assert "softcap" in calls
+    if "attn_out_norm" in cpu.cfg.definition.layers[0].keys():
+        assert "rmsnorm_add" in calls
+
+
+@pytest.mark.parametrize("name", ["gemma2", "phi3", "phi4_mini"])
+def test_verify_equals_decode_and_trim(name):
+    rng = np.random.default_rng()
+    prompt = [int(t) for t in rng.integers(0, 300, 12)]
+    drafts = [int(t) for t in rng.integers(0, 300, 6)]
+    with fake_engine(name) as gpu:
+        gpu.prefill(prompt)
+        seq = []
+        for t in drafts:
+            gpu.decode(t)
+            seq.append(rows(gpu, gpu.decode_logits_ptr(), 1)[0])
+        gpu.reset()
+        gpu.prefill(prompt)
+        gpu.verify(drafts)
+        assert rel(rows(gpu, gpu.logits_buffer_ptr(), 6), np.stack(seq)) < 1e-3  # BLAS rounding by row count
+        gpu.trim(14)
+        gpu.decode(3)
+        after = rows(gpu, gpu.decode_logits_ptr(), 1)
+    with fake_engine(name) as fresh:
+        fresh.prefill(prompt + drafts[:2])
+        fresh.decode(3)
+        assert rel(after, rows(fresh, fresh.decode_logits_ptr(), 1)) < 1e-3
+
+
+def test_longrope_switch_recomputes_the_cache():
+    rng = np.random.default_rng()
+    prompt = [int(t) for t in rng.integers(0, 300, 12)]  # phi3_longrope switches at position 16
+    drafts = [int(t) for t in rng.integers(0, 300, 8)]
+    cpu = cpu_engine("phi3_longrope")
+    cpu.prefill(prompt)
+    cpu.verify(drafts)
+    with fake_engine("phi3_longrope") as gpu:
+        gpu.prefill(prompt)
+        assert not gpu._cache_long
+        gpu.verify(drafts)  # straddles the switch: the prefix recomputed with the long factors
+        assert gpu._cache_long
+        assert rel(rows(gpu, gpu.logits_buffer_ptr(), 8), rows(cpu, cpu.logits_buffer_ptr(), 8)) < TOL
+        gpu.trim(14)
+        gpu.decode(5)
+        assert not gpu._cache_long
+        cpu.trim(14)
+        cpu.decode(5)
+        assert rel(rows(gpu, gpu.decode_logits_ptr(), 1), rows(cpu, cpu.decode_logits_ptr(), 1)) < TOL
