@@ -71,20 +71,27 @@ class LoadSpec:
 
 
 def check_devices(device: str, n: int) -> None:
-    """Refuse what cannot start before any process does: too few GPUs, no NCCL."""
+    """Refuse what cannot start before any process does: too few GPUs, no CuPy or NCCL."""
     if device != "cuda":
         return
+    count, problem = gpu_status()
+    if problem is not None:
+        raise DeviceError(problem)
+    if n > count:
+        raise DeviceError(f"--tp {n} needs {n} CUDA devices, {count} visible")
+
+
+def gpu_status() -> tuple[int, str | None]:
+    """(CUDA devices visible, why --tp cannot use them or None)."""
     try:
         import cupy
         from cupy.cuda import nccl
     except Exception as e:
-        raise DeviceError(f"--tp with --device cuda needs CuPy with NCCL ({type(e).__name__}: {e})") from None
+        return 0, f"--tp with --device cuda needs CuPy with NCCL ({type(e).__name__}: {e})"
     if not getattr(nccl, "available", True):
-        raise DeviceError("--tp with --device cuda needs NCCL: CuPy finds no libnccl (pip install nvidia-nccl-cu12 "
-                          "or nvidia-nccl-cu13, matching CuPy's CUDA)")
-    count = cupy.cuda.runtime.getDeviceCount()
-    if n > count:
-        raise DeviceError(f"--tp {n} needs {n} CUDA devices, {count} visible")
+        return 0, ("--tp with --device cuda needs NCCL, which CuPy does not find: pip install nvidia-nccl-cu12 "
+                   "(or -cu13, matching CuPy's CUDA)")
+    return cupy.cuda.runtime.getDeviceCount(), None
 
 
 def start(cfg, spec: LoadSpec, n: int, *, source=None, progress: Callable[[int], None] | None = None) -> TensorParallelEngine:
