@@ -7,8 +7,10 @@
 - Several GPUs: `--tp 2/4/8` equals `--tp 1`: the same greedy tokens (teacher-forced, so one near-tie
   does not derail the rest; a differing token is allowed only below the bf16 resolution of its margin)
   and logits within the bf16 tolerance. Skipped, with the reason, when fewer GPUs are visible.
-The checkpoint: 8 query heads and 2 KV heads (tp 4 and 8 replicate KV heads), a vocabulary of 1003 (the
-ranks' ranges are uneven), head_dim 64.
+The main checkpoint: 8 query heads and 2 KV heads (tp 4 and 8 replicate KV heads), a vocabulary of 1003
+(the ranks' ranges are uneven), head_dim 64; beside it, families whose features cross the TP hooks:
+gemma2 (sandwich norms: o/down into h, all-reduced, then the post-norm; embedding scale; softcaps; tied
+embeddings; sliding windows), qwen2 (q/k/v bias, column-parallel) and a phi4-mini-like longrope model.
 """
 
 from __future__ import annotations
@@ -30,18 +32,45 @@ pytestmark = pytest.mark.gpu
 CONFIG = dict(model_type="mistral", vocab_size=1003, hidden_size=256, intermediate_size=1024, num_hidden_layers=3,
               num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
               rms_norm_eps=1e-5, rope_theta=10000.0, dtype="bfloat16", sliding_window=None)
+BASE = dict(vocab_size=1003, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+            max_position_embeddings=512, rms_norm_eps=1e-5, dtype="bfloat16")
+S, F = "sliding_attention", "full_attention"
+FAMILIES = {
+    "gemma2": dict(model_type="gemma2", num_attention_heads=4, num_key_value_heads=2, head_dim=256,
+                   query_pre_attn_scalar=192, sliding_window=24, layer_types=[S, F, S],
+                   attn_logit_softcapping=8.0, final_logit_softcapping=12.0, tie_word_embeddings=True),
+    "qwen2": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2),
+    "phi4_mini_like": dict(model_type="phi3", num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+                           partial_rotary_factor=0.75, original_max_position_embeddings=50,
+                           rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(48)],
+                                         "long_factor": [2.0 + 0.1 * i for i in range(48)]}),
+}
 TOL = 2e-2
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    cfg = parse_config(CONFIG)
-    src = RandomTensors(cfg, seed=int(np.random.default_rng().integers(2**31)))
-    d = tmp_path_factory.mktemp("tp_ckpt")
+def _write(root, name: str, raw: dict, seed: int):
+    src = RandomTensors(parse_config(raw), seed=seed)
+    d = root / name
+    d.mkdir()
     save_file({n: np.asarray(src.array(n), np.float32).astype(ml_dtypes.bfloat16) for n in src.tensor_names()},
               str(d / "model.safetensors"))
-    (d / "config.json").write_text(json.dumps(CONFIG))
+    (d / "config.json").write_text(json.dumps(raw))
     return d
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    seed = int(np.random.default_rng().integers(2**31))
+    root = tmp_path_factory.mktemp("tp_ckpt")
+    out = {"mistral": _write(root, "mistral", CONFIG, seed)}
+    out.update({name: _write(root, name, {**BASE, **extra}, seed) for name, extra in FAMILIES.items()})
+    print(f"tp checkpoints drawn with seed {seed}")
+    return out
+
+
+@pytest.fixture
+def ckpt(ckpts):
+    return ckpts["mistral"]
 
 
 def _gpus(cp, n: int) -> None:
@@ -87,7 +116,9 @@ def _prompts(rng):
     return [int(t) for t in rng.integers(0, 1003, 7)], [int(t) for t in rng.integers(0, 1003, 40)]
 
 
-def test_tp_1_through_nccl_equals_the_plain_engine_bit_for_bit(cp, ckpt, rng):
+@pytest.mark.parametrize("name", ["mistral", *FAMILIES])
+def test_tp_1_through_nccl_equals_the_plain_engine_bit_for_bit(cp, ckpts, name, rng):
+    ckpt = ckpts[name]
     prompt, long_prompt = _prompts(rng)
     plain = open_model(ckpt, device="cuda", max_context=96)
     tp = open_model(ckpt, device="cuda", max_context=96, tp=1)
@@ -137,9 +168,10 @@ def test_graph_replay_equals_eager_on_the_tp_path(cp, ckpt, rng):
         tp.close()
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
-def test_tp_n_equals_tp_1(cp, ckpt, rng, n):
+@pytest.mark.parametrize("name,n", [("mistral", 2), ("mistral", 4), ("mistral", 8), ("gemma2", 2), ("qwen2", 4)])
+def test_tp_n_equals_tp_1(cp, ckpts, rng, name, n):
     _gpus(cp, n)
+    ckpt = ckpts[name]
     prompt, long_prompt = _prompts(rng)
     one = open_model(ckpt, device="cuda", max_context=96, fp32_logits=True, tp=1)
     many = open_model(ckpt, device="cuda", max_context=96, fp32_logits=True, tp=n)
