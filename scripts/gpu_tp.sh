@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 17 (tensor parallelism) on the GPU machine, from the source tree (nothing installed):
-#   bash scripts/gpu_tp.sh [OUTDIR]          (OUTDIR defaults to $OUT, else /tmp/metrale-gpu-tp)
+#   bash scripts/gpu_tp.sh [OUTDIR]          (OUTDIR defaults to $OUT, else /tmp/metrale-gpu-tp; at most
+#   240 + 120 + 2 x 100 s on one GPU, more benches where more GPUs are visible)
 # 1. the TP tests (tests/gpu/test_tp_cuda.py): --tp 1 through a one-rank NCCL communicator equals the plain
 #    engine bit for bit, graph replay equals eager on the TP path, --tp 2/4/8 equals --tp 1 (skipped, with
 #    the reason, when fewer GPUs are visible); then the plain engine's GPU tests that the TP hooks touch
@@ -16,11 +17,11 @@ python3 -c "import cupy; from cupy.cuda import nccl; print('cupy', cupy.__versio
 'gpus', cupy.cuda.runtime.getDeviceCount())" 2>&1 | tee -a "$out/gpu.txt"
 timeout 240 python3 -m pytest tests/gpu/test_tp_cuda.py -q -p no:cacheprovider -rs -s 2>&1 | tee "$out/tp_tests.log" \
   | grep -E "rel err|SKIPPED|FAILED|passed|failed|error" | tail -30
-timeout 200 python3 -m pytest tests/gpu/test_cuda_engine.py tests/gpu/test_cli_cuda.py -q -p no:cacheprovider -x 2>&1 \
+timeout 120 python3 -m pytest tests/gpu/test_cuda_engine.py tests/gpu/test_cli_cuda.py -q -p no:cacheprovider -x 2>&1 \
   | tee "$out/regression_tests.log" | tail -3
 bench() {  # name, then extra bench options
   local name=$1; shift
-  timeout 150 python3 -m metrale_cli bench --device cuda --preset llama-3.1-8b --context 1024 --repeats 30 \
+  timeout 100 python3 -m metrale_cli bench --device cuda --preset llama-3.1-8b --context 1024 --repeats 30 \
     --no-transformers --format plain --json "$out/bench-8b-1024-$name.json" "$@" > "$out/bench-8b-1024-$name.txt" 2>&1
   echo "bench $name: exit $?"
 }
