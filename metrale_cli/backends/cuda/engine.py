@@ -23,13 +23,14 @@ rewritten (and the cache recomputed) when a call switches sets, so the captured 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from ...config import ModelConfig
-from ...errors import DeviceError, NonFiniteLogitsError
+from ...errors import DeviceError, NonFiniteLogitsError, UsageError
 from ...engine_base import EngineBase, check_context
 from ...logits import DevicePtr
 from ...engine.longrope import has_longrope, long_factors
@@ -38,7 +39,15 @@ from ...models.spec import ModelDefinition, MoeSpec
 from ...models.weights import WeightSource, Weights, check_checkpoint, load_weights
 from .kernels import GEMV_TC_MIN_ROWS
 from .moe_passes import MoeState
-from .passes import PrefillPass, RowsPass
+from .passes import FusedRowsPass, PrefillPass, RowsPass, fused_plan
+
+# The rows-path variants (`CudaEngine.set_path`, `load_cuda_engine(path=)`, METRALE_CUDA_PATH, `metrale bench
+# --path`): "rows" = RowsPass, 7 launches per dense layer (the default until the fused path is measured
+# faster on the H200); "fused" = FusedRowsPass, 5 (rope + KV append in the qkv GEMV epilogue, the attention
+# combine in the split kernel's last block).  Both give the same logits (tests/gpu/test_fused_path.py).
+ROWS_PATHS = ("rows", "fused")
+DEFAULT_PATH = "rows"
+PATH_ENV = "METRALE_CUDA_PATH"
 
 MAX_ROWS = 16  # rows the GEMV path takes (decode, verify k <= 15 plus one, short prefills)
 PREFILL_CHUNK = 2048  # tokens per eager prefill chunk (bounds the activation buffers)
@@ -158,6 +167,10 @@ class CudaEngine(EngineBase):
         # Rows-path projections (GEMV_TC_MIN_ROWS): "auto" = the fp32-FMA GEMV (gemv.cu) below that many
         # rows, the tensor-core GEMV (gemv_tc.cu) from there on; "simt" / "tc" force one of them.
         self.gemv_impl = "auto"
+        # Rows-path variant (ROWS_PATHS): set_path.  The fused path's last-block counters are allocated
+        # when it is first taken.
+        self.path = DEFAULT_PATH
+        self._qkv_counters = self._attn_counters = None
         self._long_logits = None  # [rows, V] for long prefills, grown on demand
         self._decode_amax_fresh = False
         # longrope (engine/longrope.py): the cached tokens, to recompute the cache when a call switches
@@ -171,6 +184,44 @@ class CudaEngine(EngineBase):
         self.synchronize()
         self.use_pdl = bool(enabled) and bool(getattr(self.kern, "pdl_supported", False))
         self._graphs.clear()
+
+    def set_path(self, path: str) -> None:
+        """Take the rows-path variant `path` (ROWS_PATHS) for decode / verify / short prefills from the next
+        call on (recaptures the graphs; the KV cache and length are kept).  "fused" compiles its kernel module
+        (kernels.names.fused_name_expressions) and allocates its last-block counters the first time."""
+        path = check_path(path)
+        self.synchronize()
+        if path == "fused" and self._qkv_counters is None:
+            cp, cfg = self.cp, self.cfg
+            try:
+                self.kern.load_fused()
+            except Exception as e:
+                raise DeviceError(f"cannot compile the fused rows-path kernels ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else ''})") from None
+            slots = max(a.num_heads + 2 * a.num_kv_heads for a in (layer.attention for layer in cfg.definition.layers))
+            heads = max(layer.attention.num_heads for layer in cfg.definition.layers)
+            self._qkv_counters = cp.zeros((slots,), cp.int32)
+            self._attn_counters = cp.zeros((MAX_ROWS * heads,), cp.int32)
+            cp.cuda.Device().synchronize()  # the zero fills ran on the legacy stream
+        self.path = path
+        self._graphs.clear()
+
+    def fused_plan(self, m: int = 1) -> dict[str, str | None]:
+        """What the fused path fuses for m rows ({op: None or why not}; passes.fused_plan)."""
+        return fused_plan(self, m)
+
+    def check_fused(self) -> None:
+        """On the fused path: raise DeviceError unless every last-block counter is back at zero (a launch
+        whose block count went wrong leaves one non-zero, and its outputs unwritten).  Synchronises.  The
+        engine checks after the eager warm-up of every graph it captures; tests and bench after their runs."""
+        if self.path != "fused" or self._qkv_counters is None:
+            return
+        self.synchronize()
+        try:
+            self.kern.check_counters(self._qkv_counters, "fused qkv + rope GEMV")
+            self.kern.check_counters(self._attn_counters, "fused attention")
+        except RuntimeError as e:
+            raise DeviceError(f"the fused rows path went wrong: {e}") from None
 
     # -- passes --------------------------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -262,6 +313,7 @@ class CudaEngine(EngineBase):
         with self.stream:
             self._rows_body(m, kind)  # warm-up: compiles, allocates workspaces outside the capture
         self.stream.synchronize()
+        self.check_fused()
         self.stream.begin_capture()
         try:
             with self.stream:
@@ -282,7 +334,8 @@ class CudaEngine(EngineBase):
         """The whole forward of m rows at positions io[1, :m] (engine/loop.py over RowsPass); every launch
         is capturable. Then lm_head into the decode or rows logits buffer."""
         cfg, k, w, s = self.cfg, self.kern, self.w, self.stream
-        h = decoder_forward(RowsPass(self, m, tap), cfg.definition, w)
+        rows_pass = FusedRowsPass if self.path == "fused" else RowsPass
+        h = decoder_forward(rows_pass(self, m, tap), cfg.definition, w)
         self._hidden[0] = h[m - 1]
         out = self._decode_logits if kind == "decode" else self._rows_logits[:m]
         if self._fp32_logits:
@@ -436,9 +489,26 @@ def unsupported_features(definition: ModelDefinition) -> list[str]:
     return list(dict.fromkeys(found))
 
 
+def check_path(path: str) -> str:
+    """A rows-path name (ROWS_PATHS), or UsageError naming the valid ones."""
+    name = str(path).strip().lower()
+    if name not in ROWS_PATHS:
+        raise UsageError(f"unknown CUDA engine path '{path}' (choose from {', '.join(ROWS_PATHS)})")
+    return name
+
+
+def default_path() -> str:
+    """The rows path an engine starts on: $METRALE_CUDA_PATH when set (checked), else DEFAULT_PATH."""
+    value = os.environ.get(PATH_ENV, "").strip()
+    return check_path(value) if value else DEFAULT_PATH
+
+
 def load_cuda_engine(cfg: ModelConfig, source, max_context: int, fp32_logits: bool = False,
-                     progress: Callable[[int], None] | None = None, use_graphs: bool = True) -> CudaEngine:
-    """Check the tensors, upload them once, and build the engine (CuPy is imported here, not before)."""
+                     progress: Callable[[int], None] | None = None, use_graphs: bool = True,
+                     path: str | None = None) -> CudaEngine:
+    """Check the tensors, upload them once, and build the engine (CuPy is imported here, not before).
+    `path`: the rows-path variant (ROWS_PATHS; None: default_path(), i.e. $METRALE_CUDA_PATH or "rows")."""
+    path = check_path(path) if path is not None else default_path()
     check_context(cfg, max_context)
     missing = unsupported_features(cfg.definition)
     if missing:
@@ -470,7 +540,10 @@ def load_cuda_engine(cfg: ModelConfig, source, max_context: int, fp32_logits: bo
     except Exception as e:
         raise DeviceError(f"cannot compile the CUDA kernels ({type(e).__name__}: {str(e).splitlines()[0]})") from None
     weights = upload_weights(cfg, source, kern, progress)
-    return CudaEngine(cfg, weights, kern, max_context, fp32_logits, use_graphs)
+    engine = CudaEngine(cfg, weights, kern, max_context, fp32_logits, use_graphs)
+    if path != DEFAULT_PATH:
+        engine.set_path(path)
+    return engine
 
 
-__all__ = ["CudaEngine", "load_cuda_engine", "upload_weights", "NonFiniteLogitsError"]
+__all__ = ["CudaEngine", "load_cuda_engine", "upload_weights", "NonFiniteLogitsError", "ROWS_PATHS", "check_path"]
