@@ -955,6 +955,11 @@ def bench(
                                   "when transformers is installed).")] = False,
     json_path: Annotated[Optional[str], typer.Option("--json", metavar="PATH",
                                                      help="Also write the results as JSON (atomically).")] = None,
+    paths: Annotated[Optional[str], typer.Option(
+        "--path", metavar="NAME,NAME,...",
+        help="CUDA rows-path variants to time side by side in this run: rows (today's kernels), fused (rope + KV "
+             "append in the qkv GEMV, attention with its combine). The figures above the table are taken on the "
+             "first.", show_default=False)] = None,
     fmt: FormatOpt = None,
 ) -> None:
     """Measure decode, verify and prefill speed against the hardware's own limits, in one run.
@@ -967,6 +972,7 @@ def bench(
     Examples:
       metrale bench --device cpu --preset tiny-llama --context 256 --prefill 256
       metrale bench --device cuda --context 8192 --json bench-8k.json
+      metrale bench --device cuda --path rows,fused --no-transformers
     """
     from . import bench as bench_mod
 
@@ -981,10 +987,15 @@ def bench(
         check_positive(value, name)
     if any(k < 1 for k in k_list):
         raise UsageError(f"--ks values must be at least 1, got '{ks}'")
+    path_list = tuple(p for p in (paths or "").replace(",", " ").split())
+    if paths is not None and not path_list:
+        raise UsageError("--path needs at least one name (rows, fused)")
     chosen = resolve_device(device)
+    path_list = bench_mod.check_paths(path_list, chosen)
     result = bench_mod.run_bench(preset or ("llama-3.1-8b" if chosen == "cuda" else "tiny-llama"), device=chosen,
                                  context=context, ks=k_list, prefill_tokens=prefill, repeats=repeats,
-                                 with_transformers=not no_transformers, progress=lambda m: render.note(state.err, m))
+                                 with_transformers=not no_transformers, progress=lambda m: render.note(state.err, m),
+                                 paths=path_list)
     render.render_bench(state.out, fmt_, result)
     if target is not None:
         commit([(target.path, [json.dumps(result.to_json(), indent=2).encode() + b"\n"])])
