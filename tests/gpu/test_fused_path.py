@@ -326,7 +326,7 @@ def test_fused_long_context_crosses_many_splits(cp, checkpoints, name, rng):
     path = checkpoints[name]
     fused, plain = gpu_engine(path, 4096), gpu_engine(path, 4096, fused=False)
     cpu = open_model(path, device="cpu", max_context=4096, fp32_logits=True).engine
-    assert fused.kern.decode_splits(4096, 2, 1, 4) == 64
+    assert fused.kern.decode_splits(4096, 2, 1, 4) >= 48  # 64 on 132 SMs
     prompt = [int(t) for t in rng.integers(0, fused.vocab_size(), 3000)]
     steps = [int(t) for t in rng.integers(0, fused.vocab_size(), 6)]
     out = {}
