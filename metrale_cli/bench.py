@@ -219,7 +219,13 @@ def kv_bytes_read(cfg: ModelConfig, context: int, elem: int) -> int:
                for layer in cfg.definition.layers)
 
 
-def build_engine(cfg: ModelConfig, device: str, context: int):
+def build_engine(cfg: ModelConfig, device: str, context: int, tp: int | None = None):
+    """The engine of the bench's random weights; with `tp`, rank 0's engine of that many ranks, each of
+    which draws the same weights (by name and seed) and keeps its shard."""
+    if tp is not None:
+        from .parallel.launcher import LoadSpec, start
+
+        return start(cfg, LoadSpec(device, context, False, config=cfg, seed=0), tp)
     source = RandomTensors(cfg, seed=0)
     if device == "cuda":
         from .backends.cuda.engine import load_cuda_engine
@@ -242,19 +248,40 @@ def check_paths(paths: tuple[str, ...] | None, device: str) -> tuple[str, ...] |
 
 def run_bench(preset: str, *, device: str = "cpu", context: int = 1024, ks: tuple[int, ...] = (1, 2, 4, 8),
               prefill_tokens: int = 2048, repeats: int = 50, transformers_steps: int = 20,
-              with_transformers: bool = True, progress=None, paths: tuple[str, ...] | None = None) -> BenchResult:
+              with_transformers: bool = True, progress=None, tp: int | None = None,
+              paths: tuple[str, ...] | None = None) -> BenchResult:
     paths = check_paths(paths, device)
+    if paths and tp is not None:
+        raise UsageError("--path times the single-GPU engine's rows paths: it does not take --tp")
     path = preset_path(preset)
     cfg = load_config(path)
     say = progress or (lambda msg: None)
     max_k = max(ks) if ks else 1
     ctx_alloc = max(context + max_k + 1, prefill_tokens)
-    say(f"building {path.stem} with random weights on {device}")
-    eng = build_engine(cfg, device, ctx_alloc)
+    say(f"building {path.stem} with random weights on {device}" + (f", --tp {tp}" if tp else ""))
+    eng = build_engine(cfg, device, ctx_alloc, tp)
+    try:
+        return _run_bench(eng, path.stem, cfg, device, context, ks, prefill_tokens, repeats, transformers_steps,
+                          with_transformers and tp is None, say, tp, paths)
+    finally:
+        close = getattr(eng, "close", None)
+        if close is not None:
+            close()
+
+
+def _run_bench(eng, name: str, cfg: ModelConfig, device: str, context: int, ks: tuple[int, ...],
+               prefill_tokens: int, repeats: int, transformers_steps: int, with_transformers: bool, say,
+               tp: int | None, paths: tuple[str, ...] | None = None) -> BenchResult:
     elem = 2 if device == "cuda" else 4
     streamed = _streamed_bytes(cfg, elem)
     kv_read = kv_bytes_read(cfg, context, elem)
-    res = BenchResult(path.stem, device, context, cfg.parameter_count(), streamed, kv_read)
+    res = BenchResult(name, device, context, cfg.parameter_count(), streamed, kv_read)
+    if tp is not None:  # the floor of one rank: its share of the weights and its KV heads
+        from .parallel.sharding import rank_config
+
+        streamed, kv_read = -(-streamed // tp), kv_bytes_read(rank_config(cfg, 0, tp), context, elem)
+        res.notes.append(f"--tp {tp}: timed on rank 0; the floor is one rank's (weights / {tp} and its KV heads), "
+                         "so decode / floor includes the all-reduces; transformers not measured")
     timer = _Timer(eng)
     rng = np.random.default_rng(0)
 

@@ -237,6 +237,11 @@ DumpStatsOpt = Annotated[bool, typer.Option(
 TimingsOpt = Annotated[bool, typer.Option("--timings", help="Report load, prefill and per-token times.")]
 MaxContextOpt = Annotated[Optional[int], typer.Option(
     "--max-context", metavar="N", help="KV cache positions (default: just what the job needs).")]
+TpOpt = Annotated[Optional[int], typer.Option(
+    "--tp", metavar="N",
+    help="Tensor parallelism: the model sharded over N ranks, one process each (Megatron style). --device cuda: "
+         "N GPUs of this host over NCCL; --device cpu: N NumPy engine processes summing through shared memory "
+         "(checks the sharding; not faster). --tp 1 runs the same sharded path on one rank.")]
 DraftModelOpt = Annotated[Optional[str], typer.Option(
     "--draft-model", metavar="PATH",
     help="A smaller checkpoint with the same tokenizer that drafts tokens (a path or an embedded name, "
@@ -262,6 +267,7 @@ class Common:
     system: str | None = None
     no_special_tokens: bool = False
     layers: "LayerOptions | None" = None
+    tp: int | None = None  # --tp N: ranks of tensor parallelism (None: the plain one-process engine)
 
     @property
     def prompt_format(self) -> PromptFormat:
@@ -331,6 +337,8 @@ def prepare(state: State, c: Common) -> Job:
     layers_dump = _check_layer_options(c.layers)
     device = resolve_device(c.device)
     spec = read_model_spec(c.model)
+    if c.tp is not None:
+        check_tensor_parallel(c.tp, device, spec.config)
     if c.layers is not None and c.layers.select is not None:
         from .layer_dumps import parse_layers
 
@@ -339,6 +347,16 @@ def prepare(state: State, c: Common) -> Job:
                                c.prompt_format)
     return Job(state, c, fmt, c.logits_dtype == "fp32", device, spec, ids, text, logits_dump, hidden_dump,
                layers_dump)
+
+
+def check_tensor_parallel(tp: int, device: str, cfg: Any) -> None:
+    """--tp N: a degree the model splits into, and the devices for it (before any process starts)."""
+    from .parallel.launcher import check_devices
+    from .parallel.sharding import check_tp
+
+    check_positive(tp, "--tp")
+    check_tp(cfg.definition, tp)
+    check_devices(device, tp)
 
 
 def _check_layer_options(opts: LayerOptions | None) -> DumpTarget | None:
@@ -370,10 +388,10 @@ def _tap_layer(name: str) -> int | None:
     return int(parts[2]) if len(parts) > 2 and parts[1] == "layers" else None
 
 
-def load(job: Job, spec: ModelSpec, ctx: int) -> LoadedModel:
+def load(job: Job, spec: ModelSpec, ctx: int, tp: int | None = None) -> LoadedModel:
     with render.load_progress(job.state.err, spec.label) as progress:
         return open_model(spec.path, device=job.device, max_context=ctx, fp32_logits=job.fp32,
-                          progress=progress)
+                          progress=progress, tp=tp)
 
 
 def write_dumps(job: Job, command: str, rows, hidden_rows, tokens: list[int], positions: list[int],
@@ -482,6 +500,7 @@ def decode(
     dump_stats: DumpStatsOpt = False,
     timings: TimingsOpt = False,
     max_context: MaxContextOpt = None,
+    tp: TpOpt = None,
 ) -> None:
     """Greedy decoding: prefill the prompt, then --steps decode steps, one line per produced token.
 
@@ -499,7 +518,7 @@ def decode(
       metrale decode --draft ngram --k 4 --steps 32 --ignore-eos
     """
     c = Common(model, prompt, tokens, device, logits_dtype, fmt, dump_logits, hidden, dump_hidden, timings,
-               max_context, chat, system, no_special_tokens, LayerOptions(dump_layers, layers, dump_stats))
+               max_context, chat, system, no_special_tokens, LayerOptions(dump_layers, layers, dump_stats), tp)
     if draft is not None and draft != "ngram":
         raise UsageError(f"decode --draft takes 'ngram', got {draft!r} (a draft model is --draft-model PATH)")
     if draft is not None and draft_model is not None:
@@ -540,7 +559,7 @@ def _decode(job: Job, steps: int, top_k: int, ignore_eos: bool, speculative: boo
     if speculative and job.layers_dump is not None:
         raise UsageError("--dump-layers records plain decoding: a speculative run's rejected drafts would mix "
                          "into the rows (dump one verify pass with `metrale verify --dump-layers` instead)")
-    target = load(job, job.spec, ctx)
+    target = load(job, job.spec, ctx, job.common.tp)
     recorder = record_layers(job, target)
     drafter_model = report = None
     try:
@@ -633,6 +652,7 @@ def verify(
     dump_stats: DumpStatsOpt = False,
     timings: TimingsOpt = False,
     max_context: MaxContextOpt = None,
+    tp: TpOpt = None,
 ) -> None:
     """One verify pass: prefill the prompt, then check K draft tokens in a single forward.
 
@@ -655,7 +675,7 @@ def verify(
       metrale verify --draft-model default-draft --k 4 --format json
     """
     c = Common(model, prompt, tokens, device, logits_dtype, fmt, dump_logits, hidden, dump_hidden, timings,
-               max_context, chat, system, no_special_tokens, LayerOptions(dump_layers, layers, dump_stats))
+               max_context, chat, system, no_special_tokens, LayerOptions(dump_layers, layers, dump_stats), tp)
     if draft is not None and draft_model is not None:
         raise UsageError("--draft and --draft-model are exclusive: give one draft source")
     job = prepare(ctx.obj, c)
@@ -690,7 +710,7 @@ def _verify(job: Job, k: int, draft_ids: list[int] | None, draft_path: str | Non
     if draft_spec is not None:
         check_draft_matches(job.spec, draft_spec)
         context_for(draft_spec, n + k, f"for the draft model, {what}", None)
-    target = load(job, job.spec, ctx)
+    target = load(job, job.spec, ctx, job.common.tp)
     recorder = record_layers(job, target)
     drafter_model = None
     try:
@@ -738,6 +758,7 @@ def forward(
     dump_stats: DumpStatsOpt = False,
     timings: TimingsOpt = False,
     max_context: MaxContextOpt = None,
+    tp: TpOpt = None,
 ) -> None:
     """One forward pass over the prompt: the argmax token and its logit for the last row or every row.
 
@@ -750,7 +771,7 @@ def forward(
       metrale forward --rows all --dump-layers layers.safetensors --layers 0,-1
     """
     c = Common(model, prompt, tokens, device, logits_dtype, fmt, dump_logits, hidden, dump_hidden, timings,
-               max_context, chat, system, no_special_tokens, LayerOptions(dump_layers, layers, dump_stats))
+               max_context, chat, system, no_special_tokens, LayerOptions(dump_layers, layers, dump_stats), tp)
     from .decoding import run_forward
 
     if rows not in ("last", "all"):
@@ -758,7 +779,7 @@ def forward(
     job = prepare(ctx.obj, c)
     n = len(job.ids)
     model_ctx = context_for(job.spec, n, f"prompt ({n} tokens)", c.max_context)
-    target = load(job, job.spec, model_ctx)
+    target = load(job, job.spec, model_ctx, job.common.tp)
     recorder = record_layers(job, target)
     try:
         with dumps_on_nonfinite(job, "forward", target.engine, recorder):
@@ -961,6 +982,7 @@ def bench(
              "append in the qkv GEMV, attention with its combine). The figures above the table are taken on the "
              "first.", show_default=False)] = None,
     fmt: FormatOpt = None,
+    tp: TpOpt = None,
 ) -> None:
     """Measure decode, verify and prefill speed against the hardware's own limits, in one run.
 
@@ -992,10 +1014,14 @@ def bench(
         raise UsageError("--path needs at least one name (rows, fused)")
     chosen = resolve_device(device)
     path_list = bench_mod.check_paths(path_list, chosen)
-    result = bench_mod.run_bench(preset or ("llama-3.1-8b" if chosen == "cuda" else "tiny-llama"), device=chosen,
-                                 context=context, ks=k_list, prefill_tokens=prefill, repeats=repeats,
-                                 with_transformers=not no_transformers, progress=lambda m: render.note(state.err, m),
-                                 paths=path_list)
+    name = preset or ("llama-3.1-8b" if chosen == "cuda" else "tiny-llama")
+    if tp is not None:
+        from .config import load_config
+
+        check_tensor_parallel(tp, chosen, load_config(bench_mod.preset_path(name)))
+    result = bench_mod.run_bench(name, device=chosen, context=context, ks=k_list, prefill_tokens=prefill,
+                                 repeats=repeats, with_transformers=not no_transformers,
+                                 progress=lambda m: render.note(state.err, m), tp=tp, paths=path_list)
     render.render_bench(state.out, fmt_, result)
     if target is not None:
         commit([(target.path, [json.dumps(result.to_json(), indent=2).encode() + b"\n"])])

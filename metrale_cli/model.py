@@ -35,6 +35,9 @@ class LoadedModel:
     load_seconds: float
 
     def close(self) -> None:
+        close = getattr(self.engine, "close", None)  # a tensor-parallel engine ends its worker processes
+        if close is not None:
+            close()
         self.checkpoint.close()
 
 
@@ -101,11 +104,13 @@ def hub_hint(path: str | Path | None) -> str:
 
 
 def open_model(path: str | Path | None = None, *, device: str = "auto", max_context: int | None = None,
-               fp32_logits: bool = False, progress: Callable[[int, int], None] | None = None) -> LoadedModel:
+               fp32_logits: bool = False, progress: Callable[[int, int], None] | None = None,
+               tp: int | None = None) -> LoadedModel:
     """Load config.json, the safetensors tensors and tokenizer.json, and build the engine.
 
     `max_context` sizes the KV cache (default: the model's limit, capped at 4096). `progress(done, total)`
-    is called with weight bytes as they are converted or uploaded.
+    is called with weight bytes as they are converted or uploaded. `tp`: the model sharded over that
+    many ranks, one process each (parallel/launcher.py); this process is rank 0.
     """
     t0 = time.perf_counter()
     chosen = resolve_device(device)
@@ -123,7 +128,12 @@ def open_model(path: str | Path | None = None, *, device: str = "auto", max_cont
             if progress is not None:
                 progress(min(done[0], total), total)
 
-        if chosen == "cuda":
+        if tp is not None:
+            from .parallel.launcher import LoadSpec, start
+
+            spec = LoadSpec(chosen, ctx, fp32_logits, path=str(target if target.is_file() else directory))
+            engine = start(cfg, spec, tp, source=ckpt, progress=step)
+        elif chosen == "cuda":
             from .backends.cuda.engine import load_cuda_engine
 
             engine = load_cuda_engine(cfg, ckpt, ctx, fp32_logits, step)

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -49,7 +50,15 @@ def test_sigint_during_decode_reports_the_tokens_so_far_exits_130_and_leaves_no_
             if line.strip() and line.split()[0].isdigit():
                 steps_seen += 1
         proc.send_signal(signal.SIGINT)
-        rest, stderr = proc.communicate(timeout=60)
+        # Read the rest through the same text wrapper: readline() may have buffered lines ahead, which
+        # communicate() (reading the raw pipes) would miss. stderr is one line: it cannot fill its pipe.
+        watchdog = threading.Timer(60, proc.kill)
+        watchdog.start()
+        try:
+            rest, stderr = proc.stdout.read(), proc.stderr.read()
+            proc.wait()
+        finally:
+            watchdog.cancel()
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -71,8 +71,8 @@ def _perturb(monkeypatch, tap_name: str, scale: float = 1e-2) -> None:
     original = numpy_engine.NumpyPass.linear
     rng = np.random.default_rng()
 
-    def linear(self, x, w, bias=None, *, out, norm=None, residual=None, tap=None):
-        y = original(self, x, w, bias, out=out, norm=norm, residual=None, tap=None)
+    def linear(self, x, w, bias=None, *, out, norm=None, residual=None, tap=None, reduce=False):
+        y = original(self, x, w, bias, out=out, norm=norm, residual=None, tap=None, reduce=reduce)
         if tap == tap_name:
             y = y + scale * np.abs(y).max() * rng.standard_normal(y.shape).astype(np.float32)
         if tap is not None:

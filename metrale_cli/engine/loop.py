@@ -43,9 +43,12 @@ class Ops(Protocol):
 
     def embed(self, table: Any, scale: float | None = None) -> X: ...  # [T, H] fp32 rows (times scale)
     def linear(self, x: X, w: Any, bias: Any = None, *, out: str, norm: Any = None, residual: X | None = None,
-               tap: str | None = None) -> X:
+               tap: str | None = None, reduce: bool = False) -> X:
         """y = norm(x) @ w.T + bias; with `residual`, residual += y and residual is returned. `out` names
-        the activation buffer y lives in (backends with preallocated buffers use it); `tap` names y."""
+        the activation buffer y lives in (backends with preallocated buffers use it); `tap` names y.
+        `reduce` marks a row-parallel projection (o, down): a tensor-parallel rank holds only some of w's
+        input columns, so its y is a partial sum that is all-reduced (bias added once) before the
+        residual add or the norm that follows; an unsharded engine ignores it."""
         ...
     def rope_kv_append(self, qkv: X, layer: int, spec: AttentionSpec, q_norm: Any, k_norm: Any,
                        norm: Norm) -> X: ...  # rotated q [T, heads, d]; k/v appended to the cache
@@ -116,8 +119,8 @@ def _sublayer_out(ops: Ops, y_in: X, w: Any, bias: Any, out_norm: Any, norm: Nor
     """The o / down projection added to the residual x: straight into it (the projection's epilogue), or
     in a sandwich block (out_norm given) through that norm first, which needs the projection on its own."""
     if out_norm is None:
-        return ops.linear(y_in, w, bias, out="x", residual=x, tap=tap)
-    y = ops.linear(y_in, w, bias, out="h", tap=tap)
+        return ops.linear(y_in, w, bias, out="x", residual=x, tap=tap, reduce=True)
+    y = ops.linear(y_in, w, bias, out="h", tap=tap, reduce=True)
     return ops.norm(y, out_norm, norm, out="x", residual=x, tap=norm_tap)
 
 

@@ -53,23 +53,34 @@ class Weights(Generic[A]):
     layers: list[dict[str, A]]  # per layer: Param.key -> array
 
 
+class Shard(Protocol):
+    """What one tensor-parallel rank keeps of the weights as they load (parallel/sharding.RankShard)."""
+
+    def layer(self, i: int, weights: dict[str, Any]) -> dict[str, Any]: ...  # layer i's share
+    def vocab(self, table: Any) -> Any: ...  # the embedding / lm_head rows of the rank's range
+
+
 def load_weights(definition: ModelDefinition, read: Callable[[str], A], concat: Callable[[list[A]], A],
-                 embed: Callable[[str], A] | None = None) -> Weights[A]:
+                 embed: Callable[[str], A] | None = None, shard: Shard | None = None) -> Weights[A]:
     """Read every param once. `embed(name)` reads the embedding table when it is not also the lm_head
-    (the NumPy engine keeps it memory-mapped); by default it is read like every other tensor."""
+    (the NumPy engine keeps it memory-mapped); by default it is read like every other tensor. With
+    `shard`, each layer is cut to one rank's share as soon as it is read (the whole layer is dropped
+    before the next is read), and the embedding and lm_head to its vocabulary rows."""
+    keep_layer = (lambda i, lw: lw) if shard is None else shard.layer
+    keep_rows = (lambda t: t) if shard is None else shard.vocab
 
     def param(p: Param) -> A:
         parts = [read(t.name) for t in p.parts]
         value = parts[0] if len(parts) == 1 else concat(parts)
         return value.reshape(p.shape) if p.experts else value  # stacked experts: [E, rows, ...]
 
-    layers = [{p.key: param(p) for p in layer.params} for layer in definition.layers]
+    layers = [keep_layer(i, {p.key: param(p) for p in layer.params}) for i, layer in enumerate(definition.layers)]
     final_norm = param(definition.final_norm)
     if definition.lm_head is None:
-        table = param(definition.embed)
+        table = keep_rows(param(definition.embed))
         return Weights(table, final_norm, table, layers)
-    lm_head = param(definition.lm_head)
-    table = embed(definition.embed.parts[0].name) if embed is not None else param(definition.embed)
+    lm_head = keep_rows(param(definition.lm_head))
+    table = keep_rows(embed(definition.embed.parts[0].name) if embed is not None else param(definition.embed))
     return Weights(table, final_norm, lm_head, layers)
 
 

@@ -66,7 +66,7 @@ class _LockstepPass:
             total[mine] += as_fp32(part[self.ids[mine] - rows.start])
         return total if scale is None else total * np.float32(scale)
 
-    def linear(self, x, w: Sharded, bias=None, *, out, norm=None, residual=None, tap=None):
+    def linear(self, x, w: Sharded, bias=None, *, out, norm=None, residual=None, tap=None, reduce=False):
         if norm is not None:
             x = rms_norm(x, norm[0].parts[0], norm[1].eps, norm[1].offset)
         if w.kind == COLUMN:

@@ -13,19 +13,26 @@ Megatron style, as vLLM and gpt-fast shard a decoder:
   logits of its range and they are gathered, or reduced to an argmax);
 - replicated: every norm weight, q/k norms.
 The plan depends only on the definition's param keys and shapes, so every family that uses those keys
-shards without code of its own.
+shards without code of its own. Mixture-of-experts layers are not in it yet (check_tp refuses them).
+
+The slices are contiguous ranges, copied with the backend's `concat` (np.concatenate, cupy.concatenate),
+so the same plan cuts NumPy arrays, memory maps and device arrays; `RankShard` applies it while the
+weights load (load_weights' `shard`), one layer at a time, so a rank never holds the whole model.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from ..errors import UsageError
-from ..models.spec import AttentionSpec, LayerSpec, ModelDefinition
+from ..models.spec import AttentionSpec, LayerSpec, ModelDefinition, MoeSpec
 from ..models.weights import Weights
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
 
 COLUMN, ROW, VOCAB, REPLICATED = "column", "row", "vocab", "replicated"
 KINDS = {"qkv": COLUMN, "qkv_bias": COLUMN, "gate_up": COLUMN, "o": ROW, "down": ROW,
@@ -50,6 +57,12 @@ def check_tp(definition: ModelDefinition, n: int) -> None:
     """Refuse a degree the model cannot be split into (a UsageError naming the dimension)."""
     if n < 1:
         raise UsageError(f"--tp must be >= 1, got {n}")
+    if any(isinstance(layer.mlp, MoeSpec) for layer in definition.layers):
+        raise UsageError(f"--tp {n}: mixture-of-experts layers are not sharded yet (the experts are not in "
+                         "the tensor-parallel plan); run without --tp")
+    vocab = definition.embed.shape[0]
+    if vocab_range(vocab, n - 1, n).stop - vocab_range(vocab, n - 1, n).start < 1:
+        raise UsageError(f"--tp {n}: a vocabulary of {vocab} rows leaves the last rank none")
     for layer in definition.layers:
         a = layer.attention
         if a.num_heads % n:
@@ -90,28 +103,34 @@ def rank_definition(definition: ModelDefinition, rank: int, n: int) -> ModelDefi
     return replace(definition, layers=tuple(layers))
 
 
-def shard_layer(layer: LayerSpec, weights: dict[str, Any], rank: int, n: int) -> dict[str, Any]:
-    """Rank `rank`'s slice of one layer's weights (any array type with NumPy slicing and `concat`)."""
+def _concat(parts: list[Any]) -> Any:
+    return np.concatenate(parts, axis=0)
+
+
+def shard_layer(layer: LayerSpec, weights: dict[str, Any], rank: int, n: int,
+                concat: Callable[[list[Any]], Any] = _concat) -> dict[str, Any]:
+    """Rank `rank`'s slice of one layer's weights: contiguous row / column ranges of each array, joined
+    (and copied, so nothing keeps the whole tensor alive) by `concat` along the rows."""
     a = layer.attention
     lay = layout(a, rank, n)
     d, q_size, kv_size = a.head_dim, a.q_size, a.kv_size
-    q_rows = np.arange(lay.q_heads.start * d, lay.q_heads.stop * d)
-    kv_rows = np.arange(lay.kv_heads.start * d, lay.kv_heads.stop * d)
-    qkv_rows = np.concatenate([q_rows, q_size + kv_rows, q_size + kv_size + kv_rows])
+    q = (lay.q_heads.start * d, lay.q_heads.stop * d)  # columns of o, rows of the q block of qkv
+    kv = (lay.kv_heads.start * d, lay.kv_heads.stop * d)
+    qkv_rows = [q, (q_size + kv[0], q_size + kv[1]), (q_size + kv_size + kv[0], q_size + kv_size + kv[1])]
     inter = layer.mlp.intermediate_size
     per = inter // n
-    mine = np.arange(rank * per, (rank + 1) * per)
-    gate_up_rows = np.concatenate([mine, inter + mine])
+    mine = (rank * per, (rank + 1) * per)
+    gate_up_rows = [mine, (inter + mine[0], inter + mine[1])]  # the gate half and the up half alike
     out = {}
     for key, w in weights.items():
         if key in ("qkv", "qkv_bias"):
-            out[key] = w[qkv_rows]
+            out[key] = concat([w[lo:hi] for lo, hi in qkv_rows])
         elif key == "gate_up":
-            out[key] = w[gate_up_rows]
+            out[key] = concat([w[lo:hi] for lo, hi in gate_up_rows])
         elif key == "o":
-            out[key] = w[:, q_rows]
+            out[key] = concat([w[:, q[0]:q[1]]])
         elif key == "down":
-            out[key] = w[:, mine]
+            out[key] = concat([w[:, mine[0]:mine[1]]])
         else:
             out[key] = w
     return out
@@ -123,3 +142,32 @@ def shard_weights(definition: ModelDefinition, w: Weights, rank: int, n: int) ->
     layers = [shard_layer(layer, lw, rank, n) for layer, lw in zip(definition.layers, w.layers)]
     return Weights(embed=w.embed[rows.start:rows.stop], final_norm=w.final_norm,
                    lm_head=w.lm_head[rows.start:rows.stop], layers=layers)
+
+
+@dataclass
+class RankShard:
+    """load_weights' `shard` for rank `rank` of `n`: each layer cut as it is read, the embedding and
+    lm_head to the rank's vocabulary range (copied by `concat`, so the whole table can be freed)."""
+
+    definition: ModelDefinition
+    rank: int
+    n: int
+    concat: Callable[[list[Any]], Any] = _concat
+
+    def layer(self, i: int, weights: dict[str, Any]) -> dict[str, Any]:
+        return shard_layer(self.definition.layers[i], weights, self.rank, self.n, self.concat)
+
+    def vocab(self, table: Any) -> Any:
+        rows = vocab_range(table.shape[0], self.rank, self.n)
+        return self.concat([table[rows.start:rows.stop]])
+
+
+def rank_config(cfg: ModelConfig, rank: int, n: int) -> ModelConfig:
+    """The config one rank's engine is built from: its head counts and MLP width (which size its
+    buffers), its definition (rank_definition); vocab_size stays the model's (token ids are global)."""
+    definition = rank_definition(cfg.definition, rank, n)
+    a = definition.layers[0].attention
+    out = replace(cfg, num_attention_heads=a.num_heads, num_key_value_heads=a.num_kv_heads,
+                  intermediate_size=cfg.intermediate_size // n)
+    out.__dict__["definition"] = definition  # the cached_property's slot: not re-derived from the fields
+    return out

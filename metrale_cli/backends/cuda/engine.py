@@ -19,6 +19,15 @@ projects o and down into `h` and adds each through its post-norm (rmsnorm_add): 
 layer.  Sliding layers keep a full-length cache (the NumPy engine's ring buffer is not on the GPU yet);
 their attention kernels read only the window.  Longrope's factor set lives in the inv_freq buffers,
 rewritten (and the cache recomputed) when a call switches sets, so the captured graphs stay valid.
+
+Tensor parallelism (parallel/): built with `tp`, the engine is one rank - its shard's weights, heads and
+vocabulary rows, its own KV heads - and the passes add the collectives on the engine's stream, captured
+in the same graphs: the embedding is vocabulary-parallel (vocab_embedding, all-reduce), and each
+row-parallel projection (o, down) is all-reduced before anything reads the residual stream - rank 0
+adds its partial sum (and the bias) into x as the plain engine does, the other ranks into a zeroed x,
+and the all-reduce of x gives every rank x + the sum of the partial sums. With one rank that is the
+plain pass plus an identity all-reduce, bit for bit. A decode step also gathers each rank's argmax
+candidate (tp.cu) inside its graph. Without `tp` none of this is on the path.
 """
 
 from __future__ import annotations
@@ -74,9 +83,12 @@ def _oom(cp, what: str, nbytes: int) -> DeviceError:
     )
 
 
-def upload_weights(cfg: ModelConfig, source: WeightSource, kern, progress: Callable[[int], None] | None = None) -> Weights:
+def upload_weights(cfg: ModelConfig, source: WeightSource, kern, progress: Callable[[int], None] | None = None,
+                   rank: tuple[int, int] | None = None) -> Weights:
     """Read each tensor once from `source`, round it to bf16 and place it on the device, fusing
-    multi-part params (q/k/v, gate/up) on the device. RandomTensors draw on the device directly."""
+    multi-part params (q/k/v, gate/up) on the device. RandomTensors draw on the device directly.
+    `rank` = (r, n): keep tensor-parallel rank r's shard (parallel/sharding.RankShard), each layer cut on
+    the device as soon as it is uploaded."""
     cp = kern._cp
 
     def get(name: str):
@@ -104,7 +116,15 @@ def upload_weights(cfg: ModelConfig, source: WeightSource, kern, progress: Calla
             progress(nbytes)
         return out
 
-    return load_weights(cfg.definition, get, lambda parts: cp.concatenate(parts, axis=0))
+    def concat(parts):  # a fresh contiguous array (a shard's slice must not keep its whole tensor alive)
+        return parts[0].copy() if len(parts) == 1 else cp.concatenate(parts, axis=0)
+
+    shard = None
+    if rank is not None:
+        from ...parallel.sharding import RankShard
+
+        shard = RankShard(cfg.definition, rank[0], rank[1], concat)
+    return load_weights(cfg.definition, get, concat, shard=shard)
 
 
 class CudaEngine(EngineBase):
@@ -113,7 +133,7 @@ class CudaEngine(EngineBase):
     device = "cuda"
 
     def __init__(self, cfg: ModelConfig, weights: Weights, kern, max_context: int,
-                 fp32_logits: bool = False, use_graphs: bool = True) -> None:
+                 fp32_logits: bool = False, use_graphs: bool = True, tp=None) -> None:
         cp = kern._cp
         self.cp, self.kern, self.cfg, self.w = cp, kern, cfg, weights
         self.max_context = max_context
@@ -121,8 +141,9 @@ class CudaEngine(EngineBase):
         self.use_graphs = use_graphs
         self._fp32_logits = fp32_logits
         self.stream = cp.cuda.Stream(non_blocking=True)
+        self.tp = tp  # parallel/comm.ParallelRank when this engine is one rank of a group, else None
         L, nkv, d, H = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
-        V, R = cfg.vocab_size, MAX_ROWS
+        V, R = weights.lm_head.shape[0], MAX_ROWS  # logits width: a rank's vocabulary rows under tp
         ldt = cp.float32 if fp32_logits else cp.uint16
         try:
             self._kc = cp.zeros((L, nkv, max_context, d), cp.uint16)  # bf16 K cache
@@ -153,6 +174,13 @@ class CudaEngine(EngineBase):
                               for layer in cfg.definition.layers}
             self._io_host = cp.cuda.alloc_pinned_memory(2 * R * 4)
             self.moe = MoeState(cfg, kern) if cfg.moe is not None else None  # sparse layers' buffers, kernels
+            if tp is not None:
+                from .kernels.tp import TpKernels
+
+                tp.stream = self.stream  # the collectives and the gathers run on the engine's stream
+                self.tpk = TpKernels(kern)  # compiled now: never during a graph capture
+                self._tp_decode_pairs = cp.zeros((1, 2), cp.float32)  # (value, index) of this rank's argmax
+                self._tp_decode_gathered = cp.zeros((tp.size, 1, 2), cp.float32)  # every rank's, in the graph
         except cp.cuda.memory.OutOfMemoryError:
             need = 2 * L * nkv * max_context * d * 2 + R * V * 8
             raise _oom(cp, f"allocating the KV cache for {max_context} positions", need) from None
@@ -190,6 +218,8 @@ class CudaEngine(EngineBase):
         call on (recaptures the graphs; the KV cache and length are kept).  "fused" compiles its kernel module
         (kernels.names.fused_name_expressions) and allocates its last-block counters the first time."""
         path = check_path(path)
+        if self.tp is not None and path != DEFAULT_PATH:
+            raise UsageError(f"the CUDA '{path}' path does not run under --tp yet (a rank runs the rows path)")
         self.synchronize()
         if path == "fused" and self._qkv_counters is None:
             cp, cfg = self.cp, self.cfg
@@ -347,6 +377,9 @@ class CudaEngine(EngineBase):
             k.f32_to_bf16(self._logits32[:m], out, stream=s)
         if kind == "decode":
             k.argmax(out, self._decode_amax, stream=s)
+            if self.tp is not None:  # the distributed argmax's candidates, gathered inside the step
+                self.tpk.argmax_pairs(out, self._decode_amax, self._tp_decode_pairs, self.tp.vocab.start, stream=s)
+                self.tp.comm.all_gather(self._tp_decode_pairs, self._tp_decode_gathered, s)
 
     def _linear(self, x, w, out, bias=None, *, accumulate=False, swiglu=False, norm_weight=None,
                 eps: float = 1e-6, norm_offset: float = 0.0, activation: str = "silu") -> None:
@@ -389,7 +422,7 @@ class CudaEngine(EngineBase):
             self._hidden_rows = hidden[0] if len(hidden) == 1 else cp.concatenate(hidden, axis=0)
             n = logits.shape[0]
             if self._long_logits is None or self._long_logits.shape[0] < n:
-                self._long_logits = cp.empty((n, cfg.vocab_size), self._rows_logits.dtype)
+                self._long_logits = cp.empty((n, logits.shape[1]), self._rows_logits.dtype)
             self._logits = self._long_logits
             if self._fp32_logits:
                 self._logits[:n] = logits
@@ -436,7 +469,7 @@ class CudaEngine(EngineBase):
 
     def _lm_head_rows(self, h):
         if h.shape[0] <= MAX_ROWS:
-            out = self.cp.empty((h.shape[0], self.cfg.vocab_size), self.cp.float32)
+            out = self.cp.empty((h.shape[0], self.w.lm_head.shape[0]), self.cp.float32)
             self._linear(self.cp.ascontiguousarray(h), self.w.lm_head, out)
         else:
             out = self._gemm(h, self.w.lm_head)
@@ -457,6 +490,17 @@ class CudaEngine(EngineBase):
         self.kern.argmax(ptr._buffer[ptr.row:ptr.row + n], out, stream=self.stream)
         self.stream.synchronize()
         return out.get()
+
+    def tp_argmax_pairs(self, rows):
+        """A rank's candidates for the distributed argmax (parallel/comm.pick_argmax): [n, 2] fp32 of
+        (value, global index) of each row's first maximum in this rank's range; (NaN, -1) for a row
+        holding NaN or Inf. Enqueued on the engine's stream (no host sync)."""
+        cp, n = self.cp, rows.shape[0]
+        idx = cp.empty((n,), cp.int32)
+        pairs = cp.empty((n, 2), cp.float32)
+        self.kern.argmax(rows, idx, stream=self.stream)
+        self.tpk.argmax_pairs(rows, idx, pairs, self.tp.vocab.start, stream=self.stream)
+        return pairs
 
 
 # The block weights the CUDA passes compute with (engine/loop.py's keys): a family adding another is refused
@@ -504,12 +548,22 @@ def default_path() -> str:
 
 
 def load_cuda_engine(cfg: ModelConfig, source, max_context: int, fp32_logits: bool = False,
-                     progress: Callable[[int], None] | None = None, use_graphs: bool = True,
+                     progress: Callable[[int], None] | None = None, use_graphs: bool = True, tp=None,
                      path: str | None = None) -> CudaEngine:
     """Check the tensors, upload them once, and build the engine (CuPy is imported here, not before).
-    `path`: the rows-path variant (ROWS_PATHS; None: default_path(), i.e. $METRALE_CUDA_PATH or "rows")."""
+    With `tp` (parallel/comm.ParallelRank, its device current) only that rank's shard is uploaded, and the
+    engine is that rank's. `path`: the rows-path variant (ROWS_PATHS; None: default_path(), i.e.
+    $METRALE_CUDA_PATH or "rows"); a tensor-parallel rank runs the rows path only (the fused path is not
+    verified under --tp)."""
     path = check_path(path) if path is not None else default_path()
+    if tp is not None and path != DEFAULT_PATH:
+        raise UsageError(f"the CUDA '{path}' path does not run under --tp yet (unset {PATH_ENV} or choose rows)")
     check_context(cfg, max_context)
+    full = cfg
+    if tp is not None:
+        from ...parallel.sharding import rank_config
+
+        cfg = rank_config(full, tp.rank, tp.size)
     missing = unsupported_features(cfg.definition)
     if missing:
         raise DeviceError(f"{cfg.model_type}: the CUDA engine does not implement {', '.join(missing)} yet; "
@@ -522,7 +576,7 @@ def load_cuda_engine(cfg: ModelConfig, source, max_context: int, fp32_logits: bo
         if why is not None:
             raise DeviceError(f"{cfg.model_type}: the CUDA MoE kernels do not take {why}; use --device cpu")
     if not source.made_from_definition:
-        check_checkpoint(cfg, source)
+        check_checkpoint(full, source)  # the whole model's tensors, before a rank keeps its share
     _cupy()
     from .kernels import DECODE_HEAD_DIMS, PREFILL_HEAD_DIMS, Kernels
 
@@ -539,8 +593,8 @@ def load_cuda_engine(cfg: ModelConfig, source, max_context: int, fp32_logits: bo
         kern = Kernels()
     except Exception as e:
         raise DeviceError(f"cannot compile the CUDA kernels ({type(e).__name__}: {str(e).splitlines()[0]})") from None
-    weights = upload_weights(cfg, source, kern, progress)
-    engine = CudaEngine(cfg, weights, kern, max_context, fp32_logits, use_graphs)
+    weights = upload_weights(full, source, kern, progress, None if tp is None else (tp.rank, tp.size))
+    engine = CudaEngine(cfg, weights, kern, max_context, fp32_logits, use_graphs, tp)
     if path != DEFAULT_PATH:
         engine.set_path(path)
     return engine

@@ -44,6 +44,11 @@ def _check_activation(activation: str) -> None:
         raise DeviceError(f"the CUDA kernels have no fused gated MLP for activation '{activation}'")
 
 
+def _share(e: CudaEngine, bias):
+    """A row-parallel projection's bias on a tensor-parallel rank: added once, by rank 0."""
+    return bias if e.tp.rank == 0 else None
+
+
 def _window(e: CudaEngine, a: AttentionSpec) -> int | None:
     """The window to pass the attention kernels: None when it holds the whole cache (sliding == full)."""
     return a.window if a.window is not None and a.window < e.max_context else None
@@ -72,10 +77,16 @@ class RowsPass(RowsMoe, _Pass):
 
     def embed(self, table, scale=None):
         x = self.buffers["x"]
+        if self.e.tp is not None:  # vocabulary-parallel: this rank's rows, zeros elsewhere, summed
+            self.e.tpk.vocab_embedding(self.ids, table, x, self.e.tp.vocab.start, scale=scale, stream=self.s)
+            self.e.tp.comm.all_reduce(x, self.s)
+            return x
         self.k.embedding(self.ids, table, x, scale=scale, stream=self.s)
         return x
 
-    def linear(self, x, w, bias=None, *, out, norm=None, residual=None, tap=None):
+    def linear(self, x, w, bias=None, *, out, norm=None, residual=None, tap=None, reduce=False):
+        if reduce and self.e.tp is not None:
+            return self._reduced(x, w, bias, out, residual, tap)
         nw, eps, off = (norm[0], norm[1].eps, norm[1].offset) if norm is not None else (None, 1e-6, 0.0)
         if tap is not None and self._tap is not None and residual is not None:  # the value before the add
             y = self.e.cp.empty((self.m, w.shape[0]), self.e.cp.float32)
@@ -86,6 +97,29 @@ class RowsPass(RowsMoe, _Pass):
         if tap is not None and residual is None:  # a sandwich block's projection: its own output is the value
             self.tap(tap, target)
         return target
+
+    def _reduced(self, x, w, bias, out, residual, tap):
+        """A row-parallel projection on a tensor-parallel rank (engine.py's docstring): the partial sum
+        all-reduced before anything reads it."""
+        e, comm = self.e, self.e.tp.comm
+        bias = _share(e, bias)
+        if residual is None:  # a sandwich block's projection: summed, then its post-norm adds it
+            y = self.buffers[out]
+            e._linear(x, w, y, bias)
+            comm.all_reduce(y, self.s)
+            if tap is not None:
+                self.tap(tap, y)
+            return y
+        if tap is not None and self._tap is not None:  # the summed value before the add, on the side
+            y = e.cp.empty((self.m, w.shape[0]), e.cp.float32)
+            e._linear(x, w, y, bias)
+            comm.all_reduce(y, self.s)
+            self.tap(tap, y)
+        if e.tp.rank != 0:
+            residual.fill(0)  # the residual stream itself is added once, by rank 0
+        e._linear(x, w, residual, bias, accumulate=True)
+        comm.all_reduce(residual, self.s)
+        return residual
 
     def norm(self, x, weight, norm: Norm, *, out, residual=None, tap=None):
         if residual is None:
@@ -148,11 +182,11 @@ class FusedRowsPass(RowsPass):
         self.plan = fused_plan(engine, m)
         self._qkv_args = None
 
-    def linear(self, x, w, bias=None, *, out, norm=None, residual=None, tap=None):
+    def linear(self, x, w, bias=None, *, out, norm=None, residual=None, tap=None, reduce=False):
         if out == "qkv" and residual is None and norm is not None and tap is None and self.plan["qkv_rope"] is None:
             self._qkv_args = (x, w, bias, norm)
             return self.buffers["qkv"]  # written by the fused launch in rope_kv_append
-        return super().linear(x, w, bias, out=out, norm=norm, residual=residual, tap=tap)
+        return super().linear(x, w, bias, out=out, norm=norm, residual=residual, tap=tap, reduce=reduce)
 
     def rope_kv_append(self, qkv, layer: int, a: AttentionSpec, q_norm, k_norm, norm: Norm):
         if self._qkv_args is None:  # not fused for this row count (fused_plan)
@@ -197,10 +231,16 @@ class PrefillPass(PrefillMoe, _Pass):
             raise engine.oom(f"prefilling {t} tokens", t * cfg.hidden_size * 16) from None
 
     def embed(self, table, scale=None):
+        if self.e.tp is not None:  # vocabulary-parallel, as RowsPass.embed
+            self.e.tpk.vocab_embedding(self.ids, table, self.x, self.e.tp.vocab.start, scale=scale, stream=self.s)
+            self.e.tp.comm.all_reduce(self.x, self.s)
+            return self.x
         self.k.embedding(self.ids, table, self.x, scale=scale, stream=self.s)
         return self.x
 
-    def linear(self, x, w, bias=None, *, out, norm=None, residual=None, tap=None):
+    def linear(self, x, w, bias=None, *, out, norm=None, residual=None, tap=None, reduce=False):
+        if reduce and self.e.tp is not None:
+            return self._reduced(x, w, bias, residual, tap)
         if norm is not None:
             x = self.norm(x, norm[0], norm[1], out="h")
         if residual is None:  # a sandwich block's projection, or qkv / gate_up: its own output
@@ -211,6 +251,26 @@ class PrefillPass(PrefillMoe, _Pass):
         if tap is not None and self._tap is not None:  # the value before the residual add, on the side
             self.tap(tap, self.e._gemm(x, w, bias))
         return self.e._gemm(x, w, bias, accumulate_into=residual)
+
+    def _reduced(self, x, w, bias, residual, tap):
+        """RowsPass._reduced with cuBLAS: the partial sum all-reduced before anything reads it."""
+        e, comm = self.e, self.e.tp.comm
+        bias = _share(e, bias)
+        if residual is None:
+            y = e._gemm(x, w, bias)
+            comm.all_reduce(y, self.s)
+            if tap is not None:
+                self.tap(tap, y)
+            return y
+        if tap is not None and self._tap is not None:
+            y = e._gemm(x, w, bias)
+            comm.all_reduce(y, self.s)
+            self.tap(tap, y)
+        if e.tp.rank != 0:
+            residual.fill(0)
+        e._gemm(x, w, bias, accumulate_into=residual)
+        comm.all_reduce(residual, self.s)
+        return residual
 
     def norm(self, x, weight, norm: Norm, *, out, residual=None, tap=None):
         if residual is None:

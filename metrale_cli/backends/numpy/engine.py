@@ -28,9 +28,11 @@ from .kv_cache import KVCache
 PREFILL_CHUNK = 256
 
 
-def read_weights(cfg: ModelConfig, source: WeightSource, progress: Callable[[int], None] | None = None) -> Weights:
+def read_weights(cfg: ModelConfig, source: WeightSource, progress: Callable[[int], None] | None = None,
+                 shard=None) -> Weights:
     """Convert the checkpoint to fp32, fusing multi-part params. Each tensor is read once from the memory
-    map and its pages released right after, so peak memory stays near the fp32 weights."""
+    map and its pages released right after, so peak memory stays near the fp32 weights. `shard`
+    (models/weights.Shard) keeps one tensor-parallel rank's share."""
     if not source.made_from_definition:
         check_checkpoint(cfg, source)
 
@@ -44,7 +46,7 @@ def read_weights(cfg: ModelConfig, source: WeightSource, progress: Callable[[int
     def mapped(name: str) -> np.ndarray:
         return source.array(name, bf16_bits=True)  # stays memory-mapped: a lookup touches only its rows
 
-    return load_weights(cfg.definition, f32, lambda parts: np.concatenate(parts, axis=0), embed=mapped)
+    return load_weights(cfg.definition, f32, lambda parts: np.concatenate(parts, axis=0), embed=mapped, shard=shard)
 
 
 def as_fp32(a: np.ndarray) -> np.ndarray:
@@ -97,19 +99,32 @@ class NumpyPass:
         self.long = long  # longrope: this call runs the long factors (engine/longrope.py)
         self._tap = tap
         self._rope: dict[object, tuple[np.ndarray, np.ndarray]] = {}
+        self.tp = getattr(engine, "tp", None)  # parallel/comm.ParallelRank of a sharded engine, else None
 
     def embed(self, table, scale=None) -> np.ndarray:
+        if self.tp is not None:  # vocabulary-parallel: the rows of this rank's range, zeros elsewhere, summed
+            rows = self.tp.vocab
+            mine = (self.ids >= rows.start) & (self.ids < rows.stop)
+            x = np.zeros((self.t, table.shape[1]), np.float32)
+            x[mine] = as_fp32(table[self.ids[mine] - rows.start])
+            x = x if scale is None else x * np.float32(scale)
+            self.tp.comm.all_reduce(x)
+            return x
         x = as_fp32(table[self.ids])  # [T, H]
         # Gemma: times sqrt(hidden) as an fp32 value, as transformers computes in fp32. (A bf16 model run
         # in bf16 by transformers rounds the normalizer to bf16 first, e.g. sqrt(3584) = 59.87 -> 60.0.)
         return x if scale is None else x * np.float32(scale)
 
-    def linear(self, x, w, bias=None, *, out, norm=None, residual=None, tap=None):
+    def linear(self, x, w, bias=None, *, out, norm=None, residual=None, tap=None, reduce=False):
         if norm is not None:
             x = rms_norm(x, norm[0], norm[1].eps, norm[1].offset)
         y = x @ w.T
-        if bias is not None:
+        sharded = reduce and self.tp is not None  # a row-parallel partial sum: bias on rank 0 only, then summed
+        if bias is not None and not (sharded and self.tp.rank != 0):
             y += bias
+        if sharded:
+            y = np.ascontiguousarray(y, dtype=np.float32)
+            self.tp.comm.all_reduce(y)
         if tap is not None:
             self.tap(tap, y)
         return y if residual is None else residual + y
@@ -199,9 +214,10 @@ class NumpyEngine(EngineBase):
     device = "cpu"
 
     def __init__(self, cfg: ModelConfig, weights: Weights, max_context: int, fp32_logits: bool = False,
-                 pass_rows: int = PREFILL_CHUNK):
+                 pass_rows: int = PREFILL_CHUNK, tp=None):
         """`pass_rows`: the most tokens one forward runs (prefill and verify are chunked to it); it sizes
-        the sliding layers' ring buffers (engine/kv_layout.py)."""
+        the sliding layers' ring buffers (engine/kv_layout.py). `tp` (parallel/comm.ParallelRank): this
+        engine is one tensor-parallel rank, `cfg` and `weights` its shard (parallel/sharding.py)."""
         check_context(cfg, max_context)
         self.cfg = cfg
         self.w = weights
@@ -215,9 +231,13 @@ class NumpyEngine(EngineBase):
         self._longrope = has_longrope(cfg.definition)
         self._tokens = np.zeros(max_context, np.int64)
         self._cache_long = False
+        self.tp = tp
         self._logits_dtype = np.float32 if fp32_logits else np.uint16  # bf16 rows as bit patterns
-        self._logits = np.zeros((1, cfg.vocab_size), self._logits_dtype)  # [rows, V], grown on demand
-        self._decode_logits = np.zeros((1, cfg.vocab_size), self._logits_dtype)  # [1, V]
+        vocab = weights.lm_head.shape[0]  # the logits width: a rank's vocabulary range under tp
+        self._logits = np.zeros((1, vocab), self._logits_dtype)  # [rows, V], grown on demand
+        self._decode_logits = np.zeros((1, vocab), self._logits_dtype)  # [1, V]
+        if tp is not None:  # each decode step's argmax candidates of every rank ([size, 1, (value, index)])
+            self._tp_decode_gathered = np.zeros((tp.size, 1, 2), np.float32)
         self._hidden = np.zeros((1, cfg.hidden_size), np.float32)  # [1, H]
 
     def inv_freq(self, rope: Rope, long: bool = False) -> np.ndarray:
@@ -248,6 +268,8 @@ class NumpyEngine(EngineBase):
         h = self._forward(ids, long=self._begin_call(len(ids)))
         self._decode_logits[:] = self._round_logits(self._lm_head(h))
         self._hidden_rows = h  # [1, H]
+        if self.tp is not None:  # the distributed argmax's candidates, as the CUDA decode graph gathers them
+            self.tp.comm.all_gather(self.tp_argmax_pairs(self._decode_logits), self._tp_decode_gathered)
 
     def verify(self, tokens: Sequence[int]) -> int:
         """k draft tokens at the next k positions in one forward; rows [k, vocab] in the logits buffer."""
@@ -300,7 +322,7 @@ class NumpyEngine(EngineBase):
         logits = self._lm_head(h)
         self._hidden_rows = h  # the rows behind these logits (hidden_rows_ptr)
         if self._logits.shape[0] != logits.shape[0]:
-            self._logits = np.empty((logits.shape[0], self.cfg.vocab_size), self._logits_dtype)
+            self._logits = np.empty(logits.shape, self._logits_dtype)
         self._logits[:] = self._round_logits(logits)
         self._n_rows = logits.shape[0]
 
@@ -316,9 +338,27 @@ class NumpyEngine(EngineBase):
         rows = ptr._buffer[ptr.row:ptr.row + n]
         return host_argmax(bf16_bits_to_fp32(rows) if rows.dtype == np.uint16 else rows)
 
+    def tp_argmax_pairs(self, rows: np.ndarray) -> np.ndarray:
+        """A rank's candidates for the distributed argmax (parallel/comm.pick_argmax): [n, 2] fp32 of
+        (value, global index) of each row's first maximum in this rank's range; (NaN, -1) for a row
+        holding NaN or Inf."""
+        values = bf16_bits_to_fp32(rows) if rows.dtype == np.uint16 else np.asarray(rows, np.float32)
+        idx = host_argmax(values)
+        out = np.empty((len(idx), 2), np.float32)
+        out[:, 0] = np.where(idx >= 0, values[np.arange(len(idx)), np.maximum(idx, 0)], np.nan)
+        out[:, 1] = np.where(idx >= 0, idx + self.tp.vocab.start, -1)
+        return out
+
 
 def load_numpy_engine(cfg: ModelConfig, source: WeightSource, max_context: int, fp32_logits: bool = False,
-                      progress=None) -> NumpyEngine:
-    """Check and convert the weights, then build the engine (cache sized for max_context positions)."""
+                      progress=None, tp=None) -> NumpyEngine:
+    """Check and convert the weights, then build the engine (cache sized for max_context positions).
+    With `tp` (parallel/comm.ParallelRank) only that rank's shard is kept, and the engine is that rank's."""
     check_context(cfg, max_context)  # refuse before converting gigabytes of weights
-    return NumpyEngine(cfg, read_weights(cfg, source, progress), max_context, fp32_logits)
+    if tp is None:
+        return NumpyEngine(cfg, read_weights(cfg, source, progress), max_context, fp32_logits)
+    from ...parallel.sharding import RankShard, rank_config
+
+    shard = RankShard(cfg.definition, tp.rank, tp.size)
+    return NumpyEngine(rank_config(cfg, tp.rank, tp.size), read_weights(cfg, source, progress, shard),
+                       max_context, fp32_logits, tp=tp)
