@@ -32,6 +32,12 @@ from metrale_cli.config import load_config  # noqa: E402
 from metrale_cli.models.spec import MoeSpec  # noqa: E402
 
 
+# The per-step launches (final norm, lm_head, logits to bf16, argmax) are timed STEP_REPEAT times in one graph
+# and divided, like the per-layer rows over L layers: a graph of one launch also times the graph launch itself
+# (the first H200 run timed them one per graph: final norm 6.7 us, logits to bf16 4.2 us, which is mostly that).
+STEP_REPEAT = 8
+
+
 def time_graph(eng, launch, repeats: int) -> float:
     """Median seconds of one replay of a graph of `launch()` (warmed up eagerly first)."""
     cp, s = eng.cp, eng.stream
@@ -97,7 +103,7 @@ def layer_ops(eng, path: str):
     def attn_part(only):
         def run(i):
             a = defs[i].attention
-            k.attention_decode(q_of("rows"), eng._kc[i], eng._vc[i], p.pos, eng._attn[:1], a.scale,
+            k.attention_decode(q_of(path), eng._kc[i], eng._vc[i], p.pos, eng._attn[:1], a.scale,
                                n_splits=eng._splits[1], workspace=eng._ws, window=_window(eng, a), softcap=a.softcap,
                                only=only, stream=eng.stream)
         return run
@@ -122,18 +128,21 @@ def layer_ops(eng, path: str):
         ("gate_up GEMV (norm, act)", 1, lambda i: nb(lw(i, "gate_up"), lw(i, "mlp_norm")), gate_up),
         ("down GEMV (+= residual)", 1, lambda i: nb(lw(i, "down")), down),
     ]
+    split_combine = [
+        ("attention split", 1, kv_bytes, attn_part("split")),
+        ("attention combine", 1, lambda i: 0, attn_part("combine")),
+    ]
     if path == "fused":
+        attention = ([("attention, combine fused", 1, kv_bytes, attn_fused)] if fp.plan["attention"] is None
+                     else split_combine)  # split + combine unless --fused-attention (set_fused_attention)
         return [
             ("qkv GEMV + rope + KV append", 1, lambda i: nb(lw(i, "qkv"), lw(i, "qkv_bias"), lw(i, "input_norm")),
              qkv_fused),
-            ("attention, combine fused", 1, kv_bytes, attn_fused),
-        ] + common
+        ] + attention + common
     return [
         ("qkv GEMV (norm)", 1, lambda i: nb(lw(i, "qkv"), lw(i, "qkv_bias"), lw(i, "input_norm")), qkv_rows),
         ("rope + KV append", 1, lambda i: 0, rope),
-        ("attention split", 1, kv_bytes, attn_part("split")),
-        ("attention combine", 1, lambda i: 0, attn_part("combine")),
-    ] + common
+    ] + split_combine + common
 
 
 def step_ops(eng):
@@ -150,8 +159,10 @@ def step_ops(eng):
     ]
 
 
-def breakdown(eng, path: str, bw: float, repeats: int, decode_once, timer) -> dict:
+def breakdown(eng, path: str, bw: float, repeats: int, decode_once, timer, fused_attention: bool = False) -> dict:
     eng.set_path(path)
+    if path == "fused":
+        eng.set_fused_attention(fused_attention)
     L = eng.cfg.num_hidden_layers
     dense = [i for i, layer in enumerate(eng.cfg.definition.layers) if not isinstance(layer.mlp, MoeSpec)]
     rows = []
@@ -165,8 +176,8 @@ def breakdown(eng, path: str, bw: float, repeats: int, decode_once, timer) -> di
         eng.cp.cuda.Device().synchronize()
         b = statistics.mean(nbytes(i) for i in layers)
         rows.append(dict(kernel=name, launches=per_layer * len(layers), us=t * 1e6, bytes=b, floor_us=b / bw * 1e6))
-    for name, b, fn in step_ops(eng):
-        t = time_graph(eng, fn, repeats)
+    for name, b, fn in step_ops(eng):  # idempotent launches: STEP_REPEAT of them per graph, as the layers' rows
+        t = time_graph(eng, lambda: [fn() for _ in range(STEP_REPEAT)], repeats) / STEP_REPEAT
         rows.append(dict(kernel=name, launches=1, us=t * 1e6, bytes=b, floor_us=b / bw * 1e6))
     eng.check_fused()
     # the cache rows the isolated launches wrote at position `length` are rewritten by the next decode
@@ -198,6 +209,9 @@ def main() -> int:
     ap.add_argument("--paths", default="rows,fused")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--json", default=None, help="also write the numbers here")
+    ap.add_argument("--fused-attention", action="store_true",
+                    help="on the fused path, time the attention with its combine in the last split block "
+                         "(CudaEngine.set_fused_attention) instead of split + combine")
     args = ap.parse_args()
     paths = bench.check_paths(tuple(args.paths.split(",")), "cuda")
     cfg = load_config(bench.preset_path(args.preset))
@@ -221,7 +235,7 @@ def main() -> int:
           f"(medians of {args.repeats} graph replays per row)")
     results = []
     for p in paths:
-        res = breakdown(eng, p, bw, args.repeats, decode_once, timer)
+        res = breakdown(eng, p, bw, args.repeats, decode_once, timer, args.fused_attention)
         eng.trim(args.context)
         results.append(res)
         print(render(res, floor_us), flush=True)

@@ -94,10 +94,11 @@ def kern():
     k._workspace, k.pdl, k._pdl_launcher = None, False, None
     k.calls = []
     every = (names.name_expressions() + names.name_expressions(extra=True) + names.fused_name_expressions()
-             + names.PLAIN_KERNELS)
+             + names.fused_attention_name_expressions() + names.PLAIN_KERNELS)
     k._fn = {n: Recorder(n, k.calls) for n in every}
     k._extra_names, k._extra_module = frozenset(), object()
     k._fused_names, k._fused_module = frozenset(), object()
+    k._fused_attn_names, k._fused_attn_module = frozenset(), object()
     return k
 
 

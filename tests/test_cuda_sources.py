@@ -31,7 +31,8 @@ def _nvcc() -> str | None:
 
 def _all_instances() -> list[str]:
     return (list(names.name_expressions()) + list(names.name_expressions(extra=True))
-            + list(names.fused_name_expressions()) + list(names.PLAIN_KERNELS))
+            + list(names.fused_name_expressions()) + list(names.fused_attention_name_expressions())
+            + list(names.PLAIN_KERNELS))
 
 
 def _defining_file() -> dict[str, str]:

@@ -7,7 +7,9 @@ contexts that cross many splits and both combine batches.  Both fused kernels do
 arithmetic in the same order, so they are held to 1e-6 (in practice equal) and their last-block counters
 must be back at zero after every launch (a launch that lost a block leaves one non-zero).
 
-Engine: fresh random checkpoints (llama, qwen3 with q/k norm at head_dim 128, llama3 rope, mistral
+The engine's fused path runs the attention as split + combine (the combine in the last split block
+measured slower on the H200); that kernel stays behind CudaEngine.set_fused_attention(True), tested here
+too.  Engine: fresh random checkpoints (llama, qwen3 with q/k norm at head_dim 128, llama3 rope, mistral
 head_dim 32): logits of the fused path vs the rows path (<= 1e-4) and the NumPy engine (the parity
 tests' 2e-2), greedy tokens equal except near-ties, graph replay == eager bit for bit, verify == sequential
 decode, trim then decode, and a 3000-token context (47 active splits: two combine batches).
@@ -212,11 +214,17 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-def gpu_engine(path, ctx=160, fused=True, **kw):
+def gpu_engine(path, ctx=160, fused=True, fused_attention=False, **kw):
+    """fused: the engine on the fused path, whose attention is split + combine unless fused_attention
+    (set_fused_attention: the combine in the last split block, off by default since the H200 run)."""
     e = open_model(path, device="cuda", max_context=ctx, fp32_logits=True).engine
     if fused:
         e.set_path("fused")
-        assert e.path == "fused" and e.fused_plan(1) == {"qkv_rope": None, "attention": None}
+        if fused_attention:
+            e.set_fused_attention(True)
+        plan = e.fused_plan(1)
+        assert e.path == "fused" and plan["qkv_rope"] is None
+        assert (plan["attention"] is None) == fused_attention
     for k, v in kw.items():
         setattr(e, k, v)
     return e
@@ -264,6 +272,29 @@ def test_fused_greedy_matches_rows_path_and_numpy(cp, checkpoints, name, rng):
     same = rel(rb[:m], rc[:m])
     print(f"{name}: fused vs numpy {err:.2e} over {n} rows, fused vs rows path {same:.2e} over {m}")
     assert err <= 2e-2 and same <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral"])
+def test_fused_attention_option_matches_rows_path(cp, checkpoints, name, rng):
+    """set_fused_attention(True) (the combine in the last split block, kept behind the option): decode and
+    verify logits equal the default fused path's and the rows path's, graphs and counters included."""
+    path = checkpoints[name]
+    engines = {"rows": gpu_engine(path, fused=False), "fused": gpu_engine(path),
+               "fused+attn": gpu_engine(path, fused_attention=True)}
+    prompt = [int(t) for t in rng.integers(0, engines["rows"].vocab_size(), 11)]
+    drafts = [int(t) for t in rng.integers(0, engines["rows"].vocab_size(), 5)]
+    out = {}
+    for key, e in engines.items():
+        e.prefill(prompt)
+        got = []
+        for t in drafts:
+            e.decode(t)
+            got.append(rows(e, e.decode_logits_ptr(), 1)[0])
+        e.verify(drafts)
+        got += list(rows(e, e.logits_buffer_ptr(), len(drafts)))
+        e.check_fused()
+        out[key] = np.stack(got)
+    assert rel(out["fused"], out["rows"]) <= 1e-4 and rel(out["fused+attn"], out["rows"]) <= 1e-4
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])

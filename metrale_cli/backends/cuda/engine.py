@@ -52,8 +52,10 @@ from .passes import FusedRowsPass, PrefillPass, RowsPass, fused_plan
 
 # The rows-path variants (`CudaEngine.set_path`, `load_cuda_engine(path=)`, METRALE_CUDA_PATH, `metrale bench
 # --path`): "rows" = RowsPass, 7 launches per dense layer (the default until the fused path is measured
-# faster on the H200); "fused" = FusedRowsPass, 5 (rope + KV append in the qkv GEMV epilogue, the attention
-# combine in the split kernel's last block).  Both give the same logits (tests/gpu/test_fused_path.py).
+# faster on the H200); "fused" = FusedRowsPass, 6 (rope + KV append in the qkv GEMV epilogue; attention
+# split + combine as on the rows path: the combine fused into the split kernel's last block measured slower,
+# 14.4 us vs 9.4 us per layer at 1024 context, and is taken only with set_fused_attention(True)).  Both give
+# the same logits (tests/gpu/test_fused_path.py).
 ROWS_PATHS = ("rows", "fused")
 DEFAULT_PATH = "rows"
 PATH_ENV = "METRALE_CUDA_PATH"
@@ -199,6 +201,9 @@ class CudaEngine(EngineBase):
         # when it is first taken.
         self.path = DEFAULT_PATH
         self._qkv_counters = self._attn_counters = None
+        # The fused path's attention with the combine in the last split block (set_fused_attention): off by
+        # default, the H200 measured it slower than split + combine (NOTES.md, issue 16).
+        self.fused_attention = False
         self._long_logits = None  # [rows, V] for long prefills, grown on demand
         self._decode_amax_fresh = False
         # longrope (engine/longrope.py): the cached tokens, to recompute the cache when a call switches
@@ -234,6 +239,21 @@ class CudaEngine(EngineBase):
             self._attn_counters = cp.zeros((MAX_ROWS * heads,), cp.int32)
             cp.cuda.Device().synchronize()  # the zero fills ran on the legacy stream
         self.path = path
+        self._graphs.clear()
+
+    def set_fused_attention(self, enabled: bool) -> None:
+        """On the fused path, run the attention split kernel with its combine in the last split block
+        (kernels.names.fused_attention_name_expressions, compiled now) instead of split + combine; off by
+        default (measured slower on the H200: 14.37 us vs 6.43 + 2.99 us per layer, llama-3.1-8b at 1024
+        context).  Recaptures the graphs; the KV cache and length are kept.  Same values either way."""
+        self.synchronize()
+        if enabled:
+            try:
+                self.kern.load_fused_attention()
+            except Exception as e:
+                raise DeviceError(f"cannot compile the fused attention kernels ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        self.fused_attention = bool(enabled)
         self._graphs.clear()
 
     def fused_plan(self, m: int = 1) -> dict[str, str | None]:

@@ -157,22 +157,31 @@ class RowsPass(RowsMoe, _Pass):
         return attn.reshape(m, a.q_size)
 
 
+# Why the fused path keeps the attention split + combine pair unless CudaEngine.set_fused_attention(True).
+ATTENTION_UNFUSED = ("split + combine (the combine in the last split block measured slower on the H200: 14.4 us "
+                     "vs 9.4 us per layer at 1024 context; CudaEngine.set_fused_attention)")
+
+
 def fused_plan(engine: CudaEngine, m: int) -> dict[str, str | None]:
     """What the fused rows path fuses for m rows, decided here and only here: {op: None (fused) or why
     it runs the rows path's launches instead}.  "qkv_rope": the qkv GEMV with rope + KV append in its
     epilogue (gemv_qkv_rope), "attention": the split kernel with its combine (attention_decode with
-    counters).  Every model feature of the rows path is in the fused kernels (they call the same rope and
-    merge code: partial rotary, longrope factors, q/k norms, qkv bias, windows, softcaps, every head_dim);
-    what is missing is a fused qkv instance of the fp32-FMA GEMV's shared-memory variant (gemv_impl
-    "simt" from 9 rows on)."""
-    return {"qkv_rope": engine.kern.qkv_rope_fusable(m, engine.gemv_impl), "attention": None}
+    counters), only with engine.fused_attention (set_fused_attention; off by default: measured slower).
+    Every model feature of the rows path is in the fused kernels (they call the same rope and merge code:
+    partial rotary, longrope factors, q/k norms, qkv bias, windows, softcaps, every head_dim); what is
+    missing is a fused qkv instance of the fp32-FMA GEMV's shared-memory variant (gemv_impl "simt" from 9
+    rows on)."""
+    return {"qkv_rope": engine.kern.qkv_rope_fusable(m, engine.gemv_impl),
+            "attention": None if getattr(engine, "fused_attention", False) else ATTENTION_UNFUSED}
 
 
 class FusedRowsPass(RowsPass):
     """The rows path with fewer launches per layer (engine path "fused"): the qkv GEMV (norm fused) also
-    rotates q/k and appends k/v to the cache in the block that finishes each head (gemv_qkv_rope), and
-    the attention split kernel merges its splits in the last block to finish (no combine launch).  Per
-    dense layer: qkv+rope+append, attention, o(+=), gate_up(norm, act), down(+=) = 5 launches (rows: 7).
+    rotates q/k and appends k/v to the cache in the block that finishes each head (gemv_qkv_rope); the
+    attention is the rows path's split + combine unless engine.fused_attention (then the split kernel
+    merges its splits in the last block to finish: no combine launch).  Per dense layer: qkv+rope+append,
+    attention split, combine, o(+=), gate_up(norm, act), down(+=) = 6 launches (rows: 7; 5 with
+    fused_attention).
     The deferred qkv projection: `linear(out="qkv")` records its operands, `rope_kv_append` launches the
     fused kernel (decoder_forward always calls them in that order).  Values equal the rows path's (the
     same arithmetic in the same order), which tests/gpu/test_fused_path.py checks."""

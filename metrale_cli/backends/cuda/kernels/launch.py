@@ -9,6 +9,7 @@ from .checks import OperandChecks
 from .names import (
     PLAIN_KERNELS,
     decode_name,
+    fused_attention_name_expressions,
     fused_name_expressions,
     fused_qkv_fp32_rows,
     gemv_name,
@@ -60,6 +61,8 @@ class Kernels(OperandChecks, UnfusedKernels):
         self._extra_module = None
         self._fused_names = frozenset(fused_name_expressions())
         self._fused_module = None
+        self._fused_attn_names = frozenset(fused_attention_name_expressions())
+        self._fused_attn_module = None
         dev = cupy.cuda.Device()
         self.device_id = dev.id
         self.num_sms = int(dev.attributes["MultiProcessorCount"])
@@ -99,12 +102,22 @@ class Kernels(OperandChecks, UnfusedKernels):
             self._fused_module = compile_module(self._cp, names)
             self._fn.update({n: self._fused_module.get_function(n) for n in names})
 
+    def load_fused_attention(self) -> None:
+        """Compile the fused-combine attention module (names.fused_attention_name_expressions) now; the
+        engine does so when set_fused_attention(True) asks for it, before any capture."""
+        if self._fused_attn_module is None:
+            names = tuple(sorted(self._fused_attn_names))
+            self._fused_attn_module = compile_module(self._cp, names)
+            self._fn.update({n: self._fused_attn_module.get_function(n) for n in names})
+
     def _has(self, name: str) -> bool:
-        """Whether the kernel instance `name` is compiled (compiling the extra or fused module if it is there)."""
+        """Whether the kernel instance `name` is compiled (compiling the extra or a fused module if it is there)."""
         if name not in self._fn and name in self._extra_names:
             self.load_extra()
         if name not in self._fn and name in self._fused_names:
             self.load_fused()
+        if name not in self._fn and name in self._fused_attn_names:
+            self.load_fused_attention()
         return name in self._fn
 
     def _launch(self, name: str, grid: tuple, block: tuple, args: tuple, stream: Any) -> None:

@@ -85,10 +85,18 @@ def fused_qkv_fp32_rows() -> tuple[int, ...]:
 
 def fused_name_expressions() -> tuple[str, ...]:
     """The instances of the fused module (compiled by Kernels.load_fused, only when the engine takes the
-    fused rows path): the fused qkv GEMVs for every row count of the rows path and the split kernels
-    with their combine fused, for every head_dim, query block and window / softcap variant."""
+    fused rows path): the fused qkv GEMVs (+ rope + KV append) for every row count of the rows path."""
     names = [gemv_qkv_rope_name(m, *GEMV_DEFAULT[m]) for m in fused_qkv_fp32_rows()]
     names += [gemv_tc_qkv_rope_name(2 if m > 8 else 1, *cfg) for m, cfg in GEMV_TC_DEFAULT.items()]
+    return tuple(dict.fromkeys(names))
+
+
+def fused_attention_name_expressions() -> tuple[str, ...]:
+    """The split kernels with their combine fused into the last split block, for every head_dim, query block
+    and window / softcap variant: their own module (Kernels.load_fused_attention), compiled only on request
+    (attention_decode with `counters`, CudaEngine.set_fused_attention).  The fused rows path does not use them
+    by default: on the H200 the pair split + combine was faster (NOTES.md, issue 16)."""
+    names = []
     for hd in DECODE_HEAD_DIMS:
         for qb in (8, 16) if hd in DECODE_TC_HEAD_DIMS else (1, 2, 4):
             names.append(decode_name(hd, qb, fused=True))
