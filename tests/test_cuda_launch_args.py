@@ -146,6 +146,20 @@ def test_elementwise_and_norm_launches(kern):
     check(kern, 10)
 
 
+def test_split_argmax_launches(kern):
+    """Fewer rows than SMs and a row of more than one ARGMAX_CHUNK: several blocks per row (one launch, the
+    last block reduces); the workspace is checked; many rows or short rows: one block per row."""
+    assert [kern.argmax_blocks(n, V) for n, V in ((1, 128256), (1, 262144), (16, 128256), (1, 4096), (1, 2048),
+                                                  (132, 128256), (6, 32003))] == [63, 128, 63, 2, 0, 0, 16]
+    kern.argmax(bf16(1, 128256), i32(1), workspace=i32(kern.argmax_workspace_size(1, 63)))
+    kern.argmax(f32(2, 262144), i32(2), workspace=i32(kern.argmax_workspace_size(2, 128)))
+    kern.argmax(f32(200, 128256), i32(200))
+    assert [c[0] for c in kern.calls] == ["argmax_split_bf16_kernel", "argmax_split_f32_kernel", "argmax_f32_kernel"]
+    check(kern, 3)
+    with pytest.raises(ValueError, match="workspace"):
+        kern.argmax(bf16(1, 128256), i32(1), workspace=i32(kern.argmax_workspace_size(1, 63) - 1))
+
+
 @pytest.mark.parametrize("m", [1, 2, 5, 16])
 def test_gemv_launches(kern, m):
     kern.gemv(f32(m, K), bf16(N, K), f32(m, N), bf16(N), accumulate=True)

@@ -237,7 +237,14 @@ class FakeKernels:
                           softcap=None, stream=None):
         out[:T] = self._attend(q[:T], k_cache, v_cache, start_pos + np.arange(T), scale, window, softcap)
 
-    def argmax(self, rows, out, *, stream=None):
+    def argmax_blocks(self, n, V):
+        return 0 if V <= 4096 else 2
+
+    @staticmethod
+    def argmax_workspace_size(n, nb):
+        return n + 2 * n * nb
+
+    def argmax(self, rows, out, *, workspace=None, stream=None):
         r = f32(rows) if rows.dtype == np.uint16 else np.asarray(rows)
         out[...] = np.argmax(r, axis=-1)
 

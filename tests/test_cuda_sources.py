@@ -115,3 +115,12 @@ def test_cuda_source_compiles(compiled, label):
         plain = set(names.PLAIN_KERNELS) & set(KERNEL_DEF.findall((nvrtc._CUDA_DIR / f).read_text()))
         n_kernels += len(plain - set(insts))
     assert len(entries) == n_kernels, f"{label}: {len(entries)} kernels in the PTX, expected {n_kernels}"
+
+
+def test_split_argmax_constants_match_the_source():
+    from metrale_cli.backends.cuda.kernels import tuning
+
+    src = (nvrtc._CUDA_DIR / "argmax.cu").read_text()
+    threads = int(re.search(r"#define ARGMAX_THREADS (\d+)", src).group(1))
+    per = int(re.search(r"#define ARGMAX_PER (\d+)", src).group(1))
+    assert (tuning.ARGMAX_THREADS, tuning.ARGMAX_CHUNK) == (threads, threads * per)

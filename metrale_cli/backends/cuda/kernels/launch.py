@@ -22,6 +22,8 @@ from .names import (
 from .nvrtc import compile_module
 from .pdl import PdlLauncher
 from .tuning import (
+    ARGMAX_CHUNK,
+    ARGMAX_THREADS,
     ATTN_CHUNK_ALIGN,
     ATTN_TC_WARPS,
     ATTN_WARPS,
@@ -717,9 +719,31 @@ class Kernels(OperandChecks, UnfusedKernels):
         args = (gate_up, out, np.int32(M), np.int32(I2 // 2), self._act(activation))
         self._launch("swiglu_kernel", (self._grid1d(n),), (256,), args, stream)
 
-    def argmax(self, rows: Any, out: Any, *, stream: Any = None) -> None:
+    def argmax_blocks(self, n: int, V: int) -> int:
+        """Blocks per row of the split argmax (argmax_split_*_kernel) for n rows of V, or 0 for the one-block-
+        per-row kernel: one block per ARGMAX_CHUNK elements, at most 8 resident-sized waves of the GPU over
+        all rows; the one-block kernel when the row fits in two chunks or n rows alone fill the SMs."""
+        chunks = _ceil_div(int(V), ARGMAX_CHUNK)
+        if chunks < 2 or n >= self.num_sms:
+            return 0
+        return max(2, min(chunks, (8 * self.num_sms) // max(1, int(n))))
+
+    @staticmethod
+    def argmax_workspace_size(n: int, nb: int) -> int:
+        """int32 elements of the split argmax's workspace: n counters (zero before and after every launch)
+        and nb (value, index) partials per row."""
+        return int(n) + 2 * int(n) * int(nb)
+
+    def argmax(self, rows: Any, out: Any, *, workspace: Any = None, stream: Any = None) -> None:
         """out[i] = index of the first maximum of rows[i] (torch.argmax), or -1 if rows[i] holds
-        any NaN or +-Inf.  rows f32 or bf16 [n, V]; out int32[n]."""
+        any NaN or +-Inf.  rows f32 or bf16 [n, V]; out int32[n].
+        Fewer rows than SMs (argmax_blocks > 0): several blocks per row in one launch, the last block of
+        each row reducing their partials (argmax_split_*_kernel); else one block per row.  The same index
+        either way (ties, NaN, Inf: tests/gpu/test_kernels.py).  The split kernel needs `workspace`:
+        int32[>= argmax_workspace_size(n, argmax_blocks(n, V))] whose first n elements are zero (every
+        launch leaves them zero; the rest is scratch); None: an internal one, grown on demand (zeroed and
+        synchronised: make one eager call before capturing, or pass your own, and pass your own when calls
+        on different streams may overlap)."""
         np = self._np
         self._arr(rows, "rows")
         self._i32(out, "out", 1)
@@ -729,14 +753,32 @@ class Kernels(OperandChecks, UnfusedKernels):
         if V == 0 or V >= 2**31:
             raise ValueError(f"argmax: V = {V} must be in 1..2^31-1")
         if rows.dtype == np.float32:
-            name = "argmax_f32_kernel"
+            kind = "f32"
         elif self._is_bf16(rows.dtype):
-            name = "argmax_bf16_kernel"
+            kind = "bf16"
         else:
             raise ValueError(f"rows: dtype must be float32 or bfloat16, got {rows.dtype}")
         if n == 0:
             return
-        self._launch(name, (n,), (1024,), (rows, out, np.int32(V)), stream)
+        nb = self.argmax_blocks(n, V)
+        if nb == 0:
+            self._launch(f"argmax_{kind}_kernel", (n,), (1024,), (rows, out, np.int32(V)), stream)
+            return
+        need = self.argmax_workspace_size(n, nb)
+        if workspace is None:
+            ws = self.__dict__.get("_argmax_ws")
+            if ws is None or ws.size < need:
+                ws = self._cp.zeros(max(need, 1 << 14), dtype=self._cp.int32)
+                self._cp.cuda.Device().synchronize()  # the zero fill ran on the current stream
+                self._argmax_ws = ws
+            workspace = ws
+        else:
+            self._i32(workspace, "workspace", 1)
+            if workspace.shape[0] < need:
+                raise ValueError(f"workspace: {workspace.shape[0]} int32 elements, need {need}")
+            self._disjoint(workspace, "workspace", out, "out")
+        self._launch(f"argmax_split_{kind}_kernel", (nb, n), (ARGMAX_THREADS,), (rows, out, np.int32(V), workspace),
+                     stream)
 
     def f32_to_bf16(self, x: Any, out: Any, *, stream: Any = None) -> None:
         """out = bf16(x), round to nearest even, NaN -> 0x7FC0 (torch CPU semantics).

@@ -172,5 +172,7 @@ PLAIN_KERNELS = (
     "attn_decode_combine_kernel",
     "argmax_f32_kernel",
     "argmax_bf16_kernel",
+    "argmax_split_f32_kernel",
+    "argmax_split_bf16_kernel",
 )
 
