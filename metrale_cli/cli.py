@@ -979,7 +979,7 @@ def bench(
     paths: Annotated[Optional[str], typer.Option(
         "--path", metavar="NAME,NAME,...",
         help="CUDA rows-path variants to time side by side in this run: rows (today's kernels), fused (rope + KV "
-             "append in the qkv GEMV, attention with its combine). The figures above the table are taken on the "
+             "append in the qkv GEMV). The figures above the table are taken on the "
              "first.", show_default=False)] = None,
     fmt: FormatOpt = None,
     tp: TpOpt = None,
