@@ -8,6 +8,12 @@ A model is built from a preset in configs/ with random weights (drawn on the dev
 - the GEMM rate: a large bf16 matrix product (fp32 on the CPU).
 Then decode ms/token, verify ms for each k, prefill tokens/s and, when transformers is importable (GPU),
 transformers eager on the same weights. Device times are CUDA-event medians after warm-up.
+
+With `paths` (`metrale bench --path rows,fused`, CUDA only) the standard figures are taken on the first
+path, and then every path in turn is timed in the same run, on the same engine, weights and KV cache:
+decode step (ms, x floor, fraction of the read bandwidth = floor / step), verify for each k (ms, x that
+path's decode step), and one decode step's logits against the first path's (max |diff|, argmax), with the
+fused path's counters checked afterwards (BenchResult.paths; render.render_bench shows them side by side).
 """
 
 from __future__ import annotations
@@ -40,6 +46,21 @@ class Figure:
 
 
 @dataclass
+class PathResult:
+    """One rows-path variant (CudaEngine.set_path) measured beside the others in the same run."""
+
+    path: str
+    decode_ms: float
+    floor_ratio: float  # decode step / decode floor
+    bandwidth_fraction: float  # floor bytes / decode step / read bandwidth (= 1 / floor_ratio)
+    verify_ms: dict[str, float] = field(default_factory=dict)  # k -> ms
+    verify_ratio: dict[str, float] = field(default_factory=dict)  # k -> verify ms / this path's decode step
+    logits_max_abs_diff: float | None = None  # one decode step's logits vs the first path's (None: the first)
+    argmax_matches: bool | None = None
+    fallbacks: dict[str, str] = field(default_factory=dict)  # op -> why this path runs it unfused (decode)
+
+
+@dataclass
 class BenchResult:
     preset: str
     device: str
@@ -49,6 +70,7 @@ class BenchResult:
     kv_bytes: int
     figures: list[Figure] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    paths: list[PathResult] = field(default_factory=list)  # --path: each rows-path variant, side by side
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -214,9 +236,23 @@ def build_engine(cfg: ModelConfig, device: str, context: int, tp: int | None = N
     return load_numpy_engine(cfg, source, context)
 
 
+def check_paths(paths: tuple[str, ...] | None, device: str) -> tuple[str, ...] | None:
+    """The --path list: known names (backends.cuda.engine.ROWS_PATHS), no repeats, CUDA only."""
+    if not paths:
+        return None
+    if device != "cuda":
+        raise UsageError("--path compares the CUDA engine's rows paths: it needs --device cuda")
+    from .backends.cuda.engine import check_path  # no CuPy needed
+    return tuple(dict.fromkeys(check_path(p) for p in paths))
+
+
 def run_bench(preset: str, *, device: str = "cpu", context: int = 1024, ks: tuple[int, ...] = (1, 2, 4, 8),
               prefill_tokens: int = 2048, repeats: int = 50, transformers_steps: int = 20,
-              with_transformers: bool = True, progress=None, tp: int | None = None) -> BenchResult:
+              with_transformers: bool = True, progress=None, tp: int | None = None,
+              paths: tuple[str, ...] | None = None) -> BenchResult:
+    paths = check_paths(paths, device)
+    if paths and tp is not None:
+        raise UsageError("--path times the single-GPU engine's rows paths: it does not take --tp")
     path = preset_path(preset)
     cfg = load_config(path)
     say = progress or (lambda msg: None)
@@ -226,7 +262,7 @@ def run_bench(preset: str, *, device: str = "cpu", context: int = 1024, ks: tupl
     eng = build_engine(cfg, device, ctx_alloc, tp)
     try:
         return _run_bench(eng, path.stem, cfg, device, context, ks, prefill_tokens, repeats, transformers_steps,
-                          with_transformers and tp is None, say, tp)
+                          with_transformers and tp is None, say, tp, paths)
     finally:
         close = getattr(eng, "close", None)
         if close is not None:
@@ -235,7 +271,7 @@ def run_bench(preset: str, *, device: str = "cpu", context: int = 1024, ks: tupl
 
 def _run_bench(eng, name: str, cfg: ModelConfig, device: str, context: int, ks: tuple[int, ...],
                prefill_tokens: int, repeats: int, transformers_steps: int, with_transformers: bool, say,
-               tp: int | None) -> BenchResult:
+               tp: int | None, paths: tuple[str, ...] | None = None) -> BenchResult:
     elem = 2 if device == "cuda" else 4
     streamed = _streamed_bytes(cfg, elem)
     kv_read = kv_bytes_read(cfg, context, elem)
@@ -270,6 +306,9 @@ def _run_bench(eng, name: str, cfg: ModelConfig, device: str, context: int, ks: 
     ]
     if cfg.moe is not None:
         res.figures.append(_experts_figure("decode step", cfg, step_bytes, streamed, elem))
+
+    if paths:
+        eng.set_path(paths[0])
 
     def decode_once():
         eng.decode(5)
@@ -317,6 +356,10 @@ def _run_bench(eng, name: str, cfg: ModelConfig, device: str, context: int, ks: 
                                       v / vfloor))
             res.figures.append(_experts_figure(f"verify k={k}", cfg, vb, streamed, elem))
 
+    if paths:
+        res.paths = _time_paths(eng, paths, timer, decode_once, floor, ks, context, repeats, rng, cfg.vocab_size, say)
+        eng.set_path(paths[0])
+
     say(f"prefill of {prefill_tokens} tokens")
     prompt = [int(t) for t in rng.integers(0, cfg.vocab_size, prefill_tokens)]
 
@@ -341,6 +384,51 @@ def _run_bench(eng, name: str, cfg: ModelConfig, device: str, context: int, ks: 
             res.figures.append(Figure("transformers eager decode", hf * 1e3, "ms",
                                       ">= 20 x slower than metrale", hf / decode_s, hf >= 20 * decode_s))
     return res
+
+
+def _time_paths(eng, paths, timer, decode_once, floor: float, ks, context: int, repeats: int, rng, vocab: int,
+                say) -> list[PathResult]:
+    """Each rows path in turn on the same engine and KV cache: decode, verify per k, and one step's logits
+    against the first path's (the fused path's counters are checked after its runs: DeviceError if not)."""
+    drafts = {k: [int(t) for t in rng.integers(0, vocab, k)] for k in ks}
+    out: list[PathResult] = []
+    first = None
+    for name in paths:
+        say(f"rows path '{name}': decode and verify")
+        eng.set_path(name)
+        step = timer.time(decode_once, repeats)
+        r = PathResult(name, step * 1e3, step / floor, floor / step)
+        if name == "fused":
+            r.fallbacks = {op: why for op, why in eng.fused_plan(1).items() if why}
+        for k in ks:
+            def verify_once(d=drafts[k]):
+                eng.verify(d)
+                eng.trim(context)
+
+            v = timer.time(verify_once, repeats)
+            r.verify_ms[str(k)], r.verify_ratio[str(k)] = v * 1e3, v / step
+        eng.trim(context)
+        eng.decode(5)
+        logits = _decode_logits(eng)
+        eng.trim(context)
+        eng.check_fused()
+        if first is None:
+            first = logits
+        else:
+            r.logits_max_abs_diff = float(np.max(np.abs(logits - first)))
+            r.argmax_matches = bool(np.argmax(logits) == np.argmax(first))
+        out.append(r)
+    return out
+
+
+def _decode_logits(eng) -> np.ndarray:
+    """The decode logits row as fp32 on the host (bf16 logits widened exactly)."""
+    ptr = eng.decode_logits_ptr()
+    buf = bytearray(eng.row_nbytes(ptr))
+    eng.copy_logits_to_host(ptr, buf)
+    if eng.logits_ptr_is_fp32(ptr):
+        return np.frombuffer(buf, np.float32).copy()
+    return (np.frombuffer(buf, np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
 def _streamed_bytes(cfg: ModelConfig, elem: int) -> int:

@@ -976,6 +976,11 @@ def bench(
                                   "when transformers is installed).")] = False,
     json_path: Annotated[Optional[str], typer.Option("--json", metavar="PATH",
                                                      help="Also write the results as JSON (atomically).")] = None,
+    paths: Annotated[Optional[str], typer.Option(
+        "--path", metavar="NAME,NAME,...",
+        help="CUDA rows-path variants to time side by side in this run: rows (today's kernels), fused (rope + KV "
+             "append in the qkv GEMV). The figures above the table are taken on the "
+             "first.", show_default=False)] = None,
     fmt: FormatOpt = None,
     tp: TpOpt = None,
 ) -> None:
@@ -989,6 +994,7 @@ def bench(
     Examples:
       metrale bench --device cpu --preset tiny-llama --context 256 --prefill 256
       metrale bench --device cuda --context 8192 --json bench-8k.json
+      metrale bench --device cuda --path rows,fused --no-transformers
     """
     from . import bench as bench_mod
 
@@ -1003,7 +1009,11 @@ def bench(
         check_positive(value, name)
     if any(k < 1 for k in k_list):
         raise UsageError(f"--ks values must be at least 1, got '{ks}'")
+    path_list = tuple(p for p in (paths or "").replace(",", " ").split())
+    if paths is not None and not path_list:
+        raise UsageError("--path needs at least one name (rows, fused)")
     chosen = resolve_device(device)
+    path_list = bench_mod.check_paths(path_list, chosen)
     name = preset or ("llama-3.1-8b" if chosen == "cuda" else "tiny-llama")
     if tp is not None:
         from .config import load_config
@@ -1011,7 +1021,7 @@ def bench(
         check_tensor_parallel(tp, chosen, load_config(bench_mod.preset_path(name)))
     result = bench_mod.run_bench(name, device=chosen, context=context, ks=k_list, prefill_tokens=prefill,
                                  repeats=repeats, with_transformers=not no_transformers,
-                                 progress=lambda m: render.note(state.err, m), tp=tp)
+                                 progress=lambda m: render.note(state.err, m), tp=tp, paths=path_list)
     render.render_bench(state.out, fmt_, result)
     if target is not None:
         commit([(target.path, [json.dumps(result.to_json(), indent=2).encode() + b"\n"])])

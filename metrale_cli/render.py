@@ -73,6 +73,13 @@ inspect  {"command", "model", "architecture", "model_type", "layers", "heads", "
           same engine, and whether both produced the same tokens;
           {"load_s", "prefill_ms", "verify_ms"} for verify; {"load_s", "prefill_ms", "tokens_per_s"} for forward.
 
+bench    {"preset", "device", "context", "params", "streamed_bytes", "kv_bytes",
+          "figures": [{"name", "value", "unit", "target", "ratio", "met"}], "notes": [text],
+          "paths": [{"path", "decode_ms", "floor_ratio", "bandwidth_fraction", "verify_ms": {k: ms},
+                     "verify_ratio": {k: verify / that path's decode}, "logits_max_abs_diff" (vs the first path;
+                     null for it), "argmax_matches", "fallbacks": {op: why unfused}}] (empty without --path;
+          with it, "figures" are the first path's)
+
 compare (logits)  {"command": "compare", "kind": "logits", "a"/"b": {"path", "source", "dtype", "shape"},
           "rows", "vocab", "overall": {"max_abs_diff", "max_abs_a", "rel_err", "nmse", "cosine", "rel_diff"}
           (null when no row is finite on both sides), "top1": {"agree", "rows", "rate"}, "top5_overlap",
@@ -913,6 +920,11 @@ def render_bench(console: Console, fmt: str, result: Any) -> None:
             fields += [f"ratio: {f.ratio:.3f}"] if f.ratio is not None else []
             fields += [verdict(f)] if f.met is not None else []
             _write(console, " | ".join(fields))
+        if result.paths:
+            _write(console, "rows paths side by side (same run; verify: x that path's decode step):")
+            names = [p.path for p in result.paths]
+            for name, cells in _path_cells(result):
+                _write(console, f"{name}: " + " | ".join(f"{n} {c}" for n, c in zip(names, cells)))
         for n in result.notes:
             _write(console, f"note: {n}")
         return
@@ -925,8 +937,39 @@ def render_bench(console: Console, fmt: str, result: Any) -> None:
         t.add_row(f.name, f"{f.value:.4g}", f.unit, f.target, "" if f.ratio is None else f"{f.ratio:.3f}",
                   Text(verdict(f), style=style))
     console.print(t)
+    if result.paths:
+        console.print(_paths_table(result))
     for n in result.notes:
         console.print(f"note: {n}")
+
+
+def _path_cells(result: Any) -> list[tuple[str, list[str]]]:
+    """(metric, one cell per path) rows of the side-by-side table of bench --path."""
+    ps = result.paths
+    first = ps[0].path
+    ks = list(dict.fromkeys(k for p in ps for k in p.verify_ms))
+    out = [("decode step", [f"{p.decode_ms:.3f} ms" for p in ps]),
+           ("x floor", [f"{p.floor_ratio:.3f}" for p in ps]),
+           ("of read bandwidth", [f"{100 * p.bandwidth_fraction:.1f}%" for p in ps])]
+    for k in ks:
+        out.append((f"verify k={k}", [f"{p.verify_ms[k]:.3f} ms ({p.verify_ratio[k]:.3f} x)" if k in p.verify_ms
+                                      else "" for p in ps]))
+    out.append((f"logits vs {first}", ["" if p.logits_max_abs_diff is None else
+                                        f"max |diff| {p.logits_max_abs_diff:.3e}, argmax "
+                                        f"{'same' if p.argmax_matches else 'DIFFERS'}" for p in ps]))
+    if any(p.fallbacks for p in ps):
+        out.append(("unfused", [", ".join(f"{op}: {why}" for op, why in p.fallbacks.items()) for p in ps]))
+    return out
+
+
+def _paths_table(result: Any) -> Table:
+    t = Table(title="rows paths side by side (same run; verify: x that path's decode step)", title_justify="left")
+    t.add_column("figure", no_wrap=True)
+    for p in result.paths:
+        t.add_column(p.path, justify="right")
+    for name, cells in _path_cells(result):
+        t.add_row(name, *cells)
+    return t
 
 
 def note(err_console: Console, message: str) -> None:

@@ -40,10 +40,78 @@ def test_unknown_preset_lists_the_available_ones():
 
 
 @pytest.mark.parametrize("args, code", [(["--ks", "a,b"], 2), (["--context", "0"], 2), (["--prefill", "0"], 2),
-                                        (["--repeats=-1"], 2), (["--ks", "0"], 2)])
+                                        (["--repeats=-1"], 2), (["--ks", "0"], 2), (["--path", "rows,fused"], 2),
+                                        (["--path", ","], 2)])
 def test_bench_bad_options(args, code, capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "--device", "cpu", *args])
     assert e.value.code == code
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_path_names_are_checked():
+    from metrale_cli.bench import check_paths
+
+    assert check_paths(None, "cpu") is None
+    assert check_paths(("rows", "Fused", "rows"), "cuda") == ("rows", "fused")
+    with pytest.raises(UsageError, match="choose from rows, fused"):
+        check_paths(("rows", "persistent"), "cuda")
+    with pytest.raises(UsageError, match="--device cuda"):
+        check_paths(("fused",), "cpu")
+
+
+def _paths_result():
+    from metrale_cli.bench import BenchResult, Figure, PathResult
+
+    res = BenchResult("llama-3.1-8b", "cuda", 1024, 8030261248, 15011946496, 134217728)
+    res.figures = [Figure("decode floor", 3.436, "ms", "weights + KV bytes / read bandwidth")]
+    res.paths = [PathResult("rows", 4.954, 1.4418, 0.6936, {"4": 5.3, "8": 5.52}, {"4": 1.0698, "8": 1.1143}),
+                 PathResult("fused", 4.5, 1.3097, 0.7636, {"4": 4.9, "8": 5.1}, {"4": 1.0889, "8": 1.1333},
+                            0.0625, True, {"qkv_rope": "a reason"})]
+    return res
+
+
+def test_bench_renders_the_paths_side_by_side_in_plain_and_json():
+    import io
+
+    from rich.console import Console
+
+    from metrale_cli import render
+
+    res = _paths_result()
+    buf = io.StringIO()
+    render.render_bench(Console(file=buf, width=80, color_system=None), "plain", res)
+    lines = buf.getvalue().splitlines()
+    i = lines.index("rows paths side by side (same run; verify: x that path's decode step):")
+    assert lines[i + 1:i + 8] == [
+        "decode step: rows 4.954 ms | fused 4.500 ms",
+        "x floor: rows 1.442 | fused 1.310",
+        "of read bandwidth: rows 69.4% | fused 76.4%",
+        "verify k=4: rows 5.300 ms (1.070 x) | fused 4.900 ms (1.089 x)",
+        "verify k=8: rows 5.520 ms (1.114 x) | fused 5.100 ms (1.133 x)",
+        "logits vs rows: rows  | fused max |diff| 6.250e-02, argmax same",
+        "unfused: rows  | fused qkv_rope: a reason",
+    ]
+    data = res.to_json()
+    assert data["paths"][1] == {"path": "fused", "decode_ms": 4.5, "floor_ratio": 1.3097, "bandwidth_fraction": 0.7636,
+                                "verify_ms": {"4": 4.9, "8": 5.1}, "verify_ratio": {"4": 1.0889, "8": 1.1333},
+                                "logits_max_abs_diff": 0.0625, "argmax_matches": True,
+                                "fallbacks": {"qkv_rope": "a reason"}}
+    assert run_bench("tiny-llama", device="cpu", context=8, ks=(1,), prefill_tokens=8, repeats=1).paths == []
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_bench_paths_table_fits(width):
+    import io
+
+    from rich.cells import cell_len
+    from rich.console import Console
+
+    from metrale_cli import render
+
+    buf = io.StringIO()
+    render.render_bench(Console(file=buf, width=width, color_system=None), "rich", _paths_result())
+    text = buf.getvalue()
+    assert "rows paths side by side" in text and "fused" in text
+    assert all(cell_len(line) <= width for line in text.splitlines())

@@ -93,9 +93,12 @@ def kern():
     k._dummy = FakeArray((8,), np.uint16)
     k._workspace, k.pdl, k._pdl_launcher = None, False, None
     k.calls = []
-    every = names.name_expressions() + names.name_expressions(extra=True) + names.PLAIN_KERNELS
+    every = (names.name_expressions() + names.name_expressions(extra=True) + names.fused_name_expressions()
+             + names.fused_attention_name_expressions() + names.PLAIN_KERNELS)
     k._fn = {n: Recorder(n, k.calls) for n in every}
     k._extra_names, k._extra_module = frozenset(), object()
+    k._fused_names, k._fused_module = frozenset(), object()
+    k._fused_attn_names, k._fused_attn_module = frozenset(), object()
     return k
 
 
@@ -143,6 +146,20 @@ def test_elementwise_and_norm_launches(kern):
     check(kern, 10)
 
 
+def test_split_argmax_launches(kern):
+    """Fewer rows than SMs and a row of more than one ARGMAX_CHUNK: several blocks per row (one launch, the
+    last block reduces); the workspace is checked; many rows or short rows: one block per row."""
+    assert [kern.argmax_blocks(n, V) for n, V in ((1, 128256), (1, 262144), (16, 128256), (1, 4096), (1, 2048),
+                                                  (132, 128256), (6, 32003))] == [63, 128, 63, 2, 0, 0, 16]
+    kern.argmax(bf16(1, 128256), i32(1), workspace=i32(kern.argmax_workspace_size(1, 63)))
+    kern.argmax(f32(2, 262144), i32(2), workspace=i32(kern.argmax_workspace_size(2, 128)))
+    kern.argmax(f32(200, 128256), i32(200))
+    assert [c[0] for c in kern.calls] == ["argmax_split_bf16_kernel", "argmax_split_f32_kernel", "argmax_f32_kernel"]
+    check(kern, 3)
+    with pytest.raises(ValueError, match="workspace"):
+        kern.argmax(bf16(1, 128256), i32(1), workspace=i32(kern.argmax_workspace_size(1, 63) - 1))
+
+
 @pytest.mark.parametrize("m", [1, 2, 5, 16])
 def test_gemv_launches(kern, m):
     kern.gemv(f32(m, K), bf16(N, K), f32(m, N), bf16(N), accumulate=True)
@@ -184,3 +201,60 @@ def split_qb(name: str) -> int:
     """Query vectors per block of a decode split instance name (tensor-core: 8 x its NQ argument)."""
     a = [int(x) for x in re.findall(r"\d+", name.split("<")[1].split(",", 2)[1])]
     return a[0] * 8 if name.startswith("attn_decode_tc_kernel") else a[0]
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 9, 16])
+@pytest.mark.parametrize("rotary_dim,qk_norm,bias", [(None, False, False), (12, True, True)])
+def test_fused_qkv_rope_launches(kern, m, rotary_dim, qk_norm, bias):
+    """The fused rows path's qkv GEMV + rope + KV append: one launch of the fp32-FMA instance below
+    GEMV_TC_MIN_ROWS rows, of the tensor-core one from there on, with the .cu's parameter list."""
+    nh, nkv, hd, ctx = 4, 2, 16, 32
+    rd = hd if rotary_dim is None else rotary_dim
+    n = (nh + 2 * nkv) * hd
+    norms = dict(q_norm=bf16(hd), k_norm=bf16(hd)) if qk_norm else {}
+    kern.gemv_qkv_rope(f32(m, K), bf16(n, K), bf16(n) if bias else None, bf16(K), f32(m, n), i32(m), f32(rd // 2),
+                       f32(m, nh, hd), bf16(nkv, ctx, hd), bf16(nkv, ctx, hd), i32(nh + 2 * nkv),
+                       rotary_dim=rotary_dim, attention_scaling=1.2, norm_offset=1.0, **norms)
+    want = names.gemv_tc_qkv_rope_name(2 if m > 8 else 1, 1, 8, 4) if m >= 3 else None
+    assert kern.calls[0][0] == (want or names.gemv_qkv_rope_name(m, *names.GEMV_DEFAULT[m]))
+    check(kern, 1)
+
+
+def test_fused_qkv_rope_refusals(kern):
+    nh, nkv, hd, ctx = 4, 2, 16, 32
+    n = (nh + 2 * nkv) * hd
+    args = lambda m, cnt=nh + 2 * nkv: (f32(m, K), bf16(n, K), None, bf16(K), f32(m, n), i32(m), f32(hd // 2),  # noqa: E731
+                                        f32(m, nh, hd), bf16(nkv, ctx, hd), bf16(nkv, ctx, hd), i32(cnt))
+    with pytest.raises(ValueError, match="shared memory"):  # the fp32-FMA GEMV's xs variant has no epilogue
+        kern.gemv_qkv_rope(*args(9), impl="simt")
+    assert kern.qkv_rope_fusable(9, "simt") is not None and kern.qkv_rope_fusable(9, "auto") is None
+    with pytest.raises(ValueError, match="counters"):
+        kern.gemv_qkv_rope(*args(1, cnt=3))
+    a = list(args(1))
+    a[3] = None
+    with pytest.raises(ValueError, match="norm_weight"):
+        kern.gemv_qkv_rope(*a)
+    assert not kern.calls
+
+
+@pytest.mark.parametrize("hd", [64, 96, 128, 256])
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("window,softcap", [(None, None), (24, 50.0)])
+def test_fused_attention_launches(kern, hd, m, window, softcap):
+    """attention_decode with counters: one launch (no combine) of the FUSED split instance; only= runs
+    one of the two unfused kernels."""
+    nh, nkv, ctx = 8, 2, 256
+    kern.attention_decode(f32(m, nh, hd), bf16(nkv, ctx, hd), bf16(nkv, ctx, hd), i32(m), f32(m, nh, hd), 0.1,
+                          window=window, softcap=softcap, counters=i32(m * nh))
+    name = kern.calls[0][0]
+    ext = window is not None or softcap is not None
+    assert name == names.decode_name(hd, split_qb(name), ext=ext, fused=True)
+    check(kern, 1)
+    for only in ("split", "combine"):
+        kern.attention_decode(f32(m, nh, hd), bf16(nkv, ctx, hd), bf16(nkv, ctx, hd), i32(m), f32(m, nh, hd), 0.1,
+                              only=only)
+    assert [c[0].startswith("attn_decode_combine") for c in kern.calls] == [False, True]
+    check(kern, 2)
+    with pytest.raises(ValueError, match="counters"):
+        kern.attention_decode(f32(m, nh, hd), bf16(nkv, ctx, hd), bf16(nkv, ctx, hd), i32(m), f32(m, nh, hd), 0.1,
+                              counters=i32(1))

@@ -208,14 +208,43 @@ class FakeKernels:
         return out
 
     def attention_decode(self, q, k_cache, v_cache, positions, out, scale, *, n_splits=None, workspace=None,
-                         window=None, softcap=None, stream=None):
+                         window=None, softcap=None, counters=None, only=None, stream=None):
         out[...] = self._attend(q, k_cache, v_cache, positions, scale, window, softcap)
+
+    # the fused rows path: the same contracts, and its counters stay zero
+    def qkv_rope_fusable(self, m, impl="auto"):
+        return None
+
+    def load_fused(self):
+        pass
+
+    def load_fused_attention(self):
+        pass
+
+    def check_counters(self, counters, what="fused kernels"):
+        assert not np.any(np.asarray(counters)), what
+
+    def gemv_qkv_rope(self, x, w, bias, norm_weight, qkv, positions, inv_freq, q_out, k_cache, v_cache, counters, *,
+                      eps=1e-6, norm_offset=0.0, q_norm=None, k_norm=None, rope_eps=1e-6, attention_scaling=1.0,
+                      rope_norm_offset=0.0, rotary_dim=None, impl="auto", stream=None):
+        assert counters.dtype == np.int32 and counters.shape[0] >= q_out.shape[1] + 2 * k_cache.shape[0]
+        self._gemv(x, w, qkv, bias, False, False, norm_weight, eps, norm_offset, "silu")
+        FakeKernels.rope_kv_append(self, qkv, positions, inv_freq, q_out, k_cache, v_cache, q_norm, k_norm, rope_eps,
+                                   attention_scaling=attention_scaling, norm_offset=rope_norm_offset,
+                                   rotary_dim=rotary_dim)
 
     def attention_prefill(self, q, k_cache, v_cache, start_pos, T, out, scale, *, block_q=None, window=None,
                           softcap=None, stream=None):
         out[:T] = self._attend(q[:T], k_cache, v_cache, start_pos + np.arange(T), scale, window, softcap)
 
-    def argmax(self, rows, out, *, stream=None):
+    def argmax_blocks(self, n, V):
+        return 0 if V <= 4096 else 2
+
+    @staticmethod
+    def argmax_workspace_size(n, nb):
+        return n + 2 * n * nb
+
+    def argmax(self, rows, out, *, workspace=None, stream=None):
         r = f32(rows) if rows.dtype == np.uint16 else np.asarray(rows)
         out[...] = np.argmax(r, axis=-1)
 
@@ -325,6 +354,74 @@ def test_verify_equals_decode_and_trim(name):
         fresh.prefill(prompt + drafts[:2])
         fresh.decode(3)
         assert rel(after, rows(fresh, fresh.decode_logits_ptr(), 1)) < 1e-3
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_fused_path_matches_the_rows_path_and_the_numpy_engine(name):
+    """engine path "fused" (FusedRowsPass): the qkv GEMV takes the rope + KV-append arguments (rotary dims,
+    q/k norms and their offset, longrope's attention factor, the norm eps) and the attention its counters;
+    no rope_kv_append launch is left; the logits are those of the rows path (the same contracts) and of the
+    NumPy engine; verify equals decode and trim works on it (14 positions: before phi3_longrope's switch)."""
+    rng = np.random.default_rng()
+    prompt = [int(t) for t in rng.integers(0, 300, 8)]
+    steps = [int(t) for t in rng.integers(0, 300, 6)]
+    cpu = cpu_engine(name)
+    cpu.prefill(prompt)
+    want = []
+    for t in steps:
+        cpu.decode(t)
+        want.append(rows(cpu, cpu.decode_logits_ptr(), 1)[0])
+    out = {}
+    for path in ("rows", "fused"):
+        with fake_engine(name) as gpu:
+            gpu.set_path(path)
+            assert gpu.path == path
+            gpu.prefill(prompt)
+            gpu.kern.calls.clear()
+            got = []
+            for t in steps:
+                gpu.decode(t)
+                got.append(rows(gpu, gpu.decode_logits_ptr(), 1)[0])
+            calls = list(gpu.kern.calls)
+            gpu.check_fused()
+            gpu.reset()
+            gpu.prefill(prompt)
+            gpu.verify(steps)
+            ver = rows(gpu, gpu.logits_buffer_ptr(), len(steps))
+            gpu.trim(len(prompt) + 2)
+            gpu.decode(steps[2])
+            after = rows(gpu, gpu.decode_logits_ptr(), 1)[0]
+        out[path] = np.stack(got)
+        assert rel(out[path], np.stack(want)) < TOL
+        assert rel(ver, out[path]) < 1e-3
+        assert rel(after, out[path][2]) < 1e-3
+        layers = cpu.cfg.num_hidden_layers * len(steps)
+        if path == "fused":
+            assert "rope_kv_append" not in calls and calls.count("gemv_qkv_rope") >= layers  # longrope: recomputes
+            plan = gpu.fused_plan(1)
+            assert plan["qkv_rope"] is None and "measured slower" in plan["attention"]  # split + combine kept
+        else:
+            assert calls.count("rope_kv_append") >= layers and "gemv_qkv_rope" not in calls
+    assert np.array_equal(out["rows"], out["fused"])
+
+
+def test_path_option_is_checked(monkeypatch):
+    assert cuda_engine.check_path(" Fused ") == "fused" and cuda_engine.ROWS_PATHS == ("rows", "fused")
+    from metrale_cli.errors import UsageError
+
+    with pytest.raises(UsageError, match="choose from rows, fused"):
+        cuda_engine.check_path("megakernel")
+    monkeypatch.setenv(cuda_engine.PATH_ENV, "fused")
+    assert cuda_engine.default_path() == "fused"
+    monkeypatch.setenv(cuda_engine.PATH_ENV, "nope")
+    with pytest.raises(UsageError, match="nope"):
+        cuda_engine.default_path()
+    monkeypatch.delenv(cuda_engine.PATH_ENV)
+    assert cuda_engine.default_path() == "rows"
+    with fake_engine("phi3") as gpu:
+        with pytest.raises(UsageError):
+            gpu.set_path("persistent")
+        assert gpu.path == "rows"
 
 
 def test_longrope_switch_recomputes_the_cache():

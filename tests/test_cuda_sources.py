@@ -30,7 +30,9 @@ def _nvcc() -> str | None:
 
 
 def _all_instances() -> list[str]:
-    return list(names.name_expressions()) + list(names.name_expressions(extra=True)) + list(names.PLAIN_KERNELS)
+    return (list(names.name_expressions()) + list(names.name_expressions(extra=True))
+            + list(names.fused_name_expressions()) + list(names.fused_attention_name_expressions())
+            + list(names.PLAIN_KERNELS))
 
 
 def _defining_file() -> dict[str, str]:
@@ -108,4 +110,17 @@ def test_cuda_source_compiles(compiled, label):
     rc, stderr, ptx, n_kernels = compiled[label]
     assert rc == 0, f"nvcc failed on {label}:\n{stderr[-4000:]}"
     entries = re.findall(r"^\s*(?:\.visible\s+)?\.entry\s+(\w+)", ptx, re.M)
+    if label in _units():  # a file split into chunks: its extern "C" kernels are in every chunk's PTX
+        f, insts = _units()[label]
+        plain = set(names.PLAIN_KERNELS) & set(KERNEL_DEF.findall((nvrtc._CUDA_DIR / f).read_text()))
+        n_kernels += len(plain - set(insts))
     assert len(entries) == n_kernels, f"{label}: {len(entries)} kernels in the PTX, expected {n_kernels}"
+
+
+def test_split_argmax_constants_match_the_source():
+    from metrale_cli.backends.cuda.kernels import tuning
+
+    src = (nvrtc._CUDA_DIR / "argmax.cu").read_text()
+    threads = int(re.search(r"#define ARGMAX_THREADS (\d+)", src).group(1))
+    per = int(re.search(r"#define ARGMAX_PER (\d+)", src).group(1))
+    assert (tuning.ARGMAX_THREADS, tuning.ARGMAX_CHUNK) == (threads, threads * per)

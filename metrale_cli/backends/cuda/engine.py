@@ -32,13 +32,14 @@ candidate (tp.cu) inside its graph. Without `tp` none of this is on the path.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from ...config import ModelConfig
-from ...errors import DeviceError, NonFiniteLogitsError
+from ...errors import DeviceError, NonFiniteLogitsError, UsageError
 from ...engine_base import EngineBase, check_context
 from ...logits import DevicePtr
 from ...engine.longrope import has_longrope, long_factors
@@ -47,7 +48,17 @@ from ...models.spec import ModelDefinition, MoeSpec
 from ...models.weights import WeightSource, Weights, check_checkpoint, load_weights
 from .kernels import GEMV_TC_MIN_ROWS
 from .moe_passes import MoeState
-from .passes import PrefillPass, RowsPass
+from .passes import FusedRowsPass, PrefillPass, RowsPass, fused_plan
+
+# The rows-path variants (`CudaEngine.set_path`, `load_cuda_engine(path=)`, METRALE_CUDA_PATH, `metrale bench
+# --path`): "rows" = RowsPass, 7 launches per dense layer (the default until the fused path is measured
+# faster on the H200); "fused" = FusedRowsPass, 6 (rope + KV append in the qkv GEMV epilogue; attention
+# split + combine as on the rows path: the combine fused into the split kernel's last block measured slower,
+# 14.4 us vs 9.4 us per layer at 1024 context, and is taken only with set_fused_attention(True)).  Both give
+# the same logits (tests/gpu/test_fused_path.py).
+ROWS_PATHS = ("rows", "fused")
+DEFAULT_PATH = "rows"
+PATH_ENV = "METRALE_CUDA_PATH"
 
 MAX_ROWS = 16  # rows the GEMV path takes (decode, verify k <= 15 plus one, short prefills)
 PREFILL_CHUNK = 2048  # tokens per eager prefill chunk (bounds the activation buffers)
@@ -153,6 +164,9 @@ class CudaEngine(EngineBase):
             self._hidden = cp.zeros((1, H), cp.float32)
             self._amax = cp.zeros((R,), cp.int32)
             self._decode_amax = cp.zeros((1,), cp.int32)  # argmax of the decode row, computed in the graph
+            # the split argmax's workspace for up to R rows (its counters start at zero and stay there)
+            self._amax_ws = cp.zeros((max(kern.argmax_workspace_size(m, kern.argmax_blocks(m, V))
+                                          for m in range(1, R + 1)),), cp.int32)
             # attention splits per row count (fixed in each captured graph; the length is read on the device)
             nh = cfg.num_attention_heads
             self._splits = {m: kern.decode_splits(max_context, nkv, m, nh) for m in range(1, R + 1)}
@@ -186,6 +200,13 @@ class CudaEngine(EngineBase):
         # Rows-path projections (GEMV_TC_MIN_ROWS): "auto" = the fp32-FMA GEMV (gemv.cu) below that many
         # rows, the tensor-core GEMV (gemv_tc.cu) from there on; "simt" / "tc" force one of them.
         self.gemv_impl = "auto"
+        # Rows-path variant (ROWS_PATHS): set_path.  The fused path's last-block counters are allocated
+        # when it is first taken.
+        self.path = DEFAULT_PATH
+        self._qkv_counters = self._attn_counters = None
+        # The fused path's attention with the combine in the last split block (set_fused_attention): off by
+        # default, the H200 measured it slower than split + combine (NOTES.md, issue 16).
+        self.fused_attention = False
         self._long_logits = None  # [rows, V] for long prefills, grown on demand
         self._decode_amax_fresh = False
         # longrope (engine/longrope.py): the cached tokens, to recompute the cache when a call switches
@@ -199,6 +220,61 @@ class CudaEngine(EngineBase):
         self.synchronize()
         self.use_pdl = bool(enabled) and bool(getattr(self.kern, "pdl_supported", False))
         self._graphs.clear()
+
+    def set_path(self, path: str) -> None:
+        """Take the rows-path variant `path` (ROWS_PATHS) for decode / verify / short prefills from the next
+        call on (recaptures the graphs; the KV cache and length are kept).  "fused" compiles its kernel module
+        (kernels.names.fused_name_expressions) and allocates its last-block counters the first time."""
+        path = check_path(path)
+        if self.tp is not None and path != DEFAULT_PATH:
+            raise UsageError(f"the CUDA '{path}' path does not run under --tp yet (a rank runs the rows path)")
+        self.synchronize()
+        if path == "fused" and self._qkv_counters is None:
+            cp, cfg = self.cp, self.cfg
+            try:
+                self.kern.load_fused()
+            except Exception as e:
+                raise DeviceError(f"cannot compile the fused rows-path kernels ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else ''})") from None
+            slots = max(a.num_heads + 2 * a.num_kv_heads for a in (layer.attention for layer in cfg.definition.layers))
+            heads = max(layer.attention.num_heads for layer in cfg.definition.layers)
+            self._qkv_counters = cp.zeros((slots,), cp.int32)
+            self._attn_counters = cp.zeros((MAX_ROWS * heads,), cp.int32)
+            cp.cuda.Device().synchronize()  # the zero fills ran on the legacy stream
+        self.path = path
+        self._graphs.clear()
+
+    def set_fused_attention(self, enabled: bool) -> None:
+        """On the fused path, run the attention split kernel with its combine in the last split block
+        (kernels.names.fused_attention_name_expressions, compiled now) instead of split + combine; off by
+        default (measured slower on the H200: 14.37 us vs 6.43 + 2.99 us per layer, llama-3.1-8b at 1024
+        context).  Recaptures the graphs; the KV cache and length are kept.  Same values either way."""
+        self.synchronize()
+        if enabled:
+            try:
+                self.kern.load_fused_attention()
+            except Exception as e:
+                raise DeviceError(f"cannot compile the fused attention kernels ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        self.fused_attention = bool(enabled)
+        self._graphs.clear()
+
+    def fused_plan(self, m: int = 1) -> dict[str, str | None]:
+        """What the fused path fuses for m rows ({op: None or why not}; passes.fused_plan)."""
+        return fused_plan(self, m)
+
+    def check_fused(self) -> None:
+        """On the fused path: raise DeviceError unless every last-block counter is back at zero (a launch
+        whose block count went wrong leaves one non-zero, and its outputs unwritten).  Synchronises.  The
+        engine checks after the eager warm-up of every graph it captures; tests and bench after their runs."""
+        if self.path != "fused" or self._qkv_counters is None:
+            return
+        self.synchronize()
+        try:
+            self.kern.check_counters(self._qkv_counters, "fused qkv + rope GEMV")
+            self.kern.check_counters(self._attn_counters, "fused attention")
+        except RuntimeError as e:
+            raise DeviceError(f"the fused rows path went wrong: {e}") from None
 
     # -- passes --------------------------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -290,6 +366,7 @@ class CudaEngine(EngineBase):
         with self.stream:
             self._rows_body(m, kind)  # warm-up: compiles, allocates workspaces outside the capture
         self.stream.synchronize()
+        self.check_fused()
         self.stream.begin_capture()
         try:
             with self.stream:
@@ -310,7 +387,8 @@ class CudaEngine(EngineBase):
         """The whole forward of m rows at positions io[1, :m] (engine/loop.py over RowsPass); every launch
         is capturable. Then lm_head into the decode or rows logits buffer."""
         cfg, k, w, s = self.cfg, self.kern, self.w, self.stream
-        h = decoder_forward(RowsPass(self, m, tap), cfg.definition, w)
+        rows_pass = FusedRowsPass if self.path == "fused" else RowsPass
+        h = decoder_forward(rows_pass(self, m, tap), cfg.definition, w)
         self._hidden[0] = h[m - 1]
         out = self._decode_logits if kind == "decode" else self._rows_logits[:m]
         if self._fp32_logits:
@@ -321,7 +399,7 @@ class CudaEngine(EngineBase):
             self._softcap_logits(self._logits32[:m])
             k.f32_to_bf16(self._logits32[:m], out, stream=s)
         if kind == "decode":
-            k.argmax(out, self._decode_amax, stream=s)
+            k.argmax(out, self._decode_amax, workspace=self._amax_ws, stream=s)
             if self.tp is not None:  # the distributed argmax's candidates, gathered inside the step
                 self.tpk.argmax_pairs(out, self._decode_amax, self._tp_decode_pairs, self.tp.vocab.start, stream=s)
                 self.tp.comm.all_gather(self._tp_decode_pairs, self._tp_decode_gathered, s)
@@ -432,7 +510,8 @@ class CudaEngine(EngineBase):
             self.stream.synchronize()
             return self._decode_amax.get()  # the decode graph already computed it on the device
         out = self._amax[:n] if n <= MAX_ROWS else self.cp.empty((n,), self.cp.int32)
-        self.kern.argmax(ptr._buffer[ptr.row:ptr.row + n], out, stream=self.stream)
+        self.kern.argmax(ptr._buffer[ptr.row:ptr.row + n], out, workspace=self._amax_ws if n <= MAX_ROWS else None,
+                         stream=self.stream)
         self.stream.synchronize()
         return out.get()
 
@@ -443,7 +522,7 @@ class CudaEngine(EngineBase):
         cp, n = self.cp, rows.shape[0]
         idx = cp.empty((n,), cp.int32)
         pairs = cp.empty((n, 2), cp.float32)
-        self.kern.argmax(rows, idx, stream=self.stream)
+        self.kern.argmax(rows, idx, workspace=self._amax_ws if n <= MAX_ROWS else None, stream=self.stream)
         self.tpk.argmax_pairs(rows, idx, pairs, self.tp.vocab.start, stream=self.stream)
         return pairs
 
@@ -478,11 +557,31 @@ def unsupported_features(definition: ModelDefinition) -> list[str]:
     return list(dict.fromkeys(found))
 
 
+def check_path(path: str) -> str:
+    """A rows-path name (ROWS_PATHS), or UsageError naming the valid ones."""
+    name = str(path).strip().lower()
+    if name not in ROWS_PATHS:
+        raise UsageError(f"unknown CUDA engine path '{path}' (choose from {', '.join(ROWS_PATHS)})")
+    return name
+
+
+def default_path() -> str:
+    """The rows path an engine starts on: $METRALE_CUDA_PATH when set (checked), else DEFAULT_PATH."""
+    value = os.environ.get(PATH_ENV, "").strip()
+    return check_path(value) if value else DEFAULT_PATH
+
+
 def load_cuda_engine(cfg: ModelConfig, source, max_context: int, fp32_logits: bool = False,
-                     progress: Callable[[int], None] | None = None, use_graphs: bool = True, tp=None) -> CudaEngine:
+                     progress: Callable[[int], None] | None = None, use_graphs: bool = True, tp=None,
+                     path: str | None = None) -> CudaEngine:
     """Check the tensors, upload them once, and build the engine (CuPy is imported here, not before).
     With `tp` (parallel/comm.ParallelRank, its device current) only that rank's shard is uploaded, and the
-    engine is that rank's."""
+    engine is that rank's. `path`: the rows-path variant (ROWS_PATHS; None: default_path(), i.e.
+    $METRALE_CUDA_PATH or "rows"); a tensor-parallel rank runs the rows path only (the fused path is not
+    verified under --tp)."""
+    path = check_path(path) if path is not None else default_path()
+    if tp is not None and path != DEFAULT_PATH:
+        raise UsageError(f"the CUDA '{path}' path does not run under --tp yet (unset {PATH_ENV} or choose rows)")
     check_context(cfg, max_context)
     full = cfg
     if tp is not None:
@@ -519,7 +618,10 @@ def load_cuda_engine(cfg: ModelConfig, source, max_context: int, fp32_logits: bo
     except Exception as e:
         raise DeviceError(f"cannot compile the CUDA kernels ({type(e).__name__}: {str(e).splitlines()[0]})") from None
     weights = upload_weights(full, source, kern, progress, None if tp is None else (tp.rank, tp.size))
-    return CudaEngine(cfg, weights, kern, max_context, fp32_logits, use_graphs, tp)
+    engine = CudaEngine(cfg, weights, kern, max_context, fp32_logits, use_graphs, tp)
+    if path != DEFAULT_PATH:
+        engine.set_path(path)
+    return engine
 
 
-__all__ = ["CudaEngine", "load_cuda_engine", "upload_weights", "NonFiniteLogitsError"]
+__all__ = ["CudaEngine", "load_cuda_engine", "upload_weights", "NonFiniteLogitsError", "ROWS_PATHS", "check_path"]

@@ -119,6 +119,91 @@ __device__ __forceinline__ void decode_write_partial(const ML& ml, const ACC& ac
 }
 
 // ---------------------------------------------------------------------------
+// The combine fused into the split kernels (FUSED instances, engine path "fused").
+//
+// Every split block that holds keys (split < nact = ceil((L - lo) / chunk), the same count in every
+// block) writes its partials as above and counts itself in at its (query block, KV head) counter; the
+// last one to arrive (last_block_arrives, common.cu) merges the nact splits of each of its query
+// vectors exactly as attn_decode_combine_kernel does (same batches, same order: the same values) and
+// writes out.  Blocks past L write nothing (the combine reads only splits < nact, whose (max, sum)
+// markers the unfused combine would skip anyway).  When no row has a key (L == lo: every position
+// negative), no block counts in and split 0 writes NaN (the unfused combine's 0 / 0).
+// ---------------------------------------------------------------------------
+
+// The merge of splits 0 .. nact-1 of query vector slot qt, dim d (attn_decode_combine_kernel's
+// batches), reading the partials through L2 (other blocks wrote them in this launch).
+__device__ __forceinline__ float decode_combine_one(const float* part_acc, const float* part_ml, int qt, int QT,
+                                                    int HD, int d, int nact) {
+    constexpr int B = ATTN_COMBINE_BATCH;
+    float gm = -METRALE_INF, lsum = 0.0f, a = 0.0f;
+    for (int s0 = 0; s0 < nact; s0 += B) {
+        float mv[B], lv[B], av[B];
+#pragma unroll
+        for (int i = 0; i < B; ++i) {
+            const int s = s0 + i;
+            mv[i] = -METRALE_INF;
+            lv[i] = 0.0f;
+            av[i] = 0.0f;
+            if (s < nact) {
+                const u64 slot = (u64)s * QT + qt;
+                mv[i] = __ldcg(part_ml + slot * 2);
+                lv[i] = __ldcg(part_ml + slot * 2 + 1);
+                av[i] = __ldcg(part_acc + slot * HD + d);
+            }
+        }
+        float cm = gm;
+#pragma unroll
+        for (int i = 0; i < B; ++i)
+            if (lv[i] != 0.0f) cm = fmaxf(cm, mv[i]);
+        if (cm == -METRALE_INF) continue;  // nothing yet
+        const float c = exp2f(gm - cm);  // 0 when gm is -inf
+        a *= c;
+        lsum *= c;
+#pragma unroll
+        for (int i = 0; i < B; ++i) {
+            if (lv[i] != 0.0f) {
+                const float f = exp2f(mv[i] - cm);
+                a = fmaf(av[i], f, a);
+                lsum = fmaf(lv[i], f, lsum);
+            }
+        }
+        gm = cm;
+    }
+    return a / lsum;
+}
+
+// Output slot of query vector qi (< M*G) of KV head hk.
+__device__ __forceinline__ u64 decode_out_slot(int qi, int G, int n_heads, int hk) {
+    const int m = qi / G, gg = qi - m * G;
+    return (u64)m * n_heads + hk * G + gg;
+}
+
+// No row sees any key: out = NaN for the block's query vectors r0 .. r0 + rows - 1 (< MG).
+__device__ __forceinline__ void decode_fused_no_key(float* __restrict__ out, int r0, int rows, int MG, int G,
+                                                    int n_heads, int hk, int HD) {
+    for (int idx = threadIdx.x; idx < rows * HD; idx += blockDim.x) {
+        const int r = idx / HD, d = idx - r * HD;
+        if (r0 + r >= MG) break;
+        out[decode_out_slot(r0 + r, G, n_heads, hk) * HD + d] = __int_as_float(0x7fffffff);
+    }
+}
+
+// Count the block in; the last of the nact split blocks merges its query vectors r0 .. r0 + rows - 1.
+// Every thread of the block must call it.
+template <int HD>
+__device__ __forceinline__ void decode_fused_combine(const float* part_acc, const float* part_ml,
+                                                     float* __restrict__ out, int* counter, int nact, int r0,
+                                                     int rows, int MG, int G, int n_heads, int hk, int QT) {
+    if (!last_block_arrives(counter, nact)) return;
+    for (int idx = threadIdx.x; idx < rows * HD; idx += blockDim.x) {
+        const int r = idx / HD, d = idx - r * HD;
+        if (r0 + r >= MG) break;  // idx only grows
+        const u64 qt = decode_out_slot(r0 + r, G, n_heads, hk);
+        out[qt * HD + d] = decode_combine_one(part_acc, part_ml, (int)qt, QT, HD, d, nact);
+    }
+}
+
+// ---------------------------------------------------------------------------
 // Tensor-core split kernel (head_dim 32, 64, 128).
 //
 // Grid (ceil(M*G / (8 NQ)), n_splits, n_kv), ATTN_TC_WARPS warps; a block takes 8 NQ
@@ -201,12 +286,15 @@ __device__ __forceinline__ int ad_load_q(const float* __restrict__ q, const int*
 
 // EXT: the window / softcap code is compiled in (instances without it keep the registers of the
 // plain kernel: at head_dim 128, NQ 2 the extra state would spill).
-template <int HD, int NQ, bool EXT>
+// FUSED (engine path "fused"): the combine runs in the last split block of each (query block, KV head)
+// to finish (decode_fused_combine): out and counters are used, attn_decode_combine_kernel is not launched.
+template <int HD, int NQ, bool EXT, bool FUSED>
 __global__ void __launch_bounds__(ATTN_TC_WARPS * 32, NQ == 1 ? 3 : 2)
 attn_decode_tc_kernel(const float* __restrict__ q, const unsigned short* __restrict__ k_cache,
                       const unsigned short* __restrict__ v_cache, const int* __restrict__ positions,
                       float* __restrict__ part_acc, float* __restrict__ part_ml, int M, int n_heads, int n_kv,
-                      int max_ctx, int n_splits, float qscale, int window, float softcap_l2) {
+                      int max_ctx, int n_splits, float qscale, int window, float softcap_l2, float* __restrict__ out,
+                      int* __restrict__ counters) {
     static_assert(HD == 32 || HD == 64 || HD == 128, "tensor-core decode: head_dim 32, 64 or 128");
     static_assert(NQ == 1 || NQ == 2, "8 or 16 query vectors per block");
     constexpr int W = ATTN_TC_WARPS;
@@ -230,8 +318,11 @@ attn_decode_tc_kernel(const float* __restrict__ q, const unsigned short* __restr
     const int chunk = decode_chunk(L - lo, n_splits);
     const int start = lo + split * chunk;
     if (start >= L) {  // the same for the whole block
-        if (threadIdx.x < ROWS && r0 + (int)threadIdx.x < MG)
+        if constexpr (FUSED) {
+            if (L == lo && split == 0) decode_fused_no_key(out, r0, ROWS, MG, G, n_heads, hk, HD);
+        } else if (threadIdx.x < ROWS && r0 + (int)threadIdx.x < MG) {
             decode_mark_empty(part_ml, split, r0 + threadIdx.x, G, n_heads, hk, QT);
+        }
         return;
     }
     const int end = min(L, start + chunk);
@@ -446,6 +537,9 @@ attn_decode_tc_kernel(const float* __restrict__ q, const unsigned short* __restr
         if (qi >= MG) break;  // idx only grows: every later qi is past M*G too
         decode_write_partial<W, HD>(s_ml, s_o, r, d, part_acc, part_ml, split, qi, G, n_heads, hk, QT);
     }
+    if constexpr (FUSED)
+        decode_fused_combine<HD>(part_acc, part_ml, out, counters + blockIdx.z * gridDim.x + blockIdx.x,
+                                 (L - lo + chunk - 1) / chunk, r0, ROWS, MG, G, n_heads, hk, QT);
 }
 
 // ---------------------------------------------------------------------------
@@ -490,13 +584,14 @@ struct Bf16Vec {
     }
 };
 
-template <int HD, int QB, int KB>
+template <int HD, int QB, int KB, bool FUSED>
 __global__ void __launch_bounds__(ATTN_WARPS * 32)
 attn_decode_split_kernel(const float* __restrict__ q, const unsigned short* __restrict__ k_cache,
                          const unsigned short* __restrict__ v_cache,
                          const int* __restrict__ positions, float* __restrict__ part_acc,
                          float* __restrict__ part_ml, int M, int n_heads, int n_kv, int max_ctx,
-                         int n_splits, float qscale, int window, float softcap_l2) {
+                         int n_splits, float qscale, int window, float softcap_l2, float* __restrict__ out,
+                         int* __restrict__ counters) {
     constexpr int E = HD / 32;  // head_dim elements per lane
     __shared__ float s_acc[ATTN_WARPS][QB][HD];
     __shared__ float s_ml[ATTN_WARPS][QB][2];
@@ -513,7 +608,11 @@ attn_decode_split_kernel(const float* __restrict__ q, const unsigned short* __re
     const int start = lo + split * chunk;
     if (start >= L) {  // the same for the whole block
         const int qi = blockIdx.z * QB + threadIdx.x;
-        if (threadIdx.x < QB && qi < M * G) decode_mark_empty(part_ml, split, qi, G, n_heads, hk, QT);
+        if constexpr (FUSED) {
+            if (L == lo && split == 0) decode_fused_no_key(out, blockIdx.z * QB, QB, M * G, G, n_heads, hk, HD);
+        } else if (threadIdx.x < QB && qi < M * G) {
+            decode_mark_empty(part_ml, split, qi, G, n_heads, hk, QT);
+        }
         return;
     }
     const int end = min(L, start + chunk);
@@ -619,6 +718,9 @@ attn_decode_split_kernel(const float* __restrict__ q, const unsigned short* __re
         if (qi >= M * G) continue;
         decode_write_partial<ATTN_WARPS, HD>(s_ml, s_acc, qb, d, part_acc, part_ml, split, qi, G, n_heads, hk, QT);
     }
+    if constexpr (FUSED)
+        decode_fused_combine<HD>(part_acc, part_ml, out, counters + blockIdx.z * gridDim.x + blockIdx.x,
+                                 (L - lo + chunk - 1) / chunk, blockIdx.z * QB, QB, M * G, G, n_heads, hk, QT);
 }
 
 // Merge the splits: one block per (row, head), thread d for dim d (blockDim.x = head_dim,

@@ -140,4 +140,256 @@ __device__ __forceinline__ float gate_act(float g, int act) {
 // Prefetch the 128-byte line holding p into L2 (no register result, never faults on a valid address).
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
+// ---------------------------------------------------------------------------
+// Rotary embedding helpers (rope_kernel, rope_kv_append_kernel, the fused qkv GEMV epilogues).
+
+// One head vector v[0 .. head_dim) held by one warp: lane l keeps a[j] = v[i],
+// b[j] = v[i + d/2] for i = l + 32 j < d/2.  If has_norm: per-head RMSNorm over
+// head_dim with bf16 weight first.  Then HF's rotate_half rotary embedding:
+//   angle = float(pos) * inv_freq[i] (fp32),
+//   a' = a*cos - b*sin, b' = b*cos + a*sin,
+// with cos/sin multiplied by attn_scaling (1.0 for default and llama3 rope).  The norm weight is
+// (norm_offset + w) (Gemma 3: offset 1).  Partial rotary: rope_head_partial.
+// Every value is read before the caller stores any (in-place use is safe).
+__device__ __forceinline__ void rope_head(const float* v, const float* __restrict__ inv_freq,
+                                          const unsigned short* __restrict__ norm_w,
+                                          int head_dim, float eps, int has_norm, float pos,
+                                          float attn_scaling, int lane, float (&a)[4],
+                                          float (&b)[4], float norm_offset = 0.0f) {
+    const int half = head_dim >> 1;
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int i = lane + 32 * j;
+        a[j] = 0.0f;
+        b[j] = 0.0f;
+        if (i < half) {
+            a[j] = v[i];
+            b[j] = v[i + half];
+            ss = fmaf(a[j], a[j], ss);
+            ss = fmaf(b[j], b[j], ss);
+        }
+    }
+    if (has_norm) {
+        ss = warp_sum(ss);
+        const float inv = rsqrtf(ss / (float)head_dim + eps);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int i = lane + 32 * j;
+            if (i < half) {
+                a[j] = (bf16_to_f32_bits(norm_w[i]) + norm_offset) * (a[j] * inv);
+                b[j] = (bf16_to_f32_bits(norm_w[i + half]) + norm_offset) * (b[j] * inv);
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int i = lane + 32 * j;
+        if (i < half) {
+            const float angle = __fmul_rn(pos, inv_freq[i]);
+            float s, c;
+            sincosf(angle, &s, &c);
+            c *= attn_scaling;
+            s *= attn_scaling;
+            const float ra = a[j] * c - b[j] * s;
+            const float rb = b[j] * c + a[j] * s;
+            a[j] = ra;
+            b[j] = rb;
+        }
+    }
+}
+
+// dst[i] = v, as fp32 or rounded to bf16 bits.
+__device__ __forceinline__ void rope_put(float* dst, int i, float v) { dst[i] = v; }
+__device__ __forceinline__ void rope_put(unsigned short* dst, int i, float v) { dst[i] = f32_to_bf16_bits(v); }
+
+// Store the head that rope_head left in lane's a/b (dst[0 .. head_dim), half = head_dim / 2).
+template <typename T>
+__device__ __forceinline__ void rope_store(T* dst, const float (&a)[4], const float (&b)[4], int half, int lane) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int i = lane + 32 * j;
+        if (i < half) {
+            rope_put(dst, i, a[j]);
+            rope_put(dst, i + half, b[j]);
+        }
+    }
+}
+
+// Partial rotary (Phi-4-mini, rot_dim < head_dim): only dims 0 .. rot_dim-1 rotate, dim i < rot_dim/2
+// paired with i + rot_dim/2 (HF's rotate_half on the rotary slice; inv_freq holds rot_dim/2 values),
+// dims >= rot_dim pass through (after the optional per-head norm, which spans the whole head).  Lane l
+// computes out[j] = the result at dim l + 32 j (j < 8, head_dim <= 256); a dim's partner value is read
+// again from v (an L1 hit) and normalised with the same warp-wide factor, so no shuffle pattern depends
+// on rot_dim.  Same operations as rope_head for the rotated pairs.  Every value is read before the
+// caller stores any.
+__device__ __forceinline__ void rope_head_partial(const float* v, const float* __restrict__ inv_freq,
+                                                  const unsigned short* __restrict__ norm_w, int head_dim,
+                                                  int rot_dim, float eps, int has_norm, float pos,
+                                                  float attn_scaling, float norm_offset, int lane,
+                                                  float (&out)[8]) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const int i = lane + 32 * j;
+        out[j] = (i < head_dim) ? v[i] : 0.0f;
+        ss = fmaf(out[j], out[j], ss);
+    }
+    float inv = 1.0f;
+    if (has_norm) inv = rsqrtf(warp_sum(ss) / (float)head_dim + eps);
+    const int rh = rot_dim >> 1;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const int i = lane + 32 * j;
+        if (i >= head_dim) continue;
+        float xi = out[j];
+        if (has_norm) xi = (bf16_to_f32_bits(norm_w[i]) + norm_offset) * (xi * inv);
+        if (i < rot_dim) {
+            const int p = i < rh ? i + rh : i - rh;  // the partner dim
+            float xp = v[p];
+            if (has_norm) xp = (bf16_to_f32_bits(norm_w[p]) + norm_offset) * (xp * inv);
+            const float angle = __fmul_rn(pos, inv_freq[i < rh ? i : i - rh]);
+            float s, c;
+            sincosf(angle, &s, &c);
+            c *= attn_scaling;
+            s *= attn_scaling;
+            xi = i < rh ? xi * c - xp * s : xi * c + xp * s;
+        }
+        out[j] = xi;
+    }
+}
+
+// Rope + KV append of one head vector: row m, head slot s (q heads, then k heads, then v heads) read
+// from src[0 .. head_dim) (global or shared memory):
+//   q slot: optional q_norm, rotate, store fp32 to q_out [M, n_heads, head_dim];
+//   k slot: optional k_norm, rotate, round to bf16, store to k_cache[h, positions[m], :];
+//   v slot: round to bf16, store to v_cache[h, positions[m], :].
+// A position outside [0, max_ctx) skips the cache writes.  One warp (lane = its lane); q_out may be src
+// itself (each value is read before any is stored).  rope_kv_append_kernel and the fused qkv GEMV
+// epilogue (qkv_rope_tail) both call it, so the two paths compute the same values.
+__device__ __forceinline__ void rope_kv_slot(const float* src, int m, int s, const int* __restrict__ positions,
+                                             const float* __restrict__ inv_freq,
+                                             const unsigned short* __restrict__ q_norm,
+                                             const unsigned short* __restrict__ k_norm, float* q_out,
+                                             unsigned short* __restrict__ k_cache,
+                                             unsigned short* __restrict__ v_cache, int n_heads, int n_kv,
+                                             int head_dim, int max_ctx, float eps, int has_q_norm, int has_k_norm,
+                                             float attn_scaling, float norm_offset, int rot_dim, int lane) {
+    const int half = head_dim >> 1;
+    const int p = positions[m];
+    const bool in_cache = p >= 0 && p < max_ctx;
+    if (s >= n_heads + n_kv) {  // v head: round and store
+        if (!in_cache) return;
+        unsigned short* dst = v_cache + ((u64)(s - n_heads - n_kv) * max_ctx + p) * head_dim;
+        for (int i = lane; i < head_dim; i += 32) dst[i] = f32_to_bf16_bits(src[i]);
+        return;
+    }
+    const bool is_q = s < n_heads;
+    if (!is_q && !in_cache) return;
+    if (rot_dim < head_dim) {
+        float o[8];
+        rope_head_partial(src, inv_freq, is_q ? q_norm : k_norm, head_dim, rot_dim, eps,
+                          is_q ? has_q_norm : has_k_norm, (float)p, attn_scaling, norm_offset, lane, o);
+        __syncwarp();  // q_out may be qkv itself: every lane has read its partners
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int i = lane + 32 * j;
+            if (i >= head_dim) continue;
+            if (is_q) q_out[((u64)m * n_heads + s) * head_dim + i] = o[j];
+            else k_cache[((u64)(s - n_heads) * max_ctx + p) * head_dim + i] = f32_to_bf16_bits(o[j]);
+        }
+        return;
+    }
+    float a[4], b[4];
+    rope_head(src, inv_freq, is_q ? q_norm : k_norm, head_dim, eps, is_q ? has_q_norm : has_k_norm,
+              (float)p, attn_scaling, lane, a, b, norm_offset);
+    if (is_q) {
+        rope_store(q_out + ((u64)m * n_heads + s) * head_dim, a, b, half, lane);
+    } else {
+        rope_store(k_cache + ((u64)(s - n_heads) * max_ctx + p) * head_dim, a, b, half, lane);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The split-K "last block" pattern of the fused rows path (engine path "fused").
+//
+// A block that wrote values another block will read calls this with every thread (it has barriers).
+// Each thread fences its own writes, the block synchronises, one thread counts the block in at
+// `counter`; the block that brings the count to `expected` learns that it is the last (every thread of
+// it gets true), resets the counter to 0 (so the next launch, and every graph replay, starts from 0:
+// no other block of the launch touches it after that) and fences before reading what the others wrote.
+// Data written by other blocks must then be read through L2 (__ldcg), not the non-coherent L1.
+// A counter left non-zero after a launch means a wrong `expected`: Kernels / the engine check for it.
+__device__ __forceinline__ bool last_block_arrives(int* counter, int expected) {
+    __shared__ int s_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int prev = atomicAdd(counter, 1);
+        const int last = prev == expected - 1;
+        if (last) atomicExch(counter, 0);
+        s_last = last;
+    }
+    __syncthreads();
+    const bool last = s_last != 0;
+    if (last) __threadfence();
+    return last;
+}
+
+// Epilogue of the fused qkv GEMV (gemv_qkv_rope_kernel, gemv_tc_qkv_rope_kernel): the block that
+// finishes the last output rows of a head slot applies rope (+ q/k norm) and appends k/v to the cache
+// for that slot and every row m < M, exactly as rope_kv_append_kernel would (rope_kv_slot).
+// The block owns output rows [blockIdx.x * BR, +BR) of qkv [M, N], N = (n_heads + 2 n_kv) head_dim;
+// it touches head slots s0 .. s1 (at most 32) and counts itself in at counters[s] for each; slot s
+// is covered by the blocks (s hd) / BR .. ((s + 1) hd - 1) / BR.  NW warps; warp w takes rows w, w + NW, ...
+// of a slot: the head vector is copied through L2 into shared memory (other blocks wrote it), then
+// rotated.  Every thread of the block must call it.
+template <int NW>
+__device__ __forceinline__ void qkv_rope_tail(int BR, const float* qkv, int N, int M,
+                                              const int* __restrict__ positions, const float* __restrict__ inv_freq,
+                                              const unsigned short* __restrict__ q_norm,
+                                              const unsigned short* __restrict__ k_norm, float* q_out,
+                                              unsigned short* __restrict__ k_cache,
+                                              unsigned short* __restrict__ v_cache, int n_heads, int n_kv,
+                                              int head_dim, int max_ctx, float eps, int has_q_norm,
+                                              int has_k_norm, float attn_scaling, float norm_offset, int rot_dim,
+                                              int* __restrict__ counters) {
+    __shared__ int s_slots[32];
+    __shared__ int s_n;
+    __shared__ float s_head[NW][256];
+    const int n_first = blockIdx.x * BR;
+    const int n_last = min(n_first + BR, N) - 1;
+    const int s0 = n_first / head_dim, s1 = n_last / head_dim;
+    __threadfence();  // this thread's qkv stores, before the block is counted in
+    if (threadIdx.x == 0) s_n = 0;
+    __syncthreads();
+    if ((int)threadIdx.x <= s1 - s0 && threadIdx.x < 32) {
+        const int s = s0 + threadIdx.x;
+        const int b0 = (s * head_dim) / BR, b1 = (min((s + 1) * head_dim, N) - 1) / BR;
+        const int prev = atomicAdd(counters + s, 1);
+        if (prev == b1 - b0) {  // the last of its b1 - b0 + 1 blocks
+            atomicExch(counters + s, 0);
+            s_slots[atomicAdd(&s_n, 1)] = s;
+        }
+    }
+    __syncthreads();
+    const int n = s_n;
+    if (n == 0) return;  // the same for the whole block
+    __threadfence();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int slots = n_heads + 2 * n_kv;
+    for (int i = 0; i < n; ++i) {
+        const int s = s_slots[i];
+        for (int m = warp; m < M; m += NW) {
+            const float* src = qkv + ((u64)m * slots + s) * head_dim;
+            for (int j = lane; j < head_dim; j += 32) s_head[warp][j] = __ldcg(src + j);
+            __syncwarp();
+            rope_kv_slot(s_head[warp], m, s, positions, inv_freq, q_norm, k_norm, q_out, k_cache, v_cache, n_heads,
+                         n_kv, head_dim, max_ctx, eps, has_q_norm, has_k_norm, attn_scaling, norm_offset, rot_dim,
+                         lane);
+            __syncwarp();  // s_head[warp] is refilled next
+        }
+    }
+}
+
 #endif  // METRALE_COMMON_CU

@@ -126,12 +126,14 @@ __device__ __forceinline__ void gemv_step(const float* __restrict__ x, const uin
     }
 }
 
+// The body of gemv_kernel (and of the fused gemv_qkv_rope_kernel): a warp whose rows are all past N
+// returns from it at once (no block barrier inside).
 template <int M, int R, int U, bool SWIGLU, bool NORM>
-__global__ void __launch_bounds__(GEMV_WARPS * 32)
-gemv_kernel(const float* __restrict__ x, const unsigned short* __restrict__ w,
-            const unsigned short* __restrict__ bias, float* __restrict__ out, int N, int K,
-            int accumulate, int has_bias, const unsigned short* __restrict__ norm_w, float eps,
-            float norm_offset, int act) {
+__device__ __forceinline__ void gemv_body(const float* __restrict__ x, const unsigned short* __restrict__ w,
+                                          const unsigned short* __restrict__ bias, float* __restrict__ out, int N,
+                                          int K, int accumulate, int has_bias,
+                                          const unsigned short* __restrict__ norm_w, float eps, float norm_offset,
+                                          int act) {
     // N: number of output columns.  SWIGLU: w has 2N rows (gate rows 0..N-1, up
     // rows N..2N-1) and out[m, n] = silu(x.w[n]) * (x.w[N + n]).  NORM: see the top.
     constexpr int RW = SWIGLU ? 2 * R : R;
@@ -172,6 +174,37 @@ gemv_kernel(const float* __restrict__ x, const unsigned short* __restrict__ w,
 #pragma unroll
     for (int m = 0; m < M; ++m) inv[m] = NORM ? rsqrtf(warp_sum(ss[m]) / (float)K + eps) : 1.0f;
     gemv_epilogue<M, R, SWIGLU, NORM>(acc, inv, lane, n0, N, bias, out, accumulate, has_bias, act);
+}
+
+template <int M, int R, int U, bool SWIGLU, bool NORM>
+__global__ void __launch_bounds__(GEMV_WARPS * 32)
+gemv_kernel(const float* __restrict__ x, const unsigned short* __restrict__ w,
+            const unsigned short* __restrict__ bias, float* __restrict__ out, int N, int K,
+            int accumulate, int has_bias, const unsigned short* __restrict__ norm_w, float eps,
+            float norm_offset, int act) {
+    gemv_body<M, R, U, SWIGLU, NORM>(x, w, bias, out, N, K, accumulate, has_bias, norm_w, eps, norm_offset, act);
+}
+
+// The fused rows path's qkv projection (engine path "fused"): gemv_kernel with the RMSNorm prologue
+// (qkv = rmsnorm(x) @ w^T + bias, written to qkv [M, N] as gemv would), then, in the block that
+// finishes a head slot's last rows, rope (+ q/k norm) and the KV-cache append of that slot
+// (qkv_rope_tail, common.cu): rope_kv_append_kernel's work without its launch.  counters: int32
+// [n_heads + 2 n_kv], zero before the launch and after it.
+template <int M, int R, int U>
+__global__ void __launch_bounds__(GEMV_WARPS * 32)
+gemv_qkv_rope_kernel(const float* __restrict__ x, const unsigned short* __restrict__ w,
+                     const unsigned short* __restrict__ bias, float* __restrict__ qkv, int N, int K, int has_bias,
+                     const unsigned short* __restrict__ norm_w, float eps, float norm_offset,
+                     const int* __restrict__ positions, const float* __restrict__ inv_freq,
+                     const unsigned short* __restrict__ q_norm, const unsigned short* __restrict__ k_norm,
+                     float* __restrict__ q_out, unsigned short* __restrict__ k_cache,
+                     unsigned short* __restrict__ v_cache, int n_heads, int n_kv, int head_dim, int max_ctx,
+                     float rope_eps, int has_q_norm, int has_k_norm, float attn_scaling, float rope_norm_offset,
+                     int rot_dim, int* __restrict__ counters) {
+    gemv_body<M, R, U, false, true>(x, w, bias, qkv, N, K, 0, has_bias, norm_w, eps, norm_offset, ACT_SILU);
+    qkv_rope_tail<GEMV_WARPS>(GEMV_WARPS * R, qkv, N, M, positions, inv_freq, q_norm, k_norm, q_out, k_cache,
+                              v_cache, n_heads, n_kv, head_dim, max_ctx, rope_eps, has_q_norm, has_k_norm,
+                              attn_scaling, rope_norm_offset, rot_dim, counters);
 }
 
 

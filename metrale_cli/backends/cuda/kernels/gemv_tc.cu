@@ -181,12 +181,14 @@ __device__ __forceinline__ void gtc_compute(const uint4 (&wv)[U][RW][2], const f
 
 // NT token tiles (1: M <= 8, 2: M <= 16); TILES output tiles of 16 rows per block; W warps split K;
 // U chunks of 32 k per step.  N = output columns (SwiGLU: I, w has 2N rows).
+// The body of gemv_tc_kernel (and of the fused gemv_tc_qkv_rope_kernel).  Block barriers inside: every
+// thread of the block must call it.
 template <int NT, int TILES, int W, int U, bool SWIGLU, bool NORM>
-__global__ void __launch_bounds__(W * 32)
-gemv_tc_kernel(const float* __restrict__ x, const unsigned short* __restrict__ w,
-               const unsigned short* __restrict__ bias, float* __restrict__ out, int M, int N, int K,
-               int accumulate, int has_bias, const unsigned short* __restrict__ norm_w, float eps,
-               float norm_offset, int act) {
+__device__ __forceinline__ void gemv_tc_body(const float* __restrict__ x, const unsigned short* __restrict__ w,
+                                             const unsigned short* __restrict__ bias, float* __restrict__ out, int M,
+                                             int N, int K, int accumulate, int has_bias,
+                                             const unsigned short* __restrict__ norm_w, float eps,
+                                             float norm_offset, int act) {
     constexpr int RW = SWIGLU ? 2 * TILES : TILES;  // weight tiles per block
     constexpr int NV = RW * NT * 4 * 32;            // partial values per warp
     constexpr int NO = TILES * NT * 4 * 32;         // output values per block
@@ -279,4 +281,35 @@ gemv_tc_kernel(const float* __restrict__ x, const unsigned short* __restrict__ w
         if (accumulate) val = __fadd_rn(val, *o);
         *o = val;
     }
+}
+
+template <int NT, int TILES, int W, int U, bool SWIGLU, bool NORM>
+__global__ void __launch_bounds__(W * 32)
+gemv_tc_kernel(const float* __restrict__ x, const unsigned short* __restrict__ w,
+               const unsigned short* __restrict__ bias, float* __restrict__ out, int M, int N, int K,
+               int accumulate, int has_bias, const unsigned short* __restrict__ norm_w, float eps,
+               float norm_offset, int act) {
+    gemv_tc_body<NT, TILES, W, U, SWIGLU, NORM>(x, w, bias, out, M, N, K, accumulate, has_bias, norm_w, eps,
+                                                norm_offset, act);
+}
+
+// The fused rows path's qkv projection from GEMV_TC_MIN_ROWS rows on: gemv_tc_kernel with the RMSNorm
+// prologue, then rope + KV append in the block that finishes a head slot (qkv_rope_tail, common.cu;
+// as gemv.cu's gemv_qkv_rope_kernel).  counters: int32 [n_heads + 2 n_kv], zero before and after.
+template <int NT, int TILES, int W, int U>
+__global__ void __launch_bounds__(W * 32)
+gemv_tc_qkv_rope_kernel(const float* __restrict__ x, const unsigned short* __restrict__ w,
+                        const unsigned short* __restrict__ bias, float* __restrict__ qkv, int M, int N, int K,
+                        int has_bias, const unsigned short* __restrict__ norm_w, float eps, float norm_offset,
+                        const int* __restrict__ positions, const float* __restrict__ inv_freq,
+                        const unsigned short* __restrict__ q_norm, const unsigned short* __restrict__ k_norm,
+                        float* __restrict__ q_out, unsigned short* __restrict__ k_cache,
+                        unsigned short* __restrict__ v_cache, int n_heads, int n_kv, int head_dim, int max_ctx,
+                        float rope_eps, int has_q_norm, int has_k_norm, float attn_scaling, float rope_norm_offset,
+                        int rot_dim, int* __restrict__ counters) {
+    gemv_tc_body<NT, TILES, W, U, false, true>(x, w, bias, qkv, M, N, K, 0, has_bias, norm_w, eps, norm_offset,
+                                               ACT_SILU);
+    qkv_rope_tail<W>(16 * TILES, qkv, N, M, positions, inv_freq, q_norm, k_norm, q_out, k_cache, v_cache, n_heads,
+                     n_kv, head_dim, max_ctx, rope_eps, has_q_norm, has_k_norm, attn_scaling, rope_norm_offset,
+                     rot_dim, counters);
 }

@@ -6,10 +6,24 @@ from __future__ import annotations
 from typing import Any
 
 from .checks import OperandChecks
-from .names import PLAIN_KERNELS, decode_name, gemv_name, gemv_tc_name, name_expressions, prefill_name
+from .names import (
+    PLAIN_KERNELS,
+    decode_name,
+    fused_attention_name_expressions,
+    fused_name_expressions,
+    fused_qkv_fp32_rows,
+    gemv_name,
+    gemv_qkv_rope_name,
+    gemv_tc_name,
+    gemv_tc_qkv_rope_name,
+    name_expressions,
+    prefill_name,
+)
 from .nvrtc import compile_module
 from .pdl import PdlLauncher
 from .tuning import (
+    ARGMAX_CHUNK,
+    ARGMAX_THREADS,
     ATTN_CHUNK_ALIGN,
     ATTN_TC_WARPS,
     ATTN_WARPS,
@@ -18,6 +32,7 @@ from .tuning import (
     GEMV_DEFAULT,
     GEMV_SWIGLU_DEFAULT,
     GEMV_TC_DEFAULT,
+    GEMV_TC_MIN_ROWS,
     GEMV_TC_SWIGLU_DEFAULT,
     LOG2E,
     PREFILL_BQ,
@@ -46,6 +61,10 @@ class Kernels(OperandChecks, UnfusedKernels):
         self._fn = {n: self._module.get_function(n) for n in self._names + PLAIN_KERNELS}
         self._extra_names = frozenset(name_expressions(extra=True))
         self._extra_module = None
+        self._fused_names = frozenset(fused_name_expressions())
+        self._fused_module = None
+        self._fused_attn_names = frozenset(fused_attention_name_expressions())
+        self._fused_attn_module = None
         dev = cupy.cuda.Device()
         self.device_id = dev.id
         self.num_sms = int(dev.attributes["MultiProcessorCount"])
@@ -77,10 +96,30 @@ class Kernels(OperandChecks, UnfusedKernels):
             self._extra_module = compile_module(self._cp, names)
             self._fn.update({n: self._extra_module.get_function(n) for n in names})
 
+    def load_fused(self) -> None:
+        """Compile the fused module (names.fused_name_expressions: the fused rows path's kernels) now; the
+        engine does so when it takes the fused path, before any capture."""
+        if self._fused_module is None:
+            names = tuple(sorted(self._fused_names))
+            self._fused_module = compile_module(self._cp, names)
+            self._fn.update({n: self._fused_module.get_function(n) for n in names})
+
+    def load_fused_attention(self) -> None:
+        """Compile the fused-combine attention module (names.fused_attention_name_expressions) now; the
+        engine does so when set_fused_attention(True) asks for it, before any capture."""
+        if self._fused_attn_module is None:
+            names = tuple(sorted(self._fused_attn_names))
+            self._fused_attn_module = compile_module(self._cp, names)
+            self._fn.update({n: self._fused_attn_module.get_function(n) for n in names})
+
     def _has(self, name: str) -> bool:
-        """Whether the kernel instance `name` is compiled (compiling the extra module if it is there)."""
+        """Whether the kernel instance `name` is compiled (compiling the extra or a fused module if it is there)."""
         if name not in self._fn and name in self._extra_names:
             self.load_extra()
+        if name not in self._fn and name in self._fused_names:
+            self.load_fused()
+        if name not in self._fn and name in self._fused_attn_names:
+            self.load_fused_attention()
         return name in self._fn
 
     def _launch(self, name: str, grid: tuple, block: tuple, args: tuple, stream: Any) -> None:
@@ -342,6 +381,120 @@ class Kernels(OperandChecks, UnfusedKernels):
         )
         self._launch("rope_kv_append_kernel", (_ceil_div(M * slots, warps),), (32 * warps,), args, stream)
 
+    def qkv_rope_fusable(self, m: int, impl: str = "auto") -> str | None:
+        """None when gemv_qkv_rope has an instance for m rows with the GEMV `impl` ("auto", "simt", "tc":
+        the engine's gemv_impl) would choose, else why not (the fused rows path then runs the unfused
+        qkv GEMV and rope_kv_append for that row count)."""
+        if impl == "tc" or (impl == "auto" and m >= GEMV_TC_MIN_ROWS):
+            return None if 1 <= m <= 16 else f"no tensor-core GEMV for {m} rows"
+        if m not in fused_qkv_fp32_rows():
+            return f"the fp32-FMA GEMV for {m} rows stages x in shared memory: no fused rope epilogue"
+        return None
+
+    def gemv_qkv_rope(
+        self,
+        x: Any,
+        w: Any,
+        bias: Any,
+        norm_weight: Any,
+        qkv: Any,
+        positions: Any,
+        inv_freq: Any,
+        q_out: Any,
+        k_cache: Any,
+        v_cache: Any,
+        counters: Any,
+        *,
+        eps: float = 1e-6,
+        norm_offset: float = 0.0,
+        q_norm: Any = None,
+        k_norm: Any = None,
+        rope_eps: float = 1e-6,
+        attention_scaling: float = 1.0,
+        rope_norm_offset: float = 0.0,
+        rotary_dim: int | None = None,
+        impl: str = "auto",
+        stream: Any = None,
+    ) -> None:
+        """The fused rows path's qkv projection in one launch: qkv = rmsnorm(x, norm_weight) @ w.T (+ bias)
+        (as gemv / gemv_tc with norm_weight), then rope_kv_append(qkv, positions, inv_freq, q_out, k_cache,
+        v_cache, q_norm, k_norm, rope_eps, ...) done by the block that finishes each head slot's last rows
+        (the split-K "last block" pattern over `counters`).  Same values as the two unfused launches.
+        x f32[M, K], w bf16[(n_heads + 2 n_kv) head_dim, K], bias bf16[N] or None, norm_weight bf16[K],
+        qkv f32[M, N] (written, then read back by the epilogue), q_out f32[M, n_heads, head_dim] (disjoint
+        from qkv), caches as rope_kv_append.  counters: int32[>= n_heads + 2 n_kv], all zero; every launch
+        leaves them zero (a non-zero counter afterwards means a broken launch: see check_counters).
+        impl: which GEMV ("auto": fp32-FMA below GEMV_TC_MIN_ROWS rows, else tensor cores; "simt"; "tc");
+        qkv_rope_fusable says which row counts have an instance."""
+        np = self._np
+        if norm_weight is None:
+            raise ValueError("gemv_qkv_rope: norm_weight is required (the fused qkv GEMV has the norm prologue)")
+        M, K, N, _ = self._linear_operands("gemv_qkv_rope", x, w, "w", qkv, bias, norm_weight, swiglu=False)
+        self._i32(positions, "positions", 1)
+        self._f32(inv_freq, "inv_freq", 1)
+        self._f32(q_out, "q_out", 3)
+        self._i32(counters, "counters", 1)
+        n_kv, max_ctx, hd = self._check_cache(k_cache, v_cache)
+        Mq, nh, qhd = q_out.shape
+        if Mq != M or qhd != hd:
+            raise ValueError(f"q_out: shape {q_out.shape} does not match x rows {M} / the cache's head_dim {hd}")
+        if hd % 2 or hd > 256 or hd == 0:
+            raise ValueError(f"gemv_qkv_rope: head_dim = {hd} must be even and <= 256")
+        slots = nh + 2 * n_kv
+        if N != slots * hd:
+            raise ValueError(f"gemv_qkv_rope: w has {N} rows, expected (n_heads + 2 n_kv) * head_dim = {slots * hd}")
+        rd = self._rotary_dim(hd, rotary_dim)
+        self._shape(positions, "positions", (M,))
+        self._shape(inv_freq, "inv_freq", (rd // 2,))
+        if counters.shape[0] < slots:
+            raise ValueError(f"counters: {counters.shape[0]} int32, need {slots}")
+        for a, an in ((q_norm, "q_norm"), (k_norm, "k_norm")):
+            if a is not None:
+                self._bf16(a, an, 1)
+                self._shape(a, an, (hd,))
+        self._disjoint(q_out, "q_out", qkv, "qkv")
+        for c, cn in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+            self._disjoint(c, cn, qkv, "qkv")
+            self._disjoint(c, cn, q_out, "q_out")
+        for a, an in ((qkv, "qkv"), (q_out, "q_out"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+            self._disjoint(counters, "counters", a, an)
+        why = self.qkv_rope_fusable(M, impl)
+        if why is not None:
+            raise ValueError(f"gemv_qkv_rope: {why}")
+        rope = (
+            positions, inv_freq, self._dummy if q_norm is None else q_norm, self._dummy if k_norm is None else k_norm,
+            q_out, k_cache, v_cache, np.int32(nh), np.int32(n_kv), np.int32(hd), np.int32(max_ctx),
+            np.float32(rope_eps), np.int32(0 if q_norm is None else 1), np.int32(0 if k_norm is None else 1),
+            np.float32(attention_scaling), np.float32(rope_norm_offset), np.int32(rd), counters,
+        )
+        head = (x, w, self._dummy if bias is None else bias, qkv)
+        tail = (np.int32(0 if bias is None else 1), norm_weight, np.float32(eps), np.float32(norm_offset))
+        if impl == "tc" or (impl == "auto" and M >= GEMV_TC_MIN_ROWS):
+            tiles, warps, u = GEMV_TC_DEFAULT[M]
+            block_rows, threads = 16 * tiles, warps * 32
+            name = gemv_tc_qkv_rope_name(2 if M > 8 else 1, tiles, warps, u)
+            args = head + (np.int32(M), np.int32(N), np.int32(K)) + tail + rope
+        else:
+            r, u = GEMV_DEFAULT[M]
+            threads, block_rows = _gemv_block_rows(r, u)
+            name = gemv_qkv_rope_name(M, r, u)
+            args = head + (np.int32(N), np.int32(K)) + tail + rope
+        if block_rows > 31 * hd:  # qkv_rope_tail counts a block in for at most 32 head slots
+            raise ValueError(f"gemv_qkv_rope: {block_rows} rows per block span too many heads of {hd}")
+        if not self._has(name):
+            raise ValueError(f"gemv_qkv_rope: no compiled instance {name}")
+        self._launch(name, (_ceil_div(N, block_rows),), (threads,), args, stream)
+
+    def check_counters(self, counters: Any, what: str = "fused kernels") -> None:
+        """Raise RuntimeError if any of the last-block counters of the fused kernels is non-zero (reads them:
+        synchronises the device).  Each fused launch leaves its counters at zero; one that does not means a
+        block count that does not match the launch, and results that cannot be trusted."""
+        host = counters.get()
+        bad = self._np.flatnonzero(host)
+        if bad.size:
+            raise RuntimeError(f"{what}: {bad.size} last-block counters left non-zero (first: [{int(bad[0])}] = "
+                               f"{int(host[bad[0]])}): a fused launch lost blocks; its results are wrong")
+
     def decode_splits(self, max_ctx: int, n_kv: int, n_rows: int = 1, n_heads: int | None = None) -> int:
         """Number of context splits for attention_decode of n_rows query rows (any n_rows >= 1;
         pass the M the call will use: the split count is fixed in a captured graph).
@@ -382,6 +535,8 @@ class Kernels(OperandChecks, UnfusedKernels):
         workspace: Any = None,
         window: int | None = None,
         softcap: float | None = None,
+        counters: Any = None,
+        only: str | None = None,
         stream: Any = None,
     ) -> None:
         """Causal attention of M query rows (decode M=1, verify M=k) against the cache:
@@ -399,7 +554,12 @@ class Kernels(OperandChecks, UnfusedKernels):
         may overlap).
         `window`: row m sees only keys (positions[m] - window, positions[m]], and the split work covers
         only the keys some row sees (a long context costs what the window costs).  `softcap`: scores
-        -> softcap * tanh(scores / softcap) before the mask (Gemma 2).  Both fixed at capture time."""
+        -> softcap * tanh(scores / softcap) before the mask (Gemma 2).  Both fixed at capture time.
+        `counters` (the fused rows path): int32[>= n_kv * ceil(M * G / qb)] (qb: query vectors per block;
+        M * n_heads always suffices), all zero: one launch, the split kernel's FUSED instance, whose last
+        split block per (query block, KV head) merges the splits (same values as the combine kernel) and
+        leaves its counter at zero.  `only` ("split" or "combine", unfused only): launch just that one
+        of the two kernels (the per-kernel timing of scripts/decode_breakdown.py)."""
         np = self._np
         self._f32(q, "q", 3)
         self._f32(out, "out", 3)
@@ -455,7 +615,26 @@ class Kernels(OperandChecks, UnfusedKernels):
             np.int32(M), np.int32(nh), np.int32(n_kv), np.int32(max_ctx), np.int32(n_splits), qscale,
             win, cap2,
         )
-        self._launch(decode_name(hd, qb, ext), grid, (threads,), args, stream)
+        if counters is not None:
+            self._i32(counters, "counters", 1)
+            blocks = grid[0] * grid[2]
+            if counters.shape[0] < blocks:
+                raise ValueError(f"counters: {counters.shape[0]} int32, need {blocks}")
+            for a, an in ((q, "q"), (out, "out"), (workspace, "workspace"), (k_cache, "k_cache")):
+                self._disjoint(counters, "counters", a, an)
+            if only is not None:
+                raise ValueError("attention_decode: `only` is for the unfused kernels")
+            name = decode_name(hd, qb, ext, fused=True)
+            if not self._has(name):
+                raise ValueError(f"attention_decode: no compiled instance {name}")
+            self._launch(name, grid, (threads,), args + (out, counters), stream)
+            return
+        if only not in (None, "split", "combine"):
+            raise ValueError(f"attention_decode: only = {only!r}, expected 'split' or 'combine'")
+        if only != "combine":
+            self._launch(decode_name(hd, qb, ext), grid, (threads,), args + (out, self._dummy), stream)
+        if only == "split":
+            return
         args2 = (
             part_acc, part_ml, positions, out,
             np.int32(M), np.int32(nh), np.int32(hd), np.int32(max_ctx), np.int32(n_splits), win,
@@ -540,9 +719,31 @@ class Kernels(OperandChecks, UnfusedKernels):
         args = (gate_up, out, np.int32(M), np.int32(I2 // 2), self._act(activation))
         self._launch("swiglu_kernel", (self._grid1d(n),), (256,), args, stream)
 
-    def argmax(self, rows: Any, out: Any, *, stream: Any = None) -> None:
+    def argmax_blocks(self, n: int, V: int) -> int:
+        """Blocks per row of the split argmax (argmax_split_*_kernel) for n rows of V, or 0 for the one-block-
+        per-row kernel: one block per ARGMAX_CHUNK elements, at most 8 resident-sized waves of the GPU over
+        all rows; the one-block kernel when the row fits in two chunks or n rows alone fill the SMs."""
+        chunks = _ceil_div(int(V), ARGMAX_CHUNK)
+        if chunks < 2 or n >= self.num_sms:
+            return 0
+        return max(2, min(chunks, (8 * self.num_sms) // max(1, int(n))))
+
+    @staticmethod
+    def argmax_workspace_size(n: int, nb: int) -> int:
+        """int32 elements of the split argmax's workspace: n counters (zero before and after every launch)
+        and nb (value, index) partials per row."""
+        return int(n) + 2 * int(n) * int(nb)
+
+    def argmax(self, rows: Any, out: Any, *, workspace: Any = None, stream: Any = None) -> None:
         """out[i] = index of the first maximum of rows[i] (torch.argmax), or -1 if rows[i] holds
-        any NaN or +-Inf.  rows f32 or bf16 [n, V]; out int32[n]."""
+        any NaN or +-Inf.  rows f32 or bf16 [n, V]; out int32[n].
+        Fewer rows than SMs (argmax_blocks > 0): several blocks per row in one launch, the last block of
+        each row reducing their partials (argmax_split_*_kernel); else one block per row.  The same index
+        either way (ties, NaN, Inf: tests/gpu/test_kernels.py).  The split kernel needs `workspace`:
+        int32[>= argmax_workspace_size(n, argmax_blocks(n, V))] whose first n elements are zero (every
+        launch leaves them zero; the rest is scratch); None: an internal one, grown on demand (zeroed and
+        synchronised: make one eager call before capturing, or pass your own, and pass your own when calls
+        on different streams may overlap)."""
         np = self._np
         self._arr(rows, "rows")
         self._i32(out, "out", 1)
@@ -552,14 +753,32 @@ class Kernels(OperandChecks, UnfusedKernels):
         if V == 0 or V >= 2**31:
             raise ValueError(f"argmax: V = {V} must be in 1..2^31-1")
         if rows.dtype == np.float32:
-            name = "argmax_f32_kernel"
+            kind = "f32"
         elif self._is_bf16(rows.dtype):
-            name = "argmax_bf16_kernel"
+            kind = "bf16"
         else:
             raise ValueError(f"rows: dtype must be float32 or bfloat16, got {rows.dtype}")
         if n == 0:
             return
-        self._launch(name, (n,), (1024,), (rows, out, np.int32(V)), stream)
+        nb = self.argmax_blocks(n, V)
+        if nb == 0:
+            self._launch(f"argmax_{kind}_kernel", (n,), (1024,), (rows, out, np.int32(V)), stream)
+            return
+        need = self.argmax_workspace_size(n, nb)
+        if workspace is None:
+            ws = self.__dict__.get("_argmax_ws")
+            if ws is None or ws.size < need:
+                ws = self._cp.zeros(max(need, 1 << 14), dtype=self._cp.int32)
+                self._cp.cuda.Device().synchronize()  # the zero fill ran on the current stream
+                self._argmax_ws = ws
+            workspace = ws
+        else:
+            self._i32(workspace, "workspace", 1)
+            if workspace.shape[0] < need:
+                raise ValueError(f"workspace: {workspace.shape[0]} int32 elements, need {need}")
+            self._disjoint(workspace, "workspace", out, "out")
+        self._launch(f"argmax_split_{kind}_kernel", (nb, n), (ARGMAX_THREADS,), (rows, out, np.int32(V), workspace),
+                     stream)
 
     def f32_to_bf16(self, x: Any, out: Any, *, stream: Any = None) -> None:
         """out = bf16(x), round to nearest even, NaN -> 0x7FC0 (torch CPU semantics).

@@ -54,12 +54,55 @@ def _gemv_tc_names() -> list[str]:
 
 
 
-def decode_name(hd: int, qb: int, ext: bool = False) -> str:
+def _b(flag: bool) -> str:
+    return "true" if flag else "false"
+
+
+def decode_name(hd: int, qb: int, ext: bool = False, fused: bool = False) -> str:
     """The split kernel for head_dim hd taking qb query vectors per block (_decode_qb); ext: with the
-    sliding-window / softcap code (the SIMT kernel always has it)."""
+    sliding-window / softcap code (the SIMT kernel always has it); fused: with the combine in the last
+    split block (the fused rows path; those instances are in the fused module)."""
     if hd in DECODE_TC_HEAD_DIMS:
-        return f"attn_decode_tc_kernel<{hd}, {qb // 8}, {'true' if ext else 'false'}>"
-    return f"attn_decode_split_kernel<{hd}, {qb}, {DECODE_SIMT_KB}>"
+        return f"attn_decode_tc_kernel<{hd}, {qb // 8}, {_b(ext)}, {_b(fused)}>"
+    return f"attn_decode_split_kernel<{hd}, {qb}, {DECODE_SIMT_KB}, {_b(fused)}>"
+
+
+def gemv_qkv_rope_name(m: int, r: int, u: int) -> str:
+    """The fused qkv GEMV + rope + KV append, fp32-FMA register variant (gemv.cu), M rows, config (R, U)."""
+    return f"gemv_qkv_rope_kernel<{m}, {r}, {u}>"
+
+
+def gemv_tc_qkv_rope_name(nt: int, tiles: int, w: int, u: int) -> str:
+    """The fused qkv GEMV + rope + KV append, tensor-core variant (gemv_tc.cu)."""
+    return f"gemv_tc_qkv_rope_kernel<{nt}, {tiles}, {w}, {u}>"
+
+
+def fused_qkv_fp32_rows() -> tuple[int, ...]:
+    """Row counts with a fused qkv instance of the fp32-FMA GEMV: those whose GEMV_DEFAULT config is the
+    register variant (U > 0; the shared-memory-x variant has no fused epilogue)."""
+    return tuple(m for m, (_, u) in GEMV_DEFAULT.items() if u > 0)
+
+
+def fused_name_expressions() -> tuple[str, ...]:
+    """The instances of the fused module (compiled by Kernels.load_fused, only when the engine takes the
+    fused rows path): the fused qkv GEMVs (+ rope + KV append) for every row count of the rows path."""
+    names = [gemv_qkv_rope_name(m, *GEMV_DEFAULT[m]) for m in fused_qkv_fp32_rows()]
+    names += [gemv_tc_qkv_rope_name(2 if m > 8 else 1, *cfg) for m, cfg in GEMV_TC_DEFAULT.items()]
+    return tuple(dict.fromkeys(names))
+
+
+def fused_attention_name_expressions() -> tuple[str, ...]:
+    """The split kernels with their combine fused into the last split block, for every head_dim, query block
+    and window / softcap variant: their own module (Kernels.load_fused_attention), compiled only on request
+    (attention_decode with `counters`, CudaEngine.set_fused_attention).  The fused rows path does not use them
+    by default: on the H200 the pair split + combine was faster (NOTES.md, issue 16)."""
+    names = []
+    for hd in DECODE_HEAD_DIMS:
+        for qb in (8, 16) if hd in DECODE_TC_HEAD_DIMS else (1, 2, 4):
+            names.append(decode_name(hd, qb, fused=True))
+            if hd in DECODE_TC_HEAD_DIMS:
+                names.append(decode_name(hd, qb, ext=True, fused=True))
+    return tuple(dict.fromkeys(names))
 
 
 def prefill_name(hd: int, bq: int = PREFILL_BQ, ext: bool = False) -> str:
@@ -129,5 +172,7 @@ PLAIN_KERNELS = (
     "attn_decode_combine_kernel",
     "argmax_f32_kernel",
     "argmax_bf16_kernel",
+    "argmax_split_f32_kernel",
+    "argmax_split_bf16_kernel",
 )
 

@@ -68,6 +68,9 @@ LOG2E = 1.4426950408889634
 # Splits are multiples of ATTN_CHUNK_ALIGN keys.  All must match attention.cu.
 ATTN_TC_WARPS = 4
 ATTN_CHUNK_ALIGN = 64
+# The split argmax (argmax.cu argmax_split_*_kernel): threads per block, elements per block step.  Must match.
+ARGMAX_THREADS = 256
+ARGMAX_CHUNK = ARGMAX_THREADS * 8
 DECODE_TC_HEAD_DIMS = (32, 64, 128)
 DECODE_SIMT_KB = 4  # keys per warp step of the SIMT split kernel (its template argument KB)
 

@@ -1,0 +1,249 @@
+"""Per-kernel time breakdown of the CUDA decode step (M = 1), on each rows path (issue 16's closing note).
+
+For every launch kind of one decode step (per layer: the qkv GEMV, rope + KV append, the attention split
+kernel and its combine, the o / gate_up / down GEMVs; the fused path's qkv+rope+append and fused attention;
+per step: the final norm, lm_head, the bf16 rounding of the logits, argmax) it captures one CUDA graph of
+that launch over all L layers in order (each with its own layer's weights and KV cache, so L2 cannot
+serve the weights), times `--repeats` replays with CUDA events and reports the median per launch, beside
+the launch's own floor: the bytes it must read (weights, norm weight, KV cache up to the context) over the
+read bandwidth measured in the same run.  Then the whole step (graph replay, as `metrale bench`) and the
+difference: the gaps between launches (and any overlap) that the isolated times do not contain.
+
+A launch timed in isolation still pays its own ramp-up and tail and about 0.75 us of graph node overhead:
+the column "% of bw" is floor / time per launch.
+
+    PYTHONPATH=. python3 scripts/decode_breakdown.py --preset llama-3.1-8b --context 1024 --paths rows,fused
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from metrale_cli import bench  # noqa: E402
+from metrale_cli.config import load_config  # noqa: E402
+from metrale_cli.models.spec import MoeSpec  # noqa: E402
+
+
+# The per-step launches (final norm, lm_head, logits to bf16, argmax) are timed STEP_REPEAT times in one graph
+# and divided, like the per-layer rows over L layers: a graph of one launch also times the graph launch itself
+# (the first H200 run timed them one per graph: final norm 6.7 us, logits to bf16 4.2 us, which is mostly that).
+STEP_REPEAT = 8
+
+
+def time_graph(eng, launch, repeats: int) -> float:
+    """Median seconds of one replay of a graph of `launch()` (warmed up eagerly first)."""
+    cp, s = eng.cp, eng.stream
+    with s:
+        launch()
+    s.synchronize()
+    s.begin_capture()
+    try:
+        with s:
+            launch()
+    finally:
+        g = s.end_capture()
+    for _ in range(3):
+        g.launch(stream=s)
+    s.synchronize()
+    out = []
+    for _ in range(repeats):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record(s)
+        g.launch(stream=s)
+        b.record(s)
+        b.synchronize()
+        out.append(cp.cuda.get_elapsed_time(a, b) / 1000)
+    return statistics.median(out)
+
+
+def layer_ops(eng, path: str):
+    """[(name, launches per layer, bytes per launch (layer i), launch(i))] of one decode layer at M = 1."""
+    from metrale_cli.backends.cuda.passes import FusedRowsPass, RowsPass, _window
+
+    cfg, w, k = eng.cfg, eng.w, eng.kern
+    defs = cfg.definition.layers
+    p = RowsPass(eng, 1)
+    fp = FusedRowsPass(eng, 1)
+    x, qkv, act = eng._x[:1], eng._qkv[:1], eng._act[:1]
+    ctx = eng.length  # the cached positions the step attends over
+
+    def nb(*arrs):
+        return sum(int(a.nbytes) for a in arrs if a is not None)
+
+    def kv_bytes(i):
+        a = defs[i].attention
+        keys = min(ctx + 1, a.window or ctx + 1)
+        return 2 * a.num_kv_heads * keys * a.head_dim * 2
+
+    def qkv_rows(i):
+        lw, layer = w.layers[i], defs[i]
+        p.linear(x, lw["qkv"], lw.get("qkv_bias"), out="qkv", norm=(lw["input_norm"], layer.norm))
+
+    def rope(i):
+        lw, layer = w.layers[i], defs[i]
+        p.rope_kv_append(qkv, i, layer.attention, lw.get("q_norm"), lw.get("k_norm"), layer.norm)
+
+    def qkv_fused(i):
+        lw, layer = w.layers[i], defs[i]
+        fp.linear(x, lw["qkv"], lw.get("qkv_bias"), out="qkv", norm=(lw["input_norm"], layer.norm))
+        fp.rope_kv_append(qkv, i, layer.attention, lw.get("q_norm"), lw.get("k_norm"), layer.norm)
+
+    def q_of(path_):
+        a = defs[0].attention
+        return (qkv[:, :a.q_size].reshape(1, a.num_heads, a.head_dim) if path_ == "rows" else eng._q[:1])
+
+    def attn_part(only):
+        def run(i):
+            a = defs[i].attention
+            k.attention_decode(q_of(path), eng._kc[i], eng._vc[i], p.pos, eng._attn[:1], a.scale,
+                               n_splits=eng._splits[1], workspace=eng._ws, window=_window(eng, a), softcap=a.softcap,
+                               only=only, stream=eng.stream)
+        return run
+
+    def attn_fused(i):
+        fp.attention(q_of("fused"), i, defs[i].attention)
+
+    def o(i):
+        lw = w.layers[i]
+        p.linear(eng._attn[:1].reshape(1, -1), lw["o"], lw.get("o_bias"), out="x", residual=x)
+
+    def gate_up(i):
+        lw, layer = w.layers[i], defs[i]
+        p.gated_mlp(x, lw["gate_up"], norm=(lw["mlp_norm"], layer.norm), activation=layer.mlp.activation)
+
+    def down(i):
+        p.linear(act, w.layers[i]["down"], None, out="x", residual=x)
+
+    lw = lambda i, key: w.layers[i].get(key)  # noqa: E731
+    common = [
+        ("o GEMV (+= residual)", 1, lambda i: nb(lw(i, "o"), lw(i, "o_bias")), o),
+        ("gate_up GEMV (norm, act)", 1, lambda i: nb(lw(i, "gate_up"), lw(i, "mlp_norm")), gate_up),
+        ("down GEMV (+= residual)", 1, lambda i: nb(lw(i, "down")), down),
+    ]
+    split_combine = [
+        ("attention split", 1, kv_bytes, attn_part("split")),
+        ("attention combine", 1, lambda i: 0, attn_part("combine")),
+    ]
+    if path == "fused":
+        attention = ([("attention, combine fused", 1, kv_bytes, attn_fused)] if fp.plan["attention"] is None
+                     else split_combine)  # split + combine unless --fused-attention (set_fused_attention)
+        return [
+            ("qkv GEMV + rope + KV append", 1, lambda i: nb(lw(i, "qkv"), lw(i, "qkv_bias"), lw(i, "input_norm")),
+             qkv_fused),
+        ] + attention + common
+    return [
+        ("qkv GEMV (norm)", 1, lambda i: nb(lw(i, "qkv"), lw(i, "qkv_bias"), lw(i, "input_norm")), qkv_rows),
+        ("rope + KV append", 1, lambda i: 0, rope),
+    ] + split_combine + common
+
+
+def step_ops(eng):
+    """[(name, bytes, launch())] of the per-step tail (final norm, lm_head, logits rounding, argmax)."""
+    k, w, s = eng.kern, eng.w, eng.stream
+    norm = eng.cfg.definition.norm
+    h = eng._h[:1]
+    return [
+        ("final norm", int(w.final_norm.nbytes), lambda: k.rmsnorm(eng._x[:1], w.final_norm, norm.eps, h,
+                                                                    offset=norm.offset, stream=s)),
+        ("lm_head GEMV", int(w.lm_head.nbytes), lambda: eng._linear(h, w.lm_head, eng._logits32[:1])),
+        ("logits to bf16", 0, lambda: k.f32_to_bf16(eng._logits32[:1], eng._decode_logits, stream=s)),
+        ("argmax", 0, lambda: k.argmax(eng._decode_logits, eng._decode_amax, stream=s)),
+    ]
+
+
+def breakdown(eng, path: str, bw: float, repeats: int, decode_once, timer, fused_attention: bool = False) -> dict:
+    eng.set_path(path)
+    if path == "fused":
+        eng.set_fused_attention(fused_attention)
+    L = eng.cfg.num_hidden_layers
+    dense = [i for i, layer in enumerate(eng.cfg.definition.layers) if not isinstance(layer.mlp, MoeSpec)]
+    rows = []
+    x0 = eng._x.copy()
+    for name, per_layer, nbytes, fn in layer_ops(eng, path):
+        layers = dense if "GEMV" in name and ("gate_up" in name or "down" in name) else list(range(L))
+        if not layers:
+            continue
+        t = time_graph(eng, lambda: [fn(i) for i in layers], repeats) / len(layers)
+        eng._x[...] = x0  # the residual-accumulating GEMVs grew it
+        eng.cp.cuda.Device().synchronize()
+        b = statistics.mean(nbytes(i) for i in layers)
+        rows.append(dict(kernel=name, launches=per_layer * len(layers), us=t * 1e6, bytes=b, floor_us=b / bw * 1e6))
+    for name, b, fn in step_ops(eng):  # idempotent launches: STEP_REPEAT of them per graph, as the layers' rows
+        t = time_graph(eng, lambda: [fn() for _ in range(STEP_REPEAT)], repeats) / STEP_REPEAT
+        rows.append(dict(kernel=name, launches=1, us=t * 1e6, bytes=b, floor_us=b / bw * 1e6))
+    eng.check_fused()
+    # the cache rows the isolated launches wrote at position `length` are rewritten by the next decode
+    step = timer.time(decode_once, repeats)
+    eng.check_fused()
+    isolated = sum(r["us"] * r["launches"] for r in rows)
+    launches = sum(r["launches"] for r in rows)
+    return dict(path=path, rows=rows, step_us=step * 1e6, isolated_us=isolated, launches=launches)
+
+
+def render(res: dict, floor_us: float) -> str:
+    out = [f"path {res['path']}: decode step {res['step_us'] / 1e3:.3f} ms ({res['step_us'] / floor_us:.3f} x the "
+           f"{floor_us / 1e3:.3f} ms floor), {res['launches']} launches timed",
+           f"{'kernel':32} {'launches':>8} {'us each':>9} {'us/step':>9} {'floor us':>9} {'% of bw':>8}"]
+    for r in res["rows"]:
+        pct = f"{100 * r['floor_us'] / r['us']:.1f}" if r["bytes"] else "-"
+        out.append(f"{r['kernel']:32} {r['launches']:>8} {r['us']:>9.2f} {r['us'] * r['launches']:>9.1f} "
+                   f"{r['floor_us']:>9.2f} {pct:>8}")
+    gap = res["step_us"] - res["isolated_us"]
+    out.append(f"{'sum of isolated launches':32} {'':>8} {'':>9} {res['isolated_us']:>9.1f}")
+    out.append(f"{'step - sum (gaps, overlap)':32} {'':>8} {'':>9} {gap:>9.1f}")
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="llama-3.1-8b")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--paths", default="rows,fused")
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--json", default=None, help="also write the numbers here")
+    ap.add_argument("--fused-attention", action="store_true",
+                    help="on the fused path, time the attention with its combine in the last split block "
+                         "(CudaEngine.set_fused_attention) instead of split + combine")
+    args = ap.parse_args()
+    paths = bench.check_paths(tuple(args.paths.split(",")), "cuda")
+    cfg = load_config(bench.preset_path(args.preset))
+    eng = bench.build_engine(cfg, "cuda", args.context + 64)
+    bw = bench.read_bandwidth_gpu(eng.cp)
+    rng = np.random.default_rng(0)
+    eng.prefill([int(t) for t in rng.integers(0, cfg.vocab_size, args.context)])
+    eng.synchronize()
+    # the isolated launches read the step's token and position from the engine's io buffer, as a decode does
+    eng._io_np[0, 0], eng._io_np[1, 0] = 5, args.context
+    eng._io.set(eng._io_np, stream=eng.stream)
+    eng.synchronize()
+    floor_us = (bench._streamed_bytes(cfg, 2) + bench.kv_bytes_read(cfg, args.context, 2)) / bw * 1e6
+    timer = bench._Timer(eng)
+
+    def decode_once():
+        eng.decode(5)
+        eng.trim(args.context)
+
+    print(f"{args.preset}, context {args.context}, read bandwidth {bw / 1e9:.0f} GB/s, floor {floor_us / 1e3:.3f} ms "
+          f"(medians of {args.repeats} graph replays per row)")
+    results = []
+    for p in paths:
+        res = breakdown(eng, p, bw, args.repeats, decode_once, timer, args.fused_attention)
+        eng.trim(args.context)
+        results.append(res)
+        print(render(res, floor_us), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(preset=args.preset, context=args.context, read_bandwidth=bw,
+                                                   floor_us=floor_us, paths=results), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

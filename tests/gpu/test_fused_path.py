@@ -1,0 +1,392 @@
+"""The fused rows path (CUDA engine path "fused", issue 16) against the rows path and the NumPy engine.
+
+Kernels: gemv_qkv_rope (the qkv GEMV with rope + KV append in the last block of each head) against the
+unfused gemv / gemv_tc + rope_kv_append on the same fresh random data, and attention_decode with counters
+(the combine in the last split block) against the unfused split + combine and a float64 reference, at
+contexts that cross many splits and both combine batches.  Both fused kernels do the rows path's
+arithmetic in the same order, so they are held to 1e-6 (in practice equal) and their last-block counters
+must be back at zero after every launch (a launch that lost a block leaves one non-zero).
+
+The engine's fused path runs the attention as split + combine (the combine in the last split block
+measured slower on the H200); that kernel stays behind CudaEngine.set_fused_attention(True), tested here
+too.  Engine: fresh random checkpoints (llama, qwen3 with q/k norm at head_dim 128, llama3 rope, mistral
+head_dim 32): logits of the fused path vs the rows path (<= 1e-4) and the NumPy engine (the parity
+tests' 2e-2), greedy tokens equal except near-ties, graph replay == eager bit for bit, verify == sequential
+decode, trim then decode, and a 3000-token context (47 active splits: two combine batches).
+"""
+
+from __future__ import annotations
+
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from gpu_helpers import TOL, inv_freq_default, nan_like, rand_bf16, ref_attention, rel_err
+
+from metrale_cli import decoding
+from metrale_cli.config import parse_config
+from metrale_cli.model import open_model
+from metrale_cli.random_weights import RandomTensors
+
+pytestmark = pytest.mark.gpu
+
+SAME = 1e-6  # fused vs unfused kernels: the same operations in the same order
+
+
+def counters_zero(cp, c, seed):
+    host = cp.asnumpy(c)
+    assert not host.any(), f"seed={seed}: last-block counters left non-zero at {np.flatnonzero(host)[:8]}"
+
+
+# -- gemv_qkv_rope ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 16])
+@pytest.mark.parametrize("hd,nh,n_kv,rot,qk_norm,bias", [
+    (128, 8, 2, None, False, False),  # llama-like
+    (128, 8, 2, None, True, False),   # qwen3-like (q/k norm)
+    (64, 4, 4, None, False, True),    # qwen2-like (qkv bias), MHA
+    (96, 4, 2, 64, False, False),     # partial rotary (phi-3 / phi-4-mini style)
+    (256, 4, 1, None, True, False),   # gemma-like head_dim 256
+    (32, 8, 2, None, False, False),
+])
+def test_fused_qkv_rope_equals_unfused(cp, kernels, rng, seed, m, hd, nh, n_kv, rot, qk_norm, bias):
+    K, max_ctx, eps = 512, 64, 1e-5
+    slots = nh + 2 * n_kv
+    N = slots * hd
+    rd = hd if rot is None else rot
+    x = cp.asarray(rng.standard_normal((m, K), dtype=np.float32) * 3)
+    wb, _ = rand_bf16(rng, (N, K), 0.05)
+    nwb, _ = rand_bf16(rng, (K,))
+    bb = rand_bf16(rng, (N,))[0] if bias else None
+    qnb, knb = (rand_bf16(rng, (hd,))[0], rand_bf16(rng, (hd,))[0]) if qk_norm else (None, None)
+    w, nw = cp.asarray(wb), cp.asarray(nwb)
+    b = None if bb is None else cp.asarray(bb)
+    qn, kn = (None, None) if qnb is None else (cp.asarray(qnb), cp.asarray(knb))
+    pos = cp.asarray(rng.choice(max_ctx, size=m, replace=False).astype(np.int32))
+    inv = cp.asarray(inv_freq_default(rd, 10000.0))
+    kc0, _ = rand_bf16(rng, (n_kv, max_ctx, hd))
+    vc0, _ = rand_bf16(rng, (n_kv, max_ctx, hd))
+    rope_kw = dict(attention_scaling=1.19, rotary_dim=rot)
+
+    # unfused, as the rows path: the GEMV the engine picks (gemv_tc from GEMV_TC_MIN_ROWS rows), then rope_kv_append
+    from metrale_cli.backends.cuda.kernels import GEMV_TC_MIN_ROWS
+
+    qkv_a, q_a = nan_like(cp, (m, N)), nan_like(cp, (m, nh, hd))
+    kc_a, vc_a = cp.asarray(kc0), cp.asarray(vc0)
+    if m >= GEMV_TC_MIN_ROWS:
+        kernels.gemv_tc(x, w, qkv_a, b, norm_weight=nw, eps=eps, norm_offset=0.0)
+    else:
+        kernels.gemv(x, w, qkv_a, b, norm_weight=nw, eps=eps)
+    kernels.rope_kv_append(qkv_a, pos, inv, q_a, kc_a, vc_a, qn, kn, eps, **rope_kw)
+
+    counters = cp.zeros((slots + 3,), cp.int32)
+    for rep in range(2):  # the second launch finds the counters the first one reset
+        qkv_b, q_b = nan_like(cp, (m, N)), nan_like(cp, (m, nh, hd))
+        kc_b, vc_b = cp.asarray(kc0), cp.asarray(vc0)
+        kernels.gemv_qkv_rope(x, w, b, nw, qkv_b, pos, inv, q_b, kc_b, vc_b, counters, eps=eps, q_norm=qn, k_norm=kn,
+                              rope_eps=eps, **rope_kw)
+        cp.cuda.Device().synchronize()
+        counters_zero(cp, counters, seed)
+        assert rel_err(cp.asnumpy(qkv_b), cp.asnumpy(qkv_a), seed) <= SAME
+        assert rel_err(cp.asnumpy(q_b), cp.asnumpy(q_a), seed) <= SAME
+        for got, want in ((kc_b, kc_a), (vc_b, vc_a)):
+            g, w_ = cp.asnumpy(got).astype(np.int32), cp.asnumpy(want).astype(np.int32)
+            assert int(np.abs(g - w_).max()) <= 1, f"seed={seed}: cache differs by more than one bf16 step (rep {rep})"
+            assert np.mean(g != w_) <= 1e-3, f"seed={seed}: cache rows differ"
+
+
+def test_fused_qkv_rope_skips_bad_positions(cp, kernels, rng, seed):
+    hd, nh, n_kv, m, K, max_ctx = 64, 4, 2, 4, 256, 30
+    N = (nh + 2 * n_kv) * hd
+    x = cp.asarray(rng.standard_normal((m, K), dtype=np.float32))
+    w = cp.asarray(rand_bf16(rng, (N, K), 0.05)[0])
+    nw = cp.asarray(rand_bf16(rng, (K,))[0])
+    kc0, _ = rand_bf16(rng, (n_kv, max_ctx, hd))
+    vc0, _ = rand_bf16(rng, (n_kv, max_ctx, hd))
+    kc, vc = cp.asarray(kc0), cp.asarray(vc0)
+    pos = cp.asarray(np.array([-1, 7, max_ctx, 29], np.int32))
+    counters = cp.zeros((nh + 2 * n_kv,), cp.int32)
+    kernels.gemv_qkv_rope(x, w, None, nw, nan_like(cp, (m, N)), pos, cp.asarray(inv_freq_default(hd, 1e4)),
+                          nan_like(cp, (m, nh, hd)), kc, vc, counters)
+    kh, vh = cp.asnumpy(kc), cp.asnumpy(vc)
+    untouched = [p for p in range(max_ctx) if p not in (7, 29)]
+    assert np.array_equal(kh[:, untouched], kc0[:, untouched]) and np.array_equal(vh[:, untouched], vc0[:, untouched])
+    assert not np.array_equal(kh[:, 7], kc0[:, 7])
+    counters_zero(cp, counters, seed)
+
+
+# -- attention with its combine fused ----------------------------------------------------------------------
+
+ATTN_CASES = [
+    # hd, n_kv, G, M, ctx (keys of the last row), max_ctx, window, softcap
+    (128, 8, 4, 1, 1024, 1100, None, None),
+    (128, 8, 4, 1, 3000, 4096, None, None),   # 47 active splits at M = 1: two combine batches
+    (128, 2, 4, 4, 2049, 4096, None, None),
+    (128, 2, 4, 16, 3001, 4096, None, None),  # 16 query vectors per block (NQ 2)
+    (128, 2, 4, 8, 700, 1024, 96, 50.0),      # the EXT instance: window + softcap
+    (128, 2, 4, 16, 700, 1024, 96, None),
+    (64, 2, 4, 5, 1500, 2048, None, None),
+    (32, 2, 4, 3, 900, 1024, None, 30.0),
+    (256, 2, 2, 1, 1500, 2048, None, None),  # SIMT split kernel
+    (256, 1, 2, 4, 600, 1024, 64, 50.0),
+    (96, 2, 2, 2, 1200, 2048, None, None),
+    (128, 1, 1, 1, 1, 64, None, None),  # one key
+]
+
+
+@pytest.mark.parametrize("hd,n_kv,G,M,ctx,max_ctx,window,softcap", ATTN_CASES)
+def test_fused_attention_equals_unfused(cp, kernels, rng, seed, hd, n_kv, G, M, ctx, max_ctx, window, softcap):
+    nh = n_kv * G
+    kb, _ = rand_bf16(rng, (n_kv, max_ctx, hd))
+    vb, _ = rand_bf16(rng, (n_kv, max_ctx, hd))
+    kf = (kb.astype(np.uint32) << 16).view(np.float32)
+    vf = (vb.astype(np.uint32) << 16).view(np.float32)
+    q = rng.standard_normal((M, nh, hd), dtype=np.float32)
+    positions = np.arange(ctx - M, ctx, dtype=np.int32)
+    positions = np.maximum(positions, 0)
+    scale = hd ** -0.5
+    kc, vc, qd, pd = cp.asarray(kb), cp.asarray(vb), cp.asarray(q), cp.asarray(positions)
+    s = kernels.decode_splits(max_ctx, n_kv, M, nh)
+    ws = cp.full(kernels.decode_workspace_size(M, nh, hd, s), np.nan, dtype=cp.float32)
+    kw = dict(n_splits=s, workspace=ws, window=window, softcap=softcap)
+    a = nan_like(cp, (M, nh, hd))
+    kernels.attention_decode(qd, kc, vc, pd, a, scale, **kw)
+    counters = cp.zeros((M * nh,), cp.int32)
+    for rep in range(2):
+        ws[...] = np.nan
+        b = nan_like(cp, (M, nh, hd))
+        kernels.attention_decode(qd, kc, vc, pd, b, scale, counters=counters, **kw)
+        cp.cuda.Device().synchronize()
+        counters_zero(cp, counters, seed)
+        assert rel_err(cp.asnumpy(b), cp.asnumpy(a), seed) <= SAME, f"rep {rep}"
+    if window is None and softcap is None:
+        ref = ref_attention(q, kf, vf, positions, scale)
+        tol = TOL if hd in (96, 256) else 1e-3
+        assert rel_err(cp.asnumpy(b), ref, seed) <= tol
+
+
+def test_fused_attention_without_any_key_is_nan(cp, kernels, seed):
+    hd, n_kv, nh, M, max_ctx = 128, 2, 8, 2, 256
+    kc = cp.zeros((n_kv, max_ctx, hd), cp.uint16)
+    q = cp.ones((M, nh, hd), cp.float32)
+    out = cp.zeros((M, nh, hd), cp.float32)
+    counters = cp.zeros((M * nh,), cp.int32)
+    kernels.attention_decode(q, kc, kc.copy(), cp.asarray(np.array([-1, -5], np.int32)), out, 0.1, counters=counters)
+    assert np.isnan(cp.asnumpy(out)).all()
+    counters_zero(cp, counters, seed)
+
+
+# -- the engine ------------------------------------------------------------------------------------------------
+
+BASE = dict(vocab_size=1003, hidden_size=256, intermediate_size=344, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+            rms_norm_eps=1e-5, rope_theta=10000.0)
+ARCHS = {
+    "llama": dict(model_type="llama", head_dim=64, dtype="bfloat16"),
+    "qwen3": dict(model_type="qwen3", head_dim=128, dtype="bfloat16"),
+    "llama3_rope": dict(model_type="llama", dtype="bfloat16", head_dim=64, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "mistral": dict(model_type="mistral", head_dim=32, num_attention_heads=8, num_key_value_heads=2,
+                    dtype="bfloat16"),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    seed = int(np.random.default_rng().integers(2**31))
+    root = tmp_path_factory.mktemp("fused_ckpt")
+    out = {}
+    for name, extra in ARCHS.items():
+        raw = {**BASE, **extra}
+        src = RandomTensors(parse_config(raw), seed=seed)
+        d = root / name
+        d.mkdir()
+        save_file({n: np.asarray(src.array(n), np.float32).astype(ml_dtypes.bfloat16) for n in src.tensor_names()},
+                  str(d / "model.safetensors"))
+        (d / "config.json").write_text(json.dumps(raw))
+        out[name] = d
+    print(f"checkpoints drawn with seed {seed}")
+    return out
+
+
+def gpu_engine(path, ctx=160, fused=True, fused_attention=False, **kw):
+    """fused: the engine on the fused path, whose attention is split + combine unless fused_attention
+    (set_fused_attention: the combine in the last split block, off by default since the H200 run)."""
+    e = open_model(path, device="cuda", max_context=ctx, fp32_logits=True).engine
+    if fused:
+        e.set_path("fused")
+        if fused_attention:
+            e.set_fused_attention(True)
+        plan = e.fused_plan(1)
+        assert e.path == "fused" and plan["qkv_rope"] is None
+        assert (plan["attention"] is None) == fused_attention
+    for k, v in kw.items():
+        setattr(e, k, v)
+    return e
+
+
+def rows(e, ptr, n):
+    out = []
+    for i in range(n):
+        buf = bytearray(e.row_nbytes(ptr.row_ptr(i)))
+        e.copy_logits_to_host(ptr.row_ptr(i), buf)
+        out.append(np.frombuffer(buf, np.float32))
+    return np.stack(out)
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def tokens_agree(ta, tb, ref_rows) -> int:
+    """How many leading tokens to compare rows over; a differing token must be a near-tie of the reference."""
+    if ta == tb:
+        return len(ta)
+    i = next(j for j, (x, y) in enumerate(zip(ta, tb)) if x != y)
+    top = np.sort(ref_rows[i])[-2:]
+    assert top[1] - top[0] < np.abs(top[1]) * 2.0 ** -8, f"token {i} differs with margin {top[1] - top[0]}"
+    return i + 1
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_fused_greedy_matches_rows_path_and_numpy(cp, checkpoints, name, rng):
+    path = checkpoints[name]
+    cpu = open_model(path, device="cpu", max_context=160, fp32_logits=True).engine
+    fused, plain = gpu_engine(path), gpu_engine(path, fused=False)
+    prompt = [int(t) for t in rng.integers(0, cpu.vocab_size(), 12)]
+    a = decoding.run_decode(cpu, prompt, 24, keep_rows=True)
+    b = decoding.run_decode(fused, prompt, 24, keep_rows=True)
+    c = decoding.run_decode(plain, prompt, 24, keep_rows=True)
+    fused.check_fused()
+    ta, tb, tc = ([s.token for s in r.steps] for r in (a, b, c))
+    ra, rb, rc = a.rows.array(), b.rows.array(), c.rows.array()
+    n = tokens_agree(ta, tb, ra)
+    err = rel(rb[:n], ra[:n])
+    m = tokens_agree(tc, tb, rc)
+    same = rel(rb[:m], rc[:m])
+    print(f"{name}: fused vs numpy {err:.2e} over {n} rows, fused vs rows path {same:.2e} over {m}")
+    assert err <= 2e-2 and same <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral"])
+def test_fused_attention_option_matches_rows_path(cp, checkpoints, name, rng):
+    """set_fused_attention(True) (the combine in the last split block, kept behind the option): decode and
+    verify logits equal the default fused path's and the rows path's, graphs and counters included."""
+    path = checkpoints[name]
+    engines = {"rows": gpu_engine(path, fused=False), "fused": gpu_engine(path),
+               "fused+attn": gpu_engine(path, fused_attention=True)}
+    prompt = [int(t) for t in rng.integers(0, engines["rows"].vocab_size(), 11)]
+    drafts = [int(t) for t in rng.integers(0, engines["rows"].vocab_size(), 5)]
+    out = {}
+    for key, e in engines.items():
+        e.prefill(prompt)
+        got = []
+        for t in drafts:
+            e.decode(t)
+            got.append(rows(e, e.decode_logits_ptr(), 1)[0])
+        e.verify(drafts)
+        got += list(rows(e, e.logits_buffer_ptr(), len(drafts)))
+        e.check_fused()
+        out[key] = np.stack(got)
+    assert rel(out["fused"], out["rows"]) <= 1e-4 and rel(out["fused+attn"], out["rows"]) <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_fused_graph_replay_equals_eager(cp, checkpoints, name, rng):
+    g, e = gpu_engine(checkpoints[name], 64), gpu_engine(checkpoints[name], 64, use_graphs=False)
+    prompt = [int(t) for t in rng.integers(0, g.vocab_size(), 7)]
+    drafts = [int(t) for t in rng.integers(0, g.vocab_size(), 4)]
+    out = []
+    for eng in (g, e):
+        eng.prefill(prompt)
+        r = []
+        for t in drafts[:3]:
+            eng.decode(t)
+            r.append(rows(eng, eng.decode_logits_ptr(), 1).tobytes())
+        eng.verify(drafts)
+        r += [rows(eng, eng.logits_buffer_ptr().row_ptr(i), 1).tobytes() for i in range(4)]
+        eng.check_fused()
+        out.append(r)
+    assert len(g._graphs) >= 2 and not e._graphs
+    assert out[0] == out[1]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("k", [1, 2, 4, 8, 15])
+def test_fused_verify_equals_sequential_and_trim(cp, checkpoints, name, k, rng):
+    gpu = gpu_engine(checkpoints[name])
+    prompt = [int(t) for t in rng.integers(0, gpu.vocab_size(), 9)]
+    drafts = [int(t) for t in rng.integers(0, gpu.vocab_size(), k)]
+    gpu.prefill(prompt)
+    seq = []
+    for t in drafts:
+        gpu.decode(t)
+        seq.append(rows(gpu, gpu.decode_logits_ptr(), 1)[0])
+    gpu.reset()
+    gpu.prefill(prompt)
+    gpu.verify(drafts)
+    ver = rows(gpu, gpu.logits_buffer_ptr(), k)
+    assert rel(ver, np.stack(seq)) <= TOL
+    plain = gpu_engine(checkpoints[name], fused=False)
+    plain.prefill(prompt)
+    plain.verify(drafts)
+    assert rel(ver, rows(plain, plain.logits_buffer_ptr(), k)) <= 1e-4  # the same kernels' arithmetic
+    keep = int(rng.integers(0, k + 1))
+    gpu.trim(len(prompt) + keep)
+    gpu.decode(3)
+    fresh = gpu_engine(checkpoints[name], 64)
+    fresh.prefill(prompt)
+    if keep:
+        fresh.verify(drafts[:keep])
+    fresh.decode(3)
+    assert rel(rows(gpu, gpu.decode_logits_ptr(), 1), rows(fresh, fresh.decode_logits_ptr(), 1)) <= 1e-3
+    gpu.check_fused()
+    fresh.check_fused()
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_fused_long_context_crosses_many_splits(cp, checkpoints, name, rng):
+    """3000 cached positions in a 4096 cache: 64 splits of which 47 hold keys at M = 1 (two combine
+    batches), 17 at M = 8; fused vs rows path vs the NumPy engine."""
+    path = checkpoints[name]
+    fused, plain = gpu_engine(path, 4096), gpu_engine(path, 4096, fused=False)
+    cpu = open_model(path, device="cpu", max_context=4096, fp32_logits=True).engine
+    assert fused.kern.decode_splits(4096, 2, 1, 4) >= 48  # 64 on 132 SMs
+    prompt = [int(t) for t in rng.integers(0, fused.vocab_size(), 3000)]
+    steps = [int(t) for t in rng.integers(0, fused.vocab_size(), 6)]
+    out = {}
+    for key, e in (("fused", fused), ("rows", plain), ("cpu", cpu)):
+        e.prefill(prompt)
+        got = []
+        for t in steps:
+            e.decode(t)
+            got.append(rows(e, e.decode_logits_ptr(), 1)[0])
+        e.verify(steps[:8])
+        got += list(rows(e, e.logits_buffer_ptr(), len(steps)))
+        out[key] = np.stack(got)
+    fused.check_fused()
+    print(f"{name} @3000: fused vs rows {rel(out['fused'], out['rows']):.2e}, vs numpy {rel(out['fused'], out['cpu']):.2e}")
+    assert rel(out["fused"], out["rows"]) <= 1e-4
+    assert rel(out["fused"], out["cpu"]) <= 2e-2
+
+
+def test_fused_path_switch_keeps_the_cache(cp, checkpoints, rng):
+    """set_path between calls: the cache written by one path is read by the other."""
+    e = gpu_engine(checkpoints["qwen3"], fused=False)
+    ref = gpu_engine(checkpoints["qwen3"], fused=False)
+    prompt = [int(t) for t in rng.integers(0, e.vocab_size(), 10)]
+    steps = [int(t) for t in rng.integers(0, e.vocab_size(), 6)]
+    e.prefill(prompt)
+    ref.prefill(prompt)
+    for i, t in enumerate(steps):
+        e.set_path("fused" if i % 2 else "rows")
+        e.decode(t)
+        ref.decode(t)
+        assert rel(rows(e, e.decode_logits_ptr(), 1), rows(ref, ref.decode_logits_ptr(), 1)) <= 1e-4
+    e.check_fused()
