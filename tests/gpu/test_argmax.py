@@ -105,3 +105,45 @@ def test_split_argmax_graph_replay_reads_fresh_rows(cp, kernels, rng, seed):
         np.testing.assert_array_equal(cp.asnumpy(out), np.argmax(bits_f32(bits), axis=1).astype(np.int32),
                                       err_msg=f"seed={seed}")
     assert not cp.asnumpy(ws[:n]).any()
+
+def test_row_counts_in_turn_do_not_share_counters(cp, kernels, rng, seed):
+    """Decode (1 row), verify (k + 1 rows), decode again: each row count has its own workspace, since n's
+    counters (the first n elements) are where a smaller count's partials went (the first H200 run of the
+    split argmax left rows 1..5 unwritten after a 1-row call, through the shared internal workspace)."""
+    V = 128256
+    for n in (1, 6, 1, 3, 16, 6):
+        x = rng.standard_normal((n, V), dtype=np.float32)
+        out = cp.full((n,), -777, dtype=cp.int32)
+        kernels.argmax(cp.asarray(x), out)
+        np.testing.assert_array_equal(cp.asnumpy(out), np.argmax(x, axis=1).astype(np.int32),
+                                      err_msg=f"seed={seed}: {n} rows")
+
+
+def test_engine_decode_then_verify_argmax(cp, rng, seed, tmp_path, helpers):
+    """The engine's argmax of the decode row (inside the decode graph, 1 row) and of verify rows (k + 1
+    rows, after it) equal the host argmax of the same rows, in turn over several steps."""
+    from metrale_cli.model import open_model
+
+    V = 40000  # the split kernel (more than two chunks)
+    model = helpers.random_llama(tmp_path / "m", vocab=V)
+    e = open_model(model, device="cuda", max_context=256, fp32_logits=True).engine
+
+    def host(ptr, n):
+        rows = []
+        for i in range(n):
+            buf = bytearray(e.row_nbytes(ptr.row_ptr(i)))
+            e.copy_logits_to_host(ptr.row_ptr(i), buf)
+            rows.append(np.frombuffer(buf, np.float32))
+        return [int(j) for j in np.argmax(np.stack(rows), axis=1)]
+
+    length = e.prefill([int(t) for t in rng.integers(0, V, 7)])
+    for step in range(3):
+        e.decode(int(rng.integers(0, V)))
+        length += 1
+        ptr = e.decode_logits_ptr()
+        assert [e.argmax_on_device(ptr)] == host(ptr, 1), f"seed={seed}: decode step {step}"
+        drafts = [int(t) for t in rng.integers(0, V, 5)]
+        e.verify(drafts)
+        vptr = e.logits_buffer_ptr()
+        assert e.argmax_batch(vptr, len(drafts)) == host(vptr, len(drafts)), f"seed={seed}: verify step {step}"
+        e.trim(length)

@@ -164,9 +164,10 @@ class CudaEngine(EngineBase):
             self._hidden = cp.zeros((1, H), cp.float32)
             self._amax = cp.zeros((R,), cp.int32)
             self._decode_amax = cp.zeros((1,), cp.int32)  # argmax of the decode row, computed in the graph
-            # the split argmax's workspace for up to R rows (its counters start at zero and stay there)
-            self._amax_ws = cp.zeros((max(kern.argmax_workspace_size(m, kern.argmax_blocks(m, V))
-                                          for m in range(1, R + 1)),), cp.int32)
+            # the split argmax's workspaces, one per row count (n's counters are the first n elements,
+            # where a smaller count's partials would lie; they start at zero and every launch leaves them so)
+            self._amax_ws = {m: cp.zeros((max(1, kern.argmax_workspace_size(m, kern.argmax_blocks(m, V))),), cp.int32)
+                             for m in range(1, R + 1)}
             # attention splits per row count (fixed in each captured graph; the length is read on the device)
             nh = cfg.num_attention_heads
             self._splits = {m: kern.decode_splits(max_context, nkv, m, nh) for m in range(1, R + 1)}
@@ -399,7 +400,7 @@ class CudaEngine(EngineBase):
             self._softcap_logits(self._logits32[:m])
             k.f32_to_bf16(self._logits32[:m], out, stream=s)
         if kind == "decode":
-            k.argmax(out, self._decode_amax, workspace=self._amax_ws, stream=s)
+            k.argmax(out, self._decode_amax, workspace=self._amax_ws[1], stream=s)
             if self.tp is not None:  # the distributed argmax's candidates, gathered inside the step
                 self.tpk.argmax_pairs(out, self._decode_amax, self._tp_decode_pairs, self.tp.vocab.start, stream=s)
                 self.tp.comm.all_gather(self._tp_decode_pairs, self._tp_decode_gathered, s)
@@ -510,7 +511,7 @@ class CudaEngine(EngineBase):
             self.stream.synchronize()
             return self._decode_amax.get()  # the decode graph already computed it on the device
         out = self._amax[:n] if n <= MAX_ROWS else self.cp.empty((n,), self.cp.int32)
-        self.kern.argmax(ptr._buffer[ptr.row:ptr.row + n], out, workspace=self._amax_ws if n <= MAX_ROWS else None,
+        self.kern.argmax(ptr._buffer[ptr.row:ptr.row + n], out, workspace=self._amax_ws.get(n),
                          stream=self.stream)
         self.stream.synchronize()
         return out.get()
@@ -522,7 +523,7 @@ class CudaEngine(EngineBase):
         cp, n = self.cp, rows.shape[0]
         idx = cp.empty((n,), cp.int32)
         pairs = cp.empty((n, 2), cp.float32)
-        self.kern.argmax(rows, idx, workspace=self._amax_ws if n <= MAX_ROWS else None, stream=self.stream)
+        self.kern.argmax(rows, idx, workspace=self._amax_ws.get(n), stream=self.stream)
         self.tpk.argmax_pairs(rows, idx, pairs, self.tp.vocab.start, stream=self.stream)
         return pairs
 

@@ -741,7 +741,8 @@ class Kernels(OperandChecks, UnfusedKernels):
         each row reducing their partials (argmax_split_*_kernel); else one block per row.  The same index
         either way (ties, NaN, Inf: tests/gpu/test_kernels.py).  The split kernel needs `workspace`:
         int32[>= argmax_workspace_size(n, argmax_blocks(n, V))] whose first n elements are zero (every
-        launch leaves them zero; the rest is scratch); None: an internal one, grown on demand (zeroed and
+        launch leaves them zero; the rest is scratch), used for this row count n only (another n's partials
+        would lie on its counters); None: an internal one per n, grown on demand (zeroed and
         synchronised: make one eager call before capturing, or pass your own, and pass your own when calls
         on different streams may overlap)."""
         np = self._np
@@ -765,12 +766,13 @@ class Kernels(OperandChecks, UnfusedKernels):
             self._launch(f"argmax_{kind}_kernel", (n,), (1024,), (rows, out, np.int32(V)), stream)
             return
         need = self.argmax_workspace_size(n, nb)
-        if workspace is None:
-            ws = self.__dict__.get("_argmax_ws")
+        if workspace is None:  # one per row count: n's counters must not lie where another n's partials went
+            spaces = self.__dict__.setdefault("_argmax_ws", {})
+            ws = spaces.get(n)
             if ws is None or ws.size < need:
-                ws = self._cp.zeros(max(need, 1 << 14), dtype=self._cp.int32)
+                ws = self._cp.zeros(max(need, 1 << 12), dtype=self._cp.int32)
                 self._cp.cuda.Device().synchronize()  # the zero fill ran on the current stream
-                self._argmax_ws = ws
+                spaces[n] = ws
             workspace = ws
         else:
             self._i32(workspace, "workspace", 1)
