@@ -112,14 +112,20 @@ def tok_model(tmp_path_factory) -> Path:
 def random_llama(dest: Path, *, hidden: int = 128, layers: int = 2, heads: int = 4, kv_heads: int = 2,
                  intermediate: int = 256, vocab: int = 2048, max_positions: int = 32768, seed: int = 0) -> Path:
     """A random fp32 Llama checkpoint (no tokenizer)."""
-    from safetensors.numpy import save_file
-
-    from metrale_cli.config import parse_config
-
     raw = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": hidden,
            "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
            "intermediate_size": intermediate, "vocab_size": vocab, "max_position_embeddings": max_positions,
            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, "dtype": "float32"}
+    return random_checkpoint(dest, raw, seed)
+
+
+def random_checkpoint(dest: Path, raw: dict, seed: int = 0) -> Path:
+    """A random fp32 checkpoint of any family's config.json `raw` (no tokenizer): vectors near 1, matrices
+    scaled by 1/sqrt(fan-in)."""
+    from safetensors.numpy import save_file
+
+    from metrale_cli.config import parse_config
+
     rng = np.random.default_rng(seed)
     tensors = {}
     for name, shape in parse_config(raw).definition.expected_tensors().items():
@@ -135,6 +141,7 @@ def random_llama(dest: Path, *, hidden: int = 128, layers: int = 2, heads: int =
 @pytest.fixture
 def helpers() -> SimpleNamespace:
     return SimpleNamespace(copy_model=copy_model, edit_tensors=edit_tensors, random_llama=random_llama,
+                           random_checkpoint=random_checkpoint,
                            byte_level_tokenizer=byte_level_tokenizer, REPO=REPO, LLAMA=LLAMA)
 
 

@@ -22,7 +22,8 @@ from metrale_cli.model import open_model
 from metrale_cli.parallel import launcher
 from metrale_cli.parallel.comm import assemble_rows, pick_argmax
 
-FAMILIES = ["llama", "llama_tied", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mistral_window"]
+FAMILIES = ["llama", "llama_tied", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mistral_window",
+            "qwen3_moe", "qwen2_moe", "mixtral"]
 
 
 def _rows(e, ptr) -> np.ndarray:
@@ -70,7 +71,8 @@ def test_one_rank_equals_the_plain_engine_bit_for_bit(helpers, name):
         tp.close()
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma2", "mistral_window"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma2", "mistral_window", "qwen3_moe", "qwen2_moe",
+                                  "mixtral"])
 def test_two_ranks_give_the_same_tokens_and_close_logits(helpers, name):
     plain, tp = _models(helpers, name, 2)
     try:
@@ -211,7 +213,7 @@ def test_cli_tp_1_dumps_the_plain_logits_bit_for_bit(run_cli, helpers, tmp_path)
 @pytest.mark.parametrize("args,code,culprit", [
     (["--tp", "3"], 2, "--tp 3 does not divide num_attention_heads 4"),
     (["--tp", "0"], 2, "--tp must be at least 1"),
-    (["--tp", "2", "-m", "tests/fixtures/models/qwen2_moe"], 2, "mixture-of-experts"),
+    (["--tp", "3", "-m", "tests/fixtures/models/qwen2_moe"], 2, "--tp 3 does not divide num_attention_heads 4"),
 ])
 def test_cli_tp_usage_errors(run_cli, helpers, args, code, culprit):
     base = ["decode", "-m", helpers.LLAMA, "--tokens", "1 2", "--device", "cpu"]
@@ -231,6 +233,27 @@ def test_cli_tp_more_than_the_visible_gpus_is_a_device_error(run_cli, helpers, m
                                                             "does not find"))
     r = run_cli("forward", "-m", helpers.LLAMA, "--tokens", "1 2", "--device", "cuda", "--tp", "1")
     assert r.exit_code == 8 and "needs NCCL" in r.stderr
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "mixtral"])
+def test_cli_tp_2_splits_the_experts_with_the_tokens_of_tp_1(run_cli, helpers, name):
+    args = ["decode", "-m", f"tests/fixtures/models/{name}", "--tokens", "5 6 7 8", "--steps", "6",
+            "--device", "cpu", "--format", "json"]
+    one, two = run_cli(*args, "--tp", "1"), run_cli(*args, "--tp", "2")
+    assert one.exit_code == 0 and two.exit_code == 0, two.stderr
+    tokens = [[step["token"] for step in json.loads(r.stdout)["steps"]] for r in (one, two)]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 6
+
+
+def test_cli_tp_moe_on_cuda_is_a_device_error(run_cli, helpers, monkeypatch):
+    import metrale_cli.cli as cli
+
+    monkeypatch.setattr(cli, "resolve_device", lambda d: "cuda")
+    monkeypatch.setattr(launcher, "gpu_status", lambda: (8, None))
+    r = run_cli("decode", "-m", "tests/fixtures/models/qwen2_moe", "--tokens", "1 2", "--device", "cuda",
+                "--tp", "2")
+    assert r.exit_code == 8 and len(r.stderr.strip().splitlines()) == 1
+    assert "the CUDA engine does not split mixture-of-experts layers" in r.stderr
 
 
 @pytest.mark.parametrize("command", ["decode", "verify", "forward", "bench"])

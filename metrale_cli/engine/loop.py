@@ -65,7 +65,9 @@ class Ops(Protocol):
                 shared: tuple[Any, Any] | None, tap: str) -> X:
         """x + y, y = sum over the route's experts of weight * down_e(act(gate_e(h)) * up_e(h)), h = norm(x),
         plus sigmoid(route.shared_gate) * the shared expert (shared = its gate_up, down) when given;
-        `tap` names y."""
+        `tap` names y. A tensor-parallel rank holds only spec.held's experts and some columns of the
+        shared expert: its y is a partial sum (the route's other experts skipped), all-reduced before
+        the residual add, as `linear(reduce=True)` does."""
         ...
     def tap(self, name: str, x: X) -> None: ...
 

@@ -216,6 +216,16 @@ class MoeSpec:
     norm_topk_prob: bool
     activation: str = "silu"
     shared_expert_size: int | None = None  # intermediate size of the sigmoid-gated shared expert
+    # tensor parallelism (parallel/sharding.py): a rank routes over all num_experts experts and holds
+    # experts first_expert .. first_expert + held_experts - 1 (its stacked weights); None: all of them
+    first_expert: int = 0
+    held_experts: int | None = None
+
+    @property
+    def held(self) -> range:
+        """The experts whose weights this spec's engine holds (global indices)."""
+        return range(self.first_expert, self.first_expert + (self.num_experts if self.held_experts is None
+                                                             else self.held_experts))
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from typing import Any, Callable
 
 from .. import errors
 from ..errors import DeviceError, MetraleError
+from ..models.spec import MoeSpec
 from .comm import HostCommunicator, NcclCommunicator, ParallelRank
 from .engine import TensorParallelEngine
 from .protocol import RankServer
@@ -70,10 +71,16 @@ class LoadSpec:
         return RandomTensors(self.config, seed=self.seed)
 
 
-def check_devices(device: str, n: int) -> None:
-    """Refuse what cannot start before any process does: too few GPUs, no CuPy or NCCL."""
+def check_devices(device: str, n: int, definition=None) -> None:
+    """Refuse what cannot start before any process does: too few GPUs, no CuPy or NCCL, and (with the
+    model's `definition`) what the CUDA ranks do not split yet."""
     if device != "cuda":
         return
+    if n > 1 and definition is not None and any(isinstance(layer.mlp, MoeSpec) for layer in definition.layers):
+        # the CUDA MoE kernels read every expert and add the block into the residual in their epilogue:
+        # no expert subset, no partial sum to all-reduce yet (the NumPy ranks, --device cpu, split them)
+        raise DeviceError(f"--tp {n} with --device cuda: the CUDA engine does not split mixture-of-experts "
+                          "layers yet; use --device cpu or --tp 1")
     count, problem = gpu_status()
     if problem is not None:
         raise DeviceError(problem)
@@ -100,7 +107,7 @@ def start(cfg, spec: LoadSpec, n: int, *, source=None, progress: Callable[[int],
     from .sharding import check_tp
 
     check_tp(cfg.definition, n)
-    check_devices(spec.device, n)
+    check_devices(spec.device, n, cfg.definition)
     ctx = mp.get_context("spawn")
     workers = Workers(ctx, n, spec)
     try:

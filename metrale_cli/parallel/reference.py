@@ -2,8 +2,9 @@
 
 This is the NumPy reference for the multi-GPU engine: every rank holds exactly the weights
 `sharding.shard_weights` gives it and runs engine/loop.py with NumPy's ops over its own heads and its
-own KV cache; where the GPUs would all-reduce (after the row-parallel o and down projections, and to
-assemble vocabulary-parallel embedding rows) the partial results are summed; lm_head rows of each
+own KV cache; where the GPUs would all-reduce (after the row-parallel o and down projections, after a
+mixture-of-experts block whose experts are split over the ranks, and to assemble vocabulary-parallel
+embedding rows) the partial results are summed; lm_head rows of each
 rank's vocabulary range are concatenated as a gather would. Comparing it with the unsharded NumPy
 engine checks the sharding plan for every family without a GPU.
 """
@@ -19,9 +20,10 @@ from ..backends.numpy.engine import NumpyPass, as_fp32, rms_norm, softcap
 from ..backends.numpy.kv_cache import KVCache
 from ..engine.longrope import long_factors
 from ..engine.loop import decoder_forward
-from ..models.spec import AttentionSpec, ModelDefinition
+from ..models.spec import AttentionSpec, ModelDefinition, MoeSpec
 from ..models.weights import Weights
-from .sharding import COLUMN, ROW, VOCAB, check_tp, kind_of, rank_definition, shard_weights, vocab_range
+from .sharding import (COLUMN, ROW, VOCAB, check_tp, kind_of, rank_definition, rank_mlp, shard_weights,
+                       vocab_range)
 
 
 @dataclass
@@ -87,6 +89,19 @@ class _LockstepPass:
         h = rms_norm(x, norm[0].parts[0], norm[1].eps, norm[1].offset)
         return PerRank(rank.gated_mlp(h, wr, norm=None, activation=activation)
                        for rank, wr in zip(self.ranks, w_gate_up.parts))
+
+    def route(self, x, w_router: Sharded, spec: MoeSpec, *, norm):
+        # replicated router: every rank computes this same route; rank 0's stands for all
+        return self.ranks[0].route(x, w_router.parts[0], spec, norm=(norm[0].parts[0], norm[1]))
+
+    def experts(self, x, route, w_gate_up: Sharded, w_down: Sharded, spec: MoeSpec, *, norm, shared, tap):
+        norm = (norm[0].parts[0], norm[1])
+        y = sum(rank.experts_partial(x, route, w_gate_up.parts[r], w_down.parts[r], rank_mlp(spec, r, self.sim.n),
+                                     norm=norm, shared=None if shared is None else (shared[0].parts[r],
+                                                                                    shared[1].parts[r]))
+                for r, rank in enumerate(self.ranks))  # each rank's experts and shared columns; the all-reduce
+        self.tap(tap, y)
+        return x + y
 
     def rope_kv_append(self, qkv: PerRank, layer: int, a: AttentionSpec, q_norm, k_norm, norm):
         return PerRank(rank.rope_kv_append(qkv[r], layer, self.sim.spec(r, layer), _part(q_norm, r),

@@ -144,13 +144,22 @@ class NumpyPass:
         return moe.route(rms_norm(x, norm[0], norm[1].eps, norm[1].offset), w_router, spec)
 
     def experts(self, x, route, w_gate_up, w_down, spec: MoeSpec, *, norm, shared, tap):
-        h = rms_norm(x, norm[0], norm[1].eps, norm[1].offset)
-        act = ACTIVATIONS[spec.activation]
-        y = moe.experts(h, route, w_gate_up, w_down, act)
-        if shared is not None:  # qwen2_moe: + sigmoid(shared_expert_gate(h)) * shared_expert(h)
-            y = y + route.shared_gate * (moe.gated(h, shared[0], act) @ shared[1].T)
+        y = self.experts_partial(x, route, w_gate_up, w_down, spec, norm=norm, shared=shared)
+        if self.tp is not None:  # this rank's experts and shared-expert columns: a partial sum
+            y = np.ascontiguousarray(y, dtype=np.float32)
+            self.tp.comm.all_reduce(y)
         self.tap(tap, y)
         return x + y
+
+    def experts_partial(self, x, route, w_gate_up, w_down, spec: MoeSpec, *, norm, shared):
+        """The sparse block's y before any all-reduce: the held experts (spec.held) and the shared expert
+        (whichever columns of it the weights hold), the shared gate applied to them."""
+        h = rms_norm(x, norm[0], norm[1].eps, norm[1].offset)
+        act = ACTIVATIONS[spec.activation]
+        y = moe.experts(h, route, w_gate_up, w_down, act, spec.first_expert)
+        if shared is not None:  # qwen2_moe: + sigmoid(shared_expert_gate(h)) * shared_expert(h)
+            y = y + route.shared_gate * (moe.gated(h, shared[0], act) @ shared[1].T)
+        return y
 
     def rope_kv_append(self, qkv, layer: int, a: AttentionSpec, q_norm, k_norm, norm: Norm):
         t, d, nkv = self.t, a.head_dim, a.num_kv_heads

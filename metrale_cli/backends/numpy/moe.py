@@ -50,13 +50,14 @@ def route(h: np.ndarray, w_router: np.ndarray, spec: MoeSpec) -> Route:
 
 
 def experts(h: np.ndarray, r: Route, w_gate_up: np.ndarray, w_down: np.ndarray,
-            act: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+            act: Callable[[np.ndarray], np.ndarray], first: int = 0) -> np.ndarray:
     """y [T, H] = sum over each row's chosen experts of weight * down_e(act(gate_e(h)) * up_e(h)).
-    w_gate_up [E, 2I, H], w_down [E, H, I]."""
+    w_gate_up [E, 2I, H], w_down [E, H, I]: experts first .. first + E - 1 (a tensor-parallel rank's;
+    the route's choices of other experts are skipped, so y is that rank's partial sum)."""
     t, k = r.top_k_index.shape
     flat = r.top_k_index.reshape(-1)  # (token, slot) pairs, token-major
     order = np.argsort(flat, kind="stable")  # grouped by expert, tokens in order within a group
-    bounds = np.searchsorted(flat[order], np.arange(w_gate_up.shape[0] + 1))
+    bounds = np.searchsorted(flat[order], np.arange(first, first + w_gate_up.shape[0] + 1))
     y = np.zeros_like(h)
     for e in range(w_gate_up.shape[0]):
         pairs = order[bounds[e]:bounds[e + 1]]
