@@ -132,6 +132,7 @@ def layer_ops(eng, path: str):
         ("attention split", 1, kv_bytes, attn_part("split")),
         ("attention combine", 1, lambda i: 0, attn_part("combine")),
     ]
+    common += moe_ops(eng, p, x, nb)
     if path == "fused":
         attention = ([("attention, combine fused", 1, kv_bytes, attn_fused)] if fp.plan["attention"] is None
                      else split_combine)  # split + combine unless --fused-attention (set_fused_attention)
@@ -143,6 +144,47 @@ def layer_ops(eng, path: str):
         ("qkv GEMV (norm)", 1, lambda i: nb(lw(i, "qkv"), lw(i, "qkv_bias"), lw(i, "input_norm")), qkv_rows),
         ("rope + KV append", 1, lambda i: 0, rope),
     ] + split_combine + common
+
+
+def moe_ops(eng, p, x, nb):
+    """The sparse layers' launches (names start with "moe"; timed over the sparse layers only): the router
+    GEMV, the route kernel, the shared expert's gate_up, the chosen experts' gate_up and down.  At M = 1
+    a step reads top_k experts per layer: that is their floor."""
+    if eng.cfg.moe is None:
+        return []
+    cfg, w, st = eng.cfg, eng.w, eng.moe
+    spec, defs = cfg.moe.spec, cfg.definition.layers
+    lw = lambda i, key: w.layers[i].get(key)  # noqa: E731
+    logits = st.logits[:1]
+
+    def router(i):
+        eng._linear(x, lw(i, "router"), logits, norm_weight=lw(i, "mlp_norm"), eps=defs[i].norm.eps)
+
+    def route(i):
+        st.kern.route(logits, x, lw(i, "mlp_norm"), defs[i].norm.eps, spec.num_experts, spec.top_k,
+                      spec.norm_topk_prob, bool(spec.shared_expert_size), st.buf, stream=eng.stream)
+
+    def shared_gate_up(i):
+        eng._linear(x, lw(i, "shared_gate_up"), st.act_s[:1], swiglu=True, norm_weight=lw(i, "mlp_norm"),
+                    eps=defs[i].norm.eps)
+
+    def gate_up(i):
+        st.kern.gate_up(1, lw(i, "experts_gate_up"), st.buf, st.act, stream=eng.stream)
+
+    def down(i):
+        shared = (lw(i, "shared_down"), st.act_s[:1]) if spec.shared_expert_size else None
+        st.kern.down(1, lw(i, "experts_down"), st.buf, st.act, x, shared=shared, accumulate=True, stream=eng.stream)
+
+    def chosen(key):  # top_k of the layer's experts
+        return lambda i: nb(lw(i, key)) * spec.top_k // spec.num_experts
+
+    ops = [("moe router GEMV (norm)", 1, lambda i: nb(lw(i, "router"), lw(i, "mlp_norm")), router),
+           ("moe route (top-k, h, union)", 1, lambda i: 0, route)]
+    if spec.shared_expert_size:
+        ops.append(("moe shared gate_up GEMV", 1, lambda i: nb(lw(i, "shared_gate_up")), shared_gate_up))
+    return ops + [("moe gate_up (chosen experts)", 1, chosen("experts_gate_up"), gate_up),
+                  ("moe down (+ shared, += residual)", 1,
+                   lambda i: chosen("experts_down")(i) + nb(lw(i, "shared_down")), down)]
 
 
 def step_ops(eng):
@@ -165,10 +207,16 @@ def breakdown(eng, path: str, bw: float, repeats: int, decode_once, timer, fused
         eng.set_fused_attention(fused_attention)
     L = eng.cfg.num_hidden_layers
     dense = [i for i, layer in enumerate(eng.cfg.definition.layers) if not isinstance(layer.mlp, MoeSpec)]
+    sparse = [i for i in range(L) if i not in dense]
     rows = []
     x0 = eng._x.copy()
     for name, per_layer, nbytes, fn in layer_ops(eng, path):
-        layers = dense if "GEMV" in name and ("gate_up" in name or "down" in name) else list(range(L))
+        if name.startswith("moe"):
+            layers = sparse
+        elif "GEMV" in name and ("gate_up" in name or "down" in name):
+            layers = dense
+        else:
+            layers = list(range(L))
         if not layers:
             continue
         t = time_graph(eng, lambda: [fn(i) for i in layers], repeats) / len(layers)
@@ -224,7 +272,9 @@ def main() -> int:
     eng._io_np[0, 0], eng._io_np[1, 0] = 5, args.context
     eng._io.set(eng._io_np, stream=eng.stream)
     eng.synchronize()
-    floor_us = (bench._streamed_bytes(cfg, 2) + bench.kv_bytes_read(cfg, args.context, 2)) / bw * 1e6
+    one, total = bench._expert_params(cfg)  # a sparse step reads top_k experts per sparse layer
+    active = total - (one * cfg.moe.spec.top_k * len(cfg.moe.sparse_layers) if one else 0)
+    floor_us = ((bench._streamed_bytes(cfg, 2) - 2 * active) + bench.kv_bytes_read(cfg, args.context, 2)) / bw * 1e6
     timer = bench._Timer(eng)
 
     def decode_once():

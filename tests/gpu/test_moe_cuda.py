@@ -130,9 +130,15 @@ def _expert_weights(rng, experts, inter, hidden):
 
 
 @pytest.mark.parametrize("m", [1, 2, 4, 7, 16])
-@pytest.mark.parametrize("experts, k, shared", [(8, 2, False), (16, 8, True), (64, 4, False)])
-def test_expert_kernels_match_numpy(cp, moe_kernels, rng, seed, m, experts, k, shared):
-    hidden, inter, s = 256, 96, 160
+@pytest.mark.parametrize("experts, k, shared, inter, s", [(8, 2, False, 96, 160), (16, 8, True, 96, 160),
+                                                          (64, 4, False, 96, 160), (8, 2, True, 1032, 2056)])
+def test_expert_kernels_match_numpy(cp, moe_kernels, rng, seed, m, experts, k, shared, inter, s):
+    """The last case splits each expert's down rows into K parts (kernels.moe.down_parts: 4 parts, the
+    shared expert 8; 1032 and 2056 leave partial chunk steps at the parts' ends)."""
+    from metrale_cli.backends.cuda.kernels.moe import down_parts
+
+    assert inter < 256 or down_parts(experts, k, inter, s if shared else 0) == (4, 8 if shared else 0)
+    hidden = 256
     spec = MoeSpec(experts, k, inter, True, "silu", s if shared else None)
     logits = (rng.standard_normal((m, experts + shared)) * 2).astype(np.float32)
     x = rng.standard_normal((m, hidden)).astype(np.float32)
@@ -163,9 +169,11 @@ def test_expert_kernels_match_numpy(cp, moe_kernels, rng, seed, m, experts, k, s
 
 
 @pytest.mark.parametrize("m", [2, 5, 16])
-def test_a_row_does_not_depend_on_the_other_rows(cp, moe_kernels, rng, m):
-    """Row r of an M-row call equals, bit for bit, the 1-row call on row r (decode == verify rows)."""
-    experts, k, hidden, inter = 16, 4, 256, 96
+@pytest.mark.parametrize("k, inter", [(4, 96), (2, 1032)])
+def test_a_row_does_not_depend_on_the_other_rows(cp, moe_kernels, rng, m, k, inter):
+    """Row r of an M-row call equals, bit for bit, the 1-row call on row r (decode == verify rows), also
+    when the down kernel splits the experts' rows into K parts."""
+    experts, hidden = 16, 256
     spec = MoeSpec(experts, k, inter, False)
     logits = rng.standard_normal((m, experts)).astype(np.float32)
     x = rng.standard_normal((m, hidden)).astype(np.float32)

@@ -20,8 +20,16 @@ _CUDA_DIR = Path(__file__).resolve().parent  # moe.cu and common.cu sit beside t
 MOE_MAX_EXPERTS = 256  # must match moe.cu
 MOE_MAX_ROWS = 16
 MOE_MAX_K = 16
-MOE_WARPS = 4
-GATE_UP_R, DOWN_R, MOE_U = 1, 2, 4  # output rows per warp (gate_up, down), chunks in flight per lane
+MOE_WARPS = 4  # warps of a gate_up block
+MOE_DOWN_WARPS = 8  # warps of a down block (they share its output rows' experts)
+MOE_DOWN_ITEMS = 264  # a down block's items at most: union experts x K parts (<= 256) + shared parts (<= 8)
+GATE_UP_R, MOE_U = 1, 4  # output rows per gate_up warp, chunks in flight per lane
+
+
+def down_rows(mt: int) -> int:
+    """Output rows of a down block: 4 up to 4 rows, then 2 and 1 (its shared memory holds items x rows x MT
+    floats: 16.5 KB each way).  Which block computes a row never changes the row's numbers."""
+    return 4 if mt <= 4 else 64 // (4 * mt)
 MOE_MTS = (1, 2, 4, 8, 16)  # compiled row-count bounds; a call with M rows takes the smallest MT >= M
 
 
@@ -34,7 +42,18 @@ def gate_up_name(mt: int) -> str:
 
 
 def down_name(mt: int) -> str:
-    return f"moe_down_kernel<{mt}, {DOWN_R}, {MOE_U}>"
+    return f"moe_down_kernel<{mt}, {down_rows(mt)}, {MOE_U}>"
+
+
+def down_parts(experts: int, top_k: int, inter: int, shared: int) -> tuple[int, int]:
+    """(P, PS): the K parts each chosen expert's and the shared expert's down rows are split into, so a
+    decode step (top_k experts) gives the block's MOE_DOWN_WARPS warps work (Mixtral's 2 experts: 4 parts
+    each), with at least one 8-element chunk per lane in a part.  A function of the model only: the sum
+    order of a row must not depend on the number of rows."""
+    union = min(experts, MOE_MAX_ROWS * top_k)
+    p = max(1, min(-(-MOE_DOWN_WARPS // top_k), (MOE_DOWN_ITEMS - MOE_DOWN_WARPS) // union, inter // 256))
+    ps = max(1, min(MOE_DOWN_WARPS, shared // 256)) if shared else 0
+    return p, ps
 
 
 def module_source() -> str:
@@ -127,6 +146,9 @@ class MoeKernels:
         if ld != experts + (1 if has_shared else 0) or experts > MOE_MAX_EXPERTS or not 1 <= top_k <= min(experts, MOE_MAX_K):
             raise ValueError(f"moe route: logits width {ld} for {experts} experts (shared gate {has_shared}), top-{top_k}")
         k._shape(norm_w, "norm_w", (hidden,))
+        if hidden % 4:
+            raise ValueError(f"moe route: hidden size {hidden} must be a multiple of 4")
+        k._aligned(x, "x")
         if b.h.shape[1] != hidden or b.idx.shape[1] != top_k:
             raise ValueError("moe route: buffers allocated for another hidden size or top-k")
         args = (logits, np.int32(ld), x, norm_w, np.float32(eps), np.int32(m), np.int32(hidden), np.int32(experts),
@@ -196,11 +218,11 @@ class MoeKernels:
         else:
             w_s, act_s, s = k._dummy, b.h, 0
         k._disjoint(out, "out", act, "act")
-        rows = MOE_WARPS * DOWN_R
+        parts, shared_parts = down_parts(e, top_k, inter, s)
         args = (act, w_down, b.wts, b.n_union, b.union_e, b.union_mask, b.union_slot, act_s, w_s, b.sgate,
                 np.int32(s), out, np.int32(m), np.int32(hidden), np.int32(inter), np.int32(top_k),
-                np.int32(1 if accumulate else 0))
-        self._launch(down_name(_mt(m)), (-(-hidden // rows),), (MOE_WARPS * 32,), args, stream)
+                np.int32(parts), np.int32(shared_parts), np.int32(1 if accumulate else 0))
+        self._launch(down_name(_mt(m)), (-(-hidden // down_rows(_mt(m))),), (MOE_DOWN_WARPS * 32,), args, stream)
 
     def _common(self, m: int, hidden: int, inter: int, w: Any, act: Any, b: RouteBuffers) -> None:
         k = self.k
@@ -216,4 +238,4 @@ class MoeKernels:
             k._aligned(a, name)
 
 
-__all__ = ["MoeKernels", "RouteBuffers", "module_source", "name_expressions"]
+__all__ = ["MoeKernels", "RouteBuffers", "down_parts", "module_source", "name_expressions"]
