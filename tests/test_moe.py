@@ -307,3 +307,39 @@ def test_moe_kernel_source_is_common_cu_then_moe_cu():
     for name in PLAIN + name_expressions():
         assert name.split("<")[0] in src
     assert len(set(name_expressions())) == 10
+
+
+# -- the CUDA prefill's layout of (token, expert) pairs (pure host code, checked here without a GPU) -----
+
+
+@pytest.mark.parametrize("t, k, experts, skew", [(1, 2, 8, 0), (37, 2, 8, 0), (200, 8, 128, 0), (64, 4, 60, 0),
+                                                 (300, 4, 16, 3)])
+def test_expert_groups_place_every_pair_once_in_its_experts_rows(t, k, experts, skew):
+    """skew > 0 makes a few experts popular, so some of them overflow the main block."""
+    from metrale_cli.backends.cuda.moe_passes import ExpertGroups
+
+    rng = np.random.default_rng()
+    p = np.exp(skew * rng.standard_normal(experts))
+    idx = np.stack([rng.choice(experts, k, replace=False, p=p / p.sum()) for _ in range(t)])
+    g = ExpertGroups(idx, experts)
+    rows = g.row_of_pair.reshape(t, k)
+    assert len(set(rows.ravel().tolist())) == t * k and rows.max() < g.total  # one row per pair
+    counts = np.bincount(idx.ravel(), minlength=experts)
+    chosen = counts[counts > 0]
+    assert g.rows % 8 == 0 and np.sum(chosen > g.rows) <= 0.1 * len(chosen) + 1  # the 90th percentile
+    over = {ex: (first, n) for first, n, ex in g.overflow}
+    assert sorted(over) == [e for e in range(experts) if counts[e] > g.rows]
+    main = experts * g.rows
+    for ex in range(experts):
+        toks = [tt for tt in range(t) if ex in idx[tt]]  # increasing: the sort is stable
+        n_main = min(len(toks), g.rows)
+        lo = ex * g.rows
+        assert list(g.source[lo:lo + n_main]) == toks[:n_main]
+        assert not g.source[lo + n_main:lo + g.rows].any()  # padding reads token 0
+        if ex in over:
+            first, n = over[ex]
+            assert first >= main and n == len(toks) - g.rows and list(g.source[first:first + n]) == toks[g.rows:]
+        for tt in toks:
+            r = rows[tt, list(idx[tt]).index(ex)]
+            assert g.source[r] == tt and (lo <= r < lo + g.rows or (ex in over and r >= main))
+    assert g.total == main + sum(n for _, n, _ in g.overflow)

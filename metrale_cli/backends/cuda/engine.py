@@ -491,6 +491,33 @@ class CudaEngine(EngineBase):
             out += b32
         return out
 
+    def _gemm_experts(self, xb, w, rows: int, out, used=None):
+        """out[e*rows:(e+1)*rows] = xb[e*rows:(e+1)*rows] @ w[e].T for every expert e of w (bf16 bits
+        [E, N, K]), xb bf16 bits [E*rows, K], out f32 [E*rows, N]: one cuBLAS strided batched GEMM (the
+        mixture-of-experts prefill's per-expert GEMMs).  With used = [(expert, n)], one GEMM per listed
+        expert over its first n rows instead (the rest of out is left unwritten)."""
+        cp = self.cp
+        from cupy_backends.cuda.libs import cublas
+
+        experts, n, kdim = w.shape
+        one, zero = np.array(1.0, np.float32), np.array(0.0, np.float32)
+        handle = cp.cuda.device.get_cublas_handle()
+        cublas.setStream(handle, self.stream.ptr)
+        if used is not None:
+            for ex, count in used:
+                cublas.gemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, count, kdim,
+                              one.ctypes.data, w.data.ptr + ex * n * kdim * 2, CUDA_R_16BF, kdim,
+                              xb.data.ptr + ex * rows * kdim * 2, CUDA_R_16BF, kdim,
+                              zero.ctypes.data, out.data.ptr + ex * rows * n * 4, CUDA_R_32F, n,
+                              CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+            return out
+        cublas.gemmStridedBatchedEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, rows, kdim,
+                                    one.ctypes.data, w.data.ptr, CUDA_R_16BF, kdim, n * kdim,
+                                    xb.data.ptr, CUDA_R_16BF, kdim, rows * kdim,
+                                    zero.ctypes.data, out.data.ptr, CUDA_R_32F, n, rows * n,
+                                    experts, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+        return out
+
     def _lm_head_rows(self, h):
         if h.shape[0] <= MAX_ROWS:
             out = self.cp.empty((h.shape[0], self.w.lm_head.shape[0]), self.cp.float32)

@@ -7,8 +7,12 @@ experts, plus the shared expert, added into the residual stream in its epilogue)
 
 Prefill path (eager): the router in fp32 (cuBLAS SGEMM on an fp32 copy of the router, so the expert
 choice is made on fp32 logits as on the rows path), top-k on the device, then one host sync to group the
-tokens by expert and cuBLAS GEMMs per chosen expert (bf16 operands, fp32 output), in increasing expert
-order, weighted and added as the NumPy reference does.
+(token, expert) pairs by expert (`ExpertGroups`) and one cuBLAS strided batched GEMM over every expert
+for gate_up and one for down (bf16 operands, fp32 output), plus a GEMM pair for each of the few most-chosen
+experts' overflow rows; each token's experts are then weighted and added in increasing expert order, as
+the NumPy reference sums them.  (The
+first version ran two GEMMs per chosen expert: qwen3-30b-a3b's 128 experts made its prefill of 2048
+tokens 1784 tokens/s on the H200, 1.4% of the GEMM rate.)
 """
 
 from __future__ import annotations
@@ -70,6 +74,49 @@ class RowsMoe:
         return x
 
 
+# From this many rows per expert, one GEMM per chosen expert beats the strided batched GEMM over all of
+# them (H200, prefill of 2048 tokens: qwen3-30b-a3b's 128 experts at ~128 rows each, batched 5717 tokens/s
+# vs 1784 per expert; mixtral-8x7b's 8 at ~512 rows, batched 10230 vs 14460 per expert).
+PER_EXPERT_ROWS = 256
+
+
+class ExpertGroups:
+    """How a prefill's (token, expert) pairs are laid out for the expert GEMMs: sorted by expert (stable:
+    increasing token within an expert); expert e's first `rows` pairs at rows e*rows.. of the main block,
+    which one strided batched GEMM computes for every expert at once (padding rows repeat token 0; their
+    results are never read); the pairs of an expert past `rows` (the few most-chosen experts) in the
+    overflow rows after it, one GEMM per such expert.  `rows` is the 90th percentile of the chosen
+    experts' counts rounded up to 8, so about a tenth of them overflow and the padding stays small.
+    source[r] = the token whose h fills row r; row_of_pair[t * k + j] = the row of token t's j-th choice;
+    overflow = [(first row, count, expert)]."""
+
+    def __init__(self, idx: np.ndarray, experts: int) -> None:
+        t, k = idx.shape
+        flat = idx.reshape(-1)
+        order = np.argsort(flat, kind="stable")
+        counts = np.bincount(flat, minlength=experts)
+        self.experts = experts
+        self.rows = -(-int(np.ceil(np.quantile(counts[counts > 0], 0.9))) // 8) * 8
+        main = experts * self.rows
+        over = np.maximum(counts - self.rows, 0)
+        over_start = main + np.concatenate([[0], np.cumsum(over)[:-1]])
+        self.overflow = [(int(over_start[e]), int(over[e]), int(e)) for e in np.nonzero(over)[0]]
+        self.total = main + int(over.sum())
+        bounds = np.concatenate([[0], np.cumsum(counts)])
+        ex = flat[order]
+        rank = np.arange(t * k) - bounds[ex]
+        rows = np.where(rank < self.rows, ex * self.rows + rank, over_start[ex] + rank - self.rows)
+        self.source = np.zeros(self.total, np.int32)
+        self.source[rows] = order // k
+        self.row_of_pair = np.empty(t * k, np.int64)
+        self.row_of_pair[order] = rows
+        self.counts = counts
+
+    def used(self) -> list[tuple[int, int]]:
+        """[(expert, its rows in the main block)] of the chosen experts."""
+        return [(int(e), int(min(c, self.rows))) for e, c in enumerate(self.counts) if c]
+
+
 class PrefillMoe:
     """PrefillPass's route / experts (self: a PrefillPass; runs under `with engine.stream`)."""
 
@@ -91,19 +138,31 @@ class PrefillMoe:
     def experts(self, x, route, w_gate_up, w_down, spec: MoeSpec, *, norm, shared, tap):
         cp, e, h = self.e.cp, self.e, self._moe_h
         t, k = route.top_k_index.shape
-        flat = route.top_k_index.reshape(-1).get()  # the one host sync of the layer: group tokens by expert
-        order = np.argsort(flat, kind="stable")
-        bounds = np.searchsorted(flat[order], np.arange(spec.num_experts + 1))
-        order_d = cp.asarray(order)
-        weights = route.top_k_weights.reshape(-1)
+        idx = route.top_k_index.get()  # the one host sync of the layer: group the tokens by expert
+        plan = ExpertGroups(idx, spec.num_experts)
+        src = cp.asarray(plan.source)
+        main = spec.num_experts * plan.rows
+        d = cp.empty((plan.total, x.shape[1]), cp.float32)  # each (token, expert) pair's down projection
+        hb = cp.empty((main, h.shape[1]), cp.uint16)  # h's rows in expert order: the main block
+        self.k.f32_to_bf16(h[src[:main]], hb, stream=self.s)
+        used = plan.used() if plan.rows >= PER_EXPERT_ROWS else None
+        gu = e._gemm_experts(hb, w_gate_up, plan.rows, cp.empty((main, w_gate_up.shape[1]), cp.float32), used)
+        act = self._swiglu(gu)
+        del gu
+        actb = cp.empty(act.shape, cp.uint16)
+        self.k.f32_to_bf16(act, actb, stream=self.s)
+        e._gemm_experts(actb, w_down, plan.rows, d[:main], used)
+        for first, n, ex in plan.overflow:  # the most-chosen experts' pairs past the main block
+            rows = h[src[first:first + n]]
+            d[first:first + n] = e._gemm(self._swiglu(e._gemm(rows, w_gate_up[ex])), w_down[ex])
+        # y[t] = sum over t's experts in increasing order (as the reference sums) of weight * its row of d
+        order = np.argsort(idx, axis=1)
+        rows_d = cp.asarray(np.take_along_axis(plan.row_of_pair.reshape(t, k), order, 1))
+        pick = cp.asarray((np.arange(t)[:, None] * k + order).reshape(-1))
+        weights = route.top_k_weights.reshape(-1)[pick].reshape(t, k)
         y = cp.zeros_like(x)
-        for ex in range(spec.num_experts):  # increasing expert order, as the reference sums
-            if bounds[ex] == bounds[ex + 1]:
-                continue
-            pairs = order_d[bounds[ex]:bounds[ex + 1]]
-            tokens = pairs // k  # distinct within one expert
-            out = e._gemm(self._swiglu(e._gemm(cp.ascontiguousarray(h[tokens]), w_gate_up[ex])), w_down[ex])
-            y[tokens] += out * weights[pairs][:, None]
+        for j in range(k):
+            y += weights[:, j:j + 1] * d[rows_d[:, j]]
         if shared is not None:
             y += route.shared_gate * e._gemm(self._swiglu(e._gemm(h, shared[0])), shared[1])
         self.tap(tap, y)
