@@ -318,11 +318,13 @@ def _run_bench(eng, name: str, cfg: ModelConfig, device: str, context: int, ks: 
     target = 1.15 if cfg.moe is None else 1.3  # MoE (issue 14): more, smaller launches per step
     res.figures.append(Figure("decode step", decode_s * 1e3, "ms", f"<= {target} x floor", decode_s / floor,
                               decode_s <= target * floor))
-    if getattr(getattr(eng, "kern", None), "pdl_supported", False):  # the same step with PDL, for contrast
-        eng.set_pdl(True)
-        with_pdl = timer.time(decode_once, repeats)
-        eng.set_pdl(False)
-        res.figures.append(Figure("decode step with PDL", with_pdl * 1e3, "ms", "x decode step", with_pdl / decode_s))
+    if getattr(getattr(eng, "kern", None), "pdl_supported", False):  # the step with the other PDL setting
+        default = eng.use_pdl  # on for mixtures of experts, off for dense models (CudaEngine.use_pdl)
+        eng.set_pdl(not default)
+        other = timer.time(decode_once, repeats)
+        eng.set_pdl(default)
+        res.figures.append(Figure(f"decode step {'without' if default else 'with'} PDL", other * 1e3, "ms",
+                                  "x decode step", other / decode_s))
 
     def greedy_once():
         eng.decode(5)
