@@ -106,3 +106,22 @@ def make_cache(rng, n_kv, max_ctx, hd, valid):
     kb[:, valid:] = 0x7FC0
     vb[:, valid:] = 0x7FC0
     return kb, vb
+
+
+def assert_near_tie(row, what: str) -> None:
+    """A reference logits row whose argmax another engine may pick differently: its top-1 / top-2 margin
+    must be below one bf16 ulp at the top logit's magnitude (the GPU's bf16 rounding can flip it)."""
+    top = np.sort(np.asarray(row, np.float64))[-2:]
+    resolution = abs(top[1]) * 2.0 ** -8
+    print(f"{what}: margin {top[1] - top[0]:.3g}, bf16 resolution {resolution:.3g}")
+    assert top[1] - top[0] < resolution, f"{what} differs with margin {top[1] - top[0]:.3g} >= {resolution:.3g}"
+
+
+def tokens_agree(ta, tb, ref_rows, what: str = "greedy") -> int:
+    """How many leading steps two greedy runs share the rows of: all when the tokens are equal, else up to
+    and including the first differing token, which must be a near tie of the reference rows."""
+    if list(ta) == list(tb):
+        return len(ta)
+    i = next(j for j, (x, y) in enumerate(zip(ta, tb)) if x != y)
+    assert_near_tie(ref_rows[i], f"{what} token {i}")
+    return i + 1

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from gpu_helpers import TOL, inv_freq_default, nan_like, rand_bf16, ref_attention, rel_err
+from gpu_helpers import TOL, inv_freq_default, nan_like, rand_bf16, ref_attention, rel_err, tokens_agree
 
 from metrale_cli import decoding
 from metrale_cli.config import parse_config
@@ -242,16 +242,6 @@ def rows(e, ptr, n):
 def rel(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
-def tokens_agree(ta, tb, ref_rows) -> int:
-    """How many leading tokens to compare rows over; a differing token must be a near-tie of the reference."""
-    if ta == tb:
-        return len(ta)
-    i = next(j for j, (x, y) in enumerate(zip(ta, tb)) if x != y)
-    top = np.sort(ref_rows[i])[-2:]
-    assert top[1] - top[0] < np.abs(top[1]) * 2.0 ** -8, f"token {i} differs with margin {top[1] - top[0]}"
-    return i + 1
 
 
 @pytest.mark.parametrize("name", list(ARCHS))

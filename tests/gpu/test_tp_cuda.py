@@ -27,6 +27,8 @@ from metrale_cli.engine.observe import tapping
 from metrale_cli.model import open_model
 from metrale_cli.random_weights import RandomTensors
 
+from gpu_helpers import assert_near_tie
+
 pytestmark = pytest.mark.gpu
 
 CONFIG = dict(model_type="mistral", vocab_size=1003, hidden_size=256, intermediate_size=1024, num_hidden_layers=3,
@@ -196,9 +198,7 @@ def test_tp_n_equals_tp_1(cp, ckpts, rng, name, n):
 def _same_argmax_unless_tied(want: np.ndarray, got: np.ndarray, what: str) -> None:
     for r, (w, g) in enumerate(zip(want, got)):
         if int(np.argmax(w)) != int(np.argmax(g)):
-            top = np.sort(w)[-2:]
-            resolution = abs(top[1]) * 2.0 ** -8  # one bf16 ulp at that magnitude
-            assert top[1] - top[0] < resolution, f"{what} row {r}: argmax differs with margin {top[1] - top[0]}"
+            assert_near_tie(w, f"{what} row {r}: argmax")
 
 
 def test_cli_tp_1_reports_what_the_plain_engine_reports(cp, run_cli, ckpt, tmp_path):

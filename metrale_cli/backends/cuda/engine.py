@@ -33,7 +33,6 @@ candidate (tp.cu) inside its graph. Without `tp` none of this is on the path.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -431,7 +430,7 @@ class CudaEngine(EngineBase):
 
     # -- the prefill path (cuBLAS, eager) -------------------------------------------------------------
     def _prefill_long(self, ids: np.ndarray, all_logits: bool) -> int:
-        cp, cfg = self.cp, self.cfg
+        cp = self.cp
         rows, hidden = [], []
         with self.stream:
             for start in range(0, len(ids), PREFILL_CHUNK):

@@ -8,6 +8,32 @@ __device__ __forceinline__ float argmax_load(const unsigned short* p, u64 i) {
     return bf16_to_f32_bits(p[i]);
 }
 
+// The block's first maximum of (best, bidx): "larger value, or the same value at a lower index", over
+// the warp by shuffles, then over the warps through s_val / s_idx; warp 0's lanes end with the result.
+// Macros, not functions: as a shared helper (by reference, pointer, lambda or returned struct) nvcc
+// 13.0 generated different sm_90 code for these reductions; a macro is the written-out code.
+#define ARGMAX_WARP_REDUCE(best, bidx)                                     \
+    _Pragma("unroll") for (int o = 16; o > 0; o >>= 1) {                  \
+        const float ov_ = __shfl_xor_sync(0xffffffffu, best, o);          \
+        const int oi_ = __shfl_xor_sync(0xffffffffu, bidx, o);            \
+        if (ov_ > best || (ov_ == best && oi_ < bidx)) {                  \
+            best = ov_;                                                    \
+            bidx = oi_;                                                    \
+        }                                                                  \
+    }
+#define ARGMAX_BLOCK_REDUCE(best, bidx, lane, warp, nwarps, s_val, s_idx) \
+    ARGMAX_WARP_REDUCE(best, bidx)                                         \
+    if (lane == 0) {                                                       \
+        s_val[warp] = best;                                                \
+        s_idx[warp] = bidx;                                                \
+    }                                                                      \
+    __syncthreads();                                                       \
+    if (warp == 0) {                                                       \
+        best = (lane < nwarps) ? s_val[lane] : -METRALE_INF;               \
+        bidx = (lane < nwarps) ? s_idx[lane] : 0x7fffffff;                 \
+        ARGMAX_WARP_REDUCE(best, bidx)                                     \
+    }
+
 template <typename T>
 __device__ __forceinline__ void argmax_row(const T* __restrict__ rows, int* __restrict__ out, int V) {
     __shared__ float s_val[32];
@@ -26,38 +52,10 @@ __device__ __forceinline__ void argmax_row(const T* __restrict__ rows, int* __re
         }
     }
     bad = __syncthreads_or(bad);
-    // The two warp reductions of (value, index) below stay written out: as a shared helper (by
-    // reference, pointer, lambda or returned struct) nvcc 13.0 generated different sm_90 code.
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, bidx, o);
-        if (ov > best || (ov == best && oi < bidx)) {
-            best = ov;
-            bidx = oi;
-        }
-    }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nwarps = (blockDim.x + 31) >> 5;
-    if (lane == 0) {
-        s_val[warp] = best;
-        s_idx[warp] = bidx;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        best = (lane < nwarps) ? s_val[lane] : -METRALE_INF;
-        bidx = (lane < nwarps) ? s_idx[lane] : 0x7fffffff;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bidx, o);
-            if (ov > best || (ov == best && oi < bidx)) {
-                best = ov;
-                bidx = oi;
-            }
-        }
-        if (lane == 0) out[blockIdx.x] = bad ? -1 : bidx;
-    }
+    ARGMAX_BLOCK_REDUCE(best, bidx, lane, warp, nwarps, s_val, s_idx);
+    if (warp == 0 && lane == 0) out[blockIdx.x] = bad ? -1 : bidx;
 }
 
 extern "C" __global__ void argmax_f32_kernel(const float* __restrict__ rows, int* __restrict__ out, int V) {
@@ -125,38 +123,12 @@ __device__ __forceinline__ void argmax_split_row(const T* __restrict__ rows, int
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nwarps = (blockDim.x + 31) >> 5;
-    // Stage 1: this block's first maximum.  The warp reductions stay written out (see argmax_row).
+    // Stage 1: this block's first maximum.
     bad = __syncthreads_or(bad);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, bidx, o);
-        if (ov > best || (ov == best && oi < bidx)) {
-            best = ov;
-            bidx = oi;
-        }
-    }
-    if (lane == 0) {
-        s_val[warp] = best;
-        s_idx[warp] = bidx;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        best = (lane < nwarps) ? s_val[lane] : -METRALE_INF;
-        bidx = (lane < nwarps) ? s_idx[lane] : 0x7fffffff;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bidx, o);
-            if (ov > best || (ov == best && oi < bidx)) {
-                best = ov;
-                bidx = oi;
-            }
-        }
-        if (lane == 0) {
-            part_val[(u64)row * nb + b] = best;
-            part_idx[(u64)row * nb + b] = bad ? -1 : bidx;
-        }
+    ARGMAX_BLOCK_REDUCE(best, bidx, lane, warp, nwarps, s_val, s_idx);
+    if (warp == 0 && lane == 0) {
+        part_val[(u64)row * nb + b] = best;
+        part_idx[(u64)row * nb + b] = bad ? -1 : bidx;
     }
     if (!last_block_arrives(counters + row, nb)) return;
     // Stage 2 (the row's last block): the nb partials, read through L2 (other blocks wrote them).
@@ -173,36 +145,9 @@ __device__ __forceinline__ void argmax_split_row(const T* __restrict__ rows, int
             bidx = pi;
         }
     }
-    bad = __syncthreads_or(bad);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, bidx, o);
-        if (ov > best || (ov == best && oi < bidx)) {
-            best = ov;
-            bidx = oi;
-        }
-    }
-    __syncthreads();  // s_val / s_idx of stage 1 were read by warp 0 above
-    if (lane == 0) {
-        s_val[warp] = best;
-        s_idx[warp] = bidx;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        best = (lane < nwarps) ? s_val[lane] : -METRALE_INF;
-        bidx = (lane < nwarps) ? s_idx[lane] : 0x7fffffff;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bidx, o);
-            if (ov > best || (ov == best && oi < bidx)) {
-                best = ov;
-                bidx = oi;
-            }
-        }
-        if (lane == 0) out[row] = bad ? -1 : bidx;
-    }
+    bad = __syncthreads_or(bad);  // also: warp 0 has read stage 1's s_val / s_idx
+    ARGMAX_BLOCK_REDUCE(best, bidx, lane, warp, nwarps, s_val, s_idx);
+    if (warp == 0 && lane == 0) out[row] = bad ? -1 : bidx;
 }
 
 extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)

@@ -45,6 +45,14 @@ class OperandChecks:
             self._bf16_dtype is not None and dtype == self._bf16_dtype
         )
 
+    def _f32_or_bf16(self, a: Any, name: str) -> str:
+        """'f32' or 'bf16', the kernel instance for a's dtype (ValueError for any other dtype)."""
+        if a.dtype == self._np.float32:
+            return "f32"
+        if self._is_bf16(a.dtype):
+            return "bf16"
+        raise ValueError(f"{name}: dtype must be float32 or bfloat16, got {a.dtype}")
+
     def _bf16(self, a: Any, name: str, ndim: int | None = None) -> Any:
         self._arr(a, name)
         return self._typed(a, name, self._is_bf16(a.dtype), "bfloat16 (or uint16 raw bits)", ndim)

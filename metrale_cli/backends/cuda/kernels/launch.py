@@ -753,12 +753,7 @@ class Kernels(OperandChecks, UnfusedKernels):
         self._shape(out, "out", (n,))
         if V == 0 or V >= 2**31:
             raise ValueError(f"argmax: V = {V} must be in 1..2^31-1")
-        if rows.dtype == np.float32:
-            kind = "f32"
-        elif self._is_bf16(rows.dtype):
-            kind = "bf16"
-        else:
-            raise ValueError(f"rows: dtype must be float32 or bfloat16, got {rows.dtype}")
+        kind = self._f32_or_bf16(rows, "rows")
         if n == 0:
             return
         nb = self.argmax_blocks(n, V)

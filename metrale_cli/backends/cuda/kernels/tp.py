@@ -77,12 +77,7 @@ class TpKernels:
         k._shape(pairs, "pairs", (n, 2))
         if start + vocab > MAX_EXACT_INDEX:
             raise ValueError(f"argmax_pairs: indices up to {start + vocab} are not exact as float32")
-        if rows.dtype == np.float32:
-            name = "argmax_pairs_f32_kernel"
-        elif k._is_bf16(rows.dtype):
-            name = "argmax_pairs_bf16_kernel"
-        else:
-            raise ValueError(f"rows: dtype must be float32 or bfloat16, got {rows.dtype}")
+        name = f"argmax_pairs_{k._f32_or_bf16(rows, 'rows')}_kernel"
         if n == 0:
             return
         args = (rows, idx, pairs, np.int32(n), np.int32(vocab), np.int32(start))
