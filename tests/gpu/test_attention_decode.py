@@ -66,7 +66,7 @@ CASES = [
     (256, 2, 2, 3, 1000, 7),
     (256, 1, 4, 1, 3000, None),
     (256, 2, 1, 16, 100, 2),
-    (96, 4, 1, 1, 2000, None),  # Phi-3-mini's head_dim (SIMT kernel, 3 bf16 per lane)
+    (96, 4, 1, 1, 2000, None),  # Phi-3-mini's head_dim (SIMT kernel, 4 bf16 on 24 lanes)
     (96, 2, 3, 7, 300, 3),
 ]
 

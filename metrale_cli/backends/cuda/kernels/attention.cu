@@ -543,7 +543,7 @@ attn_decode_tc_kernel(const float* __restrict__ q, const unsigned short* __restr
 }
 
 // ---------------------------------------------------------------------------
-// SIMT split kernel (head_dim 96 and 256; any head_dim of 32 E, E in 1, 2, 3, 4, 8).
+// SIMT split kernel (head_dim 96 and 256; any head_dim of 32 E, E in 1, 2, 3, 4, 8; 96 runs as 24 x 4).
 // Grid (n_kv, n_splits, ceil(M*G / QB)); block ATTN_WARPS warps.  Each block takes
 // one KV head, one split and QB of that head's M*G query vectors; its warps take
 // interleaved groups of KB keys, keep an online-softmax state per query in
@@ -592,7 +592,10 @@ attn_decode_split_kernel(const float* __restrict__ q, const unsigned short* __re
                          float* __restrict__ part_ml, int M, int n_heads, int n_kv, int max_ctx,
                          int n_splits, float qscale, int window, float softcap_l2, float* __restrict__ out,
                          int* __restrict__ counters) {
-    constexpr int E = HD / 32;  // head_dim elements per lane
+    // head_dim elements per lane and the lanes that hold them: head_dim 96 on 24 lanes x 4 (8-byte loads;
+    // 32 x 3 needed three 2-byte loads per key and lane), else 32 x HD / 32.
+    constexpr int E = HD == 96 ? 4 : HD / 32;
+    constexpr int LANES = HD / E;
     __shared__ float s_acc[ATTN_WARPS][QB][HD];
     __shared__ float s_ml[ATTN_WARPS][QB][2];
 
@@ -627,9 +630,9 @@ attn_decode_split_kernel(const float* __restrict__ q, const unsigned short* __re
             const int m = qi / G, g = qi - m * G;
             lim[qb] = min(positions[m], max_ctx - 1);
             first[qb] = decode_first(positions[m], max_ctx, window);
-            const float* qp = q + ((u64)m * n_heads + hk * G + g) * HD + lane * E;
+            const float* qp = q + ((u64)m * n_heads + hk * G + g) * HD + min(lane, LANES - 1) * E;
 #pragma unroll
-            for (int e = 0; e < E; ++e) qr[qb][e] = qp[e] * qscale;
+            for (int e = 0; e < E; ++e) qr[qb][e] = lane < LANES ? qp[e] * qscale : 0.0f;  // idle lanes add 0
         } else {
             lim[qb] = -1;
 #pragma unroll
@@ -646,8 +649,8 @@ attn_decode_split_kernel(const float* __restrict__ q, const unsigned short* __re
         for (int e = 0; e < E; ++e) acc[qb][e] = 0.0f;
     }
 
-    const unsigned short* kbase = k_cache + (u64)hk * max_ctx * HD + lane * E;
-    const unsigned short* vbase = v_cache + (u64)hk * max_ctx * HD + lane * E;
+    const unsigned short* kbase = k_cache + (u64)hk * max_ctx * HD + min(lane, LANES - 1) * E;
+    const unsigned short* vbase = v_cache + (u64)hk * max_ctx * HD + min(lane, LANES - 1) * E;
 
     for (int j0 = start + warp * KB; j0 < end; j0 += ATTN_WARPS * KB) {
         Bf16Vec<E> kv[KB], vv[KB];
@@ -704,8 +707,10 @@ attn_decode_split_kernel(const float* __restrict__ q, const unsigned short* __re
     // Merge the warps of the block.
 #pragma unroll
     for (int qb = 0; qb < QB; ++qb) {
+        if (lane < LANES) {
 #pragma unroll
-        for (int e = 0; e < E; ++e) s_acc[warp][qb][lane * E + e] = acc[qb][e];
+            for (int e = 0; e < E; ++e) s_acc[warp][qb][lane * E + e] = acc[qb][e];
+        }
         if (lane == 0) {
             s_ml[warp][qb][0] = mx[qb];
             s_ml[warp][qb][1] = l[qb];

@@ -72,7 +72,7 @@ ATTN_CHUNK_ALIGN = 64
 ARGMAX_THREADS = 256
 ARGMAX_CHUNK = ARGMAX_THREADS * 8
 DECODE_TC_HEAD_DIMS = (32, 64, 128)
-DECODE_SIMT_KB = 4  # keys per warp step of the SIMT split kernel (its template argument KB)
+DECODE_SIMT_KB = 8  # keys per warp step of the SIMT split kernel (its template argument KB; 4 until 2026-12-04)
 
 
 def _ceil_div(a: int, b: int) -> int:
