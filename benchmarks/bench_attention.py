@@ -2,6 +2,7 @@
 read-only kernel of `metrale bench` measured in the same run.  Needs CuPy and a CUDA GPU:
 
     PYTHONPATH=. python3 -m benchmarks.bench_attention
+    PYTHONPATH=. python3 -m benchmarks.bench_attention --simt   # head_dim 96 / 256: split counts old vs new
 
 Llama-3-8B layer shape: 8 KV heads x head_dim 128, G = 4 query heads per KV head; contexts 1024,
 4096, 8192, 32768; M = 1, 4, 8 query rows (decode, verify), row m at position ctx - M + m, so
@@ -24,6 +25,44 @@ from metrale_cli.bench import read_bandwidth_gpu
 N_KV, G, HD = 8, 4, 128
 CONTEXTS = (1024, 4096, 8192, 32768)
 ROWS = (1, 4, 8)
+# The SIMT head dims (--simt): gemma-2-9b (8 KV heads x 256, G 2, softcap 50) and phi-3-mini (32 x 96, G 1).
+SIMT_SHAPES = (("gemma-2-9b", 256, 8, 2, 50.0), ("phi-3-mini", 96, 32, 1, None))
+
+
+def simt_section(cp, K, read_gbs) -> None:
+    """The SIMT split kernel at M = 1 with its split count (decode_splits with head_dim: ~4 blocks per SM,
+    32-key splits) against the tensor-core kernels' count (decode_splits without it: ~2 blocks per SM, as before
+    2026-12-04) on a cache of 2 x ctx positions, ctx = 1024 and 8192: us per call (split + combine)."""
+    print(f"{'shape':<12}{'ctx':>7}{'splits':>8}{'us':>9}{'GB/s':>8}{'% read':>8}")
+    for label, hd, n_kv, g, cap in SIMT_SHAPES:
+        nh = n_kv * g
+        for ctx in (1024, 8192):
+            max_ctx = 2 * ctx
+            kv_bytes = 2 * n_kv * (ctx + 1) * hd * 2
+            copies = max(2, min(32, math.ceil(4 * L2_BYTES / kv_bytes)))
+            caches = []
+            for _ in range(copies):
+                kc = cp.empty((n_kv, max_ctx, hd), dtype=cp.uint16)
+                vc = cp.empty((n_kv, max_ctx, hd), dtype=cp.uint16)
+                K.f32_to_bf16(cp.random.standard_normal((n_kv * max_ctx, hd), dtype=cp.float32), kc.reshape(-1, hd))
+                K.f32_to_bf16(cp.random.standard_normal((n_kv * max_ctx, hd), dtype=cp.float32), vc.reshape(-1, hd))
+                caches.append((kc, vc))
+            cp.cuda.Device().synchronize()
+            q = cp.random.standard_normal((1, nh, hd), dtype=cp.float32)
+            out = cp.empty_like(q)
+            pos = cp.asarray([ctx], dtype=cp.int32)
+            for tag, ns in (("old", K.decode_splits(max_ctx, n_kv, 1, nh)), ("new", K.decode_splits(max_ctx, n_kv, 1, nh, hd))):
+                ws = cp.zeros(K.decode_workspace_size(1, nh, hd, ns), dtype=cp.float32)
+                launches = [(lambda s, c=caches[i % copies], ns=ns, ws=ws: K.attention_decode(
+                    q, c[0], c[1], pos, out, hd ** -0.5, n_splits=ns, workspace=ws, softcap=cap, stream=s))
+                    for i in range(32)]
+                ms = _graph_time_ms(cp, launches)
+                gbs = kv_bytes / (ms * 1e-3) / 1e9
+                print(f"{label:<12}{ctx:>7}{ns:>5} {tag}{ms * 1e3:>9.2f}{gbs:>8.0f}{100 * gbs / read_gbs:>7.0f}%")
+                sys.stdout.flush()
+            del caches
+
+
 def main() -> int:
     import cupy as cp
 
@@ -36,6 +75,9 @@ def main() -> int:
     pdl_ok = bool(getattr(K, "pdl_supported", False))
     print(f"device: {name}, {K.num_sms} SMs; PDL rows: {'yes' if pdl_ok else 'no (needs sm_90)'}")
     print(f"read-only kernel of metrale bench (4 GiB, uint4 loads): {read_gbs:8.0f} GB/s")
+    if "--simt" in sys.argv[1:]:
+        simt_section(cp, K, read_gbs)
+        return 0
     print(f"decode attention, n_kv {N_KV}, G {G}, head_dim {HD}; us per call (split + combine) in a graph")
     print()
     print(f"{'kernel':<12}{'ctx':>7}{'M':>4}{'splits':>8}{'us':>9}{'GB/s':>8}{'% read':>8}")

@@ -4,6 +4,7 @@
     PYTHONPATH=. python3 -m benchmarks.bench_kernels
     PYTHONPATH=. python3 -m benchmarks.bench_kernels --tc   # tensor-core GEMV only (+ sweep)
     PYTHONPATH=. python3 -m benchmarks.bench_kernels --pdl  # launch chains with / without PDL
+    PYTHONPATH=. python3 -m benchmarks.bench_kernels --stream  # streaming GEMV vs gemv (normed qkv, M = 1)
 
 Each measurement captures 32 launches into a CUDA graph (the engine replays graphs too, so
 the per-node launch gap is included), rotating several weight copies so that the 60 MB L2
@@ -161,6 +162,36 @@ def pdl_section(cp, K) -> None:
             sys.stdout.flush()
 
 
+# The normed, ungated projection (qkv) of the presets the issues name, M = 1: llama-3.1-8b, gemma-2-9b,
+# phi-3-mini, qwen3-30b-a3b.
+STREAM_SHAPES = (("8b qkv", 6144, 4096), ("g2 qkv", 8192, 3584), ("phi qkv", 9216, 3072), ("moe qkv", 5120, 2048))
+STREAM_CONFIGS = ((4, 2), (4, 3), (4, 4), (8, 2))
+
+
+def stream_section(cp, K, read_gbs) -> None:
+    """The streaming GEMV (gemv_stream, configs (U, B)) against the fp32-FMA gemv's default, both with the fused
+    norm, at M = 1 on STREAM_SHAPES."""
+    print(f"{'shape':<10}{'N x K':>14}{'kernel':>10}{'us':>8}{'% read':>8}")
+    for label, N, Kd in STREAM_SHAPES:
+        nbytes_w = N * Kd * 2
+        copies = max(2, min(16, math.ceil(4 * L2_BYTES / nbytes_w)))
+        ws = _bf16_weights(cp, K, (N, Kd), copies)
+        nw = cp.zeros(Kd, dtype=cp.uint16) + 0x3F80
+        x = cp.random.standard_normal((1, Kd), dtype=cp.float32)
+        out = cp.empty((1, N), dtype=cp.float32)
+        for cfg in (None,) + STREAM_CONFIGS:
+            if cfg is None:
+                f = lambda s, w: K.gemv(x, w, out, norm_weight=nw, stream=s)  # noqa: E731
+            else:
+                f = lambda s, w, c=cfg: K.gemv_stream(x, w, out, norm_weight=nw, config=c, stream=s)  # noqa: E731
+            ms = _graph_time_ms(cp, [(lambda s, w=ws[i % copies], f=f: f(s, w)) for i in range(32)])
+            pct = 100 * nbytes_w / (ms * 1e-3) / 1e9 / read_gbs
+            tag = "gemv" if cfg is None else f"s{cfg[0]},{cfg[1]}"
+            print(f"{label:<10}{N:>7}x{Kd:<6}{tag:>10}{ms * 1e3:>8.2f}{pct:>7.0f}%")
+            sys.stdout.flush()
+        del ws
+
+
 def main() -> int:
     import cupy as cp
 
@@ -176,6 +207,9 @@ def main() -> int:
     print()
     if "--tc" in sys.argv[1:]:  # only the tensor-core GEMV section
         tc_section(cp, K, read_gbs)
+        return 0
+    if "--stream" in sys.argv[1:]:  # only the streaming GEMV section
+        stream_section(cp, K, read_gbs)
         return 0
     if "--pdl" in sys.argv[1:]:  # only the programmatic-dependent-launch section
         pdl_section(cp, K)

@@ -98,7 +98,7 @@ def layer_ops(eng, path: str):
 
     def q_of(path_):
         a = defs[0].attention
-        return (qkv[:, :a.q_size].reshape(1, a.num_heads, a.head_dim) if path_ == "rows" else eng._q[:1])
+        return (qkv[:, :a.q_size].reshape(1, a.num_heads, a.head_dim) if path_ != "fused" else eng._q[:1])
 
     def attn_part(only):
         def run(i):

@@ -77,9 +77,12 @@ class FakeArray:
 class Recorder:
     def __init__(self, name, calls):
         self.name, self.calls = name, calls
+        self.attributes = {"num_regs": 90}  # what ptxas gives gemv_stream_kernel<1, 8, ...> for sm_90
+        self.max_dynamic_shared_size_bytes = 48 * 1024
 
     def __call__(self, grid, block, args, **kw):
         self.calls.append((self.name, args))
+        self.last = (grid, block, kw)
 
 
 @pytest.fixture
@@ -90,6 +93,7 @@ def kern():
     k._cp = SimpleNamespace(ndarray=FakeArray, float32=np.float32,
                             empty=lambda n, dtype: FakeArray((n,), dtype))
     k.device_id, k.num_sms, k._bf16_dtype = 0, 132, None
+    k.regs_per_sm, k.smem_per_sm, k.smem_per_block_optin = 65536, 233472, 232448  # an H200
     k._dummy = FakeArray((8,), np.uint16)
     k._workspace, k.pdl, k._pdl_launcher = None, False, None
     k.calls = []
@@ -171,6 +175,38 @@ def test_gemv_launches(kern, m):
     check(kern, 5)
 
 
+def test_gemv_stream_launches(kern):
+    """The streaming GEMV: the .cu's parameters, one wave of blocks (at most the SMs x the blocks per SM that
+    registers and shared memory allow), the shared memory for x and the partials of its fullest block."""
+    from metrale_cli.backends.cuda.kernels.tuning import GEMV_STREAM_DEFAULT, stream_smem_bytes
+
+    k, n = 4096, 6144
+    kern.gemv_stream(f32(1, k), bf16(n, k), f32(1, n), bf16(n), norm_weight=bf16(k), accumulate=True)
+    kern.gemv_stream(f32(1, k), bf16(n, k), f32(1, n), norm_weight=bf16(k), norm_offset=1.0, config=(8, 2))
+    u, b = GEMV_STREAM_DEFAULT
+    (grid,), (threads,), kw = kern._fn[names.gemv_stream_name(u)].last
+    # 90 registers (the stand-in's) leave 2 blocks of 256 threads per SM
+    assert threads == 256 and grid == 132 * min(b, 2) and kw["shared_mem"] == stream_smem_bytes(k, n, grid)
+    check(kern, 2)
+    kern.gemv_stream(f32(1, 256), bf16(40, 256), f32(1, 40), norm_weight=bf16(256))  # a block per row
+    assert kern._fn[names.gemv_stream_name(u)].last[0] == (40,)
+    check(kern, 1)
+
+
+def test_gemv_stream_refusals_and_fit(kern):
+    with pytest.raises(ValueError, match="multiple of 256"):
+        kern.gemv_stream(f32(1, 264), bf16(40, 264), f32(1, 40), norm_weight=bf16(264))
+    with pytest.raises(ValueError, match="takes 1"):
+        kern.gemv_stream(f32(2, 256), bf16(40, 256), f32(2, 40), norm_weight=bf16(256))
+    with pytest.raises(ValueError, match="norm_weight is required"):
+        kern.gemv_stream(f32(1, 256), bf16(40, 256), f32(1, 40), norm_weight=None)
+    assert kern.stream_fits(1, 4096, 6144) and kern.stream_fits(1, 3072, 9216)
+    assert not kern.stream_fits(1, 2048, 5120)  # below GEMV_STREAM_MIN_WEIGHTS: gemv was faster there
+    assert not kern.stream_fits(2, 4096, 6144) and not kern.stream_fits(1, 4104, 6144)
+    assert not kern.stream_fits(1, 65536, 4096)  # x alone would be 256 KiB of shared memory
+    assert not kern.calls
+
+
 @pytest.mark.parametrize("rotary_dim", [None, 12])
 def test_rope_launches(kern, rotary_dim):
     m, nh, nkv, hd, ctx = 3, 4, 2, 16, 32
@@ -195,6 +231,16 @@ def test_attention_launches(kern, hd, window, softcap):
                            window=window, softcap=softcap)
     assert kern.calls[2][0] == names.prefill_name(hd, ext=ext)
     check(kern, 3)
+
+
+def test_decode_splits(kern):
+    """The tensor-core head dims keep ~2 blocks per SM and 64-key splits; the SIMT ones 32-key splits, ~4 blocks
+    per SM at head_dim 96 (phi-3-mini: 32 KV heads, G = 1) and ~2 at 256 (gemma-2-9b: 8 KV heads, G = 2)."""
+    assert kern.decode_splits(2048, 8, 1, 32) == kern.decode_splits(2048, 8, 1, 32, 128) == 32  # 33, capped
+    assert kern.decode_splits(8192, 8, 1, 32, 128) == 33
+    assert kern.decode_splits(8192, 8, 1, 16, 256) == 33 and kern.decode_splits(2048, 8, 1, 16, 256) == 32
+    assert kern.decode_splits(8192, 32, 1, 32, 96) == 17 and kern.decode_splits(300, 32, 1, 32, 96) == 10
+    assert kern.decode_splits(8192, 8, 8, 16, 256) == 9  # 16 query vectors: 4 blocks of 4 per KV head
 
 
 def split_qb(name: str) -> int:

@@ -109,7 +109,7 @@ class FakeKernels:
             return checked
         return attr
 
-    def decode_splits(self, max_ctx, n_kv, n_rows=1, n_heads=None):
+    def decode_splits(self, max_ctx, n_kv, n_rows=1, n_heads=None, head_dim=None):
         return 1
 
     @staticmethod
@@ -153,6 +153,16 @@ class FakeKernels:
     def gemv_tc(self, x, w, out, bias=None, *, accumulate=False, swiglu=False, norm_weight=None, eps=1e-6,
                 config=None, norm_offset=0.0, activation="silu", stream=None):
         self._gemv(x, w, out, bias, accumulate, swiglu, norm_weight, eps, norm_offset, activation)
+
+    def stream_fits(self, m, k, n):
+        from metrale_cli.backends.cuda.kernels.tuning import GEMV_STREAM_K_MULTIPLE, GEMV_STREAM_MIN_WEIGHTS
+
+        return m == 1 and k % GEMV_STREAM_K_MULTIPLE == 0 and n * k >= GEMV_STREAM_MIN_WEIGHTS
+
+    def gemv_stream(self, x, w, out, bias=None, *, norm_weight, accumulate=False, eps=1e-6, norm_offset=0.0,
+                    config=None, stream=None):
+        assert self.stream_fits(x.shape[0], x.shape[1], out.shape[1])
+        self._gemv(x, w, out, bias, accumulate, False, norm_weight, eps, norm_offset, "silu")
 
     def rmsnorm(self, x, weight, eps, out, residual=None, *, offset=0.0, stream=None):
         if residual is not None:
@@ -406,10 +416,10 @@ def test_fused_path_matches_the_rows_path_and_the_numpy_engine(name):
 
 
 def test_path_option_is_checked(monkeypatch):
-    assert cuda_engine.check_path(" Fused ") == "fused" and cuda_engine.ROWS_PATHS == ("rows", "fused")
+    assert cuda_engine.check_path(" Fused ") == "fused" and cuda_engine.ROWS_PATHS == ("rows", "fused", "rows-fma")
     from metrale_cli.errors import UsageError
 
-    with pytest.raises(UsageError, match="choose from rows, fused"):
+    with pytest.raises(UsageError, match="choose from rows, fused, rows-fma"):
         cuda_engine.check_path("megakernel")
     monkeypatch.setenv(cuda_engine.PATH_ENV, "fused")
     assert cuda_engine.default_path() == "fused"
@@ -443,3 +453,25 @@ def test_longrope_switch_recomputes_the_cache():
         cpu.trim(14)
         cpu.decode(5)
         assert rel(rows(gpu, gpu.decode_logits_ptr(), 1), rows(cpu, cpu.decode_logits_ptr(), 1)) < TOL
+
+
+@pytest.mark.parametrize("path,m,k,n,norm,want", [
+    ("rows", 1, 4096, 6144, True, "gemv_stream"), ("fused", 1, 4096, 6144, True, "gemv_stream"),
+    ("rows", 1, 4096, 6144, False, "gemv"), ("rows", 1, 2048, 5120, True, "gemv"), ("rows", 1, 4104, 6144, True, "gemv"),
+    ("rows", 2, 4096, 6144, True, "gemv"), ("rows", 3, 4096, 6144, True, "gemv_tc"),
+    ("rows-fma", 1, 4096, 6144, True, "gemv"), ("rows-fma", 3, 4096, 6144, True, "gemv_tc")])
+def test_projection_kernel_per_path_and_rows(path, m, k, n, norm, want):
+    """CudaEngine._linear, the one place that picks a projection kernel: the streaming GEMV for a normed,
+    ungated projection of one row with enough weights (not on the rows-fma path: the step as it was before
+    it), the fp32-FMA GEMV for the rest of 1-2 rows, the tensor cores from GEMV_TC_MIN_ROWS rows on; a gated
+    projection never takes the streaming GEMV."""
+    with fake_engine("llama") as gpu:
+        gpu.set_path(path)
+        x = _wrap(np.ones((m, k), np.float32) * 0.01)
+        nw = dict(norm_weight=_wrap(np.full(k, 0x3F80, np.uint16))) if norm else {}
+        gpu.kern.calls.clear()
+        gpu._linear(x, _wrap(np.full((n, k), 0x3F80, np.uint16)), _wrap(np.zeros((m, n), np.float32)), **nw)
+        gpu._linear(x, _wrap(np.full((2 * n, k), 0x3F80, np.uint16)), _wrap(np.zeros((m, n), np.float32)),
+                    swiglu=True, **nw)
+        gated = "gemv_swiglu" if want in ("gemv", "gemv_stream") else want
+        assert [c for c in gpu.kern.calls if c.startswith("gemv")] == [want, gated]

@@ -3,6 +3,8 @@ kernels' maths, and the relative-error check (NaN never passes)."""
 
 from __future__ import annotations
 
+import math
+
 import ml_dtypes
 import numpy as np
 
@@ -76,6 +78,10 @@ def ref_rope(x, positions, inv_freq, norm_w=None, eps=1e-6, scaling=1.0):
 
 def silu(g):
     return g / (1.0 + np.exp(-g))
+
+
+def gelu_tanh(g):
+    return 0.5 * g * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g ** 3)))
 
 
 def ref_attention(q, kf, vf, positions, scale):

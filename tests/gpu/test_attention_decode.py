@@ -32,7 +32,7 @@ def run(cp, kernels, q, kb, vb, positions, scale, n_splits, workspace=True):
     out = cp.full((M, nh, hd), np.nan, dtype=cp.float32)
     ws = None
     if workspace:
-        s = n_splits if n_splits is not None else kernels.decode_splits(kb.shape[1], kb.shape[0], M, nh)
+        s = n_splits if n_splits is not None else kernels.decode_splits(kb.shape[1], kb.shape[0], M, nh, hd)
         ws = cp.full(kernels.decode_workspace_size(M, nh, hd, s), np.nan, dtype=cp.float32)
     kernels.attention_decode(
         cp.asarray(q), cp.asarray(kb), cp.asarray(vb), cp.asarray(np.asarray(positions, np.int32)), out, scale,
@@ -208,6 +208,13 @@ def test_decode_splits_any_rows(kernels):
                 if max_ctx >= 8192 and s < math.ceil(max_ctx / 64):  # not capped by the 64-key minimum
                     assert blocks >= 2 * sms, (max_ctx, n_kv, nh, M, s, blocks)
     assert kernels.decode_splits(8192, 8, 1, 32) == math.ceil(2 * sms / 8)
+    # the SIMT head dims: splits of >= 32 keys
+    for hd in (96, 256):
+        for max_ctx in (1, 31, 32, 1000, 8192):
+            for n_kv, nh in ((8, 16), (32, 32), (1, 4)):
+                for M in (1, 2, 5, 16):
+                    s = kernels.decode_splits(max_ctx, n_kv, M, nh, hd)
+                    assert 1 <= s <= max(1, math.ceil(max_ctx / 32)), (hd, max_ctx, n_kv, nh, M, s)
 
 
 def test_decode_rejects_misaligned_cache(cp, kernels):

@@ -27,7 +27,7 @@ from metrale_cli.config import parse_config
 from metrale_cli.model import open_model
 from metrale_cli.random_weights import RandomTensors
 
-from gpu_helpers import assert_close, bf16_bits, bits_f32, rand_bf16, tokens_agree
+from gpu_helpers import assert_close, bf16_bits, bits_f32, gelu_tanh, rand_bf16, tokens_agree
 
 pytestmark = pytest.mark.gpu
 
@@ -65,10 +65,6 @@ def random_cache(rng, n_kv, max_ctx, hd, valid_from, valid_to):
         b[:, :valid_from] = 0x7FC0
         b[:, valid_to:] = 0x7FC0
     return kb, vb
-
-
-def gelu_tanh(g):
-    return 0.5 * g * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g ** 3)))
 
 
 # -- attention kernels -------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ load), activations in fp32, the KV cache in bf16 [layers, kv_heads, context, hea
 
 Two paths:
 - rows path (decode M=1, verify and short prefills M<=16): metrale's own kernels (the fp32-FMA GEMV for
-  1-2 rows, the tensor-core GEMV from GEMV_TC_MIN_ROWS rows on, flash-decoding attention), no cuBLAS, no
+  1-2 rows, with the normed qkv of one row on the streaming GEMV; the tensor-core GEMV from GEMV_TC_MIN_ROWS
+  rows on; flash-decoding attention), no cuBLAS, no
   host reads, so each (kind, M) is captured once as a CUDA graph and replayed; token ids and positions
   are read from a small device buffer that one async copy fills before each replay.
 - prefill path (longer prompts): cuBLAS GEMMs (bf16 operands, fp32 output) and tensor-core flash
@@ -45,7 +46,7 @@ from ...engine.longrope import has_longrope, long_factors
 from ...engine.loop import Tap, decoder_forward
 from ...models.spec import ModelDefinition, MoeSpec
 from ...models.weights import WeightSource, Weights, check_checkpoint, load_weights
-from .kernels import GEMV_TC_MIN_ROWS
+from .kernels.tuning import uses_tc
 from .moe_passes import MoeState
 from .passes import FusedRowsPass, PrefillPass, RowsPass, fused_plan
 
@@ -55,7 +56,11 @@ from .passes import FusedRowsPass, PrefillPass, RowsPass, fused_plan
 # split + combine as on the rows path: the combine fused into the split kernel's last block measured slower,
 # 14.4 us vs 9.4 us per layer at 1024 context, and is taken only with set_fused_attention(True)).  Both give
 # the same logits (tests/gpu/test_fused_path.py).
-ROWS_PATHS = ("rows", "fused")
+# Rows-path variants (set_path): "rows" (the default), "fused" (rope + KV append in the qkv GEMV's epilogue),
+# "rows-fma" (the rows path with the projections of before the streaming GEMV: the fp32-FMA GEMV for 1-2
+# rows, gemv_impl "simt+tc"), kept to time the old step beside the new one (metrale bench --path).
+ROWS_PATHS = ("rows", "fused", "rows-fma")
+PATH_GEMV_IMPL = {"rows": "auto", "fused": "auto", "rows-fma": "simt+tc"}
 DEFAULT_PATH = "rows"
 PATH_ENV = "METRALE_CUDA_PATH"
 
@@ -169,7 +174,7 @@ class CudaEngine(EngineBase):
                              for m in range(1, R + 1)}
             # attention splits per row count (fixed in each captured graph; the length is read on the device)
             nh = cfg.num_attention_heads
-            self._splits = {m: kern.decode_splits(max_context, nkv, m, nh) for m in range(1, R + 1)}
+            self._splits = {m: kern.decode_splits(max_context, nkv, m, nh, d) for m in range(1, R + 1)}
             ws = max(kern.decode_workspace_size(m, nh, d, s) for m, s in self._splits.items())
             self._ws = cp.zeros(ws, cp.float32)
             # RoPE inverse frequencies per distinct rope of the definition (uploaded before any capture)
@@ -199,8 +204,11 @@ class CudaEngine(EngineBase):
         # on for mixtures of experts, whose short MoE launches it overlaps (H200, 1024 context:
         # qwen3-30b-a3b 3.42 vs 3.72 ms, mixtral-8x7b 7.35 vs 7.53 ms).
         self.use_pdl = cfg.moe is not None and bool(getattr(kern, "pdl_supported", False))
-        # Rows-path projections (GEMV_TC_MIN_ROWS): "auto" = the fp32-FMA GEMV (gemv.cu) below that many
-        # rows, the tensor-core GEMV (gemv_tc.cu) from there on; "simt" / "tc" force one of them.
+        # Rows-path projections (GEMV_IMPLS): "auto" = the streaming GEMV (gemv_stream.cu) for a normed,
+        # ungated projection of one row where it was faster (Kernels.stream_fits: the qkv of the 3-12B presets),
+        # else the fp32-FMA GEMV (gemv.cu) below GEMV_TC_MIN_ROWS rows and the tensor-core GEMV (gemv_tc.cu) from
+        # there on; "simt+tc" = that choice without the streaming GEMV (the default until 2026-12-04); "simt" /
+        # "tc" force one kernel.
         self.gemv_impl = "auto"
         # Rows-path variant (ROWS_PATHS): set_path.  The fused path's last-block counters are allocated
         # when it is first taken.
@@ -244,6 +252,7 @@ class CudaEngine(EngineBase):
             self._attn_counters = cp.zeros((MAX_ROWS * heads,), cp.int32)
             cp.cuda.Device().synchronize()  # the zero fills ran on the legacy stream
         self.path = path
+        self.gemv_impl = PATH_GEMV_IMPL[path]
         self._graphs.clear()
 
     def set_fused_attention(self, enabled: bool) -> None:
@@ -389,7 +398,7 @@ class CudaEngine(EngineBase):
         """The whole forward of m rows at positions io[1, :m] (engine/loop.py over RowsPass); every launch
         is capturable. Then lm_head into the decode or rows logits buffer."""
         cfg, k, w, s = self.cfg, self.kern, self.w, self.stream
-        rows_pass = FusedRowsPass if self.path == "fused" else RowsPass
+        rows_pass = FusedRowsPass if self.path == "fused" else RowsPass  # "rows-fma": RowsPass, gemv_impl
         h = decoder_forward(rows_pass(self, m, tap), cfg.definition, w)
         self._hidden[0] = h[m - 1]
         out = self._decode_logits if kind == "decode" else self._rows_logits[:m]
@@ -414,7 +423,10 @@ class CudaEngine(EngineBase):
         k, s = self.kern, self.stream
         impl = self.gemv_impl
         norm = dict(norm_weight=norm_weight, eps=eps, norm_offset=norm_offset)
-        if impl == "tc" or (impl == "auto" and x.shape[0] >= GEMV_TC_MIN_ROWS):
+        m, kk = x.shape
+        if impl == "auto" and norm_weight is not None and not swiglu and k.stream_fits(m, kk, out.shape[1]):
+            k.gemv_stream(x, w, out, bias, accumulate=accumulate, stream=s, **norm)
+        elif uses_tc(impl, m):
             k.gemv_tc(x, w, out, bias, accumulate=accumulate, swiglu=swiglu, activation=activation, stream=s,
                       **norm)
         elif swiglu:

@@ -18,6 +18,7 @@
 #define ATTN_WARPS 4         // warps per block of the SIMT split kernel (head_dim 256)
 #define ATTN_TC_WARPS 4      // warps per block of the tensor-core split kernel
 #define ATTN_CHUNK_ALIGN 64  // split sizes are multiples of this (16 keys per warp step x 4 warps)
+#define ATTN_SIMT_ALIGN 32   // ... or of this in the SIMT split kernel (8 keys per warp step x 4 warps)
 #define ATTN_COMBINE_BATCH 32
 
 // ---------------------------------------------------------------------------
@@ -74,11 +75,15 @@ __device__ __forceinline__ int decode_first(int p, int max_ctx, int window) {
 
 __device__ __forceinline__ float softcap_l2f(float s, float c2) { return c2 > 0.0f ? c2 * tanhf(s / c2) : s; }
 
-// Keys per split for context length L: ceil(L / n_splits) rounded up to ATTN_CHUNK_ALIGN.
-// The splits that hold keys are 0 .. ceil(L / chunk) - 1.
-__device__ __forceinline__ int decode_chunk(int L, int n_splits) {
+// Keys per split for context length L: ceil(L / n_splits) rounded up to `align` (a power of two dividing
+// ATTN_CHUNK_ALIGN): ATTN_CHUNK_ALIGN for the tensor-core kernel (16 keys per warp step x 4 warps); the SIMT
+// kernel's ALIGN, down to ATTN_SIMT_ALIGN (KB = 8 keys per warp step x 4 warps), whose shorter splits give more
+// blocks per SM at short contexts (it is latency-bound: one warp per scheduler left most issue slots idle).
+// The splits that hold keys are 0 .. ceil(L / chunk) - 1.  The combine kernel counts them with the smaller
+// alignment: its count is never below the split kernel's, and the extra splits carry (-inf, 0) markers.
+__device__ __forceinline__ int decode_chunk(int L, int n_splits, int align = ATTN_CHUNK_ALIGN) {
     const int c = (L + n_splits - 1) / n_splits;
-    return max(ATTN_CHUNK_ALIGN, (c + ATTN_CHUNK_ALIGN - 1) & ~(ATTN_CHUNK_ALIGN - 1));
+    return max(align, (c + align - 1) & ~(align - 1));
 }
 
 // The (max, sum) = (-inf, 0) marker ("no key here") of query vector qi (< M*G) of KV head hk.
@@ -584,7 +589,9 @@ struct Bf16Vec {
     }
 };
 
-template <int HD, int QB, int KB, bool FUSED>
+// ALIGN: the split sizes' multiple (decode_chunk), ATTN_SIMT_ALIGN or ATTN_CHUNK_ALIGN (tuning.DECODE_SIMT_ALIGN
+// per head_dim: the shorter splits only paid at head_dim 96).
+template <int HD, int QB, int KB, int ALIGN, bool FUSED>
 __global__ void __launch_bounds__(ATTN_WARPS * 32)
 attn_decode_split_kernel(const float* __restrict__ q, const unsigned short* __restrict__ k_cache,
                          const unsigned short* __restrict__ v_cache,
@@ -607,7 +614,9 @@ attn_decode_split_kernel(const float* __restrict__ q, const unsigned short* __re
     pdl_trigger();
     const int L = decode_len(positions, M, max_ctx);
     const int lo = decode_lo(positions, M, max_ctx, window);
-    const int chunk = decode_chunk(L - lo, n_splits);
+    static_assert(ALIGN % (ATTN_WARPS * KB) == 0 && ATTN_CHUNK_ALIGN % ALIGN == 0 && ALIGN >= ATTN_SIMT_ALIGN,
+                  "SIMT splits: whole warp steps, an alignment the combine kernel's count covers");
+    const int chunk = decode_chunk(L - lo, n_splits, ALIGN);
     const int start = lo + split * chunk;
     if (start >= L) {  // the same for the whole block
         const int qi = blockIdx.z * QB + threadIdx.x;
@@ -783,7 +792,7 @@ attn_decode_combine_kernel(const float* __restrict__ part_acc, const float* __re
     batch(0);
     const int L = decode_len(positions, M, max_ctx);
     const int lo = decode_lo(positions, M, max_ctx, window);
-    const int chunk = decode_chunk(L - lo, n_splits);
+    const int chunk = decode_chunk(L - lo, n_splits, ATTN_SIMT_ALIGN);  // >= either split kernel's count
     const int nact = (L - lo + chunk - 1) / chunk;  // splits that hold keys (<= n_splits)
     for (int s0 = B; s0 < nact; s0 += B) batch(s0);
     if (active) out[(u64)qt * HD + d] = a / lsum;

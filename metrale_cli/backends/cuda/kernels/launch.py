@@ -14,6 +14,7 @@ from .names import (
     fused_qkv_fp32_rows,
     gemv_name,
     gemv_qkv_rope_name,
+    gemv_stream_name,
     gemv_tc_name,
     gemv_tc_qkv_rope_name,
     name_expressions,
@@ -28,11 +29,15 @@ from .tuning import (
     ATTN_TC_WARPS,
     ATTN_WARPS,
     DECODE_HEAD_DIMS,
+    DECODE_SIMT_SPLITS,
     DECODE_TC_HEAD_DIMS,
     GEMV_DEFAULT,
+    GEMV_STREAM_DEFAULT,
+    GEMV_STREAM_K_MULTIPLE,
+    GEMV_STREAM_MIN_WEIGHTS,
+    GEMV_STREAM_THREADS,
     GEMV_SWIGLU_DEFAULT,
     GEMV_TC_DEFAULT,
-    GEMV_TC_MIN_ROWS,
     GEMV_TC_SWIGLU_DEFAULT,
     LOG2E,
     PREFILL_BQ,
@@ -42,6 +47,8 @@ from .tuning import (
     _decode_qb,
     _gemv_block_rows,
     prefill_smem_bytes,
+    stream_smem_bytes,
+    uses_tc,
 )
 from .unfused import UnfusedKernels
 
@@ -68,6 +75,9 @@ class Kernels(OperandChecks, UnfusedKernels):
         dev = cupy.cuda.Device()
         self.device_id = dev.id
         self.num_sms = int(dev.attributes["MultiProcessorCount"])
+        self.regs_per_sm = int(dev.attributes["MaxRegistersPerMultiprocessor"])
+        self.smem_per_sm = int(dev.attributes["MaxSharedMemoryPerMultiprocessor"])
+        self.smem_per_block_optin = int(dev.attributes["MaxSharedMemoryPerBlockOptin"])
         self._bf16_dtype = None
         try:
             import ml_dtypes
@@ -122,13 +132,13 @@ class Kernels(OperandChecks, UnfusedKernels):
             self.load_fused_attention()
         return name in self._fn
 
-    def _launch(self, name: str, grid: tuple, block: tuple, args: tuple, stream: Any) -> None:
+    def _launch(self, name: str, grid: tuple, block: tuple, args: tuple, stream: Any, shared_mem: int = 0) -> None:
         if self.pdl:
             if self._pdl_launcher is None:
                 self._pdl_launcher = PdlLauncher(self._cp)
-            self._pdl_launcher.launch(self._fn[name], grid, block, args, stream)
+            self._pdl_launcher.launch(self._fn[name], grid, block, args, stream, shared_mem=shared_mem)
         else:
-            self._fn[name](grid, block, args, stream=stream)
+            self._fn[name](grid, block, args, stream=stream, shared_mem=shared_mem)
 
     # ------------------------------------------------------------------ kernels
     def embedding(self, ids: Any, table: Any, out: Any, *, scale: float | None = None, stream: Any = None) -> None:
@@ -255,6 +265,77 @@ class Kernels(OperandChecks, UnfusedKernels):
             np.float32(norm_offset), self._act(activation),
         )
         self._launch(name, grid, (warps * 32,), args, stream)
+
+    def stream_fits(self, m: int, k: int, n: int) -> bool:
+        """Whether the engine takes gemv_stream for a normed, ungated projection: one row, K a multiple of
+        GEMV_STREAM_K_MULTIPLE, at least GEMV_STREAM_MIN_WEIGHTS weights (smaller ones were slower than
+        gemv on the H200), x and the partials within one block's shared memory."""
+        if m != 1 or k % GEMV_STREAM_K_MULTIPLE or n * k < GEMV_STREAM_MIN_WEIGHTS:
+            return False
+        # the kernel's static shared memory (its block_sum scratch) is well under the 1 KiB kept aside here
+        return stream_smem_bytes(k, n, min(n, self.num_sms)) <= self.smem_per_block_optin - 1024
+
+    def _stream_geometry(self, name: str, k: int, n: int, blocks_per_sm: int) -> tuple[int, int]:
+        """(grid, shared bytes) of a gemv_stream launch: one wave of at most blocks_per_sm blocks per SM,
+        fewer where registers or shared memory hold fewer resident."""
+        fn = self._fn[name]
+        regs = max(1, int(fn.attributes["num_regs"]))
+        by_regs = self.regs_per_sm // (_ceil_div(regs, 8) * 8 * GEMV_STREAM_THREADS)
+        b = max(1, min(blocks_per_sm, 2048 // GEMV_STREAM_THREADS, by_regs))
+        while True:
+            grid = min(n, self.num_sms * b)
+            smem = stream_smem_bytes(k, n, grid)
+            if b == 1 or b * (smem + 1024) <= self.smem_per_sm:
+                break
+            b -= 1
+        dyn_max = self.smem_per_block_optin - int(fn.attributes.get("shared_size_bytes", 0))
+        if smem > dyn_max:
+            raise ValueError(f"gemv_stream: {smem} bytes of shared memory needed, the device allows {dyn_max}")
+        done = self.__dict__.setdefault("_stream_smem_set", set())
+        if name not in done:  # opt in to more than 48 KiB of dynamic shared memory, once
+            fn.max_dynamic_shared_size_bytes = dyn_max
+            done.add(name)
+        return grid, smem
+
+    def gemv_stream(
+        self,
+        x: Any,
+        w: Any,
+        out: Any,
+        bias: Any = None,
+        *,
+        norm_weight: Any,
+        accumulate: bool = False,
+        eps: float = 1e-6,
+        norm_offset: float = 0.0,
+        config: tuple[int, int] | None = None,
+        stream: Any = None,
+    ) -> None:
+        """The one-wave streaming GEMV with the fused RMSNorm (gemv_stream.cu), one row: the function of
+        gemv(x, w, out, bias, norm_weight=..., accumulate=...) (norm_offset added to the norm weight in
+        fp32), x f32[1, K] with K a multiple of GEMV_STREAM_K_MULTIPLE.  `config=(U, B)`: U chunks in
+        flight per thread (GEMV_STREAM_US), B blocks per SM asked for (GEMV_STREAM_DEFAULT).  The result
+        depends on (N, K, the grid) only: fixed for a device."""
+        np = self._np
+        op = "gemv_stream"
+        if norm_weight is None:
+            raise ValueError(f"{op}: norm_weight is required (the streaming GEMV is the fused-norm projection)")
+        M, K, N, _ = self._linear_operands(op, x, w, "w", out, bias, norm_weight, False)
+        if M != 1:
+            raise ValueError(f"{op}: M = {M} rows; this kernel takes 1")
+        if K % GEMV_STREAM_K_MULTIPLE:
+            raise ValueError(f"{op}: K = {K} must be a multiple of {GEMV_STREAM_K_MULTIPLE}")
+        u, b = config if config is not None else GEMV_STREAM_DEFAULT
+        name = gemv_stream_name(u)
+        if not self._has(name):
+            raise ValueError(f"{op}: no compiled variant U={u}")
+        grid, smem = self._stream_geometry(name, K, N, b)
+        args = (
+            x, w, self._dummy if bias is None else bias, out, np.int32(N), np.int32(K),
+            np.int32(1 if accumulate else 0), np.int32(0 if bias is None else 1), norm_weight, np.float32(eps),
+            np.float32(norm_offset),
+        )
+        self._launch(name, (grid,), (GEMV_STREAM_THREADS,), args, stream, shared_mem=smem)
 
     def rmsnorm(
         self, x: Any, weight: Any, eps: float, out: Any, residual: Any = None, *, offset: float = 0.0,
@@ -385,7 +466,7 @@ class Kernels(OperandChecks, UnfusedKernels):
         """None when gemv_qkv_rope has an instance for m rows with the GEMV `impl` ("auto", "simt", "tc":
         the engine's gemv_impl) would choose, else why not (the fused rows path then runs the unfused
         qkv GEMV and rope_kv_append for that row count)."""
-        if impl == "tc" or (impl == "auto" and m >= GEMV_TC_MIN_ROWS):
+        if uses_tc(impl, m):
             return None if 1 <= m <= 16 else f"no tensor-core GEMV for {m} rows"
         if m not in fused_qkv_fp32_rows():
             return f"the fp32-FMA GEMV for {m} rows stages x in shared memory: no fused rope epilogue"
@@ -424,7 +505,8 @@ class Kernels(OperandChecks, UnfusedKernels):
         qkv f32[M, N] (written, then read back by the epilogue), q_out f32[M, n_heads, head_dim] (disjoint
         from qkv), caches as rope_kv_append.  counters: int32[>= n_heads + 2 n_kv], all zero; every launch
         leaves them zero (a non-zero counter afterwards means a broken launch: see check_counters).
-        impl: which GEMV ("auto": fp32-FMA below GEMV_TC_MIN_ROWS rows, else tensor cores; "simt"; "tc");
+        impl: which GEMV (tuning.GEMV_IMPLS; uses_tc: the fp32-FMA GEMV below GEMV_TC_MIN_ROWS rows, else tensor
+        cores; the streaming GEMV has no fused rope epilogue);
         qkv_rope_fusable says which row counts have an instance."""
         np = self._np
         if norm_weight is None:
@@ -469,7 +551,7 @@ class Kernels(OperandChecks, UnfusedKernels):
         )
         head = (x, w, self._dummy if bias is None else bias, qkv)
         tail = (np.int32(0 if bias is None else 1), norm_weight, np.float32(eps), np.float32(norm_offset))
-        if impl == "tc" or (impl == "auto" and M >= GEMV_TC_MIN_ROWS):
+        if uses_tc(impl, M):
             tiles, warps, u = GEMV_TC_DEFAULT[M]
             block_rows, threads = 16 * tiles, warps * 32
             name = gemv_tc_qkv_rope_name(2 if M > 8 else 1, tiles, warps, u)
@@ -495,25 +577,36 @@ class Kernels(OperandChecks, UnfusedKernels):
             raise RuntimeError(f"{what}: {bad.size} last-block counters left non-zero (first: [{int(bad[0])}] = "
                                f"{int(host[bad[0]])}): a fused launch lost blocks; its results are wrong")
 
-    def decode_splits(self, max_ctx: int, n_kv: int, n_rows: int = 1, n_heads: int | None = None) -> int:
+    def decode_splits(self, max_ctx: int, n_kv: int, n_rows: int = 1, n_heads: int | None = None,
+                      head_dim: int | None = None) -> int:
         """Number of context splits for attention_decode of n_rows query rows (any n_rows >= 1;
         pass the M the call will use: the split count is fixed in a captured graph).
 
-        The split kernel runs n_kv * ceil(n_rows * G / R) * n_splits blocks (G = n_heads / n_kv;
-        R = 8 query vectors per block when n_rows * G <= 8, else 16; head_dim 256: R <= 4 on the
-        SIMT path, which this count ignores).  At the longest context we want about 2 blocks of 4
-        warps per SM (each warp keeps ~8 KiB of K/V loads in flight, 64 KiB per SM covers the
-        HBM latency), so n_splits = ceil(2 * SMs / (n_kv * row blocks)), but no split shorter
-        than ATTN_CHUNK_ALIGN keys at max_ctx.  On the device the split size is
-        ceil(L / n_splits) rounded up to ATTN_CHUNK_ALIGN for the current length L, so shorter
-        contexts use fewer, still >= 64-key, splits.  Llama-3-8B on 132 SMs (n_kv 8, G 4):
-        M = 1..4 -> 33 splits (264 blocks), M = 5..8 -> 17 (272), M = 16 -> 9 (288)."""
+        Tensor-core kernel (head_dim None or in DECODE_TC_HEAD_DIMS): it runs n_kv * ceil(n_rows * G / R) *
+        n_splits blocks (G = n_heads / n_kv; R = 8 query vectors per block when n_rows * G <= 8, else 16).
+        At the longest context we want about 2 blocks of 4 warps per SM (each warp keeps ~8 KiB of K/V
+        loads in flight, 64 KiB per SM covers the HBM latency), so n_splits = ceil(2 * SMs / (n_kv * row
+        blocks)), but no split shorter than ATTN_CHUNK_ALIGN keys at max_ctx.  On the device the split
+        size is ceil(L / n_splits) rounded up to ATTN_CHUNK_ALIGN for the current length L, so shorter
+        contexts use fewer, still >= 64-key, splits.  Llama-3-8B on 132 SMs (n_kv 8, G 4): M = 1..4 -> 33
+        splits (264 blocks), M = 5..8 -> 17 (272), M = 16 -> 9 (288).
+        SIMT kernel (head_dim 96, 256; its query blocks of _decode_qb vectors; DECODE_SIMT_SPLITS): latency-bound
+        (Nsight Compute on the H200: 6 cycles per issued instruction, one warp per scheduler).  head_dim 96 (64
+        registers): 32-key splits, about 4 blocks per SM: phi-3-mini's layer (32 KV heads) 10.8 -> 10.1 us at
+        1024 keys, 37.8 -> 31.5 us at 8192.  head_dim 256 (161 registers): 64-key splits, 2 per SM as before:
+        finer measured slower (gemma-2-9b's layer 15.1 -> 17.0 us at 1024 keys with 4 per SM and 32-key
+        splits, 15.1 -> 15.8 with 2 per SM and 32-key splits; benchmarks/bench_attention.py --simt)."""
         n_heads = n_kv if n_heads is None else n_heads
         n_kv = max(1, int(n_kv))
         qvec = max(1, int(n_rows)) * max(1, int(n_heads) // n_kv)
-        row_blocks = _ceil_div(qvec, 8 if qvec <= 8 else 16)
-        want = _ceil_div(2 * self.num_sms, n_kv * row_blocks)
-        return max(1, min(want, _ceil_div(max(1, int(max_ctx)), ATTN_CHUNK_ALIGN), 65535))
+        if head_dim is None or head_dim in DECODE_TC_HEAD_DIMS:
+            align, per_sm = ATTN_CHUNK_ALIGN, 2
+            row_blocks = _ceil_div(qvec, 8 if qvec <= 8 else 16)
+        else:
+            align, per_sm = DECODE_SIMT_SPLITS[head_dim]
+            row_blocks = _ceil_div(qvec, _decode_qb(head_dim, qvec))
+        want = _ceil_div(per_sm * self.num_sms, n_kv * row_blocks)
+        return max(1, min(want, _ceil_div(max(1, int(max_ctx)), align), 65535))
 
     @staticmethod
     def decode_workspace_size(n_rows: int, n_heads: int, head_dim: int, n_splits: int) -> int:
@@ -581,7 +674,7 @@ class Kernels(OperandChecks, UnfusedKernels):
         self._aligned(v_cache, "v_cache")
         G = nh // n_kv
         if n_splits is None:
-            n_splits = self.decode_splits(max_ctx, n_kv, M, nh)
+            n_splits = self.decode_splits(max_ctx, n_kv, M, nh, hd)
         n_splits = int(n_splits)
         if not 1 <= n_splits <= 65535:
             raise ValueError(f"attention_decode: n_splits = {n_splits} must be in 1..65535")

@@ -7,11 +7,14 @@ from __future__ import annotations
 from .tuning import (
     DECODE_HEAD_DIMS,
     DECODE_SIMT_KB,
+    DECODE_SIMT_SPLITS,
     DECODE_TC_HEAD_DIMS,
     GEMV_DEFAULT,
     GEMV_EXTRA,
     GEMV_SWIGLU_DEFAULT,
     GEMV_SWIGLU_EXTRA,
+    GEMV_STREAM_DEFAULT,
+    GEMV_STREAM_US,
     GEMV_TC_DEFAULT,
     GEMV_TC_EXTRA,
     GEMV_TC_MIN_ROWS,
@@ -30,6 +33,15 @@ def gemv_name(m: int, r: int, u: int, swiglu: bool, norm: bool = False) -> str:
     if u == 0:
         return f"gemv_xs_kernel<{m}, {r}, {sw}, {nm}>"
     return f"gemv_kernel<{m}, {r}, {u}, {sw}, {nm}>"
+
+
+def gemv_stream_name(u: int) -> str:
+    return f"gemv_stream_kernel<{u}>"
+
+
+def _gemv_stream_names(core: bool) -> list[str]:
+    """The streaming GEMV's instances: the default U (core), or the other compiled ones (extra)."""
+    return [gemv_stream_name(u) for u in GEMV_STREAM_US if (u == GEMV_STREAM_DEFAULT[0]) == core]
 
 
 def gemv_tc_name(nt: int, tiles: int, w: int, u: int, swiglu: bool, norm: bool = False) -> str:
@@ -64,7 +76,7 @@ def decode_name(hd: int, qb: int, ext: bool = False, fused: bool = False) -> str
     split block (the fused rows path; those instances are in the fused module)."""
     if hd in DECODE_TC_HEAD_DIMS:
         return f"attn_decode_tc_kernel<{hd}, {qb // 8}, {_b(ext)}, {_b(fused)}>"
-    return f"attn_decode_split_kernel<{hd}, {qb}, {DECODE_SIMT_KB}, {_b(fused)}>"
+    return f"attn_decode_split_kernel<{hd}, {qb}, {DECODE_SIMT_KB}, {DECODE_SIMT_SPLITS[hd][0]}, {_b(fused)}>"
 
 
 def gemv_qkv_rope_name(m: int, r: int, u: int) -> str:
@@ -136,6 +148,7 @@ def _all_name_expressions() -> list[str]:
             names.append(prefill_name(hd, bq))
             names.append(prefill_name(hd, bq, ext=True))
     names += _gemv_tc_names()
+    names += _gemv_stream_names(core=True) + _gemv_stream_names(core=False)
     return list(dict.fromkeys(names))
 
 
@@ -153,6 +166,7 @@ def name_expressions(extra: bool = False) -> tuple[str, ...]:
         for m, cfg in table.items():
             for norm in (False, True):
                 core.add(gemv_tc_name(2 if m > 8 else 1, *cfg, sw, norm))
+    core.update(_gemv_stream_names(core=True))
     names = _all_name_expressions()
     is_core = [n in core or not n.startswith("gemv") for n in names]
     return tuple(n for n, c in zip(names, is_core) if c != extra)

@@ -52,13 +52,13 @@ class PdlLauncher:
             return ct.c_int64(int(a))
         raise TypeError(f"PDL launch: unsupported kernel argument type {type(a).__name__}")
 
-    def launch(self, fn: Any, grid: tuple, block: tuple, args: tuple, stream: Any) -> None:
+    def launch(self, fn: Any, grid: tuple, block: tuple, args: tuple, stream: Any, shared_mem: int = 0) -> None:
         ct = self._ct
         g = tuple(grid) + (1,) * (3 - len(grid))
         b = tuple(block) + (1,) * (3 - len(block))
         if stream is None:
             stream = self._cp.cuda.get_current_stream()
-        cfg = self._Config(g[0], g[1], g[2], b[0], b[1], b[2], 0, ct.c_void_p(stream.ptr),
+        cfg = self._Config(g[0], g[1], g[2], b[0], b[1], b[2], int(shared_mem), ct.c_void_p(stream.ptr),
                            ct.pointer(self._attr), 1)
         params = [self._param(a) for a in args]
         ptrs = (ct.c_void_p * len(params))(*[ct.cast(ct.pointer(p), ct.c_void_p) for p in params])

@@ -22,9 +22,31 @@ GEMV_EXTRA = ((1, 2, 4), (1, 4, 2), (1, 2, 8), (4, 2, 4), (4, 1, 8), (8, 8, 0), 
 GEMV_SWIGLU_EXTRA = tuple((m, 2, 0) for m in range(5, 17))
 # The fused-RMSNorm variants (norm_weight=...) are compiled for the default configs only.
 
+# Streaming GEMV with the fused norm (gemv_stream.cu, `Kernels.gemv_stream`), one row: one wave of blocks, each
+# streaming a contiguous range of weight rows.  A config is (U, B): U 16-byte chunks per thread in flight, B
+# blocks per SM asked for (fewer when registers or shared memory hold fewer).  The engine takes it for a normed,
+# ungated projection of one row with K % GEMV_STREAM_K_MULTIPLE == 0 and at least GEMV_STREAM_MIN_WEIGHTS
+# weights (H200, bench_kernels --stream: llama-3.1-8b qkv 19.5 -> 16.6 us, gemma-2-9b 21.3 -> 18.6, phi-3-mini
+# 20.1 -> 18.2; the 5120 x 2048 qkv of qwen3-30b-a3b 9.7 -> 10.2: slower, so below the threshold).
+GEMV_STREAM_THREADS = 256  # must match gemv_stream.cu (GS_THREADS)
+GEMV_STREAM_PART_STRIDE = GEMV_STREAM_THREADS // 32 + 1  # must match gemv_stream.cu (GS_PART_STRIDE)
+GEMV_STREAM_K_MULTIPLE = 256
+GEMV_STREAM_MIN_WEIGHTS = 1 << 24
+GEMV_STREAM_DEFAULT = (4, 4)
+GEMV_STREAM_US = (4, 8)  # compiled U (the default's in the core module, the others in the extra one)
+
 # The rows path (engine) takes the tensor-core GEMV from this many rows on and the fp32-FMA GEMV below
 # (the fp32-FMA GEMV is faster at 1-2 rows, gemv_tc from 3 on: NOTES.md, "Tensor-core GEMV").
 GEMV_TC_MIN_ROWS = 3
+# The engine's choices of projection kernel (CudaEngine.gemv_impl): "auto" (the streaming GEMV where it
+# fits, else simt below GEMV_TC_MIN_ROWS rows and tc from there on), "simt+tc" (auto without the streaming
+# GEMV), "simt" (the fp32-FMA GEMV for every row count), "tc" (the tensor-core GEMV for every row count).
+GEMV_IMPLS = ("auto", "simt+tc", "simt", "tc")
+
+
+def uses_tc(impl: str, m: int) -> bool:
+    """Whether the GEMV choice `impl` (GEMV_IMPLS) takes the tensor-core GEMV for m rows (streaming aside)."""
+    return impl == "tc" or (impl != "simt" and m >= GEMV_TC_MIN_ROWS)
 
 # Tensor-core GEMV (gemv_tc.cu, `Kernels.gemv_tc`).  A config is (TILES, W, U): TILES tiles of 16
 # output rows per block (SwiGLU: 2 TILES weight tiles), W warps splitting K, U chunks of 32 k per
@@ -73,6 +95,11 @@ ARGMAX_THREADS = 256
 ARGMAX_CHUNK = ARGMAX_THREADS * 8
 DECODE_TC_HEAD_DIMS = (32, 64, 128)
 DECODE_SIMT_KB = 8  # keys per warp step of the SIMT split kernel (its template argument KB; 4 until 2026-12-04)
+ATTN_SIMT_ALIGN = ATTN_WARPS * DECODE_SIMT_KB  # the smallest split multiple of the SIMT split kernel
+# The SIMT split kernel per head_dim: (its split sizes' multiple, blocks per SM that decode_splits aims at).
+# head_dim 96: 32-key splits, ~4 blocks per SM (64 registers); 256: 64-key splits, ~2 per SM (161 registers):
+# finer splits measured slower there (launch.Kernels.decode_splits has the H200 figures).
+DECODE_SIMT_SPLITS = {96: (ATTN_SIMT_ALIGN, 4), 256: (ATTN_CHUNK_ALIGN, 2)}
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -102,6 +129,12 @@ def _gemv_block_rows(r: int, u: int) -> tuple[int, int]:
     """(threads per block, output rows per block) of a gemv config."""
     warps = GEMV_XS_WARPS if u == 0 else GEMV_WARPS
     return warps * 32, warps * r
+
+
+def stream_smem_bytes(k: int, n: int, grid: int) -> int:
+    """Dynamic shared memory of gemv_stream_kernel: x as float4 [2][k / 8], then the partials of the most rows
+    a block owns (ceil(n / grid)) x GEMV_STREAM_PART_STRIDE."""
+    return k * 4 + _ceil_div(n, grid) * GEMV_STREAM_PART_STRIDE * 4
 
 
 def prefill_smem_bytes(hd: int) -> int:
