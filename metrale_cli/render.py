@@ -105,7 +105,8 @@ score     {"command", "model", "device", "logits_dtype", "prompt": text|null (nu
           "windows": [{"start", "end", "first_scored"}],
           "scored": [{"position", "token", "text", "logprob", "prob", "rank",
                       "top_k": [{"token", "text", "logit", "prob"}]}],
-          "scored_tokens", "total_logprob", "mean_nll", "perplexity" (%.6f; natural log),
+          "scored_tokens", "total_logprob", "mean_nll", "perplexity" (%.6g: six significant digits, what fp32
+          logits support across BLAS builds; natural log),
           "timings": {"load_s", "prefill_ms", "tokens_per_s"} (only with --timings)}
 """
 
@@ -1322,8 +1323,8 @@ def score_json(meta: Meta, r: Any, text_file: str | None = None) -> dict[str, An
                     "prob": num(s.prob), "rank": s.rank,
                     "top_k": [{"token": t.token, "text": t.text, "logit": num(t.logit), "prob": num(t.prob)}
                               for t in s.top_k]} for s in r.scored],
-        "scored_tokens": len(r.scored), "total_logprob": num(r.total_logprob, ".6f"),
-        "mean_nll": num(r.mean_nll, ".6f"), "perplexity": num(r.perplexity, ".6f"),
+        "scored_tokens": len(r.scored), "total_logprob": num(r.total_logprob, SCORE_FMT),
+        "mean_nll": num(r.mean_nll, SCORE_FMT), "perplexity": num(r.perplexity, SCORE_FMT),
     })
     if meta.timings:
         doc["timings"] = score_timings_json(r)
@@ -1337,9 +1338,15 @@ def score_timings_json(r: Any) -> dict[str, Any]:
     return out
 
 
+# The score aggregates: six significant digits. They sum fp32 log-probabilities, whose last bits move with
+# the BLAS build (numpy 2.4.6's OpenBLAS 0.3.31 gave total_logprob -30.082317 where the snapshot's build gave
+# -30.082318 at "%.6f"), so more digits would make plain and JSON depend on the machine.
+SCORE_FMT = ".6g"
+
+
 def _score_summary(r: Any) -> list[tuple[str, str]]:
-    return [("scored_tokens", str(len(r.scored))), ("total_logprob", f"{r.total_logprob:.6f}"),
-            ("mean_nll", f"{r.mean_nll:.6f}"), ("perplexity", f"{r.perplexity:.6f}")]
+    return [("scored_tokens", str(len(r.scored))), ("total_logprob", format(r.total_logprob, SCORE_FMT)),
+            ("mean_nll", format(r.mean_nll, SCORE_FMT)), ("perplexity", format(r.perplexity, SCORE_FMT))]
 
 
 def render_score(console: Console, meta: Meta, r: Any, text_file: str | None = None) -> None:
