@@ -245,15 +245,17 @@ def test_cli_tp_2_splits_the_experts_with_the_tokens_of_tp_1(run_cli, helpers, n
     assert tokens[0] == tokens[1] and len(tokens[0]) == 6
 
 
-def test_cli_tp_moe_on_cuda_is_a_device_error(run_cli, helpers, monkeypatch):
-    import metrale_cli.cli as cli
+def test_check_devices_no_longer_refuses_experts_on_cuda(monkeypatch):
+    """The CUDA ranks split mixture-of-experts layers (each rank's experts, its partial sum all-reduced:
+    tests/gpu/test_tp_threads.py): only the GPU count and NCCL are checked before any process starts."""
+    from metrale_cli.config import load_config
 
-    monkeypatch.setattr(cli, "resolve_device", lambda d: "cuda")
     monkeypatch.setattr(launcher, "gpu_status", lambda: (8, None))
-    r = run_cli("decode", "-m", "tests/fixtures/models/qwen2_moe", "--tokens", "1 2", "--device", "cuda",
-                "--tp", "2")
-    assert r.exit_code == 8 and len(r.stderr.strip().splitlines()) == 1
-    assert "the CUDA engine does not split mixture-of-experts layers" in r.stderr
+    definition = load_config("tests/fixtures/models/qwen2_moe").definition
+    launcher.check_devices("cuda", 2, definition)  # no error
+    monkeypatch.setattr(launcher, "gpu_status", lambda: (1, None))
+    with pytest.raises(DeviceError, match="needs 2 CUDA devices, 1 visible"):
+        launcher.check_devices("cuda", 2, definition)
 
 
 @pytest.mark.parametrize("command", ["decode", "verify", "forward", "bench"])

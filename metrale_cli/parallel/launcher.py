@@ -41,7 +41,6 @@ from typing import Any, Callable
 
 from .. import errors
 from ..errors import DeviceError, MetraleError
-from ..models.spec import MoeSpec
 from .comm import HostCommunicator, NcclCommunicator, ParallelRank
 from .engine import TensorParallelEngine
 from .protocol import RankServer
@@ -72,15 +71,10 @@ class LoadSpec:
 
 
 def check_devices(device: str, n: int, definition=None) -> None:
-    """Refuse what cannot start before any process does: too few GPUs, no CuPy or NCCL, and (with the
-    model's `definition`) what the CUDA ranks do not split yet."""
+    """Refuse what cannot start before any process does: too few GPUs, no CuPy or NCCL.  (`definition`:
+    the model's, for refusals of what the CUDA ranks do not split; since the experts split too, none.)"""
     if device != "cuda":
         return
-    if n > 1 and definition is not None and any(isinstance(layer.mlp, MoeSpec) for layer in definition.layers):
-        # the CUDA MoE kernels read every expert and add the block into the residual in their epilogue:
-        # no expert subset, no partial sum to all-reduce yet (the NumPy ranks, --device cpu, split them)
-        raise DeviceError(f"--tp {n} with --device cuda: the CUDA engine does not split mixture-of-experts "
-                          "layers yet; use --device cpu or --tp 1")
     count, problem = gpu_status()
     if problem is not None:
         raise DeviceError(problem)

@@ -633,9 +633,6 @@ def load_cuda_engine(cfg: ModelConfig, source, max_context: int, fp32_logits: bo
     if missing:
         raise DeviceError(f"{cfg.model_type}: the CUDA engine does not implement {', '.join(missing)} yet; "
                           "use --device cpu")
-    if cfg.moe is not None and tp is not None and tp.size > 1:  # launcher.check_devices refuses it first
-        raise DeviceError(f"--tp {tp.size} with --device cuda: the CUDA engine does not split "
-                          "mixture-of-experts layers yet; use --device cpu or --tp 1")
     if cfg.moe is not None:
         from .kernels.moe import MoeKernels
 

@@ -53,24 +53,33 @@ class RowsMoe:
         logits = st.logits[:m]
         self.e._linear(x, w_router, logits, norm_weight=norm[0], eps=norm[1].eps)
         st.kern.route(logits, x, norm[0], norm[1].eps, spec.num_experts, spec.top_k, spec.norm_topk_prob,
-                      bool(spec.shared_expert_size), st.buf, stream=self.s)
+                      bool(spec.shared_expert_size), st.buf, held=spec.held, stream=self.s)
         b = st.buf
         return Route(logits[:, :spec.num_experts], b.idx[:m], b.wts[:m],
                      b.sgate[:m, None] if spec.shared_expert_size else None)
 
     def experts(self, x, route, w_gate_up, w_down, spec: MoeSpec, *, norm, shared, tap):
-        st, m = self.e.moe, self.m
+        st, m, e = self.e.moe, self.m, self.e
+        first = spec.first_expert
         with_shared = None
         if shared is not None:
             act_s = st.act_s[:m]
-            self.e._linear(x, shared[0], act_s, swiglu=True, norm_weight=norm[0], eps=norm[1].eps)
+            e._linear(x, shared[0], act_s, swiglu=True, norm_weight=norm[0], eps=norm[1].eps)
             with_shared = (shared[1], act_s)
-        st.kern.gate_up(m, w_gate_up, st.buf, st.act, stream=self.s)
+        st.kern.gate_up(m, w_gate_up, st.buf, st.act, first=first, stream=self.s)
         if tap is not None and self._tap is not None:  # the block's output before the residual add, beside
-            y = self.e.cp.empty((m, x.shape[1]), self.e.cp.float32)
-            st.kern.down(m, w_down, st.buf, st.act, y, shared=with_shared, accumulate=False, stream=self.s)
+            y = e.cp.empty((m, x.shape[1]), e.cp.float32)
+            st.kern.down(m, w_down, st.buf, st.act, y, shared=with_shared, accumulate=False, first=first,
+                         stream=self.s)
+            if e.tp is not None:  # a rank's held experts and shared columns: summed over the ranks
+                e.tp.comm.all_reduce(y, self.s)
             self.tap(tap, y)
-        st.kern.down(m, w_down, st.buf, st.act, x, shared=with_shared, accumulate=True, stream=self.s)
+        if e.tp is not None and e.tp.rank != 0:
+            x.fill(0)  # as RowsPass._reduced: the residual stream itself is added once, by rank 0 (the
+            #            experts' inputs, h and act, were computed from x above)
+        st.kern.down(m, w_down, st.buf, st.act, x, shared=with_shared, accumulate=True, first=first, stream=self.s)
+        if e.tp is not None:
+            e.tp.comm.all_reduce(x, self.s)
         return x
 
 
@@ -112,9 +121,10 @@ class ExpertGroups:
         self.row_of_pair[order] = rows
         self.counts = counts
 
-    def used(self) -> list[tuple[int, int]]:
-        """[(expert, its rows in the main block)] of the chosen experts."""
-        return [(int(e), int(min(c, self.rows))) for e, c in enumerate(self.counts) if c]
+    def used(self, experts: int | None = None) -> list[tuple[int, int]]:
+        """[(expert, its rows in the main block)] of the chosen experts below `experts` (None: all)."""
+        n = len(self.counts) if experts is None else experts
+        return [(int(e), int(min(c, self.rows))) for e, c in enumerate(self.counts[:n]) if c]
 
 
 class PrefillMoe:
@@ -139,20 +149,27 @@ class PrefillMoe:
         cp, e, h = self.e.cp, self.e, self._moe_h
         t, k = route.top_k_index.shape
         idx = route.top_k_index.get()  # the one host sync of the layer: group the tokens by expert
-        plan = ExpertGroups(idx, spec.num_experts)
+        held = spec.held
+        # a tensor-parallel rank's experts: its pairs keep their local index, the others go to the extra
+        # "expert" len(held), whose rows no GEMM computes and whose weight is zeroed below
+        local = np.where((idx >= held.start) & (idx < held.stop), idx - held.start, len(held))
+        plan = ExpertGroups(local, len(held) + (1 if len(held) < spec.num_experts else 0))
         src = cp.asarray(plan.source)
-        main = spec.num_experts * plan.rows
+        main = plan.experts * plan.rows
         d = cp.empty((plan.total, x.shape[1]), cp.float32)  # each (token, expert) pair's down projection
         hb = cp.empty((main, h.shape[1]), cp.uint16)  # h's rows in expert order: the main block
         self.k.f32_to_bf16(h[src[:main]], hb, stream=self.s)
-        used = plan.used() if plan.rows >= PER_EXPERT_ROWS else None
-        gu = e._gemm_experts(hb, w_gate_up, plan.rows, cp.empty((main, w_gate_up.shape[1]), cp.float32), used)
+        used = plan.used(len(held)) if plan.rows >= PER_EXPERT_ROWS else None
+        gu = e._gemm_experts(hb, w_gate_up, plan.rows, cp.zeros((main, w_gate_up.shape[1]), cp.float32), used)
         act = self._swiglu(gu)
         del gu
         actb = cp.empty(act.shape, cp.uint16)
         self.k.f32_to_bf16(act, actb, stream=self.s)
         e._gemm_experts(actb, w_down, plan.rows, d[:main], used)
         for first, n, ex in plan.overflow:  # the most-chosen experts' pairs past the main block
+            if ex >= len(held):  # another rank's experts: no weights here, weight 0 below
+                d[first:first + n] = 0
+                continue
             rows = h[src[first:first + n]]
             d[first:first + n] = e._gemm(self._swiglu(e._gemm(rows, w_gate_up[ex])), w_down[ex])
         # y[t] = sum over t's experts in increasing order (as the reference sums) of weight * its row of d
@@ -160,11 +177,14 @@ class PrefillMoe:
         rows_d = cp.asarray(np.take_along_axis(plan.row_of_pair.reshape(t, k), order, 1))
         pick = cp.asarray((np.arange(t)[:, None] * k + order).reshape(-1))
         weights = route.top_k_weights.reshape(-1)[pick].reshape(t, k)
+        mine = cp.asarray(np.take_along_axis(local, order, 1) < len(held))
         y = cp.zeros_like(x)
-        for j in range(k):
-            y += weights[:, j:j + 1] * d[rows_d[:, j]]
+        for j in range(k):  # another rank's pairs add nothing here (their rows of d were never computed)
+            y += weights[:, j:j + 1] * cp.where(mine[:, j:j + 1], d[rows_d[:, j]], 0)
         if shared is not None:
             y += route.shared_gate * e._gemm(self._swiglu(e._gemm(h, shared[0])), shared[1])
+        if e.tp is not None:  # the held experts' and shared columns' share, summed over the ranks
+            e.tp.comm.all_reduce(y, self.s)
         self.tap(tap, y)
         x += y
         return x

@@ -116,13 +116,15 @@ __device__ __forceinline__ void moe_topk_row(const float* __restrict__ logits, i
 // logits [M, ld]; x [M, H] the residual stream (H % 4 == 0, 16-byte rows); norm_w bf16 [H] (8-byte aligned).  Writes idx [M, k], wts [M, k],
 // sgate [M] (has_shared), h [M, H] = norm_w * (x * rsqrt(mean(x^2) + eps)), and the union: n_union,
 // union_e [n_union] (increasing), union_mask [n_union] (bit m: row m chose it), union_slot
-// [n_union, MOE_MAX_ROWS] (its slot j in row m, -1 for rows that did not choose it).
+// [n_union, MOE_MAX_ROWS] (its slot j in row m, -1 for rows that did not choose it).  The union lists only
+// the experts [e_lo, e_hi) this engine holds (a tensor-parallel rank's; 0, E otherwise): every row is routed
+// over all E experts, and the others' share of the sum comes from the other ranks (the all-reduce).
 extern "C" __global__ void __launch_bounds__(MOE_MAX_ROWS * 32)
 moe_route_kernel(const float* __restrict__ logits, int ld, const float* __restrict__ x,
                  const unsigned short* __restrict__ norm_w, float eps, int M, int H, int E, int k, int norm_topk,
                  int has_shared, int* __restrict__ idx, float* __restrict__ wts, float* __restrict__ sgate,
                  float* __restrict__ h, int* __restrict__ n_union, int* __restrict__ union_e,
-                 unsigned int* __restrict__ union_mask, int* __restrict__ union_slot) {
+                 unsigned int* __restrict__ union_mask, int* __restrict__ union_slot, int e_lo, int e_hi) {
     __shared__ signed char slot_of[MOE_MAX_EXPERTS][MOE_MAX_ROWS];
     for (int t = threadIdx.x; t < MOE_MAX_EXPERTS * MOE_MAX_ROWS; t += blockDim.x)
         (&slot_of[0][0])[t] = -1;
@@ -172,12 +174,12 @@ moe_route_kernel(const float* __restrict__ logits, int ld, const float* __restri
         }
         __syncthreads();  // ss_part is rewritten by the next row
     }
-    if (m == 0) {  // warp 0 lists the chosen experts in increasing order
+    if (m == 0) {  // warp 0 lists the chosen experts this rank holds ([e_lo, e_hi)) in increasing order
         int base = 0;
-        for (int e0 = 0; e0 < E; e0 += 32) {
+        for (int e0 = e_lo & ~31; e0 < e_hi; e0 += 32) {
             const int e = e0 + lane;
             unsigned int mask = 0u;
-            if (e < E)
+            if (e >= e_lo && e < e_hi)
                 for (int r = 0; r < M; ++r)
                     if (slot_of[e][r] >= 0) mask |= 1u << r;
             const unsigned int used = __ballot_sync(0xffffffffu, mask != 0u);
@@ -269,13 +271,14 @@ __device__ __forceinline__ void moe_dots(const uint4* const (&wrow)[RW], const f
 }
 
 // act[(m * k + j), n] = silu(gate_e[n] . h[m]) * (up_e[n] . h[m]) for the rows m that chose expert
-// e = union_e[blockIdx.y] (slot j), n in this warp's R rows.  w_gate_up [E, 2I, H].  MT >= M.
+// e = union_e[blockIdx.y] (slot j), n in this warp's R rows.  w_gate_up [E, 2I, H]: experts e_lo .. (a
+// tensor-parallel rank's, e_lo its first), expert e at index e - e_lo.  MT >= M.
 template <int MT, int R, int U>
 __global__ void __launch_bounds__(MOE_WARPS * 32)
 moe_gate_up_kernel(const float* __restrict__ h, const unsigned short* __restrict__ w,
                    const int* __restrict__ n_union, const int* __restrict__ union_e,
                    const unsigned int* __restrict__ union_mask, const int* __restrict__ union_slot,
-                   float* __restrict__ act, int I, int H, int k) {
+                   float* __restrict__ act, int I, int H, int k, int e_lo) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int u = blockIdx.y;
     const int n0 = (blockIdx.x * MOE_WARPS + warp) * R;
@@ -289,7 +292,7 @@ moe_gate_up_kernel(const float* __restrict__ h, const unsigned short* __restrict
 #pragma unroll
     for (int r = 0; r < 2 * R; ++r) {
         const int n = min(n0 + (r % R), I - 1);  // rows past I - 1 are read, never stored
-        wrow[r] = reinterpret_cast<const uint4*>(w + ((u64)e * 2 * I + (r < R ? n : I + n)) * H);
+        wrow[r] = reinterpret_cast<const uint4*>(w + ((u64)(e - e_lo) * 2 * I + (r < R ? n : I + n)) * H);
     }
     int ri[MT];
 #pragma unroll
@@ -320,7 +323,8 @@ moe_gate_up_kernel(const float* __restrict__ h, const unsigned short* __restrict
 
 // out[m, n] (=|+=) sum over the union's experts e chosen by row m (slot j) of wts[m, j] *
 // (down_e[n] . act[m * k + j])  [+ sgate[m] * (shared_down[n] . act_shared[m]) when S > 0], for the
-// block's R output rows n.  w_down [E, H, I]; w_shared [H, S]; act_shared [M, S]; out [M, H].
+// block's R output rows n.  w_down [E, H, I] (experts e_lo .., as w_gate_up); w_shared [H, S]; act_shared
+// [M, S]; out [M, H].
 // The block's MOE_DOWN_WARPS warps share the work as items: item u * P + p is part p of P of union
 // expert u's K (chunks [p C / P, (p + 1) C / P)), then PS items split the shared expert's K the same way;
 // warp w takes items w, w + MOE_DOWN_WARPS, ...  Each item's warp-reduced dots go to shared memory, and
@@ -334,7 +338,7 @@ moe_down_kernel(const float* __restrict__ act, const unsigned short* __restrict_
                 const unsigned int* __restrict__ union_mask, const int* __restrict__ union_slot,
                 const float* __restrict__ act_s, const unsigned short* __restrict__ w_s,
                 const float* __restrict__ sgate, int S, float* __restrict__ out, int M, int H, int I, int k,
-                int P, int PS, int accumulate) {
+                int P, int PS, int accumulate, int e_lo) {
     __shared__ float part[MOE_DOWN_ITEMS][R][MT];
     __shared__ float wsm[MOE_MAX_EXPERTS][MT];  // row m's weight for union expert u (read by the item warps)
     __shared__ unsigned int msk[MOE_MAX_EXPERTS];
@@ -366,7 +370,7 @@ moe_down_kernel(const float* __restrict__ act, const unsigned short* __restrict_
             const int e = first ? e_first : union_e[u];
 #pragma unroll
             for (int r = 0; r < R; ++r)
-                wrow[r] = reinterpret_cast<const uint4*>(w + ((u64)e * H + min(n0 + r, H - 1)) * I);
+                wrow[r] = reinterpret_cast<const uint4*>(w + ((u64)(e - e_lo) * H + min(n0 + r, H - 1)) * I);
 #pragma unroll
             for (int m = 0; m < MT; ++m) ri[m] = m * k + (((mask >> m) & 1u) ? union_slot[u * MOE_MAX_ROWS + m] : 0);
         }
@@ -416,12 +420,12 @@ moe_down_kernel(const float* __restrict__ act, const unsigned short* __restrict_
 #define MOE_INSTANCES(MT, DR)                                                                              \
     template __global__ void moe_gate_up_kernel<MT, 1, 4>(const float*, const unsigned short*, const int*, \
                                                           const int*, const unsigned int*, const int*,     \
-                                                          float*, int, int, int);                          \
+                                                          float*, int, int, int, int);                     \
     template __global__ void moe_down_kernel<MT, DR, 4>(const float*, const unsigned short*, const float*, \
                                                         const int*, const int*, const unsigned int*,       \
                                                         const int*, const float*, const unsigned short*,   \
                                                         const float*, int, float*, int, int, int, int,     \
-                                                        int, int, int);
+                                                        int, int, int, int);
 MOE_INSTANCES(1, 4)
 MOE_INSTANCES(2, 4)
 MOE_INSTANCES(4, 4)

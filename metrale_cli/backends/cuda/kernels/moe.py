@@ -132,9 +132,11 @@ class MoeKernels:
 
     # ------------------------------------------------------------------ launches
     def route(self, logits: Any, x: Any, norm_w: Any, eps: float, experts: int, top_k: int, norm_topk: bool,
-              has_shared: bool, b: RouteBuffers, *, stream: Any = None) -> None:
+              has_shared: bool, b: RouteBuffers, *, held: range | None = None, stream: Any = None) -> None:
         """Top-k, shared gate, h = rmsnorm(x) and the union of the rows' experts (one block).
-        logits f32 [M, E (+1)], x f32 [M, H], norm_w bf16 [H]; M <= 16."""
+        logits f32 [M, E (+1)], x f32 [M, H], norm_w bf16 [H]; M <= 16.  `held`: the experts this engine
+        holds (a tensor-parallel rank's range; None: all): the union lists only those, so gate_up / down
+        compute this rank's share of every row's sum; the routing itself is over all E experts."""
         np, k = self._np, self.k
         k._f32(logits, "logits", 2)
         k._f32(x, "x", 2)
@@ -151,9 +153,13 @@ class MoeKernels:
         k._aligned(x, "x")
         if b.h.shape[1] != hidden or b.idx.shape[1] != top_k:
             raise ValueError("moe route: buffers allocated for another hidden size or top-k")
+        held = range(experts) if held is None else held
+        if not 0 <= held.start < held.stop <= experts:
+            raise ValueError(f"moe route: held experts {held.start}..{held.stop - 1} outside 0..{experts - 1}")
         args = (logits, np.int32(ld), x, norm_w, np.float32(eps), np.int32(m), np.int32(hidden), np.int32(experts),
                 np.int32(top_k), np.int32(1 if norm_topk else 0), np.int32(1 if has_shared else 0),
-                b.idx, b.wts, b.sgate, b.h, b.n_union, b.union_e, b.union_mask, b.union_slot)
+                b.idx, b.wts, b.sgate, b.h, b.n_union, b.union_e, b.union_mask, b.union_slot,
+                np.int32(held.start), np.int32(held.stop))
         self._launch("moe_route_kernel", (1,), (MOE_MAX_ROWS * 32,), args, stream)
 
     def topk_rows(self, logits: Any, experts: int, top_k: int, norm_topk: bool, has_shared: bool, idx: Any,
@@ -175,9 +181,10 @@ class MoeKernels:
                 np.int32(1 if norm_topk else 0), np.int32(1 if has_shared else 0), idx, wts, sgate)
         self._launch("moe_topk_rows_kernel", (-(-t // 8),), (256,), args, stream)
 
-    def gate_up(self, m: int, w_gate_up: Any, b: RouteBuffers, act: Any, *, stream: Any = None) -> None:
+    def gate_up(self, m: int, w_gate_up: Any, b: RouteBuffers, act: Any, *, first: int = 0,
+                stream: Any = None) -> None:
         """act f32 [16 k, I] rows m k + j = silu(gate) * up of the expert row m chose at slot j, from b.h;
-        w_gate_up bf16 [E, 2I, H]. Reads each chosen expert once."""
+        w_gate_up bf16 [E, 2I, H] holding experts first .. (route's `held`). Reads each chosen expert once."""
         np, k = self._np, self.k
         k._bf16(w_gate_up, "w_gate_up", 3)
         k._f32(act, "act", 2)
@@ -189,13 +196,14 @@ class MoeKernels:
         rows = MOE_WARPS * GATE_UP_R
         grid = (-(-inter // rows), min(e, m * top_k))
         args = (b.h, w_gate_up, b.n_union, b.union_e, b.union_mask, b.union_slot, act,
-                np.int32(inter), np.int32(hidden), np.int32(top_k))
+                np.int32(inter), np.int32(hidden), np.int32(top_k), np.int32(first))
         self._launch(gate_up_name(_mt(m)), grid, (MOE_WARPS * 32,), args, stream)
 
     def down(self, m: int, w_down: Any, b: RouteBuffers, act: Any, out: Any, *, shared: tuple[Any, Any] | None = None,
-             accumulate: bool, stream: Any = None) -> None:
+             accumulate: bool, first: int = 0, stream: Any = None) -> None:
         """out f32 [M, H] (=|+=) the weighted sum of the chosen experts' down projections of act, plus
-        sigmoid-gated shared = (w_shared bf16 [H, S], act_shared f32 [M, S]) when given."""
+        sigmoid-gated shared = (w_shared bf16 [H, S], act_shared f32 [M, S]) when given.  w_down bf16
+        [E, H, I] holding experts first .. (route's `held`)."""
         np, k = self._np, self.k
         k._bf16(w_down, "w_down", 3)
         k._f32(out, "out", 2)
@@ -221,7 +229,7 @@ class MoeKernels:
         parts, shared_parts = down_parts(e, top_k, inter, s)
         args = (act, w_down, b.wts, b.n_union, b.union_e, b.union_mask, b.union_slot, act_s, w_s, b.sgate,
                 np.int32(s), out, np.int32(m), np.int32(hidden), np.int32(inter), np.int32(top_k),
-                np.int32(parts), np.int32(shared_parts), np.int32(1 if accumulate else 0))
+                np.int32(parts), np.int32(shared_parts), np.int32(1 if accumulate else 0), np.int32(first))
         self._launch(down_name(_mt(m)), (-(-hidden // down_rows(_mt(m))),), (MOE_DOWN_WARPS * 32,), args, stream)
 
     def _common(self, m: int, hidden: int, inter: int, w: Any, act: Any, b: RouteBuffers) -> None:
