@@ -343,3 +343,19 @@ def test_expert_groups_place_every_pair_once_in_its_experts_rows(t, k, experts, 
             r = rows[tt, list(idx[tt]).index(ex)]
             assert g.source[r] == tt and (lo <= r < lo + g.rows or (ex in over and r >= main))
     assert g.total == main + sum(n for _, n, _ in g.overflow)
+
+
+def test_expert_groups_of_a_tensor_parallel_rank():
+    """PrefillMoe on a rank holding experts [lo, hi): pairs keep their local index, every other pair goes to
+    the extra expert hi - lo, whose rows no GEMM computes (used(hi - lo) leaves it out)."""
+    from metrale_cli.backends.cuda.moe_passes import ExpertGroups
+
+    rng = np.random.default_rng()
+    experts, k, t, lo, hi = 16, 4, 50, 4, 8
+    idx = np.stack([rng.choice(experts, k, replace=False) for _ in range(t)])
+    local = np.where((idx >= lo) & (idx < hi), idx - lo, hi - lo)
+    g = ExpertGroups(local, hi - lo + 1)
+    used = g.used(hi - lo)
+    assert [e for e, _ in used] == sorted(set((idx[(idx >= lo) & (idx < hi)] - lo).tolist()))
+    assert all(n == min(int(np.sum(idx == e + lo)), g.rows) for e, n in used)
+    assert len(g.used()) == len(used) + 1  # the others' pairs, grouped as one more expert
