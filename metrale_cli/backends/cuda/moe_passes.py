@@ -74,13 +74,9 @@ class RowsMoe:
             if e.tp is not None:  # a rank's held experts and shared columns: summed over the ranks
                 e.tp.comm.all_reduce(y, self.s)
             self.tap(tap, y)
-        if e.tp is not None and e.tp.rank != 0:
-            x.fill(0)  # as RowsPass._reduced: the residual stream itself is added once, by rank 0 (the
-            #            experts' inputs, h and act, were computed from x above)
-        st.kern.down(m, w_down, st.buf, st.act, x, shared=with_shared, accumulate=True, first=first, stream=self.s)
-        if e.tp is not None:
-            e.tp.comm.all_reduce(x, self.s)
-        return x
+        # under --tp a rank's experts give a partial sum (the experts' inputs, h and act, were taken from x above)
+        return self.add_reduced(x, lambda r: st.kern.down(m, w_down, st.buf, st.act, r, shared=with_shared,
+                                                          accumulate=True, first=first, stream=self.s))
 
 
 # From this many rows per expert, one GEMM per chosen expert beats the strided batched GEMM over all of

@@ -64,6 +64,18 @@ class _Pass:
             self.s.synchronize()
             self._tap(name, x.get(stream=self.s))
 
+    def add_reduced(self, residual: Any, accumulate: Any) -> Any:
+        """residual += the sum over the ranks of what accumulate(residual) adds on each (a row-parallel
+        projection, a rank's experts): rank 0 alone keeps the residual stream, every rank adds its partial
+        sum, the all-reduce sums them.  Without --tp: just accumulate(residual)."""
+        tp = self.e.tp
+        if tp is not None and tp.rank != 0:
+            residual.fill(0)
+        accumulate(residual)
+        if tp is not None:
+            tp.comm.all_reduce(residual, self.s)
+        return residual
+
 
 class RowsPass(RowsMoe, _Pass):
     """m rows at positions io[1, :m] (device): every launch is capturable, every buffer preallocated."""
@@ -115,11 +127,7 @@ class RowsPass(RowsMoe, _Pass):
             e._linear(x, w, y, bias)
             comm.all_reduce(y, self.s)
             self.tap(tap, y)
-        if e.tp.rank != 0:
-            residual.fill(0)  # the residual stream itself is added once, by rank 0
-        e._linear(x, w, residual, bias, accumulate=True)
-        comm.all_reduce(residual, self.s)
-        return residual
+        return self.add_reduced(residual, lambda r: e._linear(x, w, r, bias, accumulate=True))
 
     def norm(self, x, weight, norm: Norm, *, out, residual=None, tap=None):
         if residual is None:
@@ -275,11 +283,7 @@ class PrefillPass(PrefillMoe, _Pass):
             y = e._gemm(x, w, bias)
             comm.all_reduce(y, self.s)
             self.tap(tap, y)
-        if e.tp.rank != 0:
-            residual.fill(0)
-        e._gemm(x, w, bias, accumulate_into=residual)
-        comm.all_reduce(residual, self.s)
-        return residual
+        return self.add_reduced(residual, lambda r: e._gemm(x, w, bias, accumulate_into=r))
 
     def norm(self, x, weight, norm: Norm, *, out, residual=None, tap=None):
         if residual is None:

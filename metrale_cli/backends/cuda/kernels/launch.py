@@ -277,7 +277,14 @@ class Kernels(OperandChecks, UnfusedKernels):
 
     def _stream_geometry(self, name: str, k: int, n: int, blocks_per_sm: int) -> tuple[int, int]:
         """(grid, shared bytes) of a gemv_stream launch: one wave of at most blocks_per_sm blocks per SM,
-        fewer where registers or shared memory hold fewer resident."""
+        fewer where registers or shared memory hold fewer resident (computed once per shape)."""
+        cache = self.__dict__.setdefault("_stream_geometries", {})
+        key = (name, k, n, blocks_per_sm)
+        if key not in cache:
+            cache[key] = self._stream_geometry_of(name, k, n, blocks_per_sm)
+        return cache[key]
+
+    def _stream_geometry_of(self, name: str, k: int, n: int, blocks_per_sm: int) -> tuple[int, int]:
         fn = self._fn[name]
         regs = max(1, int(fn.attributes["num_regs"]))
         by_regs = self.regs_per_sm // (_ceil_div(regs, 8) * 8 * GEMV_STREAM_THREADS)
@@ -291,10 +298,7 @@ class Kernels(OperandChecks, UnfusedKernels):
         dyn_max = self.smem_per_block_optin - int(fn.attributes.get("shared_size_bytes", 0))
         if smem > dyn_max:
             raise ValueError(f"gemv_stream: {smem} bytes of shared memory needed, the device allows {dyn_max}")
-        done = self.__dict__.setdefault("_stream_smem_set", set())
-        if name not in done:  # opt in to more than 48 KiB of dynamic shared memory, once
-            fn.max_dynamic_shared_size_bytes = dyn_max
-            done.add(name)
+        fn.max_dynamic_shared_size_bytes = dyn_max  # opt in to more than 48 KiB of dynamic shared memory
         return grid, smem
 
     def gemv_stream(
