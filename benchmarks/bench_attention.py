@@ -30,9 +30,9 @@ SIMT_SHAPES = (("gemma-2-9b", 256, 8, 2, 50.0), ("phi-3-mini", 96, 32, 1, None))
 
 
 def simt_section(cp, K, read_gbs) -> None:
-    """The SIMT split kernel at M = 1 with its split count (decode_splits with head_dim: ~4 blocks per SM,
-    32-key splits) against the tensor-core kernels' count (decode_splits without it: ~2 blocks per SM, as before
-    2026-12-04) on a cache of 2 x ctx positions, ctx = 1024 and 8192: us per call (split + combine)."""
+    """The SIMT split kernel at M = 1 with its split count (decode_splits with head_dim: DECODE_SIMT_SPLITS)
+    against the tensor-core kernels' count (decode_splits without it: ~2 blocks per SM, as before 2026-12-04) on
+    a cache of 2 x ctx positions, ctx = 1024 and 8192: us per call (split + combine)."""
     print(f"{'shape':<12}{'ctx':>7}{'splits':>8}{'us':>9}{'GB/s':>8}{'% read':>8}")
     for label, hd, n_kv, g, cap in SIMT_SHAPES:
         nh = n_kv * g

@@ -356,7 +356,7 @@ def check_tensor_parallel(tp: int, device: str, cfg: Any) -> None:
 
     check_positive(tp, "--tp")
     check_tp(cfg.definition, tp)
-    check_devices(device, tp, cfg.definition)
+    check_devices(device, tp)
 
 
 def _check_layer_options(opts: LayerOptions | None) -> DumpTarget | None:

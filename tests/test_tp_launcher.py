@@ -248,14 +248,11 @@ def test_cli_tp_2_splits_the_experts_with_the_tokens_of_tp_1(run_cli, helpers, n
 def test_check_devices_no_longer_refuses_experts_on_cuda(monkeypatch):
     """The CUDA ranks split mixture-of-experts layers (each rank's experts, its partial sum all-reduced:
     tests/gpu/test_tp_threads.py): only the GPU count and NCCL are checked before any process starts."""
-    from metrale_cli.config import load_config
-
     monkeypatch.setattr(launcher, "gpu_status", lambda: (8, None))
-    definition = load_config("tests/fixtures/models/qwen2_moe").definition
-    launcher.check_devices("cuda", 2, definition)  # no error
+    launcher.check_devices("cuda", 2)  # no error, whatever the model
     monkeypatch.setattr(launcher, "gpu_status", lambda: (1, None))
     with pytest.raises(DeviceError, match="needs 2 CUDA devices, 1 visible"):
-        launcher.check_devices("cuda", 2, definition)
+        launcher.check_devices("cuda", 2)
 
 
 @pytest.mark.parametrize("command", ["decode", "verify", "forward", "bench"])

@@ -70,9 +70,8 @@ class LoadSpec:
         return RandomTensors(self.config, seed=self.seed)
 
 
-def check_devices(device: str, n: int, definition=None) -> None:
-    """Refuse what cannot start before any process does: too few GPUs, no CuPy or NCCL.  (`definition`:
-    the model's, for refusals of what the CUDA ranks do not split; since the experts split too, none.)"""
+def check_devices(device: str, n: int) -> None:
+    """Refuse what cannot start before any process does: too few GPUs, no CuPy or NCCL."""
     if device != "cuda":
         return
     count, problem = gpu_status()
@@ -101,7 +100,7 @@ def start(cfg, spec: LoadSpec, n: int, *, source=None, progress: Callable[[int],
     from .sharding import check_tp
 
     check_tp(cfg.definition, n)
-    check_devices(spec.device, n, cfg.definition)
+    check_devices(spec.device, n)
     ctx = mp.get_context("spawn")
     workers = Workers(ctx, n, spec)
     try:

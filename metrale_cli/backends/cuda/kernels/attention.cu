@@ -589,7 +589,7 @@ struct Bf16Vec {
     }
 };
 
-// ALIGN: the split sizes' multiple (decode_chunk), ATTN_SIMT_ALIGN or ATTN_CHUNK_ALIGN (tuning.DECODE_SIMT_ALIGN
+// ALIGN: the split sizes' multiple (decode_chunk), ATTN_SIMT_ALIGN or ATTN_CHUNK_ALIGN (tuning.DECODE_SIMT_SPLITS
 // per head_dim: the shorter splits only paid at head_dim 96).
 template <int HD, int QB, int KB, int ALIGN, bool FUSED>
 __global__ void __launch_bounds__(ATTN_WARPS * 32)

@@ -268,8 +268,8 @@ class Kernels(OperandChecks, UnfusedKernels):
 
     def stream_fits(self, m: int, k: int, n: int) -> bool:
         """Whether the engine takes gemv_stream for a normed, ungated projection: one row, K a multiple of
-        GEMV_STREAM_K_MULTIPLE, at least GEMV_STREAM_MIN_WEIGHTS weights (smaller ones were slower than
-        gemv on the H200), x and the partials within one block's shared memory."""
+        GEMV_STREAM_K_MULTIPLE, at least GEMV_STREAM_MIN_WEIGHTS weights (below it the H200 measured no clear
+        gain: tuning.py), x and the partials within one block's shared memory."""
         if m != 1 or k % GEMV_STREAM_K_MULTIPLE or n * k < GEMV_STREAM_MIN_WEIGHTS:
             return False
         # the kernel's static shared memory (its block_sum scratch) is well under the 1 KiB kept aside here

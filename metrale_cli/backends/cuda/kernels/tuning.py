@@ -26,8 +26,9 @@ GEMV_SWIGLU_EXTRA = tuple((m, 2, 0) for m in range(5, 17))
 # streaming a contiguous range of weight rows.  A config is (U, B): U 16-byte chunks per thread in flight, B
 # blocks per SM asked for (fewer when registers or shared memory hold fewer).  The engine takes it for a normed,
 # ungated projection of one row with K % GEMV_STREAM_K_MULTIPLE == 0 and at least GEMV_STREAM_MIN_WEIGHTS
-# weights (H200, bench_kernels --stream: llama-3.1-8b qkv 19.5 -> 16.6 us, gemma-2-9b 21.3 -> 18.6, phi-3-mini
-# 20.1 -> 18.2; the 5120 x 2048 qkv of qwen3-30b-a3b 9.7 -> 10.2: slower, so below the threshold).
+# weights (H200, bench_kernels --stream, final kernel: llama-3.1-8b qkv 19.5 -> 15.8 us, gemma-2-9b 21.0 -> 17.9,
+# phi-3-mini 20.1 -> 17.2; the 5120 x 2048 qkv of qwen3-30b-a3b only 9.7 -> 9.4, and 10.2 on the first,
+# general version: below the threshold, never timed in a step).
 GEMV_STREAM_THREADS = 256  # must match gemv_stream.cu (GS_THREADS)
 GEMV_STREAM_PART_STRIDE = GEMV_STREAM_THREADS // 32 + 1  # must match gemv_stream.cu (GS_PART_STRIDE)
 GEMV_STREAM_K_MULTIPLE = 256
