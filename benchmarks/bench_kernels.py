@@ -5,6 +5,7 @@
     PYTHONPATH=. python3 -m benchmarks.bench_kernels --tc   # tensor-core GEMV only (+ sweep)
     PYTHONPATH=. python3 -m benchmarks.bench_kernels --pdl  # launch chains with / without PDL
     PYTHONPATH=. python3 -m benchmarks.bench_kernels --stream  # streaming GEMV vs gemv (normed qkv, M = 1)
+    PYTHONPATH=. python3 -m benchmarks.bench_kernels --ring  # ring GEMV: per shape, and decode chains with PDL
 
 Each measurement captures 32 launches into a CUDA graph (the engine replays graphs too, so
 the per-node launch gap is included), rotating several weight copies so that the 60 MB L2
@@ -192,6 +193,108 @@ def stream_section(cp, K, read_gbs) -> None:
         del ws
 
 
+# The decode projections of the presets the issues name (H, qkv rows, intermediate), for the --ring section.
+RING_PRESETS = (("llama-3.1-8b", 4096, 6144, 14336), ("phi-3-mini", 3072, 9216, 8192),
+               ("gemma-2-9b", 3584, 8192, 14336), ("llama-3.2-1b", 2048, 3072, 8192))
+RING_VARIANTS = ((512, 1), (512, None), (1024, 1), (1024, 2), (1024, None))  # (threads, chunks per thread and slot)
+
+
+def ring_section(cp, K, read_gbs) -> None:
+    """The ring GEMV (gemv_ring) at M = 1: first each projection alone (32 launches a graph, weights rotated)
+    with RING_VARIANTS (threads, ring chunks per thread and slot; None: the most that fit) against what the rows path takes (gemv_stream for the normed qkv, gemv / gemv_swiglu
+    otherwise), checked against that kernel on the same data; then a chain of 16 layers of the four projections
+    (qkv normed, o accumulating, gate_up normed and gated, down accumulating: each reads the one before), rows
+    path kernels vs gemv_ring, PDL off and on, per layer and against the chain's byte floor."""
+    for preset, H, NQ, I in RING_PRESETS:
+        ops = (("qkv", NQ, H, "norm"), ("o", H, H, "acc"), ("gate_up", I, H, "gated"), ("down", H, I, "acc"))
+        nw = cp.asarray((cp.random.standard_normal(max(H, I), dtype=cp.float32) * 0.1 + 1.0).astype(cp.float32))
+        nwb = cp.empty(nw.shape, dtype=cp.uint16)
+        K.f32_to_bf16(nw, nwb)
+        weights, chain_bytes = {}, 0
+        print(f"{preset}: H {H}, qkv {NQ}, intermediate {I}")
+        for op, N, Kd, mode in ops:
+            rows = 2 * N if mode == "gated" else N
+            nbytes_w = rows * Kd * 2
+            chain_bytes += nbytes_w
+            copies = max(2, min(16, math.ceil(4 * L2_BYTES / nbytes_w)))
+            ws = _bf16_weights(cp, K, (rows, Kd), copies)
+            weights[op] = ws
+            x = cp.random.standard_normal((1, Kd), dtype=cp.float32)
+            out = cp.random.standard_normal((1, N), dtype=cp.float32)
+            kw = dict(norm_weight=nwb[:Kd]) if mode in ("norm", "gated") else {}
+
+            def old(s, w, kw=kw, mode=mode, x=x, out=out):
+                if mode == "gated":
+                    K.gemv_swiglu(x, w, out, stream=s, **kw)
+                elif mode == "norm" and K.stream_fits(1, x.shape[1], out.shape[1]):
+                    K.gemv_stream(x, w, out, stream=s, **kw)
+                else:
+                    K.gemv(x, w, out, accumulate=mode == "acc", stream=s, **kw)
+
+            def new(s, w, v, kw=kw, mode=mode, x=x, out=out):
+                K.gemv_ring(x, w, out, swiglu=mode == "gated", accumulate=mode == "acc", threads=v[0], chunks=v[1],
+                           stream=s,
+                           **kw)
+
+            o0 = out.copy()
+            old(None, ws[0])
+            a = out.copy()
+            out[...] = o0
+            new(None, ws[0], (512, None))
+            b = out.copy()
+            diff = float(cp.abs(a - b).max() / (cp.abs(a).max() + 1e-30))
+            t_old = _graph_time_ms(cp, [(lambda s, w=ws[i % copies]: old(s, w)) for i in range(32)])
+            line = f"  {op:<8}{rows:>6}x{Kd:<6} rows path {t_old * 1e3:7.2f} us {_pct(nbytes_w, t_old, read_gbs):4.0f}%"
+            for v in RING_VARIANTS:
+                try:
+                    t = _graph_time_ms(cp, [(lambda s, w=ws[i % copies], v=v: new(s, w, v)) for i in range(32)])
+                except ValueError:  # this ring does not fit beside x
+                    continue
+                line += f" | {v[0]}/{v[1] or 'max'} {t * 1e3:6.2f} us {_pct(nbytes_w, t, read_gbs):3.0f}%"
+            print(line + f"  (max diff {diff:.1e})")
+            sys.stdout.flush()
+        # the chain: x (the residual, H) -> qkv; attn stand-in (H) -> o += ; gate_up(norm x) -> act; act -> down +=
+        res = cp.random.standard_normal((1, H), dtype=cp.float32)
+        attn = cp.random.standard_normal((1, H), dtype=cp.float32)
+        qkv = cp.empty((1, NQ), dtype=cp.float32)
+        act = cp.empty((1, I), dtype=cp.float32)
+        nh = nwb[:H]
+
+        def layer(i, ring, w=weights):
+            c = {op: w[op][i % len(w[op])] for op in w}
+            if ring:
+                t = ring
+                return [lambda s, c=c: K.gemv_ring(res, c["qkv"], qkv, norm_weight=nh, threads=t, stream=s),
+                        lambda s, c=c: K.gemv_ring(attn, c["o"], res, accumulate=True, threads=t, stream=s),
+                        lambda s, c=c: K.gemv_ring(res, c["gate_up"], act, swiglu=True, norm_weight=nh, threads=t,
+                                                  stream=s),
+                        lambda s, c=c: K.gemv_ring(act, c["down"], res, accumulate=True, threads=t, stream=s)]
+            q = (lambda s, c=c: K.gemv_stream(res, c["qkv"], qkv, norm_weight=nh, stream=s)) if K.stream_fits(
+                1, H, NQ) else (lambda s, c=c: K.gemv(res, c["qkv"], qkv, norm_weight=nh, stream=s))
+            return [q, lambda s, c=c: K.gemv(attn, c["o"], res, accumulate=True, stream=s),
+                    lambda s, c=c: K.gemv_swiglu(res, c["gate_up"], act, norm_weight=nh, stream=s),
+                    lambda s, c=c: K.gemv(act, c["down"], res, accumulate=True, stream=s)]
+
+        floor_us = chain_bytes / (read_gbs * 1e9) * 1e6
+        for ring in (0, 512, 1024):
+            for pdl in (False, True):
+                chain = [f for i in range(16) for f in layer(i, ring)]
+                K.pdl = pdl
+                try:
+                    ms = _graph_time_ms(cp, chain)
+                finally:
+                    K.pdl = False
+                per_layer = ms * 1e3 * 4
+                print(f"  chain x16 {f'ring {ring:<4}' if ring else 'rows path'} PDL {'on ' if pdl else 'off'} "
+                      f"{per_layer:8.2f} us per layer = {per_layer / floor_us:5.3f} x its floor ({floor_us:.2f} us)")
+                sys.stdout.flush()
+        del weights
+
+
+def _pct(nbytes, ms, read_gbs) -> float:
+    return 100 * nbytes / (ms * 1e-3) / 1e9 / read_gbs
+
+
 def main() -> int:
     import cupy as cp
 
@@ -210,6 +313,9 @@ def main() -> int:
         return 0
     if "--stream" in sys.argv[1:]:  # only the streaming GEMV section
         stream_section(cp, K, read_gbs)
+        return 0
+    if "--ring" in sys.argv[1:]:  # only the bulk-copy GEMV section
+        ring_section(cp, K, read_gbs)
         return 0
     if "--pdl" in sys.argv[1:]:  # only the programmatic-dependent-launch section
         pdl_section(cp, K)

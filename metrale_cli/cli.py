@@ -978,9 +978,10 @@ def bench(
                                                      help="Also write the results as JSON (atomically).")] = None,
     paths: Annotated[Optional[str], typer.Option(
         "--path", metavar="NAME,NAME,...",
-        help="CUDA rows-path variants to time side by side in this run: rows (today's kernels), fused (rope + KV "
-             "append in the qkv GEMV), rows-fma (the projections of before the streaming GEMV). The figures above "
-             "the table are taken on the first.", show_default=False)] = None,
+        help="CUDA rows-path variants to time side by side in this run: rows (today's kernels: the ring GEMV with "
+             "PDL), fused (rope + KV append in the qkv GEMV), rows-stream (the default until 2026-12-04), rows-fma "
+             "(the projections of before the streaming GEMV). The figures above the table are taken on the first.",
+        show_default=False)] = None,
     fmt: FormatOpt = None,
     tp: TpOpt = None,
 ) -> None:
@@ -994,7 +995,7 @@ def bench(
     Examples:
       metrale bench --device cpu --preset tiny-llama --context 256 --prefill 256
       metrale bench --device cuda --context 8192 --json bench-8k.json
-      metrale bench --device cuda --path rows,rows-fma,fused --no-transformers
+      metrale bench --device cuda --path rows,rows-stream,fused --no-transformers
     """
     from . import bench as bench_mod
 
@@ -1011,7 +1012,7 @@ def bench(
         raise UsageError(f"--ks values must be at least 1, got '{ks}'")
     path_list = tuple(p for p in (paths or "").replace(",", " ").split())
     if paths is not None and not path_list:
-        raise UsageError("--path needs at least one name (rows, fused, rows-fma)")
+        raise UsageError("--path needs at least one name (rows, fused, rows-stream, rows-fma)")
     chosen = resolve_device(device)
     path_list = bench_mod.check_paths(path_list, chosen)
     name = preset or ("llama-3.1-8b" if chosen == "cuda" else "tiny-llama")

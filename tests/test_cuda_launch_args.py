@@ -207,6 +207,51 @@ def test_gemv_stream_refusals_and_fit(kern):
     assert not kern.calls
 
 
+def test_gemv_ring_launches(kern):
+    """The ring GEMV: the .cu's parameters, one block per SM (fewer for fewer rows), the deepest ring (at most
+    GEMV_RING_MAX_CHUNKS chunks per thread and slot) within half an SM's shared memory (two blocks fit: the next
+    projection's beside the running one)."""
+    from metrale_cli.backends.cuda.kernels.tuning import (GEMV_RING_CHUNKS, GEMV_RING_SMEM_SLACK, GEMV_RING_STAGES,
+                                                          ring_fixed_smem_bytes)
+
+    half = 233472 // 2 - GEMV_RING_SMEM_SLACK
+    per_chunk = GEMV_RING_STAGES * 512 * 16
+    for n, k, gated, kw in ((6144, 4096, False, dict(norm_weight=bf16(4096))), (4096, 4096, False, {}),
+                            (14336, 4096, True, dict(norm_weight=bf16(4096), activation="gelu_tanh")),
+                            (4096, 14336, False, dict(accumulate=True)), (40, 256, False, {})):
+        bias = bf16(n) if n == 6144 else None
+        kern.gemv_ring(f32(1, k), bf16(2 * n if gated else n, k), f32(1, n), bias, swiglu=gated, **kw)
+        name, args = kern.calls[-1]
+        p = int(name.rstrip(">").split(",")[-2])
+        assert name == names.gemv_ring_name("norm_weight" in kw, gated, p, 512)
+        (grid,), (threads,), launch = kern._fn[name].last
+        assert threads == 512 and grid == min(n, 132)
+        fixed = ring_fixed_smem_bytes(k, n, grid, gated, 512)
+        assert launch["shared_mem"] == fixed + p * per_chunk <= half
+        assert p in GEMV_RING_CHUNKS and (p == max(GEMV_RING_CHUNKS) or launch["shared_mem"] + per_chunk > half)
+    check(kern, 5)
+    with pytest.raises(ValueError, match="does not fit"):  # down of llama-3.1-8b: x takes 56 KiB
+        kern.gemv_ring(f32(1, 14336), bf16(4096, 14336), f32(1, 4096), chunks=3)
+
+
+def test_gemv_ring_refusals_and_fit(kern):
+    with pytest.raises(ValueError, match="multiple of 256"):
+        kern.gemv_ring(f32(1, 264), bf16(40, 264), f32(1, 40))
+    with pytest.raises(ValueError, match="takes 1"):
+        kern.gemv_ring(f32(2, 256), bf16(40, 256), f32(2, 40))
+    with pytest.raises(ValueError, match="accumulate"):
+        kern.gemv_ring(f32(1, 256), bf16(80, 256), f32(1, 40), swiglu=True, accumulate=True)
+    with pytest.raises(ValueError, match="chunks"):
+        kern.gemv_ring(f32(1, 256), bf16(40, 256), f32(1, 40), chunks=9)  # not compiled
+    assert kern.ring_fits(1, 4096, 6144) and kern.ring_fits(1, 14336, 4096) and kern.ring_fits(1, 4096, 14336, True)
+    assert not kern.ring_fits(2, 4096, 6144) and not kern.ring_fits(1, 4104, 6144)
+    assert not kern.ring_fits(1, 65536, 4096)  # x alone: 256 KiB, more than a block's shared memory
+    assert not kern.ring_fits(1, 4096, 128256)  # the lm_head stays on gemv (GEMV_RING_MAX_N)
+    assert kern.ring_engine_config(4096, 4096, False) == dict(threads=1024, chunks=1)
+    assert kern.ring_engine_config(4096, 14336, True) == dict(threads=1024, chunks=2)
+    assert not kern.calls
+
+
 @pytest.mark.parametrize("rotary_dim", [None, 12])
 def test_rope_launches(kern, rotary_dim):
     m, nh, nkv, hd, ctx = 3, 4, 2, 16, 32

@@ -164,6 +164,20 @@ class FakeKernels:
         assert self.stream_fits(x.shape[0], x.shape[1], out.shape[1])
         self._gemv(x, w, out, bias, accumulate, False, norm_weight, eps, norm_offset, "silu")
 
+    def ring_fits(self, m, k, n, gated=False):
+        from metrale_cli.backends.cuda.kernels.tuning import GEMV_RING_K_MULTIPLE, GEMV_RING_MAX_N
+
+        return m == 1 and k % GEMV_RING_K_MULTIPLE == 0 and n <= GEMV_RING_MAX_N
+
+    @staticmethod
+    def ring_engine_config(k, n, gated):
+        return dict(threads=1024, chunks=1)
+
+    def gemv_ring(self, x, w, out, bias=None, *, norm_weight=None, accumulate=False, swiglu=False, activation="silu",
+                 eps=1e-6, norm_offset=0.0, chunks=None, threads=512, stream=None):
+        assert self.ring_fits(x.shape[0], x.shape[1], out.shape[1], swiglu)
+        self._gemv(x, w, out, bias, accumulate, swiglu, norm_weight, eps, norm_offset, activation)
+
     def rmsnorm(self, x, weight, eps, out, residual=None, *, offset=0.0, stream=None):
         if residual is not None:
             residual += x
@@ -416,10 +430,10 @@ def test_fused_path_matches_the_rows_path_and_the_numpy_engine(name):
 
 
 def test_path_option_is_checked(monkeypatch):
-    assert cuda_engine.check_path(" Fused ") == "fused" and cuda_engine.ROWS_PATHS == ("rows", "fused", "rows-fma")
+    assert cuda_engine.check_path(" Fused ") == "fused" and cuda_engine.ROWS_PATHS == ("rows", "fused", "rows-stream", "rows-fma")
     from metrale_cli.errors import UsageError
 
-    with pytest.raises(UsageError, match="choose from rows, fused, rows-fma"):
+    with pytest.raises(UsageError, match="choose from rows, fused, rows-stream, rows-fma"):
         cuda_engine.check_path("megakernel")
     monkeypatch.setenv(cuda_engine.PATH_ENV, "fused")
     assert cuda_engine.default_path() == "fused"
@@ -456,15 +470,20 @@ def test_longrope_switch_recomputes_the_cache():
 
 
 @pytest.mark.parametrize("path,m,k,n,norm,want", [
-    ("rows", 1, 4096, 6144, True, "gemv_stream"), ("fused", 1, 4096, 6144, True, "gemv_stream"),
-    ("rows", 1, 4096, 6144, False, "gemv"), ("rows", 1, 2048, 5120, True, "gemv"), ("rows", 1, 4104, 6144, True, "gemv"),
-    ("rows", 2, 4096, 6144, True, "gemv"), ("rows", 3, 4096, 6144, True, "gemv_tc"),
-    ("rows-fma", 1, 4096, 6144, True, "gemv"), ("rows-fma", 3, 4096, 6144, True, "gemv_tc")])
+    ("rows-stream", 1, 4096, 6144, True, "gemv_stream"), ("fused", 1, 4096, 6144, True, "gemv_stream"),
+    ("rows-stream", 1, 4096, 6144, False, "gemv"), ("rows-stream", 1, 2048, 5120, True, "gemv"),
+    ("rows-stream", 1, 4104, 6144, True, "gemv"), ("rows-stream", 2, 4096, 6144, True, "gemv"),
+    ("rows-stream", 3, 4096, 6144, True, "gemv_tc"),
+    ("rows-fma", 1, 4096, 6144, True, "gemv"), ("rows-fma", 3, 4096, 6144, True, "gemv_tc"),
+    ("rows", 1, 4096, 6144, True, "gemv_ring"), ("rows", 1, 2048, 5120, False, "gemv_ring"),
+    ("rows", 1, 4104, 6144, True, "gemv"), ("rows", 1, 4096, 128256, False, "gemv"), ("rows", 2, 4096, 6144, True, "gemv"),
+    ("rows", 3, 4096, 6144, True, "gemv_tc")])
 def test_projection_kernel_per_path_and_rows(path, m, k, n, norm, want):
     """CudaEngine._linear, the one place that picks a projection kernel: the streaming GEMV for a normed,
     ungated projection of one row with enough weights (not on the rows-fma path: the step as it was before
     it), the fp32-FMA GEMV for the rest of 1-2 rows, the tensor cores from GEMV_TC_MIN_ROWS rows on; a gated
-    projection never takes the streaming GEMV."""
+    projection never takes the streaming GEMV.  The default rows path: the ring GEMV for every one-row projection
+    it takes (K % 256, not the lm_head), gated or not, else what rows-stream takes."""
     with fake_engine("llama") as gpu:
         gpu.set_path(path)
         x = _wrap(np.ones((m, k), np.float32) * 0.01)
@@ -473,5 +492,5 @@ def test_projection_kernel_per_path_and_rows(path, m, k, n, norm, want):
         gpu._linear(x, _wrap(np.full((n, k), 0x3F80, np.uint16)), _wrap(np.zeros((m, n), np.float32)), **nw)
         gpu._linear(x, _wrap(np.full((2 * n, k), 0x3F80, np.uint16)), _wrap(np.zeros((m, n), np.float32)),
                     swiglu=True, **nw)
-        gated = "gemv_swiglu" if want in ("gemv", "gemv_stream") else want
+        gated = "gemv_swiglu" if want in ("gemv", "gemv_stream") else want  # gemv_tc, gemv_ring: the same kernel
         assert [c for c in gpu.kern.calls if c.startswith("gemv")] == [want, gated]

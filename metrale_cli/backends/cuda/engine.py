@@ -51,16 +51,20 @@ from .moe_passes import MoeState
 from .passes import FusedRowsPass, PrefillPass, RowsPass, fused_plan
 
 # The rows-path variants (`CudaEngine.set_path`, `load_cuda_engine(path=)`, METRALE_CUDA_PATH, `metrale bench
-# --path`): "rows" = RowsPass, 7 launches per dense layer (the default until the fused path is measured
-# faster on the H200); "fused" = FusedRowsPass, 6 (rope + KV append in the qkv GEMV epilogue; attention
-# split + combine as on the rows path: the combine fused into the split kernel's last block measured slower,
-# 14.4 us vs 9.4 us per layer at 1024 context, and is taken only with set_fused_attention(True)).  Both give
-# the same logits (tests/gpu/test_fused_path.py).
-# Rows-path variants (set_path): "rows" (the default), "fused" (rope + KV append in the qkv GEMV's epilogue),
-# "rows-fma" (the rows path with the projections of before the streaming GEMV: the fp32-FMA GEMV for 1-2
-# rows, gemv_impl "simt+tc"), kept to time the old step beside the new one (metrale bench --path).
-ROWS_PATHS = ("rows", "fused", "rows-fma")
-PATH_GEMV_IMPL = {"rows": "auto", "fused": "auto", "rows-fma": "simt+tc"}
+# --path`), all giving the same logits within fp32 summation order (tests/gpu/test_gemv_ring.py, test_fused_path.py):
+# - "rows" (the default): RowsPass, every one-row projection on the ring GEMV (gemv_ring.cu, one block of 1024
+#   threads per SM streaming its weights through a shared-memory ring), every launch with programmatic dependent
+#   launch so that a projection's blocks request their first weights while the kernel before it drains (H200,
+#   1024 context: llama-3.1-8b 4.64 -> 4.19 ms, phi-3-mini 2.83 -> 2.63, gemma-2-9b 6.42 -> 5.99; NOTES.md);
+# - "rows-stream": the default until 2026-12-04 (the streaming GEMV for the normed qkv, gemv.cu for the other
+#   one-row projections, PDL only for mixtures of experts), kept to time the old step beside the new one;
+# - "rows-fma": the projections of before the streaming GEMV (gemv_impl "simt+tc");
+# - "fused": FusedRowsPass, rope + KV append in the qkv GEMV's epilogue (attention split + combine as on the rows
+#   path: the combine fused into the split kernel's last block measured slower, 14.4 us vs 9.4 us per layer at
+#   1024 context, and is taken only with set_fused_attention(True)).
+ROWS_PATHS = ("rows", "fused", "rows-stream", "rows-fma")
+PATH_GEMV_IMPL = {"rows": "ring", "fused": "auto", "rows-stream": "auto", "rows-fma": "simt+tc"}
+PATH_PDL = {"rows"}  # the paths that launch with PDL whatever the model (the others: mixtures of experts only)
 DEFAULT_PATH = "rows"
 PATH_ENV = "METRALE_CUDA_PATH"
 
@@ -199,17 +203,19 @@ class CudaEngine(EngineBase):
         # stream does not wait for: without this, the first passes can read weights still in flight.
         cp.cuda.Device().synchronize()
         self._graphs: dict[tuple[str, int], Any] = {}
-        # Programmatic dependent launch on the rows path (sm_90+; set_pdl).  Off by default for dense
-        # models: on the H200 it did not make their decode step faster (backends/cuda/NOTES.md, "PDL");
-        # on for mixtures of experts, whose short MoE launches it overlaps (H200, 1024 context:
-        # qwen3-30b-a3b 3.42 vs 3.72 ms, mixtral-8x7b 7.35 vs 7.53 ms).
-        self.use_pdl = cfg.moe is not None and bool(getattr(kern, "pdl_supported", False))
-        # Rows-path projections (GEMV_IMPLS): "auto" = the streaming GEMV (gemv_stream.cu) for a normed,
-        # ungated projection of one row where it was faster (Kernels.stream_fits: the qkv of the 3-12B presets),
+        # Programmatic dependent launch on the rows path (sm_90+; set_pdl): on for the default path (PATH_PDL), whose
+        # ring GEMV requests its first weights before pdl_wait; on the other paths only for mixtures of experts,
+        # whose short MoE launches it overlaps (H200, 1024 context: qwen3-30b-a3b 3.42 vs 3.72 ms, mixtral-8x7b
+        # 7.35 vs 7.53 ms), off for dense models there (it did not make their step faster: NOTES.md, "PDL").
+        pdl_ok = bool(getattr(kern, "pdl_supported", False))
+        self._pdl_default = cfg.moe is not None and pdl_ok
+        self.use_pdl = pdl_ok if DEFAULT_PATH in PATH_PDL else self._pdl_default
+        # Rows-path projections (GEMV_IMPLS), set by the path (PATH_GEMV_IMPL): "ring" = the ring GEMV (gemv_ring.cu)
+        # for every one-row projection it takes (Kernels.ring_fits), else as "auto"; "auto" = the streaming GEMV
+        # (gemv_stream.cu) for a normed, ungated projection of one row where it was faster (Kernels.stream_fits),
         # else the fp32-FMA GEMV (gemv.cu) below GEMV_TC_MIN_ROWS rows and the tensor-core GEMV (gemv_tc.cu) from
-        # there on; "simt+tc" = that choice without the streaming GEMV (the default until 2026-12-04); "simt" /
-        # "tc" force one kernel.
-        self.gemv_impl = "auto"
+        # there on; "simt+tc" = that choice without the streaming GEMV; "simt" / "tc" force one kernel.
+        self.gemv_impl = PATH_GEMV_IMPL[DEFAULT_PATH]
         # Rows-path variant (ROWS_PATHS): set_path.  The fused path's last-block counters are allocated
         # when it is first taken.
         self.path = DEFAULT_PATH
@@ -253,6 +259,8 @@ class CudaEngine(EngineBase):
             cp.cuda.Device().synchronize()  # the zero fills ran on the legacy stream
         self.path = path
         self.gemv_impl = PATH_GEMV_IMPL[path]
+        pdl_ok = bool(getattr(self.kern, "pdl_supported", False))
+        self.use_pdl = pdl_ok if path in PATH_PDL else self._pdl_default
         self._graphs.clear()
 
     def set_fused_attention(self, enabled: bool) -> None:
@@ -398,7 +406,7 @@ class CudaEngine(EngineBase):
         """The whole forward of m rows at positions io[1, :m] (engine/loop.py over RowsPass); every launch
         is capturable. Then lm_head into the decode or rows logits buffer."""
         cfg, k, w, s = self.cfg, self.kern, self.w, self.stream
-        rows_pass = FusedRowsPass if self.path == "fused" else RowsPass  # "rows-fma": RowsPass, gemv_impl
+        rows_pass = FusedRowsPass if self.path == "fused" else RowsPass  # the others: RowsPass, gemv_impl
         h = decoder_forward(rows_pass(self, m, tap), cfg.definition, w)
         self._hidden[0] = h[m - 1]
         out = self._decode_logits if kind == "decode" else self._rows_logits[:m]
@@ -424,7 +432,10 @@ class CudaEngine(EngineBase):
         impl = self.gemv_impl
         norm = dict(norm_weight=norm_weight, eps=eps, norm_offset=norm_offset)
         m, kk = x.shape
-        if impl == "auto" and norm_weight is not None and not swiglu and k.stream_fits(m, kk, out.shape[1]):
+        if impl == "ring" and k.ring_fits(m, kk, out.shape[1], swiglu):
+            k.gemv_ring(x, w, out, bias, accumulate=accumulate, swiglu=swiglu, activation=activation, stream=s,
+                       **norm, **k.ring_engine_config(kk, out.shape[1], swiglu))
+        elif impl == "auto" and norm_weight is not None and not swiglu and k.stream_fits(m, kk, out.shape[1]):
             k.gemv_stream(x, w, out, bias, accumulate=accumulate, stream=s, **norm)
         elif uses_tc(impl, m):
             k.gemv_tc(x, w, out, bias, accumulate=accumulate, swiglu=swiglu, activation=activation, stream=s,

@@ -17,6 +17,7 @@ from .names import (
     gemv_stream_name,
     gemv_tc_name,
     gemv_tc_qkv_rope_name,
+    gemv_ring_name,
     name_expressions,
     prefill_name,
 )
@@ -39,6 +40,14 @@ from .tuning import (
     GEMV_SWIGLU_DEFAULT,
     GEMV_TC_DEFAULT,
     GEMV_TC_SWIGLU_DEFAULT,
+    GEMV_RING_K_MULTIPLE,
+    GEMV_RING_CHUNKS,
+    GEMV_RING_DEEP_BYTES,
+    GEMV_RING_ENGINE_THREADS,
+    GEMV_RING_MAX_N,
+    GEMV_RING_SMEM_SLACK,
+    GEMV_RING_STAGES,
+    GEMV_RING_THREADS,
     LOG2E,
     PREFILL_BQ,
     PREFILL_BQS,
@@ -48,6 +57,7 @@ from .tuning import (
     _gemv_block_rows,
     prefill_smem_bytes,
     stream_smem_bytes,
+    ring_fixed_smem_bytes,
     uses_tc,
 )
 from .unfused import UnfusedKernels
@@ -340,6 +350,90 @@ class Kernels(OperandChecks, UnfusedKernels):
             np.float32(norm_offset),
         )
         self._launch(name, (grid,), (GEMV_STREAM_THREADS,), args, stream, shared_mem=smem)
+
+    def ring_fits(self, m: int, k: int, n: int, gated: bool = False) -> bool:
+        """Whether the engine's rows path takes gemv_ring for this projection: one row, K a multiple of
+        GEMV_RING_K_MULTIPLE, at most GEMV_RING_MAX_N outputs, and x, the partials and a one-chunk ring of
+        GEMV_RING_ENGINE_THREADS threads within a block's shared memory."""
+        if m != 1 or k % GEMV_RING_K_MULTIPLE or n > GEMV_RING_MAX_N:
+            return False
+        t = GEMV_RING_ENGINE_THREADS
+        need = ring_fixed_smem_bytes(k, n, min(n, self.num_sms), gated, t) + GEMV_RING_STAGES * t * 16
+        return need <= self.smem_per_block_optin - GEMV_RING_SMEM_SLACK
+
+    @staticmethod
+    def ring_engine_config(k: int, n: int, gated: bool) -> dict:
+        """gemv_ring's (threads, chunks) on the engine's rows path (tuning.py, GEMV_RING_ENGINE_THREADS)."""
+        deep = (2 if gated else 1) * n * k * 2 >= GEMV_RING_DEEP_BYTES
+        return dict(threads=GEMV_RING_ENGINE_THREADS, chunks=2 if deep else 1)
+
+    def _ring_geometry(self, norm: bool, k: int, n: int, gated: bool, chunks: int | None,
+                      threads: int) -> tuple[str, int, int]:
+        """(kernel name, grid, shared bytes) of a gemv_ring launch, computed once per shape: one block per SM, and
+        the deepest compiled ring (GEMV_RING_CHUNKS chunks per thread and slot, or `chunks`) within half an SM's
+        shared memory (512 threads: two blocks fit) or all a block may have (1024)."""
+        cache = self.__dict__.setdefault("_ring_geometries", {})
+        key = (norm, k, n, gated, chunks, threads)
+        if key not in cache:
+            grid = min(n, self.num_sms)
+            fixed = ring_fixed_smem_bytes(k, n, grid, gated, threads)
+            per_chunk = GEMV_RING_STAGES * threads * 16  # ring bytes per chunk per thread and slot
+            budget = (self.smem_per_sm // 2 if threads == min(GEMV_RING_THREADS) else self.smem_per_block_optin + 1024)
+            fit = (budget - GEMV_RING_SMEM_SLACK - fixed) // per_chunk
+            p = max((c for c in GEMV_RING_CHUNKS if c <= fit), default=0) if chunks is None else chunks
+            if p < 1 or p > fit:
+                raise ValueError(f"gemv_ring: K = {k}, N = {n}: a ring of {p} chunks per thread does not fit "
+                                 f"(at most {fit})")
+            name = gemv_ring_name(norm, gated, p, threads)
+            fn = self._fn[name]
+            # opt in to more than 48 KiB of dynamic shared memory: the device's most, once for every geometry (a
+            # launch with more than the function's limit fails, and the geometries of one kernel differ)
+            fn.max_dynamic_shared_size_bytes = self.smem_per_block_optin - int(fn.attributes.get("shared_size_bytes", 0))
+            cache[key] = (name, grid, fixed + p * per_chunk)
+        return cache[key]
+
+    def gemv_ring(
+        self,
+        x: Any,
+        w: Any,
+        out: Any,
+        bias: Any = None,
+        *,
+        norm_weight: Any = None,
+        accumulate: bool = False,
+        swiglu: bool = False,
+        activation: str = "silu",
+        eps: float = 1e-6,
+        norm_offset: float = 0.0,
+        chunks: int | None = None,
+        threads: int = 512,
+        stream: Any = None,
+    ) -> None:
+        """The ring GEMV (gemv_ring.cu), one row: the function of gemv / gemv_swiglu for M = 1 (the norm fused
+        when norm_weight is given, norm_offset added to it in fp32), x f32[1, K] with K a multiple of
+        GEMV_RING_K_MULTIPLE.  `chunks`: 16-byte chunks per thread in each ring slot (None: the most that fit);
+        `threads`: 512 (half an SM: the next kernel's block fits beside it) or 1024 (all of it).  The result
+        depends on (N, K, the grid, threads) only: fixed for a device, whatever the ring."""
+        np = self._np
+        op = "gemv_ring"
+        M, K, N, norm = self._linear_operands(op, x, w, "w", out, bias, norm_weight, swiglu)
+        if M != 1:
+            raise ValueError(f"{op}: M = {M} rows; this kernel takes 1")
+        if K % GEMV_RING_K_MULTIPLE:
+            raise ValueError(f"{op}: K = {K} must be a multiple of {GEMV_RING_K_MULTIPLE}")
+        if swiglu and accumulate:
+            raise ValueError(f"{op}: accumulate is not supported with swiglu")
+        if chunks is not None and chunks not in GEMV_RING_CHUNKS:
+            raise ValueError(f"{op}: chunks = {chunks}: compiled {', '.join(map(str, GEMV_RING_CHUNKS))}")
+        if threads not in GEMV_RING_THREADS:
+            raise ValueError(f"{op}: threads = {threads}: compiled {', '.join(map(str, GEMV_RING_THREADS))}")
+        name, grid, smem = self._ring_geometry(norm, K, N, swiglu, chunks, threads)
+        args = (
+            x, w, self._dummy if bias is None else bias, out, np.int32(N), np.int32(K),
+            np.int32(1 if accumulate else 0), np.int32(0 if bias is None else 1),
+            norm_weight if norm else self._dummy, np.float32(eps), np.float32(norm_offset), self._act(activation),
+        )
+        self._launch(name, (grid,), (threads,), args, stream, shared_mem=smem)
 
     def rmsnorm(
         self, x: Any, weight: Any, eps: float, out: Any, residual: Any = None, *, offset: float = 0.0,

@@ -15,6 +15,8 @@ from .tuning import (
     GEMV_SWIGLU_EXTRA,
     GEMV_STREAM_DEFAULT,
     GEMV_STREAM_US,
+    GEMV_RING_CHUNKS,
+    GEMV_RING_THREADS,
     GEMV_TC_DEFAULT,
     GEMV_TC_EXTRA,
     GEMV_TC_MIN_ROWS,
@@ -42,6 +44,14 @@ def gemv_stream_name(u: int) -> str:
 def _gemv_stream_names(core: bool) -> list[str]:
     """The streaming GEMV's instances: the default U (core), or the other compiled ones (extra)."""
     return [gemv_stream_name(u) for u in GEMV_STREAM_US if (u == GEMV_STREAM_DEFAULT[0]) == core]
+
+
+def gemv_ring_name(norm: bool, gated: bool, chunks: int, threads: int) -> str:
+    return f"gemv_ring_kernel<{'true' if norm else 'false'}, {'true' if gated else 'false'}, {chunks}, {threads}>"
+
+
+GEMV_RING_NAMES = tuple(gemv_ring_name(nm, g, p, t) for nm in (False, True) for g in (False, True)
+                       for p in GEMV_RING_CHUNKS for t in GEMV_RING_THREADS)
 
 
 def gemv_tc_name(nt: int, tiles: int, w: int, u: int, swiglu: bool, norm: bool = False) -> str:
@@ -149,6 +159,7 @@ def _all_name_expressions() -> list[str]:
             names.append(prefill_name(hd, bq, ext=True))
     names += _gemv_tc_names()
     names += _gemv_stream_names(core=True) + _gemv_stream_names(core=False)
+    names += GEMV_RING_NAMES
     return list(dict.fromkeys(names))
 
 
@@ -167,6 +178,7 @@ def name_expressions(extra: bool = False) -> tuple[str, ...]:
             for norm in (False, True):
                 core.add(gemv_tc_name(2 if m > 8 else 1, *cfg, sw, norm))
     core.update(_gemv_stream_names(core=True))
+    core.update(GEMV_RING_NAMES)
     names = _all_name_expressions()
     is_core = [n in core or not n.startswith("gemv") for n in names]
     return tuple(n for n, c in zip(names, is_core) if c != extra)

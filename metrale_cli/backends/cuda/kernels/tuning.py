@@ -36,13 +36,40 @@ GEMV_STREAM_MIN_WEIGHTS = 1 << 24
 GEMV_STREAM_DEFAULT = (4, 4)
 GEMV_STREAM_US = (4, 8)  # compiled U (the default's in the core module, the others in the extra one)
 
+# Ring GEMV of one row (gemv_ring.cu, `Kernels.gemv_ring`): one block per SM; each thread streams its chunks of
+# weights into a shared-memory ring of GEMV_RING_STAGES slots by cp.async (no registers held by loads in flight),
+# the first GEMV_RING_STAGES - 1 slots requested before pdl_wait.  The shared memory of one block is at most half
+# an SM's (less GEMV_RING_SMEM_SLACK) so that the next projection's block fits beside it and fills its ring while
+# this one drains (PDL).
+GEMV_RING_THREADS = (512, 1024)  # compiled block sizes: 512 = half an SM (two blocks fit, for PDL), 1024 = all of it
+GEMV_RING_STAGES = 4  # must match gemv_ring.cu (GT_STAGES)
+GEMV_RING_CHUNKS = (1, 2, 3)  # compiled P: 16-byte chunks per thread and ring slot (the deepest that fits is taken)
+GEMV_RING_K_MULTIPLE = 256
+# What the engine's rows path launches (H200, bench_kernels --ring, 2026-12-04): 1024 threads (half an SM at 512
+# threads measured 55-73% of bandwidth, 1024 60-90%), one chunk per thread and slot below GEMV_RING_DEEP_BYTES of
+# weights and two from there on (the qkv / o of the 3-12B presets were faster at 1, gate_up and down at 2), and
+# nothing with more than GEMV_RING_MAX_N outputs (the lm_head stays on gemv: 98% of bandwidth there).
+GEMV_RING_ENGINE_THREADS = 1024
+GEMV_RING_DEEP_BYTES = 1 << 26
+GEMV_RING_MAX_N = 65536
+GEMV_RING_SMEM_SLACK = 2048  # per block: the runtime's reserved KiB and the kernel's static shared memory
+
+
+def ring_fixed_smem_bytes(k: int, n: int, grid: int, gated: bool, threads: int = 512) -> int:
+    """Dynamic shared memory of gemv_ring_kernel besides its ring: x' as float4 [2][k / 8], then the partials of
+    the most stream rows a block owns (gated: twice its output rows) x (threads / 32 + 1) (the .cu's STRIDE)."""
+    rows = _ceil_div(n, grid) * (2 if gated else 1)
+    return k * 4 + rows * (threads // 32 + 1) * 4
+
+
 # The rows path (engine) takes the tensor-core GEMV from this many rows on and the fp32-FMA GEMV below
 # (the fp32-FMA GEMV is faster at 1-2 rows, gemv_tc from 3 on: NOTES.md, "Tensor-core GEMV").
 GEMV_TC_MIN_ROWS = 3
 # The engine's choices of projection kernel (CudaEngine.gemv_impl): "auto" (the streaming GEMV where it
 # fits, else simt below GEMV_TC_MIN_ROWS rows and tc from there on), "simt+tc" (auto without the streaming
 # GEMV), "simt" (the fp32-FMA GEMV for every row count), "tc" (the tensor-core GEMV for every row count).
-GEMV_IMPLS = ("auto", "simt+tc", "simt", "tc")
+# "ring": the ring GEMV (gemv_ring.cu) for every one-row projection it takes (Kernels.ring_fits), else as auto.
+GEMV_IMPLS = ("auto", "simt+tc", "simt", "tc", "ring")
 
 
 def uses_tc(impl: str, m: int) -> bool:
