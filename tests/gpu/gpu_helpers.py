@@ -1,9 +1,11 @@
 """Shared helpers of the GPU tests: bf16 bit conversions, random bf16 data, float64 references of the
-kernels' maths, and the relative-error check (NaN never passes)."""
+kernels' maths, the relative-error check (NaN never passes), and reading an engine's logits rows."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -47,6 +49,22 @@ def rel_err(out, ref, seed) -> float:
 def assert_close(out, ref, seed, tol=TOL):
     e = rel_err(out, ref, seed)
     assert e <= tol, f"seed={seed}: relative error {e:.3e} > {tol:g}"
+
+
+def rel(a, b) -> float:
+    """||a - b|| / ||b|| in float64 (engine-level comparisons of logits rows)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def rows(e, ptr, n):
+    """The first n logits rows behind a ModelLogits pointer, through the engine's own copy-out, as float32."""
+    out = []
+    for i in range(n):
+        buf = bytearray(e.row_nbytes(ptr.row_ptr(i)))
+        e.copy_logits_to_host(ptr.row_ptr(i), buf)
+        out.append(np.frombuffer(buf, np.float32))
+    return np.stack(out)
 
 
 def nan_like(cp, shape):
@@ -131,3 +149,24 @@ def tokens_agree(ta, tb, ref_rows, what: str = "greedy") -> int:
     i = next(j for j, (x, y) in enumerate(zip(ta, tb)) if x != y)
     assert_near_tie(ref_rows[i], f"{what} token {i}")
     return i + 1
+
+
+def random_checkpoints(root: Path, base: dict, archs: dict, seed: int) -> dict:
+    """One fresh random bf16 checkpoint per entry of archs ({name: config fields over base}) under root, drawn
+    with metrale's RandomTensors from seed: {name: its folder}."""
+    from safetensors.numpy import save_file
+
+    from metrale_cli.config import parse_config
+    from metrale_cli.random_weights import RandomTensors
+
+    out = {}
+    for name, extra in archs.items():
+        raw = {**base, **extra}
+        src = RandomTensors(parse_config(raw), seed=seed)
+        d = Path(root) / name
+        d.mkdir()
+        save_file({n: np.asarray(src.array(n), np.float32).astype(ml_dtypes.bfloat16) for n in src.tensor_names()},
+                  str(d / "model.safetensors"))
+        (d / "config.json").write_text(json.dumps(raw))
+        out[name] = d
+    return out

@@ -27,7 +27,7 @@ from metrale_cli.config import parse_config
 from metrale_cli.model import open_model
 from metrale_cli.random_weights import RandomTensors
 
-from gpu_helpers import assert_close, bf16_bits, bits_f32, gelu_tanh, rand_bf16, tokens_agree
+from gpu_helpers import assert_close, bf16_bits, bits_f32, gelu_tanh, rand_bf16, rel, rows, tokens_agree
 
 pytestmark = pytest.mark.gpu
 
@@ -308,24 +308,10 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
 def pair(path: Path, ctx: int = 256):
     cpu = open_model(path, device="cpu", max_context=ctx, fp32_logits=True).engine
     gpu = open_model(path, device="cuda", max_context=ctx, fp32_logits=True).engine
     return cpu, gpu
-
-
-def rows(e, ptr, n):
-    out = []
-    for i in range(n):
-        buf = bytearray(e.row_nbytes(ptr.row_ptr(i)))
-        e.copy_logits_to_host(ptr.row_ptr(i), buf)
-        out.append(np.frombuffer(buf, np.float32))
-    return np.stack(out)
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -17,19 +17,24 @@ decode, trim then decode, and a 3000-token context (47 active splits: two combin
 
 from __future__ import annotations
 
-import json
-
-import ml_dtypes
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
-from gpu_helpers import TOL, inv_freq_default, nan_like, rand_bf16, ref_attention, rel_err, tokens_agree
+from gpu_helpers import (
+    inv_freq_default,
+    nan_like,
+    rand_bf16,
+    random_checkpoints,
+    ref_attention,
+    rel,
+    rel_err,
+    rows,
+    tokens_agree,
+    TOL,
+)
 
 from metrale_cli import decoding
-from metrale_cli.config import parse_config
 from metrale_cli.model import open_model
-from metrale_cli.random_weights import RandomTensors
 
 pytestmark = pytest.mark.gpu
 
@@ -199,17 +204,7 @@ ARCHS = {
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     seed = int(np.random.default_rng().integers(2**31))
-    root = tmp_path_factory.mktemp("fused_ckpt")
-    out = {}
-    for name, extra in ARCHS.items():
-        raw = {**BASE, **extra}
-        src = RandomTensors(parse_config(raw), seed=seed)
-        d = root / name
-        d.mkdir()
-        save_file({n: np.asarray(src.array(n), np.float32).astype(ml_dtypes.bfloat16) for n in src.tensor_names()},
-                  str(d / "model.safetensors"))
-        (d / "config.json").write_text(json.dumps(raw))
-        out[name] = d
+    out = random_checkpoints(tmp_path_factory.mktemp("fused_ckpt"), BASE, ARCHS, seed)
     print(f"checkpoints drawn with seed {seed}")
     return out
 
@@ -228,20 +223,6 @@ def gpu_engine(path, ctx=160, fused=True, fused_attention=False, **kw):
     for k, v in kw.items():
         setattr(e, k, v)
     return e
-
-
-def rows(e, ptr, n):
-    out = []
-    for i in range(n):
-        buf = bytearray(e.row_nbytes(ptr.row_ptr(i)))
-        e.copy_logits_to_host(ptr.row_ptr(i), buf)
-        out.append(np.frombuffer(buf, np.float32))
-    return np.stack(out)
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 @pytest.mark.parametrize("name", list(ARCHS))

@@ -11,19 +11,25 @@ graph replay == eager bit for bit, verify == sequential decode, trim then decode
 
 from __future__ import annotations
 
-import json
-
-import ml_dtypes
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
-from gpu_helpers import TOL, assert_close, gelu_tanh, nan_like, rand_bf16, ref_rmsnorm, silu, tokens_agree
+from gpu_helpers import (
+    assert_close,
+    gelu_tanh,
+    nan_like,
+    rand_bf16,
+    random_checkpoints,
+    ref_rmsnorm,
+    rel,
+    rows,
+    silu,
+    tokens_agree,
+    TOL,
+)
 
 from metrale_cli import decoding
-from metrale_cli.config import parse_config
 from metrale_cli.model import open_model
-from metrale_cli.random_weights import RandomTensors
 
 pytestmark = pytest.mark.gpu
 
@@ -170,17 +176,7 @@ ARCHS = {
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     seed = int(np.random.default_rng().integers(2**31))
-    root = tmp_path_factory.mktemp("ring_ckpt")
-    out = {}
-    for name, extra in ARCHS.items():
-        raw = {**BASE, **extra}
-        src = RandomTensors(parse_config(raw), seed=seed)
-        d = root / name
-        d.mkdir()
-        save_file({n: np.asarray(src.array(n), np.float32).astype(ml_dtypes.bfloat16) for n in src.tensor_names()},
-                  str(d / "model.safetensors"))
-        (d / "config.json").write_text(json.dumps(raw))
-        out[name] = d
+    out = random_checkpoints(tmp_path_factory.mktemp("ring_ckpt"), BASE, ARCHS, seed)
     print(f"checkpoints drawn with seed {seed}")
     return out
 
@@ -192,20 +188,6 @@ def engine(path, path_name="rows", ctx=160, **kw):
     for k, v in kw.items():
         setattr(e, k, v)
     return e
-
-
-def rows(e, ptr, n):
-    out = []
-    for i in range(n):
-        buf = bytearray(e.row_nbytes(ptr.row_ptr(i)))
-        e.copy_logits_to_host(ptr.row_ptr(i), buf)
-        out.append(np.frombuffer(buf, np.float32))
-    return np.stack(out)
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def test_rows_path_takes_the_ring_gemv(cp, checkpoints, monkeypatch):

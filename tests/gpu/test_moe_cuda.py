@@ -33,7 +33,7 @@ from metrale_cli.models.spec import MoeSpec
 from metrale_cli.random_weights import RandomTensors
 from metrale_cli.engine.observe import tapping
 
-from gpu_helpers import assert_near_tie, bf16_bits, rand_bf16
+from gpu_helpers import assert_near_tie, bf16_bits, rand_bf16, rel, rows
 
 pytestmark = pytest.mark.gpu
 
@@ -278,20 +278,6 @@ def checkpoints(tmp_path_factory):
 def pair(path, ctx: int = 160):
     return (open_model(path, device="cpu", max_context=ctx, fp32_logits=True).engine,
             open_model(path, device="cuda", max_context=ctx, fp32_logits=True).engine)
-
-
-def rows(e, ptr, n):
-    out = []
-    for i in range(n):
-        buf = bytearray(e.row_nbytes(ptr.row_ptr(i)))
-        e.copy_logits_to_host(ptr.row_ptr(i), buf)
-        out.append(np.frombuffer(buf, np.float32))
-    return np.stack(out)
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def trace(e, chunks) -> dict[int, tuple[np.ndarray, np.ndarray]]:
