@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The ring GEMV (gemv_ring.cu) and the engine's default rows path on the GPU machine, from the source tree:
 #   bash scripts/gpu_ring.sh [OUTDIR] [PRESET:CONTEXT ... | none]   (default: $OUT, else /tmp/metrale-gpu-ring)
-#   RING_KERNELS=0 skips the kernel bench; FULL=1 runs the whole GPU suite instead of test_gemv_ring.py.
+#   RING_KERNELS=0 skips the kernel bench; FULL=1 runs the whole GPU suite instead of test_gemv_ring.py;
+#   BREAKDOWN="llama-3.1-8b phi-3-mini" adds scripts/decode_breakdown.py (rows vs rows-stream, 1024 context) per preset.
 # 1. a smoke test (one launch against gemv, graph + PDL chain; stops here on failure or hang); 2. bench_kernels
 # --ring (each projection alone, then 16-layer chains, rows path kernels vs ring, PDL off / on); 3. metrale bench --path
 # rows,rows-stream on the given presets; 4. tests/gpu/test_gemv_ring.py whole (FULL=1: the GPU suite).
@@ -21,6 +22,7 @@ finish() {
     for f in "$logs"/tests*.log; do echo "== $(basename "$f")"; grep -E "passed|failed|error" "$f" | tail -2
       sed -n '/= FAILURES =/,/short test summary/p' "$f" | head -80; grep -E "^FAILED|^ERROR" "$f"; done
     cat "$logs/ring.txt" 2>/dev/null
+    for f in "$logs"/bd-*.txt; do [ -e "$f" ] && { echo "== $(basename "$f")"; cat "$f"; }; done
     for f in "$logs"/bench-*.txt; do echo "== $(basename "$f")"; grep -E "floor:|rows paths|decode step:|x floor|verify k|path" "$f"; tail -3 "$logs/$(basename "$f" .txt).err"; done
   } > "$out/summary.txt"
   cat "$out/summary.txt"
@@ -40,6 +42,11 @@ for pc in ${presets/none/}; do
   timeout 80 python3 -m metrale_cli bench --device cuda --preset "$p" --context "$c" --path rows,rows-stream --ks 4,8 \
     --prefill 256 --no-transformers --repeats 20 --format plain > "$logs/bench-$p-$c.txt" 2> "$logs/bench-$p-$c.err"
   echo "bench $p $c rc=$? $(( $(date +%s) - t0 )) s" >> "$logs/times.txt"
+done
+for p in ${BREAKDOWN:-}; do
+  timeout 90 python3 scripts/decode_breakdown.py --preset "$p" --context 1024 --paths rows,rows-stream --repeats 15 \
+    > "$logs/bd-$p.txt" 2>&1
+  echo "breakdown $p rc=$? $(( $(date +%s) - t0 )) s" >> "$logs/times.txt"
 done
 if [ "${FULL:-0}" = 1 ]; then
   timeout 400 python3 -m pytest tests/gpu -q -p no:cacheprovider -rfs --tb=short > "$logs/tests-all.log" 2>&1
