@@ -249,6 +249,12 @@ def test_gemv_ring_refusals_and_fit(kern):
     assert not kern.ring_fits(1, 4096, 128256)  # the lm_head stays on gemv (GEMV_RING_MAX_N)
     assert kern.ring_engine_config(4096, 4096, False) == dict(threads=1024, chunks=1)
     assert kern.ring_engine_config(4096, 14336, True) == dict(threads=1024, chunks=2)
+    core = set(names.name_expressions())  # what the engine launches is compiled with it, never on first use
+    for k, n, gated in ((4096, 6144, False), (4096, 4096, False), (4096, 14336, True), (14336, 4096, False),
+                        (2048, 3072, False), (3072, 8192, True)):
+        cfg = kern.ring_engine_config(k, n, gated)
+        for norm in (False, True):
+            assert names.gemv_ring_name(norm, gated, cfg["chunks"], cfg["threads"]) in core
     assert not kern.calls
 
 

@@ -207,9 +207,7 @@ class CudaEngine(EngineBase):
         # ring GEMV requests its first weights before pdl_wait; on the other paths only for mixtures of experts,
         # whose short MoE launches it overlaps (H200, 1024 context: qwen3-30b-a3b 3.42 vs 3.72 ms, mixtral-8x7b
         # 7.35 vs 7.53 ms), off for dense models there (it did not make their step faster: NOTES.md, "PDL").
-        pdl_ok = bool(getattr(kern, "pdl_supported", False))
-        self._pdl_default = cfg.moe is not None and pdl_ok
-        self.use_pdl = pdl_ok if DEFAULT_PATH in PATH_PDL else self._pdl_default
+        self.use_pdl = self._path_pdl(DEFAULT_PATH)
         # Rows-path projections (GEMV_IMPLS), set by the path (PATH_GEMV_IMPL): "ring" = the ring GEMV (gemv_ring.cu)
         # for every one-row projection it takes (Kernels.ring_fits), else as "auto"; "auto" = the streaming GEMV
         # (gemv_stream.cu) for a normed, ungated projection of one row where it was faster (Kernels.stream_fits),
@@ -259,9 +257,13 @@ class CudaEngine(EngineBase):
             cp.cuda.Device().synchronize()  # the zero fills ran on the legacy stream
         self.path = path
         self.gemv_impl = PATH_GEMV_IMPL[path]
-        pdl_ok = bool(getattr(self.kern, "pdl_supported", False))
-        self.use_pdl = pdl_ok if path in PATH_PDL else self._pdl_default
+        self.use_pdl = self._path_pdl(path)
         self._graphs.clear()
+
+    def _path_pdl(self, path: str) -> bool:
+        """Whether the rows-path variant `path` launches with PDL (where the device has it): always on the paths
+        of PATH_PDL, else for mixtures of experts only."""
+        return bool(getattr(self.kern, "pdl_supported", False)) and (path in PATH_PDL or self.cfg.moe is not None)
 
     def set_fused_attention(self, enabled: bool) -> None:
         """On the fused path, run the attention split kernel with its combine in the last split block

@@ -357,9 +357,7 @@ class Kernels(OperandChecks, UnfusedKernels):
         GEMV_RING_ENGINE_THREADS threads within a block's shared memory."""
         if m != 1 or k % GEMV_RING_K_MULTIPLE or n > GEMV_RING_MAX_N:
             return False
-        t = GEMV_RING_ENGINE_THREADS
-        need = ring_fixed_smem_bytes(k, n, min(n, self.num_sms), gated, t) + GEMV_RING_STAGES * t * 16
-        return need <= self.smem_per_block_optin - GEMV_RING_SMEM_SLACK
+        return self._ring_fit(k, n, gated, GEMV_RING_ENGINE_THREADS)[3] >= 1
 
     @staticmethod
     def ring_engine_config(k: int, n: int, gated: bool) -> dict:
@@ -367,24 +365,31 @@ class Kernels(OperandChecks, UnfusedKernels):
         deep = (2 if gated else 1) * n * k * 2 >= GEMV_RING_DEEP_BYTES
         return dict(threads=GEMV_RING_ENGINE_THREADS, chunks=2 if deep else 1)
 
+    def _ring_fit(self, k: int, n: int, gated: bool, threads: int) -> tuple[int, int, int, int]:
+        """(grid, shared bytes besides the ring, ring bytes per chunk per thread and slot, the most chunks per
+        thread and slot that fit) of gemv_ring: one block per SM, within half an SM's shared memory at 512 threads
+        (two blocks fit) or all a block may have at 1024."""
+        grid = min(n, self.num_sms)
+        fixed = ring_fixed_smem_bytes(k, n, grid, gated, threads)
+        per_chunk = GEMV_RING_STAGES * threads * 16
+        budget = self.smem_per_sm // 2 if threads == min(GEMV_RING_THREADS) else self.smem_per_block_optin + 1024
+        return grid, fixed, per_chunk, (budget - GEMV_RING_SMEM_SLACK - fixed) // per_chunk
+
     def _ring_geometry(self, norm: bool, k: int, n: int, gated: bool, chunks: int | None,
                       threads: int) -> tuple[str, int, int]:
-        """(kernel name, grid, shared bytes) of a gemv_ring launch, computed once per shape: one block per SM, and
-        the deepest compiled ring (GEMV_RING_CHUNKS chunks per thread and slot, or `chunks`) within half an SM's
-        shared memory (512 threads: two blocks fit) or all a block may have (1024)."""
+        """(kernel name, grid, shared bytes) of a gemv_ring launch, computed once per shape (_ring_fit): the
+        deepest compiled ring (GEMV_RING_CHUNKS chunks per thread and slot) that fits, or `chunks`."""
         cache = self.__dict__.setdefault("_ring_geometries", {})
         key = (norm, k, n, gated, chunks, threads)
         if key not in cache:
-            grid = min(n, self.num_sms)
-            fixed = ring_fixed_smem_bytes(k, n, grid, gated, threads)
-            per_chunk = GEMV_RING_STAGES * threads * 16  # ring bytes per chunk per thread and slot
-            budget = (self.smem_per_sm // 2 if threads == min(GEMV_RING_THREADS) else self.smem_per_block_optin + 1024)
-            fit = (budget - GEMV_RING_SMEM_SLACK - fixed) // per_chunk
+            grid, fixed, per_chunk, fit = self._ring_fit(k, n, gated, threads)
             p = max((c for c in GEMV_RING_CHUNKS if c <= fit), default=0) if chunks is None else chunks
             if p < 1 or p > fit:
                 raise ValueError(f"gemv_ring: K = {k}, N = {n}: a ring of {p} chunks per thread does not fit "
                                  f"(at most {fit})")
             name = gemv_ring_name(norm, gated, p, threads)
+            if not self._has(name):
+                raise ValueError(f"gemv_ring: no compiled variant {name}")
             fn = self._fn[name]
             # opt in to more than 48 KiB of dynamic shared memory: the device's most, once for every geometry (a
             # launch with more than the function's limit fails, and the geometries of one kernel differ)

@@ -16,6 +16,7 @@ from .tuning import (
     GEMV_STREAM_DEFAULT,
     GEMV_STREAM_US,
     GEMV_RING_CHUNKS,
+    GEMV_RING_ENGINE_THREADS,
     GEMV_RING_THREADS,
     GEMV_TC_DEFAULT,
     GEMV_TC_EXTRA,
@@ -52,6 +53,10 @@ def gemv_ring_name(norm: bool, gated: bool, chunks: int, threads: int) -> str:
 
 GEMV_RING_NAMES = tuple(gemv_ring_name(nm, g, p, t) for nm in (False, True) for g in (False, True)
                        for p in GEMV_RING_CHUNKS for t in GEMV_RING_THREADS)
+# The instances the engine launches (Kernels.ring_engine_config: 1 or 2 chunks at GEMV_RING_ENGINE_THREADS), in
+# the core module; the rest (512 threads, 3 chunks: tests and bench_kernels --ring) in the extra one.
+GEMV_RING_ENGINE_NAMES = tuple(gemv_ring_name(nm, g, p, GEMV_RING_ENGINE_THREADS) for nm in (False, True)
+                              for g in (False, True) for p in (1, 2))
 
 
 def gemv_tc_name(nt: int, tiles: int, w: int, u: int, swiglu: bool, norm: bool = False) -> str:
@@ -178,7 +183,7 @@ def name_expressions(extra: bool = False) -> tuple[str, ...]:
             for norm in (False, True):
                 core.add(gemv_tc_name(2 if m > 8 else 1, *cfg, sw, norm))
     core.update(_gemv_stream_names(core=True))
-    core.update(GEMV_RING_NAMES)
+    core.update(GEMV_RING_ENGINE_NAMES)
     names = _all_name_expressions()
     is_core = [n in core or not n.startswith("gemv") for n in names]
     return tuple(n for n, c in zip(names, is_core) if c != extra)

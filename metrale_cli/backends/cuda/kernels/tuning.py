@@ -38,9 +38,9 @@ GEMV_STREAM_US = (4, 8)  # compiled U (the default's in the core module, the oth
 
 # Ring GEMV of one row (gemv_ring.cu, `Kernels.gemv_ring`): one block per SM; each thread streams its chunks of
 # weights into a shared-memory ring of GEMV_RING_STAGES slots by cp.async (no registers held by loads in flight),
-# the first GEMV_RING_STAGES - 1 slots requested before pdl_wait.  The shared memory of one block is at most half
-# an SM's (less GEMV_RING_SMEM_SLACK) so that the next projection's block fits beside it and fills its ring while
-# this one drains (PDL).
+# the first GEMV_RING_STAGES - 1 slots requested before pdl_wait.  At 512 threads a block takes at most half an
+# SM's shared memory (less GEMV_RING_SMEM_SLACK), so that the next projection's block fits beside it; at 1024 (the
+# engine's) it may take all a block may have, and the next projection's block starts when it exits (PDL).
 GEMV_RING_THREADS = (512, 1024)  # compiled block sizes: 512 = half an SM (two blocks fit, for PDL), 1024 = all of it
 GEMV_RING_STAGES = 4  # must match gemv_ring.cu (GT_STAGES)
 GEMV_RING_CHUNKS = (1, 2, 3)  # compiled P: 16-byte chunks per thread and ring slot (the deepest that fits is taken)
