@@ -236,6 +236,45 @@ def breakdown(eng, path: str, bw: float, repeats: int, decode_once, timer, fused
     return dict(path=path, rows=rows, step_us=step * 1e6, isolated_us=isolated, launches=launches)
 
 
+def ablation(eng, path: str, repeats: int) -> dict:
+    """What each per-layer launch kind costs inside the step, not alone: the graph of every layer's launches in
+    step order (the decode step without its per-step tail), timed whole and then once with each kind left out.
+    The difference is that kind's marginal cost with its neighbours' PDL overlap and gaps, which the isolated
+    rows above cannot show.  The values computed are garbage (a left-out rope leaves q unrotated): time only."""
+    eng.set_path(path)
+    L = eng.cfg.num_hidden_layers
+    ops = [(name, fn) for name, _, _, fn in layer_ops(eng, path) if not name.startswith("moe")]
+    if eng.cfg.moe is not None:
+        return dict(path=path, skipped="sparse layers: not ablated")
+    x0 = eng._x.copy()
+
+    def chain(skip):
+        def run():
+            for i in range(L):
+                for name, fn in ops:
+                    if name != skip:
+                        fn(i)
+        t = time_graph(eng, run, repeats)
+        eng._x[...] = x0
+        eng.cp.cuda.Device().synchronize()
+        return t * 1e6
+
+    whole = chain(None)
+    rows = [dict(kernel=name, without_us=(w := chain(name)), marginal_us=(whole - w) / L) for name, _ in ops]
+    eng.check_fused()
+    return dict(path=path, chain_us=whole, rows=rows)
+
+
+def render_ablation(res: dict) -> str:
+    if "skipped" in res:
+        return f"path {res['path']}: ablation {res['skipped']}"
+    out = [f"path {res['path']}: the layers' launches in step order, one graph: {res['chain_us'] / 1e3:.3f} ms",
+           f"{'left out':32} {'chain us':>9} {'us/layer saved':>15}"]
+    for r in res["rows"]:
+        out.append(f"{r['kernel']:32} {r['without_us']:>9.1f} {r['marginal_us']:>15.2f}")
+    return "\n".join(out)
+
+
 def render(res: dict, floor_us: float) -> str:
     out = [f"path {res['path']}: decode step {res['step_us'] / 1e3:.3f} ms ({res['step_us'] / floor_us:.3f} x the "
            f"{floor_us / 1e3:.3f} ms floor), {res['launches']} launches timed",
@@ -257,6 +296,9 @@ def main() -> int:
     ap.add_argument("--paths", default="rows,fused")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--json", default=None, help="also write the numbers here")
+    ap.add_argument("--ablate", action="store_true",
+                    help="also time the layers' launches as one chain with each launch kind left out in turn "
+                         "(its marginal cost inside the step)")
     ap.add_argument("--fused-attention", action="store_true",
                     help="on the fused path, time the attention with its combine in the last split block "
                          "(CudaEngine.set_fused_attention) instead of split + combine")
@@ -287,8 +329,12 @@ def main() -> int:
     for p in paths:
         res = breakdown(eng, p, bw, args.repeats, decode_once, timer, args.fused_attention)
         eng.trim(args.context)
-        results.append(res)
         print(render(res, floor_us), flush=True)
+        if args.ablate:
+            res["ablation"] = ablation(eng, p, args.repeats)
+            eng.trim(args.context)
+            print(render_ablation(res["ablation"]), flush=True)
+        results.append(res)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(preset=args.preset, context=args.context, read_bandwidth=bw,
                                                    floor_us=floor_us, paths=results), indent=2))

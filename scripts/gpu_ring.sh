@@ -2,7 +2,9 @@
 # The ring GEMV (gemv_ring.cu) and the engine's default rows path on the GPU machine, from the source tree:
 #   bash scripts/gpu_ring.sh [OUTDIR] [PRESET:CONTEXT ... | none]   (default: $OUT, else /tmp/metrale-gpu-ring)
 #   RING_KERNELS=0 skips the kernel bench; FULL=1 runs the whole GPU suite instead of test_gemv_ring.py;
-#   BREAKDOWN="llama-3.1-8b phi-3-mini" adds scripts/decode_breakdown.py (rows vs rows-stream, 1024 context) per preset.
+#   BREAKDOWN="llama-3.1-8b phi-3-mini" adds scripts/decode_breakdown.py (rows vs rows-stream, 1024 context) per preset,
+#   BD_ARGS its extra options (e.g. "--ablate"); PATHS the rows paths to bench and break down side by side (default
+#   rows,rows-stream); TESTS=0 runs no tests after the smoke test, TESTS="tests/gpu/a.py ..." those files.
 # 1. a smoke test (one launch against gemv, graph + PDL chain; stops here on failure or hang); 2. bench_kernels
 # --ring (each projection alone, then 16-layer chains, rows path kernels vs ring, PDL off / on); 3. metrale bench --path
 # rows,rows-stream on the given presets; 4. tests/gpu/test_gemv_ring.py whole (FULL=1: the GPU suite).
@@ -39,16 +41,20 @@ if [ "${RING_KERNELS:-1}" != 0 ]; then  # RING_KERNELS=0: skip the kernel bench
 fi
 for pc in ${presets/none/}; do
   p=${pc%:*}; c=${pc#*:}
-  timeout 80 python3 -m metrale_cli bench --device cuda --preset "$p" --context "$c" --path rows,rows-stream --ks 4,8 \
+  timeout 150 python3 -m metrale_cli bench --device cuda --preset "$p" --context "$c" --path "${PATHS:-rows,rows-stream}" --ks 4,8 \
     --prefill 256 --no-transformers --repeats 20 --format plain > "$logs/bench-$p-$c.txt" 2> "$logs/bench-$p-$c.err"
   echo "bench $p $c rc=$? $(( $(date +%s) - t0 )) s" >> "$logs/times.txt"
 done
 for p in ${BREAKDOWN:-}; do
-  timeout 90 python3 scripts/decode_breakdown.py --preset "$p" --context 1024 --paths rows,rows-stream --repeats 15 \
-    > "$logs/bd-$p.txt" 2>&1
+  timeout 150 python3 scripts/decode_breakdown.py --preset "$p" --context 1024 --paths "${PATHS:-rows,rows-stream}" --repeats 15 \
+    ${BD_ARGS:-} > "$logs/bd-$p.txt" 2>&1
   echo "breakdown $p rc=$? $(( $(date +%s) - t0 )) s" >> "$logs/times.txt"
 done
-if [ "${FULL:-0}" = 1 ]; then
+if [ "${TESTS:-1}" = 0 ]; then
+  true
+elif [ "${TESTS:-1}" != 1 ]; then
+  timeout 300 python3 -m pytest $TESTS -q -p no:cacheprovider -rfs --tb=short > "$logs/tests-some.log" 2>&1
+elif [ "${FULL:-0}" = 1 ]; then
   timeout 400 python3 -m pytest tests/gpu -q -p no:cacheprovider -rfs --tb=short > "$logs/tests-all.log" 2>&1
 else
   timeout 150 python3 -m pytest tests/gpu/test_gemv_ring.py -q -p no:cacheprovider -rfs --tb=short > "$logs/tests-ring.log" 2>&1

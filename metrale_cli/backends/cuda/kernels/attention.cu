@@ -73,6 +73,20 @@ __device__ __forceinline__ int decode_first(int p, int max_ctx, int window) {
     return window > 0 ? max(0, min(p, max_ctx - 1) - window + 1) : 0;
 }
 
+// The first cache position this launch's rows write (rope_kv_append / the fused qkv GEMV, the kernel before):
+// min over rows of min(positions[m], max_ctx - 1), rows with a negative position ignored; INT_MAX when none.
+// Every key before it was written by an earlier step, so the split kernels may load it before pdl_wait.  The
+// whole warp must call it.
+__device__ __forceinline__ int decode_fresh(const int* __restrict__ positions, int M, int max_ctx) {
+    const int lane = threadIdx.x & 31;
+    int f = 0x7fffffff;
+    for (int m = lane; m < M; m += 32) {
+        const int p = positions[m];
+        if (p >= 0) f = min(f, min(p, max_ctx - 1));
+    }
+    return __reduce_min_sync(0xffffffffu, f);
+}
+
 __device__ __forceinline__ float softcap_l2f(float s, float c2) { return c2 > 0.0f ? c2 * tanhf(s / c2) : s; }
 
 // Keys per split for context length L: ceil(L / n_splits) rounded up to `align` (a power of two dividing
@@ -316,13 +330,16 @@ attn_decode_tc_kernel(const float* __restrict__ q, const unsigned short* __restr
     const int r0 = blockIdx.x * ROWS, split = blockIdx.y, hk = blockIdx.z;
     const int G = n_heads / n_kv, MG = M * G, QT = M * n_heads;
 
-    pdl_wait();  // q, positions and the cache come from earlier kernels
-    pdl_trigger();
+    // Before pdl_wait, only what no kernel of this step writes: the positions (copied from the host before the
+    // step) and the cached keys before decode_fresh (earlier steps'), so that each warp's first keys are in flight
+    // while the kernel before (rope + KV append, or the fused qkv GEMV) drains.
     const int L = decode_len(positions, M, max_ctx);
     const int lo = EXT ? decode_lo(positions, M, max_ctx, window) : 0;
     const int chunk = decode_chunk(L - lo, n_splits);
     const int start = lo + split * chunk;
     if (start >= L) {  // the same for the whole block
+        pdl_wait();
+        pdl_trigger();
         if constexpr (FUSED) {
             if (L == lo && split == 0) decode_fused_no_key(out, r0, ROWS, MG, G, n_heads, hk, HD);
         } else if (threadIdx.x < ROWS && r0 + (int)threadIdx.x < MG) {
@@ -331,21 +348,7 @@ attn_decode_tc_kernel(const float* __restrict__ q, const unsigned short* __restr
         return;
     }
     const int end = min(L, start + chunk);
-
-    // q of query vector 8 nq + g (B fragments); last key of query vectors 8 nq + 2t + e
-    unsigned qh[NQ][NKS][2], ql[NQ][NKS][2];
-    int last[NQ][2], first[EXT ? NQ : 1][2];
-#pragma unroll
-    for (int nq = 0; nq < NQ; ++nq) {
-        ad_load_q<HD>(q, positions, r0 + 8 * nq + g, MG, G, n_heads, hk, max_ctx, t, qscale, qh[nq], ql[nq]);
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int qi = r0 + 8 * nq + 2 * t + e;
-            last[nq][e] = (qi < MG) ? min(min(positions[qi / G], max_ctx - 1), end - 1) : -1;
-            if constexpr (EXT) first[nq][e] = (qi < MG) ? decode_first(positions[qi / G], max_ctx, window) : 0;
-        }
-    }
-
+    const int fresh = decode_fresh(positions, M, max_ctx);
     const unsigned short* kh = k_cache + (u64)hk * max_ctx * HD;
     const unsigned short* vh = v_cache + (u64)hk * max_ctx * HD;
     unsigned kr[2][4 * KI];  // [key g, g + 8][word 4 i + w = dims 32 i + 8 t + 2 w, +1]
@@ -358,7 +361,7 @@ attn_decode_tc_kernel(const float* __restrict__ q, const unsigned short* __restr
 #pragma unroll
             for (int i = 0; i < KI; ++i) {
                 uint4 x = make_uint4(0u, 0u, 0u, 0u);
-                if (j < end) x = *reinterpret_cast<const uint4*>(p + 32 * i);
+                if (j < end) x = __ldcg(reinterpret_cast<const uint4*>(p + 32 * i));  // L2: see pdl_wait below
                 kr[h][4 * i + 0] = x.x;
                 kr[h][4 * i + 1] = x.y;
                 kr[h][4 * i + 2] = x.z;
@@ -375,7 +378,7 @@ attn_decode_tc_kernel(const float* __restrict__ q, const unsigned short* __restr
 #pragma unroll
                 for (int i = 0; i < HD / 64; ++i) {
                     uint4 x = make_uint4(0u, 0u, 0u, 0u);
-                    if (j < end) x = *reinterpret_cast<const uint4*>(p + 64 * i);
+                    if (j < end) x = __ldcg(reinterpret_cast<const uint4*>(p + 64 * i));
                     vr[c][4 * i + 0] = x.x;
                     vr[c][4 * i + 1] = x.y;
                     vr[c][4 * i + 2] = x.z;
@@ -383,12 +386,37 @@ attn_decode_tc_kernel(const float* __restrict__ q, const unsigned short* __restr
                 }
             } else {
                 uint2 x = make_uint2(0u, 0u);
-                if (j < end) x = *reinterpret_cast<const uint2*>(vh + (u64)j * HD + 4 * g);
+                if (j < end) x = __ldcg(reinterpret_cast<const uint2*>(vh + (u64)j * HD + 4 * g));
                 vr[c][0] = x.x;
                 vr[c][1] = x.y;
             }
         }
     };
+
+    const int nsteps = (end - start + 15) >> 4;
+    int step = warp;
+    // This warp's first keys before the wait unless they hold one the kernel before writes (K and V are read
+    // through L2 (ld.cg) everywhere: nothing stale can sit in this SM's L1).  Its values after the q fragments
+    // (held across them, they would spill at head_dim 128).
+    const bool early = step < nsteps && start + 16 * step + 16 <= fresh;
+    if (early) load_k(start + 16 * step);
+    pdl_wait();  // q and this step's own keys come from the kernel before
+    pdl_trigger();
+    if (step < nsteps && !early) load_k(start + 16 * step);
+
+    // q of query vector 8 nq + g (B fragments); last key of query vectors 8 nq + 2t + e
+    unsigned qh[NQ][NKS][2], ql[NQ][NKS][2];
+    int last[NQ][2], first[EXT ? NQ : 1][2];
+#pragma unroll
+    for (int nq = 0; nq < NQ; ++nq) {
+        ad_load_q<HD>(q, positions, r0 + 8 * nq + g, MG, G, n_heads, hk, max_ctx, t, qscale, qh[nq], ql[nq]);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int qi = r0 + 8 * nq + 2 * t + e;
+            last[nq][e] = (qi < MG) ? min(min(positions[qi / G], max_ctx - 1), end - 1) : -1;
+            if constexpr (EXT) first[nq][e] = (qi < MG) ? decode_first(positions[qi / G], max_ctx, window) : 0;
+        }
+    }
 
     float o[NQ][NMT][4];  // O^T: [m-tile][rows g, g (q 2t+1), g+8, g+8 (q 2t+1)]
     float mrow[NQ][2], lrow[NQ][2];
@@ -405,14 +433,9 @@ attn_decode_tc_kernel(const float* __restrict__ q, const unsigned short* __restr
         }
     }
 
-    const int nsteps = (end - start + 15) >> 4;
+    if (step < nsteps) load_v(start + 16 * step);
     const unsigned sel = (g & 1) ? 0x7632u : 0x5410u;  // query vector g: odd -> high halves
     const int src0 = 8 * t + (g >> 1), src1 = src0 + 4;  // lanes holding keys 2t (2t+8), 2t+1 (2t+9)
-    int step = warp;
-    if (step < nsteps) {
-        load_k(start + 16 * step);
-        load_v(start + 16 * step);
-    }
 #pragma unroll 1
     for (; step < nsteps; step += W) {
         const int j0 = start + 16 * step;
@@ -610,14 +633,26 @@ attn_decode_split_kernel(const float* __restrict__ q, const unsigned short* __re
     const int hk = blockIdx.x, split = blockIdx.y;
     const int G = n_heads / n_kv;
     const int QT = M * n_heads;
-    pdl_wait();  // q, positions and the cache come from earlier kernels
-    pdl_trigger();
+    // Before pdl_wait, only what no kernel of this step writes (the positions, copied from the host before the
+    // step): the split, and an L2 prefetch of this warp's first KB keys and values (a prefetch holds no register
+    // and leaves nothing in L1; a key the kernel before rewrites is read after the wait, coherent in L2).
     const int L = decode_len(positions, M, max_ctx);
     const int lo = decode_lo(positions, M, max_ctx, window);
     static_assert(ALIGN % (ATTN_WARPS * KB) == 0 && ATTN_CHUNK_ALIGN % ALIGN == 0 && ALIGN >= ATTN_SIMT_ALIGN,
                   "SIMT splits: whole warp steps, an alignment the combine kernel's count covers");
     const int chunk = decode_chunk(L - lo, n_splits, ALIGN);
     const int start = lo + split * chunk;
+    if (start < L && lane < 2 * KB) {
+        const int j = start + warp * KB + lane % KB;
+        if (j < min(L, start + chunk)) {
+            const char* row = reinterpret_cast<const char*>((lane < KB ? k_cache : v_cache) +
+                                                            ((u64)hk * max_ctx + j) * HD);
+#pragma unroll
+            for (int b = 0; b < HD * 2; b += 128) prefetch_l2(row + b);
+        }
+    }
+    pdl_wait();  // q and this step's own keys come from the kernel before
+    pdl_trigger();
     if (start >= L) {  // the same for the whole block
         const int qi = blockIdx.z * QB + threadIdx.x;
         if constexpr (FUSED) {
