@@ -400,7 +400,7 @@ def _time_paths(eng, paths, timer, decode_once, floor: float, ks, context: int, 
         eng.set_path(name)
         step = timer.time(decode_once, repeats)
         r = PathResult(name, step * 1e3, step / floor, floor / step)
-        if name == "fused":
+        if name.startswith("fused"):
             r.fallbacks = {op: why for op, why in eng.fused_plan(1).items() if why}
         for k in ks:
             def verify_once(d=drafts[k]):

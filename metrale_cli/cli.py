@@ -979,7 +979,8 @@ def bench(
     paths: Annotated[Optional[str], typer.Option(
         "--path", metavar="NAME,NAME,...",
         help="CUDA rows-path variants to time side by side in this run: rows (today's kernels: the ring GEMV with "
-             "PDL), fused (rope + KV append in the qkv GEMV), rows-stream (the default until 2026-12-04), rows-fma "
+             "PDL), fused (rope + KV append inside the attention kernel), fused-cluster (fused, the attention's "
+             "combine in a thread-block cluster: one launch), rows-stream (the default until 2026-12-04), rows-fma "
              "(the projections of before the streaming GEMV). The figures above the table are taken on the first.",
         show_default=False)] = None,
     fmt: FormatOpt = None,
@@ -1012,7 +1013,7 @@ def bench(
         raise UsageError(f"--ks values must be at least 1, got '{ks}'")
     path_list = tuple(p for p in (paths or "").replace(",", " ").split())
     if paths is not None and not path_list:
-        raise UsageError("--path needs at least one name (rows, fused, rows-stream, rows-fma)")
+        raise UsageError("--path needs at least one name (rows, fused, fused-cluster, rows-stream, rows-fma)")
     chosen = resolve_device(device)
     path_list = bench_mod.check_paths(path_list, chosen)
     name = preset or ("llama-3.1-8b" if chosen == "cuda" else "tiny-llama")

@@ -1,7 +1,7 @@
 """Per-kernel time breakdown of the CUDA decode step (M = 1), on each rows path (issue 16's closing note).
 
 For every launch kind of one decode step (per layer: the qkv GEMV, rope + KV append, the attention split
-kernel and its combine, the o / gate_up / down GEMVs; the fused path's qkv+rope+append and fused attention;
+kernel and its combine, the o / gate_up / down GEMVs; the fused path's split kernel with rope + KV append;
 per step: the final norm, lm_head, the bf16 rounding of the logits, argmax) it captures one CUDA graph of
 that launch over all L layers in order (each with its own layer's weights and KV cache, so L2 cannot
 serve the weights), times `--repeats` replays with CUDA events and reports the median per launch, beside
@@ -91,14 +91,9 @@ def layer_ops(eng, path: str):
         lw, layer = w.layers[i], defs[i]
         p.rope_kv_append(qkv, i, layer.attention, lw.get("q_norm"), lw.get("k_norm"), layer.norm)
 
-    def qkv_fused(i):
-        lw, layer = w.layers[i], defs[i]
-        fp.linear(x, lw["qkv"], lw.get("qkv_bias"), out="qkv", norm=(lw["input_norm"], layer.norm))
-        fp.rope_kv_append(qkv, i, layer.attention, lw.get("q_norm"), lw.get("k_norm"), layer.norm)
-
-    def q_of(path_):
+    def q_of(path_):  # one row: rope_kv_append rotates q in place in the qkv row, on every path
         a = defs[0].attention
-        return (qkv[:, :a.q_size].reshape(1, a.num_heads, a.head_dim) if path_ != "fused" else eng._q[:1])
+        return qkv[:, :a.q_size].reshape(1, a.num_heads, a.head_dim)
 
     def attn_part(only):
         def run(i):
@@ -110,6 +105,19 @@ def layer_ops(eng, path: str):
 
     def attn_fused(i):
         fp.attention(q_of("fused"), i, defs[i].attention)
+
+    def rope_fits(i):
+        a = defs[i].attention
+        return k.rope_fits(a.head_dim, a.num_heads, a.num_kv_heads, _window(eng, a), a.softcap) is None
+
+    def attn_rope(only, cluster=False):  # the fused paths at one row: rope + KV append in the split kernel
+        def run(i):
+            a, layer = defs[i].attention, defs[i]
+            rope = fp.rope_args(a, w.layers[i].get("q_norm"), w.layers[i].get("k_norm"), layer.norm)
+            k.attention_decode(qkv.reshape(1, -1, a.head_dim), eng._kc[i], eng._vc[i], p.pos, eng._attn[:1], a.scale,
+                               n_splits=eng._splits[1], workspace=eng._ws, rope=rope, only=only, cluster=cluster,
+                               stream=eng.stream)
+        return run
 
     def o(i):
         lw = w.layers[i]
@@ -133,15 +141,21 @@ def layer_ops(eng, path: str):
         ("attention combine", 1, lambda i: 0, attn_part("combine")),
     ]
     common += moe_ops(eng, p, x, nb)
-    if path == "fused":
+    qkv_op = ("qkv GEMV (norm)", 1, lambda i: nb(lw(i, "qkv"), lw(i, "qkv_bias"), lw(i, "input_norm")), qkv_rows)
+    if path == "fused-cluster" and all(rope_fits(i) for i in range(len(defs))):
+        return [qkv_op, ("attention (rope, KV, cluster)", 1, kv_bytes, attn_rope(None, cluster=True))] + common
+    if path.startswith("fused") and all(rope_fits(i) for i in range(len(defs))):
+        return [
+            qkv_op,
+            ("attention split + rope + KV", 1, kv_bytes, attn_rope("split")),
+            ("attention combine", 1, lambda i: 0, attn_rope("combine")),
+        ] + common
+    if path.startswith("fused"):  # the rows path's launches at one row (rope_fits: e.g. a SIMT head_dim)
         attention = ([("attention, combine fused", 1, kv_bytes, attn_fused)] if fp.plan["attention"] is None
                      else split_combine)  # split + combine unless --fused-attention (set_fused_attention)
-        return [
-            ("qkv GEMV + rope + KV append", 1, lambda i: nb(lw(i, "qkv"), lw(i, "qkv_bias"), lw(i, "input_norm")),
-             qkv_fused),
-        ] + attention + common
+        return [qkv_op, ("rope + KV append", 1, lambda i: 0, rope)] + attention + common
     return [
-        ("qkv GEMV (norm)", 1, lambda i: nb(lw(i, "qkv"), lw(i, "qkv_bias"), lw(i, "input_norm")), qkv_rows),
+        qkv_op,
         ("rope + KV append", 1, lambda i: 0, rope),
     ] + split_combine + common
 

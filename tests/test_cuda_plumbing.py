@@ -232,8 +232,25 @@ class FakeKernels:
         return out
 
     def attention_decode(self, q, k_cache, v_cache, positions, out, scale, *, n_splits=None, workspace=None,
-                         window=None, softcap=None, counters=None, only=None, stream=None):
+                         window=None, softcap=None, counters=None, only=None, rope=None, cluster=False, stream=None):
+        assert not cluster or rope is not None
+        if rope is not None:  # q: the unrotated qkv row; rope + KV append first, as the split kernel's prologue
+            assert q.shape[0] == 1 and counters is None and window is None and softcap is None
+            nkv, d = k_cache.shape[0], k_cache.shape[2]
+            assert self.rope_fits(d, q.shape[1] - 2 * nkv, nkv) is None
+            q_rot = np.empty((1, q.shape[1] - 2 * nkv, d), np.float32)
+            FakeKernels.rope_kv_append(self, np.asarray(q).reshape(1, -1), positions, rope["inv_freq"], q_rot, k_cache,
+                                       v_cache, rope["q_norm"], rope["k_norm"], rope["eps"],
+                                       attention_scaling=rope["attention_scaling"], norm_offset=rope["norm_offset"],
+                                       rotary_dim=rope["rotary_dim"])
+            q = q_rot
         out[...] = self._attend(q, k_cache, v_cache, positions, scale, window, softcap)
+
+    def rope_fits(self, head_dim, n_heads, n_kv, window=None, softcap=None):
+        from metrale_cli.backends.cuda.kernels.tuning import DECODE_TC_HEAD_DIMS
+
+        ok = head_dim in DECODE_TC_HEAD_DIMS and n_heads // n_kv <= 8 and not window and not softcap
+        return None if ok else "not in the fake either"
 
     # the fused rows path: the same contracts, and its counters stay zero
     def qkv_rope_fusable(self, m, impl="auto"):
@@ -243,6 +260,9 @@ class FakeKernels:
         pass
 
     def load_fused_attention(self):
+        pass
+
+    def load_cluster_attention(self):
         pass
 
     def check_counters(self, counters, what="fused kernels"):
@@ -396,7 +416,7 @@ def test_fused_path_matches_the_rows_path_and_the_numpy_engine(name):
         cpu.decode(t)
         want.append(rows(cpu, cpu.decode_logits_ptr(), 1)[0])
     out = {}
-    for path in ("rows", "fused"):
+    for path in ("rows", "fused", "fused-cluster"):
         with fake_engine(name) as gpu:
             gpu.set_path(path)
             assert gpu.path == path
@@ -420,20 +440,24 @@ def test_fused_path_matches_the_rows_path_and_the_numpy_engine(name):
         assert rel(ver, out[path]) < 1e-3
         assert rel(after, out[path][2]) < 1e-3
         layers = cpu.cfg.num_hidden_layers * len(steps)
-        if path == "fused":
-            assert "rope_kv_append" not in calls and calls.count("gemv_qkv_rope") >= layers  # longrope: recomputes
+        if path != "rows":  # one row: rope + KV append inside the attention split kernel where it fits
+            a = gpu.cfg.definition.layers[0].attention
+            if gpu.kern.rope_fits(a.head_dim, a.num_heads, a.num_kv_heads, a.window, a.softcap) is None:
+                assert "rope_kv_append" not in calls and "gemv_qkv_rope" not in calls
             plan = gpu.fused_plan(1)
-            assert plan["qkv_rope"] is None and "measured slower" in plan["attention"]  # split + combine kept
+            assert "attention split kernel" in plan["qkv_rope"] and "measured slower" in plan["attention"]
+            assert gpu.fused_plan(2)["qkv_rope"] is None  # verify rows: the qkv GEMV's rope epilogue
         else:
             assert calls.count("rope_kv_append") >= layers and "gemv_qkv_rope" not in calls
-    assert np.array_equal(out["rows"], out["fused"])
+    assert np.array_equal(out["rows"], out["fused"]) and np.array_equal(out["rows"], out["fused-cluster"])
 
 
 def test_path_option_is_checked(monkeypatch):
-    assert cuda_engine.check_path(" Fused ") == "fused" and cuda_engine.ROWS_PATHS == ("rows", "fused", "rows-stream", "rows-fma")
+    assert cuda_engine.check_path(" Fused ") == "fused" and cuda_engine.ROWS_PATHS == (
+        "rows", "fused", "fused-cluster", "rows-stream", "rows-fma")
     from metrale_cli.errors import UsageError
 
-    with pytest.raises(UsageError, match="choose from rows, fused, rows-stream, rows-fma"):
+    with pytest.raises(UsageError, match="choose from rows, fused, fused-cluster, rows-stream, rows-fma"):
         cuda_engine.check_path("megakernel")
     monkeypatch.setenv(cuda_engine.PATH_ENV, "fused")
     assert cuda_engine.default_path() == "fused"
@@ -470,7 +494,7 @@ def test_longrope_switch_recomputes_the_cache():
 
 
 @pytest.mark.parametrize("path,m,k,n,norm,want", [
-    ("rows-stream", 1, 4096, 6144, True, "gemv_stream"), ("fused", 1, 4096, 6144, True, "gemv_stream"),
+    ("rows-stream", 1, 4096, 6144, True, "gemv_stream"), ("fused", 1, 4096, 6144, True, "gemv_ring"),
     ("rows-stream", 1, 4096, 6144, False, "gemv"), ("rows-stream", 1, 2048, 5120, True, "gemv"),
     ("rows-stream", 1, 4104, 6144, True, "gemv"), ("rows-stream", 2, 4096, 6144, True, "gemv"),
     ("rows-stream", 3, 4096, 6144, True, "gemv_tc"),

@@ -185,6 +185,84 @@ def test_fused_attention_without_any_key_is_nan(cp, kernels, seed):
     counters_zero(cp, counters, seed)
 
 
+# -- rope + KV append in the attention split kernel (one row) ---------------------------------------------------
+
+ROPE_CASES = [
+    # hd, n_kv, G, key position p (the row's), max_ctx, rot (None: all dims), q/k norm
+    (128, 8, 4, 1024, 1100, None, False),  # llama-3.1-8b's heads: p alone in the last split
+    (128, 8, 4, 3000, 4096, None, True),   # qwen3-like, 47 splits
+    (128, 2, 8, 700, 1024, 96, False),     # partial rotary (phi-4-mini: 96 of 128), 8 query heads per KV head
+    (64, 4, 2, 63, 256, None, False),      # p at the end of a 64-key split
+    (64, 4, 2, 64, 256, None, True),       # p first in a split
+    (32, 2, 4, 0, 64, None, False),        # p = 0: the only key is the new one
+    (128, 1, 1, 200, 256, None, False),
+]
+
+
+@pytest.mark.parametrize("cluster", [False, True])
+@pytest.mark.parametrize("hd,n_kv,G,p,max_ctx,rot,qk_norm", ROPE_CASES)
+def test_attention_with_rope_equals_rope_then_attention(cp, kernels, rng, seed, hd, n_kv, G, p, max_ctx, rot, qk_norm,
+                                                        cluster):
+    """attention_decode(rope=...) on the unrotated qkv row (the fused path's one-row attention: q rotated in each
+    split block, k/v appended by the block whose split holds the position; `cluster`: the combine in the block
+    cluster, one launch) against rope_kv_append then
+    attention_decode on the same fresh data: the same output (the same rope code, to 2e-5), the same cache (the
+    appended row within one bf16 step, the rest untouched), and against a float64 reference."""
+    nh = n_kv * G
+    slots = nh + 2 * n_kv
+    eps, scale = 1e-5, hd ** -0.5
+    assert kernels.rope_fits(hd, nh, n_kv) is None
+    qkv = cp.asarray(rng.standard_normal((1, slots * hd), dtype=np.float32))
+    kb, _ = rand_bf16(rng, (n_kv, max_ctx, hd))
+    vb, _ = rand_bf16(rng, (n_kv, max_ctx, hd))
+    qn, kn = (cp.asarray(rand_bf16(rng, (hd,))[0]), cp.asarray(rand_bf16(rng, (hd,))[0])) if qk_norm else (None, None)
+    inv = cp.asarray(inv_freq_default(hd if rot is None else rot, 10000.0))
+    pos = cp.asarray(np.array([p], np.int32))
+    rope = dict(inv_freq=inv, q_norm=qn, k_norm=kn, eps=eps, attention_scaling=1.07, norm_offset=0.0, rotary_dim=rot)
+    s = kernels.decode_splits(max_ctx, n_kv, 1, nh)
+    ws = cp.full(kernels.decode_workspace_size(1, nh, hd, s), np.nan, dtype=cp.float32)
+
+    kc_a, vc_a = cp.asarray(kb), cp.asarray(vb)
+    q_a = nan_like(cp, (1, nh, hd))
+    kernels.rope_kv_append(qkv, pos, inv, q_a, kc_a, vc_a, qn, kn, eps, attention_scaling=1.07, rotary_dim=rot)
+    a = nan_like(cp, (1, nh, hd))
+    kernels.attention_decode(q_a, kc_a, vc_a, pos, a, scale, n_splits=s, workspace=ws)
+
+    kc_b, vc_b = cp.asarray(kb), cp.asarray(vb)
+    qkv0 = qkv.copy()
+    b = nan_like(cp, (1, nh, hd))
+    kernels.attention_decode(qkv.reshape(1, slots, hd), kc_b, vc_b, pos, b, scale, n_splits=s, workspace=ws, rope=rope,
+                             cluster=cluster)
+    cp.cuda.Device().synchronize()
+    assert cp.array_equal(qkv, qkv0), "the qkv row must stay unrotated"
+    # the same rope code, inlined in two kernels: q may differ in its last bit, and so its bf16 hi/lo split (the
+    # cluster: DECODE_CLUSTER splits merged in another order than the split + combine pair's)
+    assert rel_err(cp.asnumpy(b), cp.asnumpy(a), seed) <= 2e-5
+    others = [j for j in range(max_ctx) if j != p]
+    for got, want, init in ((kc_b, kc_a, kb), (vc_b, vc_a, vb)):
+        g, w_ = cp.asnumpy(got), cp.asnumpy(want)
+        assert np.array_equal(g[:, others], init[:, others]), f"seed={seed}: the kernel wrote outside position {p}"
+        d = np.abs(g[:, p].astype(np.int32) - w_[:, p].astype(np.int32))
+        assert int(d.max()) <= 1, f"seed={seed}: the appended row differs by more than one bf16 step"
+    kf = (cp.asnumpy(kc_b).astype(np.uint32) << 16).view(np.float32)
+    vf = (cp.asnumpy(vc_b).astype(np.uint32) << 16).view(np.float32)
+    ref = ref_attention(cp.asnumpy(q_a), kf, vf, np.array([p], np.int32), scale)
+    assert rel_err(cp.asnumpy(b), ref, seed) <= 1e-3
+
+
+def test_attention_rope_refuses_what_it_cannot_do(cp, kernels):
+    assert kernels.rope_fits(96, 32, 32) is not None and kernels.rope_fits(256, 8, 4) is not None
+    assert kernels.rope_fits(128, 32, 2) is not None  # 16 query heads per KV head
+    assert kernels.rope_fits(128, 32, 8, window=512) is not None and kernels.rope_fits(128, 32, 8, softcap=50.0)
+    hd, n_kv, nh, max_ctx = 64, 2, 4, 128
+    kc = cp.zeros((n_kv, max_ctx, hd), cp.uint16)
+    rope = dict(inv_freq=cp.asarray(inv_freq_default(hd, 1e4)))
+    qkv = cp.ones((2, nh + 2 * n_kv, hd), cp.float32)
+    out = cp.zeros((2, nh, hd), cp.float32)
+    with pytest.raises(ValueError, match="rope in the split kernel"):  # two rows
+        kernels.attention_decode(qkv, kc, kc.copy(), cp.asarray(np.array([3, 4], np.int32)), out, 0.1, rope=rope)
+
+
 # -- the engine ------------------------------------------------------------------------------------------------
 
 BASE = dict(vocab_size=1003, hidden_size=256, intermediate_size=344, num_hidden_layers=3,
@@ -209,27 +287,32 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-def gpu_engine(path, ctx=160, fused=True, fused_attention=False, **kw):
-    """fused: the engine on the fused path, whose attention is split + combine unless fused_attention
-    (set_fused_attention: the combine in the last split block, off by default since the H200 run)."""
+def gpu_engine(path, ctx=160, fused=True, fused_attention=False, variant="fused", **kw):
+    """fused: the engine on the fused path (`variant`: "fused" or "fused-cluster"), whose attention is split +
+    combine unless fused_attention (set_fused_attention: the combine in the last split block, off by default since
+    the H200 run); one row rotates in the attention kernel, more rows in the qkv GEMV."""
     e = open_model(path, device="cuda", max_context=ctx, fp32_logits=True).engine
     if fused:
-        e.set_path("fused")
+        e.set_path(variant)
         if fused_attention:
             e.set_fused_attention(True)
-        plan = e.fused_plan(1)
-        assert e.path == "fused" and plan["qkv_rope"] is None
-        assert (plan["attention"] is None) == fused_attention
+        assert e.path == variant and e.fused_plan(2)["qkv_rope"] is None
+        assert "attention split kernel" in e.fused_plan(1)["qkv_rope"]
+        assert (e.fused_plan(1)["attention"] is None) == fused_attention
     for k, v in kw.items():
         setattr(e, k, v)
     return e
 
 
+VARIANTS = ["fused", "fused-cluster"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("name", list(ARCHS))
-def test_fused_greedy_matches_rows_path_and_numpy(cp, checkpoints, name, rng):
+def test_fused_greedy_matches_rows_path_and_numpy(cp, checkpoints, name, rng, variant):
     path = checkpoints[name]
     cpu = open_model(path, device="cpu", max_context=160, fp32_logits=True).engine
-    fused, plain = gpu_engine(path), gpu_engine(path, fused=False)
+    fused, plain = gpu_engine(path, variant=variant), gpu_engine(path, fused=False)
     prompt = [int(t) for t in rng.integers(0, cpu.vocab_size(), 12)]
     a = decoding.run_decode(cpu, prompt, 24, keep_rows=True)
     b = decoding.run_decode(fused, prompt, 24, keep_rows=True)
@@ -268,9 +351,11 @@ def test_fused_attention_option_matches_rows_path(cp, checkpoints, name, rng):
     assert rel(out["fused"], out["rows"]) <= 1e-4 and rel(out["fused+attn"], out["rows"]) <= 1e-4
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
-def test_fused_graph_replay_equals_eager(cp, checkpoints, name, rng):
-    g, e = gpu_engine(checkpoints[name], 64), gpu_engine(checkpoints[name], 64, use_graphs=False)
+def test_fused_graph_replay_equals_eager(cp, checkpoints, name, rng, variant):
+    g = gpu_engine(checkpoints[name], 64, variant=variant)
+    e = gpu_engine(checkpoints[name], 64, use_graphs=False, variant=variant)
     prompt = [int(t) for t in rng.integers(0, g.vocab_size(), 7)]
     drafts = [int(t) for t in rng.integers(0, g.vocab_size(), 4)]
     out = []
@@ -288,10 +373,11 @@ def test_fused_graph_replay_equals_eager(cp, checkpoints, name, rng):
     assert out[0] == out[1]
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("name", ["llama", "qwen3", "mistral"])
 @pytest.mark.parametrize("k", [1, 2, 4, 8, 15])
-def test_fused_verify_equals_sequential_and_trim(cp, checkpoints, name, k, rng):
-    gpu = gpu_engine(checkpoints[name])
+def test_fused_verify_equals_sequential_and_trim(cp, checkpoints, name, k, rng, variant):
+    gpu = gpu_engine(checkpoints[name], variant=variant)
     prompt = [int(t) for t in rng.integers(0, gpu.vocab_size(), 9)]
     drafts = [int(t) for t in rng.integers(0, gpu.vocab_size(), k)]
     gpu.prefill(prompt)
@@ -311,7 +397,7 @@ def test_fused_verify_equals_sequential_and_trim(cp, checkpoints, name, k, rng):
     keep = int(rng.integers(0, k + 1))
     gpu.trim(len(prompt) + keep)
     gpu.decode(3)
-    fresh = gpu_engine(checkpoints[name], 64)
+    fresh = gpu_engine(checkpoints[name], 64, variant=variant)
     fresh.prefill(prompt)
     if keep:
         fresh.verify(drafts[:keep])
@@ -321,12 +407,13 @@ def test_fused_verify_equals_sequential_and_trim(cp, checkpoints, name, k, rng):
     fresh.check_fused()
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
-def test_fused_long_context_crosses_many_splits(cp, checkpoints, name, rng):
+def test_fused_long_context_crosses_many_splits(cp, checkpoints, name, rng, variant):
     """3000 cached positions in a 4096 cache: 64 splits of which 47 hold keys at M = 1 (two combine
-    batches), 17 at M = 8; fused vs rows path vs the NumPy engine."""
+    batches; fused-cluster: 16 splits of 192 keys), 17 at M = 8; fused vs rows path vs the NumPy engine."""
     path = checkpoints[name]
-    fused, plain = gpu_engine(path, 4096), gpu_engine(path, 4096, fused=False)
+    fused, plain = gpu_engine(path, 4096, variant=variant), gpu_engine(path, 4096, fused=False)
     cpu = open_model(path, device="cpu", max_context=4096, fp32_logits=True).engine
     assert fused.kern.decode_splits(4096, 2, 1, 4) >= 48  # 64 on 132 SMs
     prompt = [int(t) for t in rng.integers(0, fused.vocab_size(), 3000)]

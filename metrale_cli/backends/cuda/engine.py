@@ -59,12 +59,16 @@ from .passes import FusedRowsPass, PrefillPass, RowsPass, fused_plan
 # - "rows-stream": the default until 2026-12-04 (the streaming GEMV for the normed qkv, gemv.cu for the other
 #   one-row projections, PDL only for mixtures of experts), kept to time the old step beside the new one;
 # - "rows-fma": the projections of before the streaming GEMV (gemv_impl "simt+tc");
-# - "fused": FusedRowsPass, rope + KV append in the qkv GEMV's epilogue (attention split + combine as on the rows
-#   path: the combine fused into the split kernel's last block measured slower, 14.4 us vs 9.4 us per layer at
-#   1024 context, and is taken only with set_fused_attention(True)).
-ROWS_PATHS = ("rows", "fused", "rows-stream", "rows-fma")
-PATH_GEMV_IMPL = {"rows": "ring", "fused": "auto", "rows-stream": "auto", "rows-fma": "simt+tc"}
-PATH_PDL = {"rows"}  # the paths that launch with PDL whatever the model (the others: mixtures of experts only)
+# - "fused": FusedRowsPass, the rows path with rope + KV append in the qkv GEMV's epilogue (the ring GEMV's at one
+#   row: gemv_ring_qkv_rope_kernel), one launch fewer per layer; attention split + combine as on the rows path (the
+#   combine fused into the split kernel's last block measured slower, 14.4 us vs 9.4 us per layer at 1024 context,
+#   and is taken only with set_fused_attention(True)).
+# - "fused-cluster": "fused" whose one-row attention is a single launch: the split blocks of a KV head form one
+#   thread-block cluster and merge their splits through distributed shared memory (no combine launch).
+ROWS_PATHS = ("rows", "fused", "fused-cluster", "rows-stream", "rows-fma")
+FUSED_PATHS = ("fused", "fused-cluster")  # FusedRowsPass
+PATH_GEMV_IMPL = {"rows": "ring", "fused": "ring", "fused-cluster": "ring", "rows-stream": "auto", "rows-fma": "simt+tc"}
+PATH_PDL = {"rows", *FUSED_PATHS}  # launch with PDL whatever the model (the others: mixtures of experts only)
 DEFAULT_PATH = "rows"
 PATH_ENV = "METRALE_CUDA_PATH"
 
@@ -243,10 +247,12 @@ class CudaEngine(EngineBase):
         if self.tp is not None and path != DEFAULT_PATH:
             raise UsageError(f"the CUDA '{path}' path does not run under --tp yet (a rank runs the rows path)")
         self.synchronize()
-        if path == "fused" and self._qkv_counters is None:
+        if path in FUSED_PATHS and self._qkv_counters is None:
             cp, cfg = self.cp, self.cfg
             try:
                 self.kern.load_fused()
+                if path == "fused-cluster":
+                    self.kern.load_cluster_attention()
             except Exception as e:
                 raise DeviceError(f"cannot compile the fused rows-path kernels ({type(e).__name__}: "
                                   f"{str(e).splitlines()[0] if str(e) else ''})") from None
@@ -288,7 +294,7 @@ class CudaEngine(EngineBase):
         """On the fused path: raise DeviceError unless every last-block counter is back at zero (a launch
         whose block count went wrong leaves one non-zero, and its outputs unwritten).  Synchronises.  The
         engine checks after the eager warm-up of every graph it captures; tests and bench after their runs."""
-        if self.path != "fused" or self._qkv_counters is None:
+        if self.path not in FUSED_PATHS or self._qkv_counters is None:
             return
         self.synchronize()
         try:
@@ -408,7 +414,7 @@ class CudaEngine(EngineBase):
         """The whole forward of m rows at positions io[1, :m] (engine/loop.py over RowsPass); every launch
         is capturable. Then lm_head into the decode or rows logits buffer."""
         cfg, k, w, s = self.cfg, self.kern, self.w, self.stream
-        rows_pass = FusedRowsPass if self.path == "fused" else RowsPass  # the others: RowsPass, gemv_impl
+        rows_pass = FusedRowsPass if self.path in FUSED_PATHS else RowsPass  # the others: RowsPass, gemv_impl
         h = decoder_forward(rows_pass(self, m, tap), cfg.definition, w)
         self._hidden[0] = h[m - 1]
         out = self._decode_logits if kind == "decode" else self._rows_logits[:m]

@@ -17,9 +17,10 @@ keys some row sees are read) and the score softcap in both attention kernels, an
 as a projection into `h` followed by one norm-and-add launch (rmsnorm_add).  What the kernels lack is
 refused before any pass runs (engine.unsupported_features).
 
-`FusedRowsPass` (engine path "fused", `CudaEngine.set_path`) is RowsPass with two launches fewer per
-layer: rope + KV append in the qkv GEMV's epilogue and the attention combine in the split kernel's last
-block; `fused_plan` is the one place that decides what it fuses for a row count.
+`FusedRowsPass` (engine path "fused", `CudaEngine.set_path`) is RowsPass with one launch fewer per layer:
+rope + KV append in the attention split kernel (one row) or in the qkv GEMV's epilogue (verify), and, on
+request, the attention combine in the split kernel's last block; `fused_plan` is the one place that decides
+what it fuses for a row count.
 """
 
 from __future__ import annotations
@@ -170,34 +171,43 @@ ATTENTION_UNFUSED = ("split + combine (the combine in the last split block measu
                      "vs 9.4 us per layer at 1024 context; CudaEngine.set_fused_attention)")
 
 
+# Why the fused path rotates one row in the attention kernel, not in the qkv GEMV.
+ROPE_IN_ATTENTION = ("one row: rope + KV append run in the attention split kernel where Kernels.rope_fits (the qkv "
+                     "GEMV's rope epilogue measured no faster on the ring GEMV: 19.4 vs 17.5 + 2.2 us per layer)")
+
+
 def fused_plan(engine: CudaEngine, m: int) -> dict[str, str | None]:
     """What the fused rows path fuses for m rows, decided here and only here: {op: None (fused) or why
     it runs the rows path's launches instead}.  "qkv_rope": the qkv GEMV with rope + KV append in its
-    epilogue (gemv_qkv_rope), "attention": the split kernel with its combine (attention_decode with
-    counters), only with engine.fused_attention (set_fused_attention; off by default: measured slower).
-    Every model feature of the rows path is in the fused kernels (they call the same rope and merge code:
-    partial rotary, longrope factors, q/k norms, qkv bias, windows, softcaps, every head_dim); what is
+    epilogue (gemv_qkv_rope), from 2 rows on (one row: rope + KV append in the attention split kernel instead,
+    per layer where Kernels.rope_fits, else rope_kv_append); "attention": the split kernel with its combine
+    (attention_decode with counters), only with engine.fused_attention (set_fused_attention; off by default:
+    measured slower).  Every model feature of the rows path is in the fused kernels (they call the same rope and
+    merge code: partial rotary, longrope factors, q/k norms, qkv bias, windows, softcaps, every head_dim); what is
     missing is a fused qkv instance of the fp32-FMA GEMV's shared-memory variant (gemv_impl "simt" from 9
     rows on)."""
-    return {"qkv_rope": engine.kern.qkv_rope_fusable(m, engine.gemv_impl),
+    return {"qkv_rope": ROPE_IN_ATTENTION if m == 1 else engine.kern.qkv_rope_fusable(m, engine.gemv_impl),
             "attention": None if getattr(engine, "fused_attention", False) else ATTENTION_UNFUSED}
 
 
 class FusedRowsPass(RowsPass):
-    """The rows path with fewer launches per layer (engine path "fused"): the qkv GEMV (norm fused) also
-    rotates q/k and appends k/v to the cache in the block that finishes each head (gemv_qkv_rope); the
-    attention is the rows path's split + combine unless engine.fused_attention (then the split kernel
-    merges its splits in the last block to finish: no combine launch).  Per dense layer: qkv+rope+append,
-    attention split, combine, o(+=), gate_up(norm, act), down(+=) = 6 launches (rows: 7; 5 with
-    fused_attention).
-    The deferred qkv projection: `linear(out="qkv")` records its operands, `rope_kv_append` launches the
-    fused kernel (decoder_forward always calls them in that order).  Values equal the rows path's (the
-    same arithmetic in the same order), which tests/gpu/test_fused_path.py checks."""
+    """The rows path with fewer launches per layer (engine path "fused").  One row (decode): the attention split
+    kernel rotates q itself and appends k/v to the cache (attention_decode with `rope`) where Kernels.rope_fits
+    (tensor-core head dims, no window / softcap), so per dense layer: qkv, attention split (+ rope + append),
+    combine, o(+=), gate_up(norm, act), down(+=) = 6 launches (rows: 7).  From 2 rows (verify): the qkv GEMV
+    (norm fused) also rotates q/k and appends k/v in the block that finishes each head (gemv_qkv_rope).  The
+    attention is split + combine unless engine.fused_attention (then the split kernel merges its splits in the
+    last block to finish: no combine launch).
+    The deferred launches: `linear(out="qkv")` records its operands and `rope_kv_append` launches the fused GEMV
+    (2+ rows), or `rope_kv_append` records the rope and `attention` launches it (one row); decoder_forward always
+    calls them in that order.  Values equal the rows path's within fp32 rounding (the same rope code, rope_kv_slot;
+    the same GEMV), which tests/gpu/test_fused_path.py checks."""
 
     def __init__(self, engine: CudaEngine, m: int, tap: Tap | None = None) -> None:
         super().__init__(engine, m, tap)
         self.plan = fused_plan(engine, m)
         self._qkv_args = None
+        self._rope = None
 
     def linear(self, x, w, bias=None, *, out, norm=None, residual=None, tap=None, reduce=False):
         if out == "qkv" and residual is None and norm is not None and tap is None and self.plan["qkv_rope"] is None:
@@ -205,8 +215,17 @@ class FusedRowsPass(RowsPass):
             return self.buffers["qkv"]  # written by the fused launch in rope_kv_append
         return super().linear(x, w, bias, out=out, norm=norm, residual=residual, tap=tap, reduce=reduce)
 
+    def rope_args(self, a: AttentionSpec, q_norm, k_norm, norm: Norm) -> dict:
+        """attention_decode's `rope`: rope_kv_append's arguments for this layer."""
+        return dict(inv_freq=self.e.inv_freq(a.rope), q_norm=q_norm, k_norm=k_norm, eps=norm.eps,
+                    attention_scaling=a.rope.attention_scaling, norm_offset=norm.offset, rotary_dim=a.rope.dims)
+
     def rope_kv_append(self, qkv, layer: int, a: AttentionSpec, q_norm, k_norm, norm: Norm):
-        if self._qkv_args is None:  # not fused for this row count (fused_plan)
+        if self._qkv_args is None:
+            if self.m == 1 and self.k.rope_fits(a.head_dim, a.num_heads, a.num_kv_heads, _window(self.e, a),
+                                                a.softcap) is None:
+                self._rope = self.rope_args(a, q_norm, k_norm, norm)
+                return qkv  # unrotated: attention rotates it
             return super().rope_kv_append(qkv, layer, a, q_norm, k_norm, norm)
         x, w, bias, (nw, nk) = self._qkv_args
         self._qkv_args = None
@@ -219,10 +238,16 @@ class FusedRowsPass(RowsPass):
         return q
 
     def attention(self, q, layer: int, a: AttentionSpec):
-        if self.plan["attention"] is not None:
-            return super().attention(q, layer, a)
         e, m = self.e, self.m
         attn = e._attn[:m]
+        if self._rope is not None:  # q: the unrotated qkv row
+            rope, self._rope = self._rope, None
+            self.k.attention_decode(q.reshape(1, -1, a.head_dim), e._kc[layer], e._vc[layer], self.pos, attn,
+                                    a.scale, n_splits=e._splits[m], workspace=e._ws, rope=rope,
+                                    cluster=e.path == "fused-cluster", stream=self.s)
+            return attn.reshape(m, a.q_size)
+        if self.plan["attention"] is not None:
+            return super().attention(q, layer, a)
         self.k.attention_decode(q, e._kc[layer], e._vc[layer], self.pos, attn, a.scale, n_splits=e._splits[m],
                                 workspace=e._ws, window=_window(e, a), softcap=a.softcap,
                                 counters=e._attn_counters, stream=self.s)

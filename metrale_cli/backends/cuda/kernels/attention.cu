@@ -112,14 +112,15 @@ __device__ __forceinline__ void decode_mark_empty(float* __restrict__ part_ml, i
 // Dim d of the split partial of query vector qi (< M*G) of KV head hk, from the block's W warps'
 // online-softmax states in shared memory: ml[w][r] = (max, sum), acc[w][r][d] (r: the vector's
 // index in the block); the (max, sum) are written by the thread of d == 0.
-template <int W, int HD, typename ML, typename ACC>
-__device__ __forceinline__ void decode_write_partial(const ML& ml, const ACC& acc, int r, int d, float* part_acc,
-                                                     float* part_ml, int split, int qi, int G, int n_heads, int hk,
-                                                     int QT) {
-    float gm = -METRALE_INF;
+// The block's partial of its query vector r, dim d: returns acc, sets (gm, lsum).
+template <int W, typename ML, typename ACC>
+__device__ __forceinline__ float decode_block_partial(const ML& ml, const ACC& acc, int r, int d, float& gm,
+                                                      float& lsum) {
+    gm = -METRALE_INF;
 #pragma unroll
     for (int w = 0; w < W; ++w) gm = fmaxf(gm, ml[w][r][0]);
-    float a = 0.0f, lsum = 0.0f;
+    float a = 0.0f;
+    lsum = 0.0f;
     if (gm != -METRALE_INF) {
 #pragma unroll
         for (int w = 0; w < W; ++w) {
@@ -128,6 +129,15 @@ __device__ __forceinline__ void decode_write_partial(const ML& ml, const ACC& ac
             lsum = fmaf(ml[w][r][1], f, lsum);
         }
     }
+    return a;
+}
+
+template <int W, int HD, typename ML, typename ACC>
+__device__ __forceinline__ void decode_write_partial(const ML& ml, const ACC& acc, int r, int d, float* part_acc,
+                                                     float* part_ml, int split, int qi, int G, int n_heads, int hk,
+                                                     int QT) {
+    float gm, lsum;
+    const float a = decode_block_partial<W>(ml, acc, r, d, gm, lsum);
     const int m = qi / G, gg = qi - m * G;
     const u64 slot = (u64)split * QT + (u64)m * n_heads + hk * G + gg;
     part_acc[slot * HD + d] = a;
@@ -223,6 +233,76 @@ __device__ __forceinline__ void decode_fused_combine(const float* part_acc, cons
 }
 
 // ---------------------------------------------------------------------------
+// The combine in a thread-block cluster (CL > 0 instances, engine path "fused-cluster").
+//
+// The CL split blocks of a (query block, KV head) form one cluster (launched with cluster dims (1, CL, 1) and
+// gridDim.y = n_splits = CL).  Each block leaves its merged partial (max, sum, acc) per query vector in its own
+// shared memory (a block without keys: (-inf, 0)); after a cluster barrier, block rank c merges outputs c, c + CL,
+// ... (in units of the block's threads) reading every block's partial through distributed shared memory, in
+// split order with the combine kernel's arithmetic; a second barrier keeps every block resident until the others
+// have read it.  No workspace, no counters, no combine launch.
+// ---------------------------------------------------------------------------
+
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+// Every thread of every block of the cluster; release / acquire: shared-memory writes before it are visible to
+// the cluster's reads after it.
+__device__ __forceinline__ void cluster_barrier() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// *p in the shared memory of cluster block `rank` (p: this block's address of the same variable).
+__device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    unsigned r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(r) : "memory");
+    return v;
+}
+
+// The cluster merge of the block's query vectors r0 .. r0 + ROWS - 1 (< MG) into out (see above).  ml / acc: this
+// block's partials in shared memory, [ROWS][2] and [ROWS][HD].  Every thread of the block must call it, once.
+template <int HD, int ROWS, int CL>
+__device__ __forceinline__ void decode_cluster_combine(const float (*ml)[2], const float (*acc)[HD],
+                                                       float* __restrict__ out, int r0, int MG, int G, int n_heads,
+                                                       int hk) {
+    cluster_barrier();
+    const int rows = min(ROWS, MG - r0);
+    for (int idx = (int)(cluster_rank() * blockDim.x + threadIdx.x); idx < rows * HD; idx += CL * blockDim.x) {
+        const int r = idx / HD, d = idx - r * HD;
+        float mv[CL], lv[CL], av[CL];
+#pragma unroll
+        for (int c = 0; c < CL; ++c) {
+            mv[c] = ld_cluster(&ml[r][0], c);
+            lv[c] = ld_cluster(&ml[r][1], c);
+            av[c] = ld_cluster(&acc[r][d], c);
+        }
+        float gm = -METRALE_INF;
+#pragma unroll
+        for (int c = 0; c < CL; ++c)
+            if (lv[c] != 0.0f) gm = fmaxf(gm, mv[c]);
+        float a = 0.0f, lsum = 0.0f;
+        if (gm != -METRALE_INF) {
+#pragma unroll
+            for (int c = 0; c < CL; ++c) {
+                if (lv[c] != 0.0f) {
+                    const float f = exp2f(mv[c] - gm);
+                    a = fmaf(av[c], f, a);
+                    lsum = fmaf(lv[c], f, lsum);
+                }
+            }
+        }
+        out[decode_out_slot(r0 + r, G, n_heads, hk) * HD + d] = a / lsum;  // no key anywhere: 0 / 0 = NaN
+    }
+    cluster_barrier();
+}
+
+// ---------------------------------------------------------------------------
 // Tensor-core split kernel (head_dim 32, 64, 128).
 //
 // Grid (ceil(M*G / (8 NQ)), n_splits, n_kv), ATTN_TC_WARPS warps; a block takes 8 NQ
@@ -282,8 +362,9 @@ __device__ __forceinline__ int ad_vdim(int mt, int r) {
 }
 
 // q fragments (hi, lo) of query vector qi for lane t; returns the last key the vector
-// may see, min(positions[m], max_ctx - 1); a vector past M*G gets zeros and -1.
-template <int HD>
+// may see, min(positions[m], max_ctx - 1); a vector past M*G gets zeros and -1.  ROT (one row): q holds the
+// block's G rotated query heads [G][HD] (shared memory, the ROPE prologue) instead of all of them.
+template <int HD, bool ROT = false>
 __device__ __forceinline__ int ad_load_q(const float* __restrict__ q, const int* __restrict__ positions, int qi,
                                          int MG, int G, int n_heads, int hk, int max_ctx, int t, float qscale,
                                          unsigned (&hi)[HD / 16][2], unsigned (&lo)[HD / 16][2]) {
@@ -293,7 +374,7 @@ __device__ __forceinline__ int ad_load_q(const float* __restrict__ q, const int*
         return -1;
     }
     const int m = qi / G, gg = qi - m * G;
-    const float* qp = q + ((u64)m * n_heads + hk * G + gg) * HD + 8 * t;
+    const float* qp = (ROT ? q + gg * HD : q + ((u64)m * n_heads + hk * G + gg) * HD) + 8 * t;
 #pragma unroll
     for (int ks = 0; ks < HD / 16; ++ks) {
         const int b = 32 * (ks >> 1) + 4 * (ks & 1);
@@ -307,13 +388,25 @@ __device__ __forceinline__ int ad_load_q(const float* __restrict__ q, const int*
 // plain kernel: at head_dim 128, NQ 2 the extra state would spill).
 // FUSED (engine path "fused"): the combine runs in the last split block of each (query block, KV head)
 // to finish (decode_fused_combine): out and counters are used, attn_decode_combine_kernel is not launched.
-template <int HD, int NQ, bool EXT, bool FUSED>
+// ROPE (engine path "fused", one row, NQ 1, G <= 8): rope_kv_append_kernel's work moves in here.  q is then the
+// qkv projection [1, (n_heads + 2 n_kv) head_dim], unrotated: each block rotates (and q-norms) its G query heads
+// into shared memory, and the block whose split holds the row's position rotates its KV head's k and appends
+// k and v to the cache (rope_kv_slot, through k_app / v_app: the caches again) before it reads that key.  The
+// rope arguments are rope_kv_append's; the other instances ignore them.
+// CL > 0 (engine path "fused-cluster"): the combine in the block cluster (decode_cluster_combine): n_splits == CL,
+// out is written here, the workspace is not used.
+template <int HD, int NQ, bool EXT, bool FUSED, bool ROPE, int CL = 0>
 __global__ void __launch_bounds__(ATTN_TC_WARPS * 32, NQ == 1 ? 3 : 2)
 attn_decode_tc_kernel(const float* __restrict__ q, const unsigned short* __restrict__ k_cache,
                       const unsigned short* __restrict__ v_cache, const int* __restrict__ positions,
                       float* __restrict__ part_acc, float* __restrict__ part_ml, int M, int n_heads, int n_kv,
                       int max_ctx, int n_splits, float qscale, int window, float softcap_l2, float* __restrict__ out,
-                      int* __restrict__ counters) {
+                      int* __restrict__ counters, const float* __restrict__ inv_freq,
+                      const unsigned short* __restrict__ q_norm, const unsigned short* __restrict__ k_norm,
+                      unsigned short* k_app, unsigned short* v_app, float rope_eps, int has_q_norm, int has_k_norm,
+                      float attn_scaling, float norm_offset, int rot_dim) {
+    static_assert(!ROPE || (NQ == 1 && !FUSED), "rope in the split kernel: one row, 8 query vectors, unfused");
+    static_assert(CL == 0 || !FUSED, "one combine: the cluster's or the last block's");
     static_assert(HD == 32 || HD == 64 || HD == 128, "tensor-core decode: head_dim 32, 64 or 128");
     static_assert(NQ == 1 || NQ == 2, "8 or 16 query vectors per block");
     constexpr int W = ATTN_TC_WARPS;
@@ -324,6 +417,9 @@ attn_decode_tc_kernel(const float* __restrict__ q, const unsigned short* __restr
     constexpr int VW = HD / 16;   // 32-bit V words per lane per key (= NMT)
     __shared__ float s_o[W][ROWS][HD + 1];  // +1: the fragment-order stores hit distinct banks
     __shared__ float s_ml[W][ROWS][2];
+    __shared__ float s_q[ROPE ? ROWS : 1][ROPE ? HD : 1];  // ROPE: the block's rotated query heads
+    __shared__ float s_cml[CL ? ROWS : 1][2];                // CL: the block's partials for the cluster
+    __shared__ float s_cacc[CL ? ROWS : 1][CL ? HD : 1];
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -340,7 +436,13 @@ attn_decode_tc_kernel(const float* __restrict__ q, const unsigned short* __restr
     if (start >= L) {  // the same for the whole block
         pdl_wait();
         pdl_trigger();
-        if constexpr (FUSED) {
+        if constexpr (CL > 0) {
+            if (threadIdx.x < ROWS) {
+                s_cml[threadIdx.x][0] = -METRALE_INF;
+                s_cml[threadIdx.x][1] = 0.0f;
+            }
+            decode_cluster_combine<HD, ROWS, CL>(s_cml, s_cacc, out, r0, MG, G, n_heads, hk);
+        } else if constexpr (FUSED) {
             if (L == lo && split == 0) decode_fused_no_key(out, r0, ROWS, MG, G, n_heads, hk, HD);
         } else if (threadIdx.x < ROWS && r0 + (int)threadIdx.x < MG) {
             decode_mark_empty(part_ml, split, r0 + threadIdx.x, G, n_heads, hk, QT);
@@ -402,6 +504,22 @@ attn_decode_tc_kernel(const float* __restrict__ q, const unsigned short* __restr
     if (early) load_k(start + 16 * step);
     pdl_wait();  // q and this step's own keys come from the kernel before
     pdl_trigger();
+    if constexpr (ROPE) {  // warps take the G query heads, then (the split holding the position) k and v
+        const int p = positions[0];
+        const int items = G + (start <= fresh && fresh < end ? 2 : 0);
+        for (int i = warp; i < items; i += W) {
+            if (i < G) {
+                rope_head_to(q + (u64)(hk * G + i) * HD, &s_q[i][0], inv_freq, q_norm, has_q_norm, p, HD, rope_eps,
+                             attn_scaling, norm_offset, rot_dim, lane);
+            } else {
+                const int sl = i == G ? n_heads + hk : n_heads + n_kv + hk;
+                rope_kv_slot(q + (u64)sl * HD, 0, sl, positions, inv_freq, q_norm, k_norm, nullptr, k_app, v_app,
+                             n_heads, n_kv, HD, max_ctx, rope_eps, has_q_norm, has_k_norm, attn_scaling, norm_offset,
+                             rot_dim, lane);
+            }
+        }
+        __syncthreads();  // s_q, and the appended key and value, for the whole block
+    }
     if (step < nsteps && !early) load_k(start + 16 * step);
 
     // q of query vector 8 nq + g (B fragments); last key of query vectors 8 nq + 2t + e
@@ -409,7 +527,8 @@ attn_decode_tc_kernel(const float* __restrict__ q, const unsigned short* __restr
     int last[NQ][2], first[EXT ? NQ : 1][2];
 #pragma unroll
     for (int nq = 0; nq < NQ; ++nq) {
-        ad_load_q<HD>(q, positions, r0 + 8 * nq + g, MG, G, n_heads, hk, max_ctx, t, qscale, qh[nq], ql[nq]);
+        ad_load_q<HD, ROPE>(ROPE ? &s_q[0][0] : q, positions, r0 + 8 * nq + g, MG, G, n_heads, hk, max_ctx, t, qscale,
+                            qh[nq], ql[nq]);
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
             const int qi = r0 + 8 * nq + 2 * t + e;
@@ -559,6 +678,19 @@ attn_decode_tc_kernel(const float* __restrict__ q, const unsigned short* __restr
         }
     }
     __syncthreads();
+    if constexpr (CL > 0) {  // the block's partials stay in shared memory for the cluster
+        for (int idx = threadIdx.x; idx < ROWS * HD; idx += W * 32) {
+            const int r = idx / HD, d = idx - r * HD;
+            float gm, lsum;
+            s_cacc[r][d] = decode_block_partial<W>(s_ml, s_o, r, d, gm, lsum);
+            if (d == 0) {
+                s_cml[r][0] = gm;
+                s_cml[r][1] = lsum;
+            }
+        }
+        decode_cluster_combine<HD, ROWS, CL>(s_cml, s_cacc, out, r0, MG, G, n_heads, hk);
+        return;
+    }
     for (int idx = threadIdx.x; idx < ROWS * HD; idx += W * 32) {
         const int r = idx / HD, d = idx - r * HD;
         const int qi = r0 + r;

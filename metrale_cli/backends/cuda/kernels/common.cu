@@ -259,14 +259,40 @@ __device__ __forceinline__ void rope_head_partial(const float* v, const float* _
     }
 }
 
+// Rotate one q or k head vector read from src[0 .. head_dim) (optional per-head norm norm_w, partial rotary when
+// rot_dim < head_dim) at position p and store it to dst[0 .. head_dim) as fp32 (q) or bf16 bits (k).  One warp
+// (lane = its lane); dst may be src itself (each value is read before any is stored).
+template <typename T>
+__device__ __forceinline__ void rope_head_to(const float* src, T* dst, const float* __restrict__ inv_freq,
+                                             const unsigned short* __restrict__ norm_w, int has_norm, int p,
+                                             int head_dim, float eps, float attn_scaling, float norm_offset,
+                                             int rot_dim, int lane) {
+    if (rot_dim < head_dim) {
+        float o[8];
+        rope_head_partial(src, inv_freq, norm_w, head_dim, rot_dim, eps, has_norm, (float)p, attn_scaling,
+                          norm_offset, lane, o);
+        __syncwarp();  // dst may be src: every lane has read its partners
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int i = lane + 32 * j;
+            if (i < head_dim) rope_put(dst, i, o[j]);
+        }
+        return;
+    }
+    float a[4], b[4];
+    rope_head(src, inv_freq, norm_w, head_dim, eps, has_norm, (float)p, attn_scaling, lane, a, b, norm_offset);
+    rope_store(dst, a, b, head_dim >> 1, lane);
+}
+
 // Rope + KV append of one head vector: row m, head slot s (q heads, then k heads, then v heads) read
 // from src[0 .. head_dim) (global or shared memory):
 //   q slot: optional q_norm, rotate, store fp32 to q_out [M, n_heads, head_dim];
 //   k slot: optional k_norm, rotate, round to bf16, store to k_cache[h, positions[m], :];
 //   v slot: round to bf16, store to v_cache[h, positions[m], :].
 // A position outside [0, max_ctx) skips the cache writes.  One warp (lane = its lane); q_out may be src
-// itself (each value is read before any is stored).  rope_kv_append_kernel and the fused qkv GEMV
-// epilogue (qkv_rope_tail) both call it, so the two paths compute the same values.
+// itself (each value is read before any is stored).  rope_kv_append_kernel, the fused qkv GEMV epilogue
+// (qkv_rope_tail) and the attention split kernel's ROPE prologue all call it (or rope_head_to), so the paths
+// compute the same values.
 __device__ __forceinline__ void rope_kv_slot(const float* src, int m, int s, const int* __restrict__ positions,
                                              const float* __restrict__ inv_freq,
                                              const unsigned short* __restrict__ q_norm,
@@ -275,7 +301,6 @@ __device__ __forceinline__ void rope_kv_slot(const float* src, int m, int s, con
                                              unsigned short* __restrict__ v_cache, int n_heads, int n_kv,
                                              int head_dim, int max_ctx, float eps, int has_q_norm, int has_k_norm,
                                              float attn_scaling, float norm_offset, int rot_dim, int lane) {
-    const int half = head_dim >> 1;
     const int p = positions[m];
     const bool in_cache = p >= 0 && p < max_ctx;
     if (s >= n_heads + n_kv) {  // v head: round and store
@@ -284,29 +309,12 @@ __device__ __forceinline__ void rope_kv_slot(const float* src, int m, int s, con
         for (int i = lane; i < head_dim; i += 32) dst[i] = f32_to_bf16_bits(src[i]);
         return;
     }
-    const bool is_q = s < n_heads;
-    if (!is_q && !in_cache) return;
-    if (rot_dim < head_dim) {
-        float o[8];
-        rope_head_partial(src, inv_freq, is_q ? q_norm : k_norm, head_dim, rot_dim, eps,
-                          is_q ? has_q_norm : has_k_norm, (float)p, attn_scaling, norm_offset, lane, o);
-        __syncwarp();  // q_out may be qkv itself: every lane has read its partners
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const int i = lane + 32 * j;
-            if (i >= head_dim) continue;
-            if (is_q) q_out[((u64)m * n_heads + s) * head_dim + i] = o[j];
-            else k_cache[((u64)(s - n_heads) * max_ctx + p) * head_dim + i] = f32_to_bf16_bits(o[j]);
-        }
-        return;
-    }
-    float a[4], b[4];
-    rope_head(src, inv_freq, is_q ? q_norm : k_norm, head_dim, eps, is_q ? has_q_norm : has_k_norm,
-              (float)p, attn_scaling, lane, a, b, norm_offset);
-    if (is_q) {
-        rope_store(q_out + ((u64)m * n_heads + s) * head_dim, a, b, half, lane);
-    } else {
-        rope_store(k_cache + ((u64)(s - n_heads) * max_ctx + p) * head_dim, a, b, half, lane);
+    if (s < n_heads) {
+        rope_head_to(src, q_out + ((u64)m * n_heads + s) * head_dim, inv_freq, q_norm, has_q_norm, p, head_dim, eps,
+                     attn_scaling, norm_offset, rot_dim, lane);
+    } else if (in_cache) {
+        rope_head_to(src, k_cache + ((u64)(s - n_heads) * max_ctx + p) * head_dim, inv_freq, k_norm, has_k_norm, p,
+                     head_dim, eps, attn_scaling, norm_offset, rot_dim, lane);
     }
 }
 

@@ -10,6 +10,7 @@ from .names import (
     PLAIN_KERNELS,
     decode_name,
     fused_attention_name_expressions,
+    cluster_attention_name_expressions,
     fused_name_expressions,
     fused_qkv_fp32_rows,
     gemv_name,
@@ -28,6 +29,7 @@ from .tuning import (
     ARGMAX_THREADS,
     ATTN_CHUNK_ALIGN,
     ATTN_TC_WARPS,
+    DECODE_CLUSTER,
     ATTN_WARPS,
     DECODE_HEAD_DIMS,
     DECODE_SIMT_SPLITS,
@@ -82,6 +84,8 @@ class Kernels(OperandChecks, UnfusedKernels):
         self._fused_module = None
         self._fused_attn_names = frozenset(fused_attention_name_expressions())
         self._fused_attn_module = None
+        self._cluster_attn_names = frozenset(cluster_attention_name_expressions())
+        self._cluster_attn_module = None
         dev = cupy.cuda.Device()
         self.device_id = dev.id
         self.num_sms = int(dev.attributes["MultiProcessorCount"])
@@ -132,6 +136,14 @@ class Kernels(OperandChecks, UnfusedKernels):
             self._fused_attn_module = compile_module(self._cp, names)
             self._fn.update({n: self._fused_attn_module.get_function(n) for n in names})
 
+    def load_cluster_attention(self) -> None:
+        """Compile the cluster-combine attention module (names.cluster_attention_name_expressions) now; the engine
+        does so when it takes the "fused-cluster" path, before any capture."""
+        if self._cluster_attn_module is None:
+            names = tuple(sorted(self._cluster_attn_names))
+            self._cluster_attn_module = compile_module(self._cp, names)
+            self._fn.update({n: self._cluster_attn_module.get_function(n) for n in names})
+
     def _has(self, name: str) -> bool:
         """Whether the kernel instance `name` is compiled (compiling the extra or a fused module if it is there)."""
         if name not in self._fn and name in self._extra_names:
@@ -140,13 +152,19 @@ class Kernels(OperandChecks, UnfusedKernels):
             self.load_fused()
         if name not in self._fn and name in self._fused_attn_names:
             self.load_fused_attention()
+        if name not in self._fn and name in self._cluster_attn_names:
+            self.load_cluster_attention()
         return name in self._fn
 
-    def _launch(self, name: str, grid: tuple, block: tuple, args: tuple, stream: Any, shared_mem: int = 0) -> None:
-        if self.pdl:
+    def _launch(self, name: str, grid: tuple, block: tuple, args: tuple, stream: Any, shared_mem: int = 0,
+                cluster: tuple | None = None) -> None:
+        """Launch with PDL while self.pdl, and in thread-block clusters of dims `cluster` (both through
+        cuLaunchKernelEx: CuPy's launcher has neither)."""
+        if self.pdl or cluster is not None:
             if self._pdl_launcher is None:
                 self._pdl_launcher = PdlLauncher(self._cp)
-            self._pdl_launcher.launch(self._fn[name], grid, block, args, stream, shared_mem=shared_mem)
+            self._pdl_launcher.launch(self._fn[name], grid, block, args, stream, shared_mem=shared_mem, pdl=self.pdl,
+                                      cluster=cluster)
         else:
             self._fn[name](grid, block, args, stream=stream, shared_mem=shared_mem)
 
@@ -733,6 +751,8 @@ class Kernels(OperandChecks, UnfusedKernels):
         softcap: float | None = None,
         counters: Any = None,
         only: str | None = None,
+        rope: dict | None = None,
+        cluster: bool = False,
         stream: Any = None,
     ) -> None:
         """Causal attention of M query rows (decode M=1, verify M=k) against the cache:
@@ -755,13 +775,23 @@ class Kernels(OperandChecks, UnfusedKernels):
         M * n_heads always suffices), all zero: one launch, the split kernel's FUSED instance, whose last
         split block per (query block, KV head) merges the splits (same values as the combine kernel) and
         leaves its counter at zero.  `only` ("split" or "combine", unfused only): launch just that one
-        of the two kernels (the per-kernel timing of scripts/decode_breakdown.py)."""
+        of the two kernels (the per-kernel timing of scripts/decode_breakdown.py).
+        `rope` (the fused rows path, one row): rope_kv_append's arguments (inv_freq, q_norm, k_norm, eps,
+        attention_scaling, norm_offset, rotary_dim) and `q` the unrotated qkv projection viewed as
+        [1, n_heads + 2 n_kv, head_dim]: the split kernel rotates q itself and the split holding the position
+        appends k and v to the cache (rope_fits says where it can: no rope_kv_append launch).
+        `cluster` (with `rope`): DECODE_CLUSTER splits whose combine runs in their thread-block cluster through
+        distributed shared memory: one launch for the whole attention, `n_splits` and `workspace` unused."""
         np = self._np
         self._f32(q, "q", 3)
         self._f32(out, "out", 3)
         self._i32(positions, "positions", 1)
         n_kv, max_ctx, hd = self._check_cache(k_cache, v_cache)
         M, nh, qhd = q.shape
+        qkv = None
+        if rope is not None:  # q: the qkv rows' q heads (a view); the kernel reads the whole row from qkv
+            qkv, q = q, q[:, : q.shape[1] - 2 * n_kv]
+            M, nh, qhd = q.shape
         if qhd != hd:
             raise ValueError(f"q: head_dim {qhd} differs from the cache's {hd}")
         if hd not in DECODE_HEAD_DIMS:
@@ -776,12 +806,16 @@ class Kernels(OperandChecks, UnfusedKernels):
         self._aligned(k_cache, "k_cache")
         self._aligned(v_cache, "v_cache")
         G = nh // n_kv
+        if cluster and rope is None:
+            raise ValueError("attention_decode: the cluster combine is in the rope instances only")
+        if cluster:
+            n_splits = DECODE_CLUSTER
         if n_splits is None:
             n_splits = self.decode_splits(max_ctx, n_kv, M, nh, hd)
         n_splits = int(n_splits)
         if not 1 <= n_splits <= 65535:
             raise ValueError(f"attention_decode: n_splits = {n_splits} must be in 1..65535")
-        need = self.decode_workspace_size(M, nh, hd, n_splits)
+        need = 0 if cluster else self.decode_workspace_size(M, nh, hd, n_splits)
         if workspace is None:
             if self._workspace is None or self._workspace.size < need:
                 self._workspace = self._cp.empty(max(need, 1 << 20), dtype=self._cp.float32)
@@ -793,9 +827,9 @@ class Kernels(OperandChecks, UnfusedKernels):
         for a, an in ((q, "q"), (out, "out"), (positions, "positions"), (k_cache, "k_cache"), (v_cache, "v_cache")):
             self._disjoint(workspace, "workspace", a, an)
         ws = workspace.reshape(-1)
-        n_acc = n_splits * M * nh * hd
-        part_acc = ws[:n_acc]
-        part_ml = ws[n_acc : n_acc + 2 * n_splits * M * nh]
+        n_acc = 0 if cluster else n_splits * M * nh * hd
+        part_acc = ws[:n_acc] if n_acc else ws  # unused by the cluster instances
+        part_ml = ws[n_acc : n_acc + 2 * n_splits * M * nh] if n_acc else ws
         qb = _decode_qb(hd, M * G)
         win, cap2 = self._window_softcap(window, softcap)
         ext = bool(win or cap2)  # the tensor-core instance with the window / softcap code
@@ -811,6 +845,9 @@ class Kernels(OperandChecks, UnfusedKernels):
             np.int32(M), np.int32(nh), np.int32(n_kv), np.int32(max_ctx), np.int32(n_splits), qscale,
             win, cap2,
         )
+        tc_tail = self._decode_rope_args(rope, qkv, k_cache, v_cache, M, G, ext, counters)
+        if hd not in DECODE_TC_HEAD_DIMS:
+            tc_tail = ()
         if counters is not None:
             self._i32(counters, "counters", 1)
             blocks = grid[0] * grid[2]
@@ -823,12 +860,22 @@ class Kernels(OperandChecks, UnfusedKernels):
             name = decode_name(hd, qb, ext, fused=True)
             if not self._has(name):
                 raise ValueError(f"attention_decode: no compiled instance {name}")
-            self._launch(name, grid, (threads,), args + (out, counters), stream)
+            self._launch(name, grid, (threads,), args + (out, counters) + tc_tail, stream)
             return
         if only not in (None, "split", "combine"):
             raise ValueError(f"attention_decode: only = {only!r}, expected 'split' or 'combine'")
+        if cluster:
+            if only is not None or counters is not None:
+                raise ValueError("attention_decode: the cluster instances are one launch (no `only`, no counters)")
+            name = decode_name(hd, qb, rope=True, cluster=DECODE_CLUSTER)
+            if not self._has(name):
+                raise ValueError(f"attention_decode: no compiled instance {name}")
+            self._launch(name, grid, (threads,), args + (out, self._dummy) + tc_tail, stream,
+                         cluster=(1, DECODE_CLUSTER, 1))
+            return
         if only != "combine":
-            self._launch(decode_name(hd, qb, ext), grid, (threads,), args + (out, self._dummy), stream)
+            self._launch(decode_name(hd, qb, ext, rope=rope is not None), grid, (threads,),
+                         args + (out, self._dummy) + tc_tail, stream)
         if only == "split":
             return
         args2 = (
@@ -836,6 +883,44 @@ class Kernels(OperandChecks, UnfusedKernels):
             np.int32(M), np.int32(nh), np.int32(hd), np.int32(max_ctx), np.int32(n_splits), win,
         )
         self._launch("attn_decode_combine_kernel", (M * nh,), (hd,), args2, stream)
+
+    def rope_fits(self, head_dim: int, n_heads: int, n_kv: int, window: int | None = None,
+                  softcap: float | None = None) -> str | None:
+        """None when attention_decode can take rope + KV append into its split kernel for one row (tensor-core
+        head dims, at most 8 query heads per KV head, no window or softcap), else why not."""
+        if head_dim not in DECODE_TC_HEAD_DIMS:
+            return f"head_dim {head_dim}: the SIMT split kernel has no rope prologue"
+        if n_heads // n_kv > 8:
+            return f"{n_heads // n_kv} query heads per KV head: the rope prologue takes at most 8"
+        if window or softcap:
+            return "a window or softcap: the rope prologue is in the plain instance only"
+        return None
+
+    def _decode_rope_args(self, rope: dict | None, qkv: Any, k_cache: Any, v_cache: Any, M: int, G: int,
+                          ext: bool, counters: Any) -> tuple:
+        """The tensor-core split kernel's rope arguments: rope_kv_append's (checked as there), or dummies."""
+        np = self._np
+        if rope is None:
+            d = self._dummy
+            return (d, d, d, d, d, np.float32(0), np.int32(0), np.int32(0), np.float32(1), np.float32(0), np.int32(0))
+        n_kv, _, hd = self._check_cache(k_cache, v_cache)
+        why = self.rope_fits(hd, G * n_kv, n_kv, ext or None)
+        if why is not None or M != 1 or counters is not None:
+            raise ValueError(f"attention_decode: rope in the split kernel: {why or 'one row, unfused combine only'}")
+        inv_freq, q_norm, k_norm = rope["inv_freq"], rope.get("q_norm"), rope.get("k_norm")
+        rd = self._rotary_dim(hd, rope.get("rotary_dim"))
+        self._f32(inv_freq, "inv_freq", 1)
+        self._shape(inv_freq, "inv_freq", (rd // 2,))
+        for a, an in ((q_norm, "q_norm"), (k_norm, "k_norm")):
+            if a is not None:
+                self._bf16(a, an, 1)
+                self._shape(a, an, (hd,))
+        for c, cn in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+            self._disjoint(c, cn, qkv, "qkv")
+        return (inv_freq, self._dummy if q_norm is None else q_norm, self._dummy if k_norm is None else k_norm,
+                k_cache, v_cache, np.float32(rope.get("eps", 1e-6)), np.int32(0 if q_norm is None else 1),
+                np.int32(0 if k_norm is None else 1), np.float32(rope.get("attention_scaling", 1.0)),
+                np.float32(rope.get("norm_offset", 0.0)), np.int32(rd))
 
     def attention_prefill(
         self,

@@ -5,6 +5,7 @@ and the plain extern "C" kernels."""
 from __future__ import annotations
 
 from .tuning import (
+    DECODE_CLUSTER,
     DECODE_HEAD_DIMS,
     DECODE_SIMT_KB,
     DECODE_SIMT_SPLITS,
@@ -85,12 +86,16 @@ def _b(flag: bool) -> str:
     return "true" if flag else "false"
 
 
-def decode_name(hd: int, qb: int, ext: bool = False, fused: bool = False) -> str:
+def decode_name(hd: int, qb: int, ext: bool = False, fused: bool = False, rope: bool = False,
+                cluster: int = 0) -> str:
     """The split kernel for head_dim hd taking qb query vectors per block (_decode_qb); ext: with the
     sliding-window / softcap code (the SIMT kernel always has it); fused: with the combine in the last
-    split block (the fused rows path; those instances are in the fused module)."""
+    split block (the fused rows path; those instances are in the fused module); rope: with rope + KV
+    append in its prologue (tensor cores, one row: the fused rows path); cluster: with the combine in a
+    block cluster of that many splits (tensor cores; the cluster attention module)."""
     if hd in DECODE_TC_HEAD_DIMS:
-        return f"attn_decode_tc_kernel<{hd}, {qb // 8}, {_b(ext)}, {_b(fused)}>"
+        cl = f", {cluster}" if cluster else ""
+        return f"attn_decode_tc_kernel<{hd}, {qb // 8}, {_b(ext)}, {_b(fused)}, {_b(rope)}{cl}>"
     return f"attn_decode_split_kernel<{hd}, {qb}, {DECODE_SIMT_KB}, {DECODE_SIMT_SPLITS[hd][0]}, {_b(fused)}>"
 
 
@@ -132,6 +137,12 @@ def fused_attention_name_expressions() -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+def cluster_attention_name_expressions() -> tuple[str, ...]:
+    """The one-row split kernels with rope + KV append and the combine in a block cluster of DECODE_CLUSTER splits
+    (engine path "fused-cluster"): their own module (Kernels.load_cluster_attention), compiled on request."""
+    return tuple(decode_name(hd, 8, rope=True, cluster=DECODE_CLUSTER) for hd in DECODE_TC_HEAD_DIMS)
+
+
 def prefill_name(hd: int, bq: int = PREFILL_BQ, ext: bool = False) -> str:
     """The flash prefill kernel for head_dim hd, bq query rows per block; ext: with the sliding-window /
     softcap code."""
@@ -158,6 +169,8 @@ def _all_name_expressions() -> list[str]:
             names.append(decode_name(hd, qb))
             if hd in DECODE_TC_HEAD_DIMS:  # and its instance with the window / softcap code
                 names.append(decode_name(hd, qb, ext=True))
+        if hd in DECODE_TC_HEAD_DIMS:  # one row with rope + KV append (the fused rows path)
+            names.append(decode_name(hd, 8, rope=True))
     for hd in PREFILL_HEAD_DIMS:
         for bq in PREFILL_BQS:
             names.append(prefill_name(hd, bq))

@@ -41,6 +41,10 @@ GEMV_STREAM_US = (4, 8)  # compiled U (the default's in the core module, the oth
 # the first GEMV_RING_STAGES - 1 slots requested before pdl_wait.  At 512 threads a block takes at most half an
 # SM's shared memory (less GEMV_RING_SMEM_SLACK), so that the next projection's block fits beside it; at 1024 (the
 # engine's) it may take all a block may have, and the next projection's block starts when it exits (PDL).
+# The one-row attention of the "fused-cluster" path: DECODE_CLUSTER splits per (query block, KV head) in one thread-block
+# cluster that merges them through distributed shared memory (no combine launch).  16 is above the portable 8: the
+# launch opts in to the non-portable size.
+DECODE_CLUSTER = 16
 GEMV_RING_THREADS = (512, 1024)  # compiled block sizes: 512 = half an SM (two blocks fit, for PDL), 1024 = all of it
 GEMV_RING_STAGES = 4  # must match gemv_ring.cu (GT_STAGES)
 GEMV_RING_CHUNKS = (1, 2, 3)  # compiled P: 16-byte chunks per thread and ring slot (the deepest that fits is taken)
