@@ -91,24 +91,25 @@ def layer_ops(eng, path: str):
         lw, layer = w.layers[i], defs[i]
         p.rope_kv_append(qkv, i, layer.attention, lw.get("q_norm"), lw.get("k_norm"), layer.norm)
 
-    def q_of(path_):  # one row: rope_kv_append rotates q in place in the qkv row, on every path
-        a = defs[0].attention
-        return qkv[:, :a.q_size].reshape(1, a.num_heads, a.head_dim)
+    a0 = defs[0].attention  # one row: rope_kv_append rotates q in place in the qkv row, on every path
+    q1 = qkv[:, :a0.q_size].reshape(1, a0.num_heads, a0.head_dim)
 
     def attn_part(only):
         def run(i):
             a = defs[i].attention
-            k.attention_decode(q_of(path), eng._kc[i], eng._vc[i], p.pos, eng._attn[:1], a.scale,
+            k.attention_decode(q1, eng._kc[i], eng._vc[i], p.pos, eng._attn[:1], a.scale,
                                n_splits=eng._splits[1], workspace=eng._ws, window=_window(eng, a), softcap=a.softcap,
                                only=only, stream=eng.stream)
         return run
 
     def attn_fused(i):
-        fp.attention(q_of("fused"), i, defs[i].attention)
+        fp.attention(q1, i, defs[i].attention)
 
     def rope_fits(i):
         a = defs[i].attention
         return k.rope_fits(a.head_dim, a.num_heads, a.num_kv_heads, _window(eng, a), a.softcap) is None
+
+    rope_in_attention = path.startswith("fused") and all(rope_fits(i) for i in range(len(defs)))
 
     def attn_rope(only, cluster=False):  # the fused paths at one row: rope + KV append in the split kernel
         def run(i):
@@ -142,9 +143,9 @@ def layer_ops(eng, path: str):
     ]
     common += moe_ops(eng, p, x, nb)
     qkv_op = ("qkv GEMV (norm)", 1, lambda i: nb(lw(i, "qkv"), lw(i, "qkv_bias"), lw(i, "input_norm")), qkv_rows)
-    if path == "fused-cluster" and all(rope_fits(i) for i in range(len(defs))):
+    if path == "fused-cluster" and rope_in_attention:
         return [qkv_op, ("attention (rope, KV, cluster)", 1, kv_bytes, attn_rope(None, cluster=True))] + common
-    if path.startswith("fused") and all(rope_fits(i) for i in range(len(defs))):
+    if rope_in_attention:
         return [
             qkv_op,
             ("attention split + rope + KV", 1, kv_bytes, attn_rope("split")),
