@@ -111,13 +111,13 @@ def layer_ops(eng, path: str):
 
     rope_in_attention = path.startswith("fused") and all(rope_fits(i) for i in range(len(defs)))
 
-    def attn_rope(only, cluster=False):  # the fused paths at one row: rope + KV append in the split kernel
-        def run(i):
+    def attn_rope(only, cluster=False, counters=None):  # the fused paths at one row: rope + KV append in the split
+        def run(i):                                       # kernel (counters: and the merge in its last block)
             a, layer = defs[i].attention, defs[i]
             rope = fp.rope_args(a, w.layers[i].get("q_norm"), w.layers[i].get("k_norm"), layer.norm)
             k.attention_decode(qkv.reshape(1, -1, a.head_dim), eng._kc[i], eng._vc[i], p.pos, eng._attn[:1], a.scale,
                                n_splits=eng._splits[1], workspace=eng._ws, rope=rope, only=only, cluster=cluster,
-                               stream=eng.stream)
+                               counters=counters, stream=eng.stream)
         return run
 
     def o(i):
@@ -145,6 +145,9 @@ def layer_ops(eng, path: str):
     qkv_op = ("qkv GEMV (norm)", 1, lambda i: nb(lw(i, "qkv"), lw(i, "qkv_bias"), lw(i, "input_norm")), qkv_rows)
     if path == "fused-cluster" and rope_in_attention:
         return [qkv_op, ("attention (rope, KV, cluster)", 1, kv_bytes, attn_rope(None, cluster=True))] + common
+    if rope_in_attention and fp.plan["attention"] is None:
+        return [qkv_op, ("attention (rope, KV, merge)", 1, kv_bytes, attn_rope(None, counters=eng._attn_counters))
+                ] + common
     if rope_in_attention:
         return [
             qkv_op,
@@ -153,7 +156,7 @@ def layer_ops(eng, path: str):
         ] + common
     if path.startswith("fused"):  # the rows path's launches at one row (rope_fits: e.g. a SIMT head_dim)
         attention = ([("attention, combine fused", 1, kv_bytes, attn_fused)] if fp.plan["attention"] is None
-                     else split_combine)  # split + combine unless --fused-attention (set_fused_attention)
+                     else split_combine)  # as fused_plan says (--fused-attention: set_fused_attention)
         return [qkv_op, ("rope + KV append", 1, lambda i: 0, rope)] + attention + common
     return [
         qkv_op,
@@ -316,7 +319,8 @@ def main() -> int:
                          "(its marginal cost inside the step)")
     ap.add_argument("--fused-attention", action="store_true",
                     help="on the fused path, time the attention with its combine in the last split block "
-                         "(CudaEngine.set_fused_attention) instead of split + combine")
+                         "(CudaEngine.set_fused_attention; one row: with rope + KV append, one launch) instead of "
+                         "split + combine")
     args = ap.parse_args()
     paths = bench.check_paths(tuple(args.paths.split(",")), "cuda")
     cfg = load_config(bench.preset_path(args.preset))

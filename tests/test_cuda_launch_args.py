@@ -69,7 +69,10 @@ class FakeArray:
             shape = (self.size,)
         return FakeArray(shape, self.dtype, self.data.ptr)
 
-    def __getitem__(self, s):  # 1-D slices of the workspace
+    def __getitem__(self, s):  # 1-D slices of the workspace; q[:, :n] of a qkv row (the rope instances)
+        if isinstance(s, tuple):
+            shape = [len(range(*d.indices(n))) for d, n in zip(s, self.shape)] + list(self.shape[len(s):])
+            return FakeArray(shape, self.dtype, self.data.ptr)
         start, stop, _ = s.indices(self.shape[0])
         return FakeArray((stop - start,), self.dtype, self.data.ptr + start * self.dtype.itemsize)
 
@@ -331,6 +334,32 @@ def test_fused_qkv_rope_refusals(kern):
     a[3] = None
     with pytest.raises(ValueError, match="norm_weight"):
         kern.gemv_qkv_rope(*a)
+    assert not kern.calls
+
+
+@pytest.mark.parametrize("hd", [32, 64, 128])
+def test_rope_attention_launches(kern, hd):
+    """attention_decode with `rope` (one row, the unrotated qkv row): the ROPE split instance and the combine, or
+    with counters the ROPE + FUSED instance alone (the whole attention in one launch); the rope arguments reach
+    the kernel as its signature declares them; a second row, or counters with the cluster, are refused."""
+    nh, nkv, ctx = 8, 2, 256
+    rope = dict(inv_freq=f32(hd // 2), q_norm=bf16(hd), k_norm=bf16(hd), eps=1e-6, attention_scaling=1.0,
+                norm_offset=0.0, rotary_dim=None)
+    qkv = f32(1, nh + 2 * nkv, hd)
+    kern.attention_decode(qkv, bf16(nkv, ctx, hd), bf16(nkv, ctx, hd), i32(1), f32(1, nh, hd), 0.1, rope=rope)
+    assert [c[0] for c in kern.calls] == [names.decode_name(hd, 8, rope=True), "attn_decode_combine_kernel"]
+    check(kern, 2)
+    kern.attention_decode(qkv, bf16(nkv, ctx, hd), bf16(nkv, ctx, hd), i32(1), f32(1, nh, hd), 0.1, rope=rope,
+                          counters=i32(nh))
+    assert [c[0] for c in kern.calls] == [names.decode_name(hd, 8, rope=True, fused=True)]
+    assert names.decode_name(hd, 8, rope=True, fused=True) in names.fused_attention_name_expressions()
+    check(kern, 1)
+    with pytest.raises(ValueError, match="one combine"):
+        kern.attention_decode(qkv, bf16(nkv, ctx, hd), bf16(nkv, ctx, hd), i32(1), f32(1, nh, hd), 0.1, rope=rope,
+                              counters=i32(nh), cluster=True)
+    with pytest.raises(ValueError, match="one row"):
+        kern.attention_decode(f32(2, nh + 2 * nkv, hd), bf16(nkv, ctx, hd), bf16(nkv, ctx, hd), i32(2),
+                              f32(2, nh, hd), 0.1, rope=rope, counters=i32(2 * nh))
     assert not kern.calls
 
 

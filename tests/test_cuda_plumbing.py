@@ -235,7 +235,7 @@ class FakeKernels:
                          window=None, softcap=None, counters=None, only=None, rope=None, cluster=False, stream=None):
         assert not cluster or rope is not None
         if rope is not None:  # q: the unrotated qkv row; rope + KV append first, as the split kernel's prologue
-            assert q.shape[0] == 1 and counters is None and window is None and softcap is None
+            assert q.shape[0] == 1 and window is None and softcap is None and not (cluster and counters is not None)
             nkv, d = k_cache.shape[0], k_cache.shape[2]
             assert self.rope_fits(d, q.shape[1] - 2 * nkv, nkv) is None
             q_rot = np.empty((1, q.shape[1] - 2 * nkv, d), np.float32)
@@ -447,6 +447,8 @@ def test_fused_path_matches_the_rows_path_and_the_numpy_engine(name):
             plan = gpu.fused_plan(1)
             assert "attention split kernel" in plan["qkv_rope"] and "measured slower" in plan["attention"]
             assert gpu.fused_plan(2)["qkv_rope"] is None  # verify rows: the qkv GEMV's rope epilogue
+            gpu.set_fused_attention(True)
+            assert gpu.fused_plan(1)["attention"] is None and gpu.fused_plan(2)["attention"] is None
         else:
             assert calls.count("rope_kv_append") >= layers and "gemv_qkv_rope" not in calls
     assert np.array_equal(out["rows"], out["fused"]) and np.array_equal(out["rows"], out["fused-cluster"])
@@ -465,7 +467,8 @@ def test_path_option_is_checked(monkeypatch):
     with pytest.raises(UsageError, match="nope"):
         cuda_engine.default_path()
     monkeypatch.delenv(cuda_engine.PATH_ENV)
-    assert cuda_engine.default_path() == "rows"
+    assert cuda_engine.default_path() == cuda_engine.DEFAULT_PATH == "rows"
+    assert cuda_engine.default_path(tensor_parallel=True) == cuda_engine.BASE_PATH == "rows"  # a --tp rank
     with fake_engine("phi3") as gpu:
         with pytest.raises(UsageError):
             gpu.set_path("persistent")

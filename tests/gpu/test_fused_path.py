@@ -8,8 +8,10 @@ arithmetic in the same order, so they are held to 1e-6 (in practice equal) and t
 must be back at zero after every launch (a launch that lost a block leaves one non-zero).
 
 The engine's fused path runs the attention as split + combine (the combine in the last split block
-measured slower on the H200); that kernel stays behind CudaEngine.set_fused_attention(True), tested here
-too.  Engine: fresh random checkpoints (llama, qwen3 with q/k norm at head_dim 128, llama3 rope, mistral
+measured slower, on the H200 and, with a parallel merge, on an H100); that kernel stays behind
+CudaEngine.set_fused_attention(True) (one row: with rope + KV append, the attention in one launch), tested here
+too.
+Engine: fresh random checkpoints (llama, qwen3 with q/k norm at head_dim 128, llama3 rope, mistral
 head_dim 32): logits of the fused path vs the rows path (<= 1e-4) and the NumPy engine (the parity
 tests' 2e-2), greedy tokens equal except near-ties, graph replay == eager bit for bit, verify == sequential
 decode, trim then decode, and a 3000-token context (47 active splits: two combine batches).
@@ -140,6 +142,10 @@ ATTN_CASES = [
     (256, 1, 2, 4, 600, 1024, 64, 50.0),
     (96, 2, 2, 2, 1200, 2048, None, None),
     (128, 1, 1, 1, 1, 64, None, None),  # one key
+    (128, 8, 4, 1, 1025, 2048, None, None),  # llama-3.1-8b at the bench's 1024 context: 17 splits, the last of 1 key
+    (128, 1, 4, 1, 8000, 8192, None, None),  # one KV head: 125 active splits, four merge batches
+    (96, 1, 1, 1, 4000, 4096, None, None),   # SIMT, 32-key splits: 125 active
+    (64, 4, 4, 2, 5000, 8192, 1000, None),   # a window: the splits cover only (p - 1000, p]
 ]
 
 
@@ -199,15 +205,15 @@ ROPE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("cluster", [False, True])
+@pytest.mark.parametrize("combine", ["launch", "merge", "cluster"])
 @pytest.mark.parametrize("hd,n_kv,G,p,max_ctx,rot,qk_norm", ROPE_CASES)
 def test_attention_with_rope_equals_rope_then_attention(cp, kernels, rng, seed, hd, n_kv, G, p, max_ctx, rot, qk_norm,
-                                                        cluster):
+                                                        combine):
     """attention_decode(rope=...) on the unrotated qkv row (the fused path's one-row attention: q rotated in each
-    split block, k/v appended by the block whose split holds the position; `cluster`: the combine in the block
-    cluster, one launch) against rope_kv_append then
-    attention_decode on the same fresh data: the same output (the same rope code, to 2e-5), the same cache (the
-    appended row within one bf16 step, the rest untouched), and against a float64 reference."""
+    split block, k/v appended by the block whose split holds the position; the combine a launch of its own, or
+    `merge`d in the last split block (counters: the fused path's one launch), or in the block `cluster`) against
+    rope_kv_append then attention_decode on the same fresh data: the same output (the same rope code, to 2e-5), the
+    same cache (the appended row within one bf16 step, the rest untouched), and against a float64 reference."""
     nh = n_kv * G
     slots = nh + 2 * n_kv
     eps, scale = 1e-5, hd ** -0.5
@@ -231,9 +237,12 @@ def test_attention_with_rope_equals_rope_then_attention(cp, kernels, rng, seed, 
     kc_b, vc_b = cp.asarray(kb), cp.asarray(vb)
     qkv0 = qkv.copy()
     b = nan_like(cp, (1, nh, hd))
+    counters = cp.zeros((nh,), cp.int32) if combine == "merge" else None
     kernels.attention_decode(qkv.reshape(1, slots, hd), kc_b, vc_b, pos, b, scale, n_splits=s, workspace=ws, rope=rope,
-                             cluster=cluster)
+                             cluster=combine == "cluster", counters=counters)
     cp.cuda.Device().synchronize()
+    if counters is not None:
+        counters_zero(cp, counters, seed)
     assert cp.array_equal(qkv, qkv0), "the qkv row must stay unrotated"
     # the same rope code, inlined in two kernels: q may differ in its last bit, and so its bf16 hi/lo split (the
     # cluster: DECODE_CLUSTER splits merged in another order than the split + combine pair's)
@@ -289,8 +298,8 @@ def checkpoints(tmp_path_factory):
 
 def gpu_engine(path, ctx=160, fused=True, fused_attention=False, variant="fused", **kw):
     """fused: the engine on the fused path (`variant`: "fused" or "fused-cluster"), whose attention is split +
-    combine unless fused_attention (set_fused_attention: the combine in the last split block, off by default since
-    the H200 run); one row rotates in the attention kernel, more rows in the qkv GEMV."""
+    combine unless fused_attention (set_fused_attention: the combine in the last split block, off by default: it
+    measured slower); one row rotates in the attention kernel, more rows in the qkv GEMV."""
     e = open_model(path, device="cuda", max_context=ctx, fp32_logits=True).engine
     if fused:
         e.set_path(variant)
@@ -330,8 +339,9 @@ def test_fused_greedy_matches_rows_path_and_numpy(cp, checkpoints, name, rng, va
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "mistral"])
 def test_fused_attention_option_matches_rows_path(cp, checkpoints, name, rng):
-    """set_fused_attention(True) (the combine in the last split block, kept behind the option): decode and
-    verify logits equal the default fused path's and the rows path's, graphs and counters included."""
+    """set_fused_attention(True) (the combine in the last split block; one row: the attention in one launch, rope
+    and KV append included): decode and verify logits equal the default fused path's and the rows path's, graphs
+    and counters included; the decode rows bit for bit (the merge does the combine kernel's arithmetic)."""
     path = checkpoints[name]
     engines = {"rows": gpu_engine(path, fused=False), "fused": gpu_engine(path),
                "fused+attn": gpu_engine(path, fused_attention=True)}
@@ -349,6 +359,8 @@ def test_fused_attention_option_matches_rows_path(cp, checkpoints, name, rng):
         e.check_fused()
         out[key] = np.stack(got)
     assert rel(out["fused"], out["rows"]) <= 1e-4 and rel(out["fused+attn"], out["rows"]) <= 1e-4
+    n = len(drafts)  # the decode rows: one-row merge vs the combine launch
+    assert np.array_equal(out["fused+attn"][:n], out["fused"][:n])
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

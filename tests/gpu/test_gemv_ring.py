@@ -193,10 +193,10 @@ def engine(path, path_name="rows", ctx=160, **kw):
 def test_rows_path_takes_the_ring_gemv(cp, checkpoints, monkeypatch):
     """Every projection of a decode step of the llama checkpoint (qkv, o, gate_up, down, lm_head) runs on
     gemv_ring, and with PDL, on the default path (whatever $METRALE_CUDA_PATH a run of the suite sets)."""
-    from metrale_cli.backends.cuda.engine import PATH_ENV
+    from metrale_cli.backends.cuda.engine import DEFAULT_PATH, PATH_ENV
     monkeypatch.delenv(PATH_ENV, raising=False)
     e = open_model(checkpoints["llama"], device="cuda", max_context=64, fp32_logits=True).engine
-    assert e.path == "rows" and e.use_pdl and e.gemv_impl == "ring"
+    assert e.path == DEFAULT_PATH and e.use_pdl and e.gemv_impl == "ring"
     e.prefill([1, 2, 3])
     seen = []
     real = e.kern.gemv_ring

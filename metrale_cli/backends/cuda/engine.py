@@ -52,24 +52,25 @@ from .passes import FusedRowsPass, PrefillPass, RowsPass, fused_plan
 
 # The rows-path variants (`CudaEngine.set_path`, `load_cuda_engine(path=)`, METRALE_CUDA_PATH, `metrale bench
 # --path`), all giving the same logits within fp32 summation order (tests/gpu/test_gemv_ring.py, test_fused_path.py):
-# - "rows" (the default): RowsPass, every one-row projection on the ring GEMV (gemv_ring.cu, one block of 1024
+# - "rows" (DEFAULT_PATH, BASE_PATH, and a --tp rank's): RowsPass, every one-row projection on the ring GEMV (gemv_ring.cu, one block of 1024
 #   threads per SM streaming its weights through a shared-memory ring), every launch with programmatic dependent
 #   launch so that a projection's blocks request their first weights while the kernel before it drains (H200,
 #   1024 context: llama-3.1-8b 4.64 -> 4.19 ms, phi-3-mini 2.83 -> 2.63, gemma-2-9b 6.42 -> 5.99; NOTES.md);
 # - "rows-stream": the default until 2026-12-04 (the streaming GEMV for the normed qkv, gemv.cu for the other
 #   one-row projections, PDL only for mixtures of experts), kept to time the old step beside the new one;
 # - "rows-fma": the projections of before the streaming GEMV (gemv_impl "simt+tc");
-# - "fused": FusedRowsPass, the rows path with rope + KV append in the qkv GEMV's epilogue (the ring GEMV's at one
-#   row: gemv_ring_qkv_rope_kernel), one launch fewer per layer; attention split + combine as on the rows path (the
-#   combine fused into the split kernel's last block measured slower, 14.4 us vs 9.4 us per layer at 1024 context,
-#   and is taken only with set_fused_attention(True)).
+# - "fused": FusedRowsPass, the rows path with one launch fewer per layer: rope + KV append in the
+#   attention split kernel (one row) or in the qkv GEMV's last blocks (verify rows); 0.8-2.1% faster than "rows" on
+#   an H100 (8B presets, phi-4-mini; llama-3.2-1b 0.8% slower).  Attention split + combine: the combine in the split
+#   kernel's last block measured slower and is taken only with set_fused_attention(True).
 # - "fused-cluster": "fused" whose one-row attention is a single launch: the split blocks of a KV head form one
 #   thread-block cluster and merge their splits through distributed shared memory (no combine launch).
 ROWS_PATHS = ("rows", "fused", "fused-cluster", "rows-stream", "rows-fma")
 FUSED_PATHS = ("fused", "fused-cluster")  # FusedRowsPass
 PATH_GEMV_IMPL = {"rows": "ring", "fused": "ring", "fused-cluster": "ring", "rows-stream": "auto", "rows-fma": "simt+tc"}
 PATH_PDL = {"rows", *FUSED_PATHS}  # launch with PDL whatever the model (the others: mixtures of experts only)
-DEFAULT_PATH = "rows"
+DEFAULT_PATH = "rows"  # what load_cuda_engine gives one GPU (METRALE_CUDA_PATH or its `path` choose another)
+BASE_PATH = "rows"  # what the constructor sets up, and the one path a tensor-parallel rank runs (verified under --tp)
 PATH_ENV = "METRALE_CUDA_PATH"
 
 MAX_ROWS = 16  # rows the GEMV path takes (decode, verify k <= 15 plus one, short prefills)
@@ -211,19 +212,19 @@ class CudaEngine(EngineBase):
         # ring GEMV requests its first weights before pdl_wait; on the other paths only for mixtures of experts,
         # whose short MoE launches it overlaps (H200, 1024 context: qwen3-30b-a3b 3.42 vs 3.72 ms, mixtral-8x7b
         # 7.35 vs 7.53 ms), off for dense models there (it did not make their step faster: NOTES.md, "PDL").
-        self.use_pdl = self._path_pdl(DEFAULT_PATH)
+        self.use_pdl = self._path_pdl(BASE_PATH)
         # Rows-path projections (GEMV_IMPLS), set by the path (PATH_GEMV_IMPL): "ring" = the ring GEMV (gemv_ring.cu)
         # for every one-row projection it takes (Kernels.ring_fits), else as "auto"; "auto" = the streaming GEMV
         # (gemv_stream.cu) for a normed, ungated projection of one row where it was faster (Kernels.stream_fits),
         # else the fp32-FMA GEMV (gemv.cu) below GEMV_TC_MIN_ROWS rows and the tensor-core GEMV (gemv_tc.cu) from
         # there on; "simt+tc" = that choice without the streaming GEMV; "simt" / "tc" force one kernel.
-        self.gemv_impl = PATH_GEMV_IMPL[DEFAULT_PATH]
-        # Rows-path variant (ROWS_PATHS): set_path.  The fused path's last-block counters are allocated
-        # when it is first taken.
-        self.path = DEFAULT_PATH
+        self.gemv_impl = PATH_GEMV_IMPL[BASE_PATH]
+        # Rows-path variant (ROWS_PATHS): BASE_PATH until set_path (load_cuda_engine takes DEFAULT_PATH there).  The
+        # fused path's last-block counters are allocated when it is first taken.
+        self.path = BASE_PATH
         self._qkv_counters = self._attn_counters = None
         # The fused path's attention with the combine in the last split block (set_fused_attention): off by
-        # default, the H200 measured it slower than split + combine (NOTES.md, issue 16).
+        # default, measured slower than split + combine (NOTES.md, issue 16).
         self.fused_attention = False
         self._long_logits = None  # [rows, V] for long prefills, grown on demand
         self._decode_amax_fresh = False
@@ -244,8 +245,8 @@ class CudaEngine(EngineBase):
         call on (recaptures the graphs; the KV cache and length are kept).  "fused" compiles its kernel module
         (kernels.names.fused_name_expressions) and allocates its last-block counters the first time."""
         path = check_path(path)
-        if self.tp is not None and path != DEFAULT_PATH:
-            raise UsageError(f"the CUDA '{path}' path does not run under --tp yet (a rank runs the rows path)")
+        if self.tp is not None and path != BASE_PATH:
+            raise UsageError(f"the CUDA '{path}' path does not run under --tp yet (a rank runs the {BASE_PATH} path)")
         self.synchronize()
         if path in FUSED_PATHS and self._qkv_counters is None:
             cp, cfg = self.cp, self.cfg
@@ -273,9 +274,10 @@ class CudaEngine(EngineBase):
 
     def set_fused_attention(self, enabled: bool) -> None:
         """On the fused path, run the attention split kernel with its combine in the last split block
-        (kernels.names.fused_attention_name_expressions, compiled now) instead of split + combine; off by
-        default (measured slower on the H200: 14.37 us vs 6.43 + 2.99 us per layer, llama-3.1-8b at 1024
-        context).  Recaptures the graphs; the KV cache and length are kept.  Same values either way."""
+        (kernels.names.fused_attention_name_expressions, compiled now; one row: rope + KV append too, the attention
+        in one launch) instead of split + combine; off by default (measured slower on an H100: 14.75 us inside the
+        step against 7.26 + 3.72 us per layer, llama-3.1-8b at 1024 context).  Recaptures the graphs; the KV cache
+        and length are kept.  Same values either way."""
         self.synchronize()
         if enabled:
             try:
@@ -625,10 +627,11 @@ def check_path(path: str) -> str:
     return name
 
 
-def default_path() -> str:
-    """The rows path an engine starts on: $METRALE_CUDA_PATH when set (checked), else DEFAULT_PATH."""
+def default_path(tensor_parallel: bool = False) -> str:
+    """The rows path an engine starts on: $METRALE_CUDA_PATH when set (checked), else DEFAULT_PATH, or BASE_PATH
+    for a tensor-parallel rank."""
     value = os.environ.get(PATH_ENV, "").strip()
-    return check_path(value) if value else DEFAULT_PATH
+    return check_path(value) if value else BASE_PATH if tensor_parallel else DEFAULT_PATH
 
 
 def load_cuda_engine(cfg: ModelConfig, source, max_context: int, fp32_logits: bool = False,
@@ -637,11 +640,11 @@ def load_cuda_engine(cfg: ModelConfig, source, max_context: int, fp32_logits: bo
     """Check the tensors, upload them once, and build the engine (CuPy is imported here, not before).
     With `tp` (parallel/comm.ParallelRank, its device current) only that rank's shard is uploaded, and the
     engine is that rank's. `path`: the rows-path variant (ROWS_PATHS; None: default_path(), i.e.
-    $METRALE_CUDA_PATH or "rows"); a tensor-parallel rank runs the rows path only (the fused path is not
+    $METRALE_CUDA_PATH or DEFAULT_PATH); a tensor-parallel rank runs BASE_PATH only (the fused paths are not
     verified under --tp)."""
-    path = check_path(path) if path is not None else default_path()
-    if tp is not None and path != DEFAULT_PATH:
-        raise UsageError(f"the CUDA '{path}' path does not run under --tp yet (unset {PATH_ENV} or choose rows)")
+    path = check_path(path) if path is not None else default_path(tp is not None)
+    if tp is not None and path != BASE_PATH:
+        raise UsageError(f"the CUDA '{path}' path does not run under --tp yet (unset {PATH_ENV} or choose {BASE_PATH})")
     check_context(cfg, max_context)
     full = cfg
     if tp is not None:
@@ -679,7 +682,7 @@ def load_cuda_engine(cfg: ModelConfig, source, max_context: int, fp32_logits: bo
         raise DeviceError(f"cannot compile the CUDA kernels ({type(e).__name__}: {str(e).splitlines()[0]})") from None
     weights = upload_weights(full, source, kern, progress, None if tp is None else (tp.rank, tp.size))
     engine = CudaEngine(cfg, weights, kern, max_context, fp32_logits, use_graphs, tp)
-    if path != DEFAULT_PATH:
+    if path != engine.path:
         engine.set_path(path)
     return engine
 

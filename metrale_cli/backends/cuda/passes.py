@@ -167,8 +167,9 @@ class RowsPass(RowsMoe, _Pass):
 
 
 # Why the fused path keeps the attention split + combine pair unless CudaEngine.set_fused_attention(True).
-ATTENTION_UNFUSED = ("split + combine (the combine in the last split block measured slower on the H200: 14.4 us "
-                     "vs 9.4 us per layer at 1024 context; CudaEngine.set_fused_attention)")
+ATTENTION_UNFUSED = ("split + combine (the combine in the last split block measured slower on an H100: 14.8 us vs "
+                     "7.3 + 3.7 us per layer inside the step, llama-3.1-8b at 1024 context; "
+                     "CudaEngine.set_fused_attention)")
 
 
 # Why the fused path rotates one row in the attention kernel, not in the qkv GEMV.
@@ -180,12 +181,13 @@ def fused_plan(engine: CudaEngine, m: int) -> dict[str, str | None]:
     """What the fused rows path fuses for m rows, decided here and only here: {op: None (fused) or why
     it runs the rows path's launches instead}.  "qkv_rope": the qkv GEMV with rope + KV append in its
     epilogue (gemv_qkv_rope), from 2 rows on (one row: rope + KV append in the attention split kernel instead,
-    per layer where Kernels.rope_fits, else rope_kv_append); "attention": the split kernel with its combine
-    (attention_decode with counters), only with engine.fused_attention (set_fused_attention; off by default:
-    measured slower).  Every model feature of the rows path is in the fused kernels (they call the same rope and
-    merge code: partial rotary, longrope factors, q/k norms, qkv bias, windows, softcaps, every head_dim); what is
-    missing is a fused qkv instance of the fp32-FMA GEMV's shared-memory variant (gemv_impl "simt" from 9
-    rows on)."""
+    per layer where Kernels.rope_fits, else rope_kv_append); "attention": the split kernel with its combine in
+    the last split block (attention_decode with counters; one row: with rope as well, the attention in one launch),
+    only with engine.fused_attention (set_fused_attention; off by default: measured slower).  Every model feature
+    of the rows
+    path is in the fused kernels (they call the same rope and merge code: partial rotary, longrope factors, q/k
+    norms, qkv bias, windows, softcaps, every head_dim); what is missing is a fused qkv instance of the fp32-FMA
+    GEMV's shared-memory variant (gemv_impl "simt" from 9 rows on)."""
     return {"qkv_rope": ROPE_IN_ATTENTION if m == 1 else engine.kern.qkv_rope_fusable(m, engine.gemv_impl),
             "attention": None if getattr(engine, "fused_attention", False) else ATTENTION_UNFUSED}
 
@@ -197,7 +199,7 @@ class FusedRowsPass(RowsPass):
     combine, o(+=), gate_up(norm, act), down(+=) = 6 launches (rows: 7).  From 2 rows (verify): the qkv GEMV
     (norm fused) also rotates q/k and appends k/v in the block that finishes each head (gemv_qkv_rope).  The
     attention is split + combine unless engine.fused_attention (then the split kernel merges its splits in the
-    last block to finish: no combine launch).
+    last block to finish: no combine launch; one row: the attention in one launch).
     The deferred launches: `linear(out="qkv")` records its operands and `rope_kv_append` launches the fused GEMV
     (2+ rows), or `rope_kv_append` records the rope and `attention` launches it (one row); decoder_forward always
     calls them in that order.  Values equal the rows path's within fp32 rounding (the same rope code, rope_kv_slot;
@@ -242,9 +244,11 @@ class FusedRowsPass(RowsPass):
         attn = e._attn[:m]
         if self._rope is not None:  # q: the unrotated qkv row
             rope, self._rope = self._rope, None
+            cluster = e.path == "fused-cluster"
+            merge = self.plan["attention"] is None and not cluster
             self.k.attention_decode(q.reshape(1, -1, a.head_dim), e._kc[layer], e._vc[layer], self.pos, attn,
-                                    a.scale, n_splits=e._splits[m], workspace=e._ws, rope=rope,
-                                    cluster=e.path == "fused-cluster", stream=self.s)
+                                    a.scale, n_splits=e._splits[m], workspace=e._ws, rope=rope, cluster=cluster,
+                                    counters=e._attn_counters if merge else None, stream=self.s)
             return attn.reshape(m, a.q_size)
         if self.plan["attention"] is not None:
             return super().attention(q, layer, a)

@@ -779,7 +779,8 @@ class Kernels(OperandChecks, UnfusedKernels):
         `rope` (the fused rows path, one row): rope_kv_append's arguments (inv_freq, q_norm, k_norm, eps,
         attention_scaling, norm_offset, rotary_dim) and `q` the unrotated qkv projection viewed as
         [1, n_heads + 2 n_kv, head_dim]: the split kernel rotates q itself and the split holding the position
-        appends k and v to the cache (rope_fits says where it can: no rope_kv_append launch).
+        appends k and v to the cache (rope_fits says where it can: no rope_kv_append launch); with `counters` too,
+        the whole attention is one launch.
         `cluster` (with `rope`): DECODE_CLUSTER splits whose combine runs in their thread-block cluster through
         distributed shared memory: one launch for the whole attention, `n_splits` and `workspace` unused."""
         np = self._np
@@ -808,6 +809,8 @@ class Kernels(OperandChecks, UnfusedKernels):
         G = nh // n_kv
         if cluster and rope is None:
             raise ValueError("attention_decode: the cluster combine is in the rope instances only")
+        if cluster and counters is not None:
+            raise ValueError("attention_decode: one combine: the cluster's or the last block's (no counters)")
         if cluster:
             n_splits = DECODE_CLUSTER
         if n_splits is None:
@@ -845,7 +848,7 @@ class Kernels(OperandChecks, UnfusedKernels):
             np.int32(M), np.int32(nh), np.int32(n_kv), np.int32(max_ctx), np.int32(n_splits), qscale,
             win, cap2,
         )
-        tc_tail = self._decode_rope_args(rope, qkv, k_cache, v_cache, M, G, ext, counters)
+        tc_tail = self._decode_rope_args(rope, qkv, k_cache, v_cache, M, n_kv, hd, G, window, softcap)
         if hd not in DECODE_TC_HEAD_DIMS:
             tc_tail = ()
         if counters is not None:
@@ -857,7 +860,7 @@ class Kernels(OperandChecks, UnfusedKernels):
                 self._disjoint(counters, "counters", a, an)
             if only is not None:
                 raise ValueError("attention_decode: `only` is for the unfused kernels")
-            name = decode_name(hd, qb, ext, fused=True)
+            name = decode_name(hd, qb, ext, fused=True, rope=rope is not None)
             if not self._has(name):
                 raise ValueError(f"attention_decode: no compiled instance {name}")
             self._launch(name, grid, (threads,), args + (out, counters) + tc_tail, stream)
@@ -896,17 +899,16 @@ class Kernels(OperandChecks, UnfusedKernels):
             return "a window or softcap: the rope prologue is in the plain instance only"
         return None
 
-    def _decode_rope_args(self, rope: dict | None, qkv: Any, k_cache: Any, v_cache: Any, M: int, G: int,
-                          ext: bool, counters: Any) -> tuple:
+    def _decode_rope_args(self, rope: dict | None, qkv: Any, k_cache: Any, v_cache: Any, M: int, n_kv: int, hd: int,
+                          G: int, window: int | None, softcap: float | None) -> tuple:
         """The tensor-core split kernel's rope arguments: rope_kv_append's (checked as there), or dummies."""
         np = self._np
         if rope is None:
             d = self._dummy
             return (d, d, d, d, d, np.float32(0), np.int32(0), np.int32(0), np.float32(1), np.float32(0), np.int32(0))
-        n_kv, _, hd = self._check_cache(k_cache, v_cache)
-        why = self.rope_fits(hd, G * n_kv, n_kv, ext or None)
-        if why is not None or M != 1 or counters is not None:
-            raise ValueError(f"attention_decode: rope in the split kernel: {why or 'one row, unfused combine only'}")
+        why = self.rope_fits(hd, G * n_kv, n_kv, window, softcap)
+        if why is not None or M != 1:
+            raise ValueError(f"attention_decode: rope in the split kernel: {why or 'one row only'}")
         inv_freq, q_norm, k_norm = rope["inv_freq"], rope.get("q_norm"), rope.get("k_norm")
         rd = self._rotary_dim(hd, rope.get("rotary_dim"))
         self._f32(inv_freq, "inv_freq", 1)

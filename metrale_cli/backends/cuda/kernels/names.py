@@ -125,15 +125,18 @@ def fused_name_expressions() -> tuple[str, ...]:
 
 def fused_attention_name_expressions() -> tuple[str, ...]:
     """The split kernels with their combine fused into the last split block, for every head_dim, query block
-    and window / softcap variant: their own module (Kernels.load_fused_attention), compiled only on request
-    (attention_decode with `counters`, CudaEngine.set_fused_attention).  The fused rows path does not use them
-    by default: on the H200 the pair split + combine was faster (NOTES.md, issue 16)."""
+    and window / softcap variant, and the one-row tensor-core instances with rope + KV append as well (the
+    attention in one launch): their own module (Kernels.load_fused_attention), compiled only on request
+    (attention_decode with `counters`, CudaEngine.set_fused_attention(True)).  The fused rows path does not use them
+    by default: on the H100 the split + combine pair was faster (NOTES.md, issue 16)."""
     names = []
     for hd in DECODE_HEAD_DIMS:
         for qb in (8, 16) if hd in DECODE_TC_HEAD_DIMS else (1, 2, 4):
             names.append(decode_name(hd, qb, fused=True))
             if hd in DECODE_TC_HEAD_DIMS:
                 names.append(decode_name(hd, qb, ext=True, fused=True))
+        if hd in DECODE_TC_HEAD_DIMS:
+            names.append(decode_name(hd, 8, rope=True, fused=True))
     return tuple(dict.fromkeys(names))
 
 
