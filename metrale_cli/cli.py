@@ -978,10 +978,11 @@ def bench(
                                                      help="Also write the results as JSON (atomically).")] = None,
     paths: Annotated[Optional[str], typer.Option(
         "--path", metavar="NAME,NAME,...",
-        help="CUDA rows-path variants to time side by side in this run: rows (today's kernels: the ring GEMV with "
-             "PDL), fused (rope + KV append inside the attention kernel), fused-cluster (fused, the attention's "
-             "combine in a thread-block cluster: one launch), rows-stream (the default until 2026-12-04), rows-fma "
-             "(the projections of before the streaming GEMV). The figures above the table are taken on the first.",
+        help="CUDA rows-path variants to time side by side in this run: fused (the default: rows with rope + KV "
+             "append inside the attention kernel), rows (the ring GEMV with PDL; what --tp ranks run), fused-cluster "
+             "(fused, the attention's combine in a thread-block cluster: one launch), rows-stream (the default until "
+             "2026-12-04), rows-fma (the projections of before the streaming GEMV). The figures above the table are "
+             "taken on the first.",
         show_default=False)] = None,
     fmt: FormatOpt = None,
     tp: TpOpt = None,

@@ -2,7 +2,7 @@
 # The ring GEMV (gemv_ring.cu) and the engine's default rows path on the GPU machine, from the source tree:
 #   bash scripts/gpu_ring.sh [OUTDIR] [PRESET:CONTEXT ... | none]   (default: $OUT, else /tmp/metrale-gpu-ring)
 #   RING_KERNELS=0 skips the kernel bench; FULL=1 runs the whole GPU suite instead of test_gemv_ring.py;
-#   BREAKDOWN="llama-3.1-8b phi-3-mini" adds scripts/decode_breakdown.py (rows vs rows-stream, 1024 context) per preset,
+#   BREAKDOWN="llama-3.1-8b phi-3-mini" adds scripts/decode_breakdown.py (rows vs rows-stream, BD_CONTEXT or 1024) per preset,
 #   BD_ARGS its extra options (e.g. "--ablate"); PATHS the rows paths to bench and break down side by side (default
 #   rows,rows-stream); TESTS=0 runs no tests after the smoke test, TESTS="tests/gpu/a.py ..." those files.
 # 1. a smoke test (one launch against gemv, graph + PDL chain; stops here on failure or hang); 2. bench_kernels
@@ -46,7 +46,7 @@ for pc in ${presets/none/}; do
   echo "bench $p $c rc=$? $(( $(date +%s) - t0 )) s" >> "$logs/times.txt"
 done
 for p in ${BREAKDOWN:-}; do
-  timeout 150 python3 scripts/decode_breakdown.py --preset "$p" --context 1024 --paths "${PATHS:-rows,rows-stream}" --repeats 15 \
+  timeout 150 python3 scripts/decode_breakdown.py --preset "$p" --context "${BD_CONTEXT:-1024}" --paths "${PATHS:-rows,rows-stream}" --repeats 15 \
     ${BD_ARGS:-} > "$logs/bd-$p.txt" 2>&1
   echo "breakdown $p rc=$? $(( $(date +%s) - t0 )) s" >> "$logs/times.txt"
 done

@@ -467,7 +467,7 @@ def test_path_option_is_checked(monkeypatch):
     with pytest.raises(UsageError, match="nope"):
         cuda_engine.default_path()
     monkeypatch.delenv(cuda_engine.PATH_ENV)
-    assert cuda_engine.default_path() == cuda_engine.DEFAULT_PATH == "rows"
+    assert cuda_engine.default_path() == cuda_engine.DEFAULT_PATH == "fused"
     assert cuda_engine.default_path(tensor_parallel=True) == cuda_engine.BASE_PATH == "rows"  # a --tp rank
     with fake_engine("phi3") as gpu:
         with pytest.raises(UsageError):

@@ -52,14 +52,15 @@ from .passes import FusedRowsPass, PrefillPass, RowsPass, fused_plan
 
 # The rows-path variants (`CudaEngine.set_path`, `load_cuda_engine(path=)`, METRALE_CUDA_PATH, `metrale bench
 # --path`), all giving the same logits within fp32 summation order (tests/gpu/test_gemv_ring.py, test_fused_path.py):
-# - "rows" (DEFAULT_PATH, BASE_PATH, and a --tp rank's): RowsPass, every one-row projection on the ring GEMV (gemv_ring.cu, one block of 1024
-#   threads per SM streaming its weights through a shared-memory ring), every launch with programmatic dependent
-#   launch so that a projection's blocks request their first weights while the kernel before it drains (H200,
-#   1024 context: llama-3.1-8b 4.64 -> 4.19 ms, phi-3-mini 2.83 -> 2.63, gemma-2-9b 6.42 -> 5.99; NOTES.md);
+# - "rows" (BASE_PATH, and a --tp rank's; the default until 2026-12-05): RowsPass, every one-row projection on the
+#   ring GEMV (gemv_ring.cu, one block of 1024 threads per SM streaming its weights through a shared-memory ring),
+#   every launch with programmatic dependent launch so that a projection's blocks request their first weights while
+#   the kernel before it drains (H200, 1024 context: llama-3.1-8b 4.64 -> 4.19 ms, phi-3-mini 2.83 -> 2.63,
+#   gemma-2-9b 6.42 -> 5.99; NOTES.md);
 # - "rows-stream": the default until 2026-12-04 (the streaming GEMV for the normed qkv, gemv.cu for the other
 #   one-row projections, PDL only for mixtures of experts), kept to time the old step beside the new one;
 # - "rows-fma": the projections of before the streaming GEMV (gemv_impl "simt+tc");
-# - "fused": FusedRowsPass, the rows path with one launch fewer per layer: rope + KV append in the
+# - "fused" (DEFAULT_PATH): FusedRowsPass, the rows path with one launch fewer per layer: rope + KV append in the
 #   attention split kernel (one row) or in the qkv GEMV's last blocks (verify rows); 0.8-2.1% faster than "rows" on
 #   an H100 (8B presets, phi-4-mini; llama-3.2-1b 0.8% slower).  Attention split + combine: the combine in the split
 #   kernel's last block measured slower and is taken only with set_fused_attention(True).
@@ -69,7 +70,7 @@ ROWS_PATHS = ("rows", "fused", "fused-cluster", "rows-stream", "rows-fma")
 FUSED_PATHS = ("fused", "fused-cluster")  # FusedRowsPass
 PATH_GEMV_IMPL = {"rows": "ring", "fused": "ring", "fused-cluster": "ring", "rows-stream": "auto", "rows-fma": "simt+tc"}
 PATH_PDL = {"rows", *FUSED_PATHS}  # launch with PDL whatever the model (the others: mixtures of experts only)
-DEFAULT_PATH = "rows"  # what load_cuda_engine gives one GPU (METRALE_CUDA_PATH or its `path` choose another)
+DEFAULT_PATH = "fused"  # what load_cuda_engine gives one GPU (METRALE_CUDA_PATH or its `path` choose another)
 BASE_PATH = "rows"  # what the constructor sets up, and the one path a tensor-parallel rank runs (verified under --tp)
 PATH_ENV = "METRALE_CUDA_PATH"
 

@@ -43,6 +43,9 @@ class PdlLauncher:
         self._set_attr.restype = ctypes.c_int
         self._set_attr.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
         self._non_portable: set[int] = set()
+        self._pdl_attr = Attr()  # built once: the array of each launch copies it
+        self._pdl_attr.id = self._ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
+        self._pdl_attr.value[0] = 1  # programmaticStreamSerializationAllowed (int) = 1
 
     def _param(self, a: Any) -> Any:
         ct, np = self._ct, self._np
@@ -66,12 +69,7 @@ class PdlLauncher:
         if stream is None:
             stream = self._cp.cuda.get_current_stream()
         func = getattr(fn, "kernel", fn).ptr  # RawKernel -> cupy.cuda.function.Function -> CUfunction
-        attrs = []
-        if pdl:
-            a = self._Attr()
-            a.id = self._ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
-            a.value[0] = 1  # programmaticStreamSerializationAllowed (int) = 1
-            attrs.append(a)
+        attrs = [self._pdl_attr] if pdl else []
         if cluster is not None:
             c = tuple(cluster) + (1,) * (3 - len(cluster))
             if c[0] * c[1] * c[2] > 8 and func not in self._non_portable:
