@@ -3,6 +3,7 @@ read-only kernel of `metrale bench` measured in the same run.  Needs CuPy and a 
 
     PYTHONPATH=. python3 -m benchmarks.bench_attention
     PYTHONPATH=. python3 -m benchmarks.bench_attention --simt   # head_dim 96 / 256: split counts old vs new
+    PYTHONPATH=. python3 -m benchmarks.bench_attention --sweep  # one row at 1024 / 8192 + 1 keys, split counts
 
 Llama-3-8B layer shape: 8 KV heads x head_dim 128, G = 4 query heads per KV head; contexts 1024,
 4096, 8192, 32768; M = 1, 4, 8 query rows (decode, verify), row m at position ctx - M + m, so
@@ -63,6 +64,55 @@ def simt_section(cp, K, read_gbs) -> None:
             del caches
 
 
+def sweep_section(cp, K, read_gbs) -> None:
+    """One decode row at L = ctx + 1 keys (what `metrale bench --context ctx` times) in the engine's cache size, for a
+    range of split counts: us per call of the split kernel alone, the combine alone, and both (PDL on, as the engine
+    launches them).  Shapes: llama-3.1-8b (8 KV heads, G 4) and phi-4-mini (8 KV heads, G 3), head_dim 128."""
+    print(f"{'shape':<14}{'ctx':>6}{'splits':>7}{'active':>7}{'split':>8}{'combine':>8}{'both':>8}{'% read':>8}")
+    pdl = bool(getattr(K, "pdl_supported", False))
+    for label, n_kv, g in (("llama-3.1-8b", 8, 4), ("phi-4-mini", 8, 3)):
+        nh = n_kv * g
+        for ctx in (1024, 8192):
+            max_ctx = max(ctx + 9, 2048)
+            kv_bytes = 2 * n_kv * (ctx + 1) * HD * 2
+            copies = max(2, min(32, math.ceil(4 * L2_BYTES / kv_bytes)))
+            caches = []
+            for _ in range(copies):
+                kc = cp.empty((n_kv, max_ctx, HD), dtype=cp.uint16)
+                vc = cp.empty((n_kv, max_ctx, HD), dtype=cp.uint16)
+                K.f32_to_bf16(cp.random.standard_normal((n_kv * max_ctx, HD), dtype=cp.float32), kc.reshape(-1, HD))
+                K.f32_to_bf16(cp.random.standard_normal((n_kv * max_ctx, HD), dtype=cp.float32), vc.reshape(-1, HD))
+                caches.append((kc, vc))
+            cp.cuda.Device().synchronize()
+            q = cp.random.standard_normal((1, nh, HD), dtype=cp.float32)
+            out = cp.empty_like(q)
+            pos = cp.asarray([ctx], dtype=cp.int32)
+            default = K.decode_splits(max_ctx, n_kv, 1, nh, HD)
+            for ns in sorted({16, 24, 32, 33, 40, 48, 50, 64, default}):
+                if ns > max_ctx // 64:
+                    continue
+                chunk = max(64, -(-(-(-(ctx + 1) // ns)) // 64) * 64)
+                active = -(-(ctx + 1) // chunk)
+                ws = cp.zeros(K.decode_workspace_size(1, nh, HD, ns), dtype=cp.float32)
+                row = []
+                for only in ("split", "combine", None):
+                    launches = [(lambda s, c=caches[i % copies], ns=ns, ws=ws, only=only: K.attention_decode(
+                        q, c[0], c[1], pos, out, HD ** -0.5, n_splits=ns, workspace=ws, only=only, stream=s))
+                        for i in range(32)]
+                    K.pdl = pdl
+                    try:
+                        row.append(_graph_time_ms(cp, launches) * 1e3)
+                    finally:
+                        K.pdl = False
+                gbs = kv_bytes / (row[2] * 1e-6) / 1e9
+                tag = f"{ns}" + ("*" if ns == default else "")
+                print(f"{label:<14}{ctx:>6}{tag:>7}{active:>7}{row[0]:>8.2f}{row[1]:>8.2f}{row[2]:>8.2f}"
+                      f"{100 * gbs / read_gbs:>7.0f}%")
+                sys.stdout.flush()
+            del caches
+    print("(* = decode_splits default; us per call in a graph of 32, PDL on where the GPU has it)")
+
+
 def main() -> int:
     import cupy as cp
 
@@ -77,6 +127,9 @@ def main() -> int:
     print(f"read-only kernel of metrale bench (4 GiB, uint4 loads): {read_gbs:8.0f} GB/s")
     if "--simt" in sys.argv[1:]:
         simt_section(cp, K, read_gbs)
+        return 0
+    if "--sweep" in sys.argv[1:]:
+        sweep_section(cp, K, read_gbs)
         return 0
     print(f"decode attention, n_kv {N_KV}, G {G}, head_dim {HD}; us per call (split + combine) in a graph")
     print()

@@ -124,3 +124,11 @@ def test_split_argmax_constants_match_the_source():
     threads = int(re.search(r"#define ARGMAX_THREADS (\d+)", src).group(1))
     per = int(re.search(r"#define ARGMAX_PER (\d+)", src).group(1))
     assert (tuning.ARGMAX_THREADS, tuning.ARGMAX_CHUNK) == (threads, threads * per)
+
+
+def test_attention_constants_match_the_source():
+    from metrale_cli.backends.cuda.kernels import tuning
+
+    src = (nvrtc._CUDA_DIR / "attention.cu").read_text()
+    for name in ("ATTN_TC_WARPS", "ATTN_CHUNK_ALIGN", "ATTN_COMBINE_BATCH", "ATTN_WARPS"):
+        assert int(re.search(rf"#define {name} (\d+)", src).group(1)) == getattr(tuning, name), name

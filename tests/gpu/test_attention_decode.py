@@ -206,8 +206,10 @@ def test_decode_splits_any_rows(kernels):
                 qv = M * (nh // n_kv)
                 blocks = n_kv * math.ceil(qv / (8 if qv <= 8 else 16)) * s
                 if max_ctx >= 8192 and s < math.ceil(max_ctx / 64):  # not capped by the 64-key minimum
-                    assert blocks >= 2 * sms, (max_ctx, n_kv, nh, M, s, blocks)
-    assert kernels.decode_splits(8192, 8, 1, 32) == math.ceil(2 * sms / 8)
+                    # (a count just past one combine batch, 33..35, gives way to the batch: 32)
+                    assert blocks >= 2 * sms * (32 / 35 if s == 32 else 1), (max_ctx, n_kv, nh, M, s, blocks)
+    want = math.ceil(2 * sms / 8)
+    assert kernels.decode_splits(8192, 8, 1, 32) == (32 if 32 < want <= 35 else want)
     # the SIMT head dims: splits of >= 32 keys
     for hd in (96, 256):
         for max_ctx in (1, 31, 32, 1000, 8192):

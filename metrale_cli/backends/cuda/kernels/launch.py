@@ -28,6 +28,7 @@ from .tuning import (
     ARGMAX_CHUNK,
     ARGMAX_THREADS,
     ATTN_CHUNK_ALIGN,
+    ATTN_COMBINE_BATCH,
     ATTN_TC_WARPS,
     DECODE_CLUSTER,
     ATTN_WARPS,
@@ -709,14 +710,18 @@ class Kernels(OperandChecks, UnfusedKernels):
         loads in flight, 64 KiB per SM covers the HBM latency), so n_splits = ceil(2 * SMs / (n_kv * row
         blocks)), but no split shorter than ATTN_CHUNK_ALIGN keys at max_ctx.  On the device the split
         size is ceil(L / n_splits) rounded up to ATTN_CHUNK_ALIGN for the current length L, so shorter
-        contexts use fewer, still >= 64-key, splits.  Llama-3-8B on 132 SMs (n_kv 8, G 4): M = 1..4 -> 33
-        splits (264 blocks), M = 5..8 -> 17 (272), M = 16 -> 9 (288).
+        contexts use fewer, still >= 64-key, splits.  Llama-3-8B on 132 SMs (n_kv 8, G 4): M = 1..4 -> 32
+        splits (256 blocks: 33, one past a combine batch, see below), M = 5..8 -> 17 (272), M = 16 -> 9 (288).
         SIMT kernel (head_dim 96, 256; its query blocks of _decode_qb vectors; DECODE_SIMT_SPLITS): latency-bound
         (Nsight Compute on the H200: 6 cycles per issued instruction, one warp per scheduler).  head_dim 96 (64
         registers): 32-key splits, about 4 blocks per SM: phi-3-mini's layer (32 KV heads) 10.8 -> 10.1 us at
         1024 keys, 37.8 -> 31.5 us at 8192.  head_dim 256 (161 registers): 64-key splits, 2 per SM as before:
         finer measured slower (gemma-2-9b's layer 15.1 -> 17.0 us at 1024 keys with 4 per SM and 32-key
-        splits, 15.1 -> 15.8 with 2 per SM and 32-key splits; benchmarks/bench_attention.py --simt)."""
+        splits, 15.1 -> 15.8 with 2 per SM and 32-key splits; benchmarks/bench_attention.py --simt).
+        A count just past ATTN_COMBINE_BATCH (33..35) becomes the batch: the combine merges its splits in batches of
+        32, and a second batch is a second round of loads.  H100, one row at 8193 keys in 8201 positions (llama-3.1-8b
+        shape, `benchmarks.bench_attention --sweep`, 2026-12-05): split + combine 20.06 us with 33 splits (33 hold
+        keys), 18.95 us with 32 (26 hold keys); phi-4-mini's shape 19.69 -> 18.68 us."""
         n_heads = n_kv if n_heads is None else n_heads
         n_kv = max(1, int(n_kv))
         qvec = max(1, int(n_rows)) * max(1, int(n_heads) // n_kv)
@@ -727,6 +732,8 @@ class Kernels(OperandChecks, UnfusedKernels):
             align, per_sm = DECODE_SIMT_SPLITS[head_dim]
             row_blocks = _ceil_div(qvec, _decode_qb(head_dim, qvec))
         want = _ceil_div(per_sm * self.num_sms, n_kv * row_blocks)
+        if ATTN_COMBINE_BATCH < want <= ATTN_COMBINE_BATCH * 11 // 10:
+            want = ATTN_COMBINE_BATCH  # a few splits past one combine batch cost a second merge round
         return max(1, min(want, _ceil_div(max(1, int(max_ctx)), align), 65535))
 
     @staticmethod

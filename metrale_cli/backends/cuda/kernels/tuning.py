@@ -122,6 +122,7 @@ LOG2E = 1.4426950408889634
 # Splits are multiples of ATTN_CHUNK_ALIGN keys.  All must match attention.cu.
 ATTN_TC_WARPS = 4
 ATTN_CHUNK_ALIGN = 64
+ATTN_COMBINE_BATCH = 32  # splits the combine kernel merges per round of loads
 # The split argmax (argmax.cu argmax_split_*_kernel): threads per block, elements per block step.  Must match.
 ARGMAX_THREADS = 256
 ARGMAX_CHUNK = ARGMAX_THREADS * 8
