@@ -348,6 +348,10 @@ MODELS = ["gemma2", "gemma3_text", "gemma3_mm", "phi3", "phi3_longrope", "phi4_m
 
 
 TOL = 3e-2  # bf16 KV cache and GEMM activations; a wrong argument shows as an error of 0.1 and more
+# The same engine two ways (verify vs sequential decode, trim vs a fresh run): NumPy's matmul rounds differently by
+# row count, and a last-bit difference that flips one bf16 rounding of the KV cache moves a logits row by ~1e-3
+# (gemma2 / gemma3 fixtures: 1.3e-3 and 1.5e-3 seen, about one run in twenty).
+SAME_TOL = 5e-3
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -390,14 +394,14 @@ def test_verify_equals_decode_and_trim(name):
         gpu.reset()
         gpu.prefill(prompt)
         gpu.verify(drafts)
-        assert rel(rows(gpu, gpu.logits_buffer_ptr(), 6), np.stack(seq)) < 1e-3  # BLAS rounding by row count
+        assert rel(rows(gpu, gpu.logits_buffer_ptr(), 6), np.stack(seq)) < SAME_TOL  # BLAS rounding by row count
         gpu.trim(14)
         gpu.decode(3)
         after = rows(gpu, gpu.decode_logits_ptr(), 1)
     with fake_engine(name) as fresh:
         fresh.prefill(prompt + drafts[:2])
         fresh.decode(3)
-        assert rel(after, rows(fresh, fresh.decode_logits_ptr(), 1)) < 1e-3
+        assert rel(after, rows(fresh, fresh.decode_logits_ptr(), 1)) < SAME_TOL
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -437,8 +441,8 @@ def test_fused_path_matches_the_rows_path_and_the_numpy_engine(name):
             after = rows(gpu, gpu.decode_logits_ptr(), 1)[0]
         out[path] = np.stack(got)
         assert rel(out[path], np.stack(want)) < TOL
-        assert rel(ver, out[path]) < 1e-3
-        assert rel(after, out[path][2]) < 1e-3
+        assert rel(ver, out[path]) < SAME_TOL
+        assert rel(after, out[path][2]) < SAME_TOL
         layers = cpu.cfg.num_hidden_layers * len(steps)
         if path != "rows":  # one row: rope + KV append inside the attention split kernel where it fits
             a = gpu.cfg.definition.layers[0].attention
