@@ -68,6 +68,10 @@ CASES = [
     (256, 2, 1, 16, 100, 2),
     (96, 4, 1, 1, 2000, None),  # Phi-3-mini's head_dim (SIMT kernel, 4 bf16 on 24 lanes)
     (96, 2, 3, 7, 300, 3),
+    # long contexts: splits of thousands of keys (a kernel that skipped keys would miss the flat softmax's mean)
+    (256, 2, 2, 1, 65536, None),
+    (128, 2, 4, 1, 65536, None),
+    (96, 2, 3, 2, 40000, None),
 ]
 
 

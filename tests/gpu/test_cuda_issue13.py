@@ -143,26 +143,30 @@ def test_windowed_decode_reads_only_the_window(cp, kernels, rng):
         q = cp.asarray(rng.standard_normal((1, nh, hd), dtype=np.float32))
         pos = cp.asarray(np.array([ctx - 1], np.int32))
         out = cp.zeros((1, nh, hd), dtype=cp.float32)
-        n = kernels.decode_splits(ctx, n_kv, 1, nh)
+        n = kernels.decode_splits(ctx, n_kv, 1, nh, hd)
         ws = cp.empty(kernels.decode_workspace_size(1, nh, hd, n), dtype=cp.float32)
+        cp.cuda.Device().synchronize()  # the inputs' copies (default stream) done before the kernels' stream reads
         s = cp.cuda.Stream(non_blocking=True)
         # GPU time, not the host's per-call overhead (~70 us, more than a 512-key step): 20 launches
-        # captured in one graph, replayed back to back
+        # captured in one graph, replayed back to back, timed by events on the stream
         with s:
             kernels.attention_decode(q, kb, vb, pos, out, 0.1, n_splits=n, window=window, workspace=ws, stream=s)
-            s.synchronize()
+            eager = out.copy()
             s.begin_capture()
             for _ in range(20):
                 kernels.attention_decode(q, kb, vb, pos, out, 0.1, n_splits=n, window=window, workspace=ws,
                                          stream=s)
             graph = s.end_capture()
-        graph.launch(stream=s)
-        s.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(10):
             graph.launch(stream=s)
-        s.synchronize()
-        return (time.perf_counter() - t0) / 200
+            out[...] = np.nan  # the replays below must write it again
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record(s)
+            for _ in range(10):
+                graph.launch(stream=s)
+            e1.record(s)
+            s.synchronize()
+        assert cp.array_equal(out, eager), "graph replay differs from the eager launch"
+        return cp.cuda.get_elapsed_time(e0, e1) * 1e-3 / 200
     full, win, small = timed(65536, None), timed(65536, 512), timed(512, None)
     print(f"decode attention: 64k full {full * 1e6:.1f} us, 64k window 512 {win * 1e6:.1f} us, "
           f"512 context {small * 1e6:.1f} us")
