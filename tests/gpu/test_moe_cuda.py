@@ -324,13 +324,16 @@ def _spec(e) -> MoeSpec:
 @pytest.mark.parametrize("plen", [5, 16, 40])  # 5, 16: the graph rows path; 40: the cuBLAS prefill path
 def test_moe_prefill_parity(cp, checkpoints, name, plen, rng, seed):
     cpu, gpu = pair(checkpoints[name])
-    prompt = [int(t) for t in rng.integers(0, cpu.vocab_size(), plen)]
-    n = first_flip(trace(cpu, [prompt]), trace(gpu, [prompt]), _spec(cpu), seed)
+    for _ in range(4):  # a near tie in the first row (first_flip checks it is one) leaves no row to compare: redraw
+        prompt = [int(t) for t in rng.integers(0, cpu.vocab_size(), plen)]
+        n = first_flip(trace(cpu, [prompt]), trace(gpu, [prompt]), _spec(cpu), seed)
+        if n > 0:
+            break
+    assert n > 0, f"seed={seed}: four prompts in a row routed differently from their first row"
     cpu.reset()
     gpu.reset()
     cpu.prefill(prompt, all_logits=True)
     gpu.prefill(prompt, all_logits=True)
-    assert n > 0, f"seed={seed}: the first row already routes differently"
     err = rel(rows(gpu, gpu.logits_buffer_ptr(), plen)[:n], rows(cpu, cpu.logits_buffer_ptr(), plen)[:n])
     print(f"{name} prefill T={plen}: rel err {err:.2e} over {n} rows")
     assert err <= TOL, f"seed={seed}"
