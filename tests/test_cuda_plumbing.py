@@ -61,7 +61,7 @@ def fake_cupy():
         alloc_pinned_memory=lambda n: bytearray(n),
         Device=lambda *a: SimpleNamespace(synchronize=lambda: None),
         memory=SimpleNamespace(OutOfMemoryError=MemoryError),
-        runtime=SimpleNamespace(memGetInfo=lambda: (0, 0)),
+        runtime=SimpleNamespace(memGetInfo=lambda: (80 << 30, 80 << 30)),  # (free, total) bytes
     )
     wrap = lambda f: (lambda *a, **k: _wrap(f(*a, **k)))  # noqa: E731
     return SimpleNamespace(
@@ -525,3 +525,27 @@ def test_projection_kernel_per_path_and_rows(path, m, k, n, norm, want):
                     swiglu=True, **nw)
         gated = "gemv_swiglu" if want in ("gemv", "gemv_stream") else want  # gemv_tc, gemv_ring: the same kernel
         assert [c for c in gpu.kern.calls if c.startswith("gemv")] == [want, gated]
+
+
+def test_weights_too_big_for_the_gpu_are_refused_before_loading():
+    """A model whose bf16 weights exceed the free GPU memory fails at once with a DeviceError naming both sizes
+    (mixtral-8x7b on an 80 GB card was an internal error after 83 GB of allocations), and an out-of-memory while
+    fusing parts is a DeviceError too, not a traceback."""
+    from metrale_cli.errors import DeviceError
+
+    name = "qwen2_moe"
+    cfg = load_config(FIXTURES / name)
+    kern = FakeKernels()
+    with Checkpoint.open(FIXTURES / name) as ckpt:
+        need = sum(int(np.prod(ckpt.info(n).shape)) * 2 for n in ckpt.tensor_names())
+        kern._cp.cuda.runtime.memGetInfo = lambda: (need - 1, 80 << 30)
+        with pytest.raises(DeviceError, match=r"the weights need .* GiB in bf16 and the GPU has .* GiB free"):
+            cuda_engine.upload_weights(cfg, ckpt, kern)
+        kern._cp.cuda.runtime.memGetInfo = lambda: (need, 80 << 30)
+
+        def no_memory(*a, **k):
+            raise MemoryError  # the fake's OutOfMemoryError
+
+        kern._cp.concatenate = no_memory
+        with pytest.raises(DeviceError, match="CUDA out of memory fusing the weights' parts"):
+            cuda_engine.upload_weights(cfg, ckpt, kern)

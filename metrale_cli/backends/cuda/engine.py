@@ -93,10 +93,8 @@ def _cupy():
 
 def _oom(cp, what: str, nbytes: int) -> DeviceError:
     free, total = cp.cuda.runtime.memGetInfo()
-    return DeviceError(
-        f"CUDA out of memory {what}: needed {nbytes / 2**20:.0f} MiB more, "
-        f"{free / 2**20:.0f} MiB free of {total / 2**20:.0f} MiB"
-    )
+    need = f"needed {nbytes / 2**20:.0f} MiB more, " if nbytes else ""
+    return DeviceError(f"CUDA out of memory {what}: {need}{free / 2**20:.0f} MiB free of {total / 2**20:.0f} MiB")
 
 
 def upload_weights(cfg: ModelConfig, source: WeightSource, kern, progress: Callable[[int], None] | None = None,
@@ -106,6 +104,13 @@ def upload_weights(cfg: ModelConfig, source: WeightSource, kern, progress: Calla
     `rank` = (r, n): keep tensor-parallel rank r's shard (parallel/sharding.RankShard), each layer cut on
     the device as soon as it is uploaded."""
     cp = kern._cp
+    if rank is None:  # refuse before reading anything when the bf16 weights cannot fit (a tp rank holds a share)
+        need = sum(int(np.prod(source.info(n).shape)) * 2 for n in source.tensor_names())
+        free, total = cp.cuda.runtime.memGetInfo()
+        if need > free:
+            raise DeviceError(
+                f"the weights need {need / 2**30:.1f} GiB in bf16 and the GPU has {free / 2**30:.1f} GiB free "
+                f"of {total / 2**30:.1f} GiB: use a GPU with more memory, or split the model with --tp N")
 
     def get(name: str):
         info = source.info(name)
@@ -140,7 +145,10 @@ def upload_weights(cfg: ModelConfig, source: WeightSource, kern, progress: Calla
         from ...parallel.sharding import RankShard
 
         shard = RankShard(cfg.definition, rank[0], rank[1], concat)
-    return load_weights(cfg.definition, get, concat, shard=shard)
+    try:
+        return load_weights(cfg.definition, get, concat, shard=shard)
+    except cp.cuda.memory.OutOfMemoryError:  # fusing parts (q/k/v, gate/up) or stacking experts: a copy's peak
+        raise _oom(cp, "fusing the weights' parts on the device", 0) from None
 
 
 class CudaEngine(EngineBase):
