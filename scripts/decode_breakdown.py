@@ -219,22 +219,25 @@ def step_ops(eng):
     ]
 
 
+def op_layers(eng, name: str) -> list[int]:
+    """The layers a launch kind of layer_ops runs in: the MoE launches in the sparse layers, the dense MLP's GEMVs in
+    the dense ones, the rest in all."""
+    sparse = {i for i, layer in enumerate(eng.cfg.definition.layers) if isinstance(layer.mlp, MoeSpec)}
+    if name.startswith("moe"):
+        return sorted(sparse)
+    if "GEMV" in name and ("gate_up" in name or "down" in name):
+        return [i for i in range(eng.cfg.num_hidden_layers) if i not in sparse]
+    return list(range(eng.cfg.num_hidden_layers))
+
+
 def breakdown(eng, path: str, bw: float, repeats: int, decode_once, timer, fused_attention: bool = False) -> dict:
     eng.set_path(path)
     if path == "fused":
         eng.set_fused_attention(fused_attention)
-    L = eng.cfg.num_hidden_layers
-    dense = [i for i, layer in enumerate(eng.cfg.definition.layers) if not isinstance(layer.mlp, MoeSpec)]
-    sparse = [i for i in range(L) if i not in dense]
     rows = []
     x0 = eng._x.copy()
     for name, per_layer, nbytes, fn in layer_ops(eng, path):
-        if name.startswith("moe"):
-            layers = sparse
-        elif "GEMV" in name and ("gate_up" in name or "down" in name):
-            layers = dense
-        else:
-            layers = list(range(L))
+        layers = op_layers(eng, name)
         if not layers:
             continue
         t = time_graph(eng, lambda: [fn(i) for i in layers], repeats) / len(layers)
@@ -258,19 +261,19 @@ def ablation(eng, path: str, repeats: int) -> dict:
     """What each per-layer launch kind costs inside the step, not alone: the graph of every layer's launches in
     step order (the decode step without its per-step tail), timed whole and then once with each kind left out.
     The difference is that kind's marginal cost with its neighbours' PDL overlap and gaps, which the isolated
-    rows above cannot show.  The values computed are garbage (a left-out rope leaves q unrotated): time only."""
+    rows above cannot show.  The values computed are garbage (a left-out rope leaves q unrotated; a left-out MoE route
+    leaves gate_up / down the previous layer's experts): time only.  A kind's saving is per layer it runs in."""
     eng.set_path(path)
     L = eng.cfg.num_hidden_layers
-    ops = [(name, fn) for name, _, _, fn in layer_ops(eng, path) if not name.startswith("moe")]
-    if eng.cfg.moe is not None:
-        return dict(path=path, skipped="sparse layers: not ablated")
+    ops = [(name, fn, set(op_layers(eng, name))) for name, _, _, fn in layer_ops(eng, path)]
+    ops = [op for op in ops if op[2]]
     x0 = eng._x.copy()
 
     def chain(skip):
         def run():
             for i in range(L):
-                for name, fn in ops:
-                    if name != skip:
+                for name, fn, layers in ops:
+                    if name != skip and i in layers:
                         fn(i)
         t = time_graph(eng, run, repeats)
         eng._x[...] = x0
@@ -278,7 +281,8 @@ def ablation(eng, path: str, repeats: int) -> dict:
         return t * 1e6
 
     whole = chain(None)
-    rows = [dict(kernel=name, without_us=(w := chain(name)), marginal_us=(whole - w) / L) for name, _ in ops]
+    rows = [dict(kernel=name, without_us=(w := chain(name)), marginal_us=(whole - w) / len(layers))
+            for name, _, layers in ops]
     eng.check_fused()
     return dict(path=path, chain_us=whole, rows=rows)
 
