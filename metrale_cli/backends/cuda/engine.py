@@ -105,7 +105,7 @@ def upload_weights(cfg: ModelConfig, source: WeightSource, kern, progress: Calla
     the device as soon as it is uploaded."""
     cp = kern._cp
     if rank is None:  # refuse before reading anything when the bf16 weights cannot fit (a tp rank holds a share)
-        need = sum(int(np.prod(source.info(n).shape)) * 2 for n in source.tensor_names())
+        need = cfg.definition.parameter_count() * 2  # what is read: not a checkpoint's vision tower, say
         free, total = cp.cuda.runtime.memGetInfo()
         if need > free:
             raise DeviceError(
