@@ -132,8 +132,10 @@ def layer_ops(eng, path: str):
         p.linear(act, w.layers[i]["down"], None, out="x", residual=x)
 
     lw = lambda i, key: w.layers[i].get(key)  # noqa: E731
+    o_in_layer = path.startswith("fused") and fp.plan["moe_o"] is None  # sparse layers: o in the layer's launch
     common = [
-        ("o GEMV (+= residual)", 1, lambda i: nb(lw(i, "o"), lw(i, "o_bias")), o),
+        ("o GEMV (+= residual" + ("; dense layers)" if o_in_layer else ")"), 1,
+         lambda i: nb(lw(i, "o"), lw(i, "o_bias")), o),
         ("gate_up GEMV (norm, act)", 1, lambda i: nb(lw(i, "gate_up"), lw(i, "mlp_norm")), gate_up),
         ("down GEMV (+= residual)", 1, lambda i: nb(lw(i, "down")), down),
     ]
@@ -141,7 +143,7 @@ def layer_ops(eng, path: str):
         ("attention split", 1, kv_bytes, attn_part("split")),
         ("attention combine", 1, lambda i: 0, attn_part("combine")),
     ]
-    common += moe_ops(eng, p, x, nb)
+    common += moe_ops(eng, p, x, nb, fp if path.startswith("fused") else None)
     qkv_op = ("qkv GEMV (norm)", 1, lambda i: nb(lw(i, "qkv"), lw(i, "qkv_bias"), lw(i, "input_norm")), qkv_rows)
     if path == "fused-cluster" and rope_in_attention:
         return [qkv_op, ("attention (rope, KV, cluster)", 1, kv_bytes, attn_rope(None, cluster=True))] + common
@@ -164,10 +166,11 @@ def layer_ops(eng, path: str):
     ] + split_combine + common
 
 
-def moe_ops(eng, p, x, nb):
+def moe_ops(eng, p, x, nb, fp=None):
     """The sparse layers' launches (names start with "moe"; timed over the sparse layers only): the router
-    GEMV, the route kernel, the shared expert's gate_up, the chosen experts' gate_up and down.  At M = 1
-    a step reads top_k experts per layer: that is their floor."""
+    GEMV, the route kernel, the shared expert's gate_up, the chosen experts' gate_up and down; on a fused path
+    `fp` whose plan takes the one-launch layer, the shared expert's gate_up and the layer.  At M = 1 a step
+    reads top_k experts per layer: that is their floor."""
     if eng.cfg.moe is None:
         return []
     cfg, w, st = eng.cfg, eng.w, eng.moe
@@ -195,6 +198,23 @@ def moe_ops(eng, p, x, nb):
 
     def chosen(key):  # top_k of the layer's experts
         return lambda i: nb(lw(i, key)) * spec.top_k // spec.num_experts
+
+    with_o = fp is not None and fp.plan["moe_o"] is None
+
+    def layer(i):
+        shared = (lw(i, "shared_down"), st.act_s[:1]) if spec.shared_expert_size else None
+        o = (eng._attn[:1].reshape(1, -1), lw(i, "o")) if with_o else None
+        st.kern.layer(1, x, lw(i, "mlp_norm"), defs[i].norm.eps, lw(i, "router"), logits, lw(i, "experts_gate_up"),
+                      lw(i, "experts_down"), st.buf, st.act, experts=spec.num_experts, top_k=spec.top_k,
+                      norm_topk=spec.norm_topk_prob, shared=shared, o=o, stream=eng.stream)
+
+    if fp is not None and fp.plan["moe"] is None:
+        one = [("moe layer (one launch: " + ("o, " if with_o else "") + "router, route, gate_up, down)", 1,
+                lambda i: (nb(lw(i, "router"), lw(i, "mlp_norm"), lw(i, "shared_down"), lw(i, "o") if with_o else None)
+                           + chosen("experts_gate_up")(i) + chosen("experts_down")(i)), layer)]
+        if spec.shared_expert_size:
+            one.insert(0, ("moe shared gate_up GEMV", 1, lambda i: nb(lw(i, "shared_gate_up")), shared_gate_up))
+        return one
 
     ops = [("moe router GEMV (norm)", 1, lambda i: nb(lw(i, "router"), lw(i, "mlp_norm")), router),
            ("moe route (top-k, h, union)", 1, lambda i: 0, route)]
@@ -225,7 +245,7 @@ def op_layers(eng, name: str) -> list[int]:
     sparse = {i for i, layer in enumerate(eng.cfg.definition.layers) if isinstance(layer.mlp, MoeSpec)}
     if name.startswith("moe"):
         return sorted(sparse)
-    if "GEMV" in name and ("gate_up" in name or "down" in name):
+    if "GEMV" in name and ("gate_up" in name or "down" in name or "dense layers" in name):
         return [i for i in range(eng.cfg.num_hidden_layers) if i not in sparse]
     return list(range(eng.cfg.num_hidden_layers))
 

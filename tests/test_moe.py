@@ -306,7 +306,7 @@ def test_moe_kernel_source_is_common_cu_then_moe_cu():
     assert '#include "common.cu"' not in [ln.strip() for ln in src.splitlines()] and "#ifndef METRALE_NVRTC" in src
     for name in PLAIN + name_expressions():
         assert name.split("<")[0] in src
-    assert len(set(name_expressions())) == 10
+    assert len(set(name_expressions())) == 15  # gate_up, down and the one-launch layer, 5 row bounds each
 
 
 # -- the CUDA prefill's layout of (token, expert) pairs (pure host code, checked here without a GPU) -----

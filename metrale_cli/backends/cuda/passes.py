@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...errors import DeviceError
-from .moe_passes import PrefillMoe, RowsMoe
+from .moe_passes import FusedMoe, PrefillMoe, RowsMoe
 
 if TYPE_CHECKING:
     from ...engine.loop import Tap
@@ -183,16 +183,20 @@ def fused_plan(engine: CudaEngine, m: int) -> dict[str, str | None]:
     epilogue (gemv_qkv_rope), from 2 rows on (one row: rope + KV append in the attention split kernel instead,
     per layer where Kernels.rope_fits, else rope_kv_append); "attention": the split kernel with its combine in
     the last split block (attention_decode with counters; one row: with rope as well, the attention in one launch),
-    only with engine.fused_attention (set_fused_attention; off by default: measured slower).  Every model feature
-    of the rows
-    path is in the fused kernels (they call the same rope and merge code: partial rotary, longrope factors, q/k
-    norms, qkv bias, windows, softcaps, every head_dim); what is missing is a fused qkv instance of the fp32-FMA
-    GEMV's shared-memory variant (gemv_impl "simt" from 9 rows on)."""
+    only with engine.fused_attention (set_fused_attention; off by default: measured slower); "moe": a sparse layer in
+    one launch (moe_passes.FusedMoe: router, routing, gate_up and down in a persistent grid) where MoeState.layer_fits;
+    "moe_o": that launch also runs the attention's output projection before the layer (MoeState.o_fits).  Every
+    model feature of the rows path is in the fused kernels (they call the same rope and merge code: partial rotary,
+    longrope factors, q/k norms, qkv bias, windows, softcaps, every head_dim); what is missing is a fused qkv
+    instance of the fp32-FMA GEMV's shared-memory variant (gemv_impl "simt" from 9 rows on)."""
+    moe = getattr(engine, "moe", None)
     return {"qkv_rope": ROPE_IN_ATTENTION if m == 1 else engine.kern.qkv_rope_fusable(m, engine.gemv_impl),
-            "attention": None if getattr(engine, "fused_attention", False) else ATTENTION_UNFUSED}
+            "attention": None if getattr(engine, "fused_attention", False) else ATTENTION_UNFUSED,
+            "moe": "no sparse layers" if moe is None else moe.layer_fits(m),
+            "moe_o": "no sparse layers" if moe is None else moe.o_fits(m)}
 
 
-class FusedRowsPass(RowsPass):
+class FusedRowsPass(FusedMoe, RowsPass):
     """The rows path with fewer launches per layer (engine path "fused").  One row (decode): the attention split
     kernel rotates q itself and appends k/v to the cache (attention_decode with `rope`) where Kernels.rope_fits
     (tensor-core head dims, no window / softcap), so per dense layer: qkv, attention split (+ rope + append),
@@ -202,16 +206,20 @@ class FusedRowsPass(RowsPass):
     last block to finish: no combine launch; one row: the attention in one launch).
     The deferred launches: `linear(out="qkv")` records its operands and `rope_kv_append` launches the fused GEMV
     (2+ rows), or `rope_kv_append` records the rope and `attention` launches it (one row); decoder_forward always
-    calls them in that order.  Values equal the rows path's within fp32 rounding (the same rope code, rope_kv_slot;
+    calls them in that order.  A sparse layer is one launch (moe_passes.FusedMoe) where plan["moe"] is None.
+    Values equal the rows path's within fp32 rounding (the same rope code, rope_kv_slot;
     the same GEMV), which tests/gpu/test_fused_path.py checks."""
 
     def __init__(self, engine: CudaEngine, m: int, tap: Tap | None = None) -> None:
         super().__init__(engine, m, tap)
         self.plan = fused_plan(engine, m)
+        self._o_pending = None  # a sparse layer's o projection, for its launch (FusedMoe.defer_o)
         self._qkv_args = None
         self._rope = None
 
     def linear(self, x, w, bias=None, *, out, norm=None, residual=None, tap=None, reduce=False):
+        if out == "x" and self.defer_o(x, w, bias, norm=norm, residual=residual, tap=tap, reduce=reduce):
+            return residual  # the sparse layer's launch adds it (FusedMoe.route)
         if out == "qkv" and residual is None and norm is not None and tap is None and self.plan["qkv_rope"] is None:
             self._qkv_args = (x, w, bias, norm)
             return self.buffers["qkv"]  # written by the fused launch in rope_kv_append
