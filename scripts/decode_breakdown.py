@@ -341,6 +341,8 @@ def main() -> int:
     ap.add_argument("--ablate", action="store_true",
                     help="also time the layers' launches as one chain with each launch kind left out in turn "
                          "(its marginal cost inside the step)")
+    ap.add_argument("--moe-one-launch", action="store_true",
+                    help="on the fused path, time the sparse layer as one launch (CudaEngine.set_moe_one_launch(True))")
     ap.add_argument("--fused-attention", action="store_true",
                     help="on the fused path, time the attention with its combine in the last split block "
                          "(CudaEngine.set_fused_attention; one row: with rope + KV append, one launch) instead of "
@@ -349,6 +351,8 @@ def main() -> int:
     paths = bench.check_paths(tuple(args.paths.split(",")), "cuda")
     cfg = load_config(bench.preset_path(args.preset))
     eng = bench.build_engine(cfg, "cuda", args.context + 64)
+    if args.moe_one_launch:
+        eng.set_moe_one_launch(True)
     bw = bench.read_bandwidth_gpu(eng.cp)
     rng = np.random.default_rng(0)
     eng.prefill([int(t) for t in rng.integers(0, cfg.vocab_size, args.context)])

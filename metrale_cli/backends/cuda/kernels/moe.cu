@@ -459,11 +459,21 @@ moe_down_kernel(const float* __restrict__ act, const unsigned short* __restrict_
 #define MOE_ROUTER_U 8                       // router weight chunks a lane requests at once (before pdl_wait)
 #define MOE_BARRIER_TIMEOUT_NS 2000000000ull  // 2 s
 
+
 __device__ __forceinline__ unsigned long long global_ns() {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
+
+// Phase time stamps of every block (scripts/moe_layer_phases.py compiles with MOE_LAYER_STAMPS; never the engine).
+#ifdef MOE_LAYER_STAMPS
+__device__ unsigned long long moe_layer_stamps[1024 * 16];
+#define MOE_STAMP(i) \
+    if (threadIdx.x == 0) moe_layer_stamps[blockIdx.x * 16 + (i)] = global_ns()
+#else
+#define MOE_STAMP(i)
+#endif
 
 // Every thread of every block calls it; the blocks' writes before it are seen by every block after it.
 // The counter needs no reset: block 0 adds 2^31 - (G - 1), the others 1, so its top bit flips exactly
@@ -528,6 +538,7 @@ moe_layer_kernel(float* x, float* out, int accumulate, const float* __restrict__
     }
     for (int t = tid; t < MOE_MAX_EXPERTS * MOE_MAX_ROWS; t += blockDim.x) (&slot_of[0][0])[t] = -1;
     pdl_wait();
+    MOE_STAMP(0);
     if (Q > 0) {  // 0. x[m, n] += attn[m] . w_o[n]: the attention's output projection
         for (int n = r0; n < H; n += G * MOE_LAYER_WARPS) {
             float acc[MT];
@@ -564,7 +575,9 @@ moe_layer_kernel(float* x, float* out, int accumulate, const float* __restrict__
             const int c = lane + 32 * i;
             wpre[i] = (r0 < ld && c < C) ? ld_stream_u4(w_router + (u64)r0 * H + 8 * c) : make_uint4(0u, 0u, 0u, 0u);
         }
+        MOE_STAMP(1);
         moe_grid_barrier(bar);
+        MOE_STAMP(2);
     }
     // sums of squares: per row, thread t's float4s t, t + 512, ..., a warp sum, the 16 warps in order
     // (moe_route_kernel's order: the same h)
@@ -643,7 +656,9 @@ moe_layer_kernel(float* x, float* out, int accumulate, const float* __restrict__
             if (lane == 0 && m < M) logits[(u64)m * ld + r] = v;
         }
     }
+    MOE_STAMP(3);
     moe_grid_barrier(bar);
+    MOE_STAMP(4);
 
     // B. routing, in every block
     for (int t = tid; t < M * ld; t += blockDim.x) s_logit[t / ld][t % ld] = __ldcg(logits + t);
@@ -693,6 +708,7 @@ moe_layer_kernel(float* x, float* out, int accumulate, const float* __restrict__
     }
     __syncthreads();
     const int nu = s_nu;
+    MOE_STAMP(5);
 
     // C. gate_up: pairs p = u I + n, this block's share of them, a pair per warp
     {
@@ -720,8 +736,10 @@ moe_layer_kernel(float* x, float* out, int accumulate, const float* __restrict__
                     act[((u64)m * k + slot_of[e][m]) * I + n] = g / (1.0f + expf(-g)) * up;
             }
         }
+    MOE_STAMP(6);
     }
     moe_grid_barrier(bar);
+    MOE_STAMP(7);
     pdl_trigger();  // no barrier after this point: a dependent kernel's blocks may take the free SM slots
 
     // D. down: output rows [n_lo, n_hi) of this block, items (row group, union expert u / shared, part)
@@ -783,6 +801,7 @@ moe_layer_kernel(float* x, float* out, int accumulate, const float* __restrict__
         }
         out[(u64)m * H + n] = accumulate ? x[(u64)m * H + n] + y : y;
     }
+    MOE_STAMP(8);
 }
 
 // Instances (kernels/moe.py names them): MT in {1, 2, 4, 8, 16}; gate_up R = 1; down R = 4, 4, 4, 2, 1

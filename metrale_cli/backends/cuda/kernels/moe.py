@@ -124,6 +124,7 @@ class MoeKernels:
         try:
             module = cp.RawModule(code=module_source(), options=("-std=c++17", "-DMETRALE_NVRTC"),
                                   name_expressions=names)
+            self._module = module  # its globals (scripts/moe_layer_phases.py reads the phase stamps)
             self._fn = {n: module.get_function(n) for n in names + PLAIN}
             self._layer_smem: dict[str, int] = {}  # the dynamic shared memory each layer instance may take
         except Exception as e:  # an NVRTC or driver failure: one clear line
