@@ -64,7 +64,7 @@ from .passes import FusedRowsPass, PrefillPass, RowsPass, fused_plan
 #   attention split kernel (one row) or in the qkv GEMV's last blocks (verify rows); 0.8-2.1% faster than "rows" on
 #   an H100 (8B presets, phi-4-mini; llama-3.2-1b 0.8% slower).  Attention split + combine: the combine in the split
 #   kernel's last block measured slower and is taken only with set_fused_attention(True).  A sparse layer (mixture
-#   of experts) is one launch with set_moe_one_launch(True) (moe_passes.FusedMoe; off by default until measured).
+#   of experts) is one launch with set_moe_one_launch(True) (moe_passes.FusedMoe; off: measured slower in the step).
 # - "fused-cluster": "fused" whose one-row attention is a single launch: the split blocks of a KV head form one
 #   thread-block cluster and merge their splits through distributed shared memory (no combine launch).
 ROWS_PATHS = ("rows", "fused", "fused-cluster", "rows-stream", "rows-fma")
@@ -299,7 +299,7 @@ class CudaEngine(EngineBase):
         self._graphs.clear()
 
     def set_moe_one_launch(self, enabled: bool, with_o: bool = True) -> None:
-        """On the fused path, run a sparse layer as one launch (kernels.moe `layer`; off by default until measured;
+        """On the fused path, run a sparse layer as one launch (kernels.moe `layer`; off by default, measured slower;
         `with_o`: with the attention's output projection before it, where the layer has no shared expert) or as the
         rows path's router GEMV, route, gate_up and down (to time one against the other).  Recaptures the graphs."""
         self.synchronize()
