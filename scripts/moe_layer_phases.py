@@ -29,6 +29,9 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--no-o", action="store_true")
+    ap.add_argument("--chain", type=int, default=0,
+                    help="also time N launches back to back in one CUDA graph with PDL (us per launch, against one "
+                         "launch alone in a graph), each on its own layer's weights")
     a = ap.parse_args()
     import cupy as cp
 
@@ -62,6 +65,8 @@ def main() -> int:
         s.synchronize()
         if i >= 3:
             runs.append(stamps.get().reshape(-1, 16)[:kern.num_sms].astype(np.int64))
+    if a.chain:
+        chain_time(cp, kern, mk, a, args, E, k, H, inter, spec, o, w, s)
     print(f"{a.preset}: M = {m}, {kern.num_sms} blocks, o {'off' if a.no_o else 'on'}; us since the first block "
           f"passed pdl_wait (median over {a.repeats} launches of: median / max over blocks)")
     for j, name in enumerate(PHASES):
@@ -76,6 +81,38 @@ def main() -> int:
                 mx.append(t.max())
         print(f"  {name:18s} {np.median(med):8.2f} {np.median(mx):8.2f}")
     return 0
+
+
+def chain_time(cp, kern, mk, a, args, E, k, H, inter, spec, o, w, s) -> None:
+    """us per launch of `a.chain` launches in one graph (PDL on; each launch its own layer's expert weights, as a
+    step's layers, so L2 cannot serve them) against a graph of one launch."""
+    m, x, nw, eps, wr, logits, _, _, b, act = args
+    layers = [(w(E, 2 * inter, H), w(E, H, inter)) for _ in range(a.chain)]
+    kern.pdl = True
+
+    def timed(n):
+        s.begin_capture()
+        with s:
+            for i in range(n):
+                mk.layer(m, x, nw, eps, wr, logits, *layers[i], b, act, experts=E, top_k=k,
+                         norm_topk=spec.norm_topk_prob, o=o, stream=s)
+        g = s.end_capture()
+        for _ in range(3):
+            g.launch(stream=s)
+        s.synchronize()
+        out = []
+        for _ in range(a.repeats):
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record(s)
+            g.launch(stream=s)
+            e1.record(s)
+            e1.synchronize()
+            out.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3)
+        return float(np.median(out))
+
+    one, many = timed(1), timed(a.chain)
+    print(f"graph of 1 launch: {one:.2f} us; graph of {a.chain} launches (PDL): {many / a.chain:.2f} us per launch")
+    kern.pdl = False
 
 
 if __name__ == "__main__":
