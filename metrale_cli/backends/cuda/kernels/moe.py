@@ -301,16 +301,7 @@ class MoeKernels:
             k._aligned(a, name)
         w_s, act_s, s = self._shared(shared, m, hidden, b, "layer")
         if o is not None:
-            attn, w_o = o
-            k._f32(attn, "attn", 2)
-            k._bf16(w_o, "w_o", 2)
-            q = w_o.shape[1]
-            k._shape(w_o, "w_o", (hidden, q))
-            k._shape(attn, "attn", (m, q))
-            if q % 8:
-                raise ValueError(f"moe layer: o projection width {q} must be a multiple of 8")
-            k._aligned(attn, "attn")
-            k._aligned(w_o, "w_o")
+            w_o, attn, q = self._projection((o[1], o[0]), m, hidden, "w_o", "attn", "layer: o projection width")
             k._disjoint(attn, "attn", x, "x")
         else:
             attn, w_o, q = act, k._dummy, 0
@@ -342,20 +333,25 @@ class MoeKernels:
     def _shared(self, shared: tuple[Any, Any] | None, m: int, hidden: int, b: RouteBuffers,
                 what: str) -> tuple[Any, Any, int]:
         """(w_shared, act_shared, S) checked, or stand-ins and S = 0 without a shared expert."""
-        k = self.k
         if shared is None:
-            return k._dummy, b.h, 0
-        w_s, act_s = shared
-        k._bf16(w_s, "w_shared", 2)
-        k._f32(act_s, "act_shared", 2)
-        s = w_s.shape[1]
-        k._shape(w_s, "w_shared", (hidden, s))
-        k._shape(act_s, "act_shared", (m, s))
-        if s % 8:
-            raise ValueError(f"moe {what}: shared expert size {s} must be a multiple of 8")
-        k._aligned(w_s, "w_shared")
-        k._aligned(act_s, "act_shared")
-        return w_s, act_s, s
+            return self.k._dummy, b.h, 0
+        return self._projection(shared, m, hidden, "w_shared", "act_shared", f"{what}: shared expert size")
+
+    def _projection(self, pair: tuple[Any, Any], m: int, hidden: int, wn: str, an: str,
+                    what: str) -> tuple[Any, Any, int]:
+        """(w bf16 [hidden, K], its activations f32 [m, K], K) checked: 16-byte aligned, K a multiple of 8."""
+        k = self.k
+        w, a = pair
+        k._bf16(w, wn, 2)
+        k._f32(a, an, 2)
+        width = w.shape[1]
+        k._shape(w, wn, (hidden, width))
+        k._shape(a, an, (m, width))
+        if width % 8:
+            raise ValueError(f"moe {what} {width} must be a multiple of 8")
+        k._aligned(w, wn)
+        k._aligned(a, an)
+        return w, a, width
 
     def _common(self, m: int, hidden: int, inter: int, w: Any, act: Any, b: RouteBuffers) -> None:
         k = self.k
