@@ -1,10 +1,14 @@
 """Where the one-launch sparse layer (moe_layer_kernel) spends its time, phase by phase: the kernel compiled with
-MOE_LAYER_STAMPS writes every block's %globaltimer at each phase boundary; this prints, per boundary, the
-median / max over blocks of the time since the earliest block passed pdl_wait (median of `--repeats` launches).
+MOE_LAYER_STAMPS writes every block's %globaltimer at its entry and at each phase boundary.
 
-    PYTHONPATH=. python3 scripts/moe_layer_phases.py --preset qwen3-30b-a3b [--rows 1] [--no-o]
+    PYTHONPATH=. python3 scripts/moe_layer_phases.py --preset qwen3-30b-a3b [--rows 1] [--no-o] [--chain 24]
 
-Shapes from the preset, random bf16 weights (one layer), eager launches on a stream (no PDL overlap)."""
+One launch alone (eager, on a stream): per boundary, the median / max over blocks of the time since the earliest
+block passed pdl_wait (median of `--repeats` launches).  With --chain N: N launches, each on its own layer's expert
+weights (as a step's layers, so L2 cannot serve them), in one CUDA graph with PDL, against a graph of one launch;
+then, per launch of the chain (medians over the launches and replays): when its blocks entered (first / last, from
+the previous launch's last block end), when they passed pdl_wait, how long its phases took, and its end.
+Shapes from the preset, random bf16 weights."""
 
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from metrale_cli.config import load_config  # noqa: E402
 
 PHASES = ["pdl_wait done", "o rows done", "barrier 0", "router rows done", "barrier 1", "routing done",
           "gate_up done", "barrier 2", "down done"]
+LAUNCHES, BLOCKS = 64, 1024  # moe.cu's MOE_STAMP_LAUNCHES, the stamps' blocks per launch
 
 
 def main() -> int:
@@ -29,9 +34,7 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--no-o", action="store_true")
-    ap.add_argument("--chain", type=int, default=0,
-                    help="also time N launches back to back in one CUDA graph with PDL (us per launch, against one "
-                         "launch alone in a graph), each on its own layer's weights")
+    ap.add_argument("--chain", type=int, default=0, help="also time N launches back to back in one graph with PDL")
     a = ap.parse_args()
     import cupy as cp
 
@@ -46,6 +49,8 @@ def main() -> int:
     E, k, H, inter, m = spec.num_experts, spec.top_k, cfg.hidden_size, spec.intermediate_size, a.rows
     q = cfg.definition.layers[0].attention.q_size
     rng = np.random.default_rng(0)
+    if a.chain > LAUNCHES:
+        raise SystemExit(f"--chain {a.chain}: at most {LAUNCHES}")
 
     def w(*shape):  # random bf16 bits (truncated fp32)
         return ((cp.random.standard_normal(shape, dtype=cp.float32) * 0.02).view(cp.uint32) >> 16).astype(cp.uint16)
@@ -55,20 +60,31 @@ def main() -> int:
     logits = cp.zeros((m, E), cp.float32)
     act = cp.zeros((16 * k, inter), cp.float32)
     o = None if a.no_o else (cp.asarray(rng.standard_normal((m, q)).astype(np.float32)), w(H, q))
-    args = (m, x, w(H), 1e-6, w(E, H), logits, w(E, 2 * inter, H), w(E, H, inter), b, act)
-    stamps = cp.ndarray((1024 * 16,), cp.uint64, mk._module.get_global("moe_layer_stamps"))
+    nw, wr = w(H), w(E, H)
+    stamps = cp.ndarray((LAUNCHES, BLOCKS, 16), cp.uint64, mk._module.get_global("moe_layer_stamps"))
+    counter = cp.ndarray((1,), cp.uint32, mk._module.get_global("moe_layer_launch"))
     s = cp.cuda.Stream(non_blocking=True)
+    G = kern.num_sms
+
+    def launch(experts_w):
+        mk.layer(m, x, nw, 1e-6, wr, logits, *experts_w, b, act, experts=E, top_k=k, norm_topk=spec.norm_topk_prob,
+                 o=o, stream=s)
+
+    def reset():
+        with s:
+            stamps.fill(0)
+            counter.fill(0)
+
+    one = (w(E, 2 * inter, H), w(E, H, inter))
     runs = []
     for i in range(a.repeats + 3):
-        stamps.fill(0)
-        mk.layer(*args, experts=E, top_k=k, norm_topk=spec.norm_topk_prob, o=o, stream=s)
+        reset()
+        launch(one)
         s.synchronize()
         if i >= 3:
-            runs.append(stamps.get().reshape(-1, 16)[:kern.num_sms].astype(np.int64))
-    if a.chain:
-        chain_time(cp, kern, mk, a, args, E, k, H, inter, spec, o, w, s)
-    print(f"{a.preset}: M = {m}, {kern.num_sms} blocks, o {'off' if a.no_o else 'on'}; us since the first block "
-          f"passed pdl_wait (median over {a.repeats} launches of: median / max over blocks)")
+            runs.append(stamps[0, :G].get().astype(np.int64))
+    print(f"{a.preset}: M = {m}, {G} blocks, o {'off' if a.no_o else 'on'}; one launch alone, us since the first "
+          f"block passed pdl_wait (median over {a.repeats} launches of: median / max over blocks)")
     for j, name in enumerate(PHASES):
         if a.no_o and j in (1, 2):
             continue
@@ -80,39 +96,59 @@ def main() -> int:
                 med.append(np.median(t))
                 mx.append(t.max())
         print(f"  {name:18s} {np.median(med):8.2f} {np.median(mx):8.2f}")
+    if a.chain:
+        chain(cp, kern, a, launch, reset, stamps, s, w, E, inter, H, G)
     return 0
 
 
-def chain_time(cp, kern, mk, a, args, E, k, H, inter, spec, o, w, s) -> None:
-    """us per launch of `a.chain` launches in one graph (PDL on; each launch its own layer's expert weights, as a
-    step's layers, so L2 cannot serve them) against a graph of one launch."""
-    m, x, nw, eps, wr, logits, _, _, b, act = args
+def chain(cp, kern, a, launch, reset, stamps, s, w, E, inter, H, G) -> None:
     layers = [(w(E, 2 * inter, H), w(E, H, inter)) for _ in range(a.chain)]
     kern.pdl = True
 
-    def timed(n):
+    def graph(n):
         s.begin_capture()
-        with s:
-            for i in range(n):
-                mk.layer(m, x, nw, eps, wr, logits, *layers[i], b, act, experts=E, top_k=k,
-                         norm_topk=spec.norm_topk_prob, o=o, stream=s)
-        g = s.end_capture()
-        for _ in range(3):
-            g.launch(stream=s)
-        s.synchronize()
-        out = []
-        for _ in range(a.repeats):
+        for i in range(n):
+            launch(layers[i])
+        return s.end_capture()
+
+    def timed(g, n):
+        out, seen = [], []
+        for i in range(a.repeats + 3):
+            reset()
             e0, e1 = cp.cuda.Event(), cp.cuda.Event()
             e0.record(s)
             g.launch(stream=s)
             e1.record(s)
             e1.synchronize()
-            out.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3)
-        return float(np.median(out))
+            if i >= 3:
+                out.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3 / n)
+                seen.append(stamps[:n, :G].get().astype(np.int64))
+        return float(np.median(out)), seen
 
-    one, many = timed(1), timed(a.chain)
-    print(f"graph of 1 launch: {one:.2f} us; graph of {a.chain} launches (PDL): {many / a.chain:.2f} us per launch")
+    alone, _ = timed(graph(1), 1)
+    per, seen = timed(graph(a.chain), a.chain)
     kern.pdl = False
+    print(f"graph of 1 launch: {alone:.2f} us; graph of {a.chain} launches with PDL: {per:.2f} us per launch")
+    rows = {"first block entered": [], "last block entered": [], "first pdl_wait done": [], "last pdl_wait done": [],
+            "barrier 1 passed": [], "routing done (max)": [], "gate_up done (max)": [], "barrier 2 passed": [],
+            "last block done": []}
+    for st in seen:  # [launch, block, stamp]
+        for i in range(1, len(st)):
+            prev_end = st[i - 1][:, [7, 8]].max()
+            r = st[i]
+            put = lambda key, v: rows[key].append((v - prev_end) / 1e3)  # noqa: E731
+            put("first block entered", r[:, 15].min())
+            put("last block entered", r[:, 15].max())
+            put("first pdl_wait done", r[:, 0].min())
+            put("last pdl_wait done", r[:, 0].max())
+            put("barrier 1 passed", r[:, 4].min())
+            put("routing done (max)", r[:, 5].max())
+            put("gate_up done (max)", r[:, 6].max())
+            put("barrier 2 passed", r[:, 7].min())
+            put("last block done", r[:, [7, 8]].max())
+    print("  per launch of the chain, us from the previous launch's last block end (medians):")
+    for key, v in rows.items():
+        print(f"  {key:22s} {np.median(v):8.2f}")
 
 
 if __name__ == "__main__":

@@ -466,13 +466,27 @@ __device__ __forceinline__ unsigned long long global_ns() {
     return t;
 }
 
-// Phase time stamps of every block (scripts/moe_layer_phases.py compiles with MOE_LAYER_STAMPS; never the engine).
+// Phase time stamps of every block (scripts/moe_layer_phases.py compiles with MOE_LAYER_STAMPS; never the engine):
+// launch l (counted since the script zeroed moe_layer_launch, modulo MOE_STAMP_LAUNCHES) writes, per block, its
+// entry time at [l][block][15] and phase i's end at [l][block][i].  A launch reads its number after pdl_wait (the
+// previous launch has counted itself by then) and block 0 counts it after the last barrier.
 #ifdef MOE_LAYER_STAMPS
-__device__ unsigned long long moe_layer_stamps[1024 * 16];
+#define MOE_STAMP_LAUNCHES 64
+__device__ unsigned long long moe_layer_stamps[MOE_STAMP_LAUNCHES * 1024 * 16];
+__device__ unsigned int moe_layer_launch;
+#define MOE_STAMP_ENTRY const unsigned long long stamp_entry = global_ns()
+#define MOE_STAMP_BEGIN                                                                              \
+    const unsigned int stamp_l = *(volatile unsigned int*)&moe_layer_launch % MOE_STAMP_LAUNCHES;    \
+    if (threadIdx.x == 0) moe_layer_stamps[(stamp_l * 1024 + blockIdx.x) * 16 + 15] = stamp_entry
 #define MOE_STAMP(i) \
-    if (threadIdx.x == 0) moe_layer_stamps[blockIdx.x * 16 + (i)] = global_ns()
+    if (threadIdx.x == 0) moe_layer_stamps[(stamp_l * 1024 + blockIdx.x) * 16 + (i)] = global_ns()
+#define MOE_STAMP_COUNT \
+    if (threadIdx.x == 0 && blockIdx.x == 0) atomicAdd(&moe_layer_launch, 1u)
 #else
+#define MOE_STAMP_ENTRY
+#define MOE_STAMP_BEGIN
 #define MOE_STAMP(i)
+#define MOE_STAMP_COUNT
 #endif
 
 // Every thread of every block calls it; the blocks' writes before it are seen by every block after it.
@@ -523,6 +537,7 @@ moe_layer_kernel(float* x, float* out, int accumulate, const float* __restrict__
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int G = gridDim.x, C = H >> 3, H4 = H >> 2;
     const int has_shared = ld > E;
+    MOE_STAMP_ENTRY;
 
     // The first weights in flight before waiting for the previous kernel: o's (Q > 0), else the router's.
     // Warp w of block b takes rows b + G w, b + G (w + 16), ... of o, then of the router.
@@ -538,6 +553,7 @@ moe_layer_kernel(float* x, float* out, int accumulate, const float* __restrict__
     }
     for (int t = tid; t < MOE_MAX_EXPERTS * MOE_MAX_ROWS; t += blockDim.x) (&slot_of[0][0])[t] = -1;
     pdl_wait();
+    MOE_STAMP_BEGIN;
     MOE_STAMP(0);
     if (Q > 0) {  // 0. x[m, n] += attn[m] . w_o[n]: the attention's output projection
         for (int n = r0; n < H; n += G * MOE_LAYER_WARPS) {
@@ -740,6 +756,7 @@ moe_layer_kernel(float* x, float* out, int accumulate, const float* __restrict__
     }
     moe_grid_barrier(bar);
     MOE_STAMP(7);
+    MOE_STAMP_COUNT;
     pdl_trigger();  // no barrier after this point: a dependent kernel's blocks may take the free SM slots
 
     // D. down: output rows [n_lo, n_hi) of this block, items (row group, union expert u / shared, part)
