@@ -4,7 +4,10 @@ Kernels (moe.cu through moe_kernels.py): the router kernel's choice equals NumPy
 logits (same experts, same order, ties to the lowest index), its weights, shared gate, h and union; the
 expert kernels equal NumPy's experts on the same h and routing (fp32 over the same bf16 weights); a row's
 result does not depend on the other rows of the call; experts no row chose are never used (their
-weights are NaN); a captured graph replays with new inputs as eager launches compute.
+weights are NaN); a captured graph replays with new inputs as eager launches compute.  The one-launch
+layer (moe_layer_kernel, off by default): its router logits (and its o projection) equal NumPy's, and given
+them its routing, h, act and y equal the four launches' bit for bit; rows independent; graph replays with and
+without PDL; in the engine, one launch against four.
 
 Engines (qwen3_moe with a dense layer, qwen2_moe with the shared expert, mixtral): GPU against CPU on
 random bf16 checkpoints. The GPU's bf16 KV cache (and the prefill path's bf16 GEMM operands) moves the
