@@ -202,7 +202,8 @@ class CudaEngine(EngineBase):
             self._inv_freq = {layer.attention.rope: cp.asarray(layer.attention.rope.inv_freq())
                               for layer in cfg.definition.layers}
             self._io_host = cp.cuda.alloc_pinned_memory(2 * R * 4)
-            self.moe = MoeState(cfg, kern) if cfg.moe is not None else None  # sparse layers' buffers, kernels
+            # the sparse layers' buffers and kernels
+            self.moe = MoeState(cfg, kern, weights) if cfg.moe is not None else None
             if tp is not None:
                 from .kernels.tp import TpKernels
 

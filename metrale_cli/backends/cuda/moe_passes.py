@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 class MoeState:
     """The rows path's preallocated MoE buffers and kernels of one engine (CudaEngine.moe)."""
 
-    def __init__(self, cfg: ModelConfig, kern: Any) -> None:
+    def __init__(self, cfg: ModelConfig, kern: Any, weights: Any) -> None:
         cp = kern._cp
         spec = cfg.moe.spec
         self.spec = spec
@@ -52,28 +52,22 @@ class MoeState:
         # step (H100, qwen3-30b-a3b decode 3.658 -> 3.938 ms; NOTES.md, 2026-12-06 second session)
         self.one_launch = False
         self.with_o = True  # and the attention's output projection before it in that launch
-        self._by_router: dict[int, dict] = {}
-        self._sparse_o: set[int] = set()
+        # the sparse layers' weights by their router's and their o projection's arrays: what FusedMoe is handed
+        # (ops.route gets the router, ops.linear the o projection) names the layer
+        sparse = [layer for layer in weights.layers if "router" in layer]
+        self._by_router = {id(layer["router"]): layer for layer in sparse}
+        self._sparse_o = {id(layer["o"]) for layer in sparse}
 
-    def layer_weights(self, w, w_router) -> dict:
-        """The weights of the sparse layer whose router is w_router (engine weights w)."""
-        lw = self._by_router.get(id(w_router))
-        if lw is None:
-            self._by_router = {id(layer["router"]): layer for layer in w.layers if "router" in layer}
-            lw = self._by_router[id(w_router)]
-        return lw
+    def layer_weights(self, w_router) -> dict:
+        """The weights of the sparse layer whose router is w_router."""
+        return self._by_router[id(w_router)]
 
-    def is_sparse_o(self, w, w_o) -> bool:
-        """Whether w_o is the attention output projection of a sparse layer (engine weights w)."""
-        if not self._sparse_o:
-            self._sparse_o = {id(layer["o"]) for layer in w.layers if "router" in layer}
+    def is_sparse_o(self, w_o) -> bool:
+        """Whether w_o is the attention output projection of a sparse layer."""
         return id(w_o) in self._sparse_o
 
-    def o_fits(self, m: int) -> str | None:
-        """Why the one-launch layer cannot also take the attention's output projection (None: it can)."""
-        why = self.layer_fits(m)
-        if why is not None:
-            return "no one-launch layer"
+    def o_fits(self) -> str | None:
+        """Why a one-launch layer cannot also take the attention's output projection (None: it can)."""
         if not self.with_o:
             return "turned off (CudaEngine.set_moe_one_launch(True, with_o=False))"
         if self.spec.shared_expert_size:
@@ -133,11 +127,12 @@ class FusedMoe:
     it writes y to MoeState.y, which `experts` taps and adds to x.  Where plan["moe_o"] is None the launch
     also runs the attention's output projection before the layer (`defer_o` records it)."""
 
-    def defer_o(self, x, w, bias, *, norm, residual, tap, reduce) -> bool:
+    def defer_o(self, x, w, bias, *, norm, residual) -> bool:
         """Whether linear(out="x") is a sparse layer's o projection that the layer's launch takes (plan "moe_o",
-        untapped, no bias): then it is recorded for `route`, which runs next (decoder_forward), not launched."""
+        untapped, no bias): then it is recorded for `route`, which runs next (decoder_forward), not launched.
+        (No --tp here: the fused path does not run under it, and plan "moe" refuses a rank's share.)"""
         if (self.plan["moe_o"] is not None or self._tap is not None or residual is None or bias is not None
-                or norm is not None or (reduce and self.e.tp is not None) or not self.e.moe.is_sparse_o(self.e.w, w)):
+                or norm is not None or not self.e.moe.is_sparse_o(w)):
             return False
         self._o_pending = (x, w)
         return True
@@ -147,7 +142,7 @@ class FusedMoe:
         if self.plan["moe"] is not None:
             return super().route(x, w_router, spec, norm=norm)
         st, m, e = self.e.moe, self.m, self.e
-        lw = st.layer_weights(e.w, w_router)
+        lw = st.layer_weights(w_router)
         shared = None
         if spec.shared_expert_size:
             act_s = st.act_s[:m]

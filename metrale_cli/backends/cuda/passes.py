@@ -190,10 +190,14 @@ def fused_plan(engine: CudaEngine, m: int) -> dict[str, str | None]:
     longrope factors, q/k norms, qkv bias, windows, softcaps, every head_dim); what is missing is a fused qkv
     instance of the fp32-FMA GEMV's shared-memory variant (gemv_impl "simt" from 9 rows on)."""
     moe = getattr(engine, "moe", None)
+    if moe is None:
+        one_launch = with_o = "no sparse layers"
+    else:
+        one_launch = moe.layer_fits(m)
+        with_o = "no one-launch layer" if one_launch is not None else moe.o_fits()
     return {"qkv_rope": ROPE_IN_ATTENTION if m == 1 else engine.kern.qkv_rope_fusable(m, engine.gemv_impl),
             "attention": None if getattr(engine, "fused_attention", False) else ATTENTION_UNFUSED,
-            "moe": "no sparse layers" if moe is None else moe.layer_fits(m),
-            "moe_o": "no sparse layers" if moe is None else moe.o_fits(m)}
+            "moe": one_launch, "moe_o": with_o}
 
 
 class FusedRowsPass(FusedMoe, RowsPass):
@@ -218,7 +222,7 @@ class FusedRowsPass(FusedMoe, RowsPass):
         self._rope = None
 
     def linear(self, x, w, bias=None, *, out, norm=None, residual=None, tap=None, reduce=False):
-        if out == "x" and self.defer_o(x, w, bias, norm=norm, residual=residual, tap=tap, reduce=reduce):
+        if out == "x" and self.defer_o(x, w, bias, norm=norm, residual=residual):
             return residual  # the sparse layer's launch adds it (FusedMoe.route)
         if out == "qkv" and residual is None and norm is not None and tap is None and self.plan["qkv_rope"] is None:
             self._qkv_args = (x, w, bias, norm)

@@ -248,17 +248,22 @@ class MoeKernels:
     def layer_fits(self, m: int, experts: int, top_k: int, hidden: int, inter: int, shared: int) -> str | None:
         """Why the one-launch layer cannot run m rows of this model (None when it can): its down partials
         must fit one block's shared memory beside the static arrays (one block per SM)."""
+        return self._layer_plan(m, experts, top_k, hidden, inter, shared)[0]
+
+    def _layer_plan(self, m: int, experts: int, top_k: int, hidden: int, inter: int,
+                    shared: int) -> tuple[str | None, int, int, int]:
+        """(why it cannot run, or None; down's parts, shared parts; dynamic shared memory bytes)."""
         k = self.k
         if not 1 <= m <= MOE_MAX_ROWS:
-            return f"{m} rows (1..{MOE_MAX_ROWS})"
+            return f"{m} rows (1..{MOE_MAX_ROWS})", 0, 0, 0
         parts, shared_parts = down_parts(experts, top_k, inter, shared)
         need = layer_smem_bytes(m, experts, top_k, hidden, k.num_sms, parts, shared_parts)
-        fn = self._fn[layer_name(_mt(m))]
-        static = int(fn.attributes.get("shared_size_bytes", 0))
+        static = int(self._fn[layer_name(_mt(m))].attributes.get("shared_size_bytes", 0))
+        why = None
         if static + need > k.smem_per_block_optin:
-            return (f"its down partials need {need} bytes of shared memory beside {static} "
-                    f"(a block has {k.smem_per_block_optin})")
-        return None
+            why = (f"its down partials need {need} bytes of shared memory beside {static} "
+                   f"(a block has {k.smem_per_block_optin})")
+        return why, parts, shared_parts, need
 
     def layer(self, m: int, x: Any, norm_w: Any, eps: float, w_router: Any, logits: Any, w_gate_up: Any,
               w_down: Any, b: RouteBuffers, act: Any, *, experts: int, top_k: int, norm_topk: bool,
@@ -267,11 +272,10 @@ class MoeKernels:
         """The whole sparse layer of m rows in one launch (moe_layer_kernel): out (default x, the residual
         stream) = x + y, or y when `out` is another array; with o = (attn f32 [M, Q], w_o bf16 [H, Q]) first
         x += attn w_o^T (the attention's output projection, in the same launch); y = the weighted sum of the
-        chosen experts of
-        rmsnorm(x) (norm_w, eps), plus the sigmoid-gated shared expert when shared = (w_shared bf16 [H, S],
-        act_shared f32 [M, S]) (its activations from an earlier launch; the router's last row is its gate).
-        Writes logits [M, E (+1)], b.idx / b.wts / b.sgate / b.h and act as route and gate_up do.
-        w_router bf16 [E (+1), H]; w_gate_up [E, 2I, H]; w_down [E, H, I]: every expert (no --tp)."""
+        chosen experts of rmsnorm(x) (norm_w, eps), plus the sigmoid-gated shared expert when shared =
+        (w_shared bf16 [H, S], act_shared f32 [M, S]) (its activations from an earlier launch; the router's
+        last row is its gate).  Writes logits [M, E (+1)], b.idx / b.wts / b.sgate / b.h and act as route and
+        gate_up do.  w_router bf16 [E (+1), H]; w_gate_up [E, 2I, H]; w_down [E, H, I]: every expert (no --tp)."""
         np, k = self._np, self.k
         k._f32(x, "x", 2)
         k._bf16(norm_w, "norm_w", 1)
@@ -311,12 +315,10 @@ class MoeKernels:
             k._f32(out, "out", 2)
             k._shape(out, "out", (m, hidden))
             k._disjoint(out, "out", x, "x")
-        why = self.layer_fits(m, experts, top_k, hidden, inter, s)
+        why, parts, shared_parts, smem = self._layer_plan(m, experts, top_k, hidden, inter, s)
         if why is not None:
             raise ValueError(f"moe layer: {why}")
         blocks = k.num_sms
-        parts, shared_parts = down_parts(experts, top_k, inter, s)
-        smem = layer_smem_bytes(m, experts, top_k, hidden, blocks, parts, shared_parts)
         name = layer_name(_mt(m))
         fn = self._fn[name]
         if smem > self._layer_smem.get(name, -1):  # the default allows 48 KB less the static arrays
