@@ -36,7 +36,13 @@ def main() -> None:
     ap.add_argument("--ks", default="4,8")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--json")
+    ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
+                    help="a macro for moe.cu (an experiment's variant, e.g. MOE_DOWN_PREFETCH=0)")
     a = ap.parse_args()
+    if a.define:
+        from metrale_cli.backends.cuda.kernels import moe
+
+        moe.define_macros(a.define)
     ks = [int(k) for k in a.ks.split(",") if k]
     cfg = load_config(bench.preset_path(a.preset))
     if cfg.moe is None:
@@ -51,8 +57,9 @@ def main() -> None:
     timer = bench._Timer(eng)
     drafts = {k: [int(t) for t in rng.integers(0, cfg.vocab_size, k)] for k in ks}
     results = {"preset": a.preset, "context": a.context, "bandwidth_GBs": bw / 1e9, "floor_ms": floor * 1e3,
-               "variants": {}}
-    print(f"{a.preset} ctx {a.context}: read bandwidth {bw / 1e9:.0f} GB/s, decode floor {floor * 1e3:.3f} ms")
+               "defines": a.define, "variants": {}}
+    print(f"{a.preset} ctx {a.context} {' '.join(a.define)}: read bandwidth {bw / 1e9:.0f} GB/s, "
+          f"decode floor {floor * 1e3:.3f} ms")
     for name in a.variants.split(","):
         path, one_launch, with_o = VARIANTS[name]
         eng.set_path(path)

@@ -23,8 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from metrale_cli import bench  # noqa: E402
 from metrale_cli.config import load_config  # noqa: E402
 
-PHASES = ["pdl_wait done", "o rows done", "barrier 0", "router rows done", "barrier 1", "routing done",
-          "gate_up done", "barrier 2", "down done"]
+# (stamp index, boundary) in the kernel's order (moe.cu's MOE_STAMP calls)
+PHASES = [(0, "pdl_wait done"), (1, "o rows done"), (2, "barrier 0"), (3, "router rows done"), (4, "barrier 1"),
+          (9, "logits in shared"), (10, "top-k done"), (5, "routing done"), (6, "gate_up done"), (7, "barrier 2"),
+          (8, "down done")]
 LAUNCHES, BLOCKS = 64, 1024  # moe.cu's MOE_STAMP_LAUNCHES, the stamps' blocks per launch
 
 
@@ -35,13 +37,14 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--no-o", action="store_true")
     ap.add_argument("--chain", type=int, default=0, help="also time N launches back to back in one graph with PDL")
+    ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
+                    help="a macro for moe.cu (an experiment's variant, e.g. MOE_DOWN_PREFETCH=0)")
     a = ap.parse_args()
     import cupy as cp
 
     from metrale_cli.backends.cuda.kernels import Kernels, moe
 
-    plain = moe.module_source
-    moe.module_source = lambda: "#define MOE_LAYER_STAMPS\n" + plain()
+    moe.define_macros(["MOE_LAYER_STAMPS"] + a.define)
     kern = Kernels()
     mk = moe.MoeKernels(kern)
     cfg = load_config(bench.preset_path(a.preset))
@@ -85,7 +88,7 @@ def main() -> int:
             runs.append(stamps[0, :G].get().astype(np.int64))
     print(f"{a.preset}: M = {m}, {G} blocks, o {'off' if a.no_o else 'on'}; one launch alone, us since the first "
           f"block passed pdl_wait (median over {a.repeats} launches of: median / max over blocks)")
-    for j, name in enumerate(PHASES):
+    for j, name in PHASES:
         if a.no_o and j in (1, 2):
             continue
         med, mx = [], []

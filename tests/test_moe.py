@@ -309,6 +309,17 @@ def test_moe_kernel_source_is_common_cu_then_moe_cu():
     assert len(set(name_expressions())) == 15  # gate_up, down and the one-launch layer, 5 row bounds each
 
 
+def test_moe_py_constants_match_moe_cu():
+    """The launch geometry the host assumes is the one moe.cu compiles (a mismatch reads out of bounds)."""
+    import re
+
+    from metrale_cli.backends.cuda.kernels import moe
+
+    defines = dict(re.findall(r"^#define (MOE_\w+) (\d+)", moe.module_source(), re.M))
+    for name in ("MOE_MAX_EXPERTS", "MOE_MAX_ROWS", "MOE_MAX_K", "MOE_DOWN_WARPS", "MOE_DOWN_ITEMS", "MOE_TOPK_WARPS"):
+        assert int(defines[name]) == getattr(moe, name), name
+
+
 # -- the CUDA prefill's layout of (token, expert) pairs (pure host code, checked here without a GPU) -----
 
 

@@ -195,14 +195,15 @@ moe_route_kernel(const float* __restrict__ logits, int ld, const float* __restri
     }
 }
 
-// The prefill router: top-k only, one warp per row, rows 0..T-1 (no union, no h).
+// The prefill router: top-k only, one warp per row, rows 0..T-1 (no union, no h); blocks of MOE_TOPK_WARPS warps.
+#define MOE_TOPK_WARPS 8
 extern "C" __global__ void moe_topk_rows_kernel(const float* __restrict__ logits, int ld, int T, int E, int k,
                                                 int norm_topk, int has_shared, int* __restrict__ idx,
                                                 float* __restrict__ wts, float* __restrict__ sgate) {
     pdl_wait();
     pdl_trigger();
     const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int row = blockIdx.x * MOE_TOPK_WARPS + (threadIdx.x >> 5);
     if (row >= T) return;
     int pe[MOE_MAX_K];
     float pw[MOE_MAX_K];
@@ -679,6 +680,7 @@ moe_layer_kernel(float* x, float* out, int accumulate, const float* __restrict__
     // B. routing, in every block
     for (int t = tid; t < M * ld; t += blockDim.x) s_logit[t / ld][t % ld] = __ldcg(logits + t);
     __syncthreads();
+    MOE_STAMP(9);
     if (warp < M) {
         const int m = warp;
         int pe[MOE_MAX_K];
@@ -702,6 +704,7 @@ moe_layer_kernel(float* x, float* out, int accumulate, const float* __restrict__
         }
     }
     __syncthreads();
+    MOE_STAMP(10);
     if (warp == 0) {  // the union in increasing expert order, with each row's weight for it
         int base = 0;
         for (int e0 = 0; e0 < E; e0 += 32) {

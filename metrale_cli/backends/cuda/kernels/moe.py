@@ -23,6 +23,7 @@ MOE_MAX_ROWS = 16
 MOE_MAX_K = 16
 MOE_WARPS = 4  # warps of a gate_up block
 MOE_DOWN_WARPS = 8  # warps of a down block (they share its output rows' experts)
+MOE_TOPK_WARPS = 8  # warps (rows) of a prefill top-k block: must match moe.cu
 MOE_DOWN_ITEMS = 264  # a down block's items at most: union experts x K parts (<= 256) + shared parts (<= 8)
 GATE_UP_R, MOE_U = 1, 4  # output rows per gate_up warp, chunks in flight per lane
 LAYER_WARPS = 16  # warps of a block of the one-launch layer (moe_layer_kernel), one block per SM
@@ -78,10 +79,20 @@ def down_parts(experts: int, top_k: int, inter: int, shared: int) -> tuple[int, 
     return p, ps
 
 
+_MACROS: list[str] = []  # define_macros: an experiment's variant of moe.cu (scripts only; the engine never sets it)
+
+
+def define_macros(macros: list[str]) -> None:
+    """Compile moe.cu with these macros ("NAME" or "NAME=VALUE", e.g. MOE_DOWN_PREFETCH=0) from the next
+    MoeKernels on: the measurement scripts' variants (scripts/moe_layer_phases.py, benchmarks/bench_moe_layer.py)."""
+    _MACROS[:] = macros
+
+
 def module_source() -> str:
     text = (_CUDA_DIR / "moe.cu").read_text()
     body = "\n".join(ln for ln in text.splitlines() if ln.strip() != '#include "common.cu"')
-    return (_CUDA_DIR / "common.cu").read_text() + "\n// ---- moe.cu ----\n" + body + "\n"
+    head = "".join(f"#define {m.replace('=', ' ', 1)}\n" for m in _MACROS)
+    return head + (_CUDA_DIR / "common.cu").read_text() + "\n// ---- moe.cu ----\n" + body + "\n"
 
 
 def name_expressions() -> tuple[str, ...]:
@@ -204,7 +215,7 @@ class MoeKernels:
             return
         args = (logits, np.int32(ld), np.int32(t), np.int32(experts), np.int32(top_k),
                 np.int32(1 if norm_topk else 0), np.int32(1 if has_shared else 0), idx, wts, sgate)
-        self._launch("moe_topk_rows_kernel", (-(-t // 8),), (256,), args, stream)
+        self._launch("moe_topk_rows_kernel", (-(-t // MOE_TOPK_WARPS),), (32 * MOE_TOPK_WARPS,), args, stream)
 
     def gate_up(self, m: int, w_gate_up: Any, b: RouteBuffers, act: Any, *, first: int = 0,
                 stream: Any = None) -> None:
@@ -369,4 +380,5 @@ class MoeKernels:
             k._aligned(a, name)
 
 
-__all__ = ["MoeKernels", "RouteBuffers", "down_parts", "layer_smem_bytes", "module_source", "name_expressions"]
+__all__ = ["MoeKernels", "RouteBuffers", "define_macros", "down_parts", "layer_smem_bytes", "module_source",
+           "name_expressions"]
