@@ -6,7 +6,8 @@ engine, one run (CUDA-event medians, metrale.bench's timer):
 - rows: the rows path (router GEMV, route, gate_up, down: four launches per sparse layer);
 - fused-4: the fused path (rope + KV append in the attention split kernel) with those four launches;
 - fused-1: the fused path with the sparse layer in one launch (kernels.moe `layer`);
-- fused-1+o: the same launch also running the attention's output projection (the default).
+- fused-1+o: the same launch also running the attention's output projection.
+The engine's default is fused-4 (the one-launch layer is kept off: measured slower in the step).
 The decode floor is the step's bytes (the chosen experts only) over the read bandwidth measured in the run.
 """
 

@@ -35,20 +35,24 @@
 #define MOE_WARPS 4         // warps of a gate_up block
 #define MOE_DOWN_WARPS 8    // warps of a down block
 #define MOE_DOWN_ITEMS 264  // items of a down block: union experts x K parts (<= 256) + shared parts (<= 8)
-#define MOE_PICKED -1.0f  // a picked expert's probability in the top-k search (probabilities are >= 0)
-#define MOE_NAN_P -0.5f   // a NaN probability: chosen after every real one, its weight stays NaN
 
-// Softmax over logits[0..E) and the top-k of one row, by one warp.  Every lane ends with the chosen
-// experts pe[0..k) (decreasing probability, equal probabilities by increasing index) and their weights
-// pw[0..k) (renormalised when norm_topk).  A NaN logit makes its row's weights NaN, never an invalid
-// index.
-__device__ __forceinline__ void moe_topk_row(const float* __restrict__ logits, int E, int k, int norm_topk,
-                                             int (&pe)[MOE_MAX_K], float (&pw)[MOE_MAX_K]) {
+// Softmax over logits[0..E) and the top-k of one row, by one warp, each lane holding NS (>= E / 32) of the logits.
+// Lane j < k ends with the j-th chosen expert *e (decreasing probability, equal probabilities by increasing
+// index) and its weight *w (renormalised when norm_topk); the other lanes' are unspecified.  A NaN logit makes
+// its row's weights NaN, never an invalid index.
+// One warp's latency chain, so every slot and round counts (scripts/topk_cycles.py, H200, E = 128, k = 8): the
+// softmax took 3457 cycles over the largest E's 8 slots a lane and takes 1456 over 4 (100-150 cycles a slot: expf
+// and an IEEE division each); a round of shuffles (10 dependent) took ~410 cycles, one of two redux.sync ~230.
+// Hence NS by the model's E, not the largest E, and the rounds as: each lane's best (probability, expert) as one
+// integer key, the warp's max key and the lowest expert holding it.
+template <int NS>
+__device__ __forceinline__ void moe_topk_lane(const float* __restrict__ logits, int E, int k, int norm_topk,
+                                              int& e_out, float& w_out) {
     const int lane = threadIdx.x & 31;
-    float v[MOE_MAX_EXPERTS / 32];
+    float v[NS];
     float mx = -METRALE_INF;
 #pragma unroll
-    for (int i = 0; i < MOE_MAX_EXPERTS / 32; ++i) {
+    for (int i = 0; i < NS; ++i) {
         const int e = lane + 32 * i;
         v[i] = e < E ? logits[e] : -METRALE_INF;
         mx = fmaxf(mx, v[i]);
@@ -56,69 +60,240 @@ __device__ __forceinline__ void moe_topk_row(const float* __restrict__ logits, i
     mx = warp_max(mx);
     float s = 0.0f;
 #pragma unroll
-    for (int i = 0; i < MOE_MAX_EXPERTS / 32; ++i) {
+    for (int i = 0; i < NS; ++i) {
         const int e = lane + 32 * i;
         v[i] = e < E ? expf(v[i] - mx) : 0.0f;
         s += v[i];
     }
     s = warp_sum(s);
+    // key: the probability's bits + 2 (bits of a float >= 0 order as integers), 1 for a NaN probability (chosen
+    // after every real one), 0 for an absent or picked expert
+    unsigned int key[NS];
     bool any_nan = false;
 #pragma unroll
-    for (int i = 0; i < MOE_MAX_EXPERTS / 32; ++i) {
-        const int e = lane + 32 * i;
-        float p = v[i] / s;
-        if (p != p) {
-            any_nan = true;
-            p = MOE_NAN_P;
-        }
-        v[i] = e < E ? p : MOE_PICKED;
+    for (int i = 0; i < NS; ++i) {
+        const float p = v[i] / s;
+        any_nan |= p != p;
+        key[i] = lane + 32 * i >= E ? 0u : p != p ? 1u : __float_as_uint(p) + 2u;
     }
     any_nan = __any_sync(0xffffffffu, any_nan);
-#pragma unroll
-    for (int j = 0; j < MOE_MAX_K; ++j) {
-        if (j >= k) break;
-        float bv = MOE_PICKED;
+    int my_e = 0x7fffffff;
+    float my_w = 0.0f;
+#pragma unroll 1
+    for (int j = 0; j < k; ++j) {
+        unsigned int bk = 0u;
         int be = 0x7fffffff;
 #pragma unroll
-        for (int i = 0; i < MOE_MAX_EXPERTS / 32; ++i) {  // a lane's experts in increasing order
-            if (v[i] > bv) {
-                bv = v[i];
+        for (int i = 0; i < NS; ++i) {  // a lane's experts in increasing order
+            if (key[i] > bk) {
+                bk = key[i];
                 be = lane + 32 * i;
             }
         }
+        const unsigned int mk = __reduce_max_sync(0xffffffffu, bk);
+        be = (int)__reduce_min_sync(0xffffffffu, bk == mk ? (unsigned int)be : 0x7fffffffu);
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const int oe = __shfl_xor_sync(0xffffffffu, be, o);
-            if (ov > bv || (ov == bv && oe < be)) {
-                bv = ov;
-                be = oe;
+        for (int i = 0; i < NS; ++i)
+            if (lane + 32 * i == be) key[i] = 0u;
+        if (lane == j) {
+            my_e = be;
+            my_w = any_nan ? __int_as_float(0x7fc00000) : __uint_as_float(mk - 2u);
+        }
+    }
+    if (norm_topk) {  // the k weights summed in order, as the reference sums them
+        float t = 0.0f;
+#pragma unroll 1
+        for (int j = 0; j < k; ++j) t += __shfl_sync(0xffffffffu, my_w, j);
+        my_w = my_w / t;
+    }
+    e_out = my_e;
+    w_out = my_w;
+}
+
+// moe_topk_lane with the fewest slots a lane that E needs (only the path taken is fetched).
+__device__ __forceinline__ void moe_topk_row(const float* __restrict__ logits, int E, int k, int norm_topk,
+                                             int& e_out, float& w_out) {
+    if (E <= 32)
+        moe_topk_lane<1>(logits, E, k, norm_topk, e_out, w_out);
+    else if (E <= 128)
+        moe_topk_lane<4>(logits, E, k, norm_topk, e_out, w_out);
+    else
+        moe_topk_lane<MOE_MAX_EXPERTS / 32>(logits, E, k, norm_topk, e_out, w_out);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The rows path's routing (moe_route_kernel): the router GEMV's logits -> top-k, shared gate, h = rmsnorm(x), the
+// union.  Its parts are helpers the one-launch layer shares (the same numbers).
+
+#define MOE_ROUTER_U 8        // router weight chunks a lane requests at once (before pdl_wait)
+
+// Rows r0, r0 + stride, ... (< rows) of a bf16 matrix w [rows, 8 C], one warp per row: acc[m] += the row's
+// chunk c . the activations, by dot(c, weights of chunk c, acc) (rows m < M), lanes taking chunks lane,
+// lane + 32, ..., MOE_ROUTER_U at a time, the first ones of row r0 from wpre (requested before the wait);
+// then store(r, m, the warp's sum) for m < M by lane 0.  The o projection and the router of the one-launch
+// layer are both this loop.
+template <int MT, class Dot, class Store>
+__device__ __forceinline__ void moe_warp_rows(const unsigned short* __restrict__ w, int rows, int C, int r0,
+                                              int stride, const uint4 (&wpre)[MOE_ROUTER_U], int M, Dot dot,
+                                              Store store) {
+    const int lane = threadIdx.x & 31;
+    for (int r = r0; r < rows; r += stride) {
+        float acc[MT];
+#pragma unroll
+        for (int m = 0; m < MT; ++m) acc[m] = 0.0f;
+        for (int c0 = 0; c0 < C; c0 += 32 * MOE_ROUTER_U) {
+            uint4 wv[MOE_ROUTER_U];
+#pragma unroll
+            for (int i = 0; i < MOE_ROUTER_U; ++i) {
+                const int c = c0 + lane + 32 * i;
+                wv[i] = (r == r0 && c0 == 0) ? wpre[i]
+                        : (c < C ? ld_stream_u4(w + ((u64)r * C + c) * 8) : make_uint4(0u, 0u, 0u, 0u));
+            }
+#pragma unroll
+            for (int i = 0; i < MOE_ROUTER_U; ++i) {
+                const int c = c0 + lane + 32 * i;
+                if (c >= C) break;
+                dot(c, wv[i], acc);
             }
         }
 #pragma unroll
-        for (int i = 0; i < MOE_MAX_EXPERTS / 32; ++i)
-            if (lane + 32 * i == be) v[i] = MOE_PICKED;
-        pe[j] = be;
-        pw[j] = any_nan ? __int_as_float(0x7fc00000) : bv;
-    }
-    if (norm_topk) {
-        float t = 0.0f;
-#pragma unroll
-        for (int j = 0; j < MOE_MAX_K; ++j)
-            if (j < k) t += pw[j];
-#pragma unroll
-        for (int j = 0; j < MOE_MAX_K; ++j)
-            if (j < k) pw[j] = pw[j] / t;
+        for (int m = 0; m < MT; ++m) {
+            const float v = warp_sum(acc[m]);
+            if (lane == 0 && m < M) store(r, m, v);
+        }
     }
 }
 
-// The rows path's router after the logits GEMV: one block of MOE_MAX_ROWS warps, warp m for row m.
-// logits [M, ld]; x [M, H] the residual stream (H % 4 == 0, 16-byte rows); norm_w bf16 [H] (8-byte aligned).  Writes idx [M, k], wts [M, k],
-// sgate [M] (has_shared), h [M, H] = norm_w * (x * rsqrt(mean(x^2) + eps)), and the union: n_union,
-// union_e [n_union] (increasing), union_mask [n_union] (bit m: row m chose it), union_slot
-// [n_union, MOE_MAX_ROWS] (its slot j in row m, -1 for rows that did not choose it).  The union lists only
-// the experts [e_lo, e_hi) this engine holds (a tensor-parallel rank's; 0, E otherwise): every row is routed
-// over all E experts, and the others' share of the sum comes from the other ranks (the all-reduce).
+// The router's dot for chunk c (8 weights q of one router row) and rows m < M: acc[m] += q . (norm_w * x[m] *
+// inv[m]) over the chunk (x read with plain loads: the one-launch layer may have written it in the same launch).
+template <int MT>
+__device__ __forceinline__ void moe_router_dot(int c, const uint4& q, const float* x, const unsigned short* norm_w,
+                                               const float* inv, int M, int H, float (&acc)[MT]) {
+    const uint4 g = __ldg(reinterpret_cast<const uint4*>(norm_w) + c);
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+        if (m >= M) break;
+        const float iv = inv[m];
+        const float4* xp = reinterpret_cast<const float4*>(x + (u64)m * H) + 2 * c;
+        const float4 xa = xp[0], xb = xp[1];
+        const float4 ha = make_float4(bf16_lo(g.x) * (xa.x * iv), bf16_hi(g.x) * (xa.y * iv),
+                                      bf16_lo(g.y) * (xa.z * iv), bf16_hi(g.y) * (xa.w * iv));
+        const float4 hb = make_float4(bf16_lo(g.z) * (xb.x * iv), bf16_hi(g.z) * (xb.y * iv),
+                                      bf16_lo(g.w) * (xb.z * iv), bf16_hi(g.w) * (xb.w * iv));
+        acc[m] = dot8_bf16(q, ha, hb, acc[m]);
+    }
+}
+
+// Sums of squares of x's rows [M, H] (M <= MT) in parts, by the whole block (blockDim.x == MOE_MAX_ROWS * 32):
+// thread t sums its float4s t, t + 512, ... of each row (every row's loads in flight together), then a warp sum
+// into ss[r][warp].  The route kernels and the one-launch layer share it: the same h.  Plain loads (never the
+// non-coherent path): the one-launch layer reads x after other blocks of its launch wrote it.
+template <int MT>
+__device__ __forceinline__ void moe_sumsq_parts(const float* x, int M, int H, float (*ss)[MOE_MAX_ROWS]) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, H4 = H >> 2;
+    float v[MT];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+        v[m] = 0.0f;
+        if (m >= M) continue;
+        const float4* xr = reinterpret_cast<const float4*>(x + (u64)m * H);
+        for (int i = threadIdx.x; i < H4; i += blockDim.x) {
+            const float4 q = xr[i];
+            v[m] = fmaf(q.x, q.x, fmaf(q.y, q.y, fmaf(q.z, q.z, fmaf(q.w, q.w, v[m]))));
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+        if (m >= M) break;
+        const float t = warp_sum(v[m]);
+        if (lane == 0) ss[m][warp] = t;
+    }
+}
+
+// 1 / rms of row r from its parts (the 16 parts in order).
+__device__ __forceinline__ float moe_inv_rms(const float (*ss)[MOE_MAX_ROWS], int r, int H, float eps) {
+    float tot = 0.0f;
+#pragma unroll
+    for (int w = 0; w < MOE_MAX_ROWS; ++w) tot += ss[r][w];
+    return rsqrtf(tot / (float)H + eps);
+}
+
+// h[r] = norm_w * (x[r] * inv_r) for every row r < M, float4 i of a row by the threads t = i (mod nt): elementwise
+// once the sums are known, so which threads write it does not change it.  Plain loads of x (see moe_sumsq_parts).
+__device__ __forceinline__ void moe_write_h(const float* x, const unsigned short* __restrict__ norm_w,
+                                            const float (*ss)[MOE_MAX_ROWS], float eps, int M, int H, int t, int nt,
+                                            float* __restrict__ h) {
+    const int H4 = H >> 2;
+    for (int r = 0; r < M; ++r) {
+        const float inv = moe_inv_rms(ss, r, H, eps);
+        const float4* xr = reinterpret_cast<const float4*>(x + (u64)r * H);
+        float4* hr = reinterpret_cast<float4*>(h + (u64)r * H);
+        for (int i = t; i < H4; i += nt) {
+            const float4 v = xr[i];
+            const ushort4 g = reinterpret_cast<const ushort4*>(norm_w)[i];
+            hr[i] = make_float4(bf16_to_f32_bits(g.x) * (v.x * inv), bf16_to_f32_bits(g.y) * (v.y * inv),
+                                bf16_to_f32_bits(g.z) * (v.z * inv), bf16_to_f32_bits(g.w) * (v.w * inv));
+        }
+    }
+}
+
+// Row m's routing by one warp from its logits lrow [E (+1)]: idx / wts [m, :k], slot_of[e][m] = j for its
+// experts, sgate[m] = sigmoid(lrow[E]) when has_shared.
+__device__ __forceinline__ void moe_route_row(const float* lrow, int m, int E, int k, int norm_topk, int has_shared,
+                                              signed char (*slot_of)[MOE_MAX_ROWS], int* __restrict__ idx,
+                                              float* __restrict__ wts, float* __restrict__ sgate) {
+    const int j = threadIdx.x & 31;  // lane j holds choice j
+    int e;
+    float w;
+    moe_topk_row(lrow, E, k, norm_topk, e, w);
+    if (j < k) {
+        idx[m * k + j] = e;
+        wts[m * k + j] = w;
+        slot_of[e][m] = (signed char)j;
+    }
+    if (has_shared && j == 0) sgate[m] = 1.0f / (1.0f + expf(-lrow[E]));
+}
+
+// One warp: the experts [e_lo, e_hi) some row chose (slot_of[e][m] >= 0), in increasing order: emit(pos, e, mask)
+// for each (bit m of mask: row m chose it) by the lane holding it; returns their count (to every lane).
+template <class Emit>
+__device__ __forceinline__ int moe_union_warp(const signed char (*slot_of)[MOE_MAX_ROWS], int M, int e_lo, int e_hi,
+                                              Emit emit) {
+    const int lane = threadIdx.x & 31;
+    int base = 0;
+    for (int e0 = e_lo & ~31; e0 < e_hi; e0 += 32) {
+        const int e = e0 + lane;
+        unsigned int mask = 0u;
+        if (e >= e_lo && e < e_hi)
+            for (int r = 0; r < M; ++r)
+                if (slot_of[e][r] >= 0) mask |= 1u << r;
+        const unsigned int used = __ballot_sync(0xffffffffu, mask != 0u);
+        if (mask != 0u) emit(base + __popc(used & ((1u << lane) - 1u)), e, mask);
+        base += __popc(used);
+    }
+    return base;
+}
+
+// The route kernels' union: n_union, union_e, union_mask, union_slot [., MOE_MAX_ROWS] (the expert's slot in row
+// m, -1 if none), by one warp.
+__device__ __forceinline__ void moe_union_out(const signed char (*slot_of)[MOE_MAX_ROWS], int M, int e_lo, int e_hi,
+                                              int* __restrict__ n_union, int* __restrict__ union_e,
+                                              unsigned int* __restrict__ union_mask, int* __restrict__ union_slot) {
+    const int n = moe_union_warp(slot_of, M, e_lo, e_hi, [&](int pos, int e, unsigned int mask) {
+        union_e[pos] = e;
+        union_mask[pos] = mask;
+        for (int r = 0; r < MOE_MAX_ROWS; ++r) union_slot[pos * MOE_MAX_ROWS + r] = slot_of[e][r];
+    });
+    if ((threadIdx.x & 31) == 0) *n_union = n;
+}
+
+// After the router GEMV: one block of MOE_MAX_ROWS warps.  logits [M, ld] (ld = E, or E + 1 with the shared
+// expert's gate logit last); x [M, H] the residual stream (H % 4 == 0, 16-byte rows); norm_w bf16 [H] (8-byte
+// aligned).  Writes idx [M, k], wts [M, k], sgate [M] (has_shared), h [M, H] = norm_w * (x * rsqrt(mean(x^2) +
+// eps)), and the union (moe_union_out) of the experts [e_lo, e_hi) this engine holds (a tensor-parallel rank's;
+// 0, E otherwise): every row is routed over all E experts, and the others' share of the sum comes from the other
+// ranks (the all-reduce).  The rows' logits are staged in shared memory beside the sums of squares' loads; then
+// warp m routes row m while the warps without a row write h.
 extern "C" __global__ void __launch_bounds__(MOE_MAX_ROWS * 32)
 moe_route_kernel(const float* __restrict__ logits, int ld, const float* __restrict__ x,
                  const unsigned short* __restrict__ norm_w, float eps, int M, int H, int E, int k, int norm_topk,
@@ -126,73 +301,20 @@ moe_route_kernel(const float* __restrict__ logits, int ld, const float* __restri
                  float* __restrict__ h, int* __restrict__ n_union, int* __restrict__ union_e,
                  unsigned int* __restrict__ union_mask, int* __restrict__ union_slot, int e_lo, int e_hi) {
     __shared__ signed char slot_of[MOE_MAX_EXPERTS][MOE_MAX_ROWS];
-    for (int t = threadIdx.x; t < MOE_MAX_EXPERTS * MOE_MAX_ROWS; t += blockDim.x)
-        (&slot_of[0][0])[t] = -1;
+    __shared__ float s_logit[MOE_MAX_ROWS][MOE_MAX_EXPERTS + 1];
+    __shared__ float s_ss[MOE_MAX_ROWS][MOE_MAX_ROWS];
+    for (int t = threadIdx.x; t < MOE_MAX_EXPERTS * MOE_MAX_ROWS; t += blockDim.x) (&slot_of[0][0])[t] = -1;
     pdl_wait();
     pdl_trigger();
+    const int warp = threadIdx.x >> 5;
+    for (int t = threadIdx.x; t < M * ld; t += blockDim.x) s_logit[t / ld][t % ld] = logits[t];
+    moe_sumsq_parts<MOE_MAX_ROWS>(x, M, H, s_ss);
     __syncthreads();
-    const int lane = threadIdx.x & 31, m = threadIdx.x >> 5;
-    if (m < M) {
-        int pe[MOE_MAX_K];
-        float pw[MOE_MAX_K];
-        moe_topk_row(logits + (u64)m * ld, E, k, norm_topk, pe, pw);
-#pragma unroll
-        for (int j = 0; j < MOE_MAX_K; ++j) {
-            if (j < k && lane == j) {
-                idx[m * k + j] = pe[j];
-                wts[m * k + j] = pw[j];
-                slot_of[pe[j]][m] = (signed char)j;
-            }
-        }
-        if (has_shared && lane == 0) sgate[m] = 1.0f / (1.0f + expf(-logits[(u64)m * ld + E]));
-    }
-    // h = rmsnorm(x), the experts' input: row by row with the whole block, float4 per thread and step (one
-    // warp per row, stride 32, read 2048 floats with 64 dependent steps: 8.4 us of the first version's
-    // route on qwen3-30b-a3b).  The same threads and order for a row whatever M: verify == decode.
-    __shared__ float ss_part[MOE_MAX_ROWS];
-    const int H4 = H >> 2;
-    for (int r = 0; r < M; ++r) {
-        const float4* xr = reinterpret_cast<const float4*>(x + (u64)r * H);
-        float ss = 0.0f;
-        for (int i = threadIdx.x; i < H4; i += blockDim.x) {
-            const float4 v = xr[i];
-            ss = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, ss))));
-        }
-        ss = warp_sum(ss);
-        if (lane == 0) ss_part[m] = ss;
-        __syncthreads();
-        float tot = 0.0f;
-#pragma unroll
-        for (int w = 0; w < MOE_MAX_ROWS; ++w) tot += ss_part[w];
-        const float inv = rsqrtf(tot / (float)H + eps);
-        float4* hr = reinterpret_cast<float4*>(h + (u64)r * H);
-        for (int i = threadIdx.x; i < H4; i += blockDim.x) {
-            const float4 v = xr[i];
-            const ushort4 g = reinterpret_cast<const ushort4*>(norm_w)[i];
-            hr[i] = make_float4(bf16_to_f32_bits(g.x) * (v.x * inv), bf16_to_f32_bits(g.y) * (v.y * inv),
-                                bf16_to_f32_bits(g.z) * (v.z * inv), bf16_to_f32_bits(g.w) * (v.w * inv));
-        }
-        __syncthreads();  // ss_part is rewritten by the next row
-    }
-    if (m == 0) {  // warp 0 lists the chosen experts this rank holds ([e_lo, e_hi)) in increasing order
-        int base = 0;
-        for (int e0 = e_lo & ~31; e0 < e_hi; e0 += 32) {
-            const int e = e0 + lane;
-            unsigned int mask = 0u;
-            if (e >= e_lo && e < e_hi)
-                for (int r = 0; r < M; ++r)
-                    if (slot_of[e][r] >= 0) mask |= 1u << r;
-            const unsigned int used = __ballot_sync(0xffffffffu, mask != 0u);
-            if (mask != 0u) {
-                const int pos = base + __popc(used & ((1u << lane) - 1u));
-                union_e[pos] = e;
-                union_mask[pos] = mask;
-                for (int r = 0; r < MOE_MAX_ROWS; ++r) union_slot[pos * MOE_MAX_ROWS + r] = slot_of[e][r];
-            }
-            base += __popc(used);
-        }
-        if (lane == 0) *n_union = base;
-    }
+    if (warp < M) moe_route_row(s_logit[warp], warp, E, k, norm_topk, has_shared, slot_of, idx, wts, sgate);
+    const int hw0 = M < MOE_MAX_ROWS ? M : 0;  // warps [hw0, 16) write h (with 16 rows: every warp, after its row)
+    if (warp >= hw0) moe_write_h(x, norm_w, s_ss, eps, M, H, threadIdx.x - 32 * hw0, 32 * (MOE_MAX_ROWS - hw0), h);
+    __syncthreads();
+    if (warp == 0) moe_union_out(slot_of, M, e_lo, e_hi, n_union, union_e, union_mask, union_slot);
 }
 
 // The prefill router: top-k only, one warp per row, rows 0..T-1 (no union, no h); blocks of MOE_TOPK_WARPS warps.
@@ -205,15 +327,12 @@ extern "C" __global__ void moe_topk_rows_kernel(const float* __restrict__ logits
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * MOE_TOPK_WARPS + (threadIdx.x >> 5);
     if (row >= T) return;
-    int pe[MOE_MAX_K];
-    float pw[MOE_MAX_K];
-    moe_topk_row(logits + (u64)row * ld, E, k, norm_topk, pe, pw);
-#pragma unroll
-    for (int j = 0; j < MOE_MAX_K; ++j) {
-        if (j < k && lane == j) {
-            idx[(u64)row * k + j] = pe[j];
-            wts[(u64)row * k + j] = pw[j];
-        }
+    int e;
+    float w;
+    moe_topk_row(logits + (u64)row * ld, E, k, norm_topk, e, w);
+    if (lane < k) {
+        idx[(u64)row * k + lane] = e;
+        wts[(u64)row * k + lane] = w;
     }
     if (has_shared && lane == 0) sgate[row] = 1.0f / (1.0f + expf(-logits[(u64)row * ld + E]));
 }
@@ -363,14 +482,15 @@ moe_down_kernel(const float* __restrict__ act, const unsigned short* __restrict_
     __shared__ unsigned int msk[MOE_MAX_EXPERTS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int n0 = blockIdx.x * R;
-    pdl_wait();
-    pdl_trigger();
-    // The first item's routing is read beside n_union, not after it (one load latency, not two: at
-    // decode every item is a first one); union slots below k always exist.
+    // The routing was written two launches back (route -> gate_up -> down; every launch of the chain waits
+    // for its predecessor before it lets its dependents start), so it is complete and visible before this
+    // launch's pdl_wait: the first item's routing is read while gate_up still runs.  act needs the wait.
     const int u_first = min(warp / P, k - 1);
     const int e_first = union_e[u_first];
     const unsigned int mask_first = union_mask[u_first];
     const int nu = *n_union;
+    pdl_wait();
+    pdl_trigger();
     const int routed = nu * P, items = routed + (S > 0 ? PS : 0);
     for (int it = warp; it < items; it += MOE_DOWN_WARPS) {
         const bool sh = it >= routed;
@@ -457,7 +577,7 @@ moe_down_kernel(const float* __restrict__ act, const unsigned short* __restrict_
 // (PDL) only after the last barrier, so no later kernel can take an SM a waiting block needs.  A barrier
 // that waits longer than MOE_BARRIER_TIMEOUT_NS traps (a launch error, never a hang).
 #define MOE_LAYER_WARPS 16
-#define MOE_ROUTER_U 8                       // router weight chunks a lane requests at once (before pdl_wait)
+static_assert(MOE_LAYER_WARPS == MOE_MAX_ROWS, "the sums of squares' parts (moe_sumsq_parts) are one per warp");
 #define MOE_BARRIER_TIMEOUT_NS 2000000000ull  // 2 s
 
 
@@ -531,12 +651,12 @@ moe_layer_kernel(float* x, float* out, int accumulate, const float* __restrict__
     __shared__ float s_w[MOE_MAX_EXPERTS][MT];                      // row m's weight of union expert u
     __shared__ float s_logit[MT][MOE_MAX_EXPERTS + 1];
     __shared__ float s_wk[MT][MOE_MAX_K];
-    __shared__ float s_ss[MT][MOE_LAYER_WARPS];
+    __shared__ float s_ss[MT][MOE_MAX_ROWS];  // sums of squares in parts (MOE_LAYER_WARPS == MOE_MAX_ROWS)
     __shared__ float s_inv[MT], s_sg[MT];
     __shared__ int s_nu;
     extern __shared__ float s_part[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int G = gridDim.x, C = H >> 3, H4 = H >> 2;
+    const int G = gridDim.x, C = H >> 3;
     const int has_shared = ld > E;
     MOE_STAMP_ENTRY;
 
@@ -557,36 +677,16 @@ moe_layer_kernel(float* x, float* out, int accumulate, const float* __restrict__
     MOE_STAMP_BEGIN;
     MOE_STAMP(0);
     if (Q > 0) {  // 0. x[m, n] += attn[m] . w_o[n]: the attention's output projection
-        for (int n = r0; n < H; n += G * MOE_LAYER_WARPS) {
-            float acc[MT];
+        moe_warp_rows<MT>(w_o, H, QC, r0, G * MOE_LAYER_WARPS, wpre, M,
+                          [&](int c, const uint4& q, float (&acc)[MT]) {
 #pragma unroll
-            for (int m = 0; m < MT; ++m) acc[m] = 0.0f;
-            for (int c0 = 0; c0 < QC; c0 += 32 * MOE_ROUTER_U) {
-                uint4 wv[MOE_ROUTER_U];
-#pragma unroll
-                for (int i = 0; i < MOE_ROUTER_U; ++i) {
-                    const int c = c0 + lane + 32 * i;
-                    wv[i] = (n == r0 && c0 == 0) ? wpre[i]
-                            : (c < QC ? ld_stream_u4(w_o + (u64)n * Q + 8 * c) : make_uint4(0u, 0u, 0u, 0u));
-                }
-#pragma unroll
-                for (int i = 0; i < MOE_ROUTER_U; ++i) {
-                    const int c = c0 + lane + 32 * i;
-                    if (c >= QC) break;
-#pragma unroll
-                    for (int m = 0; m < MT; ++m) {
-                        if (m >= M) break;
-                        const float4* ap = reinterpret_cast<const float4*>(attn + (u64)m * Q) + 2 * c;
-                        acc[m] = dot8_bf16(wv[i], __ldg(ap), __ldg(ap + 1), acc[m]);
-                    }
-                }
-            }
-#pragma unroll
-            for (int m = 0; m < MT; ++m) {
-                const float v = warp_sum(acc[m]);
-                if (lane == 0 && m < M) x[(u64)m * H + n] += v;
-            }
-        }
+                              for (int m = 0; m < MT; ++m) {
+                                  if (m >= M) break;
+                                  const float4* ap = reinterpret_cast<const float4*>(attn + (u64)m * Q) + 2 * c;
+                                  acc[m] = dot8_bf16(q, __ldg(ap), __ldg(ap + 1), acc[m]);
+                              }
+                          },
+                          [&](int n, int m, float v) { x[(u64)m * H + n] += v; });
 #pragma unroll
         for (int i = 0; i < MOE_ROUTER_U; ++i) {  // the router's first weights, while the barrier waits
             const int c = lane + 32 * i;
@@ -596,83 +696,18 @@ moe_layer_kernel(float* x, float* out, int accumulate, const float* __restrict__
         moe_grid_barrier(bar);
         MOE_STAMP(2);
     }
-    // sums of squares: per row, thread t's float4s t, t + 512, ..., a warp sum, the 16 warps in order
-    // (moe_route_kernel's order: the same h)
-    {
-        float ss[MT];
-#pragma unroll
-        for (int m = 0; m < MT; ++m) ss[m] = 0.0f;
-#pragma unroll
-        for (int m = 0; m < MT; ++m) {
-            if (m >= M) break;
-            const float4* xr = reinterpret_cast<const float4*>(x + (u64)m * H);
-            for (int i = tid; i < H4; i += blockDim.x) {
-                const float4 v = xr[i];
-                ss[m] = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, ss[m]))));
-            }
-        }
-#pragma unroll
-        for (int m = 0; m < MT; ++m) {
-            const float v = warp_sum(ss[m]);
-            if (lane == 0) s_ss[m][warp] = v;
-        }
-        __syncthreads();
-        if (tid < M) {
-            float tot = 0.0f;
-#pragma unroll
-            for (int w = 0; w < MOE_LAYER_WARPS; ++w) tot += s_ss[tid][w];
-            s_inv[tid] = rsqrtf(tot / (float)H + eps);
-        }
-        __syncthreads();
-    }
-    // this block's slice of h
-    for (int i = blockIdx.x * blockDim.x + tid; i < M * H4; i += G * blockDim.x) {
-        const int m = i / H4, j = i - m * H4;
-        const float inv = s_inv[m];
-        const float4 v = reinterpret_cast<const float4*>(x)[i];
-        const ushort4 g = reinterpret_cast<const ushort4*>(norm_w)[j];
-        reinterpret_cast<float4*>(h)[i] =
-            make_float4(bf16_to_f32_bits(g.x) * (v.x * inv), bf16_to_f32_bits(g.y) * (v.y * inv),
-                        bf16_to_f32_bits(g.z) * (v.z * inv), bf16_to_f32_bits(g.w) * (v.w * inv));
-    }
+    // sums of squares in the route kernels' order (moe_sumsq_parts): the same h
+    moe_sumsq_parts<MT>(x, M, H, s_ss);
+    __syncthreads();
+    if (tid < M) s_inv[tid] = moe_inv_rms(s_ss, tid, H, eps);
+    __syncthreads();
+    moe_write_h(x, norm_w, s_ss, eps, M, H, blockIdx.x * blockDim.x + tid, G * blockDim.x, h);  // this block's h
     // the router rows: logits[m, r] = w_router[r] . (norm_w * x[m] * inv[m])
-    for (int r = r0; r < ld; r += G * MOE_LAYER_WARPS) {
-        float acc[MT];
-#pragma unroll
-        for (int m = 0; m < MT; ++m) acc[m] = 0.0f;
-        for (int c0 = 0; c0 < C; c0 += 32 * MOE_ROUTER_U) {
-            uint4 wv[MOE_ROUTER_U];
-#pragma unroll
-            for (int i = 0; i < MOE_ROUTER_U; ++i) {
-                const int c = c0 + lane + 32 * i;
-                wv[i] = (r == r0 && c0 == 0) ? wpre[i]
-                        : (c < C ? ld_stream_u4(w_router + (u64)r * H + 8 * c) : make_uint4(0u, 0u, 0u, 0u));
-            }
-#pragma unroll
-            for (int i = 0; i < MOE_ROUTER_U; ++i) {
-                const int c = c0 + lane + 32 * i;
-                if (c >= C) break;
-                const uint4 g = __ldg(reinterpret_cast<const uint4*>(norm_w) + c);
-#pragma unroll
-                for (int m = 0; m < MT; ++m) {
-                    if (m >= M) break;
-                    const float inv = s_inv[m];
-                    const float4* xp = reinterpret_cast<const float4*>(x + (u64)m * H) + 2 * c;
-                    const float4 xa = xp[0], xb = xp[1];
-                    const float4 ha = make_float4(bf16_lo(g.x) * (xa.x * inv), bf16_hi(g.x) * (xa.y * inv),
-                                                  bf16_lo(g.y) * (xa.z * inv), bf16_hi(g.y) * (xa.w * inv));
-                    const float4 hb = make_float4(bf16_lo(g.z) * (xb.x * inv), bf16_hi(g.z) * (xb.y * inv),
-                                                  bf16_lo(g.w) * (xb.z * inv), bf16_hi(g.w) * (xb.w * inv));
-                    acc[m] = dot8_bf16(wv[i], ha, hb, acc[m]);
-                }
-            }
-        }
-#pragma unroll
-        for (int m = 0; m < MT; ++m) {
-            const float v = warp_sum(acc[m]);
-            if (lane == 0 && m < M) logits[(u64)m * ld + r] = v;
-        }
-    }
+    moe_warp_rows<MT>(w_router, ld, C, r0, G * MOE_LAYER_WARPS, wpre, M,
+                      [&](int c, const uint4& q, float (&acc)[MT]) {
+                          moe_router_dot<MT>(c, q, x, norm_w, s_inv, M, H, acc);
+                      },
+                      [&](int r, int m, float v) { logits[(u64)m * ld + r] = v; });
     MOE_STAMP(3);
     moe_grid_barrier(bar);
     MOE_STAMP(4);
@@ -683,18 +718,15 @@ moe_layer_kernel(float* x, float* out, int accumulate, const float* __restrict__
     MOE_STAMP(9);
     if (warp < M) {
         const int m = warp;
-        int pe[MOE_MAX_K];
-        float pw[MOE_MAX_K];
-        moe_topk_row(s_logit[m], E, k, norm_topk, pe, pw);
-#pragma unroll
-        for (int j = 0; j < MOE_MAX_K; ++j) {
-            if (j < k && lane == j) {
-                slot_of[pe[j]][m] = (signed char)j;
-                s_wk[m][j] = pw[j];
-                if (blockIdx.x == 0) {
-                    idx[m * k + j] = pe[j];
-                    wts[m * k + j] = pw[j];
-                }
+        int e;
+        float w;
+        moe_topk_row(s_logit[m], E, k, norm_topk, e, w);
+        if (lane < k) {
+            slot_of[e][m] = (signed char)lane;
+            s_wk[m][lane] = w;
+            if (blockIdx.x == 0) {
+                idx[m * k + lane] = e;
+                wts[m * k + lane] = w;
             }
         }
         if (has_shared && lane == 0) {
@@ -706,24 +738,13 @@ moe_layer_kernel(float* x, float* out, int accumulate, const float* __restrict__
     __syncthreads();
     MOE_STAMP(10);
     if (warp == 0) {  // the union in increasing expert order, with each row's weight for it
-        int base = 0;
-        for (int e0 = 0; e0 < E; e0 += 32) {
-            const int e = e0 + lane;
-            unsigned int mask = 0u;
-            if (e < E)
-                for (int r = 0; r < M; ++r)
-                    if (slot_of[e][r] >= 0) mask |= 1u << r;
-            const unsigned int used = __ballot_sync(0xffffffffu, mask != 0u);
-            if (mask != 0u) {
-                const int pos = base + __popc(used & ((1u << lane) - 1u));
-                s_ue[pos] = e;
-                s_um[pos] = mask;
-                for (int r = 0; r < M; ++r)
-                    if ((mask >> r) & 1u) s_w[pos][r] = s_wk[r][slot_of[e][r]];
-            }
-            base += __popc(used);
-        }
-        if (lane == 0) s_nu = base;
+        const int n = moe_union_warp(slot_of, M, 0, E, [&](int pos, int e, unsigned int mask) {
+            s_ue[pos] = e;
+            s_um[pos] = mask;
+            for (int r = 0; r < M; ++r)
+                if ((mask >> r) & 1u) s_w[pos][r] = s_wk[r][slot_of[e][r]];
+        });
+        if (lane == 0) s_nu = n;
     }
     __syncthreads();
     const int nu = s_nu;
