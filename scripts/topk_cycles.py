@@ -2,11 +2,11 @@
 moe_route_kernel and the one-launch layer run it: the question behind a routing phase that took 4.85 us of one
 warp in `moe_layer_phases.py`.  clock64 around one call, medians over launches; random logits (fresh draws):
 
-    PYTHONPATH=. python3 scripts/topk_cycles.py [--experts 128] [--topk 8] [--define MOE_TOPK_SHUFFLE=1]
+    PYTHONPATH=. python3 scripts/topk_cycles.py [--experts 128] [--topk 8] [--define NAME=VALUE]
 
 Cases: logits in shared memory (the one-launch layer) or read from global memory (the route kernel), in a block
-of one warp or of 16 warps whose other 15 wait at a barrier, and a second call in the same launch (warm
-instruction cache); each as the softmax alone (k = 0) and with the k rounds.
+of one warp or of 16 warps whose other 15 wait at a barrier, and a second call in the same launch (code and
+data already fetched); each as the softmax alone (k = 0) and with the k rounds.
 Each call's chosen experts are checked against NumPy's top-k of the same softmax (ties to the lowest index).
 (H200, E = 128, k = 8: the same cycles in shared or global memory, alone or beside 15 waiting warps, and in a
 second call: the cost is the warp's own latency chain, per slot a lane holds and per round.)"""

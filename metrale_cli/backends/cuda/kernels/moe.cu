@@ -37,8 +37,8 @@
 #define MOE_DOWN_ITEMS 264  // items of a down block: union experts x K parts (<= 256) + shared parts (<= 8)
 
 // Softmax over logits[0..E) and the top-k of one row, by one warp, each lane holding NS (>= E / 32) of the logits.
-// Lane j < k ends with the j-th chosen expert *e (decreasing probability, equal probabilities by increasing
-// index) and its weight *w (renormalised when norm_topk); the other lanes' are unspecified.  A NaN logit makes
+// Lane j < k ends with the j-th chosen expert in e_out (decreasing probability, equal probabilities by increasing
+// index) and its weight in w_out (renormalised when norm_topk); the other lanes' are unspecified.  A NaN logit makes
 // its row's weights NaN, never an invalid index.
 // One warp's latency chain, so every slot and round counts (scripts/topk_cycles.py, H200, E = 128, k = 8): the
 // softmax took 3457 cycles over the largest E's 8 slots a lane and takes 1456 over 4 (100-150 cycles a slot: expf
@@ -110,7 +110,7 @@ __device__ __forceinline__ void moe_topk_lane(const float* __restrict__ logits, 
     w_out = my_w;
 }
 
-// moe_topk_lane with the fewest slots a lane that E needs (only the path taken is fetched).
+// moe_topk_lane with the fewest slots a lane that E needs (each slot costs the warp's chain 100-150 cycles).
 __device__ __forceinline__ void moe_topk_row(const float* __restrict__ logits, int E, int k, int norm_topk,
                                              int& e_out, float& w_out) {
     if (E <= 32)
