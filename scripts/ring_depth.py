@@ -37,7 +37,7 @@ def main() -> None:
     prompt = [int(t) for t in rng.integers(0, cfg.vocab_size, a.context)]
     eng = None
     for p in [int(c) for c in a.chunks.split(",")]:
-        Kernels.ring_engine_config = own if p == 0 else staticmethod(
+        Kernels.ring_engine_config = staticmethod(own) if p == 0 else staticmethod(
             lambda k, n, gated, p=p: dict(threads=own(k, n, gated)["threads"], chunks=p))
         if eng is None:
             eng = bench.build_engine(cfg, "cuda", a.context + 8)
