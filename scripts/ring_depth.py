@@ -4,8 +4,8 @@ there).  P chunks per thread and slot put 3 P x 16 KiB in flight per SM before p
 
     PYTHONPATH=. python3 scripts/ring_depth.py --preset qwen3-30b-a3b --context 1024 --chunks 0,1,2,3
 
---chunks 0 is the engine's own choice.  One process, one engine per depth in turn (each depth's kernels take their
-launch geometry when the engine captures its graphs).
+--chunks 0 is the engine's own choice.  One process and one engine: per depth the engine's graphs are dropped
+(set_path) and recaptured, and the ring GEMVs take the depth's launch geometry at that capture.
 """
 
 from __future__ import annotations
