@@ -218,27 +218,22 @@ __device__ __forceinline__ float moe_inv_rms(const float (*ss)[MOE_MAX_ROWS], in
     return rsqrtf(tot / (float)H + eps);
 }
 
-// h[r] = norm_w * (x[r] * inv_of(r)) for every row r < M, the (row, float4) pairs flattened and taken by the threads
-// t = pair (mod nt), so that M rows spread over all nt threads (a block's worth per row in the one-launch layer):
-// elementwise once the sums are known, so which threads write it does not change it.  inv_of(r) is asked once per
-// row change of a thread.  Plain loads of x (see moe_sumsq_parts).
-template <class InvOf>
-__device__ __forceinline__ void moe_write_h(const float* x, const unsigned short* __restrict__ norm_w, InvOf inv_of,
-                                            int M, int H, int t, int nt, float* __restrict__ h) {
+// h[r] = norm_w * (x[r] * inv_r) for every row r < M, float4 i of a row by the threads t = i (mod nt): elementwise
+// once the sums are known, so which threads write it does not change it.  Plain loads of x (see moe_sumsq_parts).
+__device__ __forceinline__ void moe_write_h(const float* x, const unsigned short* __restrict__ norm_w,
+                                            const float (*ss)[MOE_MAX_ROWS], float eps, int M, int H, int t, int nt,
+                                            float* __restrict__ h) {
     const int H4 = H >> 2;
-    int r = -1;
-    float inv = 0.0f;
-    for (int p = t; p < M * H4; p += nt) {
-        const int pr = p / H4, i = p - pr * H4;
-        if (pr != r) {
-            r = pr;
-            inv = inv_of(r);
+    for (int r = 0; r < M; ++r) {
+        const float inv = moe_inv_rms(ss, r, H, eps);
+        const float4* xr = reinterpret_cast<const float4*>(x + (u64)r * H);
+        float4* hr = reinterpret_cast<float4*>(h + (u64)r * H);
+        for (int i = t; i < H4; i += nt) {
+            const float4 v = xr[i];
+            const ushort4 g = reinterpret_cast<const ushort4*>(norm_w)[i];
+            hr[i] = make_float4(bf16_to_f32_bits(g.x) * (v.x * inv), bf16_to_f32_bits(g.y) * (v.y * inv),
+                                bf16_to_f32_bits(g.z) * (v.z * inv), bf16_to_f32_bits(g.w) * (v.w * inv));
         }
-        const float4 v = reinterpret_cast<const float4*>(x + (u64)r * H)[i];
-        const ushort4 g = reinterpret_cast<const ushort4*>(norm_w)[i];
-        reinterpret_cast<float4*>(h + (u64)r * H)[i] =
-            make_float4(bf16_to_f32_bits(g.x) * (v.x * inv), bf16_to_f32_bits(g.y) * (v.y * inv),
-                        bf16_to_f32_bits(g.z) * (v.z * inv), bf16_to_f32_bits(g.w) * (v.w * inv));
     }
 }
 
@@ -317,9 +312,7 @@ moe_route_kernel(const float* __restrict__ logits, int ld, const float* __restri
     __syncthreads();
     if (warp < M) moe_route_row(s_logit[warp], warp, E, k, norm_topk, has_shared, slot_of, idx, wts, sgate);
     const int hw0 = M < MOE_MAX_ROWS ? M : 0;  // warps [hw0, 16) write h (with 16 rows: every warp, after its row)
-    if (warp >= hw0)
-        moe_write_h(x, norm_w, [&](int r) { return moe_inv_rms(s_ss, r, H, eps); }, M, H, threadIdx.x - 32 * hw0,
-                    32 * (MOE_MAX_ROWS - hw0), h);
+    if (warp >= hw0) moe_write_h(x, norm_w, s_ss, eps, M, H, threadIdx.x - 32 * hw0, 32 * (MOE_MAX_ROWS - hw0), h);
     __syncthreads();
     if (warp == 0) moe_union_out(slot_of, M, e_lo, e_hi, n_union, union_e, union_mask, union_slot);
 }
@@ -708,8 +701,7 @@ moe_layer_kernel(float* x, float* out, int accumulate, const float* __restrict__
     __syncthreads();
     if (tid < M) s_inv[tid] = moe_inv_rms(s_ss, tid, H, eps);
     __syncthreads();
-    moe_write_h(x, norm_w, [&](int r) { return s_inv[r]; }, M, H, blockIdx.x * blockDim.x + tid, G * blockDim.x,
-                h);  // this block's share of h
+    moe_write_h(x, norm_w, s_ss, eps, M, H, blockIdx.x * blockDim.x + tid, G * blockDim.x, h);  // this block's h
     // the router rows: logits[m, r] = w_router[r] . (norm_w * x[m] * inv[m])
     moe_warp_rows<MT>(w_router, ld, C, r0, G * MOE_LAYER_WARPS, wpre, M,
                       [&](int c, const uint4& q, float (&acc)[MT]) {
