@@ -215,7 +215,7 @@ def gemm_rate_cpu(n: int = 1024) -> float:
 
 def kv_bytes_read(cfg: ModelConfig, context: int, elem: int) -> int:
     """K and V bytes one decode step at `context` reads: a sliding layer only its window of them."""
-    return sum(2 * layer.attention.kv_size * elem * min(context, layer.attention.window or context)
+    return sum(2 * layer.mixer.kv_size * elem * min(context, layer.mixer.window or context)
                for layer in cfg.definition.layers)
 
 

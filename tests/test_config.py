@@ -113,10 +113,10 @@ def test_bad_files(tmp_path):
 def test_sliding_window_is_per_layer_not_a_context_bound():
     cfg = parse_config({**BASE, "model_type": "mistral", "sliding_window": 100, "max_position_embeddings": 4096})
     assert cfg.max_context == 4096  # the window is attended to, not a limit on the context
-    assert [layer.attention.window for layer in cfg.definition.layers] == [100, 100]
+    assert [layer.mixer.window for layer in cfg.definition.layers] == [100, 100]
     q = parse_config({**BASE, "model_type": "qwen2", "sliding_window": 100, "use_sliding_window": False})
-    assert q.sliding_window is None and all(layer.attention.window is None for layer in q.definition.layers)
+    assert q.sliding_window is None and all(layer.mixer.window is None for layer in q.definition.layers)
     # qwen: with use_sliding_window, only the layers from max_window_layers on slide (transformers 5)
     q = parse_config({**BASE, "model_type": "qwen3", "num_hidden_layers": 4, "sliding_window": 100,
                       "use_sliding_window": True, "max_window_layers": 3})
-    assert [layer.attention.window for layer in q.definition.layers] == [None, None, None, 100]
+    assert [layer.mixer.window for layer in q.definition.layers] == [None, None, None, 100]

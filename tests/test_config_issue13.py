@@ -17,7 +17,7 @@ SHAPE = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 80, "num_hid
 
 
 def windows(cfg) -> list:
-    return [layer.attention.window for layer in cfg.definition.layers]
+    return [layer.mixer.window for layer in cfg.definition.layers]
 
 
 def test_gemma2_defaults_and_layer_pattern():
@@ -26,13 +26,13 @@ def test_gemma2_defaults_and_layer_pattern():
     o, d = cfg.options, cfg.definition
     assert (o.query_pre_attn_scalar, o.attn_logit_softcapping, o.final_logit_softcapping) == (256.0, 50.0, 30.0)
     assert cfg.tie_word_embeddings and d.lm_head is None
-    assert d.layers[0].attention.scale == 256 ** -0.5 and d.layers[0].attention.softcap == 50.0
+    assert d.layers[0].mixer.scale == 256 ** -0.5 and d.layers[0].mixer.softcap == 50.0
     assert d.embed_scale == 8.0 and d.norm.offset == 1.0 and d.layers[0].mlp.activation == "gelu_tanh"
     assert {"attn_out_norm", "mlp_out_norm"} <= d.layers[0].keys()
     # an explicit null is "none", not the default
     none = parse_config({**SHAPE, "model_type": "gemma2", "final_logit_softcapping": None,
                          "attn_logit_softcapping": None})
-    assert none.definition.final_logit_softcap is None and none.definition.layers[0].attention.softcap is None
+    assert none.definition.final_logit_softcap is None and none.definition.layers[0].mixer.softcap is None
 
 
 def test_gemma3_4x_and_5x_layouts_mean_the_same():
@@ -46,9 +46,9 @@ def test_gemma3_4x_and_5x_layouts_mean_the_same():
     assert v4.definition == v5.definition
     layers = v5.definition.layers
     assert windows(v5) == [8] * 5 + [None]
-    assert layers[0].attention.rope.theta == 1e4 and layers[0].attention.rope.linear_factor == 1.0
-    assert layers[5].attention.rope.theta == 1e6 and layers[5].attention.rope.linear_factor == 8.0
-    assert all(layer.attention.qk_norm and layer.attention.softcap is None for layer in layers)
+    assert layers[0].mixer.rope.theta == 1e4 and layers[0].mixer.rope.linear_factor == 1.0
+    assert layers[5].mixer.rope.theta == 1e6 and layers[5].mixer.rope.linear_factor == 8.0
+    assert all(layer.mixer.qk_norm and layer.mixer.softcap is None for layer in layers)
 
 
 def test_gemma3_multimodal_hub_config_reads_its_text_config_with_defaults():
@@ -63,7 +63,7 @@ def test_gemma3_multimodal_hub_config_reads_its_text_config_with_defaults():
     assert (cfg.vocab_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (262208, 8, 4, 256)
     assert cfg.dtype == "bfloat16" and cfg.eos_token_ids == (1, 106) and cfg.tie_word_embeddings
     assert windows(cfg).count(None) == 5 and windows(cfg)[5] is None and windows(cfg)[0] == 1024
-    full = cfg.definition.layers[5].attention.rope
+    full = cfg.definition.layers[5].mixer.rope
     assert (full.theta, full.linear_factor) == (1e6, 8.0)
     names = cfg.definition.expected_tensors()
     assert "language_model.model.layers.0.self_attn.q_norm.weight" in names

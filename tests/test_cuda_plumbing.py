@@ -445,7 +445,7 @@ def test_fused_path_matches_the_rows_path_and_the_numpy_engine(name):
         assert rel(after, out[path][2]) < SAME_TOL
         layers = cpu.cfg.num_hidden_layers * len(steps)
         if path != "rows":  # one row: rope + KV append inside the attention split kernel where it fits
-            a = gpu.cfg.definition.layers[0].attention
+            a = gpu.cfg.definition.layers[0].mixer
             if gpu.kern.rope_fits(a.head_dim, a.num_heads, a.num_kv_heads, a.window, a.softcap) is None:
                 assert "rope_kv_append" not in calls and "gemv_qkv_rope" not in calls
             plan = gpu.fused_plan(1)

@@ -91,15 +91,15 @@ def test_the_window_changes_the_result(name):
     """Every window fixture crosses its window: attending to all positions instead gives other logits."""
     g = golden(name)
     cfg = load_config(FIXTURES / "models" / name)
-    assert any(layer.attention.window == 8 for layer in cfg.definition.layers)
+    assert any(layer.mixer.window == 8 for layer in cfg.definition.layers)
     full = engine(name, cfg=dataclasses.replace(cfg, layer_types=()))
-    assert all(layer.attention.window is None for layer in full.cfg.definition.layers)
+    assert all(layer.mixer.window is None for layer in full.cfg.definition.layers)
     assert rel_err(prefill_rows(full, g["prompt"]), g["prefill_logits"]) > 1e-3
 
 
 def test_ring_buffers_are_used_where_layers_slide():
     e = engine("gemma3_text", pass_rows=3)
-    windows = [layer.attention.window for layer in e.cfg.definition.layers]
+    windows = [layer.mixer.window for layer in e.cfg.definition.layers]
     assert windows == [8, 8, None, 8, 8, None]
     assert e.cache.slots == [10 if w else 64 for w in windows]  # window - 1 + pass_rows, or the context
     assert engine("gemma3_text").cache.slots == [64] * 6  # a ring no smaller than the context is not used

@@ -105,7 +105,7 @@ def test_indivisible_experts_are_a_usage_error(tmp_path, helpers):
 
 def test_kv_heads_replicated_beyond_their_count(wide_model):
     cfg = open_model(wide_model, device="cpu").config
-    a = cfg.definition.layers[0].attention
+    a = cfg.definition.layers[0].mixer
     heads = [layout(a, r, 8) for r in range(8)]
     assert [list(h.q_heads) for h in heads] == [[r] for r in range(8)]
     assert [h.kv_heads.start for h in heads] == [0, 0, 0, 0, 1, 1, 1, 1]  # query head r reads KV head r // 4

@@ -16,9 +16,9 @@ from ..models.spec import ModelDefinition
 
 
 def has_longrope(definition: ModelDefinition) -> bool:
-    return any(layer.attention.rope.longrope is not None for layer in definition.layers)
+    return any(layer.mixer.rope.longrope is not None for layer in definition.layers)
 
 
 def long_factors(definition: ModelDefinition, call_end: int) -> bool:
     """Whether a call whose last position is call_end - 1 runs the long factors."""
-    return any(layer.attention.rope.uses_long(call_end) for layer in definition.layers)
+    return any(layer.mixer.rope.uses_long(call_end) for layer in definition.layers)

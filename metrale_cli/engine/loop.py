@@ -87,7 +87,7 @@ def decoder_forward(ops: Ops, definition: ModelDefinition, w: Weights) -> X:
     x = ops.embed(w.embed, scale=definition.embed_scale)
     ops.tap("model.embed_tokens", x)
     for i, (layer, lw) in enumerate(zip(definition.layers, w.layers)):
-        a, p = layer.attention, f"model.layers.{i}"
+        a, p = layer.mixer, f"model.layers.{i}"
         qkv = ops.linear(x, lw["qkv"], lw.get("qkv_bias"), out="qkv", norm=(lw["input_norm"], layer.norm))
         q = ops.rope_kv_append(qkv, i, a, lw.get("q_norm"), lw.get("k_norm"), layer.norm)
         attn = ops.attention(q, i, a)

@@ -34,17 +34,17 @@ def block_features(cfg: ModelConfig) -> dict[str, Any]:
     """Sliding layers, softcaps, norms, activation, embedding scale and the rope of each layer kind."""
     d = cfg.definition
     layers = d.layers
-    sliding = [i for i, layer in enumerate(layers) if layer.attention.window is not None]
-    first_full = next((layer for layer in layers if layer.attention.window is None), layers[0])
+    sliding = [i for i, layer in enumerate(layers) if layer.mixer.window is not None]
+    first_full = next((layer for layer in layers if layer.mixer.window is None), layers[0])
     first_sliding = layers[sliding[0]] if sliding else None
-    sliding_rope = first_sliding.attention.rope if first_sliding is not None else None
+    sliding_rope = first_sliding.mixer.rope if first_sliding is not None else None
     return {
-        "rope": rope_info(first_full.attention.rope),
+        "rope": rope_info(first_full.mixer.rope),
         "sliding_layers": sliding,
-        "sliding_rope": rope_info(sliding_rope) if sliding_rope not in (None, first_full.attention.rope) else None,
-        "attn_logit_softcapping": layers[0].attention.softcap,
+        "sliding_rope": rope_info(sliding_rope) if sliding_rope not in (None, first_full.mixer.rope) else None,
+        "attn_logit_softcapping": layers[0].mixer.softcap,
         "final_logit_softcapping": d.final_logit_softcap,
-        "attention_scale": layers[0].attention.scale,
+        "attention_scale": layers[0].mixer.scale,
         "norm": "rmsnorm (1 + w)" if d.norm.offset else "rmsnorm",
         "post_norms": "attn_out_norm" in layers[0].keys(),
         "activation": layers[0].mlp.activation,

@@ -230,9 +230,10 @@ class MoeSpec:
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One decoder block: pre-norm attention and MLP, each added to the residual stream."""
+    """One decoder block: a token mixer (attention, or another kind: engine/mixers.py) and an MLP, each
+    pre-normed and added to the residual stream."""
 
-    attention: AttentionSpec
+    mixer: AttentionSpec
     mlp: MlpSpec | MoeSpec  # a MoeSpec makes the layer sparse
     norm: Norm
     params: tuple[Param, ...]

@@ -135,7 +135,7 @@ class SimulatedTensorParallel:
                                lm_head=Sharded(VOCAB, [s.lm_head for s in shards]), layers=layers)
 
     def spec(self, rank: int, layer: int) -> AttentionSpec:
-        return self.rank_definitions[rank].layers[layer].attention
+        return self.rank_definitions[rank].layers[layer].mixer
 
     def forward(self, tokens: Sequence[int]) -> np.ndarray:
         """Run tokens at the next positions; the logits rows [T, V] gathered from every rank's range."""

@@ -71,7 +71,7 @@ def check_tp(definition: ModelDefinition, n: int) -> None:
     if vocab_range(vocab, n - 1, n).stop - vocab_range(vocab, n - 1, n).start < 1:
         raise UsageError(f"--tp {n}: a vocabulary of {vocab} rows leaves the last rank none")
     for layer in definition.layers:
-        a = layer.attention
+        a = layer.mixer
         if a.num_heads % n:
             raise UsageError(f"--tp {n} does not divide num_attention_heads {a.num_heads}")
         if (a.num_kv_heads % n) if n <= a.num_kv_heads else (n % a.num_kv_heads):
@@ -124,7 +124,7 @@ def rank_definition(definition: ModelDefinition, rank: int, n: int) -> ModelDefi
     """The definition one rank runs: its heads and its share of the MLP (params keep their full names)."""
     layers = []
     for layer in definition.layers:
-        a = layer.attention
+        a = layer.mixer
         lay = layout(a, rank, n)
         attention = replace(a, num_heads=len(lay.q_heads), num_kv_heads=len(lay.kv_heads))
         layers.append(LayerSpec(attention, rank_mlp(layer.mlp, rank, n), layer.norm, layer.params))
@@ -139,7 +139,7 @@ def shard_layer(layer: LayerSpec, weights: dict[str, Any], rank: int, n: int,
                 concat: Callable[[list[Any]], Any] = _concat) -> dict[str, Any]:
     """Rank `rank`'s slice of one layer's weights: contiguous row / column ranges of each array, joined
     (and copied, so nothing keeps the whole tensor alive) by `concat` along the rows."""
-    a = layer.attention
+    a = layer.mixer
     lay = layout(a, rank, n)
     d, q_size, kv_size = a.head_dim, a.q_size, a.kv_size
     q = (lay.q_heads.start * d, lay.q_heads.stop * d)  # columns of o, rows of the q block of qkv
@@ -203,7 +203,7 @@ def rank_config(cfg: ModelConfig, rank: int, n: int) -> ModelConfig:
     buffers), its experts (cfg.moe), its definition (rank_definition); vocab_size stays the model's
     (token ids are global)."""
     definition = rank_definition(cfg.definition, rank, n)
-    a = definition.layers[0].attention
+    a = definition.layers[0].mixer
     moe = None if cfg.moe is None else replace(cfg.moe, spec=rank_mlp(cfg.moe.spec, rank, n))
     out = replace(cfg, num_attention_heads=a.num_heads, num_key_value_heads=a.num_kv_heads,
                   intermediate_size=cfg.intermediate_size // n, moe=moe)

@@ -199,7 +199,7 @@ class CudaEngine(EngineBase):
             # RoPE inverse frequencies per distinct rope of the definition (uploaded before any capture)
             # (longrope: the buffer holds the factor set of the current call, engine/longrope.py; the
             # captured graphs read whatever it holds)
-            self._inv_freq = {layer.attention.rope: cp.asarray(layer.attention.rope.inv_freq())
+            self._inv_freq = {layer.mixer.rope: cp.asarray(layer.mixer.rope.inv_freq())
                               for layer in cfg.definition.layers}
             self._io_host = cp.cuda.alloc_pinned_memory(2 * R * 4)
             # the sparse layers' buffers and kernels
@@ -268,8 +268,8 @@ class CudaEngine(EngineBase):
             except Exception as e:
                 raise DeviceError(f"cannot compile the fused rows-path kernels ({type(e).__name__}: "
                                   f"{str(e).splitlines()[0] if str(e) else ''})") from None
-            slots = max(a.num_heads + 2 * a.num_kv_heads for a in (layer.attention for layer in cfg.definition.layers))
-            heads = max(layer.attention.num_heads for layer in cfg.definition.layers)
+            slots = max(a.num_heads + 2 * a.num_kv_heads for a in (layer.mixer for layer in cfg.definition.layers))
+            heads = max(layer.mixer.num_heads for layer in cfg.definition.layers)
             self._qkv_counters = cp.zeros((slots,), cp.int32)
             self._attn_counters = cp.zeros((MAX_ROWS * heads,), cp.int32)
             cp.cuda.Device().synchronize()  # the zero fills ran on the legacy stream

@@ -19,11 +19,11 @@ class KVCache:
     def __init__(self, definition: ModelDefinition, max_context: int, rows: int) -> None:
         """`rows`: the most positions one pass writes (the engine chunks longer passes)."""
         self.max_context = max_context
-        self.slots = [ring_slots(layer.attention.window, max_context, rows) for layer in definition.layers]
-        self.rollback = [ring_rollback(layer.attention.window, s, max_context)
+        self.slots = [ring_slots(layer.mixer.window, max_context, rows) for layer in definition.layers]
+        self.rollback = [ring_rollback(layer.mixer.window, s, max_context)
                          for layer, s in zip(definition.layers, self.slots)]
         # np.zeros maps pages lazily: an unused tail of a full layer costs no memory
-        self.k = [np.zeros((layer.attention.num_kv_heads, s, layer.attention.head_dim), np.float32)
+        self.k = [np.zeros((layer.mixer.num_kv_heads, s, layer.mixer.head_dim), np.float32)
                   for layer, s in zip(definition.layers, self.slots)]
         self.v = [np.zeros_like(k) for k in self.k]
         self.written = 0  # one past the highest position written since the last reset
