@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from metrale_cli.backends.numpy import moe
-from metrale_cli.backends.numpy.engine import silu
+from metrale_cli.backends.numpy.ops import silu
 from metrale_cli.config import parse_config
 from metrale_cli.engine.loop import tap_names
 from metrale_cli.errors import CheckpointError, ConfigError

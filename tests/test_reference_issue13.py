@@ -101,8 +101,8 @@ def test_ring_buffers_are_used_where_layers_slide():
     e = engine("gemma3_text", pass_rows=3)
     windows = [layer.mixer.window for layer in e.cfg.definition.layers]
     assert windows == [8, 8, None, 8, 8, None]
-    assert e.cache.slots == [10 if w else 64 for w in windows]  # window - 1 + pass_rows, or the context
-    assert engine("gemma3_text").cache.slots == [64] * 6  # a ring no smaller than the context is not used
+    assert list(e.states["attention"].slots.values()) == [10 if w else 64 for w in windows]  # window - 1 + pass_rows, or the context
+    assert list(engine("gemma3_text").states["attention"].slots.values()) == [64] * 6  # a ring no smaller than the context is not used
 
 
 def test_gemma_features_matter():

@@ -26,9 +26,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from ..models.spec import MoeSpec
+from .mixers import mixer_kind
 
 if TYPE_CHECKING:
-    from ..models.spec import AttentionSpec, LayerSpec, ModelDefinition, Norm
+    from ..models.spec import LayerSpec, ModelDefinition, Norm
     from ..models.weights import Weights
 
 X = Any  # a backend's activation array, [rows, width] fp32
@@ -50,9 +51,10 @@ class Ops(Protocol):
         input columns, so its y is a partial sum that is all-reduced (bias added once) before the
         residual add or the norm that follows; an unsharded engine ignores it."""
         ...
-    def rope_kv_append(self, qkv: X, layer: int, spec: AttentionSpec, q_norm: Any, k_norm: Any,
-                       norm: Norm) -> X: ...  # rotated q [T, heads, d]; k/v appended to the cache
-    def attention(self, q: X, layer: int, spec: AttentionSpec) -> X: ...  # [T, heads * d]
+    def mixer(self, layer: int) -> Any:
+        """The backend's ops of layer `layer`'s mixer kind for this pass (engine/mixers.py; for attention
+        the AttentionOps of engine/attention.py)."""
+        ...
     def gated_mlp(self, x: X, w_gate_up: Any, *, norm: Any, activation: str) -> X: ...  # act(g) * u [T, I]
     def norm(self, x: X, weight: Any, norm: Norm, *, out: str, residual: X | None = None,
              tap: str | None = None) -> X:
@@ -87,18 +89,14 @@ def decoder_forward(ops: Ops, definition: ModelDefinition, w: Weights) -> X:
     x = ops.embed(w.embed, scale=definition.embed_scale)
     ops.tap("model.embed_tokens", x)
     for i, (layer, lw) in enumerate(zip(definition.layers, w.layers)):
-        a, p = layer.mixer, f"model.layers.{i}"
-        qkv = ops.linear(x, lw["qkv"], lw.get("qkv_bias"), out="qkv", norm=(lw["input_norm"], layer.norm))
-        q = ops.rope_kv_append(qkv, i, a, lw.get("q_norm"), lw.get("k_norm"), layer.norm)
-        attn = ops.attention(q, i, a)
-        x = _sublayer_out(ops, attn, lw["o"], lw.get("o_bias"), lw.get("attn_out_norm"), layer.norm, x,
-                          f"{p}.self_attn", f"{p}.post_attention_layernorm")
+        p = f"model.layers.{i}"
+        x = mixer_kind(layer.mixer.kind).forward(ops, i, layer, lw, x)
         if isinstance(layer.mlp, MoeSpec):
             x = sparse_mlp(ops, layer, lw, x, i)
         else:
             act = ops.gated_mlp(x, lw["gate_up"], norm=(lw["mlp_norm"], layer.norm), activation=layer.mlp.activation)
-            x = _sublayer_out(ops, act, lw["down"], None, lw.get("mlp_out_norm"), layer.norm, x,
-                              f"{p}.mlp", f"{p}.post_feedforward_layernorm")
+            x = sublayer_out(ops, act, lw["down"], None, lw.get("mlp_out_norm"), layer.norm, x,
+                             f"{p}.mlp", f"{p}.post_feedforward_layernorm")
         ops.tap(p, x)
     h = ops.norm(x, w.final_norm, definition.norm, out="h")
     ops.tap("model.norm", h)
@@ -116,10 +114,11 @@ def sparse_mlp(ops: Ops, layer: LayerSpec, lw: dict[str, Any], x: X, i: int) -> 
     return ops.experts(x, route, lw["experts_gate_up"], lw["experts_down"], spec, norm=norm, shared=shared, tap=p)
 
 
-def _sublayer_out(ops: Ops, y_in: X, w: Any, bias: Any, out_norm: Any, norm: Norm, x: X, tap: str,
-                  norm_tap: str) -> X:
-    """The o / down projection added to the residual x: straight into it (the projection's epilogue), or
-    in a sandwich block (out_norm given) through that norm first, which needs the projection on its own."""
+def sublayer_out(ops: Ops, y_in: X, w: Any, bias: Any, out_norm: Any, norm: Norm, x: X, tap: str,
+                 norm_tap: str) -> X:
+    """A sublayer's output projection (o, down, a mixer's out_proj) added to the residual x: straight into
+    it (the projection's epilogue), or in a sandwich block (out_norm given) through that norm first, which
+    needs the projection on its own."""
     if out_norm is None:
         return ops.linear(y_in, w, bias, out="x", residual=x, tap=tap, reduce=True)
     y = ops.linear(y_in, w, bias, out="h", tap=tap, reduce=True)
@@ -131,8 +130,7 @@ def tap_names(definition: ModelDefinition) -> list[str]:
     names = ["model.embed_tokens"]
     for i, layer in enumerate(definition.layers):
         p, keys = f"model.layers.{i}", layer.keys()
-        names.append(f"{p}.self_attn")
-        names += [f"{p}.post_attention_layernorm"] if "attn_out_norm" in keys else []
+        names += mixer_kind(layer.mixer.kind).tap_names(p, layer)
         if isinstance(layer.mlp, MoeSpec):
             names += [f"{p}.mlp.gate{s}" for s in ("", ".top_k_index", ".top_k_weights")]
         names.append(f"{p}.mlp")

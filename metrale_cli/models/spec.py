@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from math import prod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
     import numpy as np
@@ -170,6 +170,9 @@ class Norm:
 
 @dataclass(frozen=True)
 class AttentionSpec:
+    """The "attention" mixer kind (engine/attention.py): softmax attention over a KV cache."""
+
+    kind: ClassVar[str] = "attention"  # engine/mixers.py: the mixer kind this spec is
     num_heads: int  # query heads
     num_kv_heads: int  # KV heads (grouped-query attention when fewer than query heads)
     head_dim: int
@@ -179,6 +182,9 @@ class AttentionSpec:
     # Sliding window: the query at position p attends to keys in (p - window, p]; None = all of [0, p].
     window: int | None = None
     softcap: float | None = None  # scores -> tanh(scores / softcap) * softcap before the mask (gemma2)
+    # Attention sinks (gpt-oss): a learned logit per query head (weight key `sinks` [num_heads]) that joins
+    # every row's softmax as one more column and is dropped after it, so the probabilities sum below 1.
+    sinks: bool = False
 
     @property
     def q_size(self) -> int:
@@ -233,7 +239,7 @@ class LayerSpec:
     """One decoder block: a token mixer (attention, or another kind: engine/mixers.py) and an MLP, each
     pre-normed and added to the residual stream."""
 
-    mixer: AttentionSpec
+    mixer: AttentionSpec  # or another mixer kind's spec: any frozen dataclass with a `kind` (engine/mixers.py)
     mlp: MlpSpec | MoeSpec  # a MoeSpec makes the layer sparse
     norm: Norm
     params: tuple[Param, ...]

@@ -12,12 +12,14 @@ engine checks the sharding plan for every family without a GPU.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Sequence
 
 import numpy as np
 
-from ..backends.numpy.engine import NumpyPass, as_fp32, rms_norm, softcap
-from ..backends.numpy.kv_cache import KVCache
+from ..backends.numpy.attention import KVCache
+from ..backends.numpy.engine import NumpyPass
+from ..backends.numpy.ops import as_fp32, rms_norm, softcap
 from ..engine.longrope import long_factors
 from ..engine.loop import decoder_forward
 from ..models.spec import AttentionSpec, ModelDefinition, MoeSpec
@@ -39,10 +41,11 @@ class PerRank(list):
 
 
 class _RankState:
-    """What NumpyPass reads of an engine: one rank's KV cache (its KV heads only) and length."""
+    """What NumpyPass reads of an engine: one rank's definition, KV cache (its KV heads only) and length."""
 
     def __init__(self, definition: ModelDefinition, max_context: int) -> None:
-        self.cache = KVCache(definition, max_context, rows=max_context)  # no ring: every position kept
+        self.cfg = SimpleNamespace(definition=definition)
+        self.states = {"attention": KVCache(definition, max_context, rows=max_context)}  # no ring: every position kept
         self.length = 0
         self._inv: dict[object, np.ndarray] = {}
 
@@ -103,12 +106,16 @@ class _LockstepPass:
         self.tap(tap, y)
         return x + y
 
-    def rope_kv_append(self, qkv: PerRank, layer: int, a: AttentionSpec, q_norm, k_norm, norm):
-        return PerRank(rank.rope_kv_append(qkv[r], layer, self.sim.spec(r, layer), _part(q_norm, r),
-                                           _part(k_norm, r), norm) for r, rank in enumerate(self.ranks))
+    def mixer(self, layer: int):
+        return self  # attention (the only mixer kind tensor parallelism splits: parallel/sharding.py)
 
-    def attention(self, q: PerRank, layer: int, a: AttentionSpec):
-        return PerRank(rank.attention(q[r], layer, self.sim.spec(r, layer)) for r, rank in enumerate(self.ranks))
+    def rope_kv_append(self, qkv: PerRank, layer: int, a: AttentionSpec, q_norm, k_norm, norm):
+        return PerRank(rank.mixer(layer).rope_kv_append(qkv[r], layer, self.sim.spec(r, layer), _part(q_norm, r),
+                                                        _part(k_norm, r), norm) for r, rank in enumerate(self.ranks))
+
+    def attention(self, q: PerRank, layer: int, a: AttentionSpec, *, sinks=None):
+        return PerRank(rank.mixer(layer).attention(q[r], layer, self.sim.spec(r, layer), sinks=_part(sinks, r))
+                       for r, rank in enumerate(self.ranks))
 
     def tap(self, name: str, x) -> None:
         pass

@@ -28,7 +28,7 @@ from safetensors.numpy import save_file
 
 from metrale_cli import decoding
 from metrale_cli.backends.numpy import moe as np_moe
-from metrale_cli.backends.numpy.engine import rms_norm, silu
+from metrale_cli.backends.numpy.ops import rms_norm, silu
 from metrale_cli.config import parse_config
 from metrale_cli.engine.loop import Route
 from metrale_cli.model import open_model

@@ -60,6 +60,10 @@ class _Pass:
         self.e, self.k, self.s = engine, engine.kern, engine.stream
         self._tap = tap
 
+    def mixer(self, layer: int):
+        """The attention ops of layer `layer` (engine/attention.py): this pass's own."""
+        return self
+
     def tap(self, name: str, x: Any) -> None:
         if self._tap is not None:
             self.s.synchronize()
@@ -158,7 +162,7 @@ class RowsPass(RowsMoe, _Pass):
                               rotary_dim=a.rope.dims, stream=self.s)
         return q
 
-    def attention(self, q, layer: int, a: AttentionSpec):
+    def attention(self, q, layer: int, a: AttentionSpec, *, sinks=None):
         e, m = self.e, self.m
         attn = e._attn[:m]
         self.k.attention_decode(q, e._kc[layer], e._vc[layer], self.pos, attn, a.scale, n_splits=e._splits[m],
@@ -251,7 +255,7 @@ class FusedRowsPass(FusedMoe, RowsPass):
                              rope_norm_offset=norm.offset, rotary_dim=a.rope.dims, impl=e.gemv_impl, stream=self.s)
         return q
 
-    def attention(self, q, layer: int, a: AttentionSpec):
+    def attention(self, q, layer: int, a: AttentionSpec, *, sinks=None):
         e, m = self.e, self.m
         attn = e._attn[:m]
         if self._rope is not None:  # q: the unrotated qkv row
@@ -263,7 +267,7 @@ class FusedRowsPass(FusedMoe, RowsPass):
                                     counters=e._attn_counters if merge else None, stream=self.s)
             return attn.reshape(m, a.q_size)
         if self.plan["attention"] is not None:
-            return super().attention(q, layer, a)
+            return super().attention(q, layer, a, sinks=sinks)
         self.k.attention_decode(q, e._kc[layer], e._vc[layer], self.pos, attn, a.scale, n_splits=e._splits[m],
                                 workspace=e._ws, window=_window(e, a), softcap=a.softcap,
                                 counters=e._attn_counters, stream=self.s)
@@ -351,7 +355,7 @@ class PrefillPass(PrefillMoe, _Pass):
                               rotary_dim=a.rope.dims, stream=self.s)
         return self.q
 
-    def attention(self, q, layer: int, a: AttentionSpec):
+    def attention(self, q, layer: int, a: AttentionSpec, *, sinks=None):
         e = self.e
         self.k.attention_prefill(q, e._kc[layer], e._vc[layer], self.start, self.t, self.attn, a.scale,
                                  window=_window(e, a), softcap=a.softcap, stream=self.s)

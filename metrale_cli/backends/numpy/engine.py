@@ -17,12 +17,13 @@ import numpy as np
 from ...config import ModelConfig
 from ...engine.longrope import has_longrope, long_factors
 from ...engine.loop import Tap, decoder_forward
+from ...engine.mixers import kinds_of, mixer_kind
 from ...engine_base import EngineBase, check_context
 from ...logits import DevicePtr, bf16_bits_to_fp32, fp32_to_bf16_bits, host_argmax
-from ...models.spec import AttentionSpec, MoeSpec, Norm, Rope
+from ...models.spec import MoeSpec, Norm, Rope
 from ...models.weights import WeightSource, Weights, check_checkpoint, load_weights
 from . import moe
-from .kv_cache import KVCache
+from .ops import ACTIVATIONS, as_fp32, rms_norm, softcap
 
 # Queries per prefill chunk: bounds the attention scores to heads x chunk x context floats.
 PREFILL_CHUNK = 256
@@ -49,48 +50,6 @@ def read_weights(cfg: ModelConfig, source: WeightSource, progress: Callable[[int
     return load_weights(cfg.definition, f32, lambda parts: np.concatenate(parts, axis=0), embed=mapped, shard=shard)
 
 
-def as_fp32(a: np.ndarray) -> np.ndarray:
-    """A weight as fp32. BF16 tensors are read as their uint16 bit patterns (no ml_dtypes import; no
-    runnable checkpoint dtype is stored as U16, so uint16 here always means bf16)."""
-    return bf16_bits_to_fp32(a) if a.dtype == np.uint16 else np.array(a, dtype=np.float32)
-
-
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, offset: float = 0.0) -> np.ndarray:
-    """HF RMSNorm over the last axis: (offset + weight) * x / sqrt(mean(x^2) + eps), in fp32."""
-    var = np.mean(np.square(x), axis=-1, keepdims=True)
-    scale = weight if not offset else np.float32(offset) + weight  # Gemma: 1 + w, in fp32
-    return scale * (x / np.sqrt(var + np.float32(eps)))
-
-
-def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Rotate x [T, heads, d] by HF's rotate_half convention; cos/sin are [T, r/2] for the first r dims
-    (partial rotary: the dims past r pass through unrotated)."""
-    r = 2 * cos.shape[-1]
-    half = r // 2
-    x1, x2 = x[..., :half], x[..., half:r]
-    c, s = cos[:, None, :], sin[:, None, :]  # (T, 1, r/2): broadcast over heads
-    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, x[..., r:]], axis=-1)
-
-
-def silu(x: np.ndarray) -> np.ndarray:
-    return x / (np.float32(1.0) + np.exp(-x))
-
-
-def gelu_tanh(x: np.ndarray) -> np.ndarray:
-    """torch's gelu(approximate="tanh") (HF gelu_pytorch_tanh): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
-    inner = np.float32(np.sqrt(2.0 / np.pi)) * (x + np.float32(0.044715) * x * x * x)
-    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(inner))
-
-
-def softcap(x: np.ndarray, cap: float) -> np.ndarray:
-    """tanh(x / cap) * cap (Gemma 2's attention and final-logit softcapping), in fp32."""
-    c = np.float32(cap)
-    return np.tanh(x / c) * c
-
-
-ACTIVATIONS = {"silu": silu, "gelu_tanh": gelu_tanh}
-
-
 class NumpyPass:
     """engine/loop.py's ops for one pass of T rows at positions start..start+T-1 (plain NumPy)."""
 
@@ -99,6 +58,7 @@ class NumpyPass:
         self.long = long  # longrope: this call runs the long factors (engine/longrope.py)
         self._tap = tap
         self._rope: dict[object, tuple[np.ndarray, np.ndarray]] = {}
+        self._mixers: dict[str, object] = {}
         self.tp = getattr(engine, "tp", None)  # parallel/comm.ParallelRank of a sharded engine, else None
 
     def embed(self, table, scale=None) -> np.ndarray:
@@ -161,50 +121,18 @@ class NumpyPass:
             y = y + route.shared_gate * (moe.gated(h, shared[0], act) @ shared[1].T)
         return y
 
-    def rope_kv_append(self, qkv, layer: int, a: AttentionSpec, q_norm, k_norm, norm: Norm):
-        t, d, nkv = self.t, a.head_dim, a.num_kv_heads
-        q = qkv[:, :a.q_size].reshape(t, a.num_heads, d)  # (T, nh, d)
-        k = qkv[:, a.q_size:a.q_size + a.kv_size].reshape(t, nkv, d)  # (T, nkv, d)
-        v = qkv[:, a.q_size + a.kv_size:].reshape(t, nkv, d)  # (T, nkv, d)
-        if q_norm is not None:
-            q = rms_norm(q, q_norm, norm.eps, norm.offset)
-            k = rms_norm(k, k_norm, norm.eps, norm.offset)
-        cos, sin = self._cos_sin(a.rope)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        self.e.cache.write(layer, self.start, k.transpose(1, 0, 2), v.transpose(1, 0, 2))  # (nkv, T, d)
-        return q
-
-    def attention(self, q, layer: int, a: AttentionSpec):
-        t, d, nkv, rep = self.t, a.head_dim, a.num_kv_heads, a.n_rep
-        start, end = self.start, self.start + t
-        # A sliding layer reads only the keys some query of this pass can see: (start - window, end).
-        lo = 0 if a.window is None else max(0, start - a.window + 1)
-        keys, values = self.e.cache.read(layer, lo, end)  # (nkv, L, d), positions lo..end-1
-        n = end - lo
-        # Query head h reads KV head h // rep: group the rep query heads of each KV head together.
-        qg = q.reshape(t, nkv, rep, d).transpose(1, 2, 0, 3).reshape(nkv, rep * t, d)  # (nkv, rep*T, d)
-        scores = (qg @ keys.transpose(0, 2, 1)) * np.float32(a.scale)  # (nkv, rep*T, L)
-        if a.softcap is not None:
-            scores = softcap(scores, a.softcap)
-        # query i (position start+i) sees keys in (start+i - window, start+i]
-        kpos, qpos = np.arange(lo, end)[None, :], (start + np.arange(t))[:, None]
-        hidden = kpos > qpos
-        if a.window is not None:
-            hidden |= kpos <= qpos - a.window
-        if hidden.any():
-            scores = scores.reshape(nkv, rep, t, n)
-            scores[:, :, hidden] = -np.inf
-            scores = scores.reshape(nkv, rep * t, n)
-        scores -= scores.max(axis=-1, keepdims=True)
-        p = np.exp(scores)
-        p /= p.sum(axis=-1, keepdims=True)
-        return (p @ values).reshape(nkv, rep, t, d).transpose(2, 0, 1, 3).reshape(t, a.q_size)  # (T, nh*d)
+    def mixer(self, layer: int):
+        """Layer `layer`'s mixer ops for this pass (engine/mixers.py), over the engine's state of its kind."""
+        kind = self.e.cfg.definition.layers[layer].mixer.kind
+        if kind not in self._mixers:
+            self._mixers[kind] = mixer_kind(kind).backend("numpy").ops(self, self.e.states[kind])
+        return self._mixers[kind]
 
     def tap(self, name: str, x) -> None:
         if self._tap is not None:
             self._tap(name, x)
 
-    def _cos_sin(self, rope: Rope) -> tuple[np.ndarray, np.ndarray]:
+    def cos_sin(self, rope: Rope) -> tuple[np.ndarray, np.ndarray]:
         """cos/sin [T, r/2] of this pass's positions, once per distinct rope (layers share it)."""
         if rope not in self._rope:
             inv = self.e.inv_freq(rope, self.long and rope.longrope is not None)
@@ -235,7 +163,9 @@ class NumpyEngine(EngineBase):
         self.pass_rows = pass_rows
         self._fp32_logits = fp32_logits
         self._inv_freq: dict[tuple[Rope, bool], np.ndarray] = {}  # (Rope, long) -> [r/2] fp32
-        self.cache = KVCache(cfg.definition, max_context, pass_rows)
+        # each mixer kind's cache of its layers (engine/mixers.py): a KV cache for attention
+        self.states = {kind: mixer_kind(kind).backend("numpy").state(self, layers)
+                       for kind, layers in kinds_of(cfg.definition.layers).items()}
         # longrope (engine/longrope.py): the tokens cached so far, and which factor set computed them
         self._longrope = has_longrope(cfg.definition)
         self._tokens = np.zeros(max_context, np.int64)
@@ -256,12 +186,14 @@ class NumpyEngine(EngineBase):
 
     def trim(self, length: int) -> None:
         if 0 <= length <= self.length:
-            self.cache.check_trim(length)  # a ring cannot give back positions it has overwritten
+            for state in self.states.values():  # e.g. a ring cannot give back positions it has overwritten
+                state.trim(length)
         super().trim(length)
 
     def reset(self) -> None:
         super().reset()
-        self.cache.reset()
+        for state in self.states.values():
+            state.reset()
 
     # -- passes ------------------------------------------------------------------------------------------
     def prefill(self, tokens: Sequence[int], all_logits: bool = False) -> int:

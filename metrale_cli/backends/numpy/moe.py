@@ -19,16 +19,7 @@ import numpy as np
 
 from ...engine.loop import Route
 from ...models.spec import MoeSpec
-
-
-def softmax(logits: np.ndarray) -> np.ndarray:
-    """Softmax over the last axis in fp32 (max subtracted first, as torch does)."""
-    z = np.exp(logits - logits.max(axis=-1, keepdims=True))
-    return z / z.sum(axis=-1, keepdims=True)
-
-
-def sigmoid(x: np.ndarray) -> np.ndarray:
-    return np.float32(1.0) / (np.float32(1.0) + np.exp(-x))
+from .ops import sigmoid, softmax
 
 
 def top_k(probs: np.ndarray, k: int) -> np.ndarray:
