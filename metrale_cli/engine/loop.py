@@ -59,13 +59,15 @@ class Ops(Protocol):
     def norm(self, x: X, weight: Any, norm: Norm, *, out: str, residual: X | None = None,
              tap: str | None = None) -> X:
         """RMSNorm of x; with `residual`, residual += it and residual is returned (`tap` names the norm)."""
-    def route(self, x: X, w_router: Any, spec: MoeSpec, *, norm: Any) -> Route:
-        """The router of a sparse layer on norm(x): softmax over the experts in fp32, top-k, renormalised
-        when spec.norm_topk_prob; w_router [E (+1 shared gate row), H]."""
+    def route(self, x: X, w_router: Any, spec: MoeSpec, *, norm: Any, bias: Any = None,
+              correction: Any = None) -> Route:
+        """The router of a sparse layer on norm(x), by spec.router's kind (models/spec.RouterSpec), in fp32;
+        w_router [E (+1 shared gate row), H], `bias` [E] its bias, `correction` [E] the choice correction."""
         ...
     def experts(self, x: X, route: Route, w_gate_up: Any, w_down: Any, spec: MoeSpec, *, norm: Any,
-                shared: tuple[Any, Any] | None, tap: str) -> X:
-        """x + y, y = sum over the route's experts of weight * down_e(act(gate_e(h)) * up_e(h)), h = norm(x),
+                shared: tuple[Any, Any] | None, tap: str, bias: tuple[Any, Any] | None = None) -> X:
+        """x + y, y = sum over the route's experts of weight * down_e(glu(gate_up_e(h))), h = norm(x),
+        with the experts' (gate_up, down) biases when `bias`,
         plus sigmoid(route.shared_gate) * the shared expert (shared = its gate_up, down) when given;
         `tap` names y. A tensor-parallel rank holds only spec.held's experts and some columns of the
         shared expert: its y is a partial sum (the route's other experts skipped), all-reduced before
@@ -106,12 +108,15 @@ def decoder_forward(ops: Ops, definition: ModelDefinition, w: Weights) -> X:
 def sparse_mlp(ops: Ops, layer: LayerSpec, lw: dict[str, Any], x: X, i: int) -> X:
     """A mixture-of-experts MLP (layer.mlp a MoeSpec): route, then the chosen experts added into x."""
     spec, norm, p = layer.mlp, (lw["mlp_norm"], layer.norm), f"model.layers.{i}.mlp"
-    route = ops.route(x, lw["router"], spec, norm=norm)
+    route = ops.route(x, lw["router"], spec, norm=norm, bias=lw.get("router_bias"),
+                      correction=lw.get("router_correction"))
     ops.tap(f"{p}.gate", route.logits)
     ops.tap(f"{p}.gate.top_k_index", route.top_k_index)
     ops.tap(f"{p}.gate.top_k_weights", route.top_k_weights)
     shared = (lw["shared_gate_up"], lw["shared_down"]) if spec.shared_expert_size else None
-    return ops.experts(x, route, lw["experts_gate_up"], lw["experts_down"], spec, norm=norm, shared=shared, tap=p)
+    bias = (lw["experts_gate_up_bias"], lw["experts_down_bias"]) if spec.expert_bias else None
+    return ops.experts(x, route, lw["experts_gate_up"], lw["experts_down"], spec, norm=norm, shared=shared, tap=p,
+                       bias=bias)
 
 
 def sublayer_out(ops: Ops, y_in: X, w: Any, bias: Any, out_norm: Any, norm: Norm, x: X, tap: str,

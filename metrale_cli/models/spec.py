@@ -200,6 +200,12 @@ class AttentionSpec:
         return self.num_heads // self.num_kv_heads
 
 
+# Gated linear units, glu(gate, up) elementwise in fp32: "silu" = silu(g) * u (SwiGLU), "gelu_tanh" =
+# gelu_tanh(g) * u (GeGLU), "swiglu_oai" = gpt-oss's clamped SwiGLU: g' = min(g, L), u' = clip(u, -L, L),
+# g' * sigmoid(alpha g') * (u' + 1) with L = MoeSpec.swiglu_limit, alpha = MoeSpec.swiglu_alpha.
+GLU_KINDS = ("silu", "gelu_tanh", "swiglu_oai")
+
+
 @dataclass(frozen=True)
 class MlpSpec:
     intermediate_size: int
@@ -207,21 +213,52 @@ class MlpSpec:
 
 
 @dataclass(frozen=True)
+class RouterSpec:
+    """How a sparse layer picks each token's experts and weighs them (one kind per rule; every backend has
+    one function per kind, selected by `kind`). With logits = router(h) in fp32 (+ the router bias, weight
+    key `router_bias` [E], when `bias`):
+
+    softmax_topk (qwen2_moe, qwen3_moe, mixtral): p = softmax(logits); the top_k largest p; divided by
+        their sum when norm_topk_prob.
+    topk_softmax (gpt-oss): the top_k largest logits; their softmax.
+    (norm_topk_prob is MoeSpec's: every rule may renormalise.)
+    sigmoid_biased_grouped (DeepSeek-V3, GLM-4.5): s = sigmoid(logits); the choice ranks s + correction
+        (weight key `router_correction` [E], e_score_correction_bias), within the topk_group groups (of
+        n_group) whose two best choice scores sum highest; the weights are the chosen s, divided by their
+        sum (+ 1e-20) when norm_topk_prob, times routed_scaling_factor.
+    Ties go to the lowest expert index on every backend."""
+
+    kind: str = "softmax_topk"  # ROUTER_KINDS
+    bias: bool = False  # the router projection has a bias (gpt-oss)
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+
+
+ROUTER_KINDS = ("softmax_topk", "topk_softmax", "sigmoid_biased_grouped")
+
+
+@dataclass(frozen=True)
 class MoeSpec:
     """A sparse MLP block (mixture of experts) in place of the dense MLP, per token t with h = norm(x):
 
-        p = softmax(router(h))  over the num_experts experts, in fp32
-        the top_k largest p (ties: the lowest expert index first), renormalised to sum 1 when
-        norm_topk_prob; y = sum over them of p_e * down_e(act(gate_e(h)) * up_e(h))
+        the router (RouterSpec) picks top_k experts e with weights w_e (ties: the lowest expert index first);
+        y = sum over them of w_e * down_e(glu(gate_e(h), up_e(h)))
         + sigmoid(shared_gate(h)) * shared_expert(h)  when shared_expert_size (qwen2_moe)
+    with glu = `activation` (models/spec.GLU_KINDS), and each expert's gate/up and down biases added when
+    `expert_bias` (weight keys `experts_gate_up_bias` [E, 2I], `experts_down_bias` [E, H]; gpt-oss).
     """
 
     num_experts: int
     top_k: int
     intermediate_size: int  # of one expert
     norm_topk_prob: bool
-    activation: str = "silu"
+    activation: str = "silu"  # a GLU_KINDS name
     shared_expert_size: int | None = None  # intermediate size of the sigmoid-gated shared expert
+    router: RouterSpec = RouterSpec()
+    expert_bias: bool = False
+    swiglu_limit: float | None = None  # the "swiglu_oai" activation's clamp (gpt-oss swiglu_limit)
+    swiglu_alpha: float = 1.702  # and its sigmoid's slope (gpt-oss swiglu_alpha)
     # tensor parallelism (parallel/sharding.py): a rank routes over all num_experts experts and holds
     # experts first_expert .. first_expert + held_experts - 1 (its stacked weights); None: all of them
     first_expert: int = 0

@@ -93,15 +93,17 @@ class _LockstepPass:
         return PerRank(rank.gated_mlp(h, wr, norm=None, activation=activation)
                        for rank, wr in zip(self.ranks, w_gate_up.parts))
 
-    def route(self, x, w_router: Sharded, spec: MoeSpec, *, norm):
+    def route(self, x, w_router: Sharded, spec: MoeSpec, *, norm, bias=None, correction=None):
         # replicated router: every rank computes this same route; rank 0's stands for all
-        return self.ranks[0].route(x, w_router.parts[0], spec, norm=(norm[0].parts[0], norm[1]))
+        return self.ranks[0].route(x, w_router.parts[0], spec, norm=(norm[0].parts[0], norm[1]),
+                                  bias=_part(bias, 0), correction=_part(correction, 0))
 
-    def experts(self, x, route, w_gate_up: Sharded, w_down: Sharded, spec: MoeSpec, *, norm, shared, tap):
+    def experts(self, x, route, w_gate_up: Sharded, w_down: Sharded, spec: MoeSpec, *, norm, shared, tap, bias=None):
         norm = (norm[0].parts[0], norm[1])
         y = sum(rank.experts_partial(x, route, w_gate_up.parts[r], w_down.parts[r], rank_mlp(spec, r, self.sim.n),
                                      norm=norm, shared=None if shared is None else (shared[0].parts[r],
-                                                                                    shared[1].parts[r]))
+                                                                                    shared[1].parts[r]),
+                                     bias=None if bias is None else (bias[0].parts[r], bias[1].parts[r]))
                 for r, rank in enumerate(self.ranks))  # each rank's experts and shared columns; the all-reduce
         self.tap(tap, y)
         return x + y

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 COLUMN, ROW, VOCAB, EXPERT, REPLICATED = "column", "row", "vocab", "expert", "replicated"
 KINDS = {"qkv": COLUMN, "qkv_bias": COLUMN, "gate_up": COLUMN, "o": ROW, "down": ROW,
          "shared_gate_up": COLUMN, "shared_down": ROW, "experts_gate_up": EXPERT, "experts_down": EXPERT,
+         "experts_gate_up_bias": EXPERT, "experts_down_bias": EXPERT,
          "embed": VOCAB, "lm_head": VOCAB}
 
 

@@ -28,6 +28,8 @@ from safetensors.numpy import save_file
 
 from metrale_cli import decoding
 from metrale_cli.backends.numpy import moe as np_moe
+from metrale_cli.backends.numpy import ops as np_ops
+from metrale_cli.backends.numpy import routers as np_routers
 from metrale_cli.backends.numpy.ops import rms_norm, silu
 from metrale_cli.config import parse_config
 from metrale_cli.engine.loop import Route
@@ -76,8 +78,8 @@ def _route(cp, mk, logits, x, norm_w_bits, spec: MoeSpec, eps=1e-5):
 
 
 def _np_choice(logits, spec: MoeSpec):
-    probs = np_moe.softmax(logits[:, :spec.num_experts])
-    idx = np_moe.top_k(probs, spec.top_k)
+    probs = np_ops.softmax(logits[:, :spec.num_experts])
+    idx = np_routers.top_k(probs, spec.top_k)
     w = np.take_along_axis(probs, idx, -1)
     if spec.norm_topk_prob:
         w = w / w.sum(-1, keepdims=True)
@@ -98,7 +100,7 @@ def test_route_kernel_matches_numpy(cp, moe_kernels, rng, seed, m, experts, k, n
     np.testing.assert_array_equal(b.idx[:m].get(), idx, err_msg=f"seed={seed}")
     np.testing.assert_allclose(b.wts[:m].get(), w, rtol=1e-6, atol=1e-7, err_msg=f"seed={seed}")
     if shared:
-        np.testing.assert_allclose(b.sgate[:m].get(), np_moe.sigmoid(logits[:, -1]), rtol=1e-6)
+        np.testing.assert_allclose(b.sgate[:m].get(), np_ops.sigmoid(logits[:, -1]), rtol=1e-6)
     np.testing.assert_allclose(b.h[:m].get(), rms_norm(x, nw, 1e-5), rtol=1e-5, atol=1e-6)
     # the union: every chosen expert once, increasing, with its rows and slots
     n = int(b.n_union.get()[0])
@@ -152,12 +154,12 @@ def test_expert_kernels_match_numpy(cp, moe_kernels, rng, seed, m, experts, k, s
     moe_kernels.gate_up(m, cp.asarray(gu_b), b, act)
     h = b.h[:m].get()
     route = Route(None, b.idx[:m].get(), b.wts[:m].get())  # the GPU's choice (checked above against NumPy's)
-    ref = np_moe.experts(h, route, gu, dn, silu)
+    ref = np_moe.experts(h, route, gu, dn, np_ops.glu('silu'))
     shared_arg = None
     if shared:
         sgu_b, sgu = rand_bf16(rng, (2 * s, hidden), hidden ** -0.5)
         sdn_b, sdn = rand_bf16(rng, (hidden, s), s ** -0.5)
-        act_s = np_moe.gated(h, sgu, silu)
+        act_s = np_moe.gated(h, sgu, np_ops.glu('silu'))
         ref = ref + b.sgate[:m].get()[:, None] * (act_s @ sdn.T)
         shared_arg = (cp.asarray(sdn_b), cp.asarray(act_s))
     base = rng.standard_normal((m, hidden)).astype(np.float32)
@@ -445,7 +447,7 @@ def first_flip(cpu, gpu, spec: MoeSpec, seed) -> int:
         for t in range(len(ci)):
             if set(ci[t]) != set(gi[t]):
                 if first is None or t < first:
-                    p = np.sort(np_moe.softmax(cl[t:t + 1])[0])[::-1]
+                    p = np.sort(np_ops.softmax(cl[t:t + 1])[0])[::-1]
                     gap = p[spec.top_k - 1] - p[spec.top_k]
                     assert gap < ROUTE_TIE, f"seed={seed}: layer {i} row {t} routed differently with CPU gap {gap:.3g}"
                 flipped = t if flipped is None else min(flipped, t)

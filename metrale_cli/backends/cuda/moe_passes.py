@@ -88,7 +88,7 @@ class MoeState:
 class RowsMoe:
     """RowsPass's route / experts (self: a RowsPass)."""
 
-    def route(self, x, w_router, spec: MoeSpec, *, norm):
+    def route(self, x, w_router, spec: MoeSpec, *, norm, bias=None, correction=None):
         st, m = self.e.moe, self.m
         logits = st.logits[:m]
         self.e._linear(x, w_router, logits, norm_weight=norm[0], eps=norm[1].eps)
@@ -98,7 +98,7 @@ class RowsMoe:
         return Route(logits[:, :spec.num_experts], b.idx[:m], b.wts[:m],
                      b.sgate[:m, None] if spec.shared_expert_size else None)
 
-    def experts(self, x, route, w_gate_up, w_down, spec: MoeSpec, *, norm, shared, tap):
+    def experts(self, x, route, w_gate_up, w_down, spec: MoeSpec, *, norm, shared, tap, bias=None):
         st, m, e = self.e.moe, self.m, self.e
         first = spec.first_expert
         with_shared = None
@@ -137,7 +137,7 @@ class FusedMoe:
         self._o_pending = (x, w)
         return True
 
-    def route(self, x, w_router, spec: MoeSpec, *, norm):
+    def route(self, x, w_router, spec: MoeSpec, *, norm, bias=None, correction=None):
         o, self._o_pending = self._o_pending, None
         if self.plan["moe"] is not None:
             return super().route(x, w_router, spec, norm=norm)
@@ -155,7 +155,7 @@ class FusedMoe:
         return Route(st.logits[:m, :spec.num_experts], b.idx[:m], b.wts[:m],
                      b.sgate[:m, None] if spec.shared_expert_size else None)
 
-    def experts(self, x, route, w_gate_up, w_down, spec: MoeSpec, *, norm, shared, tap):
+    def experts(self, x, route, w_gate_up, w_down, spec: MoeSpec, *, norm, shared, tap, bias=None):
         if self.plan["moe"] is not None:
             return super().experts(x, route, w_gate_up, w_down, spec, norm=norm, shared=shared, tap=tap)
         if self._tap is not None:
@@ -213,7 +213,7 @@ class ExpertGroups:
 class PrefillMoe:
     """PrefillPass's route / experts (self: a PrefillPass; runs under `with engine.stream`)."""
 
-    def route(self, x, w_router, spec: MoeSpec, *, norm):
+    def route(self, x, w_router, spec: MoeSpec, *, norm, bias=None, correction=None):
         cp, t = self.e.cp, self.t
         h = cp.empty_like(x)
         self.k.rmsnorm(x, norm[0], norm[1].eps, h, stream=self.s)
@@ -228,7 +228,7 @@ class PrefillMoe:
                                   bool(spec.shared_expert_size), idx, wts, sgate, stream=self.s)
         return Route(logits[:, :spec.num_experts], idx, wts, sgate[:, None] if spec.shared_expert_size else None)
 
-    def experts(self, x, route, w_gate_up, w_down, spec: MoeSpec, *, norm, shared, tap):
+    def experts(self, x, route, w_gate_up, w_down, spec: MoeSpec, *, norm, shared, tap, bias=None):
         cp, e, h = self.e.cp, self.e, self._moe_h
         t, k = route.top_k_index.shape
         idx = route.top_k_index.get()  # the one host sync of the layer: group the tokens by expert

@@ -23,7 +23,7 @@ from ...logits import DevicePtr, bf16_bits_to_fp32, fp32_to_bf16_bits, host_argm
 from ...models.spec import MoeSpec, Norm, Rope
 from ...models.weights import WeightSource, Weights, check_checkpoint, load_weights
 from . import moe
-from .ops import ACTIVATIONS, as_fp32, rms_norm, softcap
+from .ops import as_fp32, glu, rms_norm, softcap
 
 # Queries per prefill chunk: bounds the attention scores to heads x chunk x context floats.
 PREFILL_CHUNK = 256
@@ -96,29 +96,26 @@ class NumpyPass:
         return y if residual is None else residual + y
 
     def gated_mlp(self, x, w_gate_up, *, norm, activation):
-        gu = self.linear(x, w_gate_up, out="gate_up", norm=norm)  # [T, 2I]
-        i = gu.shape[1] // 2
-        return ACTIVATIONS[activation](gu[:, :i]) * gu[:, i:]  # [T, I]
+        return glu(activation)(self.linear(x, w_gate_up, out="gate_up", norm=norm))  # [T, 2I] -> [T, I]
 
-    def route(self, x, w_router, spec: MoeSpec, *, norm):
-        return moe.route(rms_norm(x, norm[0], norm[1].eps, norm[1].offset), w_router, spec)
+    def route(self, x, w_router, spec: MoeSpec, *, norm, bias=None, correction=None):
+        return moe.route(rms_norm(x, norm[0], norm[1].eps, norm[1].offset), w_router, spec, bias, correction)
 
-    def experts(self, x, route, w_gate_up, w_down, spec: MoeSpec, *, norm, shared, tap):
-        y = self.experts_partial(x, route, w_gate_up, w_down, spec, norm=norm, shared=shared)
+    def experts(self, x, route, w_gate_up, w_down, spec: MoeSpec, *, norm, shared, tap, bias=None):
+        y = self.experts_partial(x, route, w_gate_up, w_down, spec, norm=norm, shared=shared, bias=bias)
         if self.tp is not None:  # this rank's experts and shared-expert columns: a partial sum
             y = np.ascontiguousarray(y, dtype=np.float32)
             self.tp.comm.all_reduce(y)
         self.tap(tap, y)
         return x + y
 
-    def experts_partial(self, x, route, w_gate_up, w_down, spec: MoeSpec, *, norm, shared):
+    def experts_partial(self, x, route, w_gate_up, w_down, spec: MoeSpec, *, norm, shared, bias=None):
         """The sparse block's y before any all-reduce: the held experts (spec.held) and the shared expert
         (whichever columns of it the weights hold), the shared gate applied to them."""
         h = rms_norm(x, norm[0], norm[1].eps, norm[1].offset)
-        act = ACTIVATIONS[spec.activation]
-        y = moe.experts(h, route, w_gate_up, w_down, act, spec.first_expert)
+        y = moe.experts(h, route, w_gate_up, w_down, glu(spec.activation, spec.swiglu_limit, spec.swiglu_alpha), spec.first_expert, bias)
         if shared is not None:  # qwen2_moe: + sigmoid(shared_expert_gate(h)) * shared_expert(h)
-            y = y + route.shared_gate * (moe.gated(h, shared[0], act) @ shared[1].T)
+            y = y + route.shared_gate * (moe.gated(h, shared[0], glu(spec.activation)) @ shared[1].T)
         return y
 
     def mixer(self, layer: int):

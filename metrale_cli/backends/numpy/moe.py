@@ -1,9 +1,8 @@
 """The mixture-of-experts ops of the NumPy engine (NumpyPass.route / .experts): the reference, in fp32.
 
-Routing follows transformers' Qwen2Moe/Qwen3Moe/MixtralTopKRouter: softmax over all experts in fp32, the
-top_k largest probabilities, divided by their sum when norm_topk_prob. Ties are broken towards the lowest
-expert index (a stable sort), a deterministic rule the CUDA router kernel follows too; torch.topk on the
-CPU does not promise it (for three equal values it returned indices 1, 4, 3), so a tie, which random
+Routing is the spec's router kind (routers.py), its weights renormalised when norm_topk_prob. Ties go to
+the lowest expert index (a stable sort), a deterministic rule the CUDA router kernel follows too; torch.topk
+on the CPU does not promise it (for three equal values it returned indices 1, 4, 3), so a tie, which random
 weights make measure-zero, is the one case where the choice may differ from transformers'.
 
 The experts run once per expert over the tokens that chose it (tokens grouped by expert), in increasing
@@ -19,32 +18,36 @@ import numpy as np
 
 from ...engine.loop import Route
 from ...models.spec import MoeSpec
-from .ops import sigmoid, softmax
+from .ops import sigmoid
+from .routers import ROUTERS
 
 
-def top_k(probs: np.ndarray, k: int) -> np.ndarray:
-    """Indices [T, k] of the k largest values per row, largest first, equal values by increasing index."""
-    return np.argsort(-probs, axis=-1, kind="stable")[:, :k]
-
-
-def route(h: np.ndarray, w_router: np.ndarray, spec: MoeSpec) -> Route:
-    """The router on normed rows h [T, H]; w_router [E (+1), H], the extra row the shared expert's gate."""
+def route(h: np.ndarray, w_router: np.ndarray, spec: MoeSpec, bias: np.ndarray | None = None,
+          correction: np.ndarray | None = None) -> Route:
+    """The router on normed rows h [T, H]; w_router [E (+1), H], the extra row the shared expert's gate;
+    `bias` [E] the router's bias, `correction` [E] the choice correction of sigmoid_biased_grouped."""
     logits = h @ w_router.T  # [T, E (+1)]
     router_logits = logits[:, :spec.num_experts]
-    probs = softmax(router_logits)
-    index = top_k(probs, spec.top_k)
-    weights = np.take_along_axis(probs, index, axis=-1)
+    if bias is not None:
+        router_logits = router_logits + bias
+    index, weights = ROUTERS[spec.router.kind](router_logits, spec, correction)
     if spec.norm_topk_prob:
-        weights = weights / weights.sum(axis=-1, keepdims=True)
+        denominator = weights.sum(axis=-1, keepdims=True)
+        weights = weights / (denominator + np.float32(1e-20) if spec.router.kind == "sigmoid_biased_grouped"
+                             else denominator)
+    if spec.router.routed_scaling_factor != 1.0:
+        weights = weights * np.float32(spec.router.routed_scaling_factor)
     shared_gate = sigmoid(logits[:, spec.num_experts:]) if spec.shared_expert_size else None
     return Route(router_logits, index, weights, shared_gate)
 
 
 def experts(h: np.ndarray, r: Route, w_gate_up: np.ndarray, w_down: np.ndarray,
-            act: Callable[[np.ndarray], np.ndarray], first: int = 0) -> np.ndarray:
-    """y [T, H] = sum over each row's chosen experts of weight * down_e(act(gate_e(h)) * up_e(h)).
+            glu: Callable[[np.ndarray], np.ndarray], first: int = 0,
+            bias: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """y [T, H] = sum over each row's chosen experts of weight * down_e(glu(gate_up_e(h))).
     w_gate_up [E, 2I, H], w_down [E, H, I]: experts first .. first + E - 1 (a tensor-parallel rank's;
-    the route's choices of other experts are skipped, so y is that rank's partial sum)."""
+    the route's choices of other experts are skipped, so y is that rank's partial sum); `bias`: their
+    gate_up [E, 2I] and down [E, H] biases."""
     t, k = r.top_k_index.shape
     flat = r.top_k_index.reshape(-1)  # (token, slot) pairs, token-major
     order = np.argsort(flat, kind="stable")  # grouped by expert, tokens in order within a group
@@ -55,13 +58,16 @@ def experts(h: np.ndarray, r: Route, w_gate_up: np.ndarray, w_down: np.ndarray,
         if len(pairs) == 0:
             continue
         tokens = pairs // k  # distinct: top-k indices of one row are distinct
-        out = gated(h[tokens], w_gate_up[e], act) @ w_down[e].T
+        b_gu, b_down = (None, None) if bias is None else (bias[0][e], bias[1][e])
+        out = gated(h[tokens], w_gate_up[e], glu, b_gu) @ w_down[e].T
+        if b_down is not None:
+            out = out + b_down
         y[tokens] += out * r.top_k_weights.reshape(-1)[pairs][:, None]
     return y
 
 
-def gated(h: np.ndarray, w_gate_up: np.ndarray, act: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-    """act(h @ gate.T) * (h @ up.T) with w_gate_up = [gate; up] [2I, H]."""
+def gated(h: np.ndarray, w_gate_up: np.ndarray, glu: Callable[[np.ndarray], np.ndarray],
+          bias: np.ndarray | None = None) -> np.ndarray:
+    """glu(h @ [gate; up].T (+ bias)) [T, I] with w_gate_up = [gate; up] [2I, H] (ops.glu)."""
     gu = h @ w_gate_up.T
-    i = gu.shape[1] // 2
-    return act(gu[:, :i]) * gu[:, i:]
+    return glu(gu if bias is None else gu + bias)

@@ -58,3 +58,24 @@ def softcap(x: np.ndarray, cap: float) -> np.ndarray:
 
 
 ACTIVATIONS = {"silu": silu, "gelu_tanh": gelu_tanh}
+
+
+def glu(kind: str, limit: float | None = None, alpha: float = 1.702):
+    """The gated linear unit `kind` (models/spec.GLU_KINDS) as a function of the gate/up product
+    gu = [gate | up] [T, 2I] -> [T, I]."""
+    if kind == "swiglu_oai":  # gpt-oss: clamped, sigmoid(alpha g), (up + 1)
+        lim, a = np.float32(limit), np.float32(alpha)
+
+        def oai(gu: np.ndarray) -> np.ndarray:
+            i = gu.shape[1] // 2
+            g, u = np.minimum(gu[:, :i], lim), np.clip(gu[:, i:], -lim, lim)
+            return g * sigmoid(a * g) * (u + np.float32(1.0))
+
+        return oai
+    act = ACTIVATIONS[kind]
+
+    def gated(gu: np.ndarray) -> np.ndarray:
+        i = gu.shape[1] // 2
+        return act(gu[:, :i]) * gu[:, i:]
+
+    return gated
