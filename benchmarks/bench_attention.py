@@ -12,7 +12,7 @@ attention_decode call (both launches) inside a CUDA graph of 32 calls rotating s
 that the 60 MB L2 does not serve them; CUDA events; median of 15 replays.  Columns: us per call,
 GB/s of K+V, % of the read-only kernel.  Rows: new (default n_splits = decode_splits(ctx, 8, M,
 32)), with PDL (programmatic dependent launch, where the GPU has it), and other split counts at
-M=1.  The SIMT kernels this replaced (git 59ceb35) were compared in the same way: see NOTES.md.
+M=1.  The SIMT kernels this replaced (git 59ceb35) were compared in the same way: see docs/CUDA_ENGINE.md.
 """
 
 from __future__ import annotations

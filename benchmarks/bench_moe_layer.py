@@ -1,13 +1,12 @@
-"""Decode and verify times of a mixture-of-experts preset under the sparse layer's launch variants, one
-engine, one run (CUDA-event medians, metrale.bench's timer):
+"""Decode and verify times of a mixture-of-experts preset on each rows path, one engine, one run (CUDA-event
+medians, metrale.bench's timer), without metrale bench's prefill and reference figures:
 
     PYTHONPATH=. python3 benchmarks/bench_moe_layer.py --preset qwen3-30b-a3b --context 1024 [--json out.json]
 
-- rows: the rows path (router GEMV, route, gate_up, down: four launches per sparse layer);
-- fused-4: the fused path (rope + KV append in the attention split kernel) with those four launches;
-- fused-1: the fused path with the sparse layer in one launch (kernels.moe `layer`);
-- fused-1+o: the same launch also running the attention's output projection.
-The engine's default is fused-4 (the one-launch layer is kept off: measured slower in the step).
+- fused (the default): rope + KV append in the attention split kernel; a sparse layer is the router GEMV, route,
+  gate_up and down (four launches);
+- rows: the same four launches per sparse layer after the rows path's attention.
+A path may be named more than once (--paths fused,rows,fused) to see the run-to-run spread.
 The decode floor is the step's bytes (the chosen experts only) over the read bandwidth measured in the run.
 """
 
@@ -25,8 +24,7 @@ import numpy as np  # noqa: E402
 from metrale_cli import bench  # noqa: E402
 from metrale_cli.config import load_config  # noqa: E402
 
-VARIANTS = {"rows": ("rows", False, False), "fused-4": ("fused", False, False), "fused-1": ("fused", True, False),
-            "fused-1+o": ("fused", True, True)}
+PATHS = ("fused", "rows")
 
 
 def main() -> None:
@@ -35,15 +33,13 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--ks", default="4,8")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--paths", default=",".join(PATHS))
     ap.add_argument("--json")
-    ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
-                    help="a macro for moe.cu (an experiment's variant, e.g. MOE_DOWN_PREFETCH=0)")
     a = ap.parse_args()
-    if a.define:
-        from metrale_cli.backends.cuda.kernels import moe
-
-        moe.define_macros(a.define)
+    paths = a.paths.split(",")
+    for p in paths:
+        if p not in PATHS:
+            raise SystemExit(f"--paths: {p!r} is not one of {', '.join(PATHS)}")
     ks = [int(k) for k in a.ks.split(",") if k]
     cfg = load_config(bench.preset_path(a.preset))
     if cfg.moe is None:
@@ -58,13 +54,10 @@ def main() -> None:
     timer = bench._Timer(eng)
     drafts = {k: [int(t) for t in rng.integers(0, cfg.vocab_size, k)] for k in ks}
     results = {"preset": a.preset, "context": a.context, "bandwidth_GBs": bw / 1e9, "floor_ms": floor * 1e3,
-               "defines": a.define, "variants": {}}
-    print(f"{a.preset} ctx {a.context} {' '.join(a.define)}: read bandwidth {bw / 1e9:.0f} GB/s, "
-          f"decode floor {floor * 1e3:.3f} ms")
-    for name in a.variants.split(","):
-        path, one_launch, with_o = VARIANTS[name]
+               "runs": []}
+    print(f"{a.preset} ctx {a.context}: read bandwidth {bw / 1e9:.0f} GB/s, decode floor {floor * 1e3:.3f} ms")
+    for path in paths:
         eng.set_path(path)
-        eng.set_moe_one_launch(one_launch, with_o=with_o)
 
         def decode_once():
             eng.decode(5)
@@ -78,9 +71,10 @@ def main() -> None:
 
             row[f"verify{k}"] = timer.time(verify_once, a.repeats) * 1e3
         eng.check_fused()
-        results["variants"][name] = row
+        results["runs"].append({"path": path, **row})
         v = "  ".join(f"k={k} {row[f'verify{k}']:.3f} ms" for k in ks)
-        print(f"{name:10s} decode {row['decode']:.3f} ms ({row['decode'] / (floor * 1e3):.3f} x floor)  {v}", flush=True)
+        print(f"{path:10s} decode {row['decode']:.3f} ms ({row['decode'] / (floor * 1e3):.3f} x floor)  {v}",
+              flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1))
 

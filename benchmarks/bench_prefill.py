@@ -1,6 +1,6 @@
 """Speed of the prefill attention kernels (flash_prefill.cu, tensor cores) on the Llama-3.1-8B layer
 shape (32 query heads, 8 KV heads, head_dim 128), against a cuBLAS bf16 GEMM measured in the same run
-(the fp32 SIMT kernel it replaced, git 59ceb35, was compared in the same way: see NOTES.md).  Needs CuPy and a CUDA GPU:
+(the fp32 SIMT kernel it replaced, git 59ceb35, was compared in the same way: see docs/CUDA_ENGINE.md).  Needs CuPy and a CUDA GPU:
 
     PYTHONPATH=. python3 -m benchmarks.bench_prefill
 

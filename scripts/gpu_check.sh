@@ -2,8 +2,8 @@
 # Everything the GPU issues report, in one run on the GPU machine (from the source tree, nothing installed):
 #   bash scripts/gpu_check.sh [OUTDIR]
 # 0. the kernels' cold compile time; 1. the GPU test suite (kernels, engine parity, CLI on cuda); 2. the
-# engine's rows-path variants and the bench of the llama-3.1-8b shape at 1024 and 8192 context (with
-# transformers eager at 1024); 3. the shipped target/draft pair, speculative against plain decoding.
+# bench of the llama-3.1-8b shape at 1024 context (both rows paths, fused and rows, side by side, with
+# transformers eager) and at 8192; 3. the shipped target/draft pair, speculative against plain decoding.
 set -uo pipefail
 out=${1:-${OUT:-/tmp/metrale-gpu}}
 mkdir -p "$out"
@@ -14,8 +14,7 @@ a = time.time(); k.load_extra(); print(f'kernel compile (cold): core module {a -
   | tee -a "$out/gpu.txt"
 timeout 420 python3 -m pytest tests/gpu -q -p no:cacheprovider -rs -s 2>&1 | tee "$out/gpu_tests.log" \
   | grep -E "rel err|differs|FAILED|passed|failed|error" | tail -40
-timeout 120 python3 benchmarks/bench_variants.py --context 1024 --json "$out/variants-8b-1024.json" | tee "$out/variants-8b-1024.txt"
-python3 -m metrale_cli bench --device cuda --preset llama-3.1-8b --context 1024 --repeats 50 \
+python3 -m metrale_cli bench --device cuda --preset llama-3.1-8b --context 1024 --repeats 50 --path fused,rows \
   --format plain --json "$out/bench-8b-1024.json" 2>/dev/null | tee "$out/bench-8b-1024.txt"
 python3 -m metrale_cli bench --device cuda --preset llama-3.1-8b --context 8192 --repeats 30 --no-transformers \
   --format plain --json "$out/bench-8b-8192.json" 2>/dev/null | tee "$out/bench-8b-8192.txt"

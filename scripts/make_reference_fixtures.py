@@ -346,7 +346,7 @@ def pick_prompt(model, vocab: int, seed: int, cfg):
     raise RuntimeError("no prompt without near ties found")
 
 
-# --------------------------------------------------------------------------- issue 13: Gemma 2/3, Phi-3
+# --------------------------------------------------------------- family features: Gemma 2/3, Phi-3 (issue 13)
 #
 # Windows of 8 (every prompt of 12 and every greedy run crosses them), (1 + w) norm weights drawn around 0,
 # small softcaps so that tanh bends the scores and logits, query_pre_attn_scalar != head_dim, and longrope

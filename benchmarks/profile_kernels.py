@@ -2,7 +2,7 @@
 (the first launch of each is profiled; nothing here is timed):
 
     ncu --clock-control none -k regex:'attn_decode|gemv' --section SpeedOfLight --section WarpStateStats \
-        --section Occupancy python3 scripts/profile_kernels.py
+        --section Occupancy python3 benchmarks/profile_kernels.py
 
 Attention at 1025 keys of a 2048-position cache for the gemma-2-9b (head_dim 256, SIMT, softcap 50),
 llama-3.1-8b (head_dim 128, tensor cores) and phi-3-mini (head_dim 96, SIMT) layer shapes; the qkv GEMV of

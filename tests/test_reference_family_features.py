@@ -1,7 +1,7 @@
 """Gemma 2, Gemma 3, Phi-3 / Phi-4-mini and real sliding windows: the NumPy engine against transformers.
 
-Goldens come from scripts/make_reference_fixtures.py (the issue-13 section: windows of 8, which every
-12-token prompt and every 32-token greedy run crosses); tests/test_reference_live_issue13.py repeats the
+Goldens come from scripts/make_reference_fixtures.py (its Gemma 2/3, Phi-3 section: windows of 8, which every
+12-token prompt and every 32-token greedy run crosses); tests/test_reference_live_family_features.py repeats the
 comparison on freshly drawn models. Sliding layers are tested with the ring buffer wrapping (small
 `pass_rows`) as well as with the default sizes.
 """

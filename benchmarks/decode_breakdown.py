@@ -1,18 +1,21 @@
-"""Per-kernel time breakdown of the CUDA decode step (M = 1), on each rows path (issue 16's closing note).
+"""Per-kernel time breakdown of the CUDA decode step (M = 1) on each rows path (fused, the default; rows).
 
-For every launch kind of one decode step (per layer: the qkv GEMV, rope + KV append, the attention split
-kernel and its combine, the o / gate_up / down GEMVs; the fused path's split kernel with rope + KV append;
-per step: the final norm, lm_head, the bf16 rounding of the logits, argmax) it captures one CUDA graph of
-that launch over all L layers in order (each with its own layer's weights and KV cache, so L2 cannot
-serve the weights), times `--repeats` replays with CUDA events and reports the median per launch, beside
-the launch's own floor: the bytes it must read (weights, norm weight, KV cache up to the context) over the
-read bandwidth measured in the same run.  Then the whole step (graph replay, as `metrale bench`) and the
-difference: the gaps between launches (and any overlap) that the isolated times do not contain.
+For every launch kind of one decode step (per layer: the qkv GEMV, rope + KV append, the attention split kernel
+and its combine, the o / gate_up / down GEMVs; the fused path's split kernel with rope + KV append; a sparse
+layer's router GEMV, route, gate_up and down; per step: the final norm, lm_head, the bf16 rounding of the
+logits, argmax) it captures one CUDA graph of that launch over all L layers in order (each with its own layer's
+weights and KV cache, so L2 cannot serve the weights), times `--repeats` replays with CUDA events and reports
+the median per launch, beside the launch's own floor: the bytes it must read (weights, norm weight, KV cache up
+to the context) over the read bandwidth measured in the same run. Then the whole step (graph replay, as metrale
+bench) and the difference: the gaps between launches (and any overlap) that the isolated times do not contain.
 
 A launch timed in isolation still pays its own ramp-up and tail and about 0.75 us of graph node overhead:
 the column "% of bw" is floor / time per launch.
 
-    PYTHONPATH=. python3 scripts/decode_breakdown.py --preset llama-3.1-8b --context 1024 --paths rows,fused
+    PYTHONPATH=. python3 benchmarks/decode_breakdown.py --preset llama-3.1-8b --context 1024 --paths rows,fused
+
+--ablate also times the layers' launches as one graph with each launch kind left out in turn: its cost inside
+the step (docs/CUDA_ENGINE.md, section 8).
 """
 
 from __future__ import annotations
@@ -102,22 +105,18 @@ def layer_ops(eng, path: str):
                                only=only, stream=eng.stream)
         return run
 
-    def attn_fused(i):
-        fp.attention(q1, i, defs[i].attention)
-
     def rope_fits(i):
         a = defs[i].attention
         return k.rope_fits(a.head_dim, a.num_heads, a.num_kv_heads, _window(eng, a), a.softcap) is None
 
-    rope_in_attention = path.startswith("fused") and all(rope_fits(i) for i in range(len(defs)))
+    rope_in_attention = path == "fused" and all(rope_fits(i) for i in range(len(defs)))
 
-    def attn_rope(only, cluster=False, counters=None):  # the fused paths at one row: rope + KV append in the split
-        def run(i):                                       # kernel (counters: and the merge in its last block)
+    def attn_rope(only):  # the fused path at one row: rope + KV append in the attention split kernel
+        def run(i):
             a, layer = defs[i].attention, defs[i]
             rope = fp.rope_args(a, w.layers[i].get("q_norm"), w.layers[i].get("k_norm"), layer.norm)
             k.attention_decode(qkv.reshape(1, -1, a.head_dim), eng._kc[i], eng._vc[i], p.pos, eng._attn[:1], a.scale,
-                               n_splits=eng._splits[1], workspace=eng._ws, rope=rope, only=only, cluster=cluster,
-                               counters=counters, stream=eng.stream)
+                               n_splits=eng._splits[1], workspace=eng._ws, rope=rope, only=only, stream=eng.stream)
         return run
 
     def o(i):
@@ -132,10 +131,8 @@ def layer_ops(eng, path: str):
         p.linear(act, w.layers[i]["down"], None, out="x", residual=x)
 
     lw = lambda i, key: w.layers[i].get(key)  # noqa: E731
-    o_in_layer = path.startswith("fused") and fp.plan["moe_o"] is None  # sparse layers: o in the layer's launch
     common = [
-        ("o GEMV (+= residual" + ("; dense layers)" if o_in_layer else ")"), 1,
-         lambda i: nb(lw(i, "o"), lw(i, "o_bias")), o),
+        ("o GEMV (+= residual)", 1, lambda i: nb(lw(i, "o"), lw(i, "o_bias")), o),
         ("gate_up GEMV (norm, act)", 1, lambda i: nb(lw(i, "gate_up"), lw(i, "mlp_norm")), gate_up),
         ("down GEMV (+= residual)", 1, lambda i: nb(lw(i, "down")), down),
     ]
@@ -143,33 +140,23 @@ def layer_ops(eng, path: str):
         ("attention split", 1, kv_bytes, attn_part("split")),
         ("attention combine", 1, lambda i: 0, attn_part("combine")),
     ]
-    common += moe_ops(eng, p, x, nb, fp if path.startswith("fused") else None)
+    common += moe_ops(eng, p, x, nb)
     qkv_op = ("qkv GEMV (norm)", 1, lambda i: nb(lw(i, "qkv"), lw(i, "qkv_bias"), lw(i, "input_norm")), qkv_rows)
-    if path == "fused-cluster" and rope_in_attention:
-        return [qkv_op, ("attention (rope, KV, cluster)", 1, kv_bytes, attn_rope(None, cluster=True))] + common
-    if rope_in_attention and fp.plan["attention"] is None:
-        return [qkv_op, ("attention (rope, KV, merge)", 1, kv_bytes, attn_rope(None, counters=eng._attn_counters))
-                ] + common
     if rope_in_attention:
         return [
             qkv_op,
             ("attention split + rope + KV", 1, kv_bytes, attn_rope("split")),
             ("attention combine", 1, lambda i: 0, attn_rope("combine")),
         ] + common
-    if path.startswith("fused"):  # the rows path's launches at one row (rope_fits: e.g. a SIMT head_dim)
-        attention = ([("attention, combine fused", 1, kv_bytes, attn_fused)] if fp.plan["attention"] is None
-                     else split_combine)  # as fused_plan says (--fused-attention: set_fused_attention)
-        return [qkv_op, ("rope + KV append", 1, lambda i: 0, rope)] + attention + common
-    return [
+    return [  # the rows path, and the fused path where rope does not fit the split kernel (e.g. a SIMT head_dim)
         qkv_op,
         ("rope + KV append", 1, lambda i: 0, rope),
     ] + split_combine + common
 
 
-def moe_ops(eng, p, x, nb, fp=None):
+def moe_ops(eng, p, x, nb):
     """The sparse layers' launches (names start with "moe"; timed over the sparse layers only): the router
-    GEMV, the route kernel, the shared expert's gate_up, the chosen experts' gate_up and down; on a fused path
-    `fp` whose plan takes the one-launch layer, the shared expert's gate_up and the layer.  At M = 1 a step
+    GEMV, the route kernel, the shared expert's gate_up, the chosen experts' gate_up and down.  At M = 1 a step
     reads top_k experts per layer: that is their floor."""
     if eng.cfg.moe is None:
         return []
@@ -198,23 +185,6 @@ def moe_ops(eng, p, x, nb, fp=None):
 
     def chosen(key):  # top_k of the layer's experts
         return lambda i: nb(lw(i, key)) * spec.top_k // spec.num_experts
-
-    with_o = fp is not None and fp.plan["moe_o"] is None
-
-    def layer(i):
-        shared = (lw(i, "shared_down"), st.act_s[:1]) if spec.shared_expert_size else None
-        o = (eng._attn[:1].reshape(1, -1), lw(i, "o")) if with_o else None
-        st.kern.layer(1, x, lw(i, "mlp_norm"), defs[i].norm.eps, lw(i, "router"), logits, lw(i, "experts_gate_up"),
-                      lw(i, "experts_down"), st.buf, st.act, experts=spec.num_experts, top_k=spec.top_k,
-                      norm_topk=spec.norm_topk_prob, shared=shared, o=o, stream=eng.stream)
-
-    if fp is not None and fp.plan["moe"] is None:
-        one = [("moe layer (one launch: " + ("o, " if with_o else "") + "router, route, gate_up, down)", 1,
-                lambda i: (nb(lw(i, "router"), lw(i, "mlp_norm"), lw(i, "shared_down"), lw(i, "o") if with_o else None)
-                           + chosen("experts_gate_up")(i) + chosen("experts_down")(i)), layer)]
-        if spec.shared_expert_size:
-            one.insert(0, ("moe shared gate_up GEMV", 1, lambda i: nb(lw(i, "shared_gate_up")), shared_gate_up))
-        return one
 
     ops = [("moe router GEMV (norm)", 1, lambda i: nb(lw(i, "router"), lw(i, "mlp_norm")), router),
            ("moe route (top-k, h, union)", 1, lambda i: 0, route)]
@@ -245,15 +215,13 @@ def op_layers(eng, name: str) -> list[int]:
     sparse = {i for i, layer in enumerate(eng.cfg.definition.layers) if isinstance(layer.mlp, MoeSpec)}
     if name.startswith("moe"):
         return sorted(sparse)
-    if "GEMV" in name and ("gate_up" in name or "down" in name or "dense layers" in name):
+    if "GEMV" in name and ("gate_up" in name or "down" in name):
         return [i for i in range(eng.cfg.num_hidden_layers) if i not in sparse]
     return list(range(eng.cfg.num_hidden_layers))
 
 
-def breakdown(eng, path: str, bw: float, repeats: int, decode_once, timer, fused_attention: bool = False) -> dict:
+def breakdown(eng, path: str, bw: float, repeats: int, decode_once, timer) -> dict:
     eng.set_path(path)
-    if path == "fused":
-        eng.set_fused_attention(fused_attention)
     rows = []
     x0 = eng._x.copy()
     for name, per_layer, nbytes, fn in layer_ops(eng, path):
@@ -341,18 +309,10 @@ def main() -> int:
     ap.add_argument("--ablate", action="store_true",
                     help="also time the layers' launches as one chain with each launch kind left out in turn "
                          "(its marginal cost inside the step)")
-    ap.add_argument("--moe-one-launch", action="store_true",
-                    help="on the fused path, time the sparse layer as one launch (CudaEngine.set_moe_one_launch(True))")
-    ap.add_argument("--fused-attention", action="store_true",
-                    help="on the fused path, time the attention with its combine in the last split block "
-                         "(CudaEngine.set_fused_attention; one row: with rope + KV append, one launch) instead of "
-                         "split + combine")
     args = ap.parse_args()
     paths = bench.check_paths(tuple(args.paths.split(",")), "cuda")
     cfg = load_config(bench.preset_path(args.preset))
     eng = bench.build_engine(cfg, "cuda", args.context + 64)
-    if args.moe_one_launch:
-        eng.set_moe_one_launch(True)
     bw = bench.read_bandwidth_gpu(eng.cp)
     rng = np.random.default_rng(0)
     eng.prefill([int(t) for t in rng.integers(0, cfg.vocab_size, args.context)])
@@ -374,7 +334,7 @@ def main() -> int:
           f"(medians of {args.repeats} graph replays per row)")
     results = []
     for p in paths:
-        res = breakdown(eng, p, bw, args.repeats, decode_once, timer, args.fused_attention)
+        res = breakdown(eng, p, bw, args.repeats, decode_once, timer)
         eng.trim(args.context)
         print(render(res, floor_us), flush=True)
         if args.ablate:

@@ -128,7 +128,7 @@ def test_gemma3_multimodal_needs_a_text_config():
     {"model_type": "phi3", "partial_rotary_factor": 0.5},
     {"model_type": "phi3", "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8}},
 ])
-def test_cuda_engine_takes_every_issue13_feature(raw):
+def test_cuda_engine_takes_every_family_feature(raw):
     from metrale_cli.backends.cuda.engine import unsupported_features
 
     assert unsupported_features(parse_config({**SHAPE, **raw}).definition) == []

@@ -1,6 +1,6 @@
 """CPU benchmark: metrale's NumPy engine against transformers (torch, fp32, eager) on the same checkpoint.
 
-    python scripts/bench_cpu.py [--layers 12] [--prompt 128] [--steps 32] [--threads N]
+    python benchmarks/bench_cpu.py [--layers 12] [--prompt 128] [--steps 32] [--threads N]
 
 Builds one random Llama checkpoint of about 100M parameters with transformers (saved as fp32
 safetensors in a temporary directory), then runs each engine in its own subprocess so that peak memory
