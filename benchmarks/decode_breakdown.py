@@ -82,7 +82,7 @@ def layer_ops(eng, path: str):
         return sum(int(a.nbytes) for a in arrs if a is not None)
 
     def kv_bytes(i):
-        a = defs[i].attention
+        a = defs[i].mixer
         keys = min(ctx + 1, a.window or ctx + 1)
         return 2 * a.num_kv_heads * keys * a.head_dim * 2
 
@@ -92,28 +92,28 @@ def layer_ops(eng, path: str):
 
     def rope(i):
         lw, layer = w.layers[i], defs[i]
-        p.rope_kv_append(qkv, i, layer.attention, lw.get("q_norm"), lw.get("k_norm"), layer.norm)
+        p.rope_kv_append(qkv, i, layer.mixer, lw.get("q_norm"), lw.get("k_norm"), layer.norm)
 
-    a0 = defs[0].attention  # one row: rope_kv_append rotates q in place in the qkv row, on every path
+    a0 = defs[0].mixer  # one row: rope_kv_append rotates q in place in the qkv row, on every path
     q1 = qkv[:, :a0.q_size].reshape(1, a0.num_heads, a0.head_dim)
 
     def attn_part(only):
         def run(i):
-            a = defs[i].attention
+            a = defs[i].mixer
             k.attention_decode(q1, eng._kc[i], eng._vc[i], p.pos, eng._attn[:1], a.scale,
                                n_splits=eng._splits[1], workspace=eng._ws, window=_window(eng, a), softcap=a.softcap,
                                only=only, stream=eng.stream)
         return run
 
     def rope_fits(i):
-        a = defs[i].attention
+        a = defs[i].mixer
         return k.rope_fits(a.head_dim, a.num_heads, a.num_kv_heads, _window(eng, a), a.softcap) is None
 
     rope_in_attention = path == "fused" and all(rope_fits(i) for i in range(len(defs)))
 
     def attn_rope(only):  # the fused path at one row: rope + KV append in the attention split kernel
         def run(i):
-            a, layer = defs[i].attention, defs[i]
+            a, layer = defs[i].mixer, defs[i]
             rope = fp.rope_args(a, w.layers[i].get("q_norm"), w.layers[i].get("k_norm"), layer.norm)
             k.attention_decode(qkv.reshape(1, -1, a.head_dim), eng._kc[i], eng._vc[i], p.pos, eng._attn[:1], a.scale,
                                n_splits=eng._splits[1], workspace=eng._ws, rope=rope, only=only, stream=eng.stream)
