@@ -15,7 +15,8 @@ from pathlib import Path
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from .errors import ConfigError
+from . import formats
+from .errors import CheckpointError, ConfigError
 from .models import FAMILIES, Family
 from .models.moe import MoeConfig
 from .models.spec import ModelDefinition, Rope, RopeScaling
@@ -56,6 +57,8 @@ class ModelConfig:
     # empty: every layer full. Set by the family's parse (models/windows.py reads the HF fields).
     layer_types: tuple[str, ...] = ()
     options: Any = None  # the family's own parsed fields, a frozen dataclass (e.g. gemma2.GemmaOptions)
+    # config.json's quantization_config (formats.py: its quant_method sets each param's weight format)
+    quantization: dict[str, Any] | None = field(default=None, hash=False)
 
     @property
     def family(self) -> Family:
@@ -64,7 +67,7 @@ class ModelConfig:
     @cached_property
     def definition(self) -> ModelDefinition:
         """The blocks and tensors the engines run (built once per config by the family module)."""
-        return self.family.define(self)
+        return formats.apply(self.family.define(self), self.quantization)
 
     @property
     def n_rep(self) -> int:
@@ -173,8 +176,22 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
         dtype=_parse_dtype(r),
         bos_token_id=_token_id(r, "bos_token_id"),
         eos_token_ids=_eos_ids(r),
+        quantization=_quantization(r),
         **family_fields,
     )
+
+
+def _quantization(r: ConfigReader) -> dict[str, Any] | None:
+    """quantization_config, when its quant_method is one metrale reads (formats.py); refused otherwise."""
+    qc = r.optional("quantization_config", dict, None)
+    if qc is None:
+        return None
+    method = qc.get("quant_method")
+    if formats.quant_method(method) is None:
+        known = ", ".join(formats.known_quant_methods()) or "none yet"
+        raise CheckpointError(f"{r.source}: quantization_config.quant_method {method!r} is a weight format metrale "
+                              f"does not read (supported: {known})")
+    return qc
 
 
 class ConfigReader:

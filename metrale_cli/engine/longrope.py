@@ -15,10 +15,15 @@ from __future__ import annotations
 from ..models.spec import ModelDefinition
 
 
+def _ropes(definition: ModelDefinition) -> list:
+    """The rope of every layer whose mixer rotates (a mixer kind without rope has none)."""
+    return [rope for rope in (getattr(layer.mixer, "rope", None) for layer in definition.layers) if rope is not None]
+
+
 def has_longrope(definition: ModelDefinition) -> bool:
-    return any(layer.mixer.rope.longrope is not None for layer in definition.layers)
+    return any(rope.longrope is not None for rope in _ropes(definition))
 
 
 def long_factors(definition: ModelDefinition, call_end: int) -> bool:
     """Whether a call whose last position is call_end - 1 runs the long factors."""
-    return any(layer.mixer.rope.uses_long(call_end) for layer in definition.layers)
+    return any(rope.uses_long(call_end) for rope in _ropes(definition))

@@ -34,17 +34,19 @@ def block_features(cfg: ModelConfig) -> dict[str, Any]:
     """Sliding layers, softcaps, norms, activation, embedding scale and the rope of each layer kind."""
     d = cfg.definition
     layers = d.layers
-    sliding = [i for i, layer in enumerate(layers) if layer.mixer.window is not None]
-    first_full = next((layer for layer in layers if layer.mixer.window is None), layers[0])
-    first_sliding = layers[sliding[0]] if sliding else None
-    sliding_rope = first_sliding.mixer.rope if first_sliding is not None else None
+    attention = [(i, layer.mixer) for i, layer in enumerate(layers) if layer.mixer.kind == "attention"]
+    sliding = [i for i, a in attention if a.window is not None]
+    first_full = next((a for _, a in attention if a.window is None), attention[0][1] if attention else None)
+    first_sliding = layers[sliding[0]].mixer if sliding else None
+    sliding_rope = first_sliding.rope if first_sliding is not None else None
+    full_rope = first_full.rope if first_full is not None else None
     return {
-        "rope": rope_info(first_full.mixer.rope),
+        "rope": rope_info(full_rope) if full_rope is not None else None,
         "sliding_layers": sliding,
-        "sliding_rope": rope_info(sliding_rope) if sliding_rope not in (None, first_full.mixer.rope) else None,
-        "attn_logit_softcapping": layers[0].mixer.softcap,
+        "sliding_rope": rope_info(sliding_rope) if sliding_rope not in (None, full_rope) else None,
+        "attn_logit_softcapping": attention[0][1].softcap if attention else None,
         "final_logit_softcapping": d.final_logit_softcap,
-        "attention_scale": layers[0].mixer.scale,
+        "attention_scale": attention[0][1].scale if attention else None,
         "norm": "rmsnorm (1 + w)" if d.norm.offset else "rmsnorm",
         "post_norms": "attn_out_norm" in layers[0].keys(),
         "activation": layers[0].mlp.activation,

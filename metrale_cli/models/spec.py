@@ -61,6 +61,9 @@ class Param:
     key: str
     parts: tuple[Tensor, ...]
     experts: int = 0
+    # How the checkpoint stores each part (formats.py): None = dense (BF16/F16/F32 as they are), else a
+    # registered weight format's name; set from the checkpoint's quantization_config (formats.apply).
+    format: str | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -306,8 +309,12 @@ class ModelDefinition:
         return out
 
     def expected_tensors(self) -> dict[str, tuple[int, ...]]:
-        """Checkpoint tensor name -> shape, for every tensor the definition reads."""
-        return {t.name: t.shape for p in self.params() for t in p.parts}
+        """Checkpoint tensor name -> shape, for every tensor the definition reads (a formatted param's
+        stored tensors and their scales: formats.stored_tensors)."""
+        from ..formats import stored_tensors
+
+        return {t.name: t.shape for p in self.params() for t in stored_tensors(p)}
 
     def parameter_count(self) -> int:
-        return sum(prod(s) for s in self.expected_tensors().values())
+        """The weights' element count (logical [out, in] shapes, whatever their storage)."""
+        return sum(prod(t.shape) for p in self.params() for t in p.parts)

@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Generic, Protocol, TypeVar
 
 from ..errors import CheckpointError, ConfigError
+from ..formats import allowed_dtypes
 from .spec import ModelDefinition, Param
 
 if TYPE_CHECKING:
     from ..config import ModelConfig
     from ..safetensors_file import TensorInfo
 
-RUNNABLE_DTYPES = ("BF16", "F16", "F32")
 
 A = TypeVar("A")  # a backend's array type
 
@@ -61,16 +61,21 @@ class Shard(Protocol):
 
 
 def load_weights(definition: ModelDefinition, read: Callable[[str], A], concat: Callable[[list[A]], A],
-                 embed: Callable[[str], A] | None = None, shard: Shard | None = None) -> Weights[A]:
+                 embed: Callable[[str], A] | None = None, shard: Shard | None = None,
+                 read_formatted: Callable[[Param], list[A]] | None = None) -> Weights[A]:
     """Read every param once. `embed(name)` reads the embedding table when it is not also the lm_head
     (the NumPy engine keeps it memory-mapped); by default it is read like every other tensor. With
     `shard`, each layer is cut to one rank's share as soon as it is read (the whole layer is dropped
-    before the next is read), and the embedding and lm_head to its vocabulary rows."""
+    before the next is read), and the embedding and lm_head to its vocabulary rows. A param stored in a
+    weight format (Param.format, formats.py) is read by `read_formatted(param)`, one backend array per
+    part: the backend decides what it keeps (the NumPy engine the dequantized fp32 weight)."""
     keep_layer = (lambda i, lw: lw) if shard is None else shard.layer
     keep_rows = (lambda t: t) if shard is None else shard.vocab
 
     def param(p: Param) -> A:
-        parts = [read(t.name) for t in p.parts]
+        if p.format is not None and read_formatted is None:
+            raise CheckpointError(f"{p.parts[0].name}: this engine does not read weights stored as {p.format}")
+        parts = [read(t.name) for t in p.parts] if p.format is None else read_formatted(p)
         value = parts[0] if len(parts) == 1 else concat(parts)
         return value.reshape(p.shape) if p.experts else value  # stacked experts: [E, rows, ...]
 
@@ -122,13 +127,14 @@ def check_checkpoint(cfg: ModelConfig, ckpt: WeightSource) -> None:
     ]
     if misshaped:
         problems.append(f"wrong shape {len(misshaped)}: {_listing(misshaped)}")
+    allowed = {n: d for p in definition.params() for n, d in allowed_dtypes(p).items()}
     bad_dtype = [
-        f"{n} {ckpt.info(n).dtype}"
+        f"{n} {ckpt.info(n).dtype} (expected {'/'.join(allowed[n])})"
         for n in sorted(present & set(want), key=natural)
-        if ckpt.info(n).dtype not in RUNNABLE_DTYPES
+        if ckpt.info(n).dtype not in allowed[n]
     ]
     if bad_dtype:
-        problems.append(f"dtype not BF16/F16/F32 {len(bad_dtype)}: {_listing(bad_dtype)}")
+        problems.append(f"wrong dtype {len(bad_dtype)}: {_listing(bad_dtype)}")
     if problems:
         raise CheckpointError(
             f"{ckpt.directory}: tensors do not match config.json ({cfg.model_type}, "

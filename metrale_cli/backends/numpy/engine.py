@@ -16,6 +16,7 @@ import numpy as np
 
 from ...config import ModelConfig
 from ...engine.longrope import has_longrope, long_factors
+from ...formats import dequantize, stored_tensors
 from ...engine.loop import Tap, decoder_forward
 from ...engine.mixers import kinds_of, mixer_kind
 from ...engine_base import EngineBase, check_context
@@ -47,7 +48,20 @@ def read_weights(cfg: ModelConfig, source: WeightSource, progress: Callable[[int
     def mapped(name: str) -> np.ndarray:
         return source.array(name, bf16_bits=True)  # stays memory-mapped: a lookup touches only its rows
 
-    return load_weights(cfg.definition, f32, lambda parts: np.concatenate(parts, axis=0), embed=mapped, shard=shard)
+    def stored(name: str) -> np.ndarray:  # a formatted param's stored tensor or scale, as stored
+        out = source.array(name, bf16_bits=True)
+        if progress is not None:
+            progress(out.nbytes)
+        return out
+
+    def dequantized(p) -> list[np.ndarray]:  # formats.py's exact fp32 value of each part
+        parts = dequantize(p, stored)
+        for t in stored_tensors(p):
+            source.release(t.name)
+        return parts
+
+    return load_weights(cfg.definition, f32, lambda parts: np.concatenate(parts, axis=0), embed=mapped, shard=shard,
+                        read_formatted=dequantized)
 
 
 class NumpyPass:

@@ -1,0 +1,124 @@
+"""Weight formats: how a checkpoint stores a weight, and its exact dequantization to fp32.
+
+A `Param` (models/spec.py) carries its storage format by name: None for the dense formats (BF16, F16, F32
+tensors, read as they are), or a format registered here (FP8 with block or per-channel scales, MXFP4,
+NVFP4, int4 with group scales, ...). A format says
+  - which tensors the checkpoint stores for one logical weight [out, in]: the stored tensor (`stored`:
+    its name and shape; packed formats store another shape) and the companions beside it (`companions`:
+    scales, zero points), each with its shape, so the checkpoint check names a missing or mis-shaped one
+    before anything loads;
+  - their safetensors dtypes (`dtypes`, per stored tensor then per companion);
+  - `dequantize(stored, *companions) -> fp32 [out, in]`: the exact value the weight stands for. This
+    module is the one home of every format's arithmetic; the NumPy engine (the reference) uses it, and
+    each backend owns how it multiplies by such a weight (backends/cuda/formats.py: per format, how it
+    uploads and which kernel multiplies).
+
+Which params of a checkpoint are in which format is the checkpoint's `quantization_config` (config.json):
+its `quant_method` names a registered `QuantMethod`, whose `format_of(config, param)` gives each param's
+format (or None: left dense, as `modules_to_not_convert` does). An unknown quant_method is refused with
+the field named. The loader (models/weights.py) and the tensor-parallel sharding table know no format.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from .models.spec import ModelDefinition, Param, Tensor
+
+DENSE_DTYPES = ("BF16", "F16", "F32")  # what a param with no format may be stored as
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    name: str
+    companions: Callable[[Tensor], tuple[Tensor, ...]]  # the tensors stored beside weight t (scales, ...)
+    dtypes: tuple[tuple[str, ...], ...]  # allowed dtypes: of the stored tensor, then of each companion
+    dequantize: Callable[..., np.ndarray]  # (stored, *companions) -> fp32 [out, in]
+    stored: Callable[[Tensor], Tensor] = lambda t: t  # the stored tensor of logical weight t (packed: other shape)
+
+    def tensors(self, t: Tensor) -> tuple[Tensor, ...]:
+        """Everything the checkpoint stores for logical weight t: the stored tensor, then its companions."""
+        return (self.stored(t),) + self.companions(t)
+
+
+@dataclass(frozen=True)
+class QuantMethod:
+    """A `quantization_config.quant_method`: which format each param of a definition is stored in."""
+
+    name: str
+    format_of: Callable[[dict[str, Any], Param], str | None]
+
+
+_FORMATS: dict[str, WeightFormat] = {}
+_METHODS: dict[str, QuantMethod] = {}
+
+
+def register_format(fmt: WeightFormat) -> WeightFormat:
+    _FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def register_quant_method(method: QuantMethod) -> QuantMethod:
+    _METHODS[method.name] = method
+    return method
+
+
+def weight_format(name: str) -> WeightFormat:
+    if name not in _FORMATS:
+        raise KeyError(f"no weight format '{name}' is registered (known: {', '.join(sorted(_FORMATS))})")
+    return _FORMATS[name]
+
+
+def quant_method(name: str) -> QuantMethod | None:
+    return _METHODS.get(name)
+
+
+def known_quant_methods() -> list[str]:
+    return sorted(_METHODS)
+
+
+def stored_tensors(p: Param) -> list[Tensor]:
+    """What the checkpoint holds for param p: its parts as they are, or each part's stored tensors."""
+    if p.format is None:
+        return list(p.parts)
+    fmt = weight_format(p.format)
+    return [s for t in p.parts for s in fmt.tensors(t)]
+
+
+def allowed_dtypes(p: Param) -> dict[str, tuple[str, ...]]:
+    """Checkpoint tensor name -> the dtypes it may be stored as, for every tensor of param p."""
+    if p.format is None:
+        return {t.name: DENSE_DTYPES for t in p.parts}
+    fmt = weight_format(p.format)
+    return {s.name: dtypes for t in p.parts for s, dtypes in zip(fmt.tensors(t), fmt.dtypes)}
+
+
+def apply(definition: ModelDefinition, quantization: dict[str, Any] | None) -> ModelDefinition:
+    """The definition with each param's format set by the quantization config (unchanged without one)."""
+    if not quantization:
+        return definition
+    method = _METHODS[quantization["quant_method"]]
+
+    def formatted(params: tuple[Param, ...]) -> tuple[Param, ...]:
+        return tuple(replace(p, format=method.format_of(quantization, p)) for p in params)
+
+    layers = tuple(replace(layer, params=formatted(layer.params)) for layer in definition.layers)
+    lm_head = None if definition.lm_head is None else formatted((definition.lm_head,))[0]
+    return replace(definition, layers=layers, lm_head=lm_head)
+
+
+def dequantize(p: Param, read: Callable[[str], Any]) -> list[np.ndarray]:
+    """Each part of param p as fp32 [rows, ...], from `read(name)` (the stored arrays, BF16 as uint16 bits)."""
+    import numpy as np
+
+    from .logits import bf16_bits_to_fp32
+
+    if p.format is None:
+        return [bf16_bits_to_fp32(a) if a.dtype == np.uint16 else np.array(a, dtype=np.float32)
+                for a in (read(t.name) for t in p.parts)]
+    fmt = weight_format(p.format)
+    return [fmt.dequantize(*(read(s.name) for s in fmt.tensors(t))) for t in p.parts]
