@@ -127,7 +127,7 @@ def test_sinks_equal_gpt_oss_eager_attention(window):
                                  Param.of("final_norm", ("n", (1,))), None, Norm(1e-6))
     cache = KVCache(definition, max_context=t, rows=t)
     cache.write(0, 0, k, v)
-    got = AttentionOps(SimpleNamespace(t=t, start=0), cache).attention(q, 0, a, sinks=sinks)
+    got = AttentionOps(SimpleNamespace(t=t, start=0, r=ops.keep), cache).attention(q, 0, a, sinks=sinks)
     mask = np.triu(np.full((t, t), -np.inf, np.float32), 1)
     if window is not None:
         mask[np.tril(np.ones((t, t), bool), -window)] = -np.inf
@@ -136,5 +136,5 @@ def test_sinks_equal_gpt_oss_eager_attention(window):
                                       torch.from_numpy(k)[None], torch.from_numpy(v)[None],
                                       torch.from_numpy(mask)[None, None], d ** -0.5)
     np.testing.assert_allclose(got, want.numpy().reshape(t, nh * d), rtol=1e-5, atol=1e-6)
-    plain = AttentionOps(SimpleNamespace(t=t, start=0), cache).attention(q, 0, a)
+    plain = AttentionOps(SimpleNamespace(t=t, start=0, r=ops.keep), cache).attention(q, 0, a)
     assert np.abs(plain - got).max() > 1e-3  # the sinks matter

@@ -93,16 +93,17 @@ class AttentionOps:
         q = qkv[:, :a.q_size].reshape(t, a.num_heads, d)  # (T, nh, d)
         k = qkv[:, a.q_size:a.q_size + a.kv_size].reshape(t, nkv, d)  # (T, nkv, d)
         v = qkv[:, a.q_size + a.kv_size:].reshape(t, nkv, d)  # (T, nkv, d)
+        r = self.p.r
         if q_norm is not None:
-            q = rms_norm(q, q_norm, norm.eps, norm.offset)
-            k = rms_norm(k, k_norm, norm.eps, norm.offset)
+            q = rms_norm(q, q_norm, norm.eps, norm.offset, r)
+            k = rms_norm(k, k_norm, norm.eps, norm.offset, r)
         cos, sin = self.p.cos_sin(a.rope)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, cos, sin, r), apply_rope(k, cos, sin, r)
         self.cache.write(layer, self.p.start, k.transpose(1, 0, 2), v.transpose(1, 0, 2))  # (nkv, T, d)
         return q
 
     def attention(self, q, layer: int, a: AttentionSpec, *, sinks=None):
-        t, d, nkv, rep = self.p.t, a.head_dim, a.num_kv_heads, a.n_rep
+        t, d, nkv, rep, r = self.p.t, a.head_dim, a.num_kv_heads, a.n_rep, self.p.r
         start, end = self.p.start, self.p.start + t
         # A sliding layer reads only the keys some query of this pass can see: (start - window, end).
         lo = 0 if a.window is None else max(0, start - a.window + 1)
@@ -110,9 +111,9 @@ class AttentionOps:
         n = end - lo
         # Query head h reads KV head h // rep: group the rep query heads of each KV head together.
         qg = q.reshape(t, nkv, rep, d).transpose(1, 2, 0, 3).reshape(nkv, rep * t, d)  # (nkv, rep*T, d)
-        scores = (qg @ keys.transpose(0, 2, 1)) * np.float32(a.scale)  # (nkv, rep*T, L)
+        scores = r(r(qg @ keys.transpose(0, 2, 1)) * np.float32(a.scale))  # (nkv, rep*T, L)
         if a.softcap is not None:
-            scores = softcap(scores, a.softcap)
+            scores = softcap(scores, a.softcap, r)
         # query i (position start+i) sees keys in (start+i - window, start+i]
         kpos, qpos = np.arange(lo, end)[None, :], (start + np.arange(t))[:, None]
         hidden = kpos > qpos
@@ -128,8 +129,8 @@ class AttentionOps:
         scores -= scores.max(axis=-1, keepdims=True)
         p = np.exp(scores)
         p /= p.sum(axis=-1, keepdims=True)
-        p = p[..., :n]
-        return (p @ values).reshape(nkv, rep, t, d).transpose(2, 0, 1, 3).reshape(t, a.q_size)  # (T, nh*d)
+        p = r(p[..., :n])
+        return r(p @ values).reshape(nkv, rep, t, d).transpose(2, 0, 1, 3).reshape(t, a.q_size)  # (T, nh*d)
 
 
 def ops(p, cache: KVCache) -> AttentionOps:

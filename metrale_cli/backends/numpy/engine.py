@@ -20,26 +20,29 @@ from ...formats import dequantize, stored_tensors
 from ...engine.loop import Tap, decoder_forward
 from ...engine.mixers import kinds_of, mixer_kind
 from ...engine_base import EngineBase, check_context
+from ...errors import UsageError
 from ...logits import DevicePtr, bf16_bits_to_fp32, fp32_to_bf16_bits, host_argmax
 from ...models.spec import MoeSpec, Norm, Rope
 from ...models.weights import WeightSource, Weights, check_checkpoint, load_weights
 from . import moe
-from .ops import as_fp32, glu, rms_norm, softcap
+from .ops import ROUNDING, as_fp32, glu, rms_norm, softcap
 
 # Queries per prefill chunk: bounds the attention scores to heads x chunk x context floats.
 PREFILL_CHUNK = 256
 
 
 def read_weights(cfg: ModelConfig, source: WeightSource, progress: Callable[[int], None] | None = None,
-                 shard=None) -> Weights:
+                 shard=None, compute: str = "fp32") -> Weights:
     """Convert the checkpoint to fp32, fusing multi-part params. Each tensor is read once from the memory
     map and its pages released right after, so peak memory stays near the fp32 weights. `shard`
-    (models/weights.Shard) keeps one tensor-parallel rank's share."""
+    (models/weights.Shard) keeps one tensor-parallel rank's share. With compute "bf16" every weight is
+    rounded to bf16 (an F32 or F16 checkpoint run by a bf16 engine)."""
     if not source.made_from_definition:
         check_checkpoint(cfg, source)
+    r = ROUNDING[compute]
 
     def f32(name: str) -> np.ndarray:
-        out = as_fp32(source.array(name, bf16_bits=True))
+        out = r(as_fp32(source.array(name, bf16_bits=True)))
         source.release(name)
         if progress is not None:
             progress(out.nbytes // 2 if source.info(name).dtype != "F32" else out.nbytes)
@@ -55,7 +58,7 @@ def read_weights(cfg: ModelConfig, source: WeightSource, progress: Callable[[int
         return out
 
     def dequantized(p) -> list[np.ndarray]:  # formats.py's exact fp32 value of each part
-        parts = dequantize(p, stored)
+        parts = [r(part) for part in dequantize(p, stored)]
         for t in stored_tensors(p):
             source.release(t.name)
         return parts
@@ -74,6 +77,7 @@ class NumpyPass:
         self._rope: dict[object, tuple[np.ndarray, np.ndarray]] = {}
         self._mixers: dict[str, object] = {}
         self.tp = getattr(engine, "tp", None)  # parallel/comm.ParallelRank of a sharded engine, else None
+        self.r = ROUNDING[getattr(engine, "compute", "fp32")]  # ops.ROUNDING: fp32 keeps, bf16 rounds
 
     def embed(self, table, scale=None) -> np.ndarray:
         if self.tp is not None:  # vocabulary-parallel: the rows of this rank's range, zeros elsewhere, summed
@@ -84,36 +88,39 @@ class NumpyPass:
             x = x if scale is None else x * np.float32(scale)
             self.tp.comm.all_reduce(x)
             return x
-        x = as_fp32(table[self.ids])  # [T, H]
-        # Gemma: times sqrt(hidden) as an fp32 value, as transformers computes in fp32. (A bf16 model run
-        # in bf16 by transformers rounds the normalizer to bf16 first, e.g. sqrt(3584) = 59.87 -> 60.0.)
-        return x if scale is None else x * np.float32(scale)
+        x = self.r(as_fp32(table[self.ids]))  # [T, H]
+        # Gemma: times sqrt(hidden) as an fp32 value, as transformers computes in fp32; in bf16 it rounds the
+        # normalizer to bf16 first (sqrt(3584) = 59.87 -> 60.0), as a bf16 forward does.
+        return x if scale is None else self.r(x * self.r(np.float32(scale)))
 
     def linear(self, x, w, bias=None, *, out, norm=None, residual=None, tap=None, reduce=False):
         if norm is not None:
-            x = rms_norm(x, norm[0], norm[1].eps, norm[1].offset)
+            x = rms_norm(x, norm[0], norm[1].eps, norm[1].offset, self.r)
         y = x @ w.T
         sharded = reduce and self.tp is not None  # a row-parallel partial sum: bias on rank 0 only, then summed
         if bias is not None and not (sharded and self.tp.rank != 0):
             y += bias
+        y = self.r(y)
         if sharded:
             y = np.ascontiguousarray(y, dtype=np.float32)
             self.tp.comm.all_reduce(y)
         if tap is not None:
             self.tap(tap, y)
-        return y if residual is None else residual + y
+        return y if residual is None else self.r(residual + y)
 
     def norm(self, x, weight, norm: Norm, *, out, residual=None, tap=None):
-        y = rms_norm(x, weight, norm.eps, norm.offset)
+        y = rms_norm(x, weight, norm.eps, norm.offset, self.r)
         if tap is not None:
             self.tap(tap, y)
-        return y if residual is None else residual + y
+        return y if residual is None else self.r(residual + y)
 
     def gated_mlp(self, x, w_gate_up, *, norm, activation):
-        return glu(activation)(self.linear(x, w_gate_up, out="gate_up", norm=norm))  # [T, 2I] -> [T, I]
+        gu = self.linear(x, w_gate_up, out="gate_up", norm=norm)  # [T, 2I]
+        return glu(activation, r=self.r)(gu)  # [T, I]
 
     def route(self, x, w_router, spec: MoeSpec, *, norm, bias=None, correction=None):
-        return moe.route(rms_norm(x, norm[0], norm[1].eps, norm[1].offset), w_router, spec, bias, correction)
+        return moe.route(rms_norm(x, norm[0], norm[1].eps, norm[1].offset, self.r), w_router, spec, bias, correction,
+                         self.r)
 
     def experts(self, x, route, w_gate_up, w_down, spec: MoeSpec, *, norm, shared, tap, bias=None):
         y = self.experts_partial(x, route, w_gate_up, w_down, spec, norm=norm, shared=shared, bias=bias)
@@ -121,15 +128,17 @@ class NumpyPass:
             y = np.ascontiguousarray(y, dtype=np.float32)
             self.tp.comm.all_reduce(y)
         self.tap(tap, y)
-        return x + y
+        return self.r(x + y)
 
     def experts_partial(self, x, route, w_gate_up, w_down, spec: MoeSpec, *, norm, shared, bias=None):
         """The sparse block's y before any all-reduce: the held experts (spec.held) and the shared expert
         (whichever columns of it the weights hold), the shared gate applied to them."""
-        h = rms_norm(x, norm[0], norm[1].eps, norm[1].offset)
-        y = moe.experts(h, route, w_gate_up, w_down, glu(spec.activation, spec.swiglu_limit, spec.swiglu_alpha), spec.first_expert, bias)
+        r = self.r
+        h = rms_norm(x, norm[0], norm[1].eps, norm[1].offset, r)
+        y = moe.experts(h, route, w_gate_up, w_down, glu(spec.activation, spec.swiglu_limit, spec.swiglu_alpha, r),
+                        spec.first_expert, bias, r)
         if shared is not None:  # qwen2_moe: + sigmoid(shared_expert_gate(h)) * shared_expert(h)
-            y = y + route.shared_gate * (moe.gated(h, shared[0], glu(spec.activation)) @ shared[1].T)
+            y = r(y + r(route.shared_gate * r(moe.gated(h, shared[0], glu(spec.activation, r=r), r=r) @ shared[1].T)))
         return y
 
     def mixer(self, layer: int):
@@ -162,11 +171,14 @@ class NumpyEngine(EngineBase):
     device = "cpu"
 
     def __init__(self, cfg: ModelConfig, weights: Weights, max_context: int, fp32_logits: bool = False,
-                 pass_rows: int = PREFILL_CHUNK, tp=None):
+                 pass_rows: int = PREFILL_CHUNK, tp=None, compute: str = "fp32"):
         """`pass_rows`: the most tokens one forward runs (prefill and verify are chunked to it); it sizes
         the sliding layers' ring buffers (engine/kv_layout.py). `tp` (parallel/comm.ParallelRank): this
-        engine is one tensor-parallel rank, `cfg` and `weights` its shard (parallel/sharding.py)."""
+        engine is one tensor-parallel rank, `cfg` and `weights` its shard (parallel/sharding.py).
+        `compute`: "fp32" (the reference) or "bf16" (every intermediate rounded where transformers' bf16
+        forward rounds it, its weights read with read_weights(compute="bf16"))."""
         check_context(cfg, max_context)
+        self.compute = compute
         self.cfg = cfg
         self.w = weights
         self.max_context = max_context
@@ -264,9 +276,10 @@ class NumpyEngine(EngineBase):
         return h
 
     def _lm_head(self, h: np.ndarray) -> np.ndarray:
-        logits = h @ self.w.lm_head.T  # [rows, V]
+        r = ROUNDING[self.compute]
+        logits = r(h @ self.w.lm_head.T)  # [rows, V]
         cap = self.cfg.definition.final_logit_softcap
-        return logits if cap is None else softcap(logits, cap)
+        return logits if cap is None else softcap(logits, cap, r)
 
     # -- buffers -------------------------------------------------------------------------------------------
     def _write_rows(self, h: np.ndarray) -> None:
@@ -303,14 +316,18 @@ class NumpyEngine(EngineBase):
 
 
 def load_numpy_engine(cfg: ModelConfig, source: WeightSource, max_context: int, fp32_logits: bool = False,
-                      progress=None, tp=None) -> NumpyEngine:
+                      progress=None, tp=None, compute: str = "fp32") -> NumpyEngine:
     """Check and convert the weights, then build the engine (cache sized for max_context positions).
-    With `tp` (parallel/comm.ParallelRank) only that rank's shard is kept, and the engine is that rank's."""
+    With `tp` (parallel/comm.ParallelRank) only that rank's shard is kept, and the engine is that rank's.
+    `compute`: "fp32" or "bf16" (NumpyEngine)."""
     check_context(cfg, max_context)  # refuse before converting gigabytes of weights
+    if compute not in ROUNDING:
+        raise UsageError(f"unknown compute precision '{compute}' (choose from {', '.join(ROUNDING)})")
     if tp is None:
-        return NumpyEngine(cfg, read_weights(cfg, source, progress), max_context, fp32_logits)
+        return NumpyEngine(cfg, read_weights(cfg, source, progress, compute=compute), max_context, fp32_logits,
+                           compute=compute)
     from ...parallel.sharding import RankShard, rank_config
 
     shard = RankShard(cfg.definition, tp.rank, tp.size)
-    return NumpyEngine(rank_config(cfg, tp.rank, tp.size), read_weights(cfg, source, progress, shard),
-                       max_context, fp32_logits, tp=tp)
+    return NumpyEngine(rank_config(cfg, tp.rank, tp.size), read_weights(cfg, source, progress, shard, compute),
+                       max_context, fp32_logits, tp=tp, compute=compute)

@@ -18,18 +18,18 @@ import numpy as np
 
 from ...engine.loop import Route
 from ...models.spec import MoeSpec
-from .ops import sigmoid
+from .ops import keep, sigmoid
 from .routers import ROUTERS
 
 
 def route(h: np.ndarray, w_router: np.ndarray, spec: MoeSpec, bias: np.ndarray | None = None,
-          correction: np.ndarray | None = None) -> Route:
+          correction: np.ndarray | None = None, r=keep) -> Route:
     """The router on normed rows h [T, H]; w_router [E (+1), H], the extra row the shared expert's gate;
-    `bias` [E] the router's bias, `correction` [E] the choice correction of sigmoid_biased_grouped."""
-    logits = h @ w_router.T  # [T, E (+1)]
+    `bias` [E] the router's bias, `correction` [E] the choice correction of sigmoid_biased_grouped. Under
+    bf16 rounding (`r`) the logits are rounded, the routing computed in fp32 and its weights rounded."""
+    logits = r(h @ w_router.T if bias is None else h @ w_router.T + np.concatenate(
+        [bias, np.zeros(w_router.shape[0] - len(bias), np.float32)]))  # [T, E (+1)]
     router_logits = logits[:, :spec.num_experts]
-    if bias is not None:
-        router_logits = router_logits + bias
     index, weights = ROUTERS[spec.router.kind](router_logits, spec, correction)
     if spec.norm_topk_prob:
         denominator = weights.sum(axis=-1, keepdims=True)
@@ -37,19 +37,19 @@ def route(h: np.ndarray, w_router: np.ndarray, spec: MoeSpec, bias: np.ndarray |
                              else denominator)
     if spec.router.routed_scaling_factor != 1.0:
         weights = weights * np.float32(spec.router.routed_scaling_factor)
-    shared_gate = sigmoid(logits[:, spec.num_experts:]) if spec.shared_expert_size else None
-    return Route(router_logits, index, weights, shared_gate)
+    shared_gate = r(sigmoid(logits[:, spec.num_experts:])) if spec.shared_expert_size else None
+    return Route(router_logits, index, r(weights), shared_gate)
 
 
-def experts(h: np.ndarray, r: Route, w_gate_up: np.ndarray, w_down: np.ndarray,
+def experts(h: np.ndarray, route: Route, w_gate_up: np.ndarray, w_down: np.ndarray,
             glu: Callable[[np.ndarray], np.ndarray], first: int = 0,
-            bias: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+            bias: tuple[np.ndarray, np.ndarray] | None = None, r=keep) -> np.ndarray:
     """y [T, H] = sum over each row's chosen experts of weight * down_e(glu(gate_up_e(h))).
     w_gate_up [E, 2I, H], w_down [E, H, I]: experts first .. first + E - 1 (a tensor-parallel rank's;
     the route's choices of other experts are skipped, so y is that rank's partial sum); `bias`: their
     gate_up [E, 2I] and down [E, H] biases."""
-    t, k = r.top_k_index.shape
-    flat = r.top_k_index.reshape(-1)  # (token, slot) pairs, token-major
+    t, k = route.top_k_index.shape
+    flat = route.top_k_index.reshape(-1)  # (token, slot) pairs, token-major
     order = np.argsort(flat, kind="stable")  # grouped by expert, tokens in order within a group
     bounds = np.searchsorted(flat[order], np.arange(first, first + w_gate_up.shape[0] + 1))
     y = np.zeros_like(h)
@@ -59,15 +59,14 @@ def experts(h: np.ndarray, r: Route, w_gate_up: np.ndarray, w_down: np.ndarray,
             continue
         tokens = pairs // k  # distinct: top-k indices of one row are distinct
         b_gu, b_down = (None, None) if bias is None else (bias[0][e], bias[1][e])
-        out = gated(h[tokens], w_gate_up[e], glu, b_gu) @ w_down[e].T
-        if b_down is not None:
-            out = out + b_down
-        y[tokens] += out * r.top_k_weights.reshape(-1)[pairs][:, None]
+        out = gated(h[tokens], w_gate_up[e], glu, b_gu, r) @ w_down[e].T
+        out = r(out if b_down is None else out + b_down)
+        y[tokens] = r(y[tokens] + r(out * route.top_k_weights.reshape(-1)[pairs][:, None]))
     return y
 
 
 def gated(h: np.ndarray, w_gate_up: np.ndarray, glu: Callable[[np.ndarray], np.ndarray],
-          bias: np.ndarray | None = None) -> np.ndarray:
+          bias: np.ndarray | None = None, r=keep) -> np.ndarray:
     """glu(h @ [gate; up].T (+ bias)) [T, I] with w_gate_up = [gate; up] [2I, H] (ops.glu)."""
     gu = h @ w_gate_up.T
-    return glu(gu if bias is None else gu + bias)
+    return glu(r(gu if bias is None else gu + bias))

@@ -5,7 +5,23 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...logits import bf16_bits_to_fp32
+from ...logits import bf16_bits_to_fp32, fp32_to_bf16_bits
+
+
+def keep(x: np.ndarray) -> np.ndarray:
+    """fp32 compute: values are kept as computed."""
+    return x
+
+
+def round_bf16(x: np.ndarray) -> np.ndarray:
+    """bf16 compute: an fp32 array rounded to the nearest bf16 (ties to even), kept as fp32 values."""
+    return bf16_bits_to_fp32(fp32_to_bf16_bits(x))
+
+
+# How the NumPy engine rounds its intermediate values (`NumpyEngine(compute=)`): "fp32" keeps them (the
+# reference), "bf16" rounds each to bf16 where transformers' bf16 forward produces a bf16 tensor, so a bf16
+# engine is compared with like (every op below takes the rounding as `r`).
+ROUNDING = {"fp32": keep, "bf16": round_bf16}
 
 
 def as_fp32(a: np.ndarray) -> np.ndarray:
@@ -14,21 +30,25 @@ def as_fp32(a: np.ndarray) -> np.ndarray:
     return bf16_bits_to_fp32(a) if a.dtype == np.uint16 else np.array(a, dtype=np.float32)
 
 
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, offset: float = 0.0) -> np.ndarray:
-    """HF RMSNorm over the last axis: (offset + weight) * x / sqrt(mean(x^2) + eps), in fp32."""
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, offset: float = 0.0, r=keep) -> np.ndarray:
+    """HF RMSNorm over the last axis: (offset + weight) * x / sqrt(mean(x^2) + eps), in fp32. Under bf16
+    rounding as transformers computes it: Llama's norm rounds x / rms before the weight multiplies it,
+    Gemma's (1 + w) norm rounds only its fp32 result."""
     var = np.mean(np.square(x), axis=-1, keepdims=True)
-    scale = weight if not offset else np.float32(offset) + weight  # Gemma: 1 + w, in fp32
-    return scale * (x / np.sqrt(var + np.float32(eps)))
+    normed = x / np.sqrt(var + np.float32(eps))
+    if offset:
+        return r((np.float32(offset) + weight) * normed)  # Gemma: 1 + w, in fp32
+    return r(weight * r(normed))
 
 
-def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Rotate x [T, heads, d] by HF's rotate_half convention; cos/sin are [T, r/2] for the first r dims
-    (partial rotary: the dims past r pass through unrotated)."""
-    r = 2 * cos.shape[-1]
-    half = r // 2
-    x1, x2 = x[..., :half], x[..., half:r]
-    c, s = cos[:, None, :], sin[:, None, :]  # (T, 1, r/2): broadcast over heads
-    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, x[..., r:]], axis=-1)
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, r=keep) -> np.ndarray:
+    """Rotate x [T, heads, d] by HF's rotate_half convention, x * cos + rotate_half(x) * sin; cos/sin are
+    [T, n/2] for the first n dims (partial rotary: the dims past n pass through unrotated)."""
+    n = 2 * cos.shape[-1]
+    half = n // 2
+    x1, x2 = x[..., :half], x[..., half:n]
+    c, s = r(cos[:, None, :]), r(sin[:, None, :])  # (T, 1, n/2): broadcast over heads
+    return np.concatenate([r(r(x1 * c) - r(x2 * s)), r(r(x2 * c) + r(x1 * s)), x[..., n:]], axis=-1)
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -51,16 +71,16 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return z / z.sum(axis=-1, keepdims=True)
 
 
-def softcap(x: np.ndarray, cap: float) -> np.ndarray:
+def softcap(x: np.ndarray, cap: float, r=keep) -> np.ndarray:
     """tanh(x / cap) * cap (Gemma 2's attention and final-logit softcapping), in fp32."""
     c = np.float32(cap)
-    return np.tanh(x / c) * c
+    return r(r(np.tanh(r(x / c))) * c)
 
 
 ACTIVATIONS = {"silu": silu, "gelu_tanh": gelu_tanh}
 
 
-def glu(kind: str, limit: float | None = None, alpha: float = 1.702):
+def glu(kind: str, limit: float | None = None, alpha: float = 1.702, r=keep):
     """The gated linear unit `kind` (models/spec.GLU_KINDS) as a function of the gate/up product
     gu = [gate | up] [T, 2I] -> [T, I]."""
     if kind == "swiglu_oai":  # gpt-oss: clamped, sigmoid(alpha g), (up + 1)
@@ -69,13 +89,13 @@ def glu(kind: str, limit: float | None = None, alpha: float = 1.702):
         def oai(gu: np.ndarray) -> np.ndarray:
             i = gu.shape[1] // 2
             g, u = np.minimum(gu[:, :i], lim), np.clip(gu[:, i:], -lim, lim)
-            return g * sigmoid(a * g) * (u + np.float32(1.0))
+            return r(r(g * r(sigmoid(r(a * g)))) * r(u + np.float32(1.0)))
 
         return oai
     act = ACTIVATIONS[kind]
 
     def gated(gu: np.ndarray) -> np.ndarray:
         i = gu.shape[1] // 2
-        return act(gu[:, :i]) * gu[:, i:]
+        return r(r(act(gu[:, :i])) * gu[:, i:])
 
     return gated
