@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from metrale_cli import formats
+from metrale_cli.models import formats
 from metrale_cli.backends.numpy.ops import as_fp32
 from metrale_cli.checkpoint import Checkpoint
 from metrale_cli.engine.loop import sublayer_out

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from .spec import Rope
 
 if TYPE_CHECKING:
-    from ..config import ModelConfig
+    from .model_config import ModelConfig
 
 
 def rope_info(rope: Rope) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from .family import Family
 from .spec import AttentionSpec, LayerSpec, MlpSpec, ModelDefinition, Norm, Param, Rope
 
 if TYPE_CHECKING:
-    from ..config import ConfigReader, ModelConfig
+    from .model_config import ConfigReader, ModelConfig
 
 # transformers' Gemma2Config defaults, for the fields a config.json leaves out (explicit nulls stay null).
 DEFAULTS: dict[str, Any] = {

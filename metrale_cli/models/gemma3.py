@@ -24,7 +24,7 @@ from .rope_params import read_rope
 from .spec import Rope
 
 if TYPE_CHECKING:
-    from ..config import ConfigReader
+    from .model_config import ConfigReader
 
 # transformers' Gemma3TextConfig defaults (hub configs of the multimodal models omit most of these).
 DEFAULTS: dict[str, Any] = {

@@ -15,7 +15,7 @@ from .family import Family
 from .spec import AttentionSpec, LayerSpec, MlpSpec, ModelDefinition, Norm, Param, Rope
 
 if TYPE_CHECKING:
-    from ..config import ConfigReader, ModelConfig
+    from .model_config import ConfigReader, ModelConfig
 
 # Buffers some exporters save that carry no weights: tolerated, never read.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

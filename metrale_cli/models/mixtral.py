@@ -13,7 +13,7 @@ from . import llama, mistral, moe
 from .family import Family
 
 if TYPE_CHECKING:
-    from ..config import ConfigReader, ModelConfig
+    from .model_config import ConfigReader, ModelConfig
     from .spec import ModelDefinition
 
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from .spec import ModelDefinition, MoeSpec, Param
 
 if TYPE_CHECKING:
-    from ..config import ConfigReader, ModelConfig
+    from .model_config import ConfigReader, ModelConfig
 
 # Routing options of other MoE families (DeepSeek, GLM, Ernie, ...) and the values that leave the routing
 # as softmax -> top-k. A config that sets one to anything else means a router metrale does not implement

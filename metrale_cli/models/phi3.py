@@ -19,7 +19,7 @@ from .rope_params import read_longrope, read_rope, rope_type
 from .spec import AttentionSpec, LayerSpec, MlpSpec, ModelDefinition, Norm, Param, Rope
 
 if TYPE_CHECKING:
-    from ..config import ConfigReader, ModelConfig
+    from .model_config import ConfigReader, ModelConfig
 
 ORIGINAL_MAX_DEFAULT = 4096  # Phi3Config.original_max_position_embeddings
 

@@ -8,7 +8,7 @@ from . import llama, windows
 from .family import Family
 
 if TYPE_CHECKING:
-    from ..config import ConfigReader
+    from .model_config import ConfigReader
 
 
 def parse(r: ConfigReader) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from .family import Family
 from .qwen3_moe import EXPERT_NAMES, qwen_moe_config
 
 if TYPE_CHECKING:
-    from ..config import ConfigReader, ModelConfig
+    from .model_config import ConfigReader, ModelConfig
     from .spec import ModelDefinition
 
 

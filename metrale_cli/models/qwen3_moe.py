@@ -13,7 +13,7 @@ from . import llama, moe, qwen3
 from .family import Family
 
 if TYPE_CHECKING:
-    from ..config import ConfigReader, ModelConfig
+    from .model_config import ConfigReader, ModelConfig
     from .spec import ModelDefinition
 
 EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")

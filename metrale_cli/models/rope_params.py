@@ -14,7 +14,7 @@ from ..errors import ConfigError
 from .spec import LongRope, Rope, RopeScaling
 
 if TYPE_CHECKING:
-    from ..config import ConfigReader
+    from .model_config import ConfigReader
 
 
 def rope_type(params: dict[str, Any]) -> str:

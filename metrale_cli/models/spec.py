@@ -311,7 +311,7 @@ class ModelDefinition:
     def expected_tensors(self) -> dict[str, tuple[int, ...]]:
         """Checkpoint tensor name -> shape, for every tensor the definition reads (a formatted param's
         stored tensors and their scales: formats.stored_tensors)."""
-        from ..formats import stored_tensors
+        from .formats import stored_tensors
 
         return {t.name: t.shape for p in self.params() for t in stored_tensors(p)}
 

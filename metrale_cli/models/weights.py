@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Generic, Protocol, TypeVar
 
 from ..errors import CheckpointError, ConfigError
-from ..formats import allowed_dtypes
+from .formats import allowed_dtypes
 from .spec import ModelDefinition, Param
 
 if TYPE_CHECKING:
-    from ..config import ModelConfig
+    from .model_config import ModelConfig
     from ..safetensors_file import TensorInfo
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
-    from ..config import ConfigReader
+    from .model_config import ConfigReader
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 

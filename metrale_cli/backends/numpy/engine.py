@@ -16,7 +16,7 @@ import numpy as np
 
 from ...config import ModelConfig
 from ...engine.longrope import has_longrope, long_factors
-from ...formats import dequantize, stored_tensors
+from ...models.formats import dequantize, stored_tensors
 from ...engine.loop import Tap, decoder_forward
 from ...engine.mixers import kinds_of, mixer_kind
 from ...engine_base import EngineBase, check_context

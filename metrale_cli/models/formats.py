@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable
 if TYPE_CHECKING:
     import numpy as np
 
-    from .models.spec import ModelDefinition, Param, Tensor
+    from .spec import ModelDefinition, Param, Tensor
 
 DENSE_DTYPES = ("BF16", "F16", "F32")  # what a param with no format may be stored as
 
@@ -115,7 +115,7 @@ def dequantize(p: Param, read: Callable[[str], Any]) -> list[np.ndarray]:
     """Each part of param p as fp32 [rows, ...], from `read(name)` (the stored arrays, BF16 as uint16 bits)."""
     import numpy as np
 
-    from .logits import bf16_bits_to_fp32
+    from ..logits import bf16_bits_to_fp32
 
     if p.format is None:
         return [bf16_bits_to_fp32(a) if a.dtype == np.uint16 else np.array(a, dtype=np.float32)
