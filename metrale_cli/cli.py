@@ -39,7 +39,7 @@ from .models import FAMILIES
 from .models.weights import check_checkpoint
 
 if TYPE_CHECKING:  # the commands import decoding (and with it numpy) when they run: --help stays fast
-    from .decoding import DecodeResult, SpecDecodeResult
+    from .decoding.results import DecodeResult, SpecDecodeResult
 
 EXIT_CODE_HELP = "\n".join(f"  {code:>3}  {text}" for code, text in sorted(EXIT_CODES.items()))
 
@@ -438,7 +438,8 @@ def dumps_on_nonfinite(job: Job, command: str, engine: Any,
     """When the run inside meets NaN/Inf, the requested dumps of the rows it produced (the failing ones
     included, and the layers of every pass so far) are written first, as they are the evidence; then it
     fails (exit 6), naming where the values first appear (a rerun of the tokens with every tap on)."""
-    from .decoding import NonFiniteRun, describe_nonfinite
+    from .decoding.results import NonFiniteRun
+    from .decoding.rows import describe_nonfinite
 
     try:
         yield
@@ -547,7 +548,9 @@ def _cap_top_k(state: State, top_k: int, vocab: int) -> int:
 
 def _decode(job: Job, steps: int, top_k: int, ignore_eos: bool, speculative: bool, draft_path: str | None,
             k: int) -> None:
-    from .decoding import ModelDrafter, NgramDrafter, TextStream, run_decode
+    from .decoding.decode import run_decode
+    from .decoding.rows import TextStream
+    from .decoding.speculative import ModelDrafter, NgramDrafter
 
     n = len(job.ids)
     what = f"prompt ({n} tokens) + --steps {steps}"
@@ -599,7 +602,8 @@ def _decode(job: Job, steps: int, top_k: int, ignore_eos: bool, speculative: boo
 
 def _speculative(job: Job, target: LoadedModel, drafter, steps: int, k: int,
                  kwargs: dict[str, Any]) -> "tuple[SpecDecodeResult, bool | None]":
-    from .decoding import run_decode, speculative_decode
+    from .decoding.decode import run_decode
+    from .decoding.speculative import speculative_decode
 
     result = speculative_decode(target.engine, drafter, job.ids, steps, k, **kwargs)
     if not job.common.timings or result.interrupted:
@@ -701,7 +705,7 @@ def _parse_draft_ids(draft: str) -> list[int]:
 
 
 def _verify(job: Job, k: int, draft_ids: list[int] | None, draft_path: str | None) -> None:
-    from .decoding import run_verify
+    from .decoding.verify import run_verify
 
     n = len(job.ids)
     what = f"prompt ({n} tokens) + --k {k}"
@@ -772,7 +776,7 @@ def forward(
     """
     c = Common(model, prompt, tokens, device, logits_dtype, fmt, dump_logits, hidden, dump_hidden, timings,
                max_context, chat, system, no_special_tokens, LayerOptions(dump_layers, layers, dump_stats), tp)
-    from .decoding import run_forward
+    from .decoding.decode import run_forward
 
     if rows not in ("last", "all"):
         raise UsageError(f"--rows must be last or all, got {rows!r}")

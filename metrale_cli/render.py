@@ -130,8 +130,9 @@ from .errors import UsageError
 if TYPE_CHECKING:  # decoding (and numpy) is imported by the commands that compute, not by `--help`
     from rich.progress import Progress
 
-    from .decoding import (DecodeResult, DecodeStep, ForwardResult, HiddenSummary, SpecDecodeResult, TextStream,
-                           Timings, VerifyResult)
+    from .decoding.results import (DecodeResult, DecodeStep, ForwardResult, HiddenSummary, SpecDecodeResult,
+                                   Timings, VerifyResult)
+    from .decoding.rows import TextStream
 
 FORMATS = ("rich", "plain", "json")
 PROGRESS_MIN_BYTES = 200_000_000  # checkpoints smaller than this load too fast to need a bar
@@ -482,7 +483,7 @@ def _rich_spec(spec: dict[str, Any]) -> Table:
 
 
 def _spec_json(result: DecodeResult, meta: Meta) -> dict[str, Any] | None:
-    from .decoding import SpecDecodeResult
+    from .decoding.results import SpecDecodeResult
 
     if not isinstance(result, SpecDecodeResult) or result.stats is None:
         return None
@@ -518,7 +519,7 @@ def decode_json(meta: Meta, result: DecodeResult, plain_match: bool | None = Non
 
 
 def decode_timings_json(result: DecodeResult, plain_match: bool | None = None) -> dict[str, Any]:
-    from .decoding import SpecDecodeResult
+    from .decoding.results import SpecDecodeResult
 
     t = result.timings
     out = _base_timings(t)

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from metrale_cli import cli, decoding, render
+from metrale_cli import cli, render
+from metrale_cli.decoding import decode as decode_pass
 from metrale_cli.errors import EXIT_CODES
 from metrale_cli.model import DEFAULT_MODEL_DIR, EMBEDDED_MODELS, model_dir, open_model
 
@@ -20,7 +21,7 @@ TOKENS = "1 2 3"
 
 def greedy_tokens(model: str, prompt: list[int], steps: int) -> list[int]:
     """Plain greedy decoding straight through the engine, for comparison with the CLI."""
-    from metrale_cli.decoding import run_decode
+    from metrale_cli.decoding.decode import run_decode
 
     m = open_model(model, device="cpu", max_context=len(prompt) + steps)
     try:
@@ -334,7 +335,7 @@ def test_internal_error_is_one_line_exit_70(run_cli, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("boom\nsecond line")
 
-    monkeypatch.setattr(decoding, "run_forward", boom)  # cli imports it when forward runs
+    monkeypatch.setattr(decode_pass, "run_forward", boom)  # cli imports it when forward runs
     r = run_cli("forward", "-m", LLAMA, "-t", TOKENS, env={"METRALE_DEBUG": None})
     assert r.exit_code == 70
     assert r.stderr == ("metrale: internal error: RuntimeError: boom second line "
@@ -347,7 +348,7 @@ def test_keyboard_interrupt_is_one_line_exit_130(run_cli, monkeypatch):
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(decoding, "run_forward", interrupted)
+    monkeypatch.setattr(decode_pass, "run_forward", interrupted)
     r = run_cli("forward", "-m", LLAMA, "-t", TOKENS)
     assert r.exit_code == 130
     assert r.stderr == "metrale: interrupted: stopped by Ctrl-C (no partial output file is left)\n"

@@ -135,7 +135,7 @@ def _row_bits(engine, ptr):
 
 def test_verify_self_reports_ulps_and_identical_rows(run_cli):
     """The figures against a computation of their own from the verify rows and the plain decode rows."""
-    from metrale_cli.decoding import run_decode
+    from metrale_cli.decoding.decode import run_decode
     from metrale_cli.model import open_model
 
     doc = as_json(run_cli("verify", "--k", 6, "-f", "json"))
@@ -168,7 +168,7 @@ def test_verify_self_reports_ulps_and_identical_rows(run_cli):
 
 
 def test_ulp_distance_counts_representable_values_between():
-    from metrale_cli.decoding import ulp_distance
+    from metrale_cli.decoding.verify import ulp_distance
 
     def bf16(*bits):
         return np.array(bits, "<u2").tobytes()
@@ -207,7 +207,7 @@ def _ctrl_c_after(monkeypatch, method: str, calls: int) -> None:
 
 
 def _greedy(prompt: list[int], steps: int, model=None) -> list[int]:
-    from metrale_cli.decoding import run_decode
+    from metrale_cli.decoding.decode import run_decode
     from metrale_cli.model import open_model
 
     m = open_model(model, device="cpu", max_context=len(prompt) + steps)
