@@ -1,4 +1,4 @@
-"""render.py on its own: token text escaping, number formats, the JSON layout, format choice."""
+"""render on its own: token text escaping, number formats, the JSON layout, format choice."""
 
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def test_plain_output_does_not_depend_on_width():
 
 
 def test_only_render_prints():
-    pkg = Path(render.__file__).parent
+    pkg = Path(render.__file__).parent.parent
     files = [pkg / "cli.py", pkg / "dumps.py", pkg / "inputs.py", *sorted((pkg / "decoding").glob("*.py"))]
     for path in files:
         src = path.read_text()
