@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from metrale_cli import cli, render
+from metrale_cli import cli, render  # cli: main, the console script
+from metrale_cli.cli import job
+from metrale_cli.cli.entry import State
 from metrale_cli.decoding import decode as decode_pass
 from metrale_cli.errors import EXIT_CODES
 from metrale_cli.model import DEFAULT_MODEL_DIR, EMBEDDED_MODELS, model_dir, open_model
@@ -215,7 +217,7 @@ def test_default_format_is_rich_on_a_terminal_and_plain_otherwise(run_cli):
             return True
 
     out = TTY()
-    state = cli.State(out=Console(file=out, width=100), err=Console(file=io.StringIO()))
+    state = State(out=Console(file=out, width=100), err=Console(file=io.StringIO()))
     assert run_cli("forward", "-m", LLAMA, "-t", TOKENS, obj=state).exit_code == 0
     assert "\u2503" in out.getvalue() or "\u2502" in out.getvalue()  # a table border
     r = run_cli("forward", "-m", LLAMA, "-t", TOKENS)
@@ -383,13 +385,13 @@ def test_load_progress_bar_only_for_large_checkpoints_on_a_terminal():
 
 def test_context_is_sized_to_the_job(run_cli, monkeypatch):
     seen = []
-    real = cli.open_model
+    real = job.open_model
 
     def spy(path, **kw):
         seen.append(kw["max_context"])
         return real(path, **kw)
 
-    monkeypatch.setattr(cli, "open_model", spy)
+    monkeypatch.setattr(job, "open_model", spy)
     assert run_cli("decode", "-m", LLAMA, "-t", TOKENS, "--steps", 5).exit_code == 0
     assert run_cli("verify", "-m", LLAMA, "-t", TOKENS, "--k", 2).exit_code == 0
     assert run_cli("decode", "-m", LLAMA, "-t", TOKENS, "--steps", 5, "--draft", "ngram", "--k", 4).exit_code == 0

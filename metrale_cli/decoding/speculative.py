@@ -9,8 +9,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import InputError, NonFiniteLogitsError
-from .decode import draft_greedy, prefill_next
-from .results import DecodeStep, NonFiniteRun, SpecDecodeResult, SpecStats, Timings
+from .decode import draft_greedy, prefill_next, run_decode
+from .results import DecodeResult, DecodeStep, NonFiniteRun, SpecDecodeResult, SpecStats, Timings
 from .rows import Reader, hidden_rows_for, joined_text, nonfinite_run, rows_for
 
 
@@ -164,3 +164,25 @@ def speculative_decode(engine, drafter, prompt: Sequence[int], steps: int, k: in
     stopped_at_eos = bool(out) and out[-1].token in eos and not ignore_eos
     return SpecDecodeResult(list(prompt), out, stopped_at_eos, rows, hidden.summary() if hidden else None, timings,
                             joined_text(detokenize, prompt, out), hidden, interrupted, stats=stats)
+
+
+def time_against_plain(engine, result: SpecDecodeResult, prompt: Sequence[int], steps: int, *, eos_ids=(),
+                       ignore_eos: bool = False, should_stop: Callable[[], bool] | None = None) -> bool | None:
+    """decode --timings of a speculative run: plain greedy decoding of the same prompt on the same engine,
+    for the tokens/s comparison. Sets result.spec_tokens_per_s and result.plain_tokens_per_s, and returns
+    whether both produced the same tokens. Both rates count the tokens after the first (which the
+    identical prefill produces) over the decode-phase time. Ctrl-C during the comparison (should_stop)
+    marks the result interrupted and returns None: the speculative tokens stand, without it."""
+    plain = run_decode(engine, prompt, steps, eos_ids=eos_ids, ignore_eos=ignore_eos, should_stop=should_stop)
+    if plain.interrupted:
+        result.interrupted = True
+        return None
+    result.spec_tokens_per_s = decode_rate(result)
+    result.plain_tokens_per_s = decode_rate(plain)
+    return [s.token for s in plain.steps] == [s.token for s in result.steps]
+
+
+def decode_rate(result: DecodeResult) -> float | None:
+    """Tokens per second of the decode phase: the tokens after the first over the time after the prefill."""
+    seconds = sum(result.timings.step_s)
+    return (len(result.steps) - 1) / seconds if seconds > 0 and len(result.steps) > 1 else None
