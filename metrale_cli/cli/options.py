@@ -2,11 +2,9 @@
 
 decode, verify and forward take the same options around their own: the model and the prompt before them
 (_pass_head), the device, the format, the dumps, the timings, the context and tensor parallelism after
-(_pass_tail). Such a command declares only its own options and takes the shared ones as one Common:
-
-
-@pass_options gives typer the whole signature, in that order, so the help lists the options as each
-command always did. score and compare take a few of the same options by their Annotated aliases.
+(_pass_tail). Such a command declares only its own options and takes the shared ones as one Common: the
+decorator pass_options gives typer the whole signature, in that order, so the help lists the options as
+each command always did. score, compare and bench take a few of the same options by their aliases.
 """
 
 
