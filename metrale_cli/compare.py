@@ -1,6 +1,6 @@
 """The statistics of `metrale compare A B`: B against the reference A, overall and row by row (logits), or
 tensor by tensor in forward order (layer dumps). Everything is computed in float64 and returned as
-dataclasses; render.py prints them.
+dataclasses; render prints them.
 
 Per logits row (a = A's row, b = B's):
     max_abs_diff  max |a - b|                       rel_err   max |a - b| / max |a|

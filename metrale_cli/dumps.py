@@ -49,7 +49,7 @@ from .errors import OutputError, UsageError
 if TYPE_CHECKING:  # numpy is imported by the writers: the CLI checks dump paths before any math
     import numpy as np
 
-    from .decoding import HiddenRows, Rows
+    from .decoding.results import HiddenRows, Rows
 
 LOGITS_KINDS = ("safetensors", "npy", "bin")
 HIDDEN_KINDS = ("safetensors", "npy", "bin")

@@ -44,7 +44,7 @@ import numpy as np
 from .compare import LayerComparison, LogitsComparison, Tolerances, compare_layers, compare_logits, failure_message
 from .compare_inputs import Matrix
 from .config import ModelConfig
-from .decoding import Reader
+from .decoding.rows import Reader
 from .engine.loop import tap_names
 from .errors import UsageError
 from .layer_dumps import EMBED, NORM, LayerDump

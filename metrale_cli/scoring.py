@@ -33,7 +33,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .compare import top_k_ids
-from .decoding import Reader, Timings, TopK
+from .decoding.results import Timings, TopK
+from .decoding.rows import Reader
 from .errors import InputError, UsageError
 from .config import ModelConfig
 from .inputs import limit_of

@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from metrale_cli import cli, decoding, render
+from metrale_cli import cli, render  # cli: main, the console script
+from metrale_cli.cli import job
+from metrale_cli.cli.entry import State
+from metrale_cli.decoding import decode as decode_pass
 from metrale_cli.errors import EXIT_CODES
 from metrale_cli.model import DEFAULT_MODEL_DIR, EMBEDDED_MODELS, model_dir, open_model
 
@@ -20,7 +23,7 @@ TOKENS = "1 2 3"
 
 def greedy_tokens(model: str, prompt: list[int], steps: int) -> list[int]:
     """Plain greedy decoding straight through the engine, for comparison with the CLI."""
-    from metrale_cli.decoding import run_decode
+    from metrale_cli.decoding.decode import run_decode
 
     m = open_model(model, device="cpu", max_context=len(prompt) + steps)
     try:
@@ -214,7 +217,7 @@ def test_default_format_is_rich_on_a_terminal_and_plain_otherwise(run_cli):
             return True
 
     out = TTY()
-    state = cli.State(out=Console(file=out, width=100), err=Console(file=io.StringIO()))
+    state = State(out=Console(file=out, width=100), err=Console(file=io.StringIO()))
     assert run_cli("forward", "-m", LLAMA, "-t", TOKENS, obj=state).exit_code == 0
     assert "\u2503" in out.getvalue() or "\u2502" in out.getvalue()  # a table border
     r = run_cli("forward", "-m", LLAMA, "-t", TOKENS)
@@ -334,7 +337,7 @@ def test_internal_error_is_one_line_exit_70(run_cli, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("boom\nsecond line")
 
-    monkeypatch.setattr(decoding, "run_forward", boom)  # cli imports it when forward runs
+    monkeypatch.setattr(decode_pass, "run_forward", boom)  # cli imports it when forward runs
     r = run_cli("forward", "-m", LLAMA, "-t", TOKENS, env={"METRALE_DEBUG": None})
     assert r.exit_code == 70
     assert r.stderr == ("metrale: internal error: RuntimeError: boom second line "
@@ -347,7 +350,7 @@ def test_keyboard_interrupt_is_one_line_exit_130(run_cli, monkeypatch):
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(decoding, "run_forward", interrupted)
+    monkeypatch.setattr(decode_pass, "run_forward", interrupted)
     r = run_cli("forward", "-m", LLAMA, "-t", TOKENS)
     assert r.exit_code == 130
     assert r.stderr == "metrale: interrupted: stopped by Ctrl-C (no partial output file is left)\n"
@@ -382,13 +385,13 @@ def test_load_progress_bar_only_for_large_checkpoints_on_a_terminal():
 
 def test_context_is_sized_to_the_job(run_cli, monkeypatch):
     seen = []
-    real = cli.open_model
+    real = job.open_model
 
     def spy(path, **kw):
         seen.append(kw["max_context"])
         return real(path, **kw)
 
-    monkeypatch.setattr(cli, "open_model", spy)
+    monkeypatch.setattr(job, "open_model", spy)
     assert run_cli("decode", "-m", LLAMA, "-t", TOKENS, "--steps", 5).exit_code == 0
     assert run_cli("verify", "-m", LLAMA, "-t", TOKENS, "--k", 2).exit_code == 0
     assert run_cli("decode", "-m", LLAMA, "-t", TOKENS, "--steps", 5, "--draft", "ngram", "--k", 4).exit_code == 0

@@ -12,7 +12,8 @@ import pytest
 from rich.cells import cell_len
 from rich.console import Console
 
-from metrale_cli import cli, render
+from metrale_cli import render
+from metrale_cli.cli.entry import State
 from metrale_cli.model import DEFAULT_MODEL_DIR
 from metrale_cli.tokenizer import Tokenizer
 
@@ -68,7 +69,7 @@ def test_decode_without_tokenizer_has_no_text(run_cli):
 def test_rich_on_a_terminal_streams_the_text_before_the_table(run_cli):
     doc = as_json(run_cli("decode", "--steps", 10, "-f", "json"))
     out = TTY()
-    state = cli.State(out=Console(file=out, width=80, color_system=None), err=Console(file=io.StringIO()))
+    state = State(out=Console(file=out, width=80, color_system=None), err=Console(file=io.StringIO()))
     assert run_cli("decode", "--steps", 10, "-f", "rich", obj=state).exit_code == 0
     shown = out.getvalue()
     streamed = "The for statement" + doc["text"]  # the prompt, then the continuation as it came
@@ -135,7 +136,7 @@ def _row_bits(engine, ptr):
 
 def test_verify_self_reports_ulps_and_identical_rows(run_cli):
     """The figures against a computation of their own from the verify rows and the plain decode rows."""
-    from metrale_cli.decoding import run_decode
+    from metrale_cli.decoding.decode import run_decode
     from metrale_cli.model import open_model
 
     doc = as_json(run_cli("verify", "--k", 6, "-f", "json"))
@@ -168,7 +169,7 @@ def test_verify_self_reports_ulps_and_identical_rows(run_cli):
 
 
 def test_ulp_distance_counts_representable_values_between():
-    from metrale_cli.decoding import ulp_distance
+    from metrale_cli.decoding.verify import ulp_distance
 
     def bf16(*bits):
         return np.array(bits, "<u2").tobytes()
@@ -207,7 +208,7 @@ def _ctrl_c_after(monkeypatch, method: str, calls: int) -> None:
 
 
 def _greedy(prompt: list[int], steps: int, model=None) -> list[int]:
-    from metrale_cli.decoding import run_decode
+    from metrale_cli.decoding.decode import run_decode
     from metrale_cli.model import open_model
 
     m = open_model(model, device="cpu", max_context=len(prompt) + steps)
@@ -253,7 +254,7 @@ def test_ctrl_c_in_speculative_decode(run_cli, monkeypatch):
 def test_ctrl_c_rich_and_plain_say_interrupted(run_cli, monkeypatch):
     _ctrl_c_after(monkeypatch, "decode", 3)
     out = TTY()
-    state = cli.State(out=Console(file=out, width=80, color_system=None), err=Console(file=io.StringIO()))
+    state = State(out=Console(file=out, width=80, color_system=None), err=Console(file=io.StringIO()))
     assert run_cli("decode", "--steps", 40, "--ignore-eos", "-f", "rich", obj=state).exit_code == 130
     assert "decode: 4 tokens (interrupted by Ctrl-C)" in out.getvalue()
     _ctrl_c_after(monkeypatch, "decode", 3)
@@ -298,7 +299,7 @@ RICH_COMMANDS = {
 @pytest.mark.parametrize("command", RICH_COMMANDS)
 def test_rich_output_fits_the_terminal(run_cli, command, width, terminal):
     out = TTY() if terminal else io.StringIO()
-    state = cli.State(out=Console(file=out, width=width, color_system=None), err=Console(file=io.StringIO()))
+    state = State(out=Console(file=out, width=width, color_system=None), err=Console(file=io.StringIO()))
     args = RICH_COMMANDS[command]
     assert run_cli(*args, "-f", "rich", obj=state).exit_code == 0
     lines = out.getvalue().splitlines()

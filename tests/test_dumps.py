@@ -24,7 +24,7 @@ STEPS = 5
 DRAFTS = [270, 157, 5]  # the first two are the model's greedy tokens, the third is not
 
 
-# -- the reference: rows read through ModelLogits, without decoding.py ----------------------------------------------
+# -- the reference: rows read through ModelLogits, without the decoding package ----------------------------------------------
 
 
 def _engine(dtype: str):

@@ -18,7 +18,8 @@ import pytest
 from typer import rich_utils
 from typer.testing import CliRunner
 
-from metrale_cli.cli import app, reflow_help
+from metrale_cli.cli.entry import app
+from metrale_cli.cli.help_format import reflow_help
 
 COMMANDS = ["", "decode", "verify", "forward", "inspect", "bench"]  # "": the top-level help
 # compare and score: their examples need input files, so they are held to the layout rules only
@@ -156,7 +157,7 @@ def test_examples_alone_after_the_summary_keep_their_indent():
     start, the examples lost their indent (forward's help did); reflow_help's leading blank line keeps it."""
     import typer
 
-    from metrale_cli.cli import MetraleCommand
+    from metrale_cli.cli.help_format import MetraleCommand
 
     demo = typer.Typer(rich_markup_mode="rich")
 

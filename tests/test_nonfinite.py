@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 
-from metrale_cli import decoding
+from metrale_cli.decoding import rows as decoding_rows
 from metrale_cli.logits import bf16_bits_to_fp32
 
 VOCAB = 300
@@ -190,7 +190,7 @@ def test_the_engines_diagnosis_is_appended_to_the_message(run_cli, nan_norm, mon
         seen.append(list(tokens))
         return "first non-finite values: final norm"
 
-    monkeypatch.setattr(decoding, "describe_nonfinite", diagnosis)
+    monkeypatch.setattr(decoding_rows, "describe_nonfinite", diagnosis)
     r = run_cli("forward", "-m", nan_norm, "-t", "7 8 9")
     assert r.exit_code == 6
     assert one_line(r.stderr).endswith("holds NaN or Inf; first non-finite values: final norm")
@@ -206,9 +206,9 @@ def test_describe_nonfinite_names_the_first_tensor_with_nan(helpers, poisoned, r
     tokens = [int(t) for t in rng.choice(VOCAB, 5, replace=False)]
     at = int(rng.integers(5))
     bad = open_model(poisoned(tokens[at]), device="cpu", max_context=8).engine
-    assert decoding.describe_nonfinite(bad, tokens) == (
+    assert decoding_rows.describe_nonfinite(bad, tokens) == (
         f"first non-finite values in model.embed_tokens (the embedding rows), token {tokens[at]} at position "
         f"{at}: 64 NaN, 0 Inf")
-    assert decoding.describe_nonfinite(bad, tokens * 2) is None  # 10 tokens, a cache of 8
+    assert decoding_rows.describe_nonfinite(bad, tokens * 2) is None  # 10 tokens, a cache of 8
     clean = open_model(helpers.REPO / helpers.LLAMA, device="cpu", max_context=8).engine
-    assert decoding.describe_nonfinite(clean, tokens).startswith("every layer's output and the final norm are finite")
+    assert decoding_rows.describe_nonfinite(clean, tokens).startswith("every layer's output and the final norm are finite")

@@ -1,4 +1,4 @@
-"""render.py on its own: token text escaping, number formats, the JSON layout, format choice."""
+"""render on its own: token text escaping, number formats, the JSON layout, format choice."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from rich.cells import cell_len
 from rich.console import Console
 
 from metrale_cli import render
-from metrale_cli.decoding import (DecodeResult, DecodeStep, ForwardResult, ForwardRow, HiddenSummary,
-                                  SpecDecodeResult, SpecStats, Timings, TopK, VerifyResult, VerifyRow,
-                                  summarize_hidden)
+from metrale_cli.decoding.results import (DecodeResult, DecodeStep, ForwardResult, ForwardRow, HiddenSummary,
+                                          SpecDecodeResult, SpecStats, Timings, TopK, VerifyResult, VerifyRow,
+                                          summarize_hidden)
 from metrale_cli.errors import UsageError
 
 
@@ -121,10 +121,12 @@ def test_plain_output_does_not_depend_on_width():
 
 
 def test_only_render_prints():
-    pkg = Path(render.__file__).parent
-    for name in ("cli.py", "dumps.py", "inputs.py", "decoding.py"):
-        src = (pkg / name).read_text()
-        assert not re.search(r"(?<![\w.])print\(|\.echo\(|sys\.std(out|err)\.write", src), name
+    pkg = Path(render.__file__).parent.parent
+    files = [pkg / "dumps.py", pkg / "inputs.py", *sorted((pkg / "cli").glob("*.py")),
+             *sorted((pkg / "decoding").glob("*.py"))]
+    for path in files:
+        src = path.read_text()
+        assert not re.search(r"(?<![\w.])print\(|\.echo\(|sys\.std(out|err)\.write", src), path.name
 
 
 @pytest.mark.parametrize("text, shown", [

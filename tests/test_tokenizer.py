@@ -101,7 +101,7 @@ def test_byte_level_token_bytes_spell_the_text(embedded, text):
 
 
 def _streamed(tok: Tokenizer, prompt: list[int], generated: list[int]) -> str:
-    from metrale_cli.decoding import TextStream
+    from metrale_cli.decoding.rows import TextStream
 
     stream = TextStream(tok.decode, prompt)
     pieces = [stream.push(t) for t in generated]
@@ -109,7 +109,7 @@ def _streamed(tok: Tokenizer, prompt: list[int], generated: list[int]) -> str:
 
 
 def test_continuation_keeps_a_sentencepiece_leading_space(sentencepiece):
-    from metrale_cli.decoding import continuation_text
+    from metrale_cli.decoding.rows import continuation_text
 
     prompt = sentencepiece._inner.encode("hi", add_special_tokens=False).ids
     generated = sentencepiece._inner.encode("hi a " + EMOJI, add_special_tokens=False).ids[1:]
@@ -119,7 +119,7 @@ def test_continuation_keeps_a_sentencepiece_leading_space(sentencepiece):
 
 
 def test_stream_holds_an_incomplete_character_back(embedded):
-    from metrale_cli.decoding import TextStream
+    from metrale_cli.decoding.rows import TextStream
 
     prompt = embedded.encode("The")
     ids = embedded._inner.encode(" " + EMOJI + " x", add_special_tokens=False).ids
@@ -133,7 +133,7 @@ def test_stream_holds_an_incomplete_character_back(embedded):
 @settings(max_examples=100, deadline=None)
 @given(st.text(min_size=1, max_size=30), st.text(min_size=1, max_size=30))
 def test_streamed_text_equals_the_joined_text(embedded, head, tail):
-    from metrale_cli.decoding import continuation_text
+    from metrale_cli.decoding.rows import continuation_text
 
     prompt = embedded.encode(head)
     generated = embedded._inner.encode(tail, add_special_tokens=False).ids

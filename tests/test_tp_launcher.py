@@ -223,9 +223,9 @@ def test_cli_tp_usage_errors(run_cli, helpers, args, code, culprit):
 
 
 def test_cli_tp_more_than_the_visible_gpus_is_a_device_error(run_cli, helpers, monkeypatch):
-    import metrale_cli.cli as cli
+    from metrale_cli.cli import job
 
-    monkeypatch.setattr(cli, "resolve_device", lambda d: "cuda")
+    monkeypatch.setattr(job, "resolve_device", lambda d: "cuda")
     monkeypatch.setattr(launcher, "gpu_status", lambda: (1, None))
     r = run_cli("forward", "-m", helpers.LLAMA, "--tokens", "1 2", "--device", "cuda", "--tp", "2")
     assert r.exit_code == 8 and "--tp 2 needs 2 CUDA devices, 1 visible" in r.stderr

@@ -1,0 +1,142 @@
+"""metrale compare: two logits dumps or two layer dumps; or --reference transformers, metrale checked
+against transformers on the same checkpoint."""
+
+
+from typing import Annotated, Any, Optional
+
+import typer
+
+from ..errors import UsageError
+from ..inputs import check_positive, context_for
+from ..render.common import choose_format
+from ..render.compare import render_compare
+from ..render.reference import render_reference_check
+from .entry import State, app
+from .help_format import MetraleCommand
+from .job import load, prepare
+from .options import Common, FormatOpt, ModelOpt, PromptOpt, TokensOpt
+
+
+@app.command(cls=MetraleCommand)
+def compare(
+    ctx: typer.Context,
+    a: Annotated[Optional[str], typer.Argument(metavar="A", help="The reference: a logits dump or a layer dump.",
+                                               show_default=False)] = None,
+    b: Annotated[Optional[str], typer.Argument(metavar="B", help="The dump compared with A, of the same kind.",
+                                               show_default=False)] = None,
+    tensor: Annotated[Optional[str], typer.Option(
+        "--tensor", metavar="NAME", help="Read this tensor of a .safetensors/.npz input as the logits rows.")] = None,
+    tensor_b: Annotated[Optional[str], typer.Option(
+        "--tensor-b", metavar="NAME", help="B's tensor name, when it differs from --tensor.")] = None,
+    vocab: Annotated[Optional[int], typer.Option(
+        "--vocab", metavar="N", help="Row width of a raw .bin without a sidecar.")] = None,
+    dtype: Annotated[Optional[str], typer.Option(
+        "--dtype", metavar="f32|bf16|f16", help="Dtype of a raw .bin, or of uint16 .npy/U16 data.")] = None,
+    rows: Annotated[bool, typer.Option("--rows", help="Also list the statistics of every row.")] = False,
+    max_kl: Annotated[Optional[float], typer.Option(
+        "--max-kl", metavar="X", help="Check: every row's KL(P_A || P_B) <= X.")] = None,
+    max_rel_err: Annotated[Optional[float], typer.Option(
+        "--max-rel-err", metavar="X", help="Check: every row's max|A-B| / max|A| <= X.")] = None,
+    min_top1: Annotated[Optional[float], typer.Option(
+        "--min-top1", metavar="X", help="Check: the fraction of rows whose argmax agrees >= X.")] = None,
+    rtol: Annotated[Optional[float], typer.Option(
+        "--rtol", metavar="X", help="Layer dumps: the first tensor with max|A-B| / max|A| > X is the first "
+                                    "divergence; exit 9 if there is one (default report threshold 1e-3).")] = None,
+    reference: Annotated[Optional[str], typer.Option(
+        "--reference", metavar="transformers", help="Instead of A and B: run transformers and metrale on --model "
+                                                    "and compare them (needs the `reference` extra).")] = None,
+    model: ModelOpt = None,
+    prompt: PromptOpt = None,
+    tokens: TokensOpt = None,
+    steps: Annotated[Optional[int], typer.Option(
+        "--steps", "-n", metavar="N", help="With --reference: greedy tokens compared after the prompt (default 8).")] = None,
+    layers: Annotated[Optional[str], typer.Option(
+        "--layers", metavar="I,J,...|all", help="With --reference: also compare these layers' taps.")] = None,
+    device: Annotated[Optional[str], typer.Option(
+        "--device", metavar="cpu|cuda", help="With --reference: where metrale runs (default cpu).")] = None,
+    logits_dtype: Annotated[Optional[str], typer.Option(
+        "--logits-dtype", metavar="fp32|bf16", help="With --reference: both sides' dtype (default fp32).")] = None,
+    fmt: FormatOpt = None,
+) -> None:
+    """Compare two logits dumps or two layer dumps; A is the reference.
+
+    Logits: max|A-B|, max|A-B|/max|A|, NMSE, cosine, rel_diff, argmax agreement, top-5/10 overlap,
+    every row whose argmax differs (both candidates, A's margin), KL(P_A || P_B) and Δp statistics as
+    llama-perplexity --kl-divergence reports them.
+    Inputs: metrale's dumps (.safetensors, .npy, .bin with their sidecars), a plain .npy [rows, vocab]
+    (float32, float16, or bf16 bit patterns with --dtype bf16), a .safetensors tensor (--tensor NAME),
+    raw .bin (--vocab N --dtype f32|bf16|f16).
+    Layer dumps (.safetensors/.npz from --dump-layers): the same error statistics per tensor in forward
+    order, and the first tensor that diverges.
+    With --max-kl, --max-rel-err, --min-top1 or --rtol it is a check: exit 9 when exceeded.
+
+    --reference transformers --model DIR checks metrale itself: transformers (pip install
+    'metrale[reference]') decodes --steps N greedy tokens after the prompt; both then run prompt + those
+    tokens teacher-forced (one forward, so an early difference does not cascade), and the prompt's last row
+    and the N step rows are compared as above (A = transformers, B = metrale), with each row's argmax and
+    whether metrale's greedy tokens are transformers'. --layers also compares those layers' taps with
+    transformers' hidden_states and module outputs, naming the first diverging one. fp32 on both sides by
+    default; --logits-dtype bf16 runs both in bf16 (with --device cuda: metrale's GPU engine).
+    transformers always runs on the CPU. It is a check by default (exit 9 beyond it): fp32 rel err 1e-3,
+    KL 1e-4, every argmax agrees, layers --rtol 1e-3; bf16 5e-2, 1e-2, 0.9, 5e-2; the options override.
+
+    Examples:
+      metrale compare ref.safetensors mine.npy --dtype bf16
+      metrale compare ref.npy mine.bin --vocab 128256 --dtype bf16 --max-kl 1e-3
+      metrale compare ref-layers.safetensors mine-layers.safetensors --rtol 1e-3
+      metrale compare --reference transformers --prompt "The for" --steps 4
+      metrale compare --reference transformers --tokens "1 2 3" --layers 0,-1
+    """
+    from ..compare import Tolerances, failure_message, run_compare
+    from ..compare_inputs import ReadOptions
+    from ..errors import DivergenceError
+
+    state: State = ctx.obj
+    fmt_ = choose_format(fmt, state.out)
+    given = {"--model": model, "--prompt": prompt, "--tokens": tokens, "--steps": steps, "--layers": layers,
+             "--device": device, "--logits-dtype": logits_dtype}
+    if reference is not None:
+        if a is not None or b is not None:
+            raise UsageError("--reference runs the comparison itself: give --model, not files A and B")
+        return _reference_check(ctx, reference, Common(model, prompt, tokens, device or "cpu", logits_dtype or "fp32",
+                                                       fmt, None, False, None, False, None),
+                                steps, layers, Tolerances(max_kl, max_rel_err, min_top1, rtol))
+    extra = [name for name, value in given.items() if value is not None]
+    if extra:
+        raise UsageError(f"{', '.join(extra)} go with --reference transformers (comparing two files needs none)")
+    if a is None or b is None:
+        raise UsageError("compare needs two files: metrale compare A B (A is the reference)")
+    result = run_compare(a, b, ReadOptions(tensor, tensor_b, vocab, dtype),
+                         Tolerances(max_kl, max_rel_err, min_top1, rtol), keep_rows=rows)
+    render_compare(state.out, fmt_, result)
+    if result.passed is False:
+        raise DivergenceError(failure_message(result))
+
+
+def _reference_check(ctx: typer.Context, reference: str, c: Common, steps: int | None, layers: str | None,
+                     tol: Any) -> None:
+    """compare --reference: check the options, load metrale's engine, run the check, render, exit 9 if it failed."""
+    from ..errors import DivergenceError
+    from ..layer_dumps import parse_layers
+    from ..reference_check import DEFAULT_STEPS, REFERENCES, check_reference, divergence_message, import_reference
+
+    if reference not in REFERENCES:
+        raise UsageError(f"--reference takes {', '.join(REFERENCES)}, got {reference!r}")
+    steps = DEFAULT_STEPS if steps is None else steps
+    check_positive(steps, "--steps")
+    tol.check()
+    import_reference()  # a missing extra fails before anything is loaded
+    job = prepare(ctx.obj, c)
+    chosen = parse_layers(layers, job.spec.config.num_hidden_layers) if layers is not None else None
+    n = len(job.ids)
+    kv = context_for(job.spec, n + steps, f"prompt ({n} tokens) + --steps {steps}", None)
+    target = load(job, job.spec, kv)
+    try:
+        result = check_reference(target.engine, target.config, directory=job.spec.directory, model=job.spec.label,
+                                 device=target.device, dtype=c.logits_dtype, prompt=job.ids, steps=steps,
+                                 layers=chosen, tolerances=tol, reference=reference)
+    finally:
+        target.close()
+    render_reference_check(ctx.obj.out, job.fmt, result)
+    if not result.passed:
+        raise DivergenceError(divergence_message(result))

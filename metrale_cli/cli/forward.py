@@ -1,0 +1,53 @@
+"""metrale forward: one forward pass over the prompt."""
+
+
+from typing import Annotated
+
+import typer
+
+from ..errors import UsageError
+from ..inputs import context_for
+from ..render.forward import render_forward
+from .entry import app
+from .help_format import MetraleCommand
+from .job import dumps_on_nonfinite, load, prepare, record_layers, token_text, write_dumps
+from .options import Common, pass_options
+
+
+@app.command(cls=MetraleCommand)
+@pass_options
+def forward(
+    ctx: typer.Context,
+    c: Common,
+    rows: Annotated[str, typer.Option("--rows", metavar="last|all",
+                                      help="Report the last row (default) or every row.")] = "last",
+) -> None:
+    """One forward pass over the prompt: the argmax token and its logit for the last row or every row.
+
+    --dump-logits writes the logits rows themselves (.safetensors, .npy, .bin), to compare with another
+    engine bit for bit.
+
+    Examples:
+      metrale forward --prompt "The for statement" --rows all
+      metrale forward --tokens "1 2 3" --model default --dump-logits rows.npy
+      metrale forward --rows all --dump-layers layers.safetensors --layers 0,-1
+    """
+    from ..decoding.decode import run_forward
+
+    if rows not in ("last", "all"):
+        raise UsageError(f"--rows must be last or all, got {rows!r}")
+    job = prepare(ctx.obj, c)
+    n = len(job.ids)
+    model_ctx = context_for(job.spec, n, f"prompt ({n} tokens)", c.max_context)
+    target = load(job, job.spec, model_ctx, job.common.tp)
+    recorder = record_layers(job, target)
+    try:
+        with dumps_on_nonfinite(job, "forward", target.engine, recorder):
+            result = run_forward(target.engine, job.ids, all_rows=rows == "all", token_text=token_text(target),
+                                 keep_rows=job.logits_dump is not None, want_hidden=job.want_hidden)
+        result.timings.load_s = target.load_seconds
+        write_dumps(job, "forward", result.logit_rows, result.hidden_rows, job.ids,
+                    [row.position for row in result.rows], recorder)
+        render_forward(job.report_console, job.meta("forward", target), result)
+    finally:
+        target.close()

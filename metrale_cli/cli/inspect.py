@@ -1,0 +1,174 @@
+"""metrale inspect: describe a checkpoint (from its config.json and tensor listing; --scan reads the values)."""
+
+
+import json
+import math
+from typing import Annotated, Any, Optional
+
+import typer
+
+from ..checkpoint import Checkpoint
+from ..errors import ConfigError, MetraleError
+from ..inputs import ModelSpec, read_model_spec
+from ..model import model_dir, model_path
+from ..models.weights import check_checkpoint
+from ..render.common import choose_format
+from ..render.inspect import render_inspect
+from .entry import State, app
+from .help_format import MetraleCommand
+from .options import EMBEDDED_HELP, FormatOpt
+
+
+@app.command(cls=MetraleCommand)
+def inspect(
+    ctx: typer.Context,
+    path: Annotated[Optional[str], typer.Argument(
+        metavar="PATH", help=f"Checkpoint directory, .safetensors file or index.json, or {EMBEDDED_HELP}. "
+                             "Default: default.", show_default=False)] = None,
+    fmt: FormatOpt = None,
+    scan: Annotated[bool, typer.Option(
+        "--scan", help="Also read every tensor and list those holding NaN or Inf (reads the whole checkpoint).")] = False,
+) -> None:
+    """Describe a checkpoint: architecture, sizes, parameter count, dtypes, shards, rope, tokenizer.
+
+    The tensors are checked against config.json (names, shapes, dtypes).
+    An invalid checkpoint is still described; metrale then exits non-zero with the problems on stderr.
+    A config.json metrale cannot run (another model_type, hidden_act...) is described from its raw fields and the tensors, then named (exit 4).
+    Without --scan no tensor value is read, so NaN/Inf in the weights are not looked for.
+
+    Examples:
+      metrale inspect
+      metrale inspect default-draft --format json
+      metrale inspect default --scan
+    """
+    state: State = ctx.obj
+    fmt_ = choose_format(fmt, state.out)
+    try:
+        spec = read_model_spec(path)
+    except ConfigError as unsupported:  # describe what config.json and the tensors say, then fail (exit 4)
+        _inspect_without_config(state, fmt_, path, unsupported, scan)
+        raise
+    ckpt = Checkpoint.open(spec.checkpoint_path)
+    try:
+        problem: MetraleError | None = None
+        try:
+            check_checkpoint(spec.config, ckpt)
+        except MetraleError as e:
+            problem = e
+        render_inspect(state.out, fmt_, _with_scan(_inspect_info(spec, ckpt, problem), ckpt, scan))
+    finally:
+        ckpt.close()
+    if problem is not None:
+        raise problem
+
+
+def _with_scan(info: dict[str, Any], ckpt: Checkpoint, scan: bool) -> dict[str, Any]:
+    """inspect's "scanned" and "nonfinite" keys: with --scan, the tensors holding NaN or Inf."""
+    info["nonfinite"] = None
+    if scan:
+        from ..scan import scan_nonfinite
+
+        info["nonfinite"] = [t.to_json() for t in scan_nonfinite(ckpt)]
+    info["scanned"] = scan
+    return info
+
+
+def _inspect_without_config(state: State, fmt: str, path: str | None, problem: ConfigError, scan: bool) -> None:
+    """A config.json metrale cannot run (model_type gpt_neox, hidden_act gelu...): its raw fields and the
+    tensor listing, with the problem named. Prints nothing when config.json is no JSON object or the
+    weights cannot be listed (the caller's error then says why)."""
+    directory = model_dir(path)
+    try:
+        raw = json.loads((directory / "config.json").read_text("utf-8"))
+        target = model_path(path)
+        ckpt = Checkpoint.open(target if target.is_file() else directory)
+    except (OSError, ValueError, MetraleError):
+        return
+    try:
+        if isinstance(raw, dict):
+            info = _raw_inspect_info("default" if path is None else path, raw, ckpt, problem)
+            render_inspect(state.out, fmt, _with_scan(info, ckpt, scan))
+    finally:
+        ckpt.close()
+
+
+def _raw_inspect_info(label: str, raw: dict[str, Any], ckpt: Checkpoint, problem: ConfigError) -> dict[str, Any]:
+    """inspect's keys from config.json as written (None where a field is absent or not a number) and
+    the parameter count from the tensor listing."""
+    def integer(key: str, fallback: Any = None) -> int | None:
+        v = raw.get(key)
+        return v if isinstance(v, int) and not isinstance(v, bool) else fallback
+
+    def number(key: str) -> float | None:
+        v = raw.get(key)
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    hidden, heads = integer("hidden_size"), integer("num_attention_heads")
+    head_dim = integer("head_dim", hidden // heads if hidden and heads and hidden % heads == 0 else None)
+    archs = raw.get("architectures")
+    scaling = raw.get("rope_scaling") if isinstance(raw.get("rope_scaling"), dict) else None
+    rope_params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+    eos = raw.get("eos_token_id")
+    params = sum(math.prod(ckpt.info(n).shape) for n in ckpt.tensor_names())
+    return {
+        "command": "inspect", "model": label,
+        "architecture": archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str)
+        else raw.get("model_type"),
+        "model_type": raw.get("model_type"), "layers": integer("num_hidden_layers"), "heads": heads,
+        "kv_heads": integer("num_key_value_heads", heads), "head_dim": head_dim, "hidden": hidden,
+        "intermediate": integer("intermediate_size"), "vocab": integer("vocab_size"),
+        "max_position_embeddings": integer("max_position_embeddings"), "sliding_window": integer("sliding_window"),
+        "parameters": params, "dtype": raw.get("torch_dtype", raw.get("dtype")), "dtypes": ckpt.dtypes(),
+        "shards": len(ckpt.files), "files": [p.name for p in ckpt.files], "bytes": ckpt.total_bytes,
+        "tied_embeddings": raw.get("tie_word_embeddings") is True,
+        "rope": {"theta": raw.get("rope_theta", rope_params.get("rope_theta")),
+                 "type": (scaling or rope_params).get("rope_type", (scaling or {}).get("type", "default")),
+                 "scaling": scaling, "rotary_fraction": number("partial_rotary_factor")},
+        # the block features of models/describe.py: unknown without a definition, but the softcaps as written
+        "sliding_layers": None, "sliding_rope": None, "attn_logit_softcapping": number("attn_logit_softcapping"),
+        "final_logit_softcapping": number("final_logit_softcapping"), "attention_scale": None, "norm": None,
+        "post_norms": None, "activation": raw.get("hidden_activation", raw.get("hidden_act")), "embed_scale": None,
+        "tokenizer": ckpt.has_tokenizer, "bos_token_id": integer("bos_token_id"),
+        "eos_token_ids": eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [],
+        "experts": None,
+        "valid": False, "problems": str(problem),
+    }
+
+
+def _inspect_info(spec: ModelSpec, ckpt: Checkpoint, problem: MetraleError | None) -> dict[str, Any]:
+    cfg = spec.config
+    try:
+        raw = json.loads((spec.directory / "config.json").read_text("utf-8"))
+    except (OSError, ValueError):
+        raw = {}
+    archs = raw.get("architectures")
+    from ..models.describe import block_features
+
+    return {
+        "command": "inspect", "model": spec.label,
+        "architecture": archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else cfg.model_type,
+        "model_type": cfg.model_type, "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads,
+        "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "hidden": cfg.hidden_size,
+        "intermediate": cfg.intermediate_size, "vocab": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_position_embeddings, "sliding_window": cfg.sliding_window,
+        "parameters": cfg.parameter_count(), "dtype": cfg.dtype, "dtypes": ckpt.dtypes(),
+        "shards": len(ckpt.files), "files": [p.name for p in ckpt.files], "bytes": ckpt.total_bytes,
+        "tied_embeddings": cfg.tie_word_embeddings,
+        **block_features(cfg),  # rope, sliding layers, softcaps, norms, activation, embedding scale
+        "tokenizer": ckpt.has_tokenizer, "bos_token_id": cfg.bos_token_id, "eos_token_ids": list(cfg.eos_token_ids),
+        "experts": _experts_info(cfg),
+        "valid": problem is None, "problems": str(problem) if problem is not None else None,
+        "scanned": False, "nonfinite": None,  # --scan: the tensors holding NaN/Inf (name, dtype, nan, inf)
+    }
+
+
+def _experts_info(cfg: Any) -> dict[str, Any] | None:
+    """The sparse block of a mixture of experts (None for a dense model)."""
+    if cfg.moe is None:
+        return None
+    s = cfg.moe.spec
+    per_expert = 3 * s.intermediate_size * cfg.hidden_size
+    return {"count": s.num_experts, "top_k": s.top_k, "intermediate": s.intermediate_size,
+            "norm_topk_prob": s.norm_topk_prob, "shared_expert_intermediate": s.shared_expert_size,
+            "sparse_layers": list(cfg.moe.sparse_layers),
+            "active_parameters": cfg.parameter_count() - len(cfg.moe.sparse_layers) * (s.num_experts - s.top_k) * per_expert}

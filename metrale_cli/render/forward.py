@@ -1,0 +1,63 @@
+"""forward's report: the argmax token and its logit for the last row or every row."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.table import Table
+
+from .common import TEXT_COLUMN, Meta, dump_json, f4, num, plain_head, rich_head, token_cell, write
+from .tails import json_tail, plain_hidden, plain_timings, prefill_timings_json, rich_hidden, rich_timings
+from .text import escape_text
+
+if TYPE_CHECKING:
+    from ..decoding.results import ForwardResult
+
+
+def forward_json(meta: Meta, r: ForwardResult) -> dict[str, Any]:
+    doc = meta.pass_json_head(r.prompt_tokens)
+    doc.update({
+        "rows": [{"position": row.position, "input": r.prompt_tokens[row.position], "argmax": row.argmax,
+                  "text": row.text, "logit": num(row.logit)} for row in r.rows],
+    })
+    json_tail(doc, meta, r.hidden, lambda: forward_timings_json(r))
+    return doc
+
+
+def forward_timings_json(r: ForwardResult) -> dict[str, Any]:
+    return prefill_timings_json(r.timings, len(r.prompt_tokens))
+
+
+def render_forward(console: Console, meta: Meta, r: ForwardResult) -> None:
+    if meta.fmt == "json":
+        dump_json(console, forward_json(meta, r))
+        return
+    if meta.fmt == "plain":
+        plain_head(console, meta, r.prompt_tokens)
+        write(console, "")
+        write(console, f"{'position':>8}  {'input':>8}  {'argmax':>8}  {'logit':>10}"
+              + ("  text" if meta.has_tokenizer else ""))
+        for row in r.rows:
+            line = f"{row.position:>8}  {r.prompt_tokens[row.position]:>8}  {row.argmax:>8}  {f4(row.logit):>10}"
+            write(console, line + (f"  {escape_text(row.text)}" if meta.has_tokenizer else ""))
+        plain_hidden(console, r.hidden)
+        if meta.timings:
+            plain_timings(console, forward_timings_json(r))
+        return
+    rich_head(console, meta, r.prompt_tokens)
+    t = Table(title=f"forward: {len(r.rows)} of {len(r.prompt_tokens)} rows", title_justify="left")
+    for name in ("pos", "input", "argmax"):
+        t.add_column(name, justify="right", no_wrap=True)
+    if meta.has_tokenizer:
+        t.add_column("text", **TEXT_COLUMN)
+    t.add_column("logit", justify="right", no_wrap=True)
+    for row in r.rows:
+        cells: list[Any] = [str(row.position), str(r.prompt_tokens[row.position]), str(row.argmax)]
+        if meta.has_tokenizer:
+            cells.append(token_cell(row.text, "cyan"))
+        t.add_row(*cells, f4(row.logit))
+    console.print(t)
+    rich_hidden(console, r.hidden)
+    if meta.timings:
+        rich_timings(console, forward_timings_json(r))
