@@ -4,11 +4,11 @@ Weights live on the device in bf16 (stored as uint16 bit patterns; F32/F16 check
 load), activations in fp32, the KV cache in bf16 [layers, kv_heads, context, head_dim].
 
 Two paths:
-- rows path (decode M=1, verify and short prefills M<=16): metrale's own kernels (the fp32-FMA GEMV for
-  1-2 rows, with the normed qkv of one row on the streaming GEMV; the tensor-core GEMV from GEMV_TC_MIN_ROWS
-  rows on; flash-decoding attention), no cuBLAS, no
-  host reads, so each (kind, M) is captured once as a CUDA graph and replayed; token ids and positions
-  are read from a small device buffer that one async copy fills before each replay.
+- rows path (decode M=1, verify and short prefills M<=16): metrale's own kernels (the ring GEMV for a
+  one-row projection where it fits, else the fp32-FMA GEMV below GEMV_TC_MIN_ROWS rows and the tensor-core
+  GEMV from there on; flash-decoding attention), no cuBLAS, no host reads, so each (kind, M) is captured
+  once as a CUDA graph and replayed; token ids and positions are read from a small device buffer that one
+  async copy fills before each replay.
 - prefill path (longer prompts): cuBLAS GEMMs (bf16 operands, fp32 output) and tensor-core flash
   attention, in chunks, eagerly.
 The residual stream `x` is updated in place by the o_proj/down_proj GEMVs (accumulate), so each layer
@@ -50,27 +50,15 @@ from .kernels.tuning import uses_tc
 from .moe_passes import MoeState
 from .passes import FusedRowsPass, PrefillPass, RowsPass, fused_plan
 
-# The rows-path variants (`CudaEngine.set_path`, `load_cuda_engine(path=)`, METRALE_CUDA_PATH, `metrale bench
-# --path`), all giving the same logits within fp32 summation order (tests/gpu/test_gemv_ring.py, test_fused_path.py):
-# - "rows" (BASE_PATH, and a --tp rank's; the default until 2026-12-05): RowsPass, every one-row projection on the
-#   ring GEMV (gemv_ring.cu, one block of 1024 threads per SM streaming its weights through a shared-memory ring),
-#   every launch with programmatic dependent launch so that a projection's blocks request their first weights while
-#   the kernel before it drains (H200, 1024 context: llama-3.1-8b 4.64 -> 4.19 ms, phi-3-mini 2.83 -> 2.63,
-#   gemma-2-9b 6.42 -> 5.99; NOTES.md);
-# - "rows-stream": the default until 2026-12-04 (the streaming GEMV for the normed qkv, gemv.cu for the other
-#   one-row projections, PDL only for mixtures of experts), kept to time the old step beside the new one;
-# - "rows-fma": the projections of before the streaming GEMV (gemv_impl "simt+tc");
+# The rows paths (`CudaEngine.set_path`, `load_cuda_engine(path=)`, METRALE_CUDA_PATH, `metrale bench --path`), both
+# giving the same logits within fp32 summation order (tests/gpu/test_fused_path.py), both launching with
+# programmatic dependent launch where the device has it:
 # - "fused" (DEFAULT_PATH): FusedRowsPass, the rows path with one launch fewer per layer: rope + KV append in the
-#   attention split kernel (one row) or in the qkv GEMV's last blocks (verify rows); 0.8-2.1% faster than "rows" on
-#   an H100 (8B presets, phi-4-mini; llama-3.2-1b 0.8% slower).  Attention split + combine: the combine in the split
-#   kernel's last block measured slower and is taken only with set_fused_attention(True).  A sparse layer (mixture
-#   of experts) is one launch with set_moe_one_launch(True) (moe_passes.FusedMoe; off: measured slower in the step).
-# - "fused-cluster": "fused" whose one-row attention is a single launch: the split blocks of a KV head form one
-#   thread-block cluster and merge their splits through distributed shared memory (no combine launch).
-ROWS_PATHS = ("rows", "fused", "fused-cluster", "rows-stream", "rows-fma")
-FUSED_PATHS = ("fused", "fused-cluster")  # FusedRowsPass
-PATH_GEMV_IMPL = {"rows": "ring", "fused": "ring", "fused-cluster": "ring", "rows-stream": "auto", "rows-fma": "simt+tc"}
-PATH_PDL = {"rows", *FUSED_PATHS}  # launch with PDL whatever the model (the others: mixtures of experts only)
+#   attention split kernel (one row) or in the qkv GEMV's last blocks (verify rows);
+# - "rows" (BASE_PATH, the one path a tensor-parallel rank runs): RowsPass, every one-row projection on the ring GEMV
+#   (gemv_ring.cu) where it fits (Kernels.ring_fits), so that a projection's blocks request their first weights
+#   while the kernel before it drains.
+ROWS_PATHS = ("rows", "fused")
 DEFAULT_PATH = "fused"  # what load_cuda_engine gives one GPU (METRALE_CUDA_PATH or its `path` choose another)
 BASE_PATH = "rows"  # what the constructor sets up, and the one path a tensor-parallel rank runs (verified under --tp)
 PATH_ENV = "METRALE_CUDA_PATH"
@@ -203,7 +191,7 @@ class CudaEngine(EngineBase):
                               for layer in cfg.definition.layers}
             self._io_host = cp.cuda.alloc_pinned_memory(2 * R * 4)
             # the sparse layers' buffers and kernels
-            self.moe = MoeState(cfg, kern, weights) if cfg.moe is not None else None
+            self.moe = MoeState(cfg, kern) if cfg.moe is not None else None
             if tp is not None:
                 from .kernels.tp import TpKernels
 
@@ -219,24 +207,13 @@ class CudaEngine(EngineBase):
         # stream does not wait for: without this, the first passes can read weights still in flight.
         cp.cuda.Device().synchronize()
         self._graphs: dict[tuple[str, int], Any] = {}
-        # Programmatic dependent launch on the rows path (sm_90+; set_pdl): on for the default path (PATH_PDL), whose
-        # ring GEMV requests its first weights before pdl_wait; on the other paths only for mixtures of experts,
-        # whose short MoE launches it overlaps (H200, 1024 context: qwen3-30b-a3b 3.42 vs 3.72 ms, mixtral-8x7b
-        # 7.35 vs 7.53 ms), off for dense models there (it did not make their step faster: NOTES.md, "PDL").
-        self.use_pdl = self._path_pdl(BASE_PATH)
-        # Rows-path projections (GEMV_IMPLS), set by the path (PATH_GEMV_IMPL): "ring" = the ring GEMV (gemv_ring.cu)
-        # for every one-row projection it takes (Kernels.ring_fits), else as "auto"; "auto" = the streaming GEMV
-        # (gemv_stream.cu) for a normed, ungated projection of one row where it was faster (Kernels.stream_fits),
-        # else the fp32-FMA GEMV (gemv.cu) below GEMV_TC_MIN_ROWS rows and the tensor-core GEMV (gemv_tc.cu) from
-        # there on; "simt+tc" = that choice without the streaming GEMV; "simt" / "tc" force one kernel.
-        self.gemv_impl = PATH_GEMV_IMPL[BASE_PATH]
-        # Rows-path variant (ROWS_PATHS): BASE_PATH until set_path (load_cuda_engine takes DEFAULT_PATH there).  The
+        # Programmatic dependent launch on the rows path (sm_90+; set_pdl): each kernel's blocks start while the
+        # kernel before drains (the ring GEMV requests its first weights before pdl_wait).
+        self.use_pdl = bool(getattr(kern, "pdl_supported", False))
+        # The rows path (ROWS_PATHS): BASE_PATH until set_path (load_cuda_engine takes DEFAULT_PATH there).  The
         # fused path's last-block counters are allocated when it is first taken.
         self.path = BASE_PATH
-        self._qkv_counters = self._attn_counters = None
-        # The fused path's attention with the combine in the last split block (set_fused_attention): off by
-        # default, measured slower than split + combine (NOTES.md, issue 16).
-        self.fused_attention = False
+        self._qkv_counters = None
         self._long_logits = None  # [rows, V] for long prefills, grown on demand
         self._decode_amax_fresh = False
         # longrope (engine/longrope.py): the cached tokens, to recompute the cache when a call switches
@@ -252,61 +229,24 @@ class CudaEngine(EngineBase):
         self._graphs.clear()
 
     def set_path(self, path: str) -> None:
-        """Take the rows-path variant `path` (ROWS_PATHS) for decode / verify / short prefills from the next
+        """Take the rows path `path` (ROWS_PATHS) for decode / verify / short prefills from the next
         call on (recaptures the graphs; the KV cache and length are kept).  "fused" compiles its kernel module
         (kernels.names.fused_name_expressions) and allocates its last-block counters the first time."""
         path = check_path(path)
         if self.tp is not None and path != BASE_PATH:
             raise UsageError(f"the CUDA '{path}' path does not run under --tp yet (a rank runs the {BASE_PATH} path)")
         self.synchronize()
-        if path in FUSED_PATHS and self._qkv_counters is None:
+        if path == "fused" and self._qkv_counters is None:
             cp, cfg = self.cp, self.cfg
             try:
                 self.kern.load_fused()
-                if path == "fused-cluster":
-                    self.kern.load_cluster_attention()
             except Exception as e:
                 raise DeviceError(f"cannot compile the fused rows-path kernels ({type(e).__name__}: "
                                   f"{str(e).splitlines()[0] if str(e) else ''})") from None
             slots = max(a.num_heads + 2 * a.num_kv_heads for a in (layer.mixer for layer in cfg.definition.layers))
-            heads = max(layer.mixer.num_heads for layer in cfg.definition.layers)
             self._qkv_counters = cp.zeros((slots,), cp.int32)
-            self._attn_counters = cp.zeros((MAX_ROWS * heads,), cp.int32)
             cp.cuda.Device().synchronize()  # the zero fills ran on the legacy stream
         self.path = path
-        self.gemv_impl = PATH_GEMV_IMPL[path]
-        self.use_pdl = self._path_pdl(path)
-        self._graphs.clear()
-
-    def _path_pdl(self, path: str) -> bool:
-        """Whether the rows-path variant `path` launches with PDL (where the device has it): always on the paths
-        of PATH_PDL, else for mixtures of experts only."""
-        return bool(getattr(self.kern, "pdl_supported", False)) and (path in PATH_PDL or self.cfg.moe is not None)
-
-    def set_fused_attention(self, enabled: bool) -> None:
-        """On the fused path, run the attention split kernel with its combine in the last split block
-        (kernels.names.fused_attention_name_expressions, compiled now; one row: rope + KV append too, the attention
-        in one launch) instead of split + combine; off by default (measured slower on an H100: 14.75 us inside the
-        step against 7.26 + 3.72 us per layer, llama-3.1-8b at 1024 context).  Recaptures the graphs; the KV cache
-        and length are kept.  Same values either way."""
-        self.synchronize()
-        if enabled:
-            try:
-                self.kern.load_fused_attention()
-            except Exception as e:
-                raise DeviceError(f"cannot compile the fused attention kernels ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0] if str(e) else ''})") from None
-        self.fused_attention = bool(enabled)
-        self._graphs.clear()
-
-    def set_moe_one_launch(self, enabled: bool, with_o: bool = True) -> None:
-        """On the fused path, run a sparse layer as one launch (kernels.moe `layer`; off by default, measured slower;
-        `with_o`: with the attention's output projection before it, where the layer has no shared expert) or as the
-        rows path's router GEMV, route, gate_up and down (to time one against the other).  Recaptures the graphs."""
-        self.synchronize()
-        if self.moe is not None:
-            self.moe.one_launch = bool(enabled)
-            self.moe.with_o = bool(with_o)
         self._graphs.clear()
 
     def fused_plan(self, m: int = 1) -> dict[str, str | None]:
@@ -317,12 +257,11 @@ class CudaEngine(EngineBase):
         """On the fused path: raise DeviceError unless every last-block counter is back at zero (a launch
         whose block count went wrong leaves one non-zero, and its outputs unwritten).  Synchronises.  The
         engine checks after the eager warm-up of every graph it captures; tests and bench after their runs."""
-        if self.path not in FUSED_PATHS or self._qkv_counters is None:
+        if self.path != "fused" or self._qkv_counters is None:
             return
         self.synchronize()
         try:
             self.kern.check_counters(self._qkv_counters, "fused qkv + rope GEMV")
-            self.kern.check_counters(self._attn_counters, "fused attention")
         except RuntimeError as e:
             raise DeviceError(f"the fused rows path went wrong: {e}") from None
 
@@ -437,7 +376,7 @@ class CudaEngine(EngineBase):
         """The whole forward of m rows at positions io[1, :m] (engine/loop.py over RowsPass); every launch
         is capturable. Then lm_head into the decode or rows logits buffer."""
         cfg, k, w, s = self.cfg, self.kern, self.w, self.stream
-        rows_pass = FusedRowsPass if self.path in FUSED_PATHS else RowsPass  # the others: RowsPass, gemv_impl
+        rows_pass = FusedRowsPass if self.path == "fused" else RowsPass
         h = decoder_forward(rows_pass(self, m, tap), cfg.definition, w)
         self._hidden[0] = h[m - 1]
         out = self._decode_logits if kind == "decode" else self._rows_logits[:m]
@@ -456,19 +395,17 @@ class CudaEngine(EngineBase):
 
     def _linear(self, x, w, out, bias=None, *, accumulate=False, swiglu=False, norm_weight=None,
                 eps: float = 1e-6, norm_offset: float = 0.0, activation: str = "silu") -> None:
-        """One projection of the rows path: metrale's tensor-core GEMV (gemv_tc) or the fp32-FMA GEMV,
-        with the RMSNorm of x (norm_weight, eps, norm_offset) fused in its prologue when given and, with
-        swiglu, the gate activation in its epilogue."""
+        """One projection of the rows path, with the RMSNorm of x (norm_weight, eps, norm_offset) fused in its
+        prologue when given and, with swiglu, the gate activation in its epilogue: the ring GEMV for one row
+        where it fits (Kernels.ring_fits), else the tensor-core GEMV from GEMV_TC_MIN_ROWS rows on and the
+        fp32-FMA GEMV below."""
         k, s = self.kern, self.stream
-        impl = self.gemv_impl
         norm = dict(norm_weight=norm_weight, eps=eps, norm_offset=norm_offset)
         m, kk = x.shape
-        if impl == "ring" and k.ring_fits(m, kk, out.shape[1], swiglu):
+        if k.ring_fits(m, kk, out.shape[1], swiglu):
             k.gemv_ring(x, w, out, bias, accumulate=accumulate, swiglu=swiglu, activation=activation, stream=s,
-                       **norm, **k.ring_engine_config(kk, out.shape[1], swiglu))
-        elif impl == "auto" and norm_weight is not None and not swiglu and k.stream_fits(m, kk, out.shape[1]):
-            k.gemv_stream(x, w, out, bias, accumulate=accumulate, stream=s, **norm)
-        elif uses_tc(impl, m):
+                        chunks=k.ring_chunks(kk, out.shape[1], swiglu), **norm)
+        elif uses_tc(m):
             k.gemv_tc(x, w, out, bias, accumulate=accumulate, swiglu=swiglu, activation=activation, stream=s,
                       **norm)
         elif swiglu:
@@ -660,8 +597,8 @@ def load_cuda_engine(cfg: ModelConfig, source, max_context: int, fp32_logits: bo
                      path: str | None = None) -> CudaEngine:
     """Check the tensors, upload them once, and build the engine (CuPy is imported here, not before).
     With `tp` (parallel/comm.ParallelRank, its device current) only that rank's shard is uploaded, and the
-    engine is that rank's. `path`: the rows-path variant (ROWS_PATHS; None: default_path(), i.e.
-    $METRALE_CUDA_PATH or DEFAULT_PATH); a tensor-parallel rank runs BASE_PATH only (the fused paths are not
+    engine is that rank's. `path`: the rows path (ROWS_PATHS; None: default_path(), i.e.
+    $METRALE_CUDA_PATH or DEFAULT_PATH); a tensor-parallel rank runs BASE_PATH only (the fused path is not
     verified under --tp)."""
     path = check_path(path) if path is not None else default_path(tp is not None)
     if tp is not None and path != BASE_PATH:

@@ -18,9 +18,8 @@ as a projection into `h` followed by one norm-and-add launch (rmsnorm_add).  Wha
 refused before any pass runs (engine.unsupported_features).
 
 `FusedRowsPass` (engine path "fused", `CudaEngine.set_path`) is RowsPass with one launch fewer per layer:
-rope + KV append in the attention split kernel (one row) or in the qkv GEMV's epilogue (verify), and, on
-request, the attention combine in the split kernel's last block; `fused_plan` is the one place that decides
-what it fuses for a row count.
+rope + KV append in the attention split kernel (one row) or in the qkv GEMV's epilogue (verify);
+`fused_plan` is the one place that decides what it fuses for a row count.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...errors import DeviceError
-from .moe_passes import FusedMoe, PrefillMoe, RowsMoe
+from .moe_passes import PrefillMoe, RowsMoe
 
 if TYPE_CHECKING:
     from ...engine.loop import Tap
@@ -170,64 +169,38 @@ class RowsPass(RowsMoe, _Pass):
         return attn.reshape(m, a.q_size)
 
 
-# Why the fused path keeps the attention split + combine pair unless CudaEngine.set_fused_attention(True).
-ATTENTION_UNFUSED = ("split + combine (the combine in the last split block measured slower on an H100: 14.8 us vs "
-                     "7.3 + 3.7 us per layer inside the step, llama-3.1-8b at 1024 context; "
-                     "CudaEngine.set_fused_attention)")
-
-
 # Why the fused path rotates one row in the attention kernel, not in the qkv GEMV.
-ROPE_IN_ATTENTION = ("one row: rope + KV append run in the attention split kernel where Kernels.rope_fits (the qkv "
-                     "GEMV's rope epilogue measured no faster on the ring GEMV: 19.4 vs 17.5 + 2.2 us per layer)")
+ROPE_IN_ATTENTION = "one row: rope + KV append run in the attention split kernel where Kernels.rope_fits"
 
 
 def fused_plan(engine: CudaEngine, m: int) -> dict[str, str | None]:
     """What the fused rows path fuses for m rows, decided here and only here: {op: None (fused) or why
     it runs the rows path's launches instead}.  "qkv_rope": the qkv GEMV with rope + KV append in its
     epilogue (gemv_qkv_rope), from 2 rows on (one row: rope + KV append in the attention split kernel instead,
-    per layer where Kernels.rope_fits, else rope_kv_append); "attention": the split kernel with its combine in
-    the last split block (attention_decode with counters; one row: with rope as well, the attention in one launch),
-    only with engine.fused_attention (set_fused_attention; off by default: measured slower); "moe": a sparse layer in
-    one launch (moe_passes.FusedMoe: router, routing, gate_up and down in a persistent grid) where MoeState.layer_fits;
-    "moe_o": that launch also runs the attention's output projection before the layer (MoeState.o_fits).  Every
-    model feature of the rows path is in the fused kernels (they call the same rope and merge code: partial rotary,
-    longrope factors, q/k norms, qkv bias, windows, softcaps, every head_dim); what is missing is a fused qkv
-    instance of the fp32-FMA GEMV's shared-memory variant (gemv_impl "simt" from 9 rows on)."""
-    moe = getattr(engine, "moe", None)
-    if moe is None:
-        one_launch = with_o = "no sparse layers"
-    else:
-        one_launch = moe.layer_fits(m)
-        with_o = "no one-launch layer" if one_launch is not None else moe.o_fits()
-    return {"qkv_rope": ROPE_IN_ATTENTION if m == 1 else engine.kern.qkv_rope_fusable(m, engine.gemv_impl),
-            "attention": None if getattr(engine, "fused_attention", False) else ATTENTION_UNFUSED,
-            "moe": one_launch, "moe_o": with_o}
+    per layer where Kernels.rope_fits, else rope_kv_append).  Every model feature of the rows path is in the
+    fused kernels (they call the same rope code: partial rotary, longrope factors, q/k norms, qkv bias, every
+    head_dim)."""
+    return {"qkv_rope": ROPE_IN_ATTENTION if m == 1 else engine.kern.qkv_rope_fusable(m)}
 
 
-class FusedRowsPass(FusedMoe, RowsPass):
+class FusedRowsPass(RowsPass):
     """The rows path with fewer launches per layer (engine path "fused").  One row (decode): the attention split
     kernel rotates q itself and appends k/v to the cache (attention_decode with `rope`) where Kernels.rope_fits
     (tensor-core head dims, no window / softcap), so per dense layer: qkv, attention split (+ rope + append),
     combine, o(+=), gate_up(norm, act), down(+=) = 6 launches (rows: 7).  From 2 rows (verify): the qkv GEMV
-    (norm fused) also rotates q/k and appends k/v in the block that finishes each head (gemv_qkv_rope).  The
-    attention is split + combine unless engine.fused_attention (then the split kernel merges its splits in the
-    last block to finish: no combine launch; one row: the attention in one launch).
+    (norm fused) also rotates q/k and appends k/v in the block that finishes each head (gemv_qkv_rope).
     The deferred launches: `linear(out="qkv")` records its operands and `rope_kv_append` launches the fused GEMV
     (2+ rows), or `rope_kv_append` records the rope and `attention` launches it (one row); decoder_forward always
-    calls them in that order.  A sparse layer is one launch (moe_passes.FusedMoe) where plan["moe"] is None.
-    Values equal the rows path's within fp32 rounding (the same rope code, rope_kv_slot;
+    calls them in that order.  A sparse layer runs as on the rows path.  Values equal the rows path's within fp32 rounding (the same rope code, rope_kv_slot;
     the same GEMV), which tests/gpu/test_fused_path.py checks."""
 
     def __init__(self, engine: CudaEngine, m: int, tap: Tap | None = None) -> None:
         super().__init__(engine, m, tap)
         self.plan = fused_plan(engine, m)
-        self._o_pending = None  # a sparse layer's o projection, for its launch (FusedMoe.defer_o)
         self._qkv_args = None
         self._rope = None
 
     def linear(self, x, w, bias=None, *, out, norm=None, residual=None, tap=None, reduce=False):
-        if out == "x" and self.defer_o(x, w, bias, norm=norm, residual=residual):
-            return residual  # the sparse layer's launch adds it (FusedMoe.route)
         if out == "qkv" and residual is None and norm is not None and tap is None and self.plan["qkv_rope"] is None:
             self._qkv_args = (x, w, bias, norm)
             return self.buffers["qkv"]  # written by the fused launch in rope_kv_append
@@ -252,7 +225,7 @@ class FusedRowsPass(FusedMoe, RowsPass):
         e.kern.gemv_qkv_rope(x, w, bias, nw, qkv, self.pos, e.inv_freq(a.rope), q, e._kc[layer], e._vc[layer],
                              e._qkv_counters, eps=nk.eps, norm_offset=nk.offset, q_norm=q_norm, k_norm=k_norm,
                              rope_eps=norm.eps, attention_scaling=a.rope.attention_scaling,
-                             rope_norm_offset=norm.offset, rotary_dim=a.rope.dims, impl=e.gemv_impl, stream=self.s)
+                             rope_norm_offset=norm.offset, rotary_dim=a.rope.dims, stream=self.s)
         return q
 
     def attention(self, q, layer: int, a: AttentionSpec, *, sinks=None):
@@ -260,18 +233,10 @@ class FusedRowsPass(FusedMoe, RowsPass):
         attn = e._attn[:m]
         if self._rope is not None:  # q: the unrotated qkv row
             rope, self._rope = self._rope, None
-            cluster = e.path == "fused-cluster"
-            merge = self.plan["attention"] is None and not cluster
             self.k.attention_decode(q.reshape(1, -1, a.head_dim), e._kc[layer], e._vc[layer], self.pos, attn,
-                                    a.scale, n_splits=e._splits[m], workspace=e._ws, rope=rope, cluster=cluster,
-                                    counters=e._attn_counters if merge else None, stream=self.s)
+                                    a.scale, n_splits=e._splits[m], workspace=e._ws, rope=rope, stream=self.s)
             return attn.reshape(m, a.q_size)
-        if self.plan["attention"] is not None:
-            return super().attention(q, layer, a, sinks=sinks)
-        self.k.attention_decode(q, e._kc[layer], e._vc[layer], self.pos, attn, a.scale, n_splits=e._splits[m],
-                                workspace=e._ws, window=_window(e, a), softcap=a.softcap,
-                                counters=e._attn_counters, stream=self.s)
-        return attn.reshape(m, a.q_size)
+        return super().attention(q, layer, a, sinks=sinks)
 
 
 class PrefillPass(PrefillMoe, _Pass):

@@ -20,8 +20,8 @@ Conventions (they mirror Hugging Face transformers):
 Every method takes `stream=None` (None: CuPy's current stream).
 
 Modules: nvrtc (source assembly, module compile), tuning (configuration tables, launch geometry),
-names (template-instance names: the core module the engine uses, the extra one behind
-`Kernels.load_extra`), pdl (the driver FFI of programmatic dependent launch), checks (operand
+names (template-instance names: the core module, the fused rows path's module behind
+`Kernels.load_fused`), pdl (the driver FFI of programmatic dependent launch), checks (operand
 checks), launch (`Kernels`), unfused (wrappers only the tests call).  The names below are
 re-exported here: import them from this package.
 """
@@ -46,18 +46,13 @@ from .tuning import (
     DECODE_SIMT_KB,
     DECODE_TC_HEAD_DIMS,
     GEMV_DEFAULT,
-    GEMV_EXTRA,
     GEMV_MAX_M,
     GEMV_SWIGLU_DEFAULT,
-    GEMV_SWIGLU_EXTRA,
     GEMV_TC_DEFAULT,
-    GEMV_TC_EXTRA,
     GEMV_TC_MIN_ROWS,
     GEMV_TC_P,
     GEMV_TC_SWIGLU_DEFAULT,
-    GEMV_TC_SWIGLU_EXTRA,
     GEMV_WARPS,
-    GEMV_XS_WARPS,
     LOG2E,
     PREFILL_BK,
     PREFILL_BQ,

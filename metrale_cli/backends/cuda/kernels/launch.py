@@ -9,16 +9,13 @@ from .checks import OperandChecks
 from .names import (
     PLAIN_KERNELS,
     decode_name,
-    fused_attention_name_expressions,
-    cluster_attention_name_expressions,
     fused_name_expressions,
     fused_qkv_fp32_rows,
     gemv_name,
     gemv_qkv_rope_name,
-    gemv_stream_name,
+    gemv_ring_name,
     gemv_tc_name,
     gemv_tc_qkv_rope_name,
-    gemv_ring_name,
     name_expressions,
     prefill_name,
 )
@@ -30,27 +27,21 @@ from .tuning import (
     ATTN_CHUNK_ALIGN,
     ATTN_COMBINE_BATCH,
     ATTN_TC_WARPS,
-    DECODE_CLUSTER,
     ATTN_WARPS,
     DECODE_HEAD_DIMS,
     DECODE_SIMT_SPLITS,
     DECODE_TC_HEAD_DIMS,
     GEMV_DEFAULT,
-    GEMV_STREAM_DEFAULT,
-    GEMV_STREAM_K_MULTIPLE,
-    GEMV_STREAM_MIN_WEIGHTS,
-    GEMV_STREAM_THREADS,
-    GEMV_SWIGLU_DEFAULT,
-    GEMV_TC_DEFAULT,
-    GEMV_TC_SWIGLU_DEFAULT,
-    GEMV_RING_K_MULTIPLE,
     GEMV_RING_CHUNKS,
     GEMV_RING_DEEP_BYTES,
-    GEMV_RING_ENGINE_THREADS,
+    GEMV_RING_K_MULTIPLE,
     GEMV_RING_MAX_N,
     GEMV_RING_SMEM_SLACK,
     GEMV_RING_STAGES,
     GEMV_RING_THREADS,
+    GEMV_SWIGLU_DEFAULT,
+    GEMV_TC_DEFAULT,
+    GEMV_TC_SWIGLU_DEFAULT,
     LOG2E,
     PREFILL_BQ,
     PREFILL_BQS,
@@ -59,7 +50,6 @@ from .tuning import (
     _decode_qb,
     _gemv_block_rows,
     prefill_smem_bytes,
-    stream_smem_bytes,
     ring_fixed_smem_bytes,
     uses_tc,
 )
@@ -79,14 +69,8 @@ class Kernels(OperandChecks, UnfusedKernels):
         self._module = compile_module(cupy, self._names)
         # Fetch every function now: compiling and loading must not happen during a capture.
         self._fn = {n: self._module.get_function(n) for n in self._names + PLAIN_KERNELS}
-        self._extra_names = frozenset(name_expressions(extra=True))
-        self._extra_module = None
         self._fused_names = frozenset(fused_name_expressions())
         self._fused_module = None
-        self._fused_attn_names = frozenset(fused_attention_name_expressions())
-        self._fused_attn_module = None
-        self._cluster_attn_names = frozenset(cluster_attention_name_expressions())
-        self._cluster_attn_module = None
         dev = cupy.cuda.Device()
         self.device_id = dev.id
         self.num_sms = int(dev.attributes["MultiProcessorCount"])
@@ -113,14 +97,6 @@ class Kernels(OperandChecks, UnfusedKernels):
     def _grid1d(self, n: int, block: int = 256) -> int:
         return max(1, min(_ceil_div(n, block), self.num_sms * 16))
 
-    def load_extra(self) -> None:
-        """Compile the extra instances (name_expressions(extra=True)) now; they are otherwise
-        compiled on first use, which must not happen during a graph capture."""
-        if self._extra_module is None:
-            names = tuple(sorted(self._extra_names))
-            self._extra_module = compile_module(self._cp, names)
-            self._fn.update({n: self._extra_module.get_function(n) for n in names})
-
     def load_fused(self) -> None:
         """Compile the fused module (names.fused_name_expressions: the fused rows path's kernels) now; the
         engine does so when it takes the fused path, before any capture."""
@@ -129,43 +105,18 @@ class Kernels(OperandChecks, UnfusedKernels):
             self._fused_module = compile_module(self._cp, names)
             self._fn.update({n: self._fused_module.get_function(n) for n in names})
 
-    def load_fused_attention(self) -> None:
-        """Compile the fused-combine attention module (names.fused_attention_name_expressions) now; the
-        engine does so when set_fused_attention(True) asks for it, before any capture."""
-        if self._fused_attn_module is None:
-            names = tuple(sorted(self._fused_attn_names))
-            self._fused_attn_module = compile_module(self._cp, names)
-            self._fn.update({n: self._fused_attn_module.get_function(n) for n in names})
-
-    def load_cluster_attention(self) -> None:
-        """Compile the cluster-combine attention module (names.cluster_attention_name_expressions) now; the engine
-        does so when it takes the "fused-cluster" path, before any capture."""
-        if self._cluster_attn_module is None:
-            names = tuple(sorted(self._cluster_attn_names))
-            self._cluster_attn_module = compile_module(self._cp, names)
-            self._fn.update({n: self._cluster_attn_module.get_function(n) for n in names})
-
     def _has(self, name: str) -> bool:
-        """Whether the kernel instance `name` is compiled (compiling the extra or a fused module if it is there)."""
-        if name not in self._fn and name in self._extra_names:
-            self.load_extra()
+        """Whether the kernel instance `name` is compiled (compiling the fused module if it is there)."""
         if name not in self._fn and name in self._fused_names:
             self.load_fused()
-        if name not in self._fn and name in self._fused_attn_names:
-            self.load_fused_attention()
-        if name not in self._fn and name in self._cluster_attn_names:
-            self.load_cluster_attention()
         return name in self._fn
 
-    def _launch(self, name: str, grid: tuple, block: tuple, args: tuple, stream: Any, shared_mem: int = 0,
-                cluster: tuple | None = None) -> None:
-        """Launch with PDL while self.pdl, and in thread-block clusters of dims `cluster` (both through
-        cuLaunchKernelEx: CuPy's launcher has neither)."""
-        if self.pdl or cluster is not None:
+    def _launch(self, name: str, grid: tuple, block: tuple, args: tuple, stream: Any, shared_mem: int = 0) -> None:
+        """Launch with PDL while self.pdl (through cuLaunchKernelEx: CuPy's launcher does not have it)."""
+        if self.pdl:
             if self._pdl_launcher is None:
                 self._pdl_launcher = PdlLauncher(self._cp)
-            self._pdl_launcher.launch(self._fn[name], grid, block, args, stream, shared_mem=shared_mem, pdl=self.pdl,
-                                      cluster=cluster)
+            self._pdl_launcher.launch(self._fn[name], grid, block, args, stream, shared_mem=shared_mem)
         else:
             self._fn[name](grid, block, args, stream=stream, shared_mem=shared_mem)
 
@@ -192,7 +143,6 @@ class Kernels(OperandChecks, UnfusedKernels):
         bias: Any = None,
         *,
         accumulate: bool = False,
-        config: tuple[int, int] | None = None,
         norm_weight: Any = None,
         eps: float = 1e-6,
         norm_offset: float = 0.0,
@@ -202,26 +152,26 @@ class Kernels(OperandChecks, UnfusedKernels):
 
         x f32[M, K] (1 <= M <= 16), w bf16[N, K] (HF [out, in]), bias bf16[N] or None,
         out f32[M, N].  K must be a multiple of 8 (16-byte weight rows); N is arbitrary.
-        x must not overlap out.  `config=(R, U)` picks a compiled variant (GEMV_DEFAULT, GEMV_EXTRA;
-        U = 0: x staged in shared memory).
+        x must not overlap out.  Compiled for the row counts of GEMV_DEFAULT (below GEMV_TC_MIN_ROWS).
         With norm_weight bf16[K] (16-byte aligned): fused RMSNorm prologue, x is the
         un-normalised input and the result is that of rmsnorm(x, norm_weight, eps) followed by
-        this GEMV (within fp32 rounding); only the GEMV_DEFAULT configs are compiled for it.
+        this GEMV (within fp32 rounding).
         norm_offset is added to the norm weight in fp32 (Gemma's (1 + w): 1.0)."""
-        self._gemv("gemv", x, w, "w", out, bias, False, accumulate, config, norm_weight, eps, stream,
+        self._gemv("gemv", x, w, "w", out, bias, False, accumulate, norm_weight, eps, stream,
                    norm_offset=norm_offset)
 
     def _gemv(self, op: str, x: Any, w: Any, wname: str, out: Any, bias: Any, swiglu: bool, accumulate: bool,
-              config: tuple[int, int] | None, norm_weight: Any, eps: float, stream: Any, *,
+              norm_weight: Any, eps: float, stream: Any, *,
               norm_offset: float = 0.0, activation: str = "silu") -> None:
-        """Check and launch the fp32-FMA GEMV (gemv.cu) for gemv and gemv_swiglu: config (R, U), or
-        the default for M of GEMV_DEFAULT / GEMV_SWIGLU_DEFAULT."""
+        """Check and launch the fp32-FMA GEMV (gemv.cu) for gemv and gemv_swiglu: the config (R, U) of
+        GEMV_DEFAULT / GEMV_SWIGLU_DEFAULT for M."""
         np = self._np
         M, K, N, norm = self._linear_operands(op, x, w, wname, out, bias, norm_weight, swiglu=swiglu)
-        r, u = config if config is not None else (GEMV_SWIGLU_DEFAULT if swiglu else GEMV_DEFAULT)[M]
+        table = GEMV_SWIGLU_DEFAULT if swiglu else GEMV_DEFAULT
+        if M not in table:
+            raise ValueError(f"{op}: M = {M} rows; compiled for {', '.join(map(str, table))} (use gemv_tc)")
+        r, u = table[M]
         name = gemv_name(M, r, u, swiglu, norm)
-        if not self._has(name):
-            raise ValueError(f"{op}: no compiled variant M={M}, R={r}, U={u}, norm={norm}")
         threads, rows = _gemv_block_rows(r, u)
         grid = (_ceil_div(N, rows),)
         args = (
@@ -237,7 +187,6 @@ class Kernels(OperandChecks, UnfusedKernels):
         w_gate_up: Any,
         out: Any,
         *,
-        config: tuple[int, int] | None = None,
         norm_weight: Any = None,
         eps: float = 1e-6,
         norm_offset: float = 0.0,
@@ -248,7 +197,7 @@ class Kernels(OperandChecks, UnfusedKernels):
         w_gate_up bf16[2I, K] = concat(gate_proj.weight, up_proj.weight).  x f32[M, K], out f32[M, I];
         act: "silu" (SwiGLU) or "gelu_tanh" (GeGLU).  norm_weight bf16[K]: fused RMSNorm of x first,
         as in gemv (norm_offset likewise)."""
-        self._gemv("gemv_swiglu", x, w_gate_up, "w_gate_up", out, None, True, False, config, norm_weight, eps,
+        self._gemv("gemv_swiglu", x, w_gate_up, "w_gate_up", out, None, True, False, norm_weight, eps,
                    stream, norm_offset=norm_offset, activation=activation)
 
     def gemv_tc(
@@ -262,7 +211,6 @@ class Kernels(OperandChecks, UnfusedKernels):
         swiglu: bool = False,
         norm_weight: Any = None,
         eps: float = 1e-6,
-        config: tuple[int, int, int] | None = None,
         norm_offset: float = 0.0,
         activation: str = "silu",
         stream: Any = None,
@@ -272,20 +220,15 @@ class Kernels(OperandChecks, UnfusedKernels):
         out (=|+=) silu(x @ Wg.T) * (x @ Wu.T) for w = concat(Wg, Wu) bf16[2I, K], out f32[M, I]
         (no bias with swiglu).  x f32[M, K] (1 <= M <= 16), w bf16[N, K], bias bf16[N], out f32[M, N];
         K a positive multiple of 8; x must not overlap out.  norm_weight bf16[K]: fused RMSNorm of x
-        first, as in gemv.  `config=(TILES, W, U)` picks a compiled variant (GEMV_TC_DEFAULT /
-        GEMV_TC_EXTRA, GEMV_TC_SWIGLU_*; norm only for the defaults).  Row m of the result is
-        bit-identical whatever M is, for configs with the same W.  norm_offset and activation (the
+        first, as in gemv.  The config is GEMV_TC_DEFAULT's (GEMV_TC_SWIGLU_DEFAULT's) for M.  Row m of the
+        result is bit-identical whatever M is.  norm_offset and activation (the
         swiglu gate's: "silu" or "gelu_tanh") as in gemv / gemv_swiglu."""
         np = self._np
         op = "gemv_tc"
         M, K, N, norm = self._linear_operands(op, x, w, "w", out, bias, norm_weight, swiglu)
         defaults = GEMV_TC_SWIGLU_DEFAULT if swiglu else GEMV_TC_DEFAULT
-        tiles, warps, u = config if config is not None else defaults[M]
+        tiles, warps, u = defaults[M]
         name = gemv_tc_name(2 if M > 8 else 1, tiles, warps, u, swiglu, norm)
-        if not self._has(name):
-            raise ValueError(
-                f"{op}: no compiled variant M={M}, config=({tiles}, {warps}, {u}), swiglu={swiglu}, norm={norm}"
-            )
         grid = (_ceil_div(N, 16 * tiles),)
         args = (
             x, w, self._dummy if bias is None else bias, out,
@@ -295,120 +238,40 @@ class Kernels(OperandChecks, UnfusedKernels):
         )
         self._launch(name, grid, (warps * 32,), args, stream)
 
-    def stream_fits(self, m: int, k: int, n: int) -> bool:
-        """Whether the engine takes gemv_stream for a normed, ungated projection: one row, K a multiple of
-        GEMV_STREAM_K_MULTIPLE, at least GEMV_STREAM_MIN_WEIGHTS weights (below it the H200 measured no clear
-        gain: tuning.py), x and the partials within one block's shared memory."""
-        if m != 1 or k % GEMV_STREAM_K_MULTIPLE or n * k < GEMV_STREAM_MIN_WEIGHTS:
-            return False
-        # the kernel's static shared memory (its block_sum scratch) is well under the 1 KiB kept aside here
-        return stream_smem_bytes(k, n, min(n, self.num_sms)) <= self.smem_per_block_optin - 1024
-
-    def _stream_geometry(self, name: str, k: int, n: int, blocks_per_sm: int) -> tuple[int, int]:
-        """(grid, shared bytes) of a gemv_stream launch: one wave of at most blocks_per_sm blocks per SM,
-        fewer where registers or shared memory hold fewer resident (computed once per shape)."""
-        cache = self.__dict__.setdefault("_stream_geometries", {})
-        key = (name, k, n, blocks_per_sm)
-        if key not in cache:
-            cache[key] = self._stream_geometry_of(name, k, n, blocks_per_sm)
-        return cache[key]
-
-    def _stream_geometry_of(self, name: str, k: int, n: int, blocks_per_sm: int) -> tuple[int, int]:
-        fn = self._fn[name]
-        regs = max(1, int(fn.attributes["num_regs"]))
-        by_regs = self.regs_per_sm // (_ceil_div(regs, 8) * 8 * GEMV_STREAM_THREADS)
-        b = max(1, min(blocks_per_sm, 2048 // GEMV_STREAM_THREADS, by_regs))
-        while True:
-            grid = min(n, self.num_sms * b)
-            smem = stream_smem_bytes(k, n, grid)
-            if b == 1 or b * (smem + 1024) <= self.smem_per_sm:
-                break
-            b -= 1
-        dyn_max = self.smem_per_block_optin - int(fn.attributes.get("shared_size_bytes", 0))
-        if smem > dyn_max:
-            raise ValueError(f"gemv_stream: {smem} bytes of shared memory needed, the device allows {dyn_max}")
-        fn.max_dynamic_shared_size_bytes = dyn_max  # opt in to more than 48 KiB of dynamic shared memory
-        return grid, smem
-
-    def gemv_stream(
-        self,
-        x: Any,
-        w: Any,
-        out: Any,
-        bias: Any = None,
-        *,
-        norm_weight: Any,
-        accumulate: bool = False,
-        eps: float = 1e-6,
-        norm_offset: float = 0.0,
-        config: tuple[int, int] | None = None,
-        stream: Any = None,
-    ) -> None:
-        """The one-wave streaming GEMV with the fused RMSNorm (gemv_stream.cu), one row: the function of
-        gemv(x, w, out, bias, norm_weight=..., accumulate=...) (norm_offset added to the norm weight in
-        fp32), x f32[1, K] with K a multiple of GEMV_STREAM_K_MULTIPLE.  `config=(U, B)`: U chunks in
-        flight per thread (GEMV_STREAM_US), B blocks per SM asked for (GEMV_STREAM_DEFAULT).  The result
-        depends on (N, K, the grid) only: fixed for a device."""
-        np = self._np
-        op = "gemv_stream"
-        if norm_weight is None:
-            raise ValueError(f"{op}: norm_weight is required (the streaming GEMV is the fused-norm projection)")
-        M, K, N, _ = self._linear_operands(op, x, w, "w", out, bias, norm_weight, False)
-        if M != 1:
-            raise ValueError(f"{op}: M = {M} rows; this kernel takes 1")
-        if K % GEMV_STREAM_K_MULTIPLE:
-            raise ValueError(f"{op}: K = {K} must be a multiple of {GEMV_STREAM_K_MULTIPLE}")
-        u, b = config if config is not None else GEMV_STREAM_DEFAULT
-        name = gemv_stream_name(u)
-        if not self._has(name):
-            raise ValueError(f"{op}: no compiled variant U={u}")
-        grid, smem = self._stream_geometry(name, K, N, b)
-        args = (
-            x, w, self._dummy if bias is None else bias, out, np.int32(N), np.int32(K),
-            np.int32(1 if accumulate else 0), np.int32(0 if bias is None else 1), norm_weight, np.float32(eps),
-            np.float32(norm_offset),
-        )
-        self._launch(name, (grid,), (GEMV_STREAM_THREADS,), args, stream, shared_mem=smem)
-
     def ring_fits(self, m: int, k: int, n: int, gated: bool = False) -> bool:
         """Whether the engine's rows path takes gemv_ring for this projection: one row, K a multiple of
-        GEMV_RING_K_MULTIPLE, at most GEMV_RING_MAX_N outputs, and x, the partials and a one-chunk ring of
-        GEMV_RING_ENGINE_THREADS threads within a block's shared memory."""
+        GEMV_RING_K_MULTIPLE, at most GEMV_RING_MAX_N outputs, and x, the partials and a one-chunk ring
+        within a block's shared memory."""
         if m != 1 or k % GEMV_RING_K_MULTIPLE or n > GEMV_RING_MAX_N:
             return False
-        return self._ring_fit(k, n, gated, GEMV_RING_ENGINE_THREADS)[3] >= 1
+        return self._ring_fit(k, n, gated)[3] >= 1
 
     @staticmethod
-    def ring_engine_config(k: int, n: int, gated: bool) -> dict:
-        """gemv_ring's (threads, chunks) on the engine's rows path (tuning.py, GEMV_RING_ENGINE_THREADS)."""
-        deep = (2 if gated else 1) * n * k * 2 >= GEMV_RING_DEEP_BYTES
-        return dict(threads=GEMV_RING_ENGINE_THREADS, chunks=2 if deep else 1)
+    def ring_chunks(k: int, n: int, gated: bool) -> int:
+        """gemv_ring's chunks per thread and slot on the engine's rows path (tuning.py, GEMV_RING_DEEP_BYTES)."""
+        return 2 if (2 if gated else 1) * n * k * 2 >= GEMV_RING_DEEP_BYTES else 1
 
-    def _ring_fit(self, k: int, n: int, gated: bool, threads: int) -> tuple[int, int, int, int]:
+    def _ring_fit(self, k: int, n: int, gated: bool) -> tuple[int, int, int, int]:
         """(grid, shared bytes besides the ring, ring bytes per chunk per thread and slot, the most chunks per
-        thread and slot that fit) of gemv_ring: one block per SM, within half an SM's shared memory at 512 threads
-        (two blocks fit) or all a block may have at 1024."""
+        thread and slot that fit) of gemv_ring: one block per SM, within all the shared memory a block may have."""
         grid = min(n, self.num_sms)
-        fixed = ring_fixed_smem_bytes(k, n, grid, gated, threads)
-        per_chunk = GEMV_RING_STAGES * threads * 16
-        budget = self.smem_per_sm // 2 if threads == min(GEMV_RING_THREADS) else self.smem_per_block_optin + 1024
+        fixed = ring_fixed_smem_bytes(k, n, grid, gated, GEMV_RING_THREADS)
+        per_chunk = GEMV_RING_STAGES * GEMV_RING_THREADS * 16
+        budget = self.smem_per_block_optin + 1024
         return grid, fixed, per_chunk, (budget - GEMV_RING_SMEM_SLACK - fixed) // per_chunk
 
-    def _ring_geometry(self, norm: bool, k: int, n: int, gated: bool, chunks: int | None,
-                      threads: int) -> tuple[str, int, int]:
+    def _ring_geometry(self, norm: bool, k: int, n: int, gated: bool, chunks: int | None) -> tuple[str, int, int]:
         """(kernel name, grid, shared bytes) of a gemv_ring launch, computed once per shape (_ring_fit): the
         deepest compiled ring (GEMV_RING_CHUNKS chunks per thread and slot) that fits, or `chunks`."""
         cache = self.__dict__.setdefault("_ring_geometries", {})
-        key = (norm, k, n, gated, chunks, threads)
+        key = (norm, k, n, gated, chunks)
         if key not in cache:
-            grid, fixed, per_chunk, fit = self._ring_fit(k, n, gated, threads)
+            grid, fixed, per_chunk, fit = self._ring_fit(k, n, gated)
             p = max((c for c in GEMV_RING_CHUNKS if c <= fit), default=0) if chunks is None else chunks
             if p < 1 or p > fit:
                 raise ValueError(f"gemv_ring: K = {k}, N = {n}: a ring of {p} chunks per thread does not fit "
                                  f"(at most {fit})")
-            name = gemv_ring_name(norm, gated, p, threads)
-            if not self._has(name):
-                raise ValueError(f"gemv_ring: no compiled variant {name}")
+            name = gemv_ring_name(norm, gated, p, GEMV_RING_THREADS)
             fn = self._fn[name]
             # opt in to more than 48 KiB of dynamic shared memory: the device's most, once for every geometry (a
             # launch with more than the function's limit fails, and the geometries of one kernel differ)
@@ -430,14 +293,12 @@ class Kernels(OperandChecks, UnfusedKernels):
         eps: float = 1e-6,
         norm_offset: float = 0.0,
         chunks: int | None = None,
-        threads: int = 512,
         stream: Any = None,
     ) -> None:
         """The ring GEMV (gemv_ring.cu), one row: the function of gemv / gemv_swiglu for M = 1 (the norm fused
         when norm_weight is given, norm_offset added to it in fp32), x f32[1, K] with K a multiple of
-        GEMV_RING_K_MULTIPLE.  `chunks`: 16-byte chunks per thread in each ring slot (None: the most that fit);
-        `threads`: 512 (half an SM: the next kernel's block fits beside it) or 1024 (all of it).  The result
-        depends on (N, K, the grid, threads) only: fixed for a device, whatever the ring."""
+        GEMV_RING_K_MULTIPLE.  `chunks`: 16-byte chunks per thread in each ring slot (None: the most that fit).
+        The result depends on (N, K, the grid) only: fixed for a device, whatever the ring."""
         np = self._np
         op = "gemv_ring"
         M, K, N, norm = self._linear_operands(op, x, w, "w", out, bias, norm_weight, swiglu)
@@ -449,15 +310,13 @@ class Kernels(OperandChecks, UnfusedKernels):
             raise ValueError(f"{op}: accumulate is not supported with swiglu")
         if chunks is not None and chunks not in GEMV_RING_CHUNKS:
             raise ValueError(f"{op}: chunks = {chunks}: compiled {', '.join(map(str, GEMV_RING_CHUNKS))}")
-        if threads not in GEMV_RING_THREADS:
-            raise ValueError(f"{op}: threads = {threads}: compiled {', '.join(map(str, GEMV_RING_THREADS))}")
-        name, grid, smem = self._ring_geometry(norm, K, N, swiglu, chunks, threads)
+        name, grid, smem = self._ring_geometry(norm, K, N, swiglu, chunks)
         args = (
             x, w, self._dummy if bias is None else bias, out, np.int32(N), np.int32(K),
             np.int32(1 if accumulate else 0), np.int32(0 if bias is None else 1),
             norm_weight if norm else self._dummy, np.float32(eps), np.float32(norm_offset), self._act(activation),
         )
-        self._launch(name, (grid,), (threads,), args, stream, shared_mem=smem)
+        self._launch(name, (grid,), (GEMV_RING_THREADS,), args, stream, shared_mem=smem)
 
     def rmsnorm(
         self, x: Any, weight: Any, eps: float, out: Any, residual: Any = None, *, offset: float = 0.0,
@@ -584,14 +443,14 @@ class Kernels(OperandChecks, UnfusedKernels):
         )
         self._launch("rope_kv_append_kernel", (_ceil_div(M * slots, warps),), (32 * warps,), args, stream)
 
-    def qkv_rope_fusable(self, m: int, impl: str = "auto") -> str | None:
-        """None when gemv_qkv_rope has an instance for m rows with the GEMV `impl` ("auto", "simt", "tc":
-        the engine's gemv_impl) would choose, else why not (the fused rows path then runs the unfused
-        qkv GEMV and rope_kv_append for that row count)."""
-        if uses_tc(impl, m):
-            return None if 1 <= m <= 16 else f"no tensor-core GEMV for {m} rows"
+    @staticmethod
+    def qkv_rope_fusable(m: int) -> str | None:
+        """None when gemv_qkv_rope has an instance for m rows (the GEMV the rows path takes for m rows), else
+        why not (the fused rows path then runs the unfused qkv GEMV and rope_kv_append for that row count)."""
+        if uses_tc(m):
+            return None if m <= 16 else f"no tensor-core GEMV for {m} rows"
         if m not in fused_qkv_fp32_rows():
-            return f"the fp32-FMA GEMV for {m} rows stages x in shared memory: no fused rope epilogue"
+            return f"no fused qkv instance of the fp32-FMA GEMV for {m} rows"
         return None
 
     def gemv_qkv_rope(
@@ -616,7 +475,6 @@ class Kernels(OperandChecks, UnfusedKernels):
         attention_scaling: float = 1.0,
         rope_norm_offset: float = 0.0,
         rotary_dim: int | None = None,
-        impl: str = "auto",
         stream: Any = None,
     ) -> None:
         """The fused rows path's qkv projection in one launch: qkv = rmsnorm(x, norm_weight) @ w.T (+ bias)
@@ -627,9 +485,8 @@ class Kernels(OperandChecks, UnfusedKernels):
         qkv f32[M, N] (written, then read back by the epilogue), q_out f32[M, n_heads, head_dim] (disjoint
         from qkv), caches as rope_kv_append.  counters: int32[>= n_heads + 2 n_kv], all zero; every launch
         leaves them zero (a non-zero counter afterwards means a broken launch: see check_counters).
-        impl: which GEMV (tuning.GEMV_IMPLS; uses_tc: the fp32-FMA GEMV below GEMV_TC_MIN_ROWS rows, else tensor
-        cores; the streaming GEMV has no fused rope epilogue);
-        qkv_rope_fusable says which row counts have an instance."""
+        The GEMV is the rows path's for M rows (uses_tc: the fp32-FMA GEMV below GEMV_TC_MIN_ROWS rows, else
+        tensor cores); qkv_rope_fusable says which row counts have an instance."""
         np = self._np
         if norm_weight is None:
             raise ValueError("gemv_qkv_rope: norm_weight is required (the fused qkv GEMV has the norm prologue)")
@@ -662,7 +519,7 @@ class Kernels(OperandChecks, UnfusedKernels):
             self._disjoint(c, cn, q_out, "q_out")
         for a, an in ((qkv, "qkv"), (q_out, "q_out"), (k_cache, "k_cache"), (v_cache, "v_cache")):
             self._disjoint(counters, "counters", a, an)
-        why = self.qkv_rope_fusable(M, impl)
+        why = self.qkv_rope_fusable(M)
         if why is not None:
             raise ValueError(f"gemv_qkv_rope: {why}")
         rope = (
@@ -673,7 +530,7 @@ class Kernels(OperandChecks, UnfusedKernels):
         )
         head = (x, w, self._dummy if bias is None else bias, qkv)
         tail = (np.int32(0 if bias is None else 1), norm_weight, np.float32(eps), np.float32(norm_offset))
-        if uses_tc(impl, M):
+        if uses_tc(M):
             tiles, warps, u = GEMV_TC_DEFAULT[M]
             block_rows, threads = 16 * tiles, warps * 32
             name = gemv_tc_qkv_rope_name(2 if M > 8 else 1, tiles, warps, u)
@@ -710,18 +567,12 @@ class Kernels(OperandChecks, UnfusedKernels):
         loads in flight, 64 KiB per SM covers the HBM latency), so n_splits = ceil(2 * SMs / (n_kv * row
         blocks)), but no split shorter than ATTN_CHUNK_ALIGN keys at max_ctx.  On the device the split
         size is ceil(L / n_splits) rounded up to ATTN_CHUNK_ALIGN for the current length L, so shorter
-        contexts use fewer, still >= 64-key, splits.  Llama-3-8B on 132 SMs (n_kv 8, G 4): M = 1..4 -> 32
-        splits (256 blocks: 33, one past a combine batch, see below), M = 5..8 -> 17 (272), M = 16 -> 9 (288).
+        contexts use fewer, still >= 64-key, splits.
         SIMT kernel (head_dim 96, 256; its query blocks of _decode_qb vectors; DECODE_SIMT_SPLITS): latency-bound
-        (Nsight Compute on the H200: 6 cycles per issued instruction, one warp per scheduler).  head_dim 96 (64
-        registers): 32-key splits, about 4 blocks per SM: phi-3-mini's layer (32 KV heads) 10.8 -> 10.1 us at
-        1024 keys, 37.8 -> 31.5 us at 8192.  head_dim 256 (161 registers): 64-key splits, 2 per SM as before:
-        finer measured slower (gemma-2-9b's layer 15.1 -> 17.0 us at 1024 keys with 4 per SM and 32-key
-        splits, 15.1 -> 15.8 with 2 per SM and 32-key splits; benchmarks/bench_attention.py --simt).
+        (one warp per scheduler), so head_dim 96 (64 registers) takes 32-key splits, about 4 blocks per SM, and
+        head_dim 256 (161 registers) 64-key splits, 2 per SM.
         A count just past ATTN_COMBINE_BATCH (33..35) becomes the batch: the combine merges its splits in batches of
-        32, and a second batch is a second round of loads.  H100, one row at 8193 keys in 8201 positions (llama-3.1-8b
-        shape, `benchmarks.bench_attention --sweep`, 2026-12-05): split + combine 20.06 us with 33 splits (33 hold
-        keys), 18.95 us with 32 (26 hold keys); phi-4-mini's shape 19.69 -> 18.68 us."""
+        32, and a second batch is a second round of loads."""
         n_heads = n_kv if n_heads is None else n_heads
         n_kv = max(1, int(n_kv))
         qvec = max(1, int(n_rows)) * max(1, int(n_heads) // n_kv)
@@ -756,10 +607,7 @@ class Kernels(OperandChecks, UnfusedKernels):
         workspace: Any = None,
         window: int | None = None,
         softcap: float | None = None,
-        counters: Any = None,
-        only: str | None = None,
         rope: dict | None = None,
-        cluster: bool = False,
         stream: Any = None,
     ) -> None:
         """Causal attention of M query rows (decode M=1, verify M=k) against the cache:
@@ -778,18 +626,10 @@ class Kernels(OperandChecks, UnfusedKernels):
         `window`: row m sees only keys (positions[m] - window, positions[m]], and the split work covers
         only the keys some row sees (a long context costs what the window costs).  `softcap`: scores
         -> softcap * tanh(scores / softcap) before the mask (Gemma 2).  Both fixed at capture time.
-        `counters` (the fused rows path): int32[>= n_kv * ceil(M * G / qb)] (qb: query vectors per block;
-        M * n_heads always suffices), all zero: one launch, the split kernel's FUSED instance, whose last
-        split block per (query block, KV head) merges the splits (same values as the combine kernel) and
-        leaves its counter at zero.  `only` ("split" or "combine", unfused only): launch just that one
-        of the two kernels (the per-kernel timing of scripts/decode_breakdown.py).
         `rope` (the fused rows path, one row): rope_kv_append's arguments (inv_freq, q_norm, k_norm, eps,
         attention_scaling, norm_offset, rotary_dim) and `q` the unrotated qkv projection viewed as
         [1, n_heads + 2 n_kv, head_dim]: the split kernel rotates q itself and the split holding the position
-        appends k and v to the cache (rope_fits says where it can: no rope_kv_append launch); with `counters` too,
-        the whole attention is one launch.
-        `cluster` (with `rope`): DECODE_CLUSTER splits whose combine runs in their thread-block cluster through
-        distributed shared memory: one launch for the whole attention, `n_splits` and `workspace` unused."""
+        appends k and v to the cache (rope_fits says where it can: no rope_kv_append launch)."""
         np = self._np
         self._f32(q, "q", 3)
         self._f32(out, "out", 3)
@@ -814,18 +654,12 @@ class Kernels(OperandChecks, UnfusedKernels):
         self._aligned(k_cache, "k_cache")
         self._aligned(v_cache, "v_cache")
         G = nh // n_kv
-        if cluster and rope is None:
-            raise ValueError("attention_decode: the cluster combine is in the rope instances only")
-        if cluster and counters is not None:
-            raise ValueError("attention_decode: one combine: the cluster's or the last block's (no counters)")
-        if cluster:
-            n_splits = DECODE_CLUSTER
         if n_splits is None:
             n_splits = self.decode_splits(max_ctx, n_kv, M, nh, hd)
         n_splits = int(n_splits)
         if not 1 <= n_splits <= 65535:
             raise ValueError(f"attention_decode: n_splits = {n_splits} must be in 1..65535")
-        need = 0 if cluster else self.decode_workspace_size(M, nh, hd, n_splits)
+        need = self.decode_workspace_size(M, nh, hd, n_splits)
         if workspace is None:
             if self._workspace is None or self._workspace.size < need:
                 self._workspace = self._cp.empty(max(need, 1 << 20), dtype=self._cp.float32)
@@ -837,9 +671,9 @@ class Kernels(OperandChecks, UnfusedKernels):
         for a, an in ((q, "q"), (out, "out"), (positions, "positions"), (k_cache, "k_cache"), (v_cache, "v_cache")):
             self._disjoint(workspace, "workspace", a, an)
         ws = workspace.reshape(-1)
-        n_acc = 0 if cluster else n_splits * M * nh * hd
-        part_acc = ws[:n_acc] if n_acc else ws  # unused by the cluster instances
-        part_ml = ws[n_acc : n_acc + 2 * n_splits * M * nh] if n_acc else ws
+        n_acc = n_splits * M * nh * hd
+        part_acc = ws[:n_acc]
+        part_ml = ws[n_acc : n_acc + 2 * n_splits * M * nh]
         qb = _decode_qb(hd, M * G)
         win, cap2 = self._window_softcap(window, softcap)
         ext = bool(win or cap2)  # the tensor-core instance with the window / softcap code
@@ -858,36 +692,7 @@ class Kernels(OperandChecks, UnfusedKernels):
         tc_tail = self._decode_rope_args(rope, qkv, k_cache, v_cache, M, n_kv, hd, G, window, softcap)
         if hd not in DECODE_TC_HEAD_DIMS:
             tc_tail = ()
-        if counters is not None:
-            self._i32(counters, "counters", 1)
-            blocks = grid[0] * grid[2]
-            if counters.shape[0] < blocks:
-                raise ValueError(f"counters: {counters.shape[0]} int32, need {blocks}")
-            for a, an in ((q, "q"), (out, "out"), (workspace, "workspace"), (k_cache, "k_cache")):
-                self._disjoint(counters, "counters", a, an)
-            if only is not None:
-                raise ValueError("attention_decode: `only` is for the unfused kernels")
-            name = decode_name(hd, qb, ext, fused=True, rope=rope is not None)
-            if not self._has(name):
-                raise ValueError(f"attention_decode: no compiled instance {name}")
-            self._launch(name, grid, (threads,), args + (out, counters) + tc_tail, stream)
-            return
-        if only not in (None, "split", "combine"):
-            raise ValueError(f"attention_decode: only = {only!r}, expected 'split' or 'combine'")
-        if cluster:
-            if only is not None or counters is not None:
-                raise ValueError("attention_decode: the cluster instances are one launch (no `only`, no counters)")
-            name = decode_name(hd, qb, rope=True, cluster=DECODE_CLUSTER)
-            if not self._has(name):
-                raise ValueError(f"attention_decode: no compiled instance {name}")
-            self._launch(name, grid, (threads,), args + (out, self._dummy) + tc_tail, stream,
-                         cluster=(1, DECODE_CLUSTER, 1))
-            return
-        if only != "combine":
-            self._launch(decode_name(hd, qb, ext, rope=rope is not None), grid, (threads,),
-                         args + (out, self._dummy) + tc_tail, stream)
-        if only == "split":
-            return
+        self._launch(decode_name(hd, qb, ext, rope=rope is not None), grid, (threads,), args + tc_tail, stream)
         args2 = (
             part_acc, part_ml, positions, out,
             np.int32(M), np.int32(nh), np.int32(hd), np.int32(max_ctx), np.int32(n_splits), win,
