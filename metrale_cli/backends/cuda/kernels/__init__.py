@@ -22,8 +22,10 @@ Every method takes `stream=None` (None: CuPy's current stream).
 Modules: nvrtc (source assembly, module compile), tuning (configuration tables, launch geometry),
 names (template-instance names: the core module, the fused rows path's module behind
 `Kernels.load_fused`), pdl (the driver FFI of programmatic dependent launch), checks (operand
-checks), launch (`Kernels`), unfused (wrappers only the tests call).  The names below are
-re-exported here: import them from this package.
+checks), launch (`Kernels`, composing the launch wrappers of each kernel file: elementwise, norm_rope,
+gemv, gemv_tc, gemv_ring, attention, flash_prefill, argmax), moe and tp (the modules of their own,
+compiled only for a mixture of experts / a tensor-parallel rank).  The names below are re-exported
+here: import them from this package.
 """
 
 from .launch import Kernels
