@@ -228,7 +228,7 @@ def build_engine(cfg: ModelConfig, device: str, context: int, tp: int | None = N
         return start(cfg, LoadSpec(device, context, False, config=cfg, seed=0), tp)
     source = RandomTensors(cfg, seed=0)
     if device == "cuda":
-        from .backends.cuda.engine import load_cuda_engine
+        from .backends.cuda.loading import load_cuda_engine
 
         return load_cuda_engine(cfg, source, context)
     from .backends.numpy.engine import load_numpy_engine
@@ -237,12 +237,12 @@ def build_engine(cfg: ModelConfig, device: str, context: int, tp: int | None = N
 
 
 def check_paths(paths: tuple[str, ...] | None, device: str) -> tuple[str, ...] | None:
-    """The --path list: known names (backends.cuda.engine.ROWS_PATHS), no repeats, CUDA only."""
+    """The --path list: known names (backends.cuda.paths.ROWS_PATHS), no repeats, CUDA only."""
     if not paths:
         return None
     if device != "cuda":
         raise UsageError("--path compares the CUDA engine's rows paths: it needs --device cuda")
-    from .backends.cuda.engine import check_path  # no CuPy needed
+    from .backends.cuda.paths import check_path  # no CuPy needed
     return tuple(dict.fromkeys(check_path(p) for p in paths))
 
 

@@ -1,4 +1,4 @@
-"""The CUDA engine's Python side (backends/cuda/engine.py, passes.py) on the CPU, with its kernels replaced by
+"""The CUDA engine's Python side (backends/cuda/engine.py, passes.py, attention.py, projections.py) on the CPU, with its kernels replaced by
 NumPy implementations of their documented contracts (bf16 weights, KV cache and rounding included).
 
 This checks the orchestration the GPU tests also cover, where no GPU is: which kernel each op calls with
@@ -24,6 +24,9 @@ from metrale_cli.logits import bf16_bits, fp32_to_bf16
 
 kernels_mod = pytest.importorskip("metrale_cli.backends.cuda.kernels")
 from metrale_cli.backends.cuda import engine as cuda_engine  # noqa: E402
+from metrale_cli.backends.cuda import loading as cuda_loading  # noqa: E402
+from metrale_cli.backends.cuda import paths as cuda_paths  # noqa: E402
+from metrale_cli.backends.cuda.projections import Projections  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
 
@@ -94,6 +97,10 @@ class FakeKernels:
         self._cp = fake_cupy()
         self.pdl = False
         self.calls: list[str] = []
+
+    @property
+    def cp(self):
+        return self._cp
 
     def __getattribute__(self, name):
         real = getattr(kernels_mod.Kernels, name, None)
@@ -292,13 +299,13 @@ def fake_engine(name: str, ctx: int = 64):
     cfg = load_config(FIXTURES / name)
     ckpt = Checkpoint.open(FIXTURES / name)
     kern = FakeKernels()
-    orig = cuda_engine.CudaEngine._gemm
-    cuda_engine.CudaEngine._gemm = _fake_gemm
+    orig = Projections.gemm
+    Projections.gemm = _fake_gemm
     try:
-        weights = cuda_engine.upload_weights(cfg, ckpt, kern)
+        weights = cuda_loading.upload_weights(cfg, ckpt, kern)
         yield cuda_engine.CudaEngine(cfg, weights, kern, ctx, fp32_logits=True, use_graphs=False)
     finally:
-        cuda_engine.CudaEngine._gemm = orig
+        Projections.gemm = orig
         ckpt.close()
 
 
@@ -440,19 +447,19 @@ def test_fused_path_matches_the_rows_path_and_the_numpy_engine(name):
 
 
 def test_path_option_is_checked(monkeypatch):
-    assert cuda_engine.check_path(" Fused ") == "fused" and cuda_engine.ROWS_PATHS == ("rows", "fused")
+    assert cuda_paths.check_path(" Fused ") == "fused" and cuda_paths.ROWS_PATHS == ("rows", "fused")
     from metrale_cli.errors import UsageError
 
     with pytest.raises(UsageError, match="choose from rows, fused"):
-        cuda_engine.check_path("megakernel")
-    monkeypatch.setenv(cuda_engine.PATH_ENV, "fused")
-    assert cuda_engine.default_path() == "fused"
-    monkeypatch.setenv(cuda_engine.PATH_ENV, "nope")
+        cuda_paths.check_path("megakernel")
+    monkeypatch.setenv(cuda_paths.PATH_ENV, "fused")
+    assert cuda_paths.default_path() == "fused"
+    monkeypatch.setenv(cuda_paths.PATH_ENV, "nope")
     with pytest.raises(UsageError, match="nope"):
-        cuda_engine.default_path()
-    monkeypatch.delenv(cuda_engine.PATH_ENV)
-    assert cuda_engine.default_path() == cuda_engine.DEFAULT_PATH == "fused"
-    assert cuda_engine.default_path(tensor_parallel=True) == cuda_engine.BASE_PATH == "rows"  # a --tp rank
+        cuda_paths.default_path()
+    monkeypatch.delenv(cuda_paths.PATH_ENV)
+    assert cuda_paths.default_path() == cuda_paths.DEFAULT_PATH == "fused"
+    assert cuda_paths.default_path(tensor_parallel=True) == cuda_paths.BASE_PATH == "rows"  # a --tp rank
     with fake_engine("phi3") as gpu:
         with pytest.raises(UsageError):
             gpu.set_path("persistent")
@@ -486,7 +493,7 @@ def test_longrope_switch_recomputes_the_cache():
     (1, 4096, 128256, False, "gemv"), (2, 4096, 6144, True, "gemv"), (3, 4096, 6144, True, "gemv_tc"),
     (16, 4096, 6144, False, "gemv_tc")])
 def test_projection_kernel_per_rows(path, m, k, n, norm, want):
-    """CudaEngine._linear, the one place that picks a projection kernel, on both rows paths: the ring GEMV for
+    """Projections.linear, the one place that picks a projection kernel, on both rows paths: the ring GEMV for
     every one-row projection it takes (K % 256, not the lm_head), gated or not, else the fp32-FMA GEMV below
     GEMV_TC_MIN_ROWS rows and the tensor cores from there on."""
     with fake_engine("llama") as gpu:
@@ -494,8 +501,8 @@ def test_projection_kernel_per_rows(path, m, k, n, norm, want):
         x = _wrap(np.ones((m, k), np.float32) * 0.01)
         nw = dict(norm_weight=_wrap(np.full(k, 0x3F80, np.uint16))) if norm else {}
         gpu.kern.calls.clear()
-        gpu._linear(x, _wrap(np.full((n, k), 0x3F80, np.uint16)), _wrap(np.zeros((m, n), np.float32)), **nw)
-        gpu._linear(x, _wrap(np.full((2 * n, k), 0x3F80, np.uint16)), _wrap(np.zeros((m, n), np.float32)),
+        gpu.proj.linear(x, _wrap(np.full((n, k), 0x3F80, np.uint16)), _wrap(np.zeros((m, n), np.float32)), **nw)
+        gpu.proj.linear(x, _wrap(np.full((2 * n, k), 0x3F80, np.uint16)), _wrap(np.zeros((m, n), np.float32)),
                     swiglu=True, **nw)
         gated = "gemv_swiglu" if want == "gemv" else want  # gemv_tc, gemv_ring: the same kernel
         assert [c for c in gpu.kern.calls if c.startswith("gemv")] == [want, gated]
@@ -514,7 +521,7 @@ def test_weights_too_big_for_the_gpu_are_refused_before_loading():
         need = cfg.definition.parameter_count() * 2  # bf16 bytes of what the definition reads
         kern._cp.cuda.runtime.memGetInfo = lambda: (need - 1, 80 << 30)
         with pytest.raises(DeviceError, match=r"the weights need .* GiB in bf16 and the GPU has .* GiB free"):
-            cuda_engine.upload_weights(cfg, ckpt, kern)
+            cuda_loading.upload_weights(cfg, ckpt, kern)
         kern._cp.cuda.runtime.memGetInfo = lambda: (need, 80 << 30)
 
         def no_memory(*a, **k):
@@ -522,4 +529,4 @@ def test_weights_too_big_for_the_gpu_are_refused_before_loading():
 
         kern._cp.concatenate = no_memory
         with pytest.raises(DeviceError, match="CUDA out of memory fusing the weights' parts"):
-            cuda_engine.upload_weights(cfg, ckpt, kern)
+            cuda_loading.upload_weights(cfg, ckpt, kern)

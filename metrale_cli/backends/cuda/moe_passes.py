@@ -1,7 +1,7 @@
 """engine/loop.py's mixture-of-experts ops on the GPU (mixed into passes.py's RowsPass and PrefillPass).
 
 Rows path (decode, verify, short prefills; graph-captured): the router GEMV with the RMSNorm fused
-(the engine's `_linear`), then kernels.moe's route (top-k, shared gate, h, the union of the rows'
+(the engine's projections, projections.py), then kernels.moe's route (top-k, shared gate, h, the union of the rows'
 experts), gate_up (reads only the union's experts, each once) and down (the weighted sum over each row's
 experts, plus the shared expert, added into the residual stream in its epilogue). No host reads.
 
@@ -32,8 +32,7 @@ if TYPE_CHECKING:
 class MoeState:
     """The rows path's preallocated MoE buffers and kernels of one engine (CudaEngine.moe)."""
 
-    def __init__(self, cfg: ModelConfig, kern: Any) -> None:
-        cp = kern._cp
+    def __init__(self, cp: Any, cfg: ModelConfig, kern: Any) -> None:
         spec = cfg.moe.spec
         self.spec = spec
         self.kern = MoeKernels(kern)  # compiled now: never during a graph capture
@@ -51,7 +50,7 @@ class RowsMoe:
     def route(self, x, w_router, spec: MoeSpec, *, norm):
         st, m = self.e.moe, self.m
         logits = st.logits[:m]
-        self.e._linear(x, w_router, logits, norm_weight=norm[0], eps=norm[1].eps)
+        self.e.proj.linear(x, w_router, logits, norm_weight=norm[0], eps=norm[1].eps)
         st.kern.route(logits, x, norm[0], norm[1].eps, spec.num_experts, spec.top_k, spec.norm_topk_prob,
                       bool(spec.shared_expert_size), st.buf, held=spec.held, stream=self.s)
         b = st.buf
@@ -64,7 +63,7 @@ class RowsMoe:
         with_shared = None
         if shared is not None:
             act_s = st.act_s[:m]
-            e._linear(x, shared[0], act_s, swiglu=True, norm_weight=norm[0], eps=norm[1].eps)
+            e.proj.linear(x, shared[0], act_s, swiglu=True, norm_weight=norm[0], eps=norm[1].eps)
             with_shared = (shared[1], act_s)
         st.kern.gate_up(m, w_gate_up, st.buf, st.act, first=first, stream=self.s)
         if tap is not None and self._tap is not None:  # the block's output before the residual add, beside
@@ -155,18 +154,18 @@ class PrefillMoe:
         hb = cp.empty((main, h.shape[1]), cp.uint16)  # h's rows in expert order: the main block
         self.k.f32_to_bf16(h[src[:main]], hb, stream=self.s)
         used = plan.used(len(held)) if plan.rows >= PER_EXPERT_ROWS else None
-        gu = e._gemm_experts(hb, w_gate_up, plan.rows, cp.zeros((main, w_gate_up.shape[1]), cp.float32), used)
+        gu = e.proj.gemm_experts(hb, w_gate_up, plan.rows, cp.zeros((main, w_gate_up.shape[1]), cp.float32), used)
         act = self._swiglu(gu)
         del gu
         actb = cp.empty(act.shape, cp.uint16)
         self.k.f32_to_bf16(act, actb, stream=self.s)
-        e._gemm_experts(actb, w_down, plan.rows, d[:main], used)
+        e.proj.gemm_experts(actb, w_down, plan.rows, d[:main], used)
         for first, n, ex in plan.overflow:  # the most-chosen experts' pairs past the main block
             if ex >= len(held):  # another rank's experts: no weights here, weight 0 below
                 d[first:first + n] = 0
                 continue
             rows = h[src[first:first + n]]
-            d[first:first + n] = e._gemm(self._swiglu(e._gemm(rows, w_gate_up[ex])), w_down[ex])
+            d[first:first + n] = e.proj.gemm(self._swiglu(e.proj.gemm(rows, w_gate_up[ex])), w_down[ex])
         # y[t] = sum over t's experts in increasing order (as the reference sums) of weight * its row of d
         order = np.argsort(idx, axis=1)
         rows_d = cp.asarray(np.take_along_axis(plan.row_of_pair.reshape(t, k), order, 1))
@@ -177,7 +176,7 @@ class PrefillMoe:
         for j in range(k):  # another rank's pairs add nothing here (their rows of d were never computed)
             y += weights[:, j:j + 1] * cp.where(mine[:, j:j + 1], d[rows_d[:, j]], 0)
         if shared is not None:
-            y += route.shared_gate * e._gemm(self._swiglu(e._gemm(h, shared[0])), shared[1])
+            y += route.shared_gate * e.proj.gemm(self._swiglu(e.proj.gemm(h, shared[0])), shared[1])
         if e.tp is not None:  # the held experts' and shared columns' share, summed over the ranks
             e.tp.comm.all_reduce(y, self.s)
         self.tap(tap, y)

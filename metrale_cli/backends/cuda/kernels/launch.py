@@ -61,6 +61,11 @@ class Kernels(OperandChecks, ElementwiseKernels, NormRopeKernels, GemvKernels, G
         self.pdl_supported = int(dev.compute_capability) >= 90
         self._pdl_launcher = None
 
+    @property
+    def cp(self) -> Any:
+        """The CuPy module the kernels run on (the engine allocates its buffers with it)."""
+        return self._cp
+
     def _grid1d(self, n: int, block: int = 256) -> int:
         return max(1, min(_ceil_div(n, block), self.num_sms * 16))
 
