@@ -169,17 +169,6 @@ class CudaEngine(EngineBase):
     def synchronize(self) -> None:
         self.stream.synchronize()
 
-    def trim(self, length: int) -> None:
-        if 0 <= length <= self.length:
-            for state in self.states.values():
-                state.trim(length)
-        super().trim(length)
-
-    def reset(self) -> None:
-        super().reset()
-        for state in self.states.values():
-            state.reset()
-
     def decode(self, token: int) -> None:
         self._check_tokens([token])
         self._begin_call(1)

@@ -1,8 +1,5 @@
 """Launch wrappers of argmax.cu: the first maximum of each logits row (one block per row, or several and a last-
-block reduction).
-
-Methods of `Kernels` (launch.py), which composes one such class per kernel file; they use its operand
-checks (checks.py), _launch, _has, _dummy and _grid1d."""
+block reduction)."""
 
 from __future__ import annotations
 
@@ -12,7 +9,6 @@ from .tuning import ARGMAX_CHUNK, ARGMAX_THREADS, _ceil_div
 
 
 class ArgmaxKernels:
-    """The argmax.cu launches of `Kernels`."""
 
     def argmax_blocks(self, n: int, V: int) -> int:
         """Blocks per row of the split argmax (argmax_split_*_kernel) for n rows of V, or 0 for the one-block-

@@ -1,8 +1,5 @@
 """Launch wrappers of attention.cu: flash-decoding attention (split + combine; one row: rope + KV append in the
-split kernel).
-
-Methods of `Kernels` (launch.py), which composes one such class per kernel file; they use its operand
-checks (checks.py), _launch, _has, _dummy and _grid1d."""
+split kernel)."""
 
 from __future__ import annotations
 
@@ -24,7 +21,6 @@ from .tuning import (
 
 
 class AttentionKernels:
-    """The attention.cu launches of `Kernels`."""
 
     def decode_splits(self, max_ctx: int, n_kv: int, n_rows: int = 1, n_heads: int | None = None,
                       head_dim: int | None = None) -> int:

@@ -1,8 +1,5 @@
 """Launch wrappers of elementwise.cu: embedding, softcap, fp32 <-> bf16, the gated MLP activation of the prefill
-path, and the unfused KV append (a reference for the fused one in the GPU tests).
-
-Methods of `Kernels` (launch.py), which composes one such class per kernel file; they use its operand
-checks (checks.py), _launch, _has, _dummy and _grid1d."""
+path, and the unfused KV append (a reference for the fused one in the GPU tests)."""
 
 from __future__ import annotations
 
@@ -11,7 +8,6 @@ from typing import Any
 
 
 class ElementwiseKernels:
-    """The elementwise.cu launches of `Kernels`."""
 
     def embedding(self, ids: Any, table: Any, out: Any, *, scale: float | None = None, stream: Any = None) -> None:
         """out[m, :] = float32(table[ids[m], :]) (* scale, an fp32 value: Gemma's sqrt(hidden)).
@@ -58,23 +54,22 @@ class ElementwiseKernels:
     def f32_to_bf16(self, x: Any, out: Any, *, stream: Any = None) -> None:
         """out = bf16(x), round to nearest even, NaN -> 0x7FC0 (torch CPU semantics).
         x f32[...]; out bf16 or uint16, same shape."""
-        np = self._np
         self._f32(x, "x")
         self._bf16(out, "out")
-        self._shape(out, "out", x.shape)
-        if x.size == 0:
-            return
-        self._launch("f32_to_bf16_kernel", (self._grid1d(x.size),), (256,), (x, out, np.int64(x.size)), stream)
+        self._convert("f32_to_bf16_kernel", x, out, stream)
 
     def bf16_to_f32(self, x: Any, out: Any, *, stream: Any = None) -> None:
         """out = float32(x) (exact).  x bf16 or uint16 [...]; out f32, same shape."""
-        np = self._np
         self._bf16(x, "x")
         self._f32(out, "out")
+        self._convert("bf16_to_f32_kernel", x, out, stream)
+
+    def _convert(self, kernel: str, x: Any, out: Any, stream: Any) -> None:
+        """An elementwise conversion of x into out (dtypes checked by the caller), one thread per element."""
         self._shape(out, "out", x.shape)
         if x.size == 0:
             return
-        self._launch("bf16_to_f32_kernel", (self._grid1d(x.size),), (256,), (x, out, np.int64(x.size)), stream)
+        self._launch(kernel, (self._grid1d(x.size),), (256,), (x, out, self._np.int64(x.size)), stream)
 
     def kv_append(
         self, k: Any, v: Any, k_cache: Any, v_cache: Any, positions: Any, *, stream: Any = None

@@ -1,7 +1,4 @@
-"""Launch wrappers of flash_prefill.cu: causal tensor-core flash attention of a prompt chunk (the prefill path).
-
-Methods of `Kernels` (launch.py), which composes one such class per kernel file; they use its operand
-checks (checks.py), _launch, _has, _dummy and _grid1d."""
+"""Launch wrappers of flash_prefill.cu: causal tensor-core flash attention of a prompt chunk (the prefill path)."""
 
 from __future__ import annotations
 
@@ -12,7 +9,6 @@ from .tuning import LOG2E, PREFILL_BQ, PREFILL_BQS, PREFILL_HEAD_DIMS, _ceil_div
 
 
 class FlashPrefillKernels:
-    """The flash_prefill.cu launches of `Kernels`."""
 
     def attention_prefill(
         self,

@@ -1,9 +1,6 @@
 """Launch wrappers of gemv.cu: the fp32-FMA GEMV (rows below GEMV_TC_MIN_ROWS, and one-row projections the ring
 GEMV does not take) and the fused rows path's qkv GEMV with rope + KV append in its last blocks (its gemv.cu
-instance below GEMV_TC_MIN_ROWS rows, its gemv_tc.cu instance from there on).
-
-Methods of `Kernels` (launch.py), which composes one such class per kernel file; they use its operand
-checks (checks.py), _launch, _has, _dummy and _grid1d."""
+instance below GEMV_TC_MIN_ROWS rows, its gemv_tc.cu instance from there on)."""
 
 from __future__ import annotations
 
@@ -14,21 +11,9 @@ from .tuning import GEMV_DEFAULT, GEMV_SWIGLU_DEFAULT, GEMV_TC_DEFAULT, _ceil_di
 
 
 class GemvKernels:
-    """The gemv.cu launches of `Kernels`."""
 
-    def gemv(
-        self,
-        x: Any,
-        w: Any,
-        out: Any,
-        bias: Any = None,
-        *,
-        accumulate: bool = False,
-        norm_weight: Any = None,
-        eps: float = 1e-6,
-        norm_offset: float = 0.0,
-        stream: Any = None,
-    ) -> None:
+    def gemv(self, x: Any, w: Any, out: Any, bias: Any = None, *, accumulate: bool = False, norm_weight: Any = None,
+             eps: float = 1e-6, norm_offset: float = 0.0, stream: Any = None) -> None:
         """out = x @ w.T (+ bias), or out += x @ w.T (+ bias) with accumulate=True.
 
         x f32[M, K] (1 <= M <= 16), w bf16[N, K] (HF [out, in]), bias bf16[N] or None,
@@ -62,18 +47,8 @@ class GemvKernels:
         )
         self._launch(name, grid, (threads,), args, stream)
 
-    def gemv_swiglu(
-        self,
-        x: Any,
-        w_gate_up: Any,
-        out: Any,
-        *,
-        norm_weight: Any = None,
-        eps: float = 1e-6,
-        norm_offset: float = 0.0,
-        activation: str = "silu",
-        stream: Any = None,
-    ) -> None:
+    def gemv_swiglu(self, x: Any, w_gate_up: Any, out: Any, *, norm_weight: Any = None, eps: float = 1e-6,
+                    norm_offset: float = 0.0, activation: str = "silu", stream: Any = None) -> None:
         """out = act(x @ Wg.T) * (x @ Wu.T) in one pass over the fused weight
         w_gate_up bf16[2I, K] = concat(gate_proj.weight, up_proj.weight).  x f32[M, K], out f32[M, I];
         act: "silu" (SwiGLU) or "gelu_tanh" (GeGLU).  norm_weight bf16[K]: fused RMSNorm of x first,
@@ -95,30 +70,11 @@ class GemvKernels:
             return f"no fused qkv instance of the fp32-FMA GEMV for {m} rows"
         return None
 
-    def gemv_qkv_rope(
-        self,
-        x: Any,
-        w: Any,
-        bias: Any,
-        norm_weight: Any,
-        qkv: Any,
-        positions: Any,
-        inv_freq: Any,
-        q_out: Any,
-        k_cache: Any,
-        v_cache: Any,
-        counters: Any,
-        *,
-        eps: float = 1e-6,
-        norm_offset: float = 0.0,
-        q_norm: Any = None,
-        k_norm: Any = None,
-        rope_eps: float = 1e-6,
-        attention_scaling: float = 1.0,
-        rope_norm_offset: float = 0.0,
-        rotary_dim: int | None = None,
-        stream: Any = None,
-    ) -> None:
+    def gemv_qkv_rope(self, x: Any, w: Any, bias: Any, norm_weight: Any, qkv: Any, positions: Any, inv_freq: Any,
+                      q_out: Any, k_cache: Any, v_cache: Any, counters: Any, *, eps: float = 1e-6,
+                      norm_offset: float = 0.0, q_norm: Any = None, k_norm: Any = None, rope_eps: float = 1e-6,
+                      attention_scaling: float = 1.0, rope_norm_offset: float = 0.0, rotary_dim: int | None = None,
+                      stream: Any = None) -> None:
         """The fused rows path's qkv projection in one launch: qkv = rmsnorm(x, norm_weight) @ w.T (+ bias)
         (as gemv / gemv_tc with norm_weight), then rope_kv_append(qkv, positions, inv_freq, q_out, k_cache,
         v_cache, q_norm, k_norm, rope_eps, ...) done by the block that finishes each head slot's last rows

@@ -1,7 +1,4 @@
-"""Launch wrappers of gemv_ring.cu: the ring GEMV of one row (every one-row projection it fits on the rows paths).
-
-Methods of `Kernels` (launch.py), which composes one such class per kernel file; they use its operand
-checks (checks.py), _launch, _has, _dummy and _grid1d."""
+"""Launch wrappers of gemv_ring.cu: the ring GEMV of one row (every one-row projection it fits on the rows paths)."""
 
 from __future__ import annotations
 
@@ -21,7 +18,6 @@ from .tuning import (
 
 
 class GemvRingKernels:
-    """The gemv_ring.cu launches of `Kernels`."""
 
     def ring_fits(self, m: int, k: int, n: int, gated: bool = False) -> bool:
         """Whether the engine's rows path takes gemv_ring for this projection: one row, K a multiple of
@@ -64,22 +60,9 @@ class GemvRingKernels:
             cache[key] = (name, grid, fixed + p * per_chunk)
         return cache[key]
 
-    def gemv_ring(
-        self,
-        x: Any,
-        w: Any,
-        out: Any,
-        bias: Any = None,
-        *,
-        norm_weight: Any = None,
-        accumulate: bool = False,
-        swiglu: bool = False,
-        activation: str = "silu",
-        eps: float = 1e-6,
-        norm_offset: float = 0.0,
-        chunks: int | None = None,
-        stream: Any = None,
-    ) -> None:
+    def gemv_ring(self, x: Any, w: Any, out: Any, bias: Any = None, *, norm_weight: Any = None,
+                  accumulate: bool = False, swiglu: bool = False, activation: str = "silu", eps: float = 1e-6,
+                  norm_offset: float = 0.0, chunks: int | None = None, stream: Any = None) -> None:
         """The ring GEMV (gemv_ring.cu), one row: the function of gemv / gemv_swiglu for M = 1 (the norm fused
         when norm_weight is given, norm_offset added to it in fp32), x f32[1, K] with K a multiple of
         GEMV_RING_K_MULTIPLE.  `chunks`: 16-byte chunks per thread in each ring slot (None: the most that fit).

@@ -1,7 +1,4 @@
-"""Launch wrappers of gemv_tc.cu: the tensor-core GEMV (from GEMV_TC_MIN_ROWS rows on).
-
-Methods of `Kernels` (launch.py), which composes one such class per kernel file; they use its operand
-checks (checks.py), _launch, _has, _dummy and _grid1d."""
+"""Launch wrappers of gemv_tc.cu: the tensor-core GEMV (from GEMV_TC_MIN_ROWS rows on)."""
 
 from __future__ import annotations
 
@@ -12,23 +9,10 @@ from .tuning import GEMV_TC_DEFAULT, GEMV_TC_SWIGLU_DEFAULT, _ceil_div
 
 
 class GemvTcKernels:
-    """The gemv_tc.cu launches of `Kernels`."""
 
-    def gemv_tc(
-        self,
-        x: Any,
-        w: Any,
-        out: Any,
-        bias: Any = None,
-        *,
-        accumulate: bool = False,
-        swiglu: bool = False,
-        norm_weight: Any = None,
-        eps: float = 1e-6,
-        norm_offset: float = 0.0,
-        activation: str = "silu",
-        stream: Any = None,
-    ) -> None:
+    def gemv_tc(self, x: Any, w: Any, out: Any, bias: Any = None, *, accumulate: bool = False, swiglu: bool = False,
+                norm_weight: Any = None, eps: float = 1e-6, norm_offset: float = 0.0, activation: str = "silu",
+                stream: Any = None) -> None:
         """Tensor-core version of gemv / gemv_swiglu (mma.sync bf16, x split into bf16 hi + lo,
         fp32 accumulation): out (=|+=) x @ w.T (+ bias), or with swiglu=True
         out (=|+=) silu(x @ Wg.T) * (x @ Wu.T) for w = concat(Wg, Wu) bf16[2I, K], out f32[M, I]

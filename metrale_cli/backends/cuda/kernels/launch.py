@@ -1,8 +1,9 @@
 """`Kernels`: the launch wrappers of every kernel of the core and fused modules, one method per kernel (see
 the package docstring for the conventions they share).  The wrappers live beside their kernel file, one class
 per .cu file (elementwise.py, norm_rope.py, gemv.py, gemv_tc.py, gemv_ring.py, attention.py, flash_prefill.py,
-argmax.py); `Kernels` composes them and holds what they share: the compiled modules, the device's limits,
-the launch (with or without PDL) and the stand-in for an absent operand."""
+argmax.py: their methods use the operand checks of checks.py and `Kernels`' _launch, _has, _dummy and _grid1d);
+`Kernels` composes them and holds what they share: the compiled modules, the device's limits, the launch (with or
+without PDL) and the stand-in for an absent operand."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
 """Launch wrappers of norm_rope.cu: RMSNorm (with the residual add), the sandwich post-norm add, rope + KV append
-in one launch, and the unfused rope (a reference for the fused kernels in the GPU tests).
-
-Methods of `Kernels` (launch.py), which composes one such class per kernel file; they use its operand
-checks (checks.py), _launch, _has, _dummy and _grid1d."""
+in one launch, and the unfused rope (a reference for the fused kernels in the GPU tests)."""
 
 from __future__ import annotations
 
@@ -12,7 +9,6 @@ from .tuning import _ceil_div
 
 
 class NormRopeKernels:
-    """The norm_rope.cu launches of `Kernels`."""
 
     def rmsnorm(
         self, x: Any, weight: Any, eps: float, out: Any, residual: Any = None, *, offset: float = 0.0,
@@ -63,23 +59,9 @@ class NormRopeKernels:
         args = (x, weight, residual, np.int32(H), np.float32(eps), np.float32(offset))
         self._launch("rmsnorm_add_kernel", (M,), (block,), args, stream)
 
-    def rope_kv_append(
-        self,
-        qkv: Any,
-        positions: Any,
-        inv_freq: Any,
-        q_out: Any,
-        k_cache: Any,
-        v_cache: Any,
-        q_norm: Any = None,
-        k_norm: Any = None,
-        eps: float = 1e-6,
-        *,
-        attention_scaling: float = 1.0,
-        norm_offset: float = 0.0,
-        rotary_dim: int | None = None,
-        stream: Any = None,
-    ) -> None:
+    def rope_kv_append(self, qkv: Any, positions: Any, inv_freq: Any, q_out: Any, k_cache: Any, v_cache: Any,
+                       q_norm: Any = None, k_norm: Any = None, eps: float = 1e-6, *, attention_scaling: float = 1.0,
+                       norm_offset: float = 0.0, rotary_dim: int | None = None, stream: Any = None) -> None:
         """rope on q and k plus kv_append, in one launch, from the fused QKV GEMV output
         (norm_offset, rotary_dim and attention_scaling as in rope):
         qkv f32[M, (n_heads + 2 n_kv) * head_dim] (per row: q heads, k heads, v heads).
@@ -128,19 +110,9 @@ class NormRopeKernels:
         )
         self._launch("rope_kv_append_kernel", (_ceil_div(M * slots, warps),), (32 * warps,), args, stream)
 
-    def rope(
-        self,
-        x: Any,
-        positions: Any,
-        inv_freq: Any,
-        norm_weight: Any = None,
-        eps: float = 1e-6,
-        *,
-        attention_scaling: float = 1.0,
-        norm_offset: float = 0.0,
-        rotary_dim: int | None = None,
-        stream: Any = None,
-    ) -> None:
+    def rope(self, x: Any, positions: Any, inv_freq: Any, norm_weight: Any = None, eps: float = 1e-6, *,
+             attention_scaling: float = 1.0, norm_offset: float = 0.0, rotary_dim: int | None = None,
+             stream: Any = None) -> None:
         """In place on x f32[M, n_heads, head_dim]: optional per-head RMSNorm with
         norm_weight bf16[head_dim] (Qwen3 q_norm/k_norm; (norm_offset + w): Gemma 3's 1 + w), then HF
         rotate_half rotary embedding at positions int32[M] with inv_freq f32[rotary_dim/2] over the first
