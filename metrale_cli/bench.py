@@ -47,7 +47,7 @@ class Figure:
 
 @dataclass
 class PathResult:
-    """One rows-path variant (CudaEngine.set_path) measured beside the others in the same run."""
+    """One rows path (CudaEngine.set_path) measured beside the other in the same run."""
 
     path: str
     decode_ms: float
@@ -319,7 +319,7 @@ def _run_bench(eng, name: str, cfg: ModelConfig, device: str, context: int, ks: 
     res.figures.append(Figure("decode step", decode_s * 1e3, "ms", f"<= {target} x floor", decode_s / floor,
                               decode_s <= target * floor))
     if getattr(getattr(eng, "kern", None), "pdl_supported", False):  # the step with the other PDL setting
-        default = eng.use_pdl  # on for mixtures of experts, off for dense models (CudaEngine.use_pdl)
+        default = eng.use_pdl  # on where the device has it (CudaEngine.use_pdl)
         eng.set_pdl(not default)
         other = timer.time(decode_once, repeats)
         eng.set_pdl(default)
@@ -400,7 +400,7 @@ def _time_paths(eng, paths, timer, decode_once, floor: float, ks, context: int, 
         eng.set_path(name)
         step = timer.time(decode_once, repeats)
         r = PathResult(name, step * 1e3, step / floor, floor / step)
-        if name.startswith("fused"):
+        if name == "fused":
             r.fallbacks = {op: why for op, why in eng.fused_plan(1).items() if why}
         for k in ks:
             def verify_once(d=drafts[k]):
