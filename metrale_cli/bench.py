@@ -47,7 +47,7 @@ class Figure:
 
 @dataclass
 class PathResult:
-    """One rows-path variant (CudaEngine.set_path) measured beside the others in the same run."""
+    """One rows path (CudaEngine.set_path) measured beside the other in the same run."""
 
     path: str
     decode_ms: float
@@ -228,7 +228,7 @@ def build_engine(cfg: ModelConfig, device: str, context: int, tp: int | None = N
         return start(cfg, LoadSpec(device, context, False, config=cfg, seed=0), tp)
     source = RandomTensors(cfg, seed=0)
     if device == "cuda":
-        from .backends.cuda.engine import load_cuda_engine
+        from .backends.cuda.loading import load_cuda_engine
 
         return load_cuda_engine(cfg, source, context)
     from .backends.numpy.engine import load_numpy_engine
@@ -237,12 +237,12 @@ def build_engine(cfg: ModelConfig, device: str, context: int, tp: int | None = N
 
 
 def check_paths(paths: tuple[str, ...] | None, device: str) -> tuple[str, ...] | None:
-    """The --path list: known names (backends.cuda.engine.ROWS_PATHS), no repeats, CUDA only."""
+    """The --path list: known names (backends.cuda.paths.ROWS_PATHS), no repeats, CUDA only."""
     if not paths:
         return None
     if device != "cuda":
         raise UsageError("--path compares the CUDA engine's rows paths: it needs --device cuda")
-    from .backends.cuda.engine import check_path  # no CuPy needed
+    from .backends.cuda.paths import check_path  # no CuPy needed
     return tuple(dict.fromkeys(check_path(p) for p in paths))
 
 
@@ -319,7 +319,7 @@ def _run_bench(eng, name: str, cfg: ModelConfig, device: str, context: int, ks: 
     res.figures.append(Figure("decode step", decode_s * 1e3, "ms", f"<= {target} x floor", decode_s / floor,
                               decode_s <= target * floor))
     if getattr(getattr(eng, "kern", None), "pdl_supported", False):  # the step with the other PDL setting
-        default = eng.use_pdl  # on for mixtures of experts, off for dense models (CudaEngine.use_pdl)
+        default = eng.use_pdl  # on where the device has it (CudaEngine.use_pdl)
         eng.set_pdl(not default)
         other = timer.time(decode_once, repeats)
         eng.set_pdl(default)
@@ -400,7 +400,7 @@ def _time_paths(eng, paths, timer, decode_once, floor: float, ks, context: int, 
         eng.set_path(name)
         step = timer.time(decode_once, repeats)
         r = PathResult(name, step * 1e3, step / floor, floor / step)
-        if name.startswith("fused"):
+        if name == "fused":
             r.fallbacks = {op: why for op, why in eng.fused_plan(1).items() if why}
         for k in ks:
             def verify_once(d=drafts[k]):

@@ -28,14 +28,19 @@ class EngineBase(LogitsBuffers):
     max_context: int
     length: int = 0
     tap: Tap | None = None  # engine/protocols.py: an observer of every pass's tapped values
+    states: dict = {}  # per mixer kind, its state of the engine's layers (engine/mixers.py): reset and trimmed here
 
     def reset(self) -> None:
         self.length = 0
+        for state in self.states.values():
+            state.reset()
 
     def trim(self, length: int) -> None:
         """Keep the first `length` positions of the cache (drop rejected drafts)."""
         if not 0 <= length <= self.length:
             raise InputError(f"cannot trim a cache of {self.length} positions to {length}")
+        for state in self.states.values():  # e.g. a ring cannot give back positions it has overwritten
+            state.trim(length)
         self.length = length
 
     def synchronize(self) -> None:

@@ -134,7 +134,7 @@ def open_model(path: str | Path | None = None, *, device: str = "auto", max_cont
             spec = LoadSpec(chosen, ctx, fp32_logits, path=str(target if target.is_file() else directory))
             engine = start(cfg, spec, tp, source=ckpt, progress=step)
         elif chosen == "cuda":
-            from .backends.cuda.engine import load_cuda_engine
+            from .backends.cuda.loading import load_cuda_engine
 
             engine = load_cuda_engine(cfg, ckpt, ctx, fp32_logits, step)
         else:

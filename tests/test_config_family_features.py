@@ -129,7 +129,7 @@ def test_gemma3_multimodal_needs_a_text_config():
     {"model_type": "phi3", "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8}},
 ])
 def test_cuda_engine_takes_every_family_feature(raw):
-    from metrale_cli.backends.cuda.engine import unsupported_features
+    from metrale_cli.backends.cuda.loading import unsupported_features
 
     assert unsupported_features(parse_config({**SHAPE, **raw}).definition) == []
 
@@ -139,7 +139,7 @@ def test_cuda_engine_refuses_a_block_it_does_not_know():
     is refused by name, before CuPy is imported."""
     import dataclasses
 
-    from metrale_cli.backends.cuda.engine import load_cuda_engine
+    from metrale_cli.backends.cuda.loading import load_cuda_engine
     from metrale_cli.models.spec import Param
     from metrale_cli.random_weights import RandomTensors
 

@@ -80,7 +80,7 @@ class FakeArray:
 class Recorder:
     def __init__(self, name, calls):
         self.name, self.calls = name, calls
-        self.attributes = {"num_regs": 90}  # what ptxas gives gemv_stream_kernel<1, 8, ...> for sm_90
+        self.attributes = {"num_regs": 90}
         self.max_dynamic_shared_size_bytes = 48 * 1024
 
     def __call__(self, grid, block, args, **kw):
@@ -100,12 +100,9 @@ def kern():
     k._dummy = FakeArray((8,), np.uint16)
     k._workspace, k.pdl, k._pdl_launcher = None, False, None
     k.calls = []
-    every = (names.name_expressions() + names.name_expressions(extra=True) + names.fused_name_expressions()
-             + names.fused_attention_name_expressions() + names.PLAIN_KERNELS)
+    every = names.name_expressions() + names.fused_name_expressions() + names.PLAIN_KERNELS
     k._fn = {n: Recorder(n, k.calls) for n in every}
-    k._extra_names, k._extra_module = frozenset(), object()
     k._fused_names, k._fused_module = frozenset(), object()
-    k._fused_attn_names, k._fused_attn_module = frozenset(), object()
     return k
 
 
@@ -167,58 +164,36 @@ def test_split_argmax_launches(kern):
         kern.argmax(bf16(1, 128256), i32(1), workspace=i32(kern.argmax_workspace_size(1, 63) - 1))
 
 
-@pytest.mark.parametrize("m", [1, 2, 5, 16])
+@pytest.mark.parametrize("m", [1, 2])
 def test_gemv_launches(kern, m):
     kern.gemv(f32(m, K), bf16(N, K), f32(m, N), bf16(N), accumulate=True)
     kern.gemv(f32(m, K), bf16(N, K), f32(m, N), norm_weight=bf16(K), norm_offset=1.0)
     kern.gemv_swiglu(f32(m, K), bf16(2 * N, K), f32(m, N), norm_weight=bf16(K), activation="gelu_tanh")
+    check(kern, 3)
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 16])
+def test_gemv_tc_launches(kern, m):
     kern.gemv_tc(f32(m, K), bf16(N, K), f32(m, N), bf16(N))
     kern.gemv_tc(f32(m, K), bf16(2 * N, K), f32(m, N), swiglu=True, norm_weight=bf16(K), norm_offset=1.0,
                  activation="gelu_tanh")
-    check(kern, 5)
-
-
-def test_gemv_stream_launches(kern):
-    """The streaming GEMV: the .cu's parameters, one wave of blocks (at most the SMs x the blocks per SM that
-    registers and shared memory allow), the shared memory for x and the partials of its fullest block."""
-    from metrale_cli.backends.cuda.kernels.tuning import GEMV_STREAM_DEFAULT, stream_smem_bytes
-
-    k, n = 4096, 6144
-    kern.gemv_stream(f32(1, k), bf16(n, k), f32(1, n), bf16(n), norm_weight=bf16(k), accumulate=True)
-    kern.gemv_stream(f32(1, k), bf16(n, k), f32(1, n), norm_weight=bf16(k), norm_offset=1.0, config=(8, 2))
-    u, b = GEMV_STREAM_DEFAULT
-    (grid,), (threads,), kw = kern._fn[names.gemv_stream_name(u)].last
-    # 90 registers (the stand-in's) leave 2 blocks of 256 threads per SM
-    assert threads == 256 and grid == 132 * min(b, 2) and kw["shared_mem"] == stream_smem_bytes(k, n, grid)
     check(kern, 2)
-    kern.gemv_stream(f32(1, 256), bf16(40, 256), f32(1, 40), norm_weight=bf16(256))  # a block per row
-    assert kern._fn[names.gemv_stream_name(u)].last[0] == (40,)
-    check(kern, 1)
 
 
-def test_gemv_stream_refusals_and_fit(kern):
-    with pytest.raises(ValueError, match="multiple of 256"):
-        kern.gemv_stream(f32(1, 264), bf16(40, 264), f32(1, 40), norm_weight=bf16(264))
-    with pytest.raises(ValueError, match="takes 1"):
-        kern.gemv_stream(f32(2, 256), bf16(40, 256), f32(2, 40), norm_weight=bf16(256))
-    with pytest.raises(ValueError, match="norm_weight is required"):
-        kern.gemv_stream(f32(1, 256), bf16(40, 256), f32(1, 40), norm_weight=None)
-    assert kern.stream_fits(1, 4096, 6144) and kern.stream_fits(1, 3072, 9216)
-    assert not kern.stream_fits(1, 2048, 5120)  # below GEMV_STREAM_MIN_WEIGHTS: gemv was faster there
-    assert not kern.stream_fits(2, 4096, 6144) and not kern.stream_fits(1, 4104, 6144)
-    assert not kern.stream_fits(1, 65536, 4096)  # x alone would be 256 KiB of shared memory
+def test_gemv_takes_the_rows_below_the_tensor_core_gemv(kern):
+    with pytest.raises(ValueError, match="use gemv_tc"):
+        kern.gemv(f32(3, K), bf16(N, K), f32(3, N))
     assert not kern.calls
 
 
 def test_gemv_ring_launches(kern):
-    """The ring GEMV: the .cu's parameters, one block per SM (fewer for fewer rows), the deepest ring (at most
-    GEMV_RING_MAX_CHUNKS chunks per thread and slot) within half an SM's shared memory (two blocks fit: the next
-    projection's beside the running one)."""
+    """The ring GEMV: the .cu's parameters, one block of GEMV_RING_THREADS per SM (fewer for fewer rows), the
+    deepest compiled ring (GEMV_RING_CHUNKS chunks per thread and slot) within a block's shared memory."""
     from metrale_cli.backends.cuda.kernels.tuning import (GEMV_RING_CHUNKS, GEMV_RING_SMEM_SLACK, GEMV_RING_STAGES,
-                                                          ring_fixed_smem_bytes)
+                                                          GEMV_RING_THREADS, ring_fixed_smem_bytes)
 
-    half = 233472 // 2 - GEMV_RING_SMEM_SLACK
-    per_chunk = GEMV_RING_STAGES * 512 * 16
+    most = 232448 + 1024 - GEMV_RING_SMEM_SLACK
+    per_chunk = GEMV_RING_STAGES * GEMV_RING_THREADS * 16
     for n, k, gated, kw in ((6144, 4096, False, dict(norm_weight=bf16(4096))), (4096, 4096, False, {}),
                             (14336, 4096, True, dict(norm_weight=bf16(4096), activation="gelu_tanh")),
                             (4096, 14336, False, dict(accumulate=True)), (40, 256, False, {})):
@@ -226,15 +201,15 @@ def test_gemv_ring_launches(kern):
         kern.gemv_ring(f32(1, k), bf16(2 * n if gated else n, k), f32(1, n), bias, swiglu=gated, **kw)
         name, args = kern.calls[-1]
         p = int(name.rstrip(">").split(",")[-2])
-        assert name == names.gemv_ring_name("norm_weight" in kw, gated, p, 512)
+        assert name == names.gemv_ring_name("norm_weight" in kw, gated, p, GEMV_RING_THREADS)
         (grid,), (threads,), launch = kern._fn[name].last
-        assert threads == 512 and grid == min(n, 132)
-        fixed = ring_fixed_smem_bytes(k, n, grid, gated, 512)
-        assert launch["shared_mem"] == fixed + p * per_chunk <= half
-        assert p in GEMV_RING_CHUNKS and (p == max(GEMV_RING_CHUNKS) or launch["shared_mem"] + per_chunk > half)
+        assert threads == GEMV_RING_THREADS and grid == min(n, 132)
+        fixed = ring_fixed_smem_bytes(k, n, grid, gated)
+        assert launch["shared_mem"] == fixed + p * per_chunk <= most
+        assert p in GEMV_RING_CHUNKS and (p == max(GEMV_RING_CHUNKS) or launch["shared_mem"] + per_chunk > most)
     check(kern, 5)
-    with pytest.raises(ValueError, match="does not fit"):  # down of llama-3.1-8b: x takes 56 KiB
-        kern.gemv_ring(f32(1, 14336), bf16(4096, 14336), f32(1, 4096), chunks=3)
+    with pytest.raises(ValueError, match="does not fit"):  # x of 160 KiB leaves no room for two chunks
+        kern.gemv_ring(f32(1, 40960), bf16(4096, 40960), f32(1, 4096), chunks=2)
 
 
 def test_gemv_ring_refusals_and_fit(kern):
@@ -250,14 +225,12 @@ def test_gemv_ring_refusals_and_fit(kern):
     assert not kern.ring_fits(2, 4096, 6144) and not kern.ring_fits(1, 4104, 6144)
     assert not kern.ring_fits(1, 65536, 4096)  # x alone: 256 KiB, more than a block's shared memory
     assert not kern.ring_fits(1, 4096, 128256)  # the lm_head stays on gemv (GEMV_RING_MAX_N)
-    assert kern.ring_engine_config(4096, 4096, False) == dict(threads=1024, chunks=1)
-    assert kern.ring_engine_config(4096, 14336, True) == dict(threads=1024, chunks=2)
+    assert kern.ring_chunks(4096, 4096, False) == 1 and kern.ring_chunks(4096, 14336, True) == 2
     core = set(names.name_expressions())  # what the engine launches is compiled with it, never on first use
     for k, n, gated in ((4096, 6144, False), (4096, 4096, False), (4096, 14336, True), (14336, 4096, False),
                         (2048, 3072, False), (3072, 8192, True)):
-        cfg = kern.ring_engine_config(k, n, gated)
         for norm in (False, True):
-            assert names.gemv_ring_name(norm, gated, cfg["chunks"], cfg["threads"]) in core
+            assert names.gemv_ring_name(norm, gated, kern.ring_chunks(k, n, gated), 1024) in core
     assert not kern.calls
 
 
@@ -305,7 +278,7 @@ def split_qb(name: str) -> int:
     return a[0] * 8 if name.startswith("attn_decode_tc_kernel") else a[0]
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 8, 9, 16])
+@pytest.mark.parametrize("m", [2, 3, 8, 9, 16])
 @pytest.mark.parametrize("rotary_dim,qk_norm,bias", [(None, False, False), (12, True, True)])
 def test_fused_qkv_rope_launches(kern, m, rotary_dim, qk_norm, bias):
     """The fused rows path's qkv GEMV + rope + KV append: one launch of the fp32-FMA instance below
@@ -327,12 +300,12 @@ def test_fused_qkv_rope_refusals(kern):
     n = (nh + 2 * nkv) * hd
     args = lambda m, cnt=nh + 2 * nkv: (f32(m, K), bf16(n, K), None, bf16(K), f32(m, n), i32(m), f32(hd // 2),  # noqa: E731
                                         f32(m, nh, hd), bf16(nkv, ctx, hd), bf16(nkv, ctx, hd), i32(cnt))
-    with pytest.raises(ValueError, match="shared memory"):  # the fp32-FMA GEMV's xs variant has no epilogue
-        kern.gemv_qkv_rope(*args(9), impl="simt")
-    assert kern.qkv_rope_fusable(9, "simt") is not None and kern.qkv_rope_fusable(9, "auto") is None
+    with pytest.raises(ValueError, match="no fused qkv instance"):  # one row rotates in the attention kernel
+        kern.gemv_qkv_rope(*args(1))
+    assert kern.qkv_rope_fusable(1) is not None and all(kern.qkv_rope_fusable(m) is None for m in range(2, 17))
     with pytest.raises(ValueError, match="counters"):
-        kern.gemv_qkv_rope(*args(1, cnt=3))
-    a = list(args(1))
+        kern.gemv_qkv_rope(*args(2, cnt=3))
+    a = list(args(2))
     a[3] = None
     with pytest.raises(ValueError, match="norm_weight"):
         kern.gemv_qkv_rope(*a)
@@ -341,9 +314,8 @@ def test_fused_qkv_rope_refusals(kern):
 
 @pytest.mark.parametrize("hd", [32, 64, 128])
 def test_rope_attention_launches(kern, hd):
-    """attention_decode with `rope` (one row, the unrotated qkv row): the ROPE split instance and the combine, or
-    with counters the ROPE + FUSED instance alone (the whole attention in one launch); the rope arguments reach
-    the kernel as its signature declares them; a second row, or counters with the cluster, are refused."""
+    """attention_decode with `rope` (one row, the unrotated qkv row): the ROPE split instance and the combine; the
+    rope arguments reach the kernel as its signature declares them; a second row is refused."""
     nh, nkv, ctx = 8, 2, 256
     rope = dict(inv_freq=f32(hd // 2), q_norm=bf16(hd), k_norm=bf16(hd), eps=1e-6, attention_scaling=1.0,
                 norm_offset=0.0, rotary_dim=None)
@@ -351,38 +323,7 @@ def test_rope_attention_launches(kern, hd):
     kern.attention_decode(qkv, bf16(nkv, ctx, hd), bf16(nkv, ctx, hd), i32(1), f32(1, nh, hd), 0.1, rope=rope)
     assert [c[0] for c in kern.calls] == [names.decode_name(hd, 8, rope=True), "attn_decode_combine_kernel"]
     check(kern, 2)
-    kern.attention_decode(qkv, bf16(nkv, ctx, hd), bf16(nkv, ctx, hd), i32(1), f32(1, nh, hd), 0.1, rope=rope,
-                          counters=i32(nh))
-    assert [c[0] for c in kern.calls] == [names.decode_name(hd, 8, rope=True, fused=True)]
-    assert names.decode_name(hd, 8, rope=True, fused=True) in names.fused_attention_name_expressions()
-    check(kern, 1)
-    with pytest.raises(ValueError, match="one combine"):
-        kern.attention_decode(qkv, bf16(nkv, ctx, hd), bf16(nkv, ctx, hd), i32(1), f32(1, nh, hd), 0.1, rope=rope,
-                              counters=i32(nh), cluster=True)
     with pytest.raises(ValueError, match="one row"):
         kern.attention_decode(f32(2, nh + 2 * nkv, hd), bf16(nkv, ctx, hd), bf16(nkv, ctx, hd), i32(2),
-                              f32(2, nh, hd), 0.1, rope=rope, counters=i32(2 * nh))
+                              f32(2, nh, hd), 0.1, rope=rope)
     assert not kern.calls
-
-
-@pytest.mark.parametrize("hd", [64, 96, 128, 256])
-@pytest.mark.parametrize("m", [1, 5, 16])
-@pytest.mark.parametrize("window,softcap", [(None, None), (24, 50.0)])
-def test_fused_attention_launches(kern, hd, m, window, softcap):
-    """attention_decode with counters: one launch (no combine) of the FUSED split instance; only= runs
-    one of the two unfused kernels."""
-    nh, nkv, ctx = 8, 2, 256
-    kern.attention_decode(f32(m, nh, hd), bf16(nkv, ctx, hd), bf16(nkv, ctx, hd), i32(m), f32(m, nh, hd), 0.1,
-                          window=window, softcap=softcap, counters=i32(m * nh))
-    name = kern.calls[0][0]
-    ext = window is not None or softcap is not None
-    assert name == names.decode_name(hd, split_qb(name), ext=ext, fused=True)
-    check(kern, 1)
-    for only in ("split", "combine"):
-        kern.attention_decode(f32(m, nh, hd), bf16(nkv, ctx, hd), bf16(nkv, ctx, hd), i32(m), f32(m, nh, hd), 0.1,
-                              only=only)
-    assert [c[0].startswith("attn_decode_combine") for c in kern.calls] == [False, True]
-    check(kern, 2)
-    with pytest.raises(ValueError, match="counters"):
-        kern.attention_decode(f32(m, nh, hd), bf16(nkv, ctx, hd), bf16(nkv, ctx, hd), i32(m), f32(m, nh, hd), 0.1,
-                              counters=i32(1))

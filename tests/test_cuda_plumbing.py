@@ -1,4 +1,4 @@
-"""The CUDA engine's Python side (backends/cuda/engine.py, passes.py) on the CPU, with its kernels replaced by
+"""The CUDA engine's Python side (backends/cuda/engine.py, passes.py, attention.py, projections.py) on the CPU, with its kernels replaced by
 NumPy implementations of their documented contracts (bf16 weights, KV cache and rounding included).
 
 This checks the orchestration the GPU tests also cover, where no GPU is: which kernel each op calls with
@@ -24,6 +24,9 @@ from metrale_cli.logits import bf16_bits, fp32_to_bf16
 
 kernels_mod = pytest.importorskip("metrale_cli.backends.cuda.kernels")
 from metrale_cli.backends.cuda import engine as cuda_engine  # noqa: E402
+from metrale_cli.backends.cuda import loading as cuda_loading  # noqa: E402
+from metrale_cli.backends.cuda import paths as cuda_paths  # noqa: E402
+from metrale_cli.backends.cuda.projections import Projections  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
 
@@ -95,6 +98,10 @@ class FakeKernels:
         self.pdl = False
         self.calls: list[str] = []
 
+    @property
+    def cp(self):
+        return self._cp
+
     def __getattribute__(self, name):
         real = getattr(kernels_mod.Kernels, name, None)
         attr = object.__getattribute__(self, name)
@@ -142,27 +149,17 @@ class FakeKernels:
             y = ACT[activation](y[:, :n]) * y[:, n:]
         out[...] = (out + y) if accumulate else y
 
-    def gemv(self, x, w, out, bias=None, *, accumulate=False, config=None, norm_weight=None, eps=1e-6,
-             norm_offset=0.0, stream=None):
+    def gemv(self, x, w, out, bias=None, *, accumulate=False, norm_weight=None, eps=1e-6, norm_offset=0.0,
+             stream=None):
         self._gemv(x, w, out, bias, accumulate, False, norm_weight, eps, norm_offset, "silu")
 
-    def gemv_swiglu(self, x, w_gate_up, out, *, config=None, norm_weight=None, eps=1e-6, norm_offset=0.0,
-                    activation="silu", stream=None):
+    def gemv_swiglu(self, x, w_gate_up, out, *, norm_weight=None, eps=1e-6, norm_offset=0.0, activation="silu",
+                    stream=None):
         self._gemv(x, w_gate_up, out, None, False, True, norm_weight, eps, norm_offset, activation)
 
     def gemv_tc(self, x, w, out, bias=None, *, accumulate=False, swiglu=False, norm_weight=None, eps=1e-6,
-                config=None, norm_offset=0.0, activation="silu", stream=None):
+                norm_offset=0.0, activation="silu", stream=None):
         self._gemv(x, w, out, bias, accumulate, swiglu, norm_weight, eps, norm_offset, activation)
-
-    def stream_fits(self, m, k, n):
-        from metrale_cli.backends.cuda.kernels.tuning import GEMV_STREAM_K_MULTIPLE, GEMV_STREAM_MIN_WEIGHTS
-
-        return m == 1 and k % GEMV_STREAM_K_MULTIPLE == 0 and n * k >= GEMV_STREAM_MIN_WEIGHTS
-
-    def gemv_stream(self, x, w, out, bias=None, *, norm_weight, accumulate=False, eps=1e-6, norm_offset=0.0,
-                    config=None, stream=None):
-        assert self.stream_fits(x.shape[0], x.shape[1], out.shape[1])
-        self._gemv(x, w, out, bias, accumulate, False, norm_weight, eps, norm_offset, "silu")
 
     def ring_fits(self, m, k, n, gated=False):
         from metrale_cli.backends.cuda.kernels.tuning import GEMV_RING_K_MULTIPLE, GEMV_RING_MAX_N
@@ -170,11 +167,11 @@ class FakeKernels:
         return m == 1 and k % GEMV_RING_K_MULTIPLE == 0 and n <= GEMV_RING_MAX_N
 
     @staticmethod
-    def ring_engine_config(k, n, gated):
-        return dict(threads=1024, chunks=1)
+    def ring_chunks(k, n, gated):
+        return 1
 
     def gemv_ring(self, x, w, out, bias=None, *, norm_weight=None, accumulate=False, swiglu=False, activation="silu",
-                 eps=1e-6, norm_offset=0.0, chunks=None, threads=512, stream=None):
+                  eps=1e-6, norm_offset=0.0, chunks=None, stream=None):
         assert self.ring_fits(x.shape[0], x.shape[1], out.shape[1], swiglu)
         self._gemv(x, w, out, bias, accumulate, swiglu, norm_weight, eps, norm_offset, activation)
 
@@ -232,10 +229,9 @@ class FakeKernels:
         return out
 
     def attention_decode(self, q, k_cache, v_cache, positions, out, scale, *, n_splits=None, workspace=None,
-                         window=None, softcap=None, counters=None, only=None, rope=None, cluster=False, stream=None):
-        assert not cluster or rope is not None
+                         window=None, softcap=None, rope=None, stream=None):
         if rope is not None:  # q: the unrotated qkv row; rope + KV append first, as the split kernel's prologue
-            assert q.shape[0] == 1 and window is None and softcap is None and not (cluster and counters is not None)
+            assert q.shape[0] == 1 and window is None and softcap is None
             nkv, d = k_cache.shape[0], k_cache.shape[2]
             assert self.rope_fits(d, q.shape[1] - 2 * nkv, nkv) is None
             q_rot = np.empty((1, q.shape[1] - 2 * nkv, d), np.float32)
@@ -253,16 +249,11 @@ class FakeKernels:
         return None if ok else "not in the fake either"
 
     # the fused rows path: the same contracts, and its counters stay zero
-    def qkv_rope_fusable(self, m, impl="auto"):
-        return None
+    @staticmethod
+    def qkv_rope_fusable(m):
+        return None if m > 1 else "one row"
 
     def load_fused(self):
-        pass
-
-    def load_fused_attention(self):
-        pass
-
-    def load_cluster_attention(self):
         pass
 
     def check_counters(self, counters, what="fused kernels"):
@@ -270,7 +261,7 @@ class FakeKernels:
 
     def gemv_qkv_rope(self, x, w, bias, norm_weight, qkv, positions, inv_freq, q_out, k_cache, v_cache, counters, *,
                       eps=1e-6, norm_offset=0.0, q_norm=None, k_norm=None, rope_eps=1e-6, attention_scaling=1.0,
-                      rope_norm_offset=0.0, rotary_dim=None, impl="auto", stream=None):
+                      rope_norm_offset=0.0, rotary_dim=None, stream=None):
         assert counters.dtype == np.int32 and counters.shape[0] >= q_out.shape[1] + 2 * k_cache.shape[0]
         self._gemv(x, w, qkv, bias, False, False, norm_weight, eps, norm_offset, "silu")
         FakeKernels.rope_kv_append(self, qkv, positions, inv_freq, q_out, k_cache, v_cache, q_norm, k_norm, rope_eps,
@@ -308,13 +299,13 @@ def fake_engine(name: str, ctx: int = 64):
     cfg = load_config(FIXTURES / name)
     ckpt = Checkpoint.open(FIXTURES / name)
     kern = FakeKernels()
-    orig = cuda_engine.CudaEngine._gemm
-    cuda_engine.CudaEngine._gemm = _fake_gemm
+    orig = Projections.gemm
+    Projections.gemm = _fake_gemm
     try:
-        weights = cuda_engine.upload_weights(cfg, ckpt, kern)
+        weights = cuda_loading.upload_weights(cfg, ckpt, kern)
         yield cuda_engine.CudaEngine(cfg, weights, kern, ctx, fp32_logits=True, use_graphs=False)
     finally:
-        cuda_engine.CudaEngine._gemm = orig
+        Projections.gemm = orig
         ckpt.close()
 
 
@@ -407,8 +398,8 @@ def test_verify_equals_decode_and_trim(name):
 @pytest.mark.parametrize("name", MODELS)
 def test_fused_path_matches_the_rows_path_and_the_numpy_engine(name):
     """engine path "fused" (FusedRowsPass): the qkv GEMV takes the rope + KV-append arguments (rotary dims,
-    q/k norms and their offset, longrope's attention factor, the norm eps) and the attention its counters;
-    no rope_kv_append launch is left; the logits are those of the rows path (the same contracts) and of the
+    q/k norms and their offset, longrope's attention factor, the norm eps), one row rotates in the attention
+    split kernel where it fits: no rope_kv_append launch is left there; the logits are those of the rows path (the same contracts) and of the
     NumPy engine; verify equals decode and trim works on it (14 positions: before phi3_longrope's switch)."""
     rng = np.random.default_rng()
     prompt = [int(t) for t in rng.integers(0, 300, 8)]
@@ -420,7 +411,7 @@ def test_fused_path_matches_the_rows_path_and_the_numpy_engine(name):
         cpu.decode(t)
         want.append(rows(cpu, cpu.decode_logits_ptr(), 1)[0])
     out = {}
-    for path in ("rows", "fused", "fused-cluster"):
+    for path in ("rows", "fused"):
         with fake_engine(name) as gpu:
             gpu.set_path(path)
             assert gpu.path == path
@@ -448,31 +439,27 @@ def test_fused_path_matches_the_rows_path_and_the_numpy_engine(name):
             a = gpu.cfg.definition.layers[0].mixer
             if gpu.kern.rope_fits(a.head_dim, a.num_heads, a.num_kv_heads, a.window, a.softcap) is None:
                 assert "rope_kv_append" not in calls and "gemv_qkv_rope" not in calls
-            plan = gpu.fused_plan(1)
-            assert "attention split kernel" in plan["qkv_rope"] and "measured slower" in plan["attention"]
+            assert "attention split kernel" in gpu.fused_plan(1)["qkv_rope"]
             assert gpu.fused_plan(2)["qkv_rope"] is None  # verify rows: the qkv GEMV's rope epilogue
-            gpu.set_fused_attention(True)
-            assert gpu.fused_plan(1)["attention"] is None and gpu.fused_plan(2)["attention"] is None
         else:
             assert calls.count("rope_kv_append") >= layers and "gemv_qkv_rope" not in calls
-    assert np.array_equal(out["rows"], out["fused"]) and np.array_equal(out["rows"], out["fused-cluster"])
+    assert np.array_equal(out["rows"], out["fused"])
 
 
 def test_path_option_is_checked(monkeypatch):
-    assert cuda_engine.check_path(" Fused ") == "fused" and cuda_engine.ROWS_PATHS == (
-        "rows", "fused", "fused-cluster", "rows-stream", "rows-fma")
+    assert cuda_paths.check_path(" Fused ") == "fused" and cuda_paths.ROWS_PATHS == ("rows", "fused")
     from metrale_cli.errors import UsageError
 
-    with pytest.raises(UsageError, match="choose from rows, fused, fused-cluster, rows-stream, rows-fma"):
-        cuda_engine.check_path("megakernel")
-    monkeypatch.setenv(cuda_engine.PATH_ENV, "fused")
-    assert cuda_engine.default_path() == "fused"
-    monkeypatch.setenv(cuda_engine.PATH_ENV, "nope")
+    with pytest.raises(UsageError, match="choose from rows, fused"):
+        cuda_paths.check_path("megakernel")
+    monkeypatch.setenv(cuda_paths.PATH_ENV, "fused")
+    assert cuda_paths.default_path() == "fused"
+    monkeypatch.setenv(cuda_paths.PATH_ENV, "nope")
     with pytest.raises(UsageError, match="nope"):
-        cuda_engine.default_path()
-    monkeypatch.delenv(cuda_engine.PATH_ENV)
-    assert cuda_engine.default_path() == cuda_engine.DEFAULT_PATH == "fused"
-    assert cuda_engine.default_path(tensor_parallel=True) == cuda_engine.BASE_PATH == "rows"  # a --tp rank
+        cuda_paths.default_path()
+    monkeypatch.delenv(cuda_paths.PATH_ENV)
+    assert cuda_paths.default_path() == cuda_paths.DEFAULT_PATH == "fused"
+    assert cuda_paths.default_path(tensor_parallel=True) == cuda_paths.BASE_PATH == "rows"  # a --tp rank
     with fake_engine("phi3") as gpu:
         with pytest.raises(UsageError):
             gpu.set_path("persistent")
@@ -500,30 +487,24 @@ def test_longrope_switch_recomputes_the_cache():
         assert rel(rows(gpu, gpu.decode_logits_ptr(), 1), rows(cpu, cpu.decode_logits_ptr(), 1)) < TOL
 
 
-@pytest.mark.parametrize("path,m,k,n,norm,want", [
-    ("rows-stream", 1, 4096, 6144, True, "gemv_stream"), ("fused", 1, 4096, 6144, True, "gemv_ring"),
-    ("rows-stream", 1, 4096, 6144, False, "gemv"), ("rows-stream", 1, 2048, 5120, True, "gemv"),
-    ("rows-stream", 1, 4104, 6144, True, "gemv"), ("rows-stream", 2, 4096, 6144, True, "gemv"),
-    ("rows-stream", 3, 4096, 6144, True, "gemv_tc"),
-    ("rows-fma", 1, 4096, 6144, True, "gemv"), ("rows-fma", 3, 4096, 6144, True, "gemv_tc"),
-    ("rows", 1, 4096, 6144, True, "gemv_ring"), ("rows", 1, 2048, 5120, False, "gemv_ring"),
-    ("rows", 1, 4104, 6144, True, "gemv"), ("rows", 1, 4096, 128256, False, "gemv"), ("rows", 2, 4096, 6144, True, "gemv"),
-    ("rows", 3, 4096, 6144, True, "gemv_tc")])
-def test_projection_kernel_per_path_and_rows(path, m, k, n, norm, want):
-    """CudaEngine._linear, the one place that picks a projection kernel: the streaming GEMV for a normed,
-    ungated projection of one row with enough weights (not on the rows-fma path: the step as it was before
-    it), the fp32-FMA GEMV for the rest of 1-2 rows, the tensor cores from GEMV_TC_MIN_ROWS rows on; a gated
-    projection never takes the streaming GEMV.  The default rows path: the ring GEMV for every one-row projection
-    it takes (K % 256, not the lm_head), gated or not, else what rows-stream takes."""
+@pytest.mark.parametrize("path", ["rows", "fused"])
+@pytest.mark.parametrize("m,k,n,norm,want", [
+    (1, 4096, 6144, True, "gemv_ring"), (1, 2048, 5120, False, "gemv_ring"), (1, 4104, 6144, True, "gemv"),
+    (1, 4096, 128256, False, "gemv"), (2, 4096, 6144, True, "gemv"), (3, 4096, 6144, True, "gemv_tc"),
+    (16, 4096, 6144, False, "gemv_tc")])
+def test_projection_kernel_per_rows(path, m, k, n, norm, want):
+    """Projections.linear, the one place that picks a projection kernel, on both rows paths: the ring GEMV for
+    every one-row projection it takes (K % 256, not the lm_head), gated or not, else the fp32-FMA GEMV below
+    GEMV_TC_MIN_ROWS rows and the tensor cores from there on."""
     with fake_engine("llama") as gpu:
         gpu.set_path(path)
         x = _wrap(np.ones((m, k), np.float32) * 0.01)
         nw = dict(norm_weight=_wrap(np.full(k, 0x3F80, np.uint16))) if norm else {}
         gpu.kern.calls.clear()
-        gpu._linear(x, _wrap(np.full((n, k), 0x3F80, np.uint16)), _wrap(np.zeros((m, n), np.float32)), **nw)
-        gpu._linear(x, _wrap(np.full((2 * n, k), 0x3F80, np.uint16)), _wrap(np.zeros((m, n), np.float32)),
+        gpu.proj.linear(x, _wrap(np.full((n, k), 0x3F80, np.uint16)), _wrap(np.zeros((m, n), np.float32)), **nw)
+        gpu.proj.linear(x, _wrap(np.full((2 * n, k), 0x3F80, np.uint16)), _wrap(np.zeros((m, n), np.float32)),
                     swiglu=True, **nw)
-        gated = "gemv_swiglu" if want in ("gemv", "gemv_stream") else want  # gemv_tc, gemv_ring: the same kernel
+        gated = "gemv_swiglu" if want == "gemv" else want  # gemv_tc, gemv_ring: the same kernel
         assert [c for c in gpu.kern.calls if c.startswith("gemv")] == [want, gated]
 
 
@@ -540,7 +521,7 @@ def test_weights_too_big_for_the_gpu_are_refused_before_loading():
         need = cfg.definition.parameter_count() * 2  # bf16 bytes of what the definition reads
         kern._cp.cuda.runtime.memGetInfo = lambda: (need - 1, 80 << 30)
         with pytest.raises(DeviceError, match=r"the weights need .* GiB in bf16 and the GPU has .* GiB free"):
-            cuda_engine.upload_weights(cfg, ckpt, kern)
+            cuda_loading.upload_weights(cfg, ckpt, kern)
         kern._cp.cuda.runtime.memGetInfo = lambda: (need, 80 << 30)
 
         def no_memory(*a, **k):
@@ -548,4 +529,4 @@ def test_weights_too_big_for_the_gpu_are_refused_before_loading():
 
         kern._cp.concatenate = no_memory
         with pytest.raises(DeviceError, match="CUDA out of memory fusing the weights' parts"):
-            cuda_engine.upload_weights(cfg, ckpt, kern)
+            cuda_loading.upload_weights(cfg, ckpt, kern)

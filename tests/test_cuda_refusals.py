@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 
-from metrale_cli.backends.cuda.engine import load_cuda_engine, unsupported_features
+from metrale_cli.backends.cuda.loading import load_cuda_engine, unsupported_features
 from metrale_cli.config import load_config
 from metrale_cli.errors import DeviceError
 from metrale_cli.models.spec import MoeSpec, Norm, Param

@@ -1,6 +1,6 @@
 """The CUDA sources compile with nvcc (sm_90, PTX only) on a machine without a GPU: every .cu file on
 its own (its `#include "common.cu"` resolved) with every template instance that the runtime asks NVRTC
-for (core and extra modules), and module_source() as the one translation unit NVRTC compiles.  Skipped
+for (core and fused modules), and module_source() as the one translation unit NVRTC compiles.  Skipped
 cleanly where nvcc is absent; the GPU tests compile the same sources with NVRTC."""
 
 from __future__ import annotations
@@ -30,9 +30,7 @@ def _nvcc() -> str | None:
 
 
 def _all_instances() -> list[str]:
-    return (list(names.name_expressions()) + list(names.name_expressions(extra=True))
-            + list(names.fused_name_expressions()) + list(names.fused_attention_name_expressions())
-            + list(names.PLAIN_KERNELS))
+    return list(names.name_expressions()) + list(names.fused_name_expressions()) + list(names.PLAIN_KERNELS)
 
 
 def _defining_file() -> dict[str, str]:

@@ -264,7 +264,7 @@ def test_decode_runs_from_the_cli(run_cli, name):
 ])
 def test_cuda_engine_refuses_sizes_its_moe_kernels_do_not_take(raw, why):
     """No GPU needed: the refusal comes before CuPy is imported."""
-    from metrale_cli.backends.cuda.engine import load_cuda_engine
+    from metrale_cli.backends.cuda.loading import load_cuda_engine
     from metrale_cli.errors import DeviceError
     from metrale_cli.random_weights import RandomTensors
 
@@ -322,7 +322,7 @@ def test_moe_kernel_source_is_common_cu_then_moe_cu():
     assert '#include "common.cu"' not in [ln.strip() for ln in src.splitlines()] and "#ifndef METRALE_NVRTC" in src
     for name in PLAIN + name_expressions():
         assert name.split("<")[0] in src
-    assert len(set(name_expressions())) == 15  # gate_up, down and the one-launch layer, 5 row bounds each
+    assert len(set(name_expressions())) == 10  # gate_up and down, 5 row bounds each
 
 
 def test_moe_py_constants_match_moe_cu():

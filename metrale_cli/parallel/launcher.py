@@ -130,7 +130,7 @@ def _group(spec: LoadSpec, rank: int, n: int, vocab: int, rendezvous: tuple, fai
 
 def _load(cfg, spec: LoadSpec, group: ParallelRank, source, progress):
     if spec.device == "cuda":
-        from ..backends.cuda.engine import load_cuda_engine
+        from ..backends.cuda.loading import load_cuda_engine
 
         return load_cuda_engine(cfg, source, spec.max_context, spec.fp32_logits, progress, tp=group)
     from ..backends.numpy.engine import load_numpy_engine

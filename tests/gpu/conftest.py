@@ -38,7 +38,7 @@ def kernels(cp):
     from metrale_cli.backends.cuda.kernels import Kernels
 
     k = Kernels()
-    k.load_extra()  # every compiled variant (tests capture graphs, which must not compile)
+    k.load_fused()  # every compiled module (tests capture graphs, which must not compile)
     return k
 
 

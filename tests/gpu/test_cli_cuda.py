@@ -56,7 +56,7 @@ def test_speculative_decode_on_gpu_equals_plain(cp, run_cli):
 
 def test_out_of_memory_names_the_bytes(cp):
     from metrale_cli.config import parse_config
-    from metrale_cli.backends.cuda.engine import load_cuda_engine
+    from metrale_cli.backends.cuda.loading import load_cuda_engine
     from metrale_cli.errors import DeviceError
     from metrale_cli.random_weights import RandomTensors
 

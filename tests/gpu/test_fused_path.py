@@ -1,16 +1,10 @@
 """The fused rows path (CUDA engine path "fused", issue 16) against the rows path and the NumPy engine.
 
 Kernels: gemv_qkv_rope (the qkv GEMV with rope + KV append in the last block of each head) against the
-unfused gemv / gemv_tc + rope_kv_append on the same fresh random data, and attention_decode with counters
-(the combine in the last split block) against the unfused split + combine and a float64 reference, at
-contexts that cross many splits and both combine batches.  Both fused kernels do the rows path's
-arithmetic in the same order, so they are held to 1e-6 (in practice equal) and their last-block counters
-must be back at zero after every launch (a launch that lost a block leaves one non-zero).
-
-The engine's fused path runs the attention as split + combine (the combine in the last split block
-measured slower, on the H200 and, with a parallel merge, on an H100); that kernel stays behind
-CudaEngine.set_fused_attention(True) (one row: with rope + KV append, the attention in one launch), tested here
-too.
+unfused gemv / gemv_tc + rope_kv_append on the same fresh random data: the rows path's arithmetic in the same
+order, so it is held to 1e-6 (in practice equal), and its last-block counters must be back at zero after every
+launch (a launch that lost a block leaves one non-zero); attention_decode with rope + KV append in the split
+kernel (one row) against rope_kv_append then attention_decode.
 Engine: fresh random checkpoints (llama, qwen3 with q/k norm at head_dim 128, llama3 rope, mistral
 head_dim 32): logits of the fused path vs the rows path (<= 1e-4) and the NumPy engine (the parity
 tests' 2e-2), greedy tokens equal except near-ties, graph replay == eager bit for bit, verify == sequential
@@ -51,7 +45,7 @@ def counters_zero(cp, c, seed):
 # -- gemv_qkv_rope ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 16])
+@pytest.mark.parametrize("m", [2, 3, 5, 8, 9, 16])
 @pytest.mark.parametrize("hd,nh,n_kv,rot,qk_norm,bias", [
     (128, 8, 2, None, False, False),  # llama-like
     (128, 8, 2, None, True, False),   # qwen3-like (q/k norm)
@@ -126,71 +120,6 @@ def test_fused_qkv_rope_skips_bad_positions(cp, kernels, rng, seed):
     counters_zero(cp, counters, seed)
 
 
-# -- attention with its combine fused ----------------------------------------------------------------------
-
-ATTN_CASES = [
-    # hd, n_kv, G, M, ctx (keys of the last row), max_ctx, window, softcap
-    (128, 8, 4, 1, 1024, 1100, None, None),
-    (128, 8, 4, 1, 3000, 4096, None, None),   # 47 active splits at M = 1: two combine batches
-    (128, 2, 4, 4, 2049, 4096, None, None),
-    (128, 2, 4, 16, 3001, 4096, None, None),  # 16 query vectors per block (NQ 2)
-    (128, 2, 4, 8, 700, 1024, 96, 50.0),      # the EXT instance: window + softcap
-    (128, 2, 4, 16, 700, 1024, 96, None),
-    (64, 2, 4, 5, 1500, 2048, None, None),
-    (32, 2, 4, 3, 900, 1024, None, 30.0),
-    (256, 2, 2, 1, 1500, 2048, None, None),  # SIMT split kernel
-    (256, 1, 2, 4, 600, 1024, 64, 50.0),
-    (96, 2, 2, 2, 1200, 2048, None, None),
-    (128, 1, 1, 1, 1, 64, None, None),  # one key
-    (128, 8, 4, 1, 1025, 2048, None, None),  # llama-3.1-8b at the bench's 1024 context: 17 splits, the last of 1 key
-    (128, 1, 4, 1, 8000, 8192, None, None),  # one KV head: 125 active splits, four merge batches
-    (96, 1, 1, 1, 4000, 4096, None, None),   # SIMT, 32-key splits: 125 active
-    (64, 4, 4, 2, 5000, 8192, 1000, None),   # a window: the splits cover only (p - 1000, p]
-]
-
-
-@pytest.mark.parametrize("hd,n_kv,G,M,ctx,max_ctx,window,softcap", ATTN_CASES)
-def test_fused_attention_equals_unfused(cp, kernels, rng, seed, hd, n_kv, G, M, ctx, max_ctx, window, softcap):
-    nh = n_kv * G
-    kb, _ = rand_bf16(rng, (n_kv, max_ctx, hd))
-    vb, _ = rand_bf16(rng, (n_kv, max_ctx, hd))
-    kf = (kb.astype(np.uint32) << 16).view(np.float32)
-    vf = (vb.astype(np.uint32) << 16).view(np.float32)
-    q = rng.standard_normal((M, nh, hd), dtype=np.float32)
-    positions = np.arange(ctx - M, ctx, dtype=np.int32)
-    positions = np.maximum(positions, 0)
-    scale = hd ** -0.5
-    kc, vc, qd, pd = cp.asarray(kb), cp.asarray(vb), cp.asarray(q), cp.asarray(positions)
-    s = kernels.decode_splits(max_ctx, n_kv, M, nh)
-    ws = cp.full(kernels.decode_workspace_size(M, nh, hd, s), np.nan, dtype=cp.float32)
-    kw = dict(n_splits=s, workspace=ws, window=window, softcap=softcap)
-    a = nan_like(cp, (M, nh, hd))
-    kernels.attention_decode(qd, kc, vc, pd, a, scale, **kw)
-    counters = cp.zeros((M * nh,), cp.int32)
-    for rep in range(2):
-        ws[...] = np.nan
-        b = nan_like(cp, (M, nh, hd))
-        kernels.attention_decode(qd, kc, vc, pd, b, scale, counters=counters, **kw)
-        cp.cuda.Device().synchronize()
-        counters_zero(cp, counters, seed)
-        assert rel_err(cp.asnumpy(b), cp.asnumpy(a), seed) <= SAME, f"rep {rep}"
-    if window is None and softcap is None:
-        ref = ref_attention(q, kf, vf, positions, scale)
-        tol = TOL if hd in (96, 256) else 1e-3
-        assert rel_err(cp.asnumpy(b), ref, seed) <= tol
-
-
-def test_fused_attention_without_any_key_is_nan(cp, kernels, seed):
-    hd, n_kv, nh, M, max_ctx = 128, 2, 8, 2, 256
-    kc = cp.zeros((n_kv, max_ctx, hd), cp.uint16)
-    q = cp.ones((M, nh, hd), cp.float32)
-    out = cp.zeros((M, nh, hd), cp.float32)
-    counters = cp.zeros((M * nh,), cp.int32)
-    kernels.attention_decode(q, kc, kc.copy(), cp.asarray(np.array([-1, -5], np.int32)), out, 0.1, counters=counters)
-    assert np.isnan(cp.asnumpy(out)).all()
-    counters_zero(cp, counters, seed)
-
-
 # -- rope + KV append in the attention split kernel (one row) ---------------------------------------------------
 
 ROPE_CASES = [
@@ -205,13 +134,10 @@ ROPE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("combine", ["launch", "merge", "cluster"])
 @pytest.mark.parametrize("hd,n_kv,G,p,max_ctx,rot,qk_norm", ROPE_CASES)
-def test_attention_with_rope_equals_rope_then_attention(cp, kernels, rng, seed, hd, n_kv, G, p, max_ctx, rot, qk_norm,
-                                                        combine):
+def test_attention_with_rope_equals_rope_then_attention(cp, kernels, rng, seed, hd, n_kv, G, p, max_ctx, rot, qk_norm):
     """attention_decode(rope=...) on the unrotated qkv row (the fused path's one-row attention: q rotated in each
-    split block, k/v appended by the block whose split holds the position; the combine a launch of its own, or
-    `merge`d in the last split block (counters: the fused path's one launch), or in the block `cluster`) against
+    split block, k/v appended by the block whose split holds the position; the combine a launch of its own) against
     rope_kv_append then attention_decode on the same fresh data: the same output (the same rope code, to 2e-5), the
     same cache (the appended row within one bf16 step, the rest untouched), and against a float64 reference."""
     nh = n_kv * G
@@ -237,15 +163,10 @@ def test_attention_with_rope_equals_rope_then_attention(cp, kernels, rng, seed, 
     kc_b, vc_b = cp.asarray(kb), cp.asarray(vb)
     qkv0 = qkv.copy()
     b = nan_like(cp, (1, nh, hd))
-    counters = cp.zeros((nh,), cp.int32) if combine == "merge" else None
-    kernels.attention_decode(qkv.reshape(1, slots, hd), kc_b, vc_b, pos, b, scale, n_splits=s, workspace=ws, rope=rope,
-                             cluster=combine == "cluster", counters=counters)
+    kernels.attention_decode(qkv.reshape(1, slots, hd), kc_b, vc_b, pos, b, scale, n_splits=s, workspace=ws, rope=rope)
     cp.cuda.Device().synchronize()
-    if counters is not None:
-        counters_zero(cp, counters, seed)
     assert cp.array_equal(qkv, qkv0), "the qkv row must stay unrotated"
-    # the same rope code, inlined in two kernels: q may differ in its last bit, and so its bf16 hi/lo split (the
-    # cluster: DECODE_CLUSTER splits merged in another order than the split + combine pair's)
+    # the same rope code, inlined in two kernels: q may differ in its last bit, and so its bf16 hi/lo split
     assert rel_err(cp.asnumpy(b), cp.asnumpy(a), seed) <= 2e-5
     others = [j for j in range(max_ctx) if j != p]
     for got, want, init in ((kc_b, kc_a, kb), (vc_b, vc_a, vb)):
@@ -296,32 +217,24 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-def gpu_engine(path, ctx=160, fused=True, fused_attention=False, variant="fused", **kw):
-    """fused: the engine on the fused path (`variant`: "fused" or "fused-cluster"), whose attention is split +
-    combine unless fused_attention (set_fused_attention: the combine in the last split block, off by default: it
-    measured slower); one row rotates in the attention kernel, more rows in the qkv GEMV."""
+def gpu_engine(path, ctx=160, fused=True, **kw):
+    """fused: the engine on the fused path (else the rows path): one row rotates in the attention kernel, more
+    rows in the qkv GEMV."""
     e = open_model(path, device="cuda", max_context=ctx, fp32_logits=True).engine
+    e.set_path("fused" if fused else "rows")
     if fused:
-        e.set_path(variant)
-        if fused_attention:
-            e.set_fused_attention(True)
-        assert e.path == variant and e.fused_plan(2)["qkv_rope"] is None
+        assert e.fused_plan(2)["qkv_rope"] is None
         assert "attention split kernel" in e.fused_plan(1)["qkv_rope"]
-        assert (e.fused_plan(1)["attention"] is None) == fused_attention
     for k, v in kw.items():
         setattr(e, k, v)
     return e
 
 
-VARIANTS = ["fused", "fused-cluster"]
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("name", list(ARCHS))
-def test_fused_greedy_matches_rows_path_and_numpy(cp, checkpoints, name, rng, variant):
+def test_fused_greedy_matches_rows_path_and_numpy(cp, checkpoints, name, rng):
     path = checkpoints[name]
     cpu = open_model(path, device="cpu", max_context=160, fp32_logits=True).engine
-    fused, plain = gpu_engine(path, variant=variant), gpu_engine(path, fused=False)
+    fused, plain = gpu_engine(path), gpu_engine(path, fused=False)
     prompt = [int(t) for t in rng.integers(0, cpu.vocab_size(), 12)]
     a = decoding.run_decode(cpu, prompt, 24, keep_rows=True)
     b = decoding.run_decode(fused, prompt, 24, keep_rows=True)
@@ -337,37 +250,10 @@ def test_fused_greedy_matches_rows_path_and_numpy(cp, checkpoints, name, rng, va
     assert err <= 2e-2 and same <= 1e-4
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral"])
-def test_fused_attention_option_matches_rows_path(cp, checkpoints, name, rng):
-    """set_fused_attention(True) (the combine in the last split block; one row: the attention in one launch, rope
-    and KV append included): decode and verify logits equal the default fused path's and the rows path's, graphs
-    and counters included; the decode rows bit for bit (the merge does the combine kernel's arithmetic)."""
-    path = checkpoints[name]
-    engines = {"rows": gpu_engine(path, fused=False), "fused": gpu_engine(path),
-               "fused+attn": gpu_engine(path, fused_attention=True)}
-    prompt = [int(t) for t in rng.integers(0, engines["rows"].vocab_size(), 11)]
-    drafts = [int(t) for t in rng.integers(0, engines["rows"].vocab_size(), 5)]
-    out = {}
-    for key, e in engines.items():
-        e.prefill(prompt)
-        got = []
-        for t in drafts:
-            e.decode(t)
-            got.append(rows(e, e.decode_logits_ptr(), 1)[0])
-        e.verify(drafts)
-        got += list(rows(e, e.logits_buffer_ptr(), len(drafts)))
-        e.check_fused()
-        out[key] = np.stack(got)
-    assert rel(out["fused"], out["rows"]) <= 1e-4 and rel(out["fused+attn"], out["rows"]) <= 1e-4
-    n = len(drafts)  # the decode rows: one-row merge vs the combine launch
-    assert np.array_equal(out["fused+attn"][:n], out["fused"][:n])
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
-def test_fused_graph_replay_equals_eager(cp, checkpoints, name, rng, variant):
-    g = gpu_engine(checkpoints[name], 64, variant=variant)
-    e = gpu_engine(checkpoints[name], 64, use_graphs=False, variant=variant)
+def test_fused_graph_replay_equals_eager(cp, checkpoints, name, rng):
+    g = gpu_engine(checkpoints[name], 64)
+    e = gpu_engine(checkpoints[name], 64, use_graphs=False)
     prompt = [int(t) for t in rng.integers(0, g.vocab_size(), 7)]
     drafts = [int(t) for t in rng.integers(0, g.vocab_size(), 4)]
     out = []
@@ -381,15 +267,14 @@ def test_fused_graph_replay_equals_eager(cp, checkpoints, name, rng, variant):
         r += [rows(eng, eng.logits_buffer_ptr().row_ptr(i), 1).tobytes() for i in range(4)]
         eng.check_fused()
         out.append(r)
-    assert len(g._graphs) >= 2 and not e._graphs
+    assert len(g.graphs) >= 2 and not len(e.graphs)
     assert out[0] == out[1]
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("name", ["llama", "qwen3", "mistral"])
 @pytest.mark.parametrize("k", [1, 2, 4, 8, 15])
-def test_fused_verify_equals_sequential_and_trim(cp, checkpoints, name, k, rng, variant):
-    gpu = gpu_engine(checkpoints[name], variant=variant)
+def test_fused_verify_equals_sequential_and_trim(cp, checkpoints, name, k, rng):
+    gpu = gpu_engine(checkpoints[name])
     prompt = [int(t) for t in rng.integers(0, gpu.vocab_size(), 9)]
     drafts = [int(t) for t in rng.integers(0, gpu.vocab_size(), k)]
     gpu.prefill(prompt)
@@ -409,7 +294,7 @@ def test_fused_verify_equals_sequential_and_trim(cp, checkpoints, name, k, rng, 
     keep = int(rng.integers(0, k + 1))
     gpu.trim(len(prompt) + keep)
     gpu.decode(3)
-    fresh = gpu_engine(checkpoints[name], 64, variant=variant)
+    fresh = gpu_engine(checkpoints[name], 64)
     fresh.prefill(prompt)
     if keep:
         fresh.verify(drafts[:keep])
@@ -419,13 +304,12 @@ def test_fused_verify_equals_sequential_and_trim(cp, checkpoints, name, k, rng, 
     fresh.check_fused()
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
-def test_fused_long_context_crosses_many_splits(cp, checkpoints, name, rng, variant):
+def test_fused_long_context_crosses_many_splits(cp, checkpoints, name, rng):
     """3000 cached positions in a 4096 cache: 64 splits of which 47 hold keys at M = 1 (two combine
-    batches; fused-cluster: 16 splits of 192 keys), 17 at M = 8; fused vs rows path vs the NumPy engine."""
+    batches), 17 at M = 8; fused vs rows path vs the NumPy engine."""
     path = checkpoints[name]
-    fused, plain = gpu_engine(path, 4096, variant=variant), gpu_engine(path, 4096, fused=False)
+    fused, plain = gpu_engine(path, 4096), gpu_engine(path, 4096, fused=False)
     cpu = open_model(path, device="cpu", max_context=4096, fp32_logits=True).engine
     assert fused.kern.decode_splits(4096, 2, 1, 4) >= 48  # 64 on 132 SMs
     prompt = [int(t) for t in rng.integers(0, fused.vocab_size(), 3000)]

@@ -43,7 +43,7 @@ GEMV_SHAPES = [(1000, 264), (4097, 4104), (64, 8), (3000, 1024)]
 
 
 @pytest.mark.parametrize("N,K", GEMV_SHAPES)
-@pytest.mark.parametrize("M", [1, 3, 8, 16])
+@pytest.mark.parametrize("M", [1, 2])
 def test_gemv(cp, kernels, rng, seed, N, K, M):
     wb, wf = rand_bf16(rng, (N, K), 0.05)
     x = rng.standard_normal((M, K), dtype=np.float32)
@@ -55,7 +55,7 @@ def test_gemv(cp, kernels, rng, seed, N, K, M):
     assert_close(cp.asnumpy(out), ref, seed)
 
 
-@pytest.mark.parametrize("M", range(1, 17))
+@pytest.mark.parametrize("M", [1, 2])
 def test_gemv_every_m_with_residual(cp, kernels, rng, seed, M):
     N, K = 777, 520
     wb, wf = rand_bf16(rng, (N, K), 0.05)
@@ -68,46 +68,8 @@ def test_gemv_every_m_with_residual(cp, kernels, rng, seed, M):
     assert_close(cp.asnumpy(out), ref, seed, tol=1e-5)
 
 
-@pytest.mark.parametrize("M,R,U", [(1, 2, 4), (1, 4, 2), (1, 2, 8), (4, 1, 8), (4, 2, 4), (8, 8, 0)])
-def test_gemv_variants(cp, kernels, rng, seed, M, R, U):
-    N, K = 1001, 4104
-    wb, wf = rand_bf16(rng, (N, K), 0.05)
-    x = rng.standard_normal((M, K), dtype=np.float32)
-    out = nan_like(cp, (M, N))
-    kernels.gemv(cp.asarray(x), cp.asarray(wb), out, config=(R, U))
-    assert_close(cp.asnumpy(out), x.astype(np.float64) @ wf.T.astype(np.float64), seed, tol=1e-4)
-
-
-@pytest.mark.parametrize("M", range(5, 17))
-def test_gemv_xs_every_m(cp, kernels, rng, seed, M):
-    """The variant that stages x in shared memory (config U = 0), K over several partial tiles."""
-    N, K = 1001, 4104
-    wb, wf = rand_bf16(rng, (N, K), 0.05)
-    bb, bf = rand_bf16(rng, (N,))
-    x = rng.standard_normal((M, K), dtype=np.float32)
-    out = nan_like(cp, (M, N))
-    kernels.gemv(cp.asarray(x), cp.asarray(wb), out, cp.asarray(bb), config=(4, 0))
-    ref = x.astype(np.float64) @ wf.T.astype(np.float64) + bf
-    assert_close(cp.asnumpy(out), ref, seed, tol=1e-4)
-    h0 = rng.standard_normal((M, N), dtype=np.float32)
-    out = cp.asarray(h0)
-    kernels.gemv(cp.asarray(x), cp.asarray(wb), out, accumulate=True, config=(4, 0))
-    assert_close(cp.asnumpy(out), h0 + x.astype(np.float64) @ wf.T.astype(np.float64), seed, tol=1e-4)
-
-
-@pytest.mark.parametrize("M", [5, 8, 11, 16])
-@pytest.mark.parametrize("I,K", [(1000, 264), (33, 4104)])
-def test_gemv_swiglu_xs(cp, kernels, rng, seed, M, I, K):
-    wb, wf = rand_bf16(rng, (2 * I, K), 0.05)
-    x = rng.standard_normal((M, K), dtype=np.float32)
-    out = nan_like(cp, (M, I))
-    kernels.gemv_swiglu(cp.asarray(x), cp.asarray(wb), out, config=(2, 0))
-    gu = x.astype(np.float64) @ wf.T.astype(np.float64)
-    assert_close(cp.asnumpy(out), silu(gu[:, :I]) * gu[:, I:], seed, tol=1e-4)
-
-
 @pytest.mark.parametrize("I,K", [(1000, 264), (4097, 520), (33, 4104)])
-@pytest.mark.parametrize("M", [1, 3, 8, 16])
+@pytest.mark.parametrize("M", [1, 2])
 def test_gemv_swiglu(cp, kernels, rng, seed, I, K, M):
     wb, wf = rand_bf16(rng, (2 * I, K), 0.05)
     x = rng.standard_normal((M, K), dtype=np.float32)
@@ -136,6 +98,8 @@ def test_gemv_rejects_bad_input(cp, kernels):
     x = cp.zeros((17, 16), dtype=cp.float32)
     with pytest.raises(ValueError, match="1..16"):
         kernels.gemv(x, cp.zeros((10, 16), dtype=cp.uint16), cp.zeros((17, 10), dtype=cp.float32))
+    with pytest.raises(ValueError, match="use gemv_tc"):  # the rows path takes the tensor cores from 3 rows on
+        kernels.gemv(x[:3], cp.zeros((10, 16), dtype=cp.uint16), cp.zeros((3, 10), dtype=cp.float32))
     with pytest.raises(ValueError, match="float32"):
         kernels.gemv(cp.zeros((2, 16), dtype=cp.float16), cp.zeros((10, 16), dtype=cp.uint16), out)
     with pytest.raises(ValueError, match="bfloat16"):
@@ -161,10 +125,9 @@ def _norm_inputs(rng, M, K):
 
 @pytest.mark.parametrize("K", [4096, 2048, 256])
 @pytest.mark.parametrize("N", [1000, 4097])
-@pytest.mark.parametrize("M", [1, 3, 8, 16])
+@pytest.mark.parametrize("M", [1, 2])
 def test_gemv_fused_rmsnorm(cp, kernels, rng, seed, K, N, M):
-    """gemv(x, norm_weight=w) == gemv(rmsnorm(x, w)) for the default config of every tested M
-    (register variant M <= 8, shared-memory-x variant M = 16), with and without bias."""
+    """gemv(x, norm_weight=w) == gemv(rmsnorm(x, w)) for every compiled M, with and without bias."""
     wb, wf = rand_bf16(rng, (N, K), 0.05)
     x, nb, nf = _norm_inputs(rng, M, K)
     use_bias = (N + M) % 2 == 1
@@ -184,7 +147,7 @@ def test_gemv_fused_rmsnorm(cp, kernels, rng, seed, K, N, M):
     assert_close(got, cp.asnumpy(two), seed, tol=1e-4)
 
 
-@pytest.mark.parametrize("M", range(1, 17))
+@pytest.mark.parametrize("M", [1, 2])
 def test_gemv_fused_rmsnorm_every_m_accumulate(cp, kernels, rng, seed, M):
     N, K = 777, 520
     wb, wf = rand_bf16(rng, (N, K), 0.05)
@@ -200,7 +163,7 @@ def test_gemv_fused_rmsnorm_every_m_accumulate(cp, kernels, rng, seed, M):
 
 @pytest.mark.parametrize("K", [4096, 2048, 256])
 @pytest.mark.parametrize("I", [1000, 33])
-@pytest.mark.parametrize("M", [1, 3, 8, 16])
+@pytest.mark.parametrize("M", [1, 2])
 def test_gemv_swiglu_fused_rmsnorm(cp, kernels, rng, seed, K, I, M):
     wb, wf = rand_bf16(rng, (2 * I, K), 0.05)
     x, nb, nf = _norm_inputs(rng, M, K)
@@ -217,21 +180,6 @@ def test_gemv_swiglu_fused_rmsnorm(cp, kernels, rng, seed, K, I, M):
     assert_close(got, cp.asnumpy(two), seed, tol=1e-4)
 
 
-@pytest.mark.parametrize("M", [5, 9, 12, 15])
-def test_gemv_swiglu_fused_rmsnorm_more_m(cp, kernels, rng, seed, M):
-    I, K = 515, 4104  # K: several partial tiles of 256
-    wb, wf = rand_bf16(rng, (2 * I, K), 0.05)
-    x, nb, nf = _norm_inputs(rng, M, K)
-    out = nan_like(cp, (M, I))
-    kernels.gemv_swiglu(cp.asarray(x), cp.asarray(wb), out, norm_weight=cp.asarray(nb), eps=1e-5)
-    gu = ref_rmsnorm(x, nf, 1e-5) @ wf.T.astype(np.float64)
-    assert_close(cp.asnumpy(out), silu(gu[:, :I]) * gu[:, I:], seed, tol=1e-4)
-    # and the plain gemv at the same M and K (M >= 9: the shared-memory-x variant)
-    out = nan_like(cp, (M, 2 * I))
-    kernels.gemv(cp.asarray(x), cp.asarray(wb), out, norm_weight=cp.asarray(nb), eps=1e-5)
-    assert_close(cp.asnumpy(out), gu, seed, tol=1e-4)
-
-
 def test_gemv_fused_rmsnorm_rejects_bad_weight(cp, kernels):
     x = cp.ones((2, 64), dtype=cp.float32)
     w = cp.ones((10, 64), dtype=cp.uint16)
@@ -242,8 +190,6 @@ def test_gemv_fused_rmsnorm_rejects_bad_weight(cp, kernels):
         kernels.gemv(x, w, out, norm_weight=cp.ones((64,), dtype=cp.float32))
     with pytest.raises(ValueError, match="aligned"):
         kernels.gemv(x, w, out, norm_weight=cp.ones((72,), dtype=cp.uint16)[4:68])
-    with pytest.raises(ValueError, match="no compiled variant"):  # (2, 4) at M = 1: compiled without norm only
-        kernels.gemv(x[:1], w, out[:1], norm_weight=cp.ones((64,), dtype=cp.uint16), config=(2, 4))
 
 
 # ----------------------------------------------------------------------------- rmsnorm
@@ -576,7 +522,7 @@ def test_f32_to_bf16_2d_and_bf16_to_f32(cp, kernels, rng, seed):
 def test_cuda_graph_capture_replay(cp, kernels, rng, seed):
     """A decode/verify step built from the kernels, captured once on a non-blocking stream and
     replayed with new device-side ids and positions, matches eager runs bit for bit."""
-    H, nh, n_kv, hd, inter, V, max_ctx, M, eps = 256, 4, 2, 64, 512, 1000, 128, 3, 1e-6
+    H, nh, n_kv, hd, inter, V, max_ctx, M, eps = 256, 4, 2, 64, 512, 1000, 128, 2, 1e-6
 
     def w(shape, s=0.05):
         return cp.asarray(rand_bf16(rng, shape, s)[0])

@@ -122,7 +122,7 @@ def threaded_tp(path, n: int, max_context: int, fp32_logits: bool = True):
     """TensorParallelEngine of n CUDA ranks on the current GPU (threads, ThreadCommunicator), eager."""
     import cupy as cp
 
-    from metrale_cli.backends.cuda.engine import load_cuda_engine
+    from metrale_cli.backends.cuda.loading import load_cuda_engine
 
     cfg = load_config(path)
     group = _Group(n)

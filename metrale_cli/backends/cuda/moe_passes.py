@@ -1,22 +1,18 @@
 """engine/loop.py's mixture-of-experts ops on the GPU (mixed into passes.py's RowsPass and PrefillPass).
 
 Rows path (decode, verify, short prefills; graph-captured): the router GEMV with the RMSNorm fused
-(the engine's `_linear`), then kernels.moe's route (top-k, shared gate, h, the union of the rows'
+(the engine's projections, projections.py), then kernels.moe's route (top-k, shared gate, h, the union of the rows'
 experts), gate_up (reads only the union's experts, each once) and down (the weighted sum over each row's
 experts, plus the shared expert, added into the residual stream in its epilogue). No host reads.
 
-Fused rows path (FusedMoe, mixed into passes.py's FusedRowsPass): the whole sparse layer in one launch
-(kernels.moe's `layer`: router GEMV, routing, gate_up and down in a persistent grid with two grid barriers)
-where passes.fused_plan's "moe" says so; the same h, act and sums as the four launches above.
+The fused rows path runs a sparse layer as the rows path does.
 
 Prefill path (eager): the router in fp32 (cuBLAS SGEMM on an fp32 copy of the router, so the expert
 choice is made on fp32 logits as on the rows path), top-k on the device, then one host sync to group the
 (token, expert) pairs by expert (`ExpertGroups`) and one cuBLAS strided batched GEMM over every expert
 for gate_up and one for down (bf16 operands, fp32 output), plus a GEMM pair for each of the few most-chosen
 experts' overflow rows; each token's experts are then weighted and added in increasing expert order, as
-the NumPy reference sums them.  (The
-first version ran two GEMMs per chosen expert: qwen3-30b-a3b's 128 experts made its prefill of 2048
-tokens 1784 tokens/s on the H200, 1.4% of the GEMM rate.)
+the NumPy reference sums them.
 """
 
 from __future__ import annotations
@@ -36,8 +32,7 @@ if TYPE_CHECKING:
 class MoeState:
     """The rows path's preallocated MoE buffers and kernels of one engine (CudaEngine.moe)."""
 
-    def __init__(self, cfg: ModelConfig, kern: Any, weights: Any) -> None:
-        cp = kern._cp
+    def __init__(self, cp: Any, cfg: ModelConfig, kern: Any) -> None:
         spec = cfg.moe.spec
         self.spec = spec
         self.kern = MoeKernels(kern)  # compiled now: never during a graph capture
@@ -47,42 +42,6 @@ class MoeState:
         self.act = cp.zeros((MOE_MAX_ROWS * spec.top_k, spec.intermediate_size), cp.float32)
         self.act_s = (cp.zeros((MOE_MAX_ROWS, spec.shared_expert_size), cp.float32)
                       if spec.shared_expert_size else None)
-        self.y = cp.zeros((MOE_MAX_ROWS, cfg.hidden_size), cp.float32)  # the one-launch layer's y when tapped
-        # the fused path's sparse layer in one launch (CudaEngine.set_moe_one_launch): off, measured slower in the
-        # step (H100, qwen3-30b-a3b decode 3.658 -> 3.938 ms; NOTES.md, 2026-12-06 second session)
-        self.one_launch = False
-        self.with_o = True  # and the attention's output projection before it in that launch
-        # the sparse layers' weights by their router's and their o projection's arrays: what FusedMoe is handed
-        # (ops.route gets the router, ops.linear the o projection) names the layer
-        sparse = [layer for layer in weights.layers if "router" in layer]
-        self._by_router = {id(layer["router"]): layer for layer in sparse}
-        self._sparse_o = {id(layer["o"]) for layer in sparse}
-
-    def layer_weights(self, w_router) -> dict:
-        """The weights of the sparse layer whose router is w_router."""
-        return self._by_router[id(w_router)]
-
-    def is_sparse_o(self, w_o) -> bool:
-        """Whether w_o is the attention output projection of a sparse layer."""
-        return id(w_o) in self._sparse_o
-
-    def o_fits(self) -> str | None:
-        """Why a one-launch layer cannot also take the attention's output projection (None: it can)."""
-        if not self.with_o:
-            return "turned off (CudaEngine.set_moe_one_launch(True, with_o=False))"
-        if self.spec.shared_expert_size:
-            return "a shared expert (its gate_up GEMV, a launch before the layer, reads x after o)"
-        return None
-
-    def layer_fits(self, m: int) -> str | None:
-        """Why the one-launch layer (kernels.moe `layer`) cannot take m rows of this model (None: it can)."""
-        s = self.spec
-        if not self.one_launch:
-            return "off (CudaEngine.set_moe_one_launch(True) turns it on): router GEMV, route, gate_up, down"
-        if s.held != range(s.num_experts):
-            return "a tensor-parallel rank's share of the experts (the rows path's kernels take it)"
-        return self.kern.layer_fits(m, s.num_experts, s.top_k, self.buf.h.shape[1], s.intermediate_size,
-                                    s.shared_expert_size or 0)
 
 
 class RowsMoe:
@@ -91,7 +50,7 @@ class RowsMoe:
     def route(self, x, w_router, spec: MoeSpec, *, norm, bias=None, correction=None):
         st, m = self.e.moe, self.m
         logits = st.logits[:m]
-        self.e._linear(x, w_router, logits, norm_weight=norm[0], eps=norm[1].eps)
+        self.e.proj.linear(x, w_router, logits, norm_weight=norm[0], eps=norm[1].eps)
         st.kern.route(logits, x, norm[0], norm[1].eps, spec.num_experts, spec.top_k, spec.norm_topk_prob,
                       bool(spec.shared_expert_size), st.buf, held=spec.held, stream=self.s)
         b = st.buf
@@ -104,7 +63,7 @@ class RowsMoe:
         with_shared = None
         if shared is not None:
             act_s = st.act_s[:m]
-            e._linear(x, shared[0], act_s, swiglu=True, norm_weight=norm[0], eps=norm[1].eps)
+            e.proj.linear(x, shared[0], act_s, swiglu=True, norm_weight=norm[0], eps=norm[1].eps)
             with_shared = (shared[1], act_s)
         st.kern.gate_up(m, w_gate_up, st.buf, st.act, first=first, stream=self.s)
         if tap is not None and self._tap is not None:  # the block's output before the residual add, beside
@@ -119,56 +78,8 @@ class RowsMoe:
                                                           accumulate=True, first=first, stream=self.s))
 
 
-class FusedMoe:
-    """FusedRowsPass's route / experts (self: a FusedRowsPass): one launch per sparse layer where
-    self.plan["moe"] is None, else RowsMoe's four.  `route` launches the whole layer (the router's taps then
-    read its routing; the shared expert's GEMV first: it reads x before the layer adds into it), finding the
-    layer's expert weights by its router array (MoeState.layer_weights): untapped it adds y into x, tapped
-    it writes y to MoeState.y, which `experts` taps and adds to x.  Where plan["moe_o"] is None the launch
-    also runs the attention's output projection before the layer (`defer_o` records it)."""
-
-    def defer_o(self, x, w, bias, *, norm, residual) -> bool:
-        """Whether linear(out="x") is a sparse layer's o projection that the layer's launch takes (plan "moe_o",
-        untapped, no bias): then it is recorded for `route`, which runs next (decoder_forward), not launched.
-        (No --tp here: the fused path does not run under it, and plan "moe" refuses a rank's share.)"""
-        if (self.plan["moe_o"] is not None or self._tap is not None or residual is None or bias is not None
-                or norm is not None or not self.e.moe.is_sparse_o(w)):
-            return False
-        self._o_pending = (x, w)
-        return True
-
-    def route(self, x, w_router, spec: MoeSpec, *, norm, bias=None, correction=None):
-        o, self._o_pending = self._o_pending, None
-        if self.plan["moe"] is not None:
-            return super().route(x, w_router, spec, norm=norm)
-        st, m, e = self.e.moe, self.m, self.e
-        lw = st.layer_weights(w_router)
-        shared = None
-        if spec.shared_expert_size:
-            act_s = st.act_s[:m]
-            e._linear(x, lw["shared_gate_up"], act_s, swiglu=True, norm_weight=norm[0], eps=norm[1].eps)
-            shared = (lw["shared_down"], act_s)
-        st.kern.layer(m, x, norm[0], norm[1].eps, w_router, st.logits[:m], lw["experts_gate_up"], lw["experts_down"],
-                      st.buf, st.act, experts=spec.num_experts, top_k=spec.top_k, norm_topk=spec.norm_topk_prob,
-                      shared=shared, out=None if self._tap is None else st.y[:m], o=o, stream=self.s)
-        b = st.buf
-        return Route(st.logits[:m, :spec.num_experts], b.idx[:m], b.wts[:m],
-                     b.sgate[:m, None] if spec.shared_expert_size else None)
-
-    def experts(self, x, route, w_gate_up, w_down, spec: MoeSpec, *, norm, shared, tap, bias=None):
-        if self.plan["moe"] is not None:
-            return super().experts(x, route, w_gate_up, w_down, spec, norm=norm, shared=shared, tap=tap)
-        if self._tap is not None:
-            y = self.e.moe.y[:self.m]
-            self.tap(tap, y)
-            with self.s:
-                x += y
-        return x
-
-
-# From this many rows per expert, one GEMM per chosen expert beats the strided batched GEMM over all of
-# them (H200, prefill of 2048 tokens: qwen3-30b-a3b's 128 experts at ~128 rows each, batched 5717 tokens/s
-# vs 1784 per expert; mixtral-8x7b's 8 at ~512 rows, batched 10230 vs 14460 per expert).
+# From this many rows per expert, the prefill runs one GEMM per chosen expert instead of the strided batched
+# GEMM over all of them (many experts with few rows each: batched; few experts with many rows: one each).
 PER_EXPERT_ROWS = 256
 
 
@@ -243,18 +154,18 @@ class PrefillMoe:
         hb = cp.empty((main, h.shape[1]), cp.uint16)  # h's rows in expert order: the main block
         self.k.f32_to_bf16(h[src[:main]], hb, stream=self.s)
         used = plan.used(len(held)) if plan.rows >= PER_EXPERT_ROWS else None
-        gu = e._gemm_experts(hb, w_gate_up, plan.rows, cp.zeros((main, w_gate_up.shape[1]), cp.float32), used)
+        gu = e.proj.gemm_experts(hb, w_gate_up, plan.rows, cp.zeros((main, w_gate_up.shape[1]), cp.float32), used)
         act = self._swiglu(gu)
         del gu
         actb = cp.empty(act.shape, cp.uint16)
         self.k.f32_to_bf16(act, actb, stream=self.s)
-        e._gemm_experts(actb, w_down, plan.rows, d[:main], used)
+        e.proj.gemm_experts(actb, w_down, plan.rows, d[:main], used)
         for first, n, ex in plan.overflow:  # the most-chosen experts' pairs past the main block
             if ex >= len(held):  # another rank's experts: no weights here, weight 0 below
                 d[first:first + n] = 0
                 continue
             rows = h[src[first:first + n]]
-            d[first:first + n] = e._gemm(self._swiglu(e._gemm(rows, w_gate_up[ex])), w_down[ex])
+            d[first:first + n] = e.proj.gemm(self._swiglu(e.proj.gemm(rows, w_gate_up[ex])), w_down[ex])
         # y[t] = sum over t's experts in increasing order (as the reference sums) of weight * its row of d
         order = np.argsort(idx, axis=1)
         rows_d = cp.asarray(np.take_along_axis(plan.row_of_pair.reshape(t, k), order, 1))
@@ -265,7 +176,7 @@ class PrefillMoe:
         for j in range(k):  # another rank's pairs add nothing here (their rows of d were never computed)
             y += weights[:, j:j + 1] * cp.where(mine[:, j:j + 1], d[rows_d[:, j]], 0)
         if shared is not None:
-            y += route.shared_gate * e._gemm(self._swiglu(e._gemm(h, shared[0])), shared[1])
+            y += route.shared_gate * e.proj.gemm(self._swiglu(e.proj.gemm(h, shared[0])), shared[1])
         if e.tp is not None:  # the held experts' and shared columns' share, summed over the ranks
             e.tp.comm.all_reduce(y, self.s)
         self.tap(tap, y)

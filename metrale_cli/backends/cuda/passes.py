@@ -4,7 +4,10 @@
 buffers and launches only metrale's own kernels, so a whole pass can be captured once as a CUDA graph:
 the norm before a projection runs inside the GEMV that consumes it, the o/down projections add into the
 residual stream in their epilogue, rope + KV append are one launch. `PrefillPass` (long prompts, eager)
-runs cuBLAS GEMMs and tensor-core flash attention over freshly allocated chunk buffers.
+runs cuBLAS GEMMs and tensor-core flash attention over freshly allocated chunk buffers.  A pass reaches the
+engine through its public parts: its buffers (buffers.py), its projections (projections.py, the one place a
+weight meets activations), its kernels and stream; each layer's mixer ops come from the layer's mixer kind
+(engine/mixers.py; the attention kind's in attention.py) over the engine's state of that kind.
 
 Both keep the fused path untouched when a tap observer is set: the tapped value of a fused projection
 (`self_attn`, `mlp` before the residual add) is computed by a second, non-accumulating launch of the same
@@ -15,12 +18,12 @@ and fused norm prologue, the embedding scale in the gather, gelu_tanh as the gat
 activation, partial rotary and longrope's attention factor in rope_kv_append, the window (only the
 keys some row sees are read) and the score softcap in both attention kernels, and the sandwich post-norms
 as a projection into `h` followed by one norm-and-add launch (rmsnorm_add).  What the kernels lack is
-refused before any pass runs (engine.unsupported_features).
+refused before any pass runs (loading.unsupported_features).
 
 `FusedRowsPass` (engine path "fused", `CudaEngine.set_path`) is RowsPass with one launch fewer per layer:
-rope + KV append in the attention split kernel (one row) or in the qkv GEMV's epilogue (verify), and, on
-request, the attention combine in the split kernel's last block; `fused_plan` is the one place that decides
-what it fuses for a row count.
+rope + KV append in the attention split kernel (one row) or in the qkv GEMV's epilogue (verify; the pass
+records the qkv projection's operands for attention.FusedRowsAttention); `fused_plan` is the one place that
+decides what it fuses for a row count.
 """
 
 from __future__ import annotations
@@ -29,12 +32,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ...engine.mixers import mixer_kind
 from ...errors import DeviceError
-from .moe_passes import FusedMoe, PrefillMoe, RowsMoe
+from .moe_passes import PrefillMoe, RowsMoe
 
 if TYPE_CHECKING:
     from ...engine.loop import Tap
-    from ...models.spec import AttentionSpec, Norm
+    from ...models.spec import Norm
     from .engine import CudaEngine
 
 
@@ -50,19 +54,24 @@ def _share(e: CudaEngine, bias):
     return bias if e.tp.rank == 0 else None
 
 
-def _window(e: CudaEngine, a: AttentionSpec) -> int | None:
-    """The window to pass the attention kernels: None when it holds the whole cache (sliding == full)."""
-    return a.window if a.window is not None and a.window < e.max_context else None
+def _never(w) -> bool:
+    return False
 
 
 class _Pass:
+    kind = ""  # which ops a mixer kind's CUDA module gives this pass: "rows", "fused" or "prefill"
+
     def __init__(self, engine: CudaEngine, tap: Tap | None) -> None:
         self.e, self.k, self.s = engine, engine.kern, engine.stream
         self._tap = tap
+        self._mixers: dict[str, Any] = {}
 
     def mixer(self, layer: int):
-        """The attention ops of layer `layer` (engine/attention.py): this pass's own."""
-        return self
+        """Layer `layer`'s mixer ops for this pass (engine/mixers.py), over the engine's state of its kind."""
+        kind = self.e.cfg.definition.layers[layer].mixer.kind
+        if kind not in self._mixers:
+            self._mixers[kind] = mixer_kind(kind).backend("cuda").ops(self, self.e.states[kind])
+        return self._mixers[kind]
 
     def tap(self, name: str, x: Any) -> None:
         if self._tap is not None:
@@ -85,12 +94,14 @@ class _Pass:
 class RowsPass(RowsMoe, _Pass):
     """m rows at positions io[1, :m] (device): every launch is capturable, every buffer preallocated."""
 
+    kind = "rows"
+
     def __init__(self, engine: CudaEngine, m: int, tap: Tap | None = None) -> None:
         super().__init__(engine, tap)
-        e = engine
+        b = engine.buffers
         self.m = m
-        self.ids, self.pos = e._io[0, :m], e._io[1, :m]
-        self.buffers = {"x": e._x[:m], "h": e._h[:m], "qkv": e._qkv[:m]}
+        self.ids, self.pos = b.io[0, :m], b.io[1, :m]
+        self.buffers = {"x": b.x[:m], "h": b.h[:m], "qkv": b.qkv[:m]}
 
     def embed(self, table, scale=None):
         x = self.buffers["x"]
@@ -107,10 +118,10 @@ class RowsPass(RowsMoe, _Pass):
         nw, eps, off = (norm[0], norm[1].eps, norm[1].offset) if norm is not None else (None, 1e-6, 0.0)
         if tap is not None and self._tap is not None and residual is not None:  # the value before the add
             y = self.e.cp.empty((self.m, w.shape[0]), self.e.cp.float32)
-            self.e._linear(x, w, y, bias, norm_weight=nw, eps=eps, norm_offset=off)
+            self.e.proj.linear(x, w, y, bias, norm_weight=nw, eps=eps, norm_offset=off)
             self.tap(tap, y)
         target = residual if residual is not None else self.buffers[out]
-        self.e._linear(x, w, target, bias, accumulate=residual is not None, norm_weight=nw, eps=eps, norm_offset=off)
+        self.e.proj.linear(x, w, target, bias, accumulate=residual is not None, norm_weight=nw, eps=eps, norm_offset=off)
         if tap is not None and residual is None:  # a sandwich block's projection: its own output is the value
             self.tap(tap, target)
         return target
@@ -122,17 +133,17 @@ class RowsPass(RowsMoe, _Pass):
         bias = _share(e, bias)
         if residual is None:  # a sandwich block's projection: summed, then its post-norm adds it
             y = self.buffers[out]
-            e._linear(x, w, y, bias)
+            e.proj.linear(x, w, y, bias)
             comm.all_reduce(y, self.s)
             if tap is not None:
                 self.tap(tap, y)
             return y
         if tap is not None and self._tap is not None:  # the summed value before the add, on the side
             y = e.cp.empty((self.m, w.shape[0]), e.cp.float32)
-            e._linear(x, w, y, bias)
+            e.proj.linear(x, w, y, bias)
             comm.all_reduce(y, self.s)
             self.tap(tap, y)
-        return self.add_reduced(residual, lambda r: e._linear(x, w, r, bias, accumulate=True))
+        return self.add_reduced(residual, lambda r: e.proj.linear(x, w, r, bias, accumulate=True))
 
     def norm(self, x, weight, norm: Norm, *, out, residual=None, tap=None):
         if residual is None:
@@ -148,134 +159,68 @@ class RowsPass(RowsMoe, _Pass):
 
     def gated_mlp(self, x, w_gate_up, *, norm, activation):
         _check_activation(activation)
-        act = self.e._act[:self.m]
-        self.e._linear(x, w_gate_up, act, swiglu=True, norm_weight=norm[0], eps=norm[1].eps,
-                       norm_offset=norm[1].offset, activation=activation)
+        act = self.e.buffers.act[:self.m]
+        self.e.proj.linear(x, w_gate_up, act, swiglu=True, norm_weight=norm[0], eps=norm[1].eps,
+                           norm_offset=norm[1].offset, activation=activation)
         return act
-
-    def rope_kv_append(self, qkv, layer: int, a: AttentionSpec, q_norm, k_norm, norm: Norm):
-        e = self.e
-        # rotated q: in place in the GEMV output for one row, else its own contiguous buffer
-        q = qkv[:, :a.q_size].reshape(1, a.num_heads, a.head_dim) if self.m == 1 else e._q[:self.m]
-        self.k.rope_kv_append(qkv, self.pos, e.inv_freq(a.rope), q, e._kc[layer], e._vc[layer], q_norm, k_norm,
-                              norm.eps, attention_scaling=a.rope.attention_scaling, norm_offset=norm.offset,
-                              rotary_dim=a.rope.dims, stream=self.s)
-        return q
-
-    def attention(self, q, layer: int, a: AttentionSpec, *, sinks=None):
-        e, m = self.e, self.m
-        attn = e._attn[:m]
-        self.k.attention_decode(q, e._kc[layer], e._vc[layer], self.pos, attn, a.scale, n_splits=e._splits[m],
-                                workspace=e._ws, window=_window(e, a), softcap=a.softcap, stream=self.s)
-        return attn.reshape(m, a.q_size)
-
-
-# Why the fused path keeps the attention split + combine pair unless CudaEngine.set_fused_attention(True).
-ATTENTION_UNFUSED = ("split + combine (the combine in the last split block measured slower on an H100: 14.8 us vs "
-                     "7.3 + 3.7 us per layer inside the step, llama-3.1-8b at 1024 context; "
-                     "CudaEngine.set_fused_attention)")
 
 
 # Why the fused path rotates one row in the attention kernel, not in the qkv GEMV.
-ROPE_IN_ATTENTION = ("one row: rope + KV append run in the attention split kernel where Kernels.rope_fits (the qkv "
-                     "GEMV's rope epilogue measured no faster on the ring GEMV: 19.4 vs 17.5 + 2.2 us per layer)")
+ROPE_IN_ATTENTION = "one row: rope + KV append run in the attention split kernel where Kernels.rope_fits"
 
 
 def fused_plan(engine: CudaEngine, m: int) -> dict[str, str | None]:
     """What the fused rows path fuses for m rows, decided here and only here: {op: None (fused) or why
     it runs the rows path's launches instead}.  "qkv_rope": the qkv GEMV with rope + KV append in its
     epilogue (gemv_qkv_rope), from 2 rows on (one row: rope + KV append in the attention split kernel instead,
-    per layer where Kernels.rope_fits, else rope_kv_append); "attention": the split kernel with its combine in
-    the last split block (attention_decode with counters; one row: with rope as well, the attention in one launch),
-    only with engine.fused_attention (set_fused_attention; off by default: measured slower); "moe": a sparse layer in
-    one launch (moe_passes.FusedMoe: router, routing, gate_up and down in a persistent grid) where MoeState.layer_fits;
-    "moe_o": that launch also runs the attention's output projection before the layer (MoeState.o_fits).  Every
-    model feature of the rows path is in the fused kernels (they call the same rope and merge code: partial rotary,
-    longrope factors, q/k norms, qkv bias, windows, softcaps, every head_dim); what is missing is a fused qkv
-    instance of the fp32-FMA GEMV's shared-memory variant (gemv_impl "simt" from 9 rows on)."""
-    moe = getattr(engine, "moe", None)
-    if moe is None:
-        one_launch = with_o = "no sparse layers"
-    else:
-        one_launch = moe.layer_fits(m)
-        with_o = "no one-launch layer" if one_launch is not None else moe.o_fits()
-    return {"qkv_rope": ROPE_IN_ATTENTION if m == 1 else engine.kern.qkv_rope_fusable(m, engine.gemv_impl),
-            "attention": None if getattr(engine, "fused_attention", False) else ATTENTION_UNFUSED,
-            "moe": one_launch, "moe_o": with_o}
+    per layer where Kernels.rope_fits, else rope_kv_append).  Every model feature of the rows path is in the
+    fused kernels (they call the same rope code: partial rotary, longrope factors, q/k norms, qkv bias, every
+    head_dim)."""
+    return {"qkv_rope": ROPE_IN_ATTENTION if m == 1 else engine.kern.qkv_rope_fusable(m)}
 
 
-class FusedRowsPass(FusedMoe, RowsPass):
+class FusedRowsPass(RowsPass):
     """The rows path with fewer launches per layer (engine path "fused").  One row (decode): the attention split
     kernel rotates q itself and appends k/v to the cache (attention_decode with `rope`) where Kernels.rope_fits
     (tensor-core head dims, no window / softcap), so per dense layer: qkv, attention split (+ rope + append),
     combine, o(+=), gate_up(norm, act), down(+=) = 6 launches (rows: 7).  From 2 rows (verify): the qkv GEMV
-    (norm fused) also rotates q/k and appends k/v in the block that finishes each head (gemv_qkv_rope).  The
-    attention is split + combine unless engine.fused_attention (then the split kernel merges its splits in the
-    last block to finish: no combine launch; one row: the attention in one launch).
-    The deferred launches: `linear(out="qkv")` records its operands and `rope_kv_append` launches the fused GEMV
-    (2+ rows), or `rope_kv_append` records the rope and `attention` launches it (one row); decoder_forward always
-    calls them in that order.  A sparse layer is one launch (moe_passes.FusedMoe) where plan["moe"] is None.
-    Values equal the rows path's within fp32 rounding (the same rope code, rope_kv_slot;
-    the same GEMV), which tests/gpu/test_fused_path.py checks."""
+    (norm fused) also rotates q/k and appends k/v in the block that finishes each head (gemv_qkv_rope).
+    The deferred launches: `linear(out="qkv")` of an attention layer records its operands and the mixer's
+    `rope_kv_append` launches the fused GEMV (2+ rows), or `rope_kv_append` records the rope and `attention`
+    launches it (one row): attention.FusedRowsAttention; decoder_forward always calls them in that order.  A
+    sparse layer runs as on the rows path.  Values equal the rows path's within fp32 rounding (the same rope
+    code, rope_kv_slot; the same GEMV), which tests/gpu/test_fused_path.py checks."""
+
+    kind = "fused"
 
     def __init__(self, engine: CudaEngine, m: int, tap: Tap | None = None) -> None:
         super().__init__(engine, m, tap)
         self.plan = fused_plan(engine, m)
-        self._o_pending = None  # a sparse layer's o projection, for its launch (FusedMoe.defer_o)
         self._qkv_args = None
-        self._rope = None
 
     def linear(self, x, w, bias=None, *, out, norm=None, residual=None, tap=None, reduce=False):
-        if out == "x" and self.defer_o(x, w, bias, norm=norm, residual=residual):
-            return residual  # the sparse layer's launch adds it (FusedMoe.route)
-        if out == "qkv" and residual is None and norm is not None and tap is None and self.plan["qkv_rope"] is None:
+        if (out == "qkv" and residual is None and norm is not None and tap is None and self.plan["qkv_rope"] is None
+                and self._fused_qkv(w)):
             self._qkv_args = (x, w, bias, norm)
-            return self.buffers["qkv"]  # written by the fused launch in rope_kv_append
+            return self.buffers["qkv"]  # written by the fused launch in the mixer's rope_kv_append
         return super().linear(x, w, bias, out=out, norm=norm, residual=residual, tap=tap, reduce=reduce)
 
-    def rope_args(self, a: AttentionSpec, q_norm, k_norm, norm: Norm) -> dict:
-        """attention_decode's `rope`: rope_kv_append's arguments for this layer."""
-        return dict(inv_freq=self.e.inv_freq(a.rope), q_norm=q_norm, k_norm=k_norm, eps=norm.eps,
-                    attention_scaling=a.rope.attention_scaling, norm_offset=norm.offset, rotary_dim=a.rope.dims)
+    def _fused_qkv(self, w) -> bool:
+        """Whether some mixer kind's fused ops launch this qkv projection themselves (the attention kind's:
+        attention.KVCache.fuses_qkv); another kind's qkv is projected here."""
+        return any(getattr(st, "fuses_qkv", _never)(w) for st in self.e.states.values())
 
-    def rope_kv_append(self, qkv, layer: int, a: AttentionSpec, q_norm, k_norm, norm: Norm):
-        if self._qkv_args is None:
-            if self.m == 1 and self.k.rope_fits(a.head_dim, a.num_heads, a.num_kv_heads, _window(self.e, a),
-                                                a.softcap) is None:
-                self._rope = self.rope_args(a, q_norm, k_norm, norm)
-                return qkv  # unrotated: attention rotates it
-            return super().rope_kv_append(qkv, layer, a, q_norm, k_norm, norm)
-        x, w, bias, (nw, nk) = self._qkv_args
-        self._qkv_args = None
-        e = self.e
-        q = e._q[:self.m]
-        e.kern.gemv_qkv_rope(x, w, bias, nw, qkv, self.pos, e.inv_freq(a.rope), q, e._kc[layer], e._vc[layer],
-                             e._qkv_counters, eps=nk.eps, norm_offset=nk.offset, q_norm=q_norm, k_norm=k_norm,
-                             rope_eps=norm.eps, attention_scaling=a.rope.attention_scaling,
-                             rope_norm_offset=norm.offset, rotary_dim=a.rope.dims, impl=e.gemv_impl, stream=self.s)
-        return q
-
-    def attention(self, q, layer: int, a: AttentionSpec, *, sinks=None):
-        e, m = self.e, self.m
-        attn = e._attn[:m]
-        if self._rope is not None:  # q: the unrotated qkv row
-            rope, self._rope = self._rope, None
-            cluster = e.path == "fused-cluster"
-            merge = self.plan["attention"] is None and not cluster
-            self.k.attention_decode(q.reshape(1, -1, a.head_dim), e._kc[layer], e._vc[layer], self.pos, attn,
-                                    a.scale, n_splits=e._splits[m], workspace=e._ws, rope=rope, cluster=cluster,
-                                    counters=e._attn_counters if merge else None, stream=self.s)
-            return attn.reshape(m, a.q_size)
-        if self.plan["attention"] is not None:
-            return super().attention(q, layer, a, sinks=sinks)
-        self.k.attention_decode(q, e._kc[layer], e._vc[layer], self.pos, attn, a.scale, n_splits=e._splits[m],
-                                workspace=e._ws, window=_window(e, a), softcap=a.softcap,
-                                counters=e._attn_counters, stream=self.s)
-        return attn.reshape(m, a.q_size)
+    def take_qkv(self):
+        """The qkv projection's operands (x, w, bias, norm) that `linear` recorded instead of launching, for the
+        mixer's fused qkv + rope launch (once), or None when it launched the projection itself."""
+        args, self._qkv_args = self._qkv_args, None
+        return args
 
 
 class PrefillPass(PrefillMoe, _Pass):
     """T tokens at positions length..length+T-1 (eager): cuBLAS GEMMs, flash attention, chunk buffers."""
+
+    kind = "prefill"
 
     def __init__(self, engine: CudaEngine, ids: np.ndarray, tap: Tap | None = None) -> None:
         super().__init__(engine, tap)
@@ -306,29 +251,29 @@ class PrefillPass(PrefillMoe, _Pass):
         if norm is not None:
             x = self.norm(x, norm[0], norm[1], out="h")
         if residual is None:  # a sandwich block's projection, or qkv / gate_up: its own output
-            y = self.e._gemm(x, w, bias)
+            y = self.e.proj.gemm(x, w, bias)
             if tap is not None:
                 self.tap(tap, y)
             return y
         if tap is not None and self._tap is not None:  # the value before the residual add, on the side
-            self.tap(tap, self.e._gemm(x, w, bias))
-        return self.e._gemm(x, w, bias, accumulate_into=residual)
+            self.tap(tap, self.e.proj.gemm(x, w, bias))
+        return self.e.proj.gemm(x, w, bias, accumulate_into=residual)
 
     def _reduced(self, x, w, bias, residual, tap):
         """RowsPass._reduced with cuBLAS: the partial sum all-reduced before anything reads it."""
         e, comm = self.e, self.e.tp.comm
         bias = _share(e, bias)
         if residual is None:
-            y = e._gemm(x, w, bias)
+            y = e.proj.gemm(x, w, bias)
             comm.all_reduce(y, self.s)
             if tap is not None:
                 self.tap(tap, y)
             return y
         if tap is not None and self._tap is not None:
-            y = e._gemm(x, w, bias)
+            y = e.proj.gemm(x, w, bias)
             comm.all_reduce(y, self.s)
             self.tap(tap, y)
-        return self.add_reduced(residual, lambda r: e._gemm(x, w, bias, accumulate_into=r))
+        return self.add_reduced(residual, lambda r: e.proj.gemm(x, w, bias, accumulate_into=r))
 
     def norm(self, x, weight, norm: Norm, *, out, residual=None, tap=None):
         if residual is None:
@@ -346,17 +291,3 @@ class PrefillPass(PrefillMoe, _Pass):
         act = self.e.cp.empty((self.t, gu.shape[1] // 2), self.e.cp.float32)
         self.k.swiglu(gu, act, activation=activation, stream=self.s)
         return act
-
-    def rope_kv_append(self, qkv, layer: int, a: AttentionSpec, q_norm, k_norm, norm: Norm):
-        e = self.e
-        # rope on q and k (+ qk norm) and the KV append in one pass over the GEMM output
-        self.k.rope_kv_append(qkv, self.pos, e.inv_freq(a.rope), self.q, e._kc[layer], e._vc[layer], q_norm,
-                              k_norm, norm.eps, attention_scaling=a.rope.attention_scaling, norm_offset=norm.offset,
-                              rotary_dim=a.rope.dims, stream=self.s)
-        return self.q
-
-    def attention(self, q, layer: int, a: AttentionSpec, *, sinks=None):
-        e = self.e
-        self.k.attention_prefill(q, e._kc[layer], e._vc[layer], self.start, self.t, self.attn, a.scale,
-                                 window=_window(e, a), softcap=a.softcap, stream=self.s)
-        return self.attn.reshape(self.t, a.q_size)

@@ -207,17 +207,6 @@ class NumpyEngine(EngineBase):
             self._inv_freq[rope, long] = rope.inv_freq(long)
         return self._inv_freq[rope, long]
 
-    def trim(self, length: int) -> None:
-        if 0 <= length <= self.length:
-            for state in self.states.values():  # e.g. a ring cannot give back positions it has overwritten
-                state.trim(length)
-        super().trim(length)
-
-    def reset(self) -> None:
-        super().reset()
-        for state in self.states.values():
-            state.reset()
-
     # -- passes ------------------------------------------------------------------------------------------
     def prefill(self, tokens: Sequence[int], all_logits: bool = False) -> int:
         """Run the prompt; write every row's logits (all_logits) or only the last row's to the logits

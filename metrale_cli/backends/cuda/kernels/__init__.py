@@ -20,10 +20,12 @@ Conventions (they mirror Hugging Face transformers):
 Every method takes `stream=None` (None: CuPy's current stream).
 
 Modules: nvrtc (source assembly, module compile), tuning (configuration tables, launch geometry),
-names (template-instance names: the core module the engine uses, the extra one behind
-`Kernels.load_extra`), pdl (the driver FFI of programmatic dependent launch), checks (operand
-checks), launch (`Kernels`), unfused (wrappers only the tests call).  The names below are
-re-exported here: import them from this package.
+names (template-instance names: the core module, the fused rows path's module behind
+`Kernels.load_fused`), pdl (the driver FFI of programmatic dependent launch), checks (operand
+checks), launch (`Kernels`, composing the launch wrappers of each kernel file: elementwise, norm_rope,
+gemv, gemv_tc, gemv_ring, attention, flash_prefill, argmax), moe and tp (the modules of their own,
+compiled only for a mixture of experts / a tensor-parallel rank).  The names below are re-exported
+here: import them from this package.
 """
 
 from .launch import Kernels
@@ -46,18 +48,13 @@ from .tuning import (
     DECODE_SIMT_KB,
     DECODE_TC_HEAD_DIMS,
     GEMV_DEFAULT,
-    GEMV_EXTRA,
     GEMV_MAX_M,
     GEMV_SWIGLU_DEFAULT,
-    GEMV_SWIGLU_EXTRA,
     GEMV_TC_DEFAULT,
-    GEMV_TC_EXTRA,
     GEMV_TC_MIN_ROWS,
     GEMV_TC_P,
     GEMV_TC_SWIGLU_DEFAULT,
-    GEMV_TC_SWIGLU_EXTRA,
     GEMV_WARPS,
-    GEMV_XS_WARPS,
     LOG2E,
     PREFILL_BK,
     PREFILL_BQ,

@@ -74,7 +74,7 @@ extern "C" __global__ void argmax_bf16_kernel(const unsigned short* __restrict__
 // ---------------------------------------------------------------------------
 // The same argmax over several blocks per row (one launch, last block reduces): for the few rows of a
 // decode / verify step, where one block per row reads a 128k-vocabulary row at a fraction of the
-// bandwidth (H200: 31 us for one bf16 row of 128256, i.e. 0.26 MB).  Grid (nb, n): block b of row r
+// bandwidth.  Grid (nb, n): block b of row r
 // takes the ARGMAX_CHUNK-element chunks b, b + nb, b + 2 nb, ... of the row, ARGMAX_PER loads in flight
 // per thread; its first maximum (value, index), or index -1 when its range holds a NaN or +-Inf, goes
 // to the workspace; the last block of the row to arrive (last_block_arrives, common.cu: the counter is

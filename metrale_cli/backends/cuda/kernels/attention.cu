@@ -20,8 +20,6 @@
 #define ATTN_CHUNK_ALIGN 64  // split sizes are multiples of this (16 keys per warp step x 4 warps)
 #define ATTN_SIMT_ALIGN 32   // ... or of this in the SIMT split kernel (8 keys per warp step x 4 warps)
 #define ATTN_COMBINE_BATCH 32
-#define ATTN_TC_MERGE_WV 16   // splits whose acc loads are in flight at once in the last block's merge (tensor cores)
-#define ATTN_SIMT_MERGE_WV 8  // ... in the SIMT kernel's (64 registers at head_dim 96: keep them)
 
 // ---------------------------------------------------------------------------
 // Decode / verify: flash-decoding in two launches.
@@ -150,212 +148,6 @@ __device__ __forceinline__ void decode_write_partial(const ML& ml, const ACC& ac
 }
 
 // ---------------------------------------------------------------------------
-// The combine fused into the split kernels (FUSED instances, engine path "fused").
-//
-// Every split block that holds keys (split < nact = ceil((L - lo) / chunk), the same count in every
-// block) writes its partials as above and counts itself in at its (query block, KV head) counter; the
-// last one to arrive (last_block_arrives, common.cu) merges the nact splits of each of its query
-// vectors with attn_decode_combine_kernel's arithmetic (same batches, same order: the same values), its
-// threads on all the outputs at once (decode_fused_combine), and writes out.  Blocks past L write nothing (the combine reads only splits < nact, whose (max, sum)
-// markers the unfused combine would skip anyway).  When no row has a key (L == lo: every position
-// negative), no block counts in and split 0 writes NaN (the unfused combine's 0 / 0).
-// ---------------------------------------------------------------------------
-
-// Output slot of query vector qi (< M*G) of KV head hk.
-__device__ __forceinline__ u64 decode_out_slot(int qi, int G, int n_heads, int hk) {
-    const int m = qi / G, gg = qi - m * G;
-    return (u64)m * n_heads + hk * G + gg;
-}
-
-// No row sees any key: out = NaN for the block's query vectors r0 .. r0 + rows - 1 (< MG).
-__device__ __forceinline__ void decode_fused_no_key(float* __restrict__ out, int r0, int rows, int MG, int G,
-                                                    int n_heads, int hk, int HD) {
-    for (int idx = threadIdx.x; idx < rows * HD; idx += blockDim.x) {
-        const int r = idx / HD, d = idx - r * HD;
-        if (r0 + r >= MG) break;
-        out[decode_out_slot(r0 + r, G, n_heads, hk) * HD + d] = __int_as_float(0x7fffffff);
-    }
-}
-
-// Count the block in; the last of the nact split blocks merges the splits of its query vectors r0 .. r0 + ROWS - 1
-// (< MG) into out, with attn_decode_combine_kernel's arithmetic in its order (the same values), but in parallel:
-// for each batch of ATTN_COMBINE_BATCH (= 32) splits,
-//   1. a warp per query vector, lane i on split s0 + i: the batch max cm over the splits with a sum (and the
-//      running max gm), each split's weight f_i = exp2(m_i - cm) and the batch's rescale c = exp2(gm - cm) (the
-//      combine kernel skips a batch whose cm is -inf: no rescale, no term) to shared memory;
-//   2. every thread on WV-split windows of one float4 of the output (4 dims of one query vector): WV independent
-//      16-byte loads of acc through L2 (other blocks wrote them in this launch), then a = a c and the fmaf chain
-//      over the splits with a sum, in split order, as the combine kernel's thread for each of the 4 dims does.
-// The first version had one thread per output run decode_combine_one's serial batches: 14.4 us against 9.4 us
-// for split + combine (H200, llama-3.1-8b, 1024 context).  Every thread of the block must call it.
-template <int HD, int W, int ROWS, int WV>
-__device__ __forceinline__ void decode_fused_combine(const float* part_acc, const float* part_ml,
-                                                     float* __restrict__ out, int* counter, int nact, int r0, int MG,
-                                                     int G, int n_heads, int hk, int QT) {
-    constexpr int B = ATTN_COMBINE_BATCH;
-    constexpr int Q = HD / 4;                     // float4 outputs per query vector
-    constexpr int T = W * 32;
-    constexpr int IT = (ROWS * Q + T - 1) / T;    // float4 outputs per thread at most
-    constexpr int RW = (ROWS + W - 1) / W;        // query vectors per warp at most
-    static_assert(B == 32 && HD % 4 == 0 && B % WV == 0, "one lane per split of a batch; float4 outputs");
-    __shared__ float s_f[ROWS][B], s_lv[ROWS][B], s_c[ROWS];
-    __shared__ int s_skip[ROWS];
-    if (!last_block_arrives(counter, nact)) return;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int rows = min(ROWS, MG - r0);
-    float gm[RW];
-#pragma unroll
-    for (int k = 0; k < RW; ++k) gm[k] = -METRALE_INF;
-    float4 a[IT];
-    float ls[IT];
-#pragma unroll
-    for (int it = 0; it < IT; ++it) {
-        a[it] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        ls[it] = 0.0f;
-    }
-    for (int s0 = 0; s0 < nact; s0 += B) {
-#pragma unroll
-        for (int k = 0; k < RW; ++k) {
-            const int r = warp + W * k;
-            if (r >= rows) break;  // the same for the whole warp
-            const int s = s0 + lane;
-            float mv = -METRALE_INF, lv = 0.0f;
-            if (s < nact) {
-                const float2 x = __ldcg(reinterpret_cast<const float2*>(
-                    part_ml + ((u64)s * QT + decode_out_slot(r0 + r, G, n_heads, hk)) * 2));
-                mv = x.x;
-                lv = x.y;
-            }
-            // the combine kernel's cm = fmaxf over gm and the m of the splits with a sum, in any order (fmaxf
-            // drops a NaN operand, and +0 / -0 give the same weights)
-            const float cm = fmaxf(gm[k], warp_max(lv != 0.0f ? mv : -METRALE_INF));
-            s_f[r][lane] = exp2f(mv - cm);
-            s_lv[r][lane] = lv;
-            if (lane == 0) {
-                s_skip[r] = cm == -METRALE_INF;
-                s_c[r] = exp2f(gm[k] - cm);  // 0 when gm is -inf
-            }
-            if (cm != -METRALE_INF) gm[k] = cm;
-        }
-        __syncthreads();
-        const int nb = min(B, nact - s0);
-#pragma unroll
-        for (int it = 0; it < IT; ++it) {
-            const int item = threadIdx.x + it * T;
-            if (item >= rows * Q) break;  // item only grows
-            const int r = item / Q, d = (item - r * Q) * 4;
-            if (s_skip[r]) continue;
-            const float c = s_c[r];
-            a[it].x *= c;
-            a[it].y *= c;
-            a[it].z *= c;
-            a[it].w *= c;
-            ls[it] *= c;
-            const float* pa = part_acc + ((u64)s0 * QT + decode_out_slot(r0 + r, G, n_heads, hk)) * HD + d;
-            for (int w0 = 0; w0 < nb; w0 += WV) {
-                float4 v[WV];
-#pragma unroll
-                for (int i = 0; i < WV; ++i)
-                    v[i] = w0 + i < nb ? __ldcg(reinterpret_cast<const float4*>(pa + (u64)(w0 + i) * QT * HD))
-                                       : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-                for (int i = 0; i < WV; ++i) {
-                    const float lv = s_lv[r][w0 + i];  // 0 past nact
-                    if (lv != 0.0f) {
-                        const float f = s_f[r][w0 + i];
-                        a[it].x = fmaf(v[i].x, f, a[it].x);
-                        a[it].y = fmaf(v[i].y, f, a[it].y);
-                        a[it].z = fmaf(v[i].z, f, a[it].z);
-                        a[it].w = fmaf(v[i].w, f, a[it].w);
-                        ls[it] = fmaf(lv, f, ls[it]);
-                    }
-                }
-            }
-        }
-        __syncthreads();  // the weights of the next batch overwrite these
-    }
-#pragma unroll
-    for (int it = 0; it < IT; ++it) {
-        const int item = threadIdx.x + it * T;
-        if (item >= rows * Q) break;
-        const int r = item / Q, d = (item - r * Q) * 4;
-        const float l = ls[it];
-        *reinterpret_cast<float4*>(out + decode_out_slot(r0 + r, G, n_heads, hk) * HD + d) =
-            make_float4(a[it].x / l, a[it].y / l, a[it].z / l, a[it].w / l);  // no key: 0 / 0 = NaN
-    }
-}
-
-// ---------------------------------------------------------------------------
-// The combine in a thread-block cluster (CL > 0 instances, engine path "fused-cluster").
-//
-// The CL split blocks of a (query block, KV head) form one cluster (launched with cluster dims (1, CL, 1) and
-// gridDim.y = n_splits = CL).  Each block leaves its merged partial (max, sum, acc) per query vector in its own
-// shared memory (a block without keys: (-inf, 0)); after a cluster barrier, block rank c merges outputs c, c + CL,
-// ... (in units of the block's threads) reading every block's partial through distributed shared memory, in
-// split order with the combine kernel's arithmetic; a second barrier keeps every block resident until the others
-// have read it.  No workspace, no counters, no combine launch.
-// ---------------------------------------------------------------------------
-
-__device__ __forceinline__ unsigned cluster_rank() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-
-// Every thread of every block of the cluster; release / acquire: shared-memory writes before it are visible to
-// the cluster's reads after it.
-__device__ __forceinline__ void cluster_barrier() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-// *p in the shared memory of cluster block `rank` (p: this block's address of the same variable).
-__device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
-    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
-    unsigned r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(r) : "memory");
-    return v;
-}
-
-// The cluster merge of the block's query vectors r0 .. r0 + ROWS - 1 (< MG) into out (see above).  ml / acc: this
-// block's partials in shared memory, [ROWS][2] and [ROWS][HD].  Every thread of the block must call it, once.
-template <int HD, int ROWS, int CL>
-__device__ __forceinline__ void decode_cluster_combine(const float (*ml)[2], const float (*acc)[HD],
-                                                       float* __restrict__ out, int r0, int MG, int G, int n_heads,
-                                                       int hk) {
-    cluster_barrier();
-    const int rows = min(ROWS, MG - r0);
-    for (int idx = (int)(cluster_rank() * blockDim.x + threadIdx.x); idx < rows * HD; idx += CL * blockDim.x) {
-        const int r = idx / HD, d = idx - r * HD;
-        float mv[CL], lv[CL], av[CL];
-#pragma unroll
-        for (int c = 0; c < CL; ++c) {
-            mv[c] = ld_cluster(&ml[r][0], c);
-            lv[c] = ld_cluster(&ml[r][1], c);
-            av[c] = ld_cluster(&acc[r][d], c);
-        }
-        float gm = -METRALE_INF;
-#pragma unroll
-        for (int c = 0; c < CL; ++c)
-            if (lv[c] != 0.0f) gm = fmaxf(gm, mv[c]);
-        float a = 0.0f, lsum = 0.0f;
-        if (gm != -METRALE_INF) {
-#pragma unroll
-            for (int c = 0; c < CL; ++c) {
-                if (lv[c] != 0.0f) {
-                    const float f = exp2f(mv[c] - gm);
-                    a = fmaf(av[c], f, a);
-                    lsum = fmaf(lv[c], f, lsum);
-                }
-            }
-        }
-        out[decode_out_slot(r0 + r, G, n_heads, hk) * HD + d] = a / lsum;  // no key anywhere: 0 / 0 = NaN
-    }
-    cluster_barrier();
-}
-
-// ---------------------------------------------------------------------------
 // Tensor-core split kernel (head_dim 32, 64, 128).
 //
 // Grid (ceil(M*G / (8 NQ)), n_splits, n_kv), ATTN_TC_WARPS warps; a block takes 8 NQ
@@ -439,28 +231,22 @@ __device__ __forceinline__ int ad_load_q(const float* __restrict__ q, const int*
 
 // EXT: the window / softcap code is compiled in (instances without it keep the registers of the
 // plain kernel: at head_dim 128, NQ 2 the extra state would spill).
-// FUSED (engine path "fused"): the combine runs in the last split block of each (query block, KV head)
-// to finish (decode_fused_combine): out and counters are used, attn_decode_combine_kernel is not launched.
-// With ROPE as well, a layer's attention is this one launch.
 // ROPE (engine path "fused", one row, NQ 1, G <= 8): rope_kv_append_kernel's work moves in here.  q is then the
 // qkv projection [1, (n_heads + 2 n_kv) head_dim], unrotated: each block rotates (and q-norms) its G query heads
 // into shared memory, and the block whose split holds the row's position rotates its KV head's k and appends
 // k and v to the cache (rope_kv_slot, through k_app / v_app: the caches again) before it reads that key.  The
 // rope arguments are rope_kv_append's; the other instances ignore them.
-// CL > 0 (engine path "fused-cluster"): the combine in the block cluster (decode_cluster_combine): n_splits == CL,
-// out is written here, the workspace is not used.
-template <int HD, int NQ, bool EXT, bool FUSED, bool ROPE, int CL = 0>
+template <int HD, int NQ, bool EXT, bool ROPE>
 __global__ void __launch_bounds__(ATTN_TC_WARPS * 32, NQ == 1 ? 3 : 2)
 attn_decode_tc_kernel(const float* __restrict__ q, const unsigned short* __restrict__ k_cache,
                       const unsigned short* __restrict__ v_cache, const int* __restrict__ positions,
                       float* __restrict__ part_acc, float* __restrict__ part_ml, int M, int n_heads, int n_kv,
-                      int max_ctx, int n_splits, float qscale, int window, float softcap_l2, float* __restrict__ out,
-                      int* __restrict__ counters, const float* __restrict__ inv_freq,
+                      int max_ctx, int n_splits, float qscale, int window, float softcap_l2,
+                      const float* __restrict__ inv_freq,
                       const unsigned short* __restrict__ q_norm, const unsigned short* __restrict__ k_norm,
                       unsigned short* k_app, unsigned short* v_app, float rope_eps, int has_q_norm, int has_k_norm,
                       float attn_scaling, float norm_offset, int rot_dim) {
     static_assert(!ROPE || NQ == 1, "rope in the split kernel: one row, 8 query vectors");
-    static_assert(CL == 0 || !FUSED, "one combine: the cluster's or the last block's");
     static_assert(HD == 32 || HD == 64 || HD == 128, "tensor-core decode: head_dim 32, 64 or 128");
     static_assert(NQ == 1 || NQ == 2, "8 or 16 query vectors per block");
     constexpr int W = ATTN_TC_WARPS;
@@ -472,8 +258,6 @@ attn_decode_tc_kernel(const float* __restrict__ q, const unsigned short* __restr
     __shared__ float s_o[W][ROWS][HD + 1];  // +1: the fragment-order stores hit distinct banks
     __shared__ float s_ml[W][ROWS][2];
     __shared__ float s_q[ROPE ? ROWS : 1][ROPE ? HD : 1];  // ROPE: the block's rotated query heads
-    __shared__ float s_cml[CL ? ROWS : 1][2];                // CL: the block's partials for the cluster
-    __shared__ float s_cacc[CL ? ROWS : 1][CL ? HD : 1];
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -490,15 +274,7 @@ attn_decode_tc_kernel(const float* __restrict__ q, const unsigned short* __restr
     if (start >= L) {  // the same for the whole block
         pdl_wait();
         pdl_trigger();
-        if constexpr (CL > 0) {
-            if (threadIdx.x < ROWS) {
-                s_cml[threadIdx.x][0] = -METRALE_INF;
-                s_cml[threadIdx.x][1] = 0.0f;
-            }
-            decode_cluster_combine<HD, ROWS, CL>(s_cml, s_cacc, out, r0, MG, G, n_heads, hk);
-        } else if constexpr (FUSED) {
-            if (L == lo && split == 0) decode_fused_no_key(out, r0, ROWS, MG, G, n_heads, hk, HD);
-        } else if (threadIdx.x < ROWS && r0 + (int)threadIdx.x < MG) {
+        if (threadIdx.x < ROWS && r0 + (int)threadIdx.x < MG) {
             decode_mark_empty(part_ml, split, r0 + threadIdx.x, G, n_heads, hk, QT);
         }
         return;
@@ -732,29 +508,12 @@ attn_decode_tc_kernel(const float* __restrict__ q, const unsigned short* __restr
         }
     }
     __syncthreads();
-    if constexpr (CL > 0) {  // the block's partials stay in shared memory for the cluster
-        for (int idx = threadIdx.x; idx < ROWS * HD; idx += W * 32) {
-            const int r = idx / HD, d = idx - r * HD;
-            float gm, lsum;
-            s_cacc[r][d] = decode_block_partial<W>(s_ml, s_o, r, d, gm, lsum);
-            if (d == 0) {
-                s_cml[r][0] = gm;
-                s_cml[r][1] = lsum;
-            }
-        }
-        decode_cluster_combine<HD, ROWS, CL>(s_cml, s_cacc, out, r0, MG, G, n_heads, hk);
-        return;
-    }
     for (int idx = threadIdx.x; idx < ROWS * HD; idx += W * 32) {
         const int r = idx / HD, d = idx - r * HD;
         const int qi = r0 + r;
         if (qi >= MG) break;  // idx only grows: every later qi is past M*G too
         decode_write_partial<W, HD>(s_ml, s_o, r, d, part_acc, part_ml, split, qi, G, n_heads, hk, QT);
     }
-    if constexpr (FUSED)
-        decode_fused_combine<HD, W, ROWS, ATTN_TC_MERGE_WV>(part_acc, part_ml, out,
-                                                            counters + blockIdx.z * gridDim.x + blockIdx.x,
-                                                            (L - lo + chunk - 1) / chunk, r0, MG, G, n_heads, hk, QT);
 }
 
 // ---------------------------------------------------------------------------
@@ -801,14 +560,13 @@ struct Bf16Vec {
 
 // ALIGN: the split sizes' multiple (decode_chunk), ATTN_SIMT_ALIGN or ATTN_CHUNK_ALIGN (tuning.DECODE_SIMT_SPLITS
 // per head_dim: the shorter splits only paid at head_dim 96).
-template <int HD, int QB, int KB, int ALIGN, bool FUSED>
+template <int HD, int QB, int KB, int ALIGN>
 __global__ void __launch_bounds__(ATTN_WARPS * 32)
 attn_decode_split_kernel(const float* __restrict__ q, const unsigned short* __restrict__ k_cache,
                          const unsigned short* __restrict__ v_cache,
                          const int* __restrict__ positions, float* __restrict__ part_acc,
                          float* __restrict__ part_ml, int M, int n_heads, int n_kv, int max_ctx,
-                         int n_splits, float qscale, int window, float softcap_l2, float* __restrict__ out,
-                         int* __restrict__ counters) {
+                         int n_splits, float qscale, int window, float softcap_l2) {
     // head_dim elements per lane and the lanes that hold them: head_dim 96 on 24 lanes x 4 (8-byte loads;
     // 32 x 3 needed three 2-byte loads per key and lane), else 32 x HD / 32.
     constexpr int E = HD == 96 ? 4 : HD / 32;
@@ -842,9 +600,7 @@ attn_decode_split_kernel(const float* __restrict__ q, const unsigned short* __re
     pdl_trigger();
     if (start >= L) {  // the same for the whole block
         const int qi = blockIdx.z * QB + threadIdx.x;
-        if constexpr (FUSED) {
-            if (L == lo && split == 0) decode_fused_no_key(out, blockIdx.z * QB, QB, M * G, G, n_heads, hk, HD);
-        } else if (threadIdx.x < QB && qi < M * G) {
+        if (threadIdx.x < QB && qi < M * G) {
             decode_mark_empty(part_ml, split, qi, G, n_heads, hk, QT);
         }
         return;
@@ -954,11 +710,6 @@ attn_decode_split_kernel(const float* __restrict__ q, const unsigned short* __re
         if (qi >= M * G) continue;
         decode_write_partial<ATTN_WARPS, HD>(s_ml, s_acc, qb, d, part_acc, part_ml, split, qi, G, n_heads, hk, QT);
     }
-    if constexpr (FUSED)
-        decode_fused_combine<HD, ATTN_WARPS, QB, ATTN_SIMT_MERGE_WV>(part_acc, part_ml, out,
-                                                                    counters + blockIdx.z * gridDim.x + blockIdx.x,
-                                                                    (L - lo + chunk - 1) / chunk, blockIdx.z * QB,
-                                                                    M * G, G, n_heads, hk, QT);
 }
 
 // Merge the splits: one block per (row, head), thread d for dim d (blockDim.x = head_dim,

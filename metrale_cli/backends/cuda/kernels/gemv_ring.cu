@@ -6,8 +6,8 @@
 // out float32 [1, N]; fp32 accumulation.  Requirements (checked by Kernels.gemv_ring): K % 256 == 0, x and w
 // 16-byte aligned, x does not overlap out.
 //
-// Why (backends/cuda/NOTES.md, "Ring GEMV"): the decode step's projections lose 2-4 us each to ramp-up and tail
-// (Nsight Compute: 2.3 us of a 13.8 us 4096 x 4096 GEMV with no SM busy).  Here one block per SM streams its
+// Why (the design notes, "Ring GEMV"): the decode step's projections lose time to ramp-up and tail (stretches of
+// a GEMV with no SM busy).  Here one block per SM streams its
 // weights into a shared-memory ring by cp.async (loads in flight hold no registers, so 1024 threads keep 48-144
 // KB per SM in flight) and requests its first GT_STAGES - 1 ring slots BEFORE pdl_wait.  Launched with
 // programmatic dependent launch (Kernels.pdl), a block starts on an SM as soon as the previous kernel's block
@@ -17,7 +17,7 @@
 // weights as one run of 16-byte chunks (GATED: the gate rows' run, then the up rows' run), in tiles of P chunks
 // per thread through GT_STAGES ring slots.  Thread t takes the chunks t, t + THREADS, ... of the run and reads
 // only what it copied itself (no barrier between tiles); a warp's 32 consecutive chunks lie in one weight row
-// (K % 256 == 0), so the partial sums per (row, warp) and the epilogue are gemv_stream.cu's.  Each chunk's dot
+// (K % 256 == 0), so the partial sums are kept per (row, warp) and summed by the epilogue.  Each chunk's dot
 // product is its own chain (from zero), added to the row's partial in chunk order: the result depends on (N, K,
 // gridDim.x, THREADS) only, never on P.
 #include "common.cu"

@@ -17,8 +17,7 @@
 //      (row, output) sums  w[m, j] * down_e[n] . act[m * k + j]  over the row's experts in increasing
 //      order, adds the shared expert  sigmoid(g[m]) * shared_down[n] . act_shared[m]  when given, and
 //      writes or adds (the residual stream) the sum once.  No atomics: the result does not depend on
-//      the launch.  (The first version walked the experts one after another in each warp: on the H200
-//      it read qwen3-30b-a3b's 768-wide expert rows with 2 loads in flight per lane.)
+//      the launch.
 // A row's numbers depend on its own inputs only (not on M or on which other rows share an expert):
 // the k loop and the order of experts are the same, so a verify row equals the decode row bit for bit
 // for the same h and routing.
@@ -40,11 +39,10 @@
 // Lane j < k ends with the j-th chosen expert in e_out (decreasing probability, equal probabilities by increasing
 // index) and its weight in w_out (renormalised when norm_topk); the other lanes' are unspecified.  A NaN logit makes
 // its row's weights NaN, never an invalid index.
-// One warp's latency chain, so every slot and round counts (scripts/topk_cycles.py, H200, E = 128, k = 8): the
-// softmax took 3457 cycles over the largest E's 8 slots a lane and takes 1456 over 4 (100-150 cycles a slot: expf
-// and an IEEE division each); a round of shuffles (10 dependent) took ~410 cycles, one of two redux.sync ~230.
-// Hence NS by the model's E, not the largest E, and the rounds as: each lane's best (probability, expert) as one
-// integer key, the warp's max key and the lowest expert holding it.
+// One warp's latency chain, so every slot and round counts: each slot a lane holds costs an expf and an IEEE
+// division, and a round of dependent shuffles costs more than two redux.sync.  Hence NS by the model's E, not the
+// largest E, and the rounds as: each lane's best (probability, expert) as one integer key, the warp's max key and
+// the lowest expert holding it.
 template <int NS>
 __device__ __forceinline__ void moe_topk_lane(const float* __restrict__ logits, int E, int k, int norm_topk,
                                               int& e_out, float& w_out) {
@@ -123,71 +121,11 @@ __device__ __forceinline__ void moe_topk_row(const float* __restrict__ logits, i
 
 // ---------------------------------------------------------------------------------------------------
 // The rows path's routing (moe_route_kernel): the router GEMV's logits -> top-k, shared gate, h = rmsnorm(x), the
-// union.  Its parts are helpers the one-launch layer shares (the same numbers).
-
-#define MOE_ROUTER_U 8        // router weight chunks a lane requests at once (before pdl_wait)
-
-// Rows r0, r0 + stride, ... (< rows) of a bf16 matrix w [rows, 8 C], one warp per row: acc[m] += the row's
-// chunk c . the activations, by dot(c, weights of chunk c, acc) (rows m < M), lanes taking chunks lane,
-// lane + 32, ..., MOE_ROUTER_U at a time, the first ones of row r0 from wpre (requested before the wait);
-// then store(r, m, the warp's sum) for m < M by lane 0.  The o projection and the router of the one-launch
-// layer are both this loop.
-template <int MT, class Dot, class Store>
-__device__ __forceinline__ void moe_warp_rows(const unsigned short* __restrict__ w, int rows, int C, int r0,
-                                              int stride, const uint4 (&wpre)[MOE_ROUTER_U], int M, Dot dot,
-                                              Store store) {
-    const int lane = threadIdx.x & 31;
-    for (int r = r0; r < rows; r += stride) {
-        float acc[MT];
-#pragma unroll
-        for (int m = 0; m < MT; ++m) acc[m] = 0.0f;
-        for (int c0 = 0; c0 < C; c0 += 32 * MOE_ROUTER_U) {
-            uint4 wv[MOE_ROUTER_U];
-#pragma unroll
-            for (int i = 0; i < MOE_ROUTER_U; ++i) {
-                const int c = c0 + lane + 32 * i;
-                wv[i] = (r == r0 && c0 == 0) ? wpre[i]
-                        : (c < C ? ld_stream_u4(w + ((u64)r * C + c) * 8) : make_uint4(0u, 0u, 0u, 0u));
-            }
-#pragma unroll
-            for (int i = 0; i < MOE_ROUTER_U; ++i) {
-                const int c = c0 + lane + 32 * i;
-                if (c >= C) break;
-                dot(c, wv[i], acc);
-            }
-        }
-#pragma unroll
-        for (int m = 0; m < MT; ++m) {
-            const float v = warp_sum(acc[m]);
-            if (lane == 0 && m < M) store(r, m, v);
-        }
-    }
-}
-
-// The router's dot for chunk c (8 weights q of one router row) and rows m < M: acc[m] += q . (norm_w * x[m] *
-// inv[m]) over the chunk (x read with plain loads: the one-launch layer may have written it in the same launch).
-template <int MT>
-__device__ __forceinline__ void moe_router_dot(int c, const uint4& q, const float* x, const unsigned short* norm_w,
-                                               const float* inv, int M, int H, float (&acc)[MT]) {
-    const uint4 g = __ldg(reinterpret_cast<const uint4*>(norm_w) + c);
-#pragma unroll
-    for (int m = 0; m < MT; ++m) {
-        if (m >= M) break;
-        const float iv = inv[m];
-        const float4* xp = reinterpret_cast<const float4*>(x + (u64)m * H) + 2 * c;
-        const float4 xa = xp[0], xb = xp[1];
-        const float4 ha = make_float4(bf16_lo(g.x) * (xa.x * iv), bf16_hi(g.x) * (xa.y * iv),
-                                      bf16_lo(g.y) * (xa.z * iv), bf16_hi(g.y) * (xa.w * iv));
-        const float4 hb = make_float4(bf16_lo(g.z) * (xb.x * iv), bf16_hi(g.z) * (xb.y * iv),
-                                      bf16_lo(g.w) * (xb.z * iv), bf16_hi(g.w) * (xb.w * iv));
-        acc[m] = dot8_bf16(q, ha, hb, acc[m]);
-    }
-}
+// union.
 
 // Sums of squares of x's rows [M, H] (M <= MT) in parts, by the whole block (blockDim.x == MOE_MAX_ROWS * 32):
 // thread t sums its float4s t, t + 512, ... of each row (every row's loads in flight together), then a warp sum
-// into ss[r][warp].  The route kernels and the one-launch layer share it: the same h.  Plain loads (never the
-// non-coherent path): the one-launch layer reads x after other blocks of its launch wrote it.
+// into ss[r][warp].
 template <int MT>
 __device__ __forceinline__ void moe_sumsq_parts(const float* x, int M, int H, float (*ss)[MOE_MAX_ROWS]) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, H4 = H >> 2;
@@ -219,7 +157,7 @@ __device__ __forceinline__ float moe_inv_rms(const float (*ss)[MOE_MAX_ROWS], in
 }
 
 // h[r] = norm_w * (x[r] * inv_r) for every row r < M, float4 i of a row by the threads t = i (mod nt): elementwise
-// once the sums are known, so which threads write it does not change it.  Plain loads of x (see moe_sumsq_parts).
+// once the sums are known, so which threads write it does not change it.
 __device__ __forceinline__ void moe_write_h(const float* x, const unsigned short* __restrict__ norm_w,
                                             const float (*ss)[MOE_MAX_ROWS], float eps, int M, int H, int t, int nt,
                                             float* __restrict__ h) {
@@ -337,28 +275,10 @@ extern "C" __global__ void moe_topk_rows_kernel(const float* __restrict__ logits
     if (has_shared && lane == 0) sgate[row] = 1.0f / (1.0f + expf(-logits[(u64)row * ld + E]));
 }
 
-// A 16-byte load of activations: through the read-only path (__ldg) when they were written by an
-// earlier kernel, or (COHERENT) as a plain weak load, which may be served by L1 but sees what other
-// blocks of the same launch wrote before a grid barrier (moe_grid_barrier: fence, then acquire).  The
-// non-coherent path must not read data the launch itself writes.  Volatile: never moved across a barrier.
-template <bool COHERENT>
-__device__ __forceinline__ float4 ld_act4(const float4* p) {
-    if constexpr (COHERENT) {
-        float4 v;
-        asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];"
-                     : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                     : "l"(p));
-        return v;
-    } else {
-        return __ldg(p);
-    }
-}
-
 // One step of a lane over UU chunks (c, c + 32, ...) of RW weight rows, for the rows m of `mask`,
 // whose activations are row ri[m] of x (K floats each).  All chunks must be < K / 8.
 // With TAIL, only the chunks below `end` are read and added (the last, partial step of a range).
-// COHERENT: x was written by this launch (ld_act4).
-template <int MT, int RW, int UU, bool TAIL, bool COHERENT = false>
+template <int MT, int RW, int UU, bool TAIL>
 __device__ __forceinline__ void moe_step(const uint4* const (&wrow)[RW], const float* __restrict__ x,
                                          const int (&ri)[MT], int K, unsigned int mask, int c, int end,
                                          float (&acc)[RW][MT]) {
@@ -375,8 +295,8 @@ __device__ __forceinline__ void moe_step(const uint4* const (&wrow)[RW], const f
         for (int m = 0; m < MT; ++m) {
             if (!((mask >> m) & 1u)) continue;  // uniform over the warp
             const float4* xp = reinterpret_cast<const float4*>(x + (u64)ri[m] * K) + 2 * (c + 32 * u);
-            const float4 xa = ld_act4<COHERENT>(xp);
-            const float4 xb = ld_act4<COHERENT>(xp + 1);
+            const float4 xa = __ldg(xp);
+            const float4 xb = __ldg(xp + 1);
 #pragma unroll
             for (int r = 0; r < RW; ++r) {
                 const uint4 q = wv[u][r];
@@ -399,13 +319,13 @@ __device__ __forceinline__ void moe_step(const uint4* const (&wrow)[RW], const f
 // the 8-element chunks [c0, c1) of K, per lane (not yet reduced over the warp).  A lane adds its chunks
 // in increasing order; the last partial step keeps all of its loads in flight (predicated, not a
 // one-chunk loop: a 768-wide expert row is 3 chunks a lane, which one-chunk steps read one at a time).
-template <int MT, int RW, int U, bool COHERENT = false>
+template <int MT, int RW, int U>
 __device__ __forceinline__ void moe_dots(const uint4* const (&wrow)[RW], const float* __restrict__ x,
                                          const int (&ri)[MT], unsigned int mask, int K, int c0, int c1,
                                          float (&acc)[RW][MT]) {
     int c = c0 + (threadIdx.x & 31);
-    for (; c + 32 * (U - 1) < c1; c += 32 * U) moe_step<MT, RW, U, false, COHERENT>(wrow, x, ri, K, mask, c, c1, acc);
-    if (c < c1) moe_step<MT, RW, U, true, COHERENT>(wrow, x, ri, K, mask, c, c1, acc);
+    for (; c + 32 * (U - 1) < c1; c += 32 * U) moe_step<MT, RW, U, false>(wrow, x, ri, K, mask, c, c1, acc);
+    if (c < c1) moe_step<MT, RW, U, true>(wrow, x, ri, K, mask, c, c1, acc);
 }
 
 // act[(m * k + j), n] = silu(gate_e[n] . h[m]) * (up_e[n] . h[m]) for the rows m that chose expert
@@ -553,298 +473,6 @@ moe_down_kernel(const float* __restrict__ act, const unsigned short* __restrict_
     *o = accumulate ? *o + y : y;
 }
 
-// ---------------------------------------------------------------------------------------------------
-// The sparse layer in ONE launch (the fused rows path, kernels/moe.py `layer`): the router GEMV with its
-// RMSNorm, the routing, gate_up and down of the four launches above, in a persistent grid of one
-// MOE_LAYER_WARPS-warp block per SM with two grid barriers (three with the attention's output projection):
-//   0. (Q > 0) x += attn w_o^T, the o projection before the layer (its first weights requested before
-//      pdl_wait), rows n = blockIdx.x + G w of x a warp each;                               -> barrier 0
-//   A. every block: the sums of squares of x's rows (route's order), its slice of h = rmsnorm(x); the
-//      router rows r = blockIdx.x + G w (one warp each, the first weights requested before pdl_wait):
-//      logits[m, r] over the normalised x.                                                 -> barrier 1
-//   B. every block (no barrier after it): the top-k of every row from the logits, and the union of the
-//      rows' experts, in shared memory (block 0 also writes idx / wts / sgate for the Route);
-//   C. gate_up: the union's (expert, row n) pairs split evenly over the blocks, a pair per warp: act as
-//      moe_gate_up_kernel computes it;                                                       -> barrier 2
-//   D. down: block b owns output rows [b R, b R + R) (R = rows_per_block), its warps take (row group,
-//      expert, K part) items as moe_down_kernel's do; the sums in the same order; out (=|+=) y.
-// Per sparse layer that is one launch instead of four (router GEMV, route, gate_up, down), each of which
-// paid its ramp and tail inside the step (every one is latency-bound at decode).  The numbers of h, act
-// and the down sums are the route / gate_up / down kernels' (the same code and order); the router logits
-// differ from the GEMV's by fp32 summation order only.  A row's numbers do not depend on the other rows.
-// The grid barrier needs every block resident: G <= the SMs, one block per SM fits (kernels/moe.py
-// checks the shared memory; __launch_bounds__ caps the registers), and the launch triggers its dependents
-// (PDL) only after the last barrier, so no later kernel can take an SM a waiting block needs.  A barrier
-// that waits longer than MOE_BARRIER_TIMEOUT_NS traps (a launch error, never a hang).
-#define MOE_LAYER_WARPS 16
-static_assert(MOE_LAYER_WARPS == MOE_MAX_ROWS, "the sums of squares' parts (moe_sumsq_parts) are one per warp");
-#define MOE_BARRIER_TIMEOUT_NS 2000000000ull  // 2 s
-
-
-__device__ __forceinline__ unsigned long long global_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
-// Phase time stamps of every block (scripts/moe_layer_phases.py compiles with MOE_LAYER_STAMPS; never the engine):
-// launch l (counted since the script zeroed moe_layer_launch, modulo MOE_STAMP_LAUNCHES) writes, per block, its
-// entry time at [l][block][15] and phase i's end at [l][block][i].  A launch reads its number after pdl_wait (the
-// previous launch has counted itself by then) and block 0 counts it after the last barrier.
-#ifdef MOE_LAYER_STAMPS
-#define MOE_STAMP_LAUNCHES 64
-__device__ unsigned long long moe_layer_stamps[MOE_STAMP_LAUNCHES * 1024 * 16];
-__device__ unsigned int moe_layer_launch;
-#define MOE_STAMP_ENTRY const unsigned long long stamp_entry = global_ns()
-#define MOE_STAMP_BEGIN                                                                              \
-    const unsigned int stamp_l = *(volatile unsigned int*)&moe_layer_launch % MOE_STAMP_LAUNCHES;    \
-    if (threadIdx.x == 0) moe_layer_stamps[(stamp_l * 1024 + blockIdx.x) * 16 + 15] = stamp_entry
-#define MOE_STAMP(i) \
-    if (threadIdx.x == 0) moe_layer_stamps[(stamp_l * 1024 + blockIdx.x) * 16 + (i)] = global_ns()
-#define MOE_STAMP_COUNT \
-    if (threadIdx.x == 0 && blockIdx.x == 0) atomicAdd(&moe_layer_launch, 1u)
-#else
-#define MOE_STAMP_ENTRY
-#define MOE_STAMP_BEGIN
-#define MOE_STAMP(i)
-#define MOE_STAMP_COUNT
-#endif
-
-// Every thread of every block calls it; the blocks' writes before it are seen by every block after it.
-// The counter needs no reset: block 0 adds 2^31 - (G - 1), the others 1, so its top bit flips exactly
-// when the last block arrives, and the low bits come back to where they were (any start value works,
-// graph replays included).
-__device__ __forceinline__ void moe_grid_barrier(unsigned int* bar) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const unsigned int add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1u) : 1u;
-        __threadfence();
-        const unsigned int old = atomicAdd(bar, add);
-        const volatile unsigned int* vb = bar;
-        const unsigned long long t0 = global_ns();
-        while (((old ^ *vb) & 0x80000000u) == 0u)
-            if (global_ns() - t0 > MOE_BARRIER_TIMEOUT_NS) __trap();
-        __threadfence();
-    }
-    __syncthreads();
-}
-
-// x [M, H] (the residual stream, read; with Q > 0 first x += attn w_o^T, attn [M, Q] f32, w_o bf16 [H, Q]),
-// out [M, H]: out = x + y (accumulate; out may be x) or y.
-// norm_w bf16 [H]; w_router bf16 [ld, H] (ld = E, or E + 1 with the shared expert's gate row);
-// logits [M, ld]; w_gu [E, 2I, H]; w_dn [E, H, I]; w_s bf16 [H, S] and act_s [M, S] (S > 0: the shared
-// expert's down weights and its activations, computed by an earlier launch); idx, wts [M, k], sgate [M];
-// h [M, H]; act [M k, I]; bar: the grid barrier's counter.  P, PS: down_parts.  Dynamic shared memory:
-// (rows_per_block / DR) x (min(E, M k) P + PS) x DR x MT floats (kernels/moe.py layer_smem_bytes).
-template <int MT, int DR>
-__global__ void __launch_bounds__(MOE_LAYER_WARPS * 32, 1)
-moe_layer_kernel(float* x, float* out, int accumulate, const float* __restrict__ attn,
-                 const unsigned short* __restrict__ w_o, int Q, const unsigned short* __restrict__ norm_w, float eps,
-                 const unsigned short* __restrict__ w_router, int ld, float* logits,
-                 const unsigned short* __restrict__ w_gu, const unsigned short* __restrict__ w_dn,
-                 const unsigned short* __restrict__ w_s, const float* act_s, int S, int P, int PS,
-                 int* idx, float* wts, float* sgate, float* h, float* act, unsigned int* bar, int M, int H,
-                 int E, int I, int k, int norm_topk, int rows_per_block) {
-    __shared__ signed char slot_of[MOE_MAX_EXPERTS][MOE_MAX_ROWS];  // row m's slot of expert e, -1: not chosen
-    __shared__ int s_ue[MOE_MAX_EXPERTS];                           // the union, increasing
-    __shared__ unsigned int s_um[MOE_MAX_EXPERTS];                  // its rows
-    __shared__ float s_w[MOE_MAX_EXPERTS][MT];                      // row m's weight of union expert u
-    __shared__ float s_logit[MT][MOE_MAX_EXPERTS + 1];
-    __shared__ float s_wk[MT][MOE_MAX_K];
-    __shared__ float s_ss[MT][MOE_MAX_ROWS];  // sums of squares in parts (MOE_LAYER_WARPS == MOE_MAX_ROWS)
-    __shared__ float s_inv[MT], s_sg[MT];
-    __shared__ int s_nu;
-    extern __shared__ float s_part[];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int G = gridDim.x, C = H >> 3;
-    const int has_shared = ld > E;
-    MOE_STAMP_ENTRY;
-
-    // The first weights in flight before waiting for the previous kernel: o's (Q > 0), else the router's.
-    // Warp w of block b takes rows b + G w, b + G (w + 16), ... of o, then of the router.
-    const int r0 = blockIdx.x + G * warp;
-    uint4 wpre[MOE_ROUTER_U];
-    const int QC = Q >> 3;
-#pragma unroll
-    for (int i = 0; i < MOE_ROUTER_U; ++i) {
-        const int c = lane + 32 * i;
-        const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-        wpre[i] = Q > 0 ? ((r0 < H && c < QC) ? ld_stream_u4(w_o + (u64)r0 * Q + 8 * c) : zero)
-                        : ((r0 < ld && c < C) ? ld_stream_u4(w_router + (u64)r0 * H + 8 * c) : zero);
-    }
-    for (int t = tid; t < MOE_MAX_EXPERTS * MOE_MAX_ROWS; t += blockDim.x) (&slot_of[0][0])[t] = -1;
-    pdl_wait();
-    MOE_STAMP_BEGIN;
-    MOE_STAMP(0);
-    if (Q > 0) {  // 0. x[m, n] += attn[m] . w_o[n]: the attention's output projection
-        moe_warp_rows<MT>(w_o, H, QC, r0, G * MOE_LAYER_WARPS, wpre, M,
-                          [&](int c, const uint4& q, float (&acc)[MT]) {
-#pragma unroll
-                              for (int m = 0; m < MT; ++m) {
-                                  if (m >= M) break;
-                                  const float4* ap = reinterpret_cast<const float4*>(attn + (u64)m * Q) + 2 * c;
-                                  acc[m] = dot8_bf16(q, __ldg(ap), __ldg(ap + 1), acc[m]);
-                              }
-                          },
-                          [&](int n, int m, float v) { x[(u64)m * H + n] += v; });
-#pragma unroll
-        for (int i = 0; i < MOE_ROUTER_U; ++i) {  // the router's first weights, while the barrier waits
-            const int c = lane + 32 * i;
-            wpre[i] = (r0 < ld && c < C) ? ld_stream_u4(w_router + (u64)r0 * H + 8 * c) : make_uint4(0u, 0u, 0u, 0u);
-        }
-        MOE_STAMP(1);
-        moe_grid_barrier(bar);
-        MOE_STAMP(2);
-    }
-    // sums of squares in the route kernels' order (moe_sumsq_parts): the same h
-    moe_sumsq_parts<MT>(x, M, H, s_ss);
-    __syncthreads();
-    if (tid < M) s_inv[tid] = moe_inv_rms(s_ss, tid, H, eps);
-    __syncthreads();
-    moe_write_h(x, norm_w, s_ss, eps, M, H, blockIdx.x * blockDim.x + tid, G * blockDim.x, h);  // this block's h
-    // the router rows: logits[m, r] = w_router[r] . (norm_w * x[m] * inv[m])
-    moe_warp_rows<MT>(w_router, ld, C, r0, G * MOE_LAYER_WARPS, wpre, M,
-                      [&](int c, const uint4& q, float (&acc)[MT]) {
-                          moe_router_dot<MT>(c, q, x, norm_w, s_inv, M, H, acc);
-                      },
-                      [&](int r, int m, float v) { logits[(u64)m * ld + r] = v; });
-    MOE_STAMP(3);
-    moe_grid_barrier(bar);
-    MOE_STAMP(4);
-
-    // B. routing, in every block
-    for (int t = tid; t < M * ld; t += blockDim.x) s_logit[t / ld][t % ld] = __ldcg(logits + t);
-    __syncthreads();
-    MOE_STAMP(9);
-    if (warp < M) {
-        const int m = warp;
-        int e;
-        float w;
-        moe_topk_row(s_logit[m], E, k, norm_topk, e, w);
-        if (lane < k) {
-            slot_of[e][m] = (signed char)lane;
-            s_wk[m][lane] = w;
-            if (blockIdx.x == 0) {
-                idx[m * k + lane] = e;
-                wts[m * k + lane] = w;
-            }
-        }
-        if (has_shared && lane == 0) {
-            const float g = 1.0f / (1.0f + expf(-s_logit[m][E]));
-            s_sg[m] = g;
-            if (blockIdx.x == 0) sgate[m] = g;
-        }
-    }
-    __syncthreads();
-    MOE_STAMP(10);
-    if (warp == 0) {  // the union in increasing expert order, with each row's weight for it
-        const int n = moe_union_warp(slot_of, M, 0, E, [&](int pos, int e, unsigned int mask) {
-            s_ue[pos] = e;
-            s_um[pos] = mask;
-            for (int r = 0; r < M; ++r)
-                if ((mask >> r) & 1u) s_w[pos][r] = s_wk[r][slot_of[e][r]];
-        });
-        if (lane == 0) s_nu = n;
-    }
-    __syncthreads();
-    const int nu = s_nu;
-    MOE_STAMP(5);
-
-    // C. gate_up: pairs p = u I + n, this block's share of them, a pair per warp
-    {
-        const long long T = (long long)nu * I;
-        const long long lo = T * blockIdx.x / G, hi = T * (blockIdx.x + 1) / G;
-        int ri[MT];
-#pragma unroll
-        for (int m = 0; m < MT; ++m) ri[m] = m;
-        for (long long p = lo + warp; p < hi; p += MOE_LAYER_WARPS) {
-            const int u = (int)(p / I), n = (int)(p - (long long)u * I);
-            const int e = s_ue[u];
-            const unsigned int mask = s_um[u];
-            const uint4* wrow[2] = {reinterpret_cast<const uint4*>(w_gu + ((u64)e * 2 * I + n) * H),
-                                    reinterpret_cast<const uint4*>(w_gu + ((u64)e * 2 * I + I + n) * H)};
-            float acc[2][MT];
-#pragma unroll
-            for (int r = 0; r < 2; ++r)
-#pragma unroll
-                for (int m = 0; m < MT; ++m) acc[r][m] = 0.0f;
-            moe_dots<MT, 2, 4, true>(wrow, h, ri, mask, H, 0, C, acc);
-#pragma unroll
-            for (int m = 0; m < MT; ++m) {
-                const float g = warp_sum(acc[0][m]), up = warp_sum(acc[1][m]);
-                if (((mask >> m) & 1u) && lane == (m & 31))
-                    act[((u64)m * k + slot_of[e][m]) * I + n] = g / (1.0f + expf(-g)) * up;
-            }
-        }
-    MOE_STAMP(6);
-    }
-    moe_grid_barrier(bar);
-    MOE_STAMP(7);
-    MOE_STAMP_COUNT;
-    pdl_trigger();  // no barrier after this point: a dependent kernel's blocks may take the free SM slots
-
-    // D. down: output rows [n_lo, n_hi) of this block, items (row group, union expert u / shared, part)
-    const int n_lo = blockIdx.x * rows_per_block, n_hi = min(n_lo + rows_per_block, H);
-    if (n_lo >= n_hi) return;
-    const int groups = (n_hi - n_lo + DR - 1) / DR;
-    const int routed = nu * P, per = routed + (S > 0 ? PS : 0), items = groups * per;
-    for (int it = warp; it < items; it += MOE_LAYER_WARPS) {
-        const int g = it / per, j = it - g * per, n0 = n_lo + g * DR;
-        const bool sh = j >= routed;
-        const int u = sh ? 0 : j / P, p = sh ? j - routed : j % P, np = sh ? PS : P;
-        const int K = sh ? S : I, CC = K >> 3;
-        const unsigned int mask = sh ? (M >= 32 ? 0xffffffffu : ((1u << M) - 1u)) : s_um[u];
-        const uint4* wrow[DR];
-        int ri[MT];
-        if (sh) {
-#pragma unroll
-            for (int r = 0; r < DR; ++r) wrow[r] = reinterpret_cast<const uint4*>(w_s + (u64)min(n0 + r, n_hi - 1) * S);
-#pragma unroll
-            for (int m = 0; m < MT; ++m) ri[m] = min(m, M - 1);
-        } else {
-            const int e = s_ue[u];
-#pragma unroll
-            for (int r = 0; r < DR; ++r)
-                wrow[r] = reinterpret_cast<const uint4*>(w_dn + ((u64)e * H + min(n0 + r, n_hi - 1)) * I);
-#pragma unroll
-            for (int m = 0; m < MT; ++m) ri[m] = m * k + (((mask >> m) & 1u) ? slot_of[e][m] : 0);
-        }
-        float acc[DR][MT];
-#pragma unroll
-        for (int r = 0; r < DR; ++r)
-#pragma unroll
-            for (int m = 0; m < MT; ++m) acc[r][m] = 0.0f;
-        moe_dots<MT, DR, 4, true>(wrow, sh ? act_s : act, ri, mask, K, p * CC / np, (p + 1) * CC / np, acc);
-#pragma unroll
-        for (int r = 0; r < DR; ++r)
-#pragma unroll
-            for (int m = 0; m < MT; ++m) {
-                const float v = warp_sum(acc[r][m]);
-                if (lane == 0) s_part[((u64)it * DR + r) * MT + m] = v;
-            }
-    }
-    __syncthreads();
-    for (int t = tid; t < groups * DR * MT; t += blockDim.x) {
-        const int rr = t / MT, m = t - rr * MT, n = n_lo + rr;
-        if (m >= M || n >= n_hi) continue;
-        const int base = (rr / DR) * per, r = rr % DR;
-        float y = 0.0f;
-        for (int u = 0; u < nu; ++u) {  // experts in increasing order, as moe_down_kernel sums them
-            if (!((s_um[u] >> m) & 1u)) continue;
-            float d = 0.0f;
-            for (int p = 0; p < P; ++p) d += s_part[((u64)(base + u * P + p) * DR + r) * MT + m];
-            y = fmaf(s_w[u][m], d, y);
-        }
-        if (S > 0) {
-            float d = 0.0f;
-            for (int p = 0; p < PS; ++p) d += s_part[((u64)(base + routed + p) * DR + r) * MT + m];
-            y = fmaf(s_sg[m], d, y);
-        }
-        out[(u64)m * H + n] = accumulate ? x[(u64)m * H + n] + y : y;
-    }
-    MOE_STAMP(8);
-}
-
 // Instances (kernels/moe.py names them): MT in {1, 2, 4, 8, 16}; gate_up R = 1; down R = 4, 4, 4, 2, 1
 // (its shared memory holds items x R x MT floats: 16.5 KB for each); U = 4.
 #ifndef METRALE_NVRTC  // a standalone `nvcc -ptx moe.cu` compiles every instance the engine uses
@@ -856,14 +484,7 @@ moe_layer_kernel(float* x, float* out, int accumulate, const float* __restrict__
                                                         const int*, const int*, const unsigned int*,       \
                                                         const int*, const float*, const unsigned short*,   \
                                                         const float*, int, float*, int, int, int, int,     \
-                                                        int, int, int, int);                               \
-    template __global__ void moe_layer_kernel<MT, DR>(float*, float*, int, const float*, const unsigned short*, \
-                                                      int, const unsigned short*, float,                     \
-                                                      const unsigned short*, int, float*,                    \
-                                                      const unsigned short*, const unsigned short*,          \
-                                                      const unsigned short*, const float*, int, int, int,    \
-                                                      int*, float*, float*, float*, float*, unsigned int*,   \
-                                                      int, int, int, int, int, int, int);
+                                                        int, int, int, int);
 MOE_INSTANCES(1, 4)
 MOE_INSTANCES(2, 4)
 MOE_INSTANCES(4, 4)

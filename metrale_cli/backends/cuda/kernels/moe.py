@@ -7,8 +7,7 @@ rows path stays capturable in a CUDA graph.
 
 Device buffers of one sparse layer's routing (`RouteBuffers`, allocated once by the engine per layer):
   idx int32 [16, k], wts f32 [16, k], sgate f32 [16], h f32 [16, H], n_union int32 [1],
-  union_e int32 [U], union_mask uint32 [U], union_slot int32 [U, 16] with U = min(E, 16 k), and the
-  counter of the one-launch layer's grid barrier, bar uint32 [1] (it needs no reset between launches).
+  union_e int32 [U], union_mask uint32 [U], union_slot int32 [U, 16] with U = min(E, 16 k).
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ MOE_DOWN_WARPS = 8  # warps of a down block (they share its output rows' experts
 MOE_TOPK_WARPS = 8  # warps (rows) of a prefill top-k block: must match moe.cu
 MOE_DOWN_ITEMS = 264  # a down block's items at most: union experts x K parts (<= 256) + shared parts (<= 8)
 GATE_UP_R, MOE_U = 1, 4  # output rows per gate_up warp, chunks in flight per lane
-LAYER_WARPS = 16  # warps of a block of the one-launch layer (moe_layer_kernel), one block per SM
 
 
 def down_rows(mt: int) -> int:
@@ -48,26 +46,6 @@ def down_name(mt: int) -> str:
     return f"moe_down_kernel<{mt}, {down_rows(mt)}, {MOE_U}>"
 
 
-def layer_name(mt: int) -> str:
-    return f"moe_layer_kernel<{mt}, {down_rows(mt)}>"
-
-
-def layer_rows_per_block(hidden: int, blocks: int, mt: int) -> int:
-    """Output rows of the down phase per block of the one-launch layer: the hidden rows split evenly over
-    the blocks, rounded up to the down row group."""
-    dr = down_rows(mt)
-    return -(-hidden // (blocks * dr)) * dr
-
-
-def layer_smem_bytes(m: int, experts: int, top_k: int, hidden: int, blocks: int, parts: int,
-                     shared_parts: int) -> int:
-    """Dynamic shared memory of the one-launch layer for m rows: its down partials, (row groups) x (union
-    experts at most x parts + shared parts) x rows of a group x MT floats."""
-    mt = _mt(m)
-    groups = layer_rows_per_block(hidden, blocks, mt) // down_rows(mt)
-    return groups * (min(experts, m * top_k) * parts + shared_parts) * down_rows(mt) * mt * 4
-
-
 def down_parts(experts: int, top_k: int, inter: int, shared: int) -> tuple[int, int]:
     """(P, PS): the K parts each chosen expert's and the shared expert's down rows are split into, so a
     decode step (top_k experts) gives the block's MOE_DOWN_WARPS warps work (Mixtral's 2 experts: 4 parts
@@ -79,24 +57,14 @@ def down_parts(experts: int, top_k: int, inter: int, shared: int) -> tuple[int, 
     return p, ps
 
 
-_MACROS: list[str] = []  # define_macros: an experiment's variant of moe.cu (scripts only; the engine never sets it)
-
-
-def define_macros(macros: list[str]) -> None:
-    """Compile moe.cu with these macros ("NAME" or "NAME=VALUE", e.g. MOE_DOWN_PREFETCH=0) from the next
-    MoeKernels on: the measurement scripts' variants (scripts/moe_layer_phases.py, benchmarks/bench_moe_layer.py)."""
-    _MACROS[:] = macros
-
-
 def module_source() -> str:
     text = (_CUDA_DIR / "moe.cu").read_text()
     body = "\n".join(ln for ln in text.splitlines() if ln.strip() != '#include "common.cu"')
-    head = "".join(f"#define {m.replace('=', ' ', 1)}\n" for m in _MACROS)
-    return head + (_CUDA_DIR / "common.cu").read_text() + "\n// ---- moe.cu ----\n" + body + "\n"
+    return (_CUDA_DIR / "common.cu").read_text() + "\n// ---- moe.cu ----\n" + body + "\n"
 
 
 def name_expressions() -> tuple[str, ...]:
-    return tuple(n for mt in MOE_MTS for n in (gate_up_name(mt), down_name(mt), layer_name(mt)))
+    return tuple(n for mt in MOE_MTS for n in (gate_up_name(mt), down_name(mt)))
 
 
 PLAIN = ("moe_route_kernel", "moe_topk_rows_kernel")
@@ -114,7 +82,6 @@ class RouteBuffers:
     union_e: Any
     union_mask: Any
     union_slot: Any
-    bar: Any
 
     @staticmethod
     def allocate(cp, experts: int, k: int, hidden: int) -> RouteBuffers:
@@ -122,7 +89,7 @@ class RouteBuffers:
         r = MOE_MAX_ROWS
         return RouteBuffers(cp.zeros((r, k), cp.int32), cp.zeros((r, k), cp.float32), cp.zeros(r, cp.float32),
                             cp.zeros((r, hidden), cp.float32), cp.zeros(1, cp.int32), cp.zeros(u, cp.int32),
-                            cp.zeros(u, cp.uint32), cp.full((u, r), -1, cp.int32), cp.zeros(1, cp.uint32))
+                            cp.zeros(u, cp.uint32), cp.full((u, r), -1, cp.int32))
 
 
 class MoeKernels:
@@ -135,9 +102,7 @@ class MoeKernels:
         try:
             module = cp.RawModule(code=module_source(), options=("-std=c++17", "-DMETRALE_NVRTC"),
                                   name_expressions=names)
-            self._module = module  # its globals (scripts/moe_layer_phases.py reads the phase stamps)
             self._fn = {n: module.get_function(n) for n in names + PLAIN}
-            self._layer_smem: dict[str, int] = {}  # the dynamic shared memory each layer instance may take
         except Exception as e:  # an NVRTC or driver failure: one clear line
             from ....errors import DeviceError
 
@@ -256,93 +221,6 @@ class MoeKernels:
                 np.int32(parts), np.int32(shared_parts), np.int32(1 if accumulate else 0), np.int32(first))
         self._launch(down_name(_mt(m)), (-(-hidden // down_rows(_mt(m))),), (MOE_DOWN_WARPS * 32,), args, stream)
 
-    def layer_fits(self, m: int, experts: int, top_k: int, hidden: int, inter: int, shared: int) -> str | None:
-        """Why the one-launch layer cannot run m rows of this model (None when it can): its down partials
-        must fit one block's shared memory beside the static arrays (one block per SM)."""
-        return self._layer_plan(m, experts, top_k, hidden, inter, shared)[0]
-
-    def _layer_plan(self, m: int, experts: int, top_k: int, hidden: int, inter: int,
-                    shared: int) -> tuple[str | None, int, int, int]:
-        """(why it cannot run, or None; down's parts, shared parts; dynamic shared memory bytes)."""
-        k = self.k
-        if not 1 <= m <= MOE_MAX_ROWS:
-            return f"{m} rows (1..{MOE_MAX_ROWS})", 0, 0, 0
-        parts, shared_parts = down_parts(experts, top_k, inter, shared)
-        need = layer_smem_bytes(m, experts, top_k, hidden, k.num_sms, parts, shared_parts)
-        static = int(self._fn[layer_name(_mt(m))].attributes.get("shared_size_bytes", 0))
-        why = None
-        if static + need > k.smem_per_block_optin:
-            why = (f"its down partials need {need} bytes of shared memory beside {static} "
-                   f"(a block has {k.smem_per_block_optin})")
-        return why, parts, shared_parts, need
-
-    def layer(self, m: int, x: Any, norm_w: Any, eps: float, w_router: Any, logits: Any, w_gate_up: Any,
-              w_down: Any, b: RouteBuffers, act: Any, *, experts: int, top_k: int, norm_topk: bool,
-              shared: tuple[Any, Any] | None = None, out: Any = None, o: tuple[Any, Any] | None = None,
-              stream: Any = None) -> None:
-        """The whole sparse layer of m rows in one launch (moe_layer_kernel): out (default x, the residual
-        stream) = x + y, or y when `out` is another array; with o = (attn f32 [M, Q], w_o bf16 [H, Q]) first
-        x += attn w_o^T (the attention's output projection, in the same launch); y = the weighted sum of the
-        chosen experts of rmsnorm(x) (norm_w, eps), plus the sigmoid-gated shared expert when shared =
-        (w_shared bf16 [H, S], act_shared f32 [M, S]) (its activations from an earlier launch; the router's
-        last row is its gate).  Writes logits [M, E (+1)], b.idx / b.wts / b.sgate / b.h and act as route and
-        gate_up do.  w_router bf16 [E (+1), H]; w_gate_up [E, 2I, H]; w_down [E, H, I]: every expert (no --tp)."""
-        np, k = self._np, self.k
-        k._f32(x, "x", 2)
-        k._bf16(norm_w, "norm_w", 1)
-        k._bf16(w_router, "w_router", 2)
-        k._f32(logits, "logits", 2)
-        k._bf16(w_gate_up, "w_gate_up", 3)
-        k._bf16(w_down, "w_down", 3)
-        k._f32(act, "act", 2)
-        hidden = x.shape[1]
-        e, i2, _ = w_gate_up.shape
-        inter = i2 // 2
-        has_shared = shared is not None
-        ld = experts + (1 if has_shared else 0)
-        if e != experts or not 1 <= top_k <= min(experts, MOE_MAX_K):
-            raise ValueError(f"moe layer: {e} experts' weights for {experts} experts, top-{top_k}")
-        k._shape(x, "x", (m, hidden))
-        k._shape(norm_w, "norm_w", (hidden,))
-        k._shape(w_router, "w_router", (ld, hidden))
-        k._shape(logits, "logits", (m, ld))
-        k._shape(w_gate_up, "w_gate_up", (experts, 2 * inter, hidden))
-        k._shape(w_down, "w_down", (experts, hidden, inter))
-        k._shape(act, "act", (MOE_MAX_ROWS * top_k, inter))
-        self._common(m, hidden, inter, w_down, act, b)
-        if b.idx.shape[1] != top_k:
-            raise ValueError("moe layer: buffers allocated for another top-k")
-        for a, name in ((x, "x"), (w_router, "w_router"), (w_gate_up, "w_gate_up")):
-            k._aligned(a, name)
-        w_s, act_s, s = self._shared(shared, m, hidden, b, "layer")
-        if o is not None:
-            w_o, attn, q = self._projection((o[1], o[0]), m, hidden, "w_o", "attn", "layer: o projection width")
-            k._disjoint(attn, "attn", x, "x")
-        else:
-            attn, w_o, q = act, k._dummy, 0
-        if out is None:
-            out = x
-        else:
-            k._f32(out, "out", 2)
-            k._shape(out, "out", (m, hidden))
-            k._disjoint(out, "out", x, "x")
-        why, parts, shared_parts, smem = self._layer_plan(m, experts, top_k, hidden, inter, s)
-        if why is not None:
-            raise ValueError(f"moe layer: {why}")
-        blocks = k.num_sms
-        name = layer_name(_mt(m))
-        fn = self._fn[name]
-        if smem > self._layer_smem.get(name, -1):  # the default allows 48 KB less the static arrays
-            fn.max_dynamic_shared_size_bytes = smem
-            self._layer_smem[name] = smem
-        args = (x, out, np.int32(1 if out is x else 0), attn, w_o, np.int32(q), norm_w, np.float32(eps), w_router,
-                np.int32(ld), logits, w_gate_up, w_down, w_s, act_s, np.int32(s), np.int32(parts),
-                np.int32(shared_parts),
-                b.idx, b.wts, b.sgate, b.h, act, b.bar, np.int32(m), np.int32(hidden), np.int32(experts),
-                np.int32(inter), np.int32(top_k), np.int32(1 if norm_topk else 0),
-                np.int32(layer_rows_per_block(hidden, blocks, _mt(m))))
-        self._launch(name, (blocks,), (LAYER_WARPS * 32,), args, stream, smem)
-
     def _shared(self, shared: tuple[Any, Any] | None, m: int, hidden: int, b: RouteBuffers,
                 what: str) -> tuple[Any, Any, int]:
         """(w_shared, act_shared, S) checked, or stand-ins and S = 0 without a shared expert."""
@@ -380,5 +258,4 @@ class MoeKernels:
             k._aligned(a, name)
 
 
-__all__ = ["MoeKernels", "RouteBuffers", "define_macros", "down_parts", "layer_smem_bytes", "module_source",
-           "name_expressions"]
+__all__ = ["MoeKernels", "RouteBuffers", "down_parts", "module_source", "name_expressions"]

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 _CUDA_DIR = Path(__file__).resolve().parent
-_SOURCES = ("elementwise.cu", "norm_rope.cu", "gemv.cu", "gemv_stream.cu", "gemv_ring.cu", "attention.cu", "flash_prefill.cu", "argmax.cu", "gemv_tc.cu")
+_SOURCES = ("elementwise.cu", "norm_rope.cu", "gemv.cu", "gemv_ring.cu", "attention.cu", "flash_prefill.cu", "argmax.cu", "gemv_tc.cu")
 _INCLUDE_LINE = '#include "common.cu"'
 COMPILE_OPTIONS = ("-std=c++17",)
 

@@ -12,8 +12,6 @@ class PdlLauncher:
     Under stream capture the dependency becomes a programmatic edge of the CUDA graph."""
 
     _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    _ATTR_CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-    _FUNC_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
 
     def __init__(self, cp: Any) -> None:
         import ctypes
@@ -39,10 +37,6 @@ class PdlLauncher:
         self._fn = self._lib.cuLaunchKernelEx
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [ctypes.POINTER(Config), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-        self._set_attr = self._lib.cuFuncSetAttribute
-        self._set_attr.restype = ctypes.c_int
-        self._set_attr.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-        self._non_portable: set[int] = set()
         self._pdl_attr = Attr()  # built once: the array of each launch copies it
         self._pdl_attr.id = self._ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
         self._pdl_attr.value[0] = 1  # programmaticStreamSerializationAllowed (int) = 1
@@ -59,31 +53,16 @@ class PdlLauncher:
             return ct.c_int64(int(a))
         raise TypeError(f"PDL launch: unsupported kernel argument type {type(a).__name__}")
 
-    def launch(self, fn: Any, grid: tuple, block: tuple, args: tuple, stream: Any, shared_mem: int = 0,
-               *, pdl: bool = True, cluster: tuple | None = None) -> None:
-        """cuLaunchKernelEx with PDL (`pdl`) and / or thread-block cluster dims `cluster` (x, y, z; above 8 blocks
-        the function is first allowed the non-portable size)."""
+    def launch(self, fn: Any, grid: tuple, block: tuple, args: tuple, stream: Any, shared_mem: int = 0) -> None:
+        """cuLaunchKernelEx with PDL."""
         ct = self._ct
         g = tuple(grid) + (1,) * (3 - len(grid))
         b = tuple(block) + (1,) * (3 - len(block))
         if stream is None:
             stream = self._cp.cuda.get_current_stream()
         func = getattr(fn, "kernel", fn).ptr  # RawKernel -> cupy.cuda.function.Function -> CUfunction
-        attrs = [self._pdl_attr] if pdl else []
-        if cluster is not None:
-            c = tuple(cluster) + (1,) * (3 - len(cluster))
-            if c[0] * c[1] * c[2] > 8 and func not in self._non_portable:
-                rc = self._set_attr(ct.c_void_p(func), self._FUNC_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
-                if rc != 0:
-                    raise RuntimeError(f"cuFuncSetAttribute (non-portable cluster size) failed with CUresult {rc}")
-                self._non_portable.add(func)
-            a = self._Attr()
-            a.id = self._ATTR_CLUSTER_DIMENSION
-            ct.memmove(ct.addressof(a.value), (ct.c_uint32 * 3)(*c), 12)  # clusterDim: x, y, z (unsigned int)
-            attrs.append(a)
-        arr = (self._Attr * max(1, len(attrs)))(*attrs)
-        cfg = self._Config(g[0], g[1], g[2], b[0], b[1], b[2], int(shared_mem), ct.c_void_p(stream.ptr), arr,
-                           len(attrs))
+        arr = (self._Attr * 1)(self._pdl_attr)
+        cfg = self._Config(g[0], g[1], g[2], b[0], b[1], b[2], int(shared_mem), ct.c_void_p(stream.ptr), arr, 1)
         params = [self._param(a) for a in args]
         ptrs = (ct.c_void_p * len(params))(*[ct.cast(ct.pointer(p), ct.c_void_p) for p in params])
         rc = self._fn(ct.byref(cfg), ct.c_void_p(func), ptrs, None)

@@ -209,8 +209,7 @@ def test_rope_kv_append_partial_rotary_and_offset_norm(cp, kernels, rng, seed, h
         assert_close(kf[:, positions[m]], k_ref[m], seed, 1e-2)
 
 
-@pytest.mark.parametrize("M", [1, 2, 5, 16])
-@pytest.mark.parametrize("impl", ["fma", "tc"])
+@pytest.mark.parametrize("M,impl", [(1, "fma"), (2, "fma"), (1, "tc"), (2, "tc"), (5, "tc"), (16, "tc")])
 def test_gelu_gated_gemv_with_offset_norm(cp, kernels, rng, seed, M, impl):
     K, inter = 256, 344
     x = rng.standard_normal((M, K), dtype=np.float32) * np.float32(3.0)
@@ -392,7 +391,7 @@ def test_graph_replay_equals_eager(cp, checkpoints, name, rng):
         eng.verify(drafts)
         r.append(rows(eng, eng.logits_buffer_ptr(), 4).tobytes())
         out.append(r)
-    assert len(g._graphs) >= 2 and not e._graphs
+    assert len(g.graphs) >= 2 and not len(e.graphs)
     assert out[0] == out[1]
 
 

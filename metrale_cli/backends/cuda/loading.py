@@ -1,0 +1,180 @@
+"""Loading a model onto the GPU: what the CUDA kernels cannot compute is refused first (unsupported_features and
+the size checks, before CuPy is looked for), then the tensors are uploaded once in bf16 (upload_weights) and the
+engine is built (load_cuda_engine)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from ...config import ModelConfig
+from ...engine.mixers import mixer_kind
+from ...engine_base import check_context
+from ...errors import DeviceError, UsageError
+from ...models.spec import ModelDefinition, MoeSpec
+from ...models.weights import WeightSource, Weights, check_checkpoint, load_weights
+from .buffers import oom_error
+from .engine import CudaEngine
+from .paths import BASE_PATH, PATH_ENV, check_path, default_path
+
+# The MLP weights the CUDA passes compute with (engine/loop.py's keys): a dense layer's gated MLP (with a sandwich
+# post-norm), a sparse layer's MoE kernels (no sandwich post-norm there).  A layer's mixer weights are its mixer
+# kind's (its CUDA module's WEIGHT_KEYS).
+DENSE_MLP_KEYS = frozenset({"mlp_norm", "gate_up", "down", "mlp_out_norm"})
+MOE_MLP_KEYS = frozenset({"mlp_norm", "router", "experts_gate_up", "experts_down", "shared_gate_up", "shared_down"})
+
+
+def _cupy():
+    try:
+        import cupy
+    except Exception as e:  # ImportError, or a CUDA library that fails to load
+        raise DeviceError(f"--device cuda needs CuPy ({type(e).__name__}: {e})") from None
+    return cupy
+
+
+def upload_weights(cfg: ModelConfig, source: WeightSource, kern, progress: Callable[[int], None] | None = None,
+                   rank: tuple[int, int] | None = None) -> Weights:
+    """Read each tensor once from `source`, round it to bf16 and place it on the device, fusing
+    multi-part params (q/k/v, gate/up) on the device. RandomTensors draw on the device directly.
+    `rank` = (r, n): keep tensor-parallel rank r's shard (parallel/sharding.RankShard), each layer cut on
+    the device as soon as it is uploaded."""
+    cp = kern.cp
+    if rank is None:  # refuse before reading anything when the bf16 weights cannot fit (a tp rank holds a share)
+        need = cfg.definition.parameter_count() * 2  # what is read: not a checkpoint's vision tower, say
+        free, total = cp.cuda.runtime.memGetInfo()
+        if need > free:
+            raise DeviceError(
+                f"the weights need {need / 2**30:.1f} GiB in bf16 and the GPU has {free / 2**30:.1f} GiB free "
+                f"of {total / 2**30:.1f} GiB: use a GPU with more memory, or split the model with --tp N")
+
+    def get(name: str):
+        info = source.info(name)
+        nbytes = int(np.prod(info.shape)) * 2
+        try:
+            if source.draws_on_device:
+                f32 = source.device_array(name, cp)
+                out = cp.empty(f32.shape, cp.uint16)
+                kern.f32_to_bf16(f32, out)
+                del f32
+            else:
+                host = source.array(name)
+                if info.dtype == "BF16":
+                    out = cp.asarray(np.ascontiguousarray(host).view(np.uint16))
+                else:  # F32/F16: round on the device, bit-identical to torch's rounding
+                    f32 = cp.asarray(np.asarray(host, dtype=np.float32))
+                    out = cp.empty(f32.shape, cp.uint16)
+                    kern.f32_to_bf16(f32, out)
+                    del f32
+                source.release(name)
+        except cp.cuda.memory.OutOfMemoryError:
+            raise oom_error(cp, f"loading {name}", nbytes) from None
+        if progress is not None:
+            progress(nbytes)
+        return out
+
+    def concat(parts):  # a fresh contiguous array (a shard's slice must not keep its whole tensor alive)
+        return parts[0].copy() if len(parts) == 1 else cp.concatenate(parts, axis=0)
+
+    shard = None
+    if rank is not None:
+        from ...parallel.sharding import RankShard
+
+        shard = RankShard(cfg.definition, rank[0], rank[1], concat)
+    try:
+        return load_weights(cfg.definition, get, concat, shard=shard)
+    except cp.cuda.memory.OutOfMemoryError:  # fusing parts (q/k/v, gate/up) or stacking experts: a copy's peak
+        raise oom_error(cp, "fusing the weights' parts on the device", 0) from None
+
+
+def mixer_weight_keys(kind: str, layer_keys: frozenset[str]) -> frozenset[str] | None:
+    """The weights of a layer whose mixer is of kind `kind` that the kind's CUDA implementation computes with (its
+    module's WEIGHT_KEYS; without one, every weight of the layer that is not the MLP's), or None when the kind has
+    no CUDA implementation."""
+    kind_ = mixer_kind(kind)
+    if kind_.backends.get("cuda") is None:
+        return None
+    keys = getattr(kind_.backend("cuda"), "WEIGHT_KEYS", None)
+    return frozenset(keys) if keys is not None else frozenset(layer_keys - DENSE_MLP_KEYS - MOE_MLP_KEYS)
+
+
+def unsupported_features(definition: ModelDefinition) -> list[str]:
+    """What the model definition asks for that the CUDA kernels do not compute. Each is refused with a
+    DeviceError naming it, never run with wrong numbers (the NumPy engine runs them all). The issue-13
+    features (embedding scale, softcaps, (1 + w) norms, sliding windows, partial rotary, linear and
+    longrope scaling, gelu_tanh, sandwich norms) run in the kernels; what remains is a mixer kind with no CUDA
+    implementation, a weight the passes do not know (attention sinks, say), a gate activation the fused MLP
+    lacks, and what the MoE kernels do not take."""
+    from .kernels.tuning import ACTIVATIONS  # no CuPy needed
+
+    found: list[str] = []
+    for layer in definition.layers:
+        mixer = mixer_weight_keys(layer.mixer.kind, frozenset(layer.keys()))
+        if mixer is None:
+            found.append(f"layer kind {layer.mixer.kind}")
+        if isinstance(layer.mlp, MoeSpec):  # kernels/moe.cu: SwiGLU experts after a plain RMSNorm
+            found += [f"mixture-of-experts activation {layer.mlp.activation}"] if layer.mlp.activation != "silu" else []
+            found += ["(1 + w) RMSNorm in a mixture-of-experts layer"] if layer.norm.offset else []
+            mlp = MOE_MLP_KEYS
+        else:
+            found += [f"activation {layer.mlp.activation}"] if layer.mlp.activation not in ACTIVATIONS else []
+            mlp = DENSE_MLP_KEYS
+        if mixer is not None:
+            found += [f"weight {k}" for k in sorted(layer.keys() - mlp - mixer)]
+    return list(dict.fromkeys(found))
+
+
+def load_cuda_engine(cfg: ModelConfig, source, max_context: int, fp32_logits: bool = False,
+                     progress: Callable[[int], None] | None = None, use_graphs: bool = True, tp=None,
+                     path: str | None = None) -> CudaEngine:
+    """Check the tensors, upload them once, and build the engine (CuPy is imported here, not before).
+    With `tp` (parallel/comm.ParallelRank, its device current) only that rank's shard is uploaded, and the
+    engine is that rank's. `path`: the rows path (ROWS_PATHS; None: default_path(), i.e.
+    $METRALE_CUDA_PATH or DEFAULT_PATH); a tensor-parallel rank runs BASE_PATH only (the fused path is not
+    verified under --tp)."""
+    path = check_path(path) if path is not None else default_path(tp is not None)
+    if tp is not None and path != BASE_PATH:
+        raise UsageError(f"the CUDA '{path}' path does not run under --tp yet (unset {PATH_ENV} or choose {BASE_PATH})")
+    check_context(cfg, max_context)
+    full = cfg
+    if tp is not None:
+        from ...parallel.sharding import rank_config
+
+        cfg = rank_config(full, tp.rank, tp.size)
+    missing = unsupported_features(cfg.definition)
+    if missing:
+        raise DeviceError(f"{cfg.model_type}: the CUDA engine does not implement {', '.join(missing)} yet; "
+                          "use --device cpu")
+    if cfg.moe is not None:
+        from .kernels.moe import MoeKernels
+
+        s = cfg.moe.spec
+        why = MoeKernels.check_sizes(s.num_experts, s.top_k, s.intermediate_size, s.shared_expert_size or 8)
+        if why is not None:
+            raise DeviceError(f"{cfg.model_type}: the CUDA MoE kernels do not take {why}; use --device cpu")
+    if not source.made_from_definition:
+        check_checkpoint(full, source)  # the whole model's tensors, before a rank keeps its share
+    _cupy()
+    from .kernels import DECODE_HEAD_DIMS, PREFILL_HEAD_DIMS, Kernels
+
+    dims = sorted(set(DECODE_HEAD_DIMS) & set(PREFILL_HEAD_DIMS))
+    if cfg.head_dim not in dims:
+        raise DeviceError(f"head_dim {cfg.head_dim} is not supported by the CUDA kernels "
+                          f"(supported: {', '.join(map(str, dims))}); use --device cpu")
+    odd = [n for n, v in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size))
+           if v % 8]
+    if odd:
+        raise DeviceError(f"{odd[0]} must be a multiple of 8 for the CUDA kernels; use --device cpu")
+
+    try:
+        kern = Kernels()
+    except Exception as e:
+        raise DeviceError(f"cannot compile the CUDA kernels ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    weights = upload_weights(full, source, kern, progress, None if tp is None else (tp.rank, tp.size))
+    engine = CudaEngine(cfg, weights, kern, max_context, fp32_logits, use_graphs, tp)
+    if path != engine.path:
+        engine.set_path(path)
+    return engine
+
+
+__all__ = ["load_cuda_engine", "unsupported_features", "upload_weights"]
