@@ -42,11 +42,9 @@ def bench(
                                                      help="Also write the results as JSON (atomically).")] = None,
     paths: Annotated[Optional[str], typer.Option(
         "--path", metavar="NAME,NAME,...",
-        help="CUDA rows-path variants to time side by side in this run: fused (the default: rows with rope + KV "
-             "append inside the attention kernel), rows (the ring GEMV with PDL; what --tp ranks run), fused-cluster "
-             "(fused, the attention's combine in a thread-block cluster: one launch), rows-stream (the default until "
-             "2026-12-04), rows-fma (the projections of before the streaming GEMV). The figures above the table are "
-             "taken on the first.",
+        help="CUDA rows paths to time side by side in this run: fused (the default: rows with rope + KV append "
+             "inside the attention kernel), rows (the fallback, what --tp ranks run). The figures above the table "
+             "are taken on the first.",
         show_default=False)] = None,
     fmt: FormatOpt = None,
     tp: TpOpt = None,
@@ -61,7 +59,7 @@ def bench(
     Examples:
       metrale bench --device cpu --preset tiny-llama --context 256 --prefill 256
       metrale bench --device cuda --context 8192 --json bench-8k.json
-      metrale bench --device cuda --path rows,rows-stream,fused --no-transformers
+      metrale bench --device cuda --path fused,rows --no-transformers
     """
     from .. import bench as bench_mod
 
@@ -78,7 +76,7 @@ def bench(
         raise UsageError(f"--ks values must be at least 1, got '{ks}'")
     path_list = tuple(p for p in (paths or "").replace(",", " ").split())
     if paths is not None and not path_list:
-        raise UsageError("--path needs at least one name (rows, fused, fused-cluster, rows-stream, rows-fma)")
+        raise UsageError("--path needs at least one name (fused, rows)")
     chosen = resolve_device(device)
     path_list = bench_mod.check_paths(path_list, chosen)
     name = preset or ("llama-3.1-8b" if chosen == "cuda" else "tiny-llama")
