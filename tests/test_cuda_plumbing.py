@@ -299,13 +299,13 @@ def fake_engine(name: str, ctx: int = 64):
     cfg = load_config(FIXTURES / name)
     ckpt = Checkpoint.open(FIXTURES / name)
     kern = FakeKernels()
-    orig = Projections.gemm
-    Projections.gemm = _fake_gemm
+    orig = Projections.gemm_bf16
+    Projections.gemm_bf16 = _fake_gemm
     try:
         weights = cuda_loading.upload_weights(cfg, ckpt, kern)
         yield cuda_engine.CudaEngine(cfg, weights, kern, ctx, fp32_logits=True, use_graphs=False)
     finally:
-        Projections.gemm = orig
+        Projections.gemm_bf16 = orig
         ckpt.close()
 
 

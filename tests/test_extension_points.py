@@ -29,6 +29,7 @@ from metrale_cli.backends.numpy.ops import as_fp32
 from metrale_cli.checkpoint import Checkpoint
 from metrale_cli.engine.loop import sublayer_out
 from metrale_cli.engine.mixers import MixerKind, register_mixer
+from metrale_cli.config import load_config
 from metrale_cli.errors import CheckpointError
 from metrale_cli.logits import bf16_bits, bf16_bits_to_fp32, fp32_to_bf16
 from metrale_cli.model import open_model
@@ -46,7 +47,8 @@ class UniformSpec:
 
 
 def uniform_forward(ops, i, layer, lw, x):
-    v = ops.linear(x, lw["v"], out="qkv", norm=(lw["input_norm"], layer.norm))  # [T, width]
+    # v is hidden-wide in this toy, so the CUDA rows path can hold it in its `h` activation buffer
+    v = ops.linear(x, lw["v"], out="h", norm=(lw["input_norm"], layer.norm))  # [T, width]
     y = ops.mixer(i).mean(v, i)
     return sublayer_out(ops, y, lw["o"], None, None, layer.norm, x, f"model.layers.{i}.self_attn", "")
 
@@ -82,8 +84,38 @@ class NumpyUniform:
             return np.cumsum(rows[:start + t], axis=0)[start:] / np.arange(start + 1, start + t + 1, dtype=np.float32)[:, None]
 
 
+class CudaUniform:
+    """The kind's CUDA implementation (MixerKind.backends["cuda"]), in CuPy array ops: every pass type has the
+    rows' positions on the device (`pass_.pos`), so the same code serves the rows, fused and prefill passes."""
+
+    WEIGHT_KEYS = {"input_norm", "v", "o"}
+
+    class state:
+        def __init__(self, engine, layers):
+            cp, width = engine.cp, engine.cfg.definition.layers[layers[0]].mixer.width
+            self.v = {i: cp.zeros((engine.max_context, width), cp.float32) for i in layers}
+            self.nbytes = sum(int(a.nbytes) for a in self.v.values())
+
+        def reset(self):
+            pass
+
+        def trim(self, length):
+            pass
+
+    class ops:
+        def __init__(self, p, state):
+            self.p, self.state = p, state
+
+        def mean(self, v, layer):
+            cp, pos = self.p.e.cp, self.p.pos  # positions [m] (int32, on the device)
+            rows = self.state.v[layer]
+            rows[pos] = v
+            seen = (cp.arange(rows.shape[0])[None, :] <= pos[:, None]).astype(cp.float32)  # [m, ctx]
+            return (seen @ rows) / (pos[:, None] + 1).astype(cp.float32)
+
+
 UNIFORM = register_mixer(MixerKind("uniform_test", uniform_forward, lambda p, layer: [f"{p}.self_attn"],
-                                   backends={"numpy": NumpyUniform}))
+                                   backends={"numpy": NumpyUniform, "cuda": CudaUniform}))
 
 
 def uniform_define(cfg):
@@ -255,3 +287,172 @@ def test_an_unknown_quant_method_is_refused(tmp_path):
     (path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "awq_v9"}}))
     with pytest.raises(CheckpointError, match="quant_method 'awq_v9'"):
         open_model(path, device="cpu")
+
+
+# ---- both through the CUDA engine's Python side (tests/test_cuda_plumbing.py's stand-in kernels) -----------
+
+
+class RowScaledWeight:
+    """A row_scaled_test weight on the device: bf16 bits [N, K] and fp32 scales [N]."""
+
+    format = "row_scaled_test"
+
+    def __init__(self, data, scale):
+        self.data, self.scale = data, scale
+        self.shape = data.shape
+
+
+def _row_scaled_upload(p, read, kern):
+    cp = kern.cp
+    return [RowScaledWeight(cp.asarray(np.ascontiguousarray(read(t.name)).view(np.uint16)),
+                            cp.asarray(np.asarray(read(t.name + "_row_scale"), np.float32))) for t in p.parts]
+
+
+def _row_scaled_concat(parts, cp):
+    return RowScaledWeight(cp.concatenate([p.data for p in parts]), cp.concatenate([p.scale for p in parts]))
+
+
+def _row_scaled_linear(proj, x, w, out, bias=None, *, accumulate=False, swiglu=False, norm_weight=None, eps=1e-6,
+                       norm_offset=0.0, activation="silu"):
+    """The bf16 GEMV of the stored rows, then the rows' scales (and the bias, the gate activation) on its output."""
+    cp = proj.cp
+    y = cp.empty((x.shape[0], w.shape[0]), cp.float32)
+    proj.linear(x, w.data, y, None, norm_weight=norm_weight, eps=eps, norm_offset=norm_offset)
+    y *= w.scale[None, :]
+    if bias is not None:
+        b = cp.empty(bias.shape, cp.float32)
+        proj.kern.bf16_to_f32(bias, b, stream=proj.stream)
+        y += b
+    if swiglu:
+        proj.kern.swiglu(y, out, activation=activation, stream=proj.stream)
+    elif accumulate:
+        out += y
+    else:
+        out[...] = y
+
+
+def _row_scaled_gemm(proj, x, w, bias=None, accumulate_into=None):
+    y = proj.gemm(x, w.data) * w.scale[None, :]
+    if bias is not None:  # after the scales
+        b = proj.cp.empty(bias.shape, proj.cp.float32)
+        proj.kern.bf16_to_f32(bias, b, stream=proj.stream)
+        y += b
+    if accumulate_into is None:
+        return y
+    accumulate_into += y
+    return accumulate_into
+
+
+def cuda_plumbing():
+    return pytest.importorskip("test_cuda_plumbing")
+
+
+def fake_cuda_engine(plumbing, path: Path, ctx: int, rows_path: str = "rows"):
+    """The CUDA engine over `path` with the stand-in kernels (graphs off), on rows path `rows_path`."""
+    from metrale_cli.backends.cuda import loading
+    from metrale_cli.backends.cuda.engine import CudaEngine
+    from metrale_cli.backends.cuda.formats import CudaFormat, register_cuda_format
+
+    register_cuda_format(CudaFormat("row_scaled_test", _row_scaled_upload,
+                                    _row_scaled_concat, _row_scaled_linear, _row_scaled_gemm))
+    cfg = load_config(path)
+    assert loading.unsupported_features(cfg.definition) == []
+    kern = plumbing.FakeKernels()
+    with Checkpoint.open(path) as ckpt:
+        weights = loading.upload_weights(cfg, ckpt, kern)
+    engine = CudaEngine(cfg, weights, kern, ctx, fp32_logits=True, use_graphs=False)
+    if rows_path != engine.path:
+        engine.set_path(rows_path)
+    return engine
+
+
+@pytest.fixture
+def fake_gemm(monkeypatch):
+    plumbing = cuda_plumbing()
+    from metrale_cli.backends.cuda.projections import Projections
+
+    monkeypatch.setattr(Projections, "gemm_bf16", plumbing._fake_gemm)
+    return plumbing
+
+
+def rel(a, b):
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+
+
+TOL = 1e-2  # the CUDA engine's bf16 weights, activations and KV cache against fp32 on bf16-rounded weights
+
+
+@pytest.mark.parametrize("rows_path", ["rows", "fused"])
+def test_the_toy_mixer_kind_runs_through_the_cuda_engine(tmp_path, fake_gemm, rows_path):
+    rng = np.random.default_rng(21)
+    w = uniform_weights(rng)
+    path = write_checkpoint(tmp_path / "uniform", CONFIG, w)
+    rounded = {k: bf16_bits_to_fp32(bf16_bits(fp32_to_bf16(a))) for k, a in w.items()}  # what the GPU holds
+    e = fake_cuda_engine(fake_gemm, path, 40, rows_path)
+    ids = rng.integers(0, CONFIG["vocab_size"], 24).tolist()
+    want = plain_forward(rounded, ids)
+    e.prefill(ids[:20], all_logits=True)  # more than 16 rows: the prefill pass
+    assert rel(host_rows(e, e.logits_buffer_ptr()), want[:20]) < TOL
+    e.decode(ids[20])  # the rows pass
+    assert rel(host_rows(e, e.decode_logits_ptr())[0], want[20]) < TOL
+    e.verify(ids[21:24])
+    assert rel(host_rows(e, e.logits_buffer_ptr()), want[21:24]) < TOL
+    e.trim(22)
+    e.verify([7, 8])
+    assert rel(host_rows(e, e.logits_buffer_ptr()), plain_forward(rounded, ids[:22] + [7, 8])[22:]) < TOL
+
+
+def test_a_kind_without_a_cuda_implementation_is_refused(tmp_path):
+    from metrale_cli.backends.cuda.loading import unsupported_features
+
+    register_mixer(MixerKind("uniform_cpu_only_test", uniform_forward, lambda p, layer: [], {"numpy": NumpyUniform}))
+    cfg = open_cfg(tmp_path)
+    layers = tuple(replace(layer, mixer=CpuOnlySpec(layer.mixer.width)) for layer in cfg.definition.layers)
+    assert unsupported_features(replace(cfg.definition, layers=layers)) == ["layer kind uniform_cpu_only_test"]
+
+
+@dataclass(frozen=True)
+class CpuOnlySpec:
+    kind: ClassVar[str] = "uniform_cpu_only_test"
+    width: int
+
+
+def open_cfg(tmp_path):
+    return load_config(write_checkpoint(tmp_path / "cfg", CONFIG, uniform_weights(np.random.default_rng(0))))
+
+
+def test_tensor_parallelism_refuses_a_kind_without_a_split(tmp_path):
+    from metrale_cli.errors import UsageError
+    from metrale_cli.parallel.sharding import check_tp
+
+    with pytest.raises(UsageError, match="uniform_test"):
+        check_tp(open_cfg(tmp_path).definition, 2)
+
+
+@pytest.mark.parametrize("rows_path", ["rows", "fused"])
+def test_the_toy_weight_format_runs_through_the_cuda_engine(tmp_path, fake_gemm, rows_path):
+    rng = np.random.default_rng(13)
+    quantized, _ = row_scaled_checkpoints(tmp_path, rng)
+    ids = rng.integers(0, 100, 24).tolist()
+    cpu = open_model(quantized, device="cpu", max_context=40, fp32_logits=True).engine
+    e = fake_cuda_engine(fake_gemm, quantized, 40, rows_path)
+    for run in (lambda x: x.prefill(ids[:20], all_logits=True), lambda x: x.verify(ids[20:24])):
+        run(cpu), run(e)
+        assert rel(host_rows(e, e.logits_buffer_ptr()), host_rows(cpu, cpu.logits_buffer_ptr())) < TOL
+    cpu.trim(21), e.trim(21)
+    cpu.decode(5), e.decode(5)
+    assert rel(host_rows(e, e.decode_logits_ptr()), host_rows(cpu, cpu.decode_logits_ptr())) < TOL
+
+
+def test_a_format_without_a_cuda_implementation_is_refused(tmp_path):
+    from metrale_cli.backends.cuda.loading import unsupported_features
+
+    formats.register_format(replace(ROW_SCALED, name="row_scaled_cpu_only_test"))
+    formats.register_quant_method(formats.QuantMethod(
+        "row_scaled_cpu_only_test", lambda qc, p: "row_scaled_cpu_only_test" if p.key in PROJECTIONS else None))
+    src = Path(__file__).parent / "fixtures" / "models" / "llama"
+    config = json.loads((src / "config.json").read_text())
+    path = tmp_path / "q"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "row_scaled_cpu_only_test"}}))
+    assert unsupported_features(load_config(path).definition) == ["weight format row_scaled_cpu_only_test"]

@@ -142,7 +142,8 @@ class CudaEngine(EngineBase):
             except Exception as e:
                 raise DeviceError(f"cannot compile the fused rows-path kernels ({type(e).__name__}: "
                                   f"{str(e).splitlines()[0] if str(e) else ''})") from None
-            slots = max(a.num_heads + 2 * a.num_kv_heads for a in (layer.mixer for layer in cfg.definition.layers))
+            attention = [layer.mixer for layer in cfg.definition.layers if layer.mixer.kind == "attention"]
+            slots = max((a.num_heads + 2 * a.num_kv_heads for a in attention), default=1)
             self.buffers.qkv_counters = cp.zeros((slots,), cp.int32)
             cp.cuda.Device().synchronize()  # the zero fills ran on the legacy stream
         self.path = path

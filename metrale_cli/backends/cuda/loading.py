@@ -14,7 +14,9 @@ from ...engine_base import check_context
 from ...errors import DeviceError, UsageError
 from ...models.spec import ModelDefinition, MoeSpec
 from ...models.weights import WeightSource, Weights, check_checkpoint, load_weights
+from ...models.formats import stored_tensors
 from .buffers import oom_error
+from .formats import PROJECTION_KEYS, cuda_format
 from .engine import CudaEngine
 from .paths import BASE_PATH, PATH_ENV, check_path, default_path
 
@@ -74,7 +76,21 @@ def upload_weights(cfg: ModelConfig, source: WeightSource, kern, progress: Calla
         return out
 
     def concat(parts):  # a fresh contiguous array (a shard's slice must not keep its whole tensor alive)
+        if getattr(parts[0], "format", None) is not None:  # a formatted weight's parts (formats.py)
+            return cuda_format(parts[0].format).concat(parts, cp)
         return parts[0].copy() if len(parts) == 1 else cp.concatenate(parts, axis=0)
+
+    def formatted(p) -> list:  # a param stored in a weight format: that format's device weights
+        def read(name: str):
+            host = source.array(name)
+            if progress is not None:
+                progress(int(host.nbytes))
+            return host
+
+        parts = cuda_format(p.format).upload(p, read, kern)
+        for t in stored_tensors(p):
+            source.release(t.name)
+        return parts
 
     shard = None
     if rank is not None:
@@ -82,7 +98,7 @@ def upload_weights(cfg: ModelConfig, source: WeightSource, kern, progress: Calla
 
         shard = RankShard(cfg.definition, rank[0], rank[1], concat)
     try:
-        return load_weights(cfg.definition, get, concat, shard=shard)
+        return load_weights(cfg.definition, get, concat, shard=shard, read_formatted=formatted)
     except cp.cuda.memory.OutOfMemoryError:  # fusing parts (q/k/v, gate/up) or stacking experts: a copy's peak
         raise oom_error(cp, "fusing the weights' parts on the device", 0) from None
 
@@ -108,11 +124,17 @@ def unsupported_features(definition: ModelDefinition) -> list[str]:
     from .kernels.tuning import ACTIVATIONS  # no CuPy needed
 
     found: list[str] = []
+    for p in definition.params():
+        if p.format is not None and cuda_format(p.format) is None:
+            found.append(f"weight format {p.format}")
+        elif p.format is not None and p.key not in PROJECTION_KEYS:
+            found.append(f"{p.key} weights stored as {p.format}")
     for layer in definition.layers:
         mixer = mixer_weight_keys(layer.mixer.kind, frozenset(layer.keys()))
         if mixer is None:
             found.append(f"layer kind {layer.mixer.kind}")
-        if isinstance(layer.mlp, MoeSpec):  # kernels/moe.cu: SwiGLU experts after a plain RMSNorm
+        if isinstance(layer.mlp, MoeSpec):  # kernels/moe.cu: softmax top-k routing, SwiGLU experts after a plain RMSNorm
+            found += [f"{layer.mlp.router.kind} routing"] if layer.mlp.router.kind != "softmax_topk" else []
             found += [f"mixture-of-experts activation {layer.mlp.activation}"] if layer.mlp.activation != "silu" else []
             found += ["(1 + w) RMSNorm in a mixture-of-experts layer"] if layer.norm.offset else []
             mlp = MOE_MLP_KEYS
@@ -142,6 +164,8 @@ def load_cuda_engine(cfg: ModelConfig, source, max_context: int, fp32_logits: bo
 
         cfg = rank_config(full, tp.rank, tp.size)
     missing = unsupported_features(cfg.definition)
+    if tp is not None and any(p.format is not None for p in cfg.definition.params()):
+        missing.append("weights stored in a weight format under --tp")
     if missing:
         raise DeviceError(f"{cfg.model_type}: the CUDA engine does not implement {', '.join(missing)} yet; "
                           "use --device cpu")

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...engine.mixers import mixer_kind
+from .projections import weight_format
 from ...errors import DeviceError
 from .moe_passes import PrefillMoe, RowsMoe
 
@@ -208,7 +209,7 @@ class FusedRowsPass(RowsPass):
     def _fused_qkv(self, w) -> bool:
         """Whether some mixer kind's fused ops launch this qkv projection themselves (the attention kind's:
         attention.KVCache.fuses_qkv); another kind's qkv is projected here."""
-        return any(getattr(st, "fuses_qkv", _never)(w) for st in self.e.states.values())
+        return weight_format(w) == "bf16" and any(getattr(st, "fuses_qkv", _never)(w) for st in self.e.states.values())
 
     def take_qkv(self):
         """The qkv projection's operands (x, w, bias, norm) that `linear` recorded instead of launching, for the

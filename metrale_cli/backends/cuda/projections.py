@@ -2,9 +2,9 @@
 
 `Projections.linear` is the rows path's projection (one launch of metrale's own GEMV kernels, capturable) and
 `Projections.gemm` / `gemm_experts` the prefill path's (cuBLAS, bf16 operands, fp32 output).  Each first asks
-`weight_format` what the weight is: today every weight is a plain bf16 device array (uint16 bits, HF layout
-[out, in]); a weight of another format (a quantized one, with its scales) adds its branch there and its kernels
-below, and no pass changes.  The lm_head's rows and the final-logit softcap are here too."""
+`weight_format` what the weight is: a plain bf16 device array (uint16 bits, HF layout [out, in]) runs the kernels
+below; a weight stored in another format (models/formats.py; a device object with a `format` name) goes to that
+format's entry in formats.py, and no pass changes.  The lm_head's rows and the final-logit softcap are here too."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import numpy as np
 
 from ...errors import DeviceError
 from .buffers import MAX_ROWS
+from .formats import cuda_format
 from .kernels.tuning import uses_tc
 
 CUDA_R_32F, CUDA_R_16BF = 0, 14
@@ -23,10 +24,13 @@ CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 
 
 def weight_format(w: Any) -> str:
-    """The format of a weight: "bf16" (a device array of bf16 bits), the only one the kernels take today.  The
-    single point where a weight of another format would be recognised and dispatched."""
+    """The format of a weight: "bf16" (a device array of bf16 bits) or the name a formatted weight carries
+    (formats.py dispatches it)."""
     if getattr(w, "dtype", None) == np.uint16:
         return "bf16"
+    name = getattr(w, "format", None)
+    if name is not None and cuda_format(name) is not None:
+        return name
     raise DeviceError(f"the CUDA engine has no projection kernels for a weight of type {type(w).__name__}")
 
 
@@ -43,7 +47,11 @@ class Projections:
         (norm_weight, eps, norm_offset) fused in the GEMV's prologue when given and, with swiglu, the gate
         activation in its epilogue (w = concat(gate, up)): the ring GEMV for one row where it fits
         (Kernels.ring_fits), else the tensor-core GEMV from GEMV_TC_MIN_ROWS rows on and the fp32-FMA GEMV below."""
-        weight_format(w)  # bf16: the kernels below
+        fmt = weight_format(w)
+        if fmt != "bf16":
+            return cuda_format(fmt).linear(self, x, w, out, bias, accumulate=accumulate, swiglu=swiglu,
+                                           norm_weight=norm_weight, eps=eps, norm_offset=norm_offset,
+                                           activation=activation)
         k, s = self.kern, self.stream
         norm = dict(norm_weight=norm_weight, eps=eps, norm_offset=norm_offset)
         m, kk = x.shape
@@ -61,7 +69,13 @@ class Projections:
     def gemm(self, x, w, bias=None, accumulate_into=None):
         """x f32[T, K] @ w.T (w bf16 bits [N, K]) -> f32 [T, N], through cuBLAS with bf16 operands.
         With accumulate_into (f32 [T, N]) the product is added to it in the GEMM (beta = 1) instead."""
-        weight_format(w)  # bf16: one cuBLAS GEMM
+        fmt = weight_format(w)
+        if fmt != "bf16":
+            return cuda_format(fmt).gemm(self, x, w, bias, accumulate_into)
+        return self.gemm_bf16(x, w, bias, accumulate_into)
+
+    def gemm_bf16(self, x, w, bias=None, accumulate_into=None):
+        """gemm for a bf16 weight: one cuBLAS GemmEx."""
         cp = self.cp
         from cupy_backends.cuda.libs import cublas
 
@@ -91,7 +105,8 @@ class Projections:
         [E, N, K]), xb bf16 bits [E*rows, K], out f32 [E*rows, N]: one cuBLAS strided batched GEMM (the
         mixture-of-experts prefill's per-expert GEMMs).  With used = [(expert, n)], one GEMM per listed
         expert over its first n rows instead (the rest of out is left unwritten)."""
-        weight_format(w)  # bf16: cuBLAS GEMMs
+        if weight_format(w) != "bf16":  # loading.unsupported_features refuses formatted experts before this
+            raise DeviceError("the CUDA MoE prefill takes bf16 expert weights only")
         cp = self.cp
         from cupy_backends.cuda.libs import cublas
 

@@ -1,0 +1,38 @@
+"""Weight formats on the GPU (models/formats.py says what each format stores and its exact value): per format,
+how the CUDA engine keeps such a weight on the device (`upload`, `concat`) and multiplies by it (`linear` on the
+rows path, capturable; `gemm` on the prefill path). `projections.weight_format` sends every weight that is not a
+plain bf16 array here; a format without an entry is refused by `--device cuda` before anything loads
+(loading.unsupported_features). The built-in entries come with the formats' kernels; `register_cuda_format` adds
+one (a test's toy format, say)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+# Param keys whose weights reach the projections (loading.unsupported_features refuses a formatted weight of any
+# other key: the MoE kernels and the embedding gather read bf16 weights directly).
+PROJECTION_KEYS = frozenset({"qkv", "o", "gate_up", "down", "router", "shared_gate_up", "shared_down", "lm_head"})
+
+
+@dataclass(frozen=True)
+class CudaFormat:
+    name: str
+    # upload(param, read, kern) -> one device weight per part: read(name) gives a stored tensor as a host array
+    upload: Callable[[Any, Callable[[str], Any], Any], list[Any]]
+    concat: Callable[[list[Any], Any], Any]  # concat(parts, cp): a fused param's parts (q, k, v -> qkv) as one weight
+    # linear(proj, x, w, out, bias, accumulate=, swiglu=, norm_weight=, eps=, norm_offset=, activation=)
+    linear: Callable[..., None]
+    gemm: Callable[..., Any]  # gemm(proj, x, w, bias, accumulate_into) -> f32 [T, N]
+
+
+_FORMATS: dict[str, CudaFormat] = {}
+
+
+def register_cuda_format(fmt: CudaFormat) -> CudaFormat:
+    _FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def cuda_format(name: str) -> CudaFormat | None:
+    return _FORMATS.get(name)
