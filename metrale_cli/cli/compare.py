@@ -33,6 +33,9 @@ def compare(
     dtype: Annotated[Optional[str], typer.Option(
         "--dtype", metavar="f32|bf16|f16", help="Dtype of a raw .bin, or of uint16 .npy/U16 data.")] = None,
     rows: Annotated[bool, typer.Option("--rows", help="Also list the statistics of every row.")] = False,
+    positions: Annotated[Optional[str], typer.Option(
+        "--positions", metavar="P,A..B",
+        help="Compare only these positions (of those both sides hold; ranges inclusive).")] = None,
     max_kl: Annotated[Optional[float], typer.Option(
         "--max-kl", metavar="X", help="Check: every row's KL(P_A || P_B) <= X.")] = None,
     max_rel_err: Annotated[Optional[float], typer.Option(
@@ -68,6 +71,9 @@ def compare(
     raw .bin (--vocab N --dtype f32|bf16|f16).
     Layer dumps (.safetensors/.npz from --dump-layers): the same error statistics per tensor in forward
     order, and the first tensor that diverges.
+    Rows pair up by position wherever both sides say which position each row is for (metrale's dumps do):
+    a forward dump against a decode dump compares the positions both hold and names the others (rows that
+    ran different tokens are refused); --positions selects among them. Without positions rows pair by index.
     With --max-kl, --max-rel-err, --min-top1 or --rtol it is a check: exit 9 when exceeded.
 
     --reference transformers --model DIR checks metrale itself: transformers (pip install
@@ -87,6 +93,7 @@ def compare(
       metrale compare --reference transformers --prompt "The for" --steps 4
       metrale compare --reference transformers --tokens "1 2 3" --layers 0,-1
     """
+    from ..align import parse_positions
     from ..compare import Tolerances, failure_message, run_compare
     from ..compare_inputs import ReadOptions
     from ..errors import DivergenceError
@@ -107,7 +114,8 @@ def compare(
     if a is None or b is None:
         raise UsageError("compare needs two files: metrale compare A B (A is the reference)")
     result = run_compare(a, b, ReadOptions(tensor, tensor_b, vocab, dtype),
-                         Tolerances(max_kl, max_rel_err, min_top1, rtol), keep_rows=rows)
+                         Tolerances(max_kl, max_rel_err, min_top1, rtol), keep_rows=rows,
+                         positions=parse_positions(positions))
     render_compare(state.out, fmt_, result)
     if result.passed is False:
         raise DivergenceError(failure_message(result))
