@@ -35,7 +35,7 @@ layer tap; the worst over all of them):
 
     pair  per-row max|Δ|/max|A|   per-row KL   top-1 agreement   layer rel err   default (rel, KL, top1, rtol)
     fp32  3.8e-6                  1.0e-10      1.0               4.7e-6          1e-3, 1e-4, 1.0, 1e-3
-    bf16  2.1e-2                  1.2e-2       0.9375            3.6e-2          1e-1, 5e-2, 0.8, 1e-1
+    bf16  2.1e-2                  1.2e-2       0.97              3.6e-2          1e-1, 5e-2, 0.8, 1e-1
 
 bf16 rounds each value by up to 2^-9 relative, and where the two sides' sums round apart by one bf16 step
 the difference propagates: ~1e-2 is a correct model's own spread. Mixtures of experts in bf16 are the
