@@ -19,6 +19,10 @@ values (numpy's default, llama.cpp's formula). Two differences from llama.cpp: i
 reference probability is below e^-16 (it stores the reference log-probs quantized to 16 bits; here they
 are exact), and its Δp is of the text's actual next token (here: of A's top token, as no text is given).
 
+Rows pair up by position wherever both sides say which position each row is for (align.py): a forward
+dump against a decode dump compares the positions both hold and names those only one side holds;
+--positions selects among the common ones. Without positions the rows pair up by index.
+
 Tolerances turn the report into a check (exit 9 on failure, errors.DivergenceError):
     --max-kl X       every row's KL(P_A || P_B) <= X
     --max-rel-err X  every row's max|Δ| / max|A| <= X
@@ -38,6 +42,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .align import RowAlignment, align_rows
 from .compare_inputs import Matrix, ReadOptions, read_input
 from .errors import InputError, UsageError
 from .layer_dumps import LayerDump
@@ -158,6 +163,7 @@ class LogitsComparison:
     exceeding_rows: int
     failures: list[str]
     row_stats: list[RowStats] | None = None  # with --rows
+    alignment: RowAlignment | None = None  # which rows of A and B were paired
     kind: str = "logits"
 
     @property
@@ -199,6 +205,7 @@ class LayerComparison:
     first_divergence: TensorComparison | None
     before_max_rel_err: float | None  # the largest rel_err before the first divergence
     failures: list[str] = field(default_factory=list)
+    alignment: RowAlignment | None = None
     kind: str = "layers"
 
     @property
@@ -222,9 +229,10 @@ class LayerComparison:
 # -- entry point ----------------------------------------------------------------------------------------------
 
 
-def run_compare(a_path: str, b_path: str, opts: ReadOptions, tol: Tolerances,
-                keep_rows: bool = False) -> LogitsComparison | LayerComparison:
-    """Read A and B and compare them: logits against logits, or layer dump against layer dump."""
+def run_compare(a_path: str, b_path: str, opts: ReadOptions, tol: Tolerances, keep_rows: bool = False,
+                positions: Sequence[int] | None = None) -> LogitsComparison | LayerComparison:
+    """Read A and B and compare them: logits against logits, or layer dump against layer dump; `positions`
+    (--positions) selects among the positions both hold."""
     opts.check()
     tol.check()
     a = read_input(a_path, "A", opts)
@@ -236,37 +244,40 @@ def run_compare(a_path: str, b_path: str, opts: ReadOptions, tol: Tolerances,
     if isinstance(a, Matrix):
         if tol.rtol is not None:
             raise UsageError("--rtol applies to layer dumps (per tensor); for logits use --max-rel-err")
-        return compare_logits(a, b, tol, keep_rows=keep_rows, a_path=a_path, b_path=b_path)
+        return compare_logits(a, b, tol, keep_rows=keep_rows, a_path=a_path, b_path=b_path, select=positions)
     if tol.logits_given:
         raise UsageError("--max-kl, --max-rel-err and --min-top1 apply to logits; for layer dumps use --rtol")
     if keep_rows:
         raise UsageError("--rows lists logits rows; for layer dumps each tensor's worst row is in the table")
-    return compare_layers(a, b, tol.rtol, a_path=a_path, b_path=b_path)
+    return compare_layers(a, b, tol.rtol, a_path=a_path, b_path=b_path, select=positions)
 
 
 # -- logits -------------------------------------------------------------------------------------------------------
 
 
 def compare_logits(a: Matrix, b: Matrix, tol: Tolerances | None = None, *, keep_rows: bool = False,
-                   a_path: str | None = None, b_path: str | None = None) -> LogitsComparison:
+                   a_path: str | None = None, b_path: str | None = None,
+                   select: Sequence[int] | None = None) -> LogitsComparison:
     tol = tol or Tolerances()
-    if a.shape != b.shape:
+    if a.shape[1] != b.shape[1]:
         raise InputError(f"A ({a.path}) is [{a.shape[0]}, {a.shape[1]}] and B ({b.path}) is "
-                         f"[{b.shape[0]}, {b.shape[1]}]: the rows or vocabularies do not match")
-    positions = _common_positions(a.positions, b.positions, a.shape[0])
-    rows = _row_stats(a.values, b.values, positions)
+                         f"[{b.shape[0]}, {b.shape[1]}]: the vocabularies do not match")
+    al = align_rows(a.shape[0], b.shape[0], a.positions, b.positions, a.tokens, b.tokens, select,
+                    (f"A ({a.path}, [{a.shape[0]}, {a.shape[1]}])", f"B ({b.path}, [{b.shape[0]}, {b.shape[1]}])"))
+    x, y = _take(a.values, al.rows_a), _take(b.values, al.rows_b)
+    rows = _row_stats(x, y, al.positions)
     finite = [r for r in rows if r.finite]
     agree = sum(r.argmax_a == r.argmax_b for r in finite)
-    mismatches = [_mismatch(a.values, b.values, r) for r in finite if r.argmax_a != r.argmax_b]
+    mismatches = [_mismatch(x, y, r) for r in finite if r.argmax_a != r.argmax_b]
     result = LogitsComparison(
-        a=_side(a_path or str(a.path), a), b=_side(b_path or str(b.path), b), rows=a.shape[0], vocab=a.shape[1],
-        overall=_pooled_error_stats(a.values, b.values, [r.row for r in finite]) if finite else None,
+        a=_side(a_path or str(a.path), a), b=_side(b_path or str(b.path), b), rows=len(rows), vocab=a.shape[1],
+        overall=_pooled_error_stats(x, y, [r.row for r in finite]) if finite else None,
         top1_agree=agree,
         top_overlap={k: float(np.mean([r.top_overlap[k] for r in finite])) if finite else math.nan
                      for k in TOP_KS},
         softmax=_softmax_stats(finite) if finite else None,
         mismatches=mismatches, nonfinite_rows=[r.row for r in rows if not r.finite], tolerances=tol,
-        first_exceeding=None, exceeding_rows=0, failures=[], row_stats=rows if keep_rows else None)
+        first_exceeding=None, exceeding_rows=0, failures=[], row_stats=rows if keep_rows else None, alignment=al)
     _apply_tolerances(result, rows)
     return result
 
@@ -275,18 +286,9 @@ def _side(path: str, m: Matrix) -> Side:
     return Side(path, m.source, m.dtype, list(m.shape))
 
 
-def _common_positions(pa: list[int] | None, pb: list[int] | None, rows: int) -> list[int] | None:
-    for p in (pa, pb):
-        if p is not None and len(p) != rows:
-            return None  # a description that does not fit the data: rows are numbered only
-    if pa is not None and pb is not None and pa != pb:
-        raise InputError(f"A's rows are for positions {_short(pa)} and B's for {_short(pb)}: "
-                         "they are not the same rows")
-    return pa if pa is not None else pb
-
-
-def _short(xs: Sequence[int], n: int = 8) -> str:
-    return "[" + ", ".join(map(str, xs[:n])) + (", ..." if len(xs) > n else "") + "]"
+def _take(values: np.ndarray, rows: list[int]) -> np.ndarray:
+    """The given rows of values (values itself when they are all of them, in order: no copy)."""
+    return values if rows == list(range(values.shape[0])) else values[rows]
 
 
 def _row_stats(a: np.ndarray, b: np.ndarray, positions: list[int] | None) -> list[RowStats]:
@@ -455,7 +457,7 @@ def failure_message(result: LogitsComparison | LayerComparison) -> str:
 
 
 def compare_layers(a: LayerDump, b: LayerDump, rtol: float | None = None, *, a_path: str | None = None,
-                   b_path: str | None = None) -> LayerComparison:
+                   b_path: str | None = None, select: Sequence[int] | None = None) -> LayerComparison:
     common = [n for n in a.tensors if n in b.tensors]
     only_a = [n for n in a.tensors if n not in b.tensors]
     only_b = [n for n in b.tensors if n not in a.tensors]
@@ -463,13 +465,16 @@ def compare_layers(a: LayerDump, b: LayerDump, rtol: float | None = None, *, a_p
         raise InputError(f"A ({a.path}) and B ({b.path}) hold no tensor of the same name "
                          f"(A: {_names(list(a.tensors))}; B: {_names(list(b.tensors))})")
     for n in common:
-        if a.tensors[n].shape != b.tensors[n].shape:
+        if a.tensors[n].shape[1:] != b.tensors[n].shape[1:] or a.tensors[n].shape[0] != a.rows or \
+                b.tensors[n].shape[0] != b.rows:
             raise InputError(f"tensor {n}: A ({a.path}) is {list(a.tensors[n].shape)} and B ({b.path}) is "
                              f"{list(b.tensors[n].shape)}")
-    rows = int(a.tensors[common[0]].shape[0])
-    positions = _common_positions(a.positions, b.positions, rows)
+    al = align_rows(int(a.rows), int(b.rows), a.positions, b.positions, a.tokens, b.tokens, select,
+                    (f"A ({a.path})", f"B ({b.path})"))
+    positions = al.positions
     limit = DEFAULT_RTOL if rtol is None else rtol
-    tensors = [_tensor_comparison(n, a.tensors[n], b.tensors[n], positions, limit) for n in common]
+    tensors = [_tensor_comparison(n, _take(a.tensors[n], al.rows_a), _take(b.tensors[n], al.rows_b), positions,
+                                  limit) for n in common]
     first = next((t for t in tensors if t.diverged), None)
     before = None
     if first is not None:
@@ -478,7 +483,7 @@ def compare_layers(a: LayerDump, b: LayerDump, rtol: float | None = None, *, a_p
     result = LayerComparison(
         Side(a_path or str(a.path), a.source, None, None, len(a.tensors)),
         Side(b_path or str(b.path), b.source, None, None, len(b.tensors)),
-        rows, positions, tensors, only_a, only_b, limit, rtol is not None, first, before)
+        len(al.rows_a), positions, tensors, only_a, only_b, limit, rtol is not None, first, before, alignment=al)
     if rtol is not None and first is not None:
         result.failures = [result.divergence_line()]
     return result

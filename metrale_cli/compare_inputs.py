@@ -119,6 +119,7 @@ def _from_safetensors(p: Path, label: str, where: str, tensor: str | None,
         dtype = f.info(tensor).dtype
         raw = f.array(tensor)
         ours = meta.get("format") == "metrale-logits" and tensor == "logits"
+        tokens = [int(t) for t in f.array("tokens").reshape(-1)] if ours and "tokens" in f.tensors else None
         kind = {"F32": "fp32", "F16": "f16", "BF16": "bf16", "F64": "f64"}.get(dtype)
         if kind is not None:
             values = raw.astype(np.float64 if kind == "f64" else np.float32)
@@ -128,7 +129,7 @@ def _from_safetensors(p: Path, label: str, where: str, tensor: str | None,
             raise InputError(f"{where}: tensor {tensor!r} has dtype {dtype}; logits are F32, BF16, F16 or F64")
     source = "metrale logits dump (.safetensors)" if ours else f"safetensors tensor {tensor!r}"
     positions = _json_list(meta.get("positions")) if ours else None
-    return Matrix(label, p, source, kind, _rows(values, where), positions)
+    return Matrix(label, p, source, kind, _rows(values, where), positions, tokens)
 
 
 def _from_npz(p: Path, label: str, where: str, tensor: str, opts: ReadOptions) -> Matrix:

@@ -7,7 +7,8 @@ order):
     model.embed_tokens         the embedding rows (after any embedding scale)
     model.layers.{i}.self_attn attention output after o_proj, before the residual add
     model.layers.{i}.mlp       MLP (or MoE) output, before the residual add
-    model.layers.{i}           the residual stream after layer i (transformers' hidden_states[i + 1])
+    model.layers.{i}           the residual stream after layer i (transformers' hidden_states[i + 1] for
+                               i < L - 1: its last entry, hidden_states[L], is after the final norm)
     model.norm                 after the final norm (transformers' hidden_states[L])
 
 Families with more points add them under their HF module names (e.g. Gemma's

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "models" / "default"
 DEVICES = ("auto", "cpu", "cuda")
+COMPUTES = ("fp32", "bf16")  # the NumPy engine's precisions; the CUDA engine computes with bf16 weights
 # owner/name, as Hugging Face spells repo ids (letters, digits, '-', '_', '.'; neither part starts with
 # '.' or '-'): a missing path of that shape was probably meant as one.
 _HUB_REPO_ID = re.compile(r"[A-Za-z0-9_][\w.-]{0,95}/[A-Za-z0-9_][\w.-]{0,95}")
@@ -69,6 +70,19 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def check_compute(compute: str | None, device: str) -> str:
+    """--compute on a resolved device: fp32 (the default) or bf16 on the CPU; bf16 only, and by default,
+    on the GPU (the CUDA engine holds bf16 weights)."""
+    if compute is not None and compute not in COMPUTES:
+        raise UsageError(f"--compute must be one of {', '.join(COMPUTES)}, got {compute!r}")
+    if device == "cuda":
+        if compute == "fp32":
+            raise UsageError("--compute fp32 runs on the CPU only: the CUDA engine computes with bf16 weights "
+                             "(--device cuda is --compute bf16; --logits-dtype fp32 still writes fp32 logits)")
+        return "bf16"
+    return compute or "fp32"
+
+
 # Names for the models shipped in the package, usable as --model/--draft-model from any directory. Their
 # directories sit beside DEFAULT_MODEL_DIR, so moving the embedded models only changes that constant.
 EMBEDDED_MODELS = ("default", "default-draft")
@@ -105,15 +119,18 @@ def hub_hint(path: str | Path | None) -> str:
 
 def open_model(path: str | Path | None = None, *, device: str = "auto", max_context: int | None = None,
                fp32_logits: bool = False, progress: Callable[[int, int], None] | None = None,
-               tp: int | None = None) -> LoadedModel:
+               tp: int | None = None, compute: str | None = None) -> LoadedModel:
     """Load config.json, the safetensors tensors and tokenizer.json, and build the engine.
 
     `max_context` sizes the KV cache (default: the model's limit, capped at 4096). `progress(done, total)`
     is called with weight bytes as they are converted or uploaded. `tp`: the model sharded over that
-    many ranks, one process each (parallel/launcher.py); this process is rank 0.
+    many ranks, one process each (parallel/launcher.py); this process is rank 0. `compute`: the NumPy
+    engine's precision, "fp32" (the reference, its default) or "bf16" (every intermediate rounded where a
+    bf16 forward rounds it); the CUDA engine is bf16 by nature and refuses "fp32" (check_compute).
     """
     t0 = time.perf_counter()
     chosen = resolve_device(device)
+    compute = check_compute(compute, chosen)
     directory = model_dir(path)
     cfg = load_config(directory)
     target = model_path(path)
@@ -131,7 +148,8 @@ def open_model(path: str | Path | None = None, *, device: str = "auto", max_cont
         if tp is not None:
             from .parallel.launcher import LoadSpec, start
 
-            spec = LoadSpec(chosen, ctx, fp32_logits, path=str(target if target.is_file() else directory))
+            spec = LoadSpec(chosen, ctx, fp32_logits, path=str(target if target.is_file() else directory),
+                            compute=compute)
             engine = start(cfg, spec, tp, source=ckpt, progress=step)
         elif chosen == "cuda":
             from .backends.cuda.loading import load_cuda_engine
@@ -140,7 +158,7 @@ def open_model(path: str | Path | None = None, *, device: str = "auto", max_cont
         else:
             from .backends.numpy.engine import load_numpy_engine
 
-            engine = load_numpy_engine(cfg, ckpt, ctx, fp32_logits, step)
+            engine = load_numpy_engine(cfg, ckpt, ctx, fp32_logits, step, compute=compute)
     except BaseException:
         ckpt.close()
         raise

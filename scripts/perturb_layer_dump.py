@@ -1,9 +1,10 @@
 """Make a deliberately perturbed copy of a metrale layer dump, to see `metrale compare` find the tensor.
 
-    python scripts/perturb_layer_dump.py a.safetensors b.safetensors model.layers.2.mlp [--scale 1e-2]
+    python scripts/perturb_layer_dump.py a.safetensors b.safetensors model.layers.2.mlp [--scale 1e-2] [--seed 0]
 
 Every tensor is copied unchanged except TENSOR, which gets Gaussian noise of `scale` times its largest
-magnitude (fresh random values each run). The copy is written through metrale's own layer-dump writer,
+magnitude (drawn with --seed, 0 by default, so the README's example output is reproducible).
+Runs from a source checkout: `pip install` does not ship scripts/. The copy is written through metrale's own layer-dump writer,
 so it keeps the positions, tokens and metadata of the original.
 """
 
@@ -24,12 +25,13 @@ def main() -> None:
     ap.add_argument("dest")
     ap.add_argument("tensor")
     ap.add_argument("--scale", type=float, default=1e-2)
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     dump = read_layer_dump(args.src)
     if args.tensor not in dump.tensors:
         raise SystemExit(f"{args.src} holds no tensor {args.tensor!r} (it holds {', '.join(dump.tensors)})")
     x = dump.tensors[args.tensor]
-    noise = np.random.default_rng().standard_normal(x.shape).astype(np.float32)
+    noise = np.random.default_rng(args.seed).standard_normal(x.shape).astype(np.float32)
     dump.tensors[args.tensor] = x + np.float32(args.scale * np.abs(x).max()) * noise
     meta = dump.metadata
     info = LayerDumpInfo(meta.get("command", "forward"), meta.get("model", "?"), dump.tokens or [],

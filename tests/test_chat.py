@@ -244,8 +244,8 @@ def test_decode_chat_json_shows_the_template_tokens(run_cli, model, fixture):
     assert [s["position"] for s in out["steps"]][0] == len(case["chat_ids"])
 
 
-@pytest.mark.parametrize("command", ["verify", "forward"])
-def test_verify_and_forward_take_chat(run_cli, model, command):
+@pytest.mark.parametrize("command", ["verify", "forward", "score"])
+def test_verify_forward_and_score_take_chat(run_cli, model, command):
     case = next(c for c in CASES if c["fixture"] == "llama3" and c["system"] is None)
     r = run_cli(command, "--model", model("llama3"), "--chat", "--prompt", case["prompt"], "--format", "json")
     assert r.exit_code == 0, r.stderr
@@ -281,7 +281,7 @@ def test_chat_errors_are_one_line(run_cli, model, args, edit, code, culprit):
     d = model("llama3")
     if edit is not None:
         edit(d)
-    for command in ("decode", "verify", "forward"):
+    for command in ("decode", "verify", "forward", "score"):
         r = run_cli(command, "--model", d, *args)
         assert r.exit_code == code, (command, r.stdout, r.stderr)
         assert len(r.stderr.splitlines()) == 1 and culprit in r.stderr, r.stderr
@@ -293,7 +293,7 @@ def test_usage_errors_come_before_the_model_is_read(run_cli, tmp_path):
     assert r.exit_code == 2 and "--system needs --chat" in r.stderr
 
 
-@pytest.mark.parametrize("command", ["decode", "verify", "forward"])
+@pytest.mark.parametrize("command", ["decode", "verify", "forward", "score", "compare"])
 def test_help_lists_the_chat_options(run_cli, command):
     r = run_cli(command, "--help", env={"COLUMNS": "200"})
     assert r.exit_code == 0
@@ -387,3 +387,18 @@ def test_live_raise_exception_message_equals_transformers(hf, model):
     with pytest.raises(InputError) as ours:
         ids_for(d, "Hello", PromptFormat(chat=True, system="Be brief."))
     assert str(ours.value).endswith(f": {theirs.value}")
+
+
+@pytest.mark.reference
+def test_compare_reference_takes_chat_and_checks_every_prompt_row(run_cli, model):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    case = next(c for c in CASES if c["fixture"] == "llama3" and c["system"])
+    r = run_cli("compare", "--reference", "transformers", "--model", model("llama3"), "--chat", "--system",
+                case["system"], "--prompt", case["prompt"], "--steps", 2, "--format", "json")
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)
+    n = len(case["chat_ids"])
+    assert doc["prompt_tokens"] == case["chat_ids"] and doc["passed"]
+    assert doc["positions"] == list(range(n + 2)) and doc["logits"]["rows"] == n + 2
+    assert [row["position"] for row in doc["logits"]["row_stats"]] == list(range(n + 2))

@@ -403,3 +403,32 @@ def test_random_model_helper_runs(run_cli, tmp_path, helpers):
     model = helpers.random_llama(tmp_path / "r", vocab=512, max_positions=64)
     doc = as_json(run_cli("decode", "-m", model, "-t", TOKENS, "--steps", 2, "-f", "json"))
     assert len(doc["steps"]) == 2
+
+
+# -- --compute -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["decode", "verify", "forward", "score"])
+def test_compute_bf16_runs_the_bf16_engine_and_says_so(run_cli, command):
+    """--compute bf16: the NumPy engine's bf16 mode, named in every format's header."""
+    from metrale_cli import decoding
+    from metrale_cli.model import open_model
+
+    args = [command, "-m", "tests/fixtures/models/gemma2", "-t", TOKENS, "--device", "cpu", "--compute", "bf16"]
+    doc = as_json(run_cli(*args, "-f", "json", "--logits-dtype", "fp32"))
+    assert doc["compute"] == "bf16" and doc["logits_dtype"] == "fp32"
+    plain = run_cli(*args, "-f", "plain")
+    assert plain.exit_code == 0 and "\ncompute: bf16\n" in plain.stdout, plain.stderr
+    if command == "forward":
+        eng = open_model("tests/fixtures/models/gemma2", device="cpu", max_context=8, fp32_logits=True,
+                         compute="bf16").engine
+        want = decoding.run_forward(eng, [1, 2, 3], all_rows=False, keep_rows=True).rows[-1].logit
+        assert doc["rows"][-1]["logit"] == pytest.approx(want, abs=1e-4)
+    fp32 = as_json(run_cli(command, "-m", "tests/fixtures/models/gemma2", "-t", TOKENS, "--device", "cpu", "-f",
+                           "json", "--logits-dtype", "fp32"))
+    assert fp32["compute"] == "fp32"
+
+
+def test_compute_takes_fp32_or_bf16(run_cli):
+    r = run_cli("decode", "--compute", "fp16", "--device", "cpu")
+    assert r.exit_code == 2 and "--compute must be one of fp32, bf16, got 'fp16'" in r.stderr

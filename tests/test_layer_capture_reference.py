@@ -42,3 +42,6 @@ def test_layers_equal_transformers_hidden_states(name):
         ref = ref[0].numpy()
         err = np.abs(got[key] - ref).max() / np.abs(ref).max()
         assert err < 1e-5, f"{name} {key}: rel err {err:.2e}"
+    # what the README says: the last layer's residual stream is not hidden_states[L] (that is after the norm)
+    last, after_norm = got[f"model.layers.{L - 1}"], hs[L][0].numpy()
+    assert np.abs(last - after_norm).max() / np.abs(after_norm).max() > 1e-2, name

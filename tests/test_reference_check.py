@@ -20,7 +20,8 @@ from metrale_cli.backends.numpy import engine as numpy_engine
 pytestmark = pytest.mark.reference
 
 FIXTURES = "tests/fixtures/models"
-KEYS = {"command", "kind", "reference", "reference_version", "model", "device", "reference_device", "dtype",
+KEYS = {"command", "kind", "reference", "reference_version", "model", "device", "compute", "logits_dtype",
+        "reference_device", "reference_dtype",
         "prompt_tokens", "steps", "positions", "reference_tokens", "metrale_tokens", "tokens_identical",
         "first_token_mismatch", "layers_selected", "tolerances", "logits", "layers", "passed", "failures"}
 
@@ -49,13 +50,15 @@ def test_metrale_agrees_with_transformers(needs_transformers, run_cli, model):
     assert r.exit_code == 0, (r.stdout, r.stderr)
     assert set(doc) == KEYS
     assert doc["kind"] == "reference" and doc["passed"] is True and doc["failures"] == []
-    assert doc["prompt_tokens"] == prompt and doc["positions"] == list(range(5, 9))
+    assert doc["prompt_tokens"] == prompt and doc["positions"] == list(range(9))  # every prompt and step row
     assert doc["tokens_identical"] and doc["metrale_tokens"] == doc["reference_tokens"]
     assert len(doc["reference_tokens"]) == 3
+    assert (doc["device"], doc["compute"], doc["logits_dtype"]) == ("cpu", "fp32", "fp32")
+    assert (doc["reference_device"], doc["reference_dtype"]) == ("cpu", "fp32")
     lg = doc["logits"]
-    assert lg["rows"] == 4 and lg["top1"]["agree"] == 4
+    assert lg["rows"] == 9 and lg["top1"]["agree"] == 9
     assert lg["overall"]["rel_err"] < 1e-4
-    assert [row["argmax_a"] for row in lg["row_stats"][:3]] == doc["reference_tokens"]
+    assert [row["argmax_a"] for row in lg["row_stats"][5:8]] == doc["reference_tokens"]
     layers = doc["layers"]
     names = [t["name"] for t in layers["tensors"]]
     L = load_config(model_dir(model)).num_hidden_layers
@@ -151,3 +154,69 @@ def test_help_reference_examples_run(needs_transformers, run_cli, tmp_path, monk
     for line in lines:
         r = run_cli(*shlex.split(line)[1:])
         assert r.exit_code == 0 and "passed" in r.stdout, (line, r.stdout, r.stderr)
+
+
+# -- precision: like with like ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", ["default", f"{FIXTURES}/gemma2", f"{FIXTURES}/gemma3_text", f"{FIXTURES}/qwen3",
+                                   f"{FIXTURES}/phi3"])
+def test_bf16_compute_passes_with_its_default_tolerances(needs_transformers, run_cli, model):
+    """metrale's bf16 compute against transformers' bf16 forward, on dense models where the two round apart
+    (by ~1e-2, scripts/measure_reference_margins.py): within the default bf16 tolerances, no option given.
+    Seeded prompts: a mixture of experts in bf16 may route a near tie differently (reference_check.py)."""
+    from metrale_cli.config import load_config
+    from metrale_cli.model import model_dir
+    from metrale_cli.reference_check import DEFAULT_TOLERANCES
+
+    prompt = np.random.default_rng(0).integers(0, load_config(model_dir(model)).vocab_size, 6).tolist()
+    r = run_cli("compare", "--reference", "transformers", "--model", model, "--tokens", " ".join(map(str, prompt)),
+                "--steps", "3", "--format", "json", "--compute", "bf16", "--layers", "all")
+    doc = json.loads(r.stdout) if r.stdout.strip() else None
+    assert r.exit_code == 0, (r.stdout, r.stderr)
+    assert (doc["compute"], doc["logits_dtype"], doc["reference_dtype"], doc["reference_device"]) == \
+        ("bf16", "bf16", "bf16", "cpu")
+    t = DEFAULT_TOLERANCES["bf16"]
+    assert doc["tolerances"] == {"max_kl": t.max_kl, "max_rel_err": t.max_rel_err, "min_top1": t.min_top1,
+                                 "rtol": t.rtol}
+    assert doc["logits"]["rows"] == 9 and doc["passed"]
+
+
+def test_logits_dtype_bf16_pairs_bf16_compute_and_says_so(needs_transformers, run_cli):
+    r = run_cli("compare", "--reference", "transformers", "--tokens", "4 5 6", "--steps", "2", "--logits-dtype",
+                "bf16", "--format", "plain")
+    assert r.exit_code == 0, r.stderr
+    assert "reference: transformers " in r.stdout
+    assert ": bf16 weights, compute and logits, on cpu\n" in r.stdout
+    assert "metrale: bf16 weights and compute, bf16 logits, on cpu\n" in r.stdout
+
+
+@pytest.mark.parametrize("device, compute, logits, expected", [
+    ("cpu", None, None, ("fp32", "fp32", "fp32", "cpu")),
+    ("cpu", None, "bf16", ("bf16", "bf16", "bf16", "cpu")),
+    ("cpu", "bf16", None, ("bf16", "bf16", "bf16", "cpu")),
+    ("cpu", "bf16", "fp32", ("bf16", "fp32", "bf16", "cpu")),
+    ("cpu", "fp32", "bf16", ("fp32", "bf16", "fp32", "cpu")),
+    ("cuda", None, None, ("bf16", "bf16", "bf16", "cuda")),
+    ("cuda", None, "fp32", ("bf16", "fp32", "bf16", "cuda")),
+])
+def test_precision_pairs_like_with_like(device, compute, logits, expected):
+    from metrale_cli.reference_check import pair_precision
+
+    p = pair_precision(device, compute, logits)
+    assert (p.compute, p.logits, p.reference, p.reference_device) == expected
+    assert p.tolerance_key == ("fp32" if expected[:2] == ("fp32", "fp32") else "bf16")
+
+
+def test_cuda_refuses_fp32_compute():
+    from metrale_cli.errors import UsageError
+    from metrale_cli.model import check_compute
+    from metrale_cli.reference_check import pair_precision
+
+    with pytest.raises(UsageError, match="the CUDA engine computes with bf16 weights"):
+        check_compute("fp32", "cuda")
+    with pytest.raises(UsageError, match="the CUDA engine computes with bf16 weights"):
+        pair_precision("cuda", "fp32", None)
+    assert check_compute(None, "cuda") == "bf16" and check_compute(None, "cpu") == "fp32"
+    with pytest.raises(UsageError, match="--compute must be one of fp32, bf16"):
+        check_compute("fp16", "cpu")

@@ -13,8 +13,9 @@ from ..render.compare import render_compare
 from ..render.reference import render_reference_check
 from .entry import State, app
 from .help_format import MetraleCommand
-from .job import load, prepare
-from .options import Common, FormatOpt, ModelOpt, PromptOpt, TokensOpt
+from .job import load, prepare, text_file_prompt
+from .options import (ChatOpt, Common, ComputeOpt, FormatOpt, ModelOpt, NoSpecialTokensOpt, PromptOpt, SystemOpt,
+                      TextFileOpt, TokensOpt)
 
 
 @app.command(cls=MetraleCommand)
@@ -33,6 +34,9 @@ def compare(
     dtype: Annotated[Optional[str], typer.Option(
         "--dtype", metavar="f32|bf16|f16", help="Dtype of a raw .bin, or of uint16 .npy/U16 data.")] = None,
     rows: Annotated[bool, typer.Option("--rows", help="Also list the statistics of every row.")] = False,
+    positions: Annotated[Optional[str], typer.Option(
+        "--positions", metavar="P,A..B",
+        help="Compare only these positions (of those both sides hold; ranges inclusive).")] = None,
     max_kl: Annotated[Optional[float], typer.Option(
         "--max-kl", metavar="X", help="Check: every row's KL(P_A || P_B) <= X.")] = None,
     max_rel_err: Annotated[Optional[float], typer.Option(
@@ -48,6 +52,10 @@ def compare(
     model: ModelOpt = None,
     prompt: PromptOpt = None,
     tokens: TokensOpt = None,
+    text_file: TextFileOpt = None,
+    chat: ChatOpt = False,
+    system: SystemOpt = None,
+    no_special_tokens: NoSpecialTokensOpt = False,
     steps: Annotated[Optional[int], typer.Option(
         "--steps", "-n", metavar="N", help="With --reference: greedy tokens compared after the prompt (default 8).")] = None,
     layers: Annotated[Optional[str], typer.Option(
@@ -55,7 +63,10 @@ def compare(
     device: Annotated[Optional[str], typer.Option(
         "--device", metavar="cpu|cuda", help="With --reference: where metrale runs (default cpu).")] = None,
     logits_dtype: Annotated[Optional[str], typer.Option(
-        "--logits-dtype", metavar="fp32|bf16", help="With --reference: both sides' dtype (default fp32).")] = None,
+        "--logits-dtype", metavar="fp32|bf16",
+        help="With --reference: metrale's logits dtype; bf16 also pairs bf16 compute on both sides "
+             "(default: the compute's).")] = None,
+    compute: ComputeOpt = None,
     fmt: FormatOpt = None,
 ) -> None:
     """Compare two logits dumps or two layer dumps; A is the reference.
@@ -68,6 +79,9 @@ def compare(
     raw .bin (--vocab N --dtype f32|bf16|f16).
     Layer dumps (.safetensors/.npz from --dump-layers): the same error statistics per tensor in forward
     order, and the first tensor that diverges.
+    Rows pair up by position wherever both sides say which position each row is for (metrale's dumps do):
+    a forward dump against a decode dump compares the positions both hold and names the others (rows that
+    ran different tokens are refused); --positions selects among them. Without positions rows pair by index.
     With --max-kl, --max-rel-err, --min-top1 or --rtol it is a check: exit 9 when exceeded.
 
     --reference transformers --model DIR checks metrale itself: transformers (pip install
@@ -75,10 +89,16 @@ def compare(
     tokens teacher-forced (one forward, so an early difference does not cascade), and the prompt's last row
     and the N step rows are compared as above (A = transformers, B = metrale), with each row's argmax and
     whether metrale's greedy tokens are transformers'. --layers also compares those layers' taps with
-    transformers' hidden_states and module outputs, naming the first diverging one. fp32 on both sides by
-    default; --logits-dtype bf16 runs both in bf16 (with --device cuda: metrale's GPU engine).
-    transformers always runs on the CPU. It is a check by default (exit 9 beyond it): fp32 rel err 1e-3,
-    KL 1e-4, every argmax agrees, layers --rtol 1e-3; bf16 5e-2, 1e-2, 0.9, 5e-2; the options override.
+    transformers' hidden_states and module outputs, naming the first diverging one. The prompt options
+    are decode's (--prompt, --tokens, --chat, --system, --no-special-tokens) and --text-file.
+    Like with like: fp32 on both sides on the CPU by default; --compute bf16 (or --logits-dtype bf16) runs
+    metrale's bf16 compute against transformers in bf16; --device cuda runs metrale's GPU engine against
+    transformers in bf16 on the GPU (on the CPU when torch sees no GPU). The header says what each side
+    computed. It is a check by default (exit 9 beyond it), with tolerances set from the worst a correct
+    model measured (scripts/measure_reference_margins.py: the embedded model and 19 fixture families):
+    fp32 rel err 1e-3, KL 1e-4, every argmax agrees, layers --rtol 1e-3 (measured 3.8e-6, 1.0e-10, 1.0,
+    4.7e-6); bf16 1e-1, 5e-2, 0.8, 1e-1 (measured 2.1e-2, 1.2e-2, 0.97, 3.6e-2; a mixture of experts in
+    bf16 can route a near tie to another expert and fail: check it in fp32). The options override.
 
     Examples:
       metrale compare ref.safetensors mine.npy --dtype bf16
@@ -87,27 +107,30 @@ def compare(
       metrale compare --reference transformers --prompt "The for" --steps 4
       metrale compare --reference transformers --tokens "1 2 3" --layers 0,-1
     """
+    from ..align import parse_positions
     from ..compare import Tolerances, failure_message, run_compare
     from ..compare_inputs import ReadOptions
     from ..errors import DivergenceError
 
     state: State = ctx.obj
     fmt_ = choose_format(fmt, state.out)
-    given = {"--model": model, "--prompt": prompt, "--tokens": tokens, "--steps": steps, "--layers": layers,
-             "--device": device, "--logits-dtype": logits_dtype}
+    given = {"--model": model, "--prompt": prompt, "--tokens": tokens, "--text-file": text_file, "--steps": steps,
+             "--layers": layers, "--device": device, "--logits-dtype": logits_dtype, "--compute": compute,
+             "--system": system, "--chat": chat or None, "--no-special-tokens": no_special_tokens or None}
     if reference is not None:
         if a is not None or b is not None:
             raise UsageError("--reference runs the comparison itself: give --model, not files A and B")
-        return _reference_check(ctx, reference, Common(model, prompt, tokens, device or "cpu", logits_dtype or "fp32",
-                                                       fmt, None, False, None, False, None),
-                                steps, layers, Tolerances(max_kl, max_rel_err, min_top1, rtol))
+        c = Common(model, text_file_prompt(text_file, prompt, tokens), tokens, device or "cpu", logits_dtype or "",
+                   fmt, None, False, None, False, None, chat, system, no_special_tokens, compute)
+        return _reference_check(ctx, reference, c, steps, layers, Tolerances(max_kl, max_rel_err, min_top1, rtol))
     extra = [name for name, value in given.items() if value is not None]
     if extra:
         raise UsageError(f"{', '.join(extra)} go with --reference transformers (comparing two files needs none)")
     if a is None or b is None:
         raise UsageError("compare needs two files: metrale compare A B (A is the reference)")
     result = run_compare(a, b, ReadOptions(tensor, tensor_b, vocab, dtype),
-                         Tolerances(max_kl, max_rel_err, min_top1, rtol), keep_rows=rows)
+                         Tolerances(max_kl, max_rel_err, min_top1, rtol), keep_rows=rows,
+                         positions=parse_positions(positions))
     render_compare(state.out, fmt_, result)
     if result.passed is False:
         raise DivergenceError(failure_message(result))
@@ -118,13 +141,17 @@ def _reference_check(ctx: typer.Context, reference: str, c: Common, steps: int |
     """compare --reference: check the options, load metrale's engine, run the check, render, exit 9 if it failed."""
     from ..errors import DivergenceError
     from ..layer_dumps import parse_layers
-    from ..reference_check import DEFAULT_STEPS, REFERENCES, check_reference, divergence_message, import_reference
+    from ..model import resolve_device
+    from ..reference_check import (DEFAULT_STEPS, REFERENCES, check_reference, divergence_message, import_reference,
+                                   pair_precision)
 
     if reference not in REFERENCES:
         raise UsageError(f"--reference takes {', '.join(REFERENCES)}, got {reference!r}")
     steps = DEFAULT_STEPS if steps is None else steps
     check_positive(steps, "--steps")
     tol.check()
+    precision = pair_precision(resolve_device(c.device), c.compute, c.logits_dtype or None)
+    c.logits_dtype, c.compute = precision.logits, precision.compute
     import_reference()  # a missing extra fails before anything is loaded
     job = prepare(ctx.obj, c)
     chosen = parse_layers(layers, job.spec.config.num_hidden_layers) if layers is not None else None
@@ -133,8 +160,8 @@ def _reference_check(ctx: typer.Context, reference: str, c: Common, steps: int |
     target = load(job, job.spec, kv)
     try:
         result = check_reference(target.engine, target.config, directory=job.spec.directory, model=job.spec.label,
-                                 device=target.device, dtype=c.logits_dtype, prompt=job.ids, steps=steps,
-                                 layers=chosen, tolerances=tol, reference=reference)
+                                 precision=precision, prompt=job.ids, steps=steps, layers=chosen, tolerances=tol,
+                                 reference=reference)
     finally:
         target.close()
     render_reference_check(ctx.obj.out, job.fmt, result)

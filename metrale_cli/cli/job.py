@@ -16,7 +16,7 @@ from rich.console import Console
 from ..dumps import HIDDEN_KINDS, DumpInfo, DumpTarget, check_dump_path, write_hidden, write_logits
 from ..errors import NonFiniteLogitsError, UsageError
 from ..inputs import ModelSpec, check_positive, check_prompt_format, read_model_spec, resolve_prompt
-from ..model import LoadedModel, open_model, resolve_device
+from ..model import LoadedModel, check_compute, open_model, resolve_device
 from ..render.common import Meta, choose_format, load_progress
 from .entry import State
 from .options import Common, LayerOptions
@@ -34,6 +34,7 @@ class Job:
     fmt: str
     fp32: bool
     device: str
+    compute: str  # the engine's precision on that device: fp32 | bf16
     spec: ModelSpec
     ids: list[int]
     prompt_text: str | None
@@ -51,7 +52,7 @@ class Job:
         return self.common.hidden or self.hidden_dump is not None
 
     def meta(self, command: str, model: LoadedModel, **extra: Any) -> Meta:
-        return Meta(command, self.spec.label, model.device, "fp32" if self.fp32 else "bf16", self.fmt,
+        return Meta(command, self.spec.label, model.device, "fp32" if self.fp32 else "bf16", self.fmt, self.compute,
                     prompt=self.prompt_text, has_tokenizer=model.tokenizer is not None,
                     timings=self.common.timings, **extra)
 
@@ -74,6 +75,7 @@ def prepare(state: State, c: Common) -> Job:
         check_positive(c.max_context, "--max-context")
     layers_dump = _check_layer_options(c.layers)
     device = resolve_device(c.device)
+    compute = check_compute(c.compute, device)
     spec = read_model_spec(c.model)
     if c.tp is not None:
         check_tensor_parallel(c.tp, device, spec.config)
@@ -83,8 +85,19 @@ def prepare(state: State, c: Common) -> Job:
         parse_layers(c.layers.select, spec.config.num_hidden_layers)  # a bad index fails before any load
     ids, text = resolve_prompt(spec, c.prompt, c.tokens, lambda: typer.get_text_stream("stdin").read(),
                                c.prompt_format)
-    return Job(state, c, fmt, c.logits_dtype == "fp32", device, spec, ids, text, logits_dump, hidden_dump,
-               layers_dump)
+    return Job(state, c, fmt, c.logits_dtype == "fp32", device, compute, spec, ids, text, logits_dump,
+               hidden_dump, layers_dump)
+
+
+def text_file_prompt(text_file: str | None, prompt: str | None, tokens: str | None) -> str | None:
+    """--text-file F read as the --prompt text (score, compare --reference); else --prompt as given."""
+    if text_file is None:
+        return prompt
+    if prompt is not None or tokens is not None:
+        raise UsageError("--text-file, --prompt and --tokens are exclusive: give one of them")
+    from ..scoring import read_text_file
+
+    return read_text_file(text_file, lambda: typer.get_text_stream("stdin").read())
 
 
 def check_tensor_parallel(tp: int, device: str, cfg: Any) -> None:
@@ -129,7 +142,7 @@ def _tap_layer(name: str) -> int | None:
 def load(job: Job, spec: ModelSpec, ctx: int, tp: int | None = None) -> LoadedModel:
     with load_progress(job.state.err, spec.label) as progress:
         return open_model(spec.path, device=job.device, max_context=ctx, fp32_logits=job.fp32,
-                          progress=progress, tp=tp)
+                          progress=progress, tp=tp, compute=job.compute)
 
 
 def write_dumps(job: Job, command: str, rows, hidden_rows, tokens: list[int], positions: list[int],

@@ -36,9 +36,16 @@ SystemOpt = Annotated[Optional[str], typer.Option(
     "--system", metavar="TEXT", help="With --chat: a system message before the prompt.")]
 NoSpecialTokensOpt = Annotated[bool, typer.Option(
     "--no-special-tokens", help="Encode --prompt without the tokenizer's added BOS/template tokens.")]
+TextFileOpt = Annotated[Optional[str], typer.Option(
+    "--text-file", metavar="F", help="The text of file F as the prompt (UTF-8; '-' reads stdin).")]
 DeviceOpt = Annotated[str, typer.Option("--device", metavar="auto|cpu|cuda", help="Where to run.")]
 LogitsDtypeOpt = Annotated[str, typer.Option(
     "--logits-dtype", metavar="bf16|fp32", help="Dtype of the logits rows the engine writes.")]
+ComputeOpt = Annotated[Optional[str], typer.Option(
+    "--compute", metavar="fp32|bf16",
+    help="The CPU engine's precision: fp32 (default, the reference) or bf16 (weights, activations and KV cache "
+         "rounded to bf16 where transformers' bf16 forward rounds them, to check a bf16 engine like with like). "
+         "--device cuda computes in bf16 (its weights are bf16) and refuses fp32.")]
 FormatOpt = Annotated[Optional[str], typer.Option(
     "--format", "-f", metavar="rich|plain|json", help="Output format (default: rich on a terminal, else plain).")]
 DumpLogitsOpt = Annotated[Optional[str], typer.Option(
@@ -90,6 +97,7 @@ class Common:
     chat: bool = False
     system: str | None = None
     no_special_tokens: bool = False
+    compute: str | None = None  # --compute; None: the device's own (fp32 on the CPU, bf16 on the GPU)
     layers: "LayerOptions | None" = None
     tp: int | None = None  # --tp N: ranks of tensor parallelism (None: the plain one-process engine)
 
@@ -116,7 +124,8 @@ def _pass_head(model: ModelOpt = None, prompt: PromptOpt = None, tokens: TokensO
     """The shared options before a pass command's own (only this signature is used)."""
 
 
-def _pass_tail(device: DeviceOpt = "auto", logits_dtype: LogitsDtypeOpt = "bf16", fmt: FormatOpt = None,
+def _pass_tail(device: DeviceOpt = "auto", logits_dtype: LogitsDtypeOpt = "bf16", compute: ComputeOpt = None,
+               fmt: FormatOpt = None,
                dump_logits: DumpLogitsOpt = None, hidden: HiddenOpt = False, dump_hidden: DumpHiddenOpt = None,
                dump_layers: DumpLayersOpt = None, layers: LayersOpt = None, dump_stats: DumpStatsOpt = False,
                timings: TimingsOpt = False, max_context: MaxContextOpt = None, tp: TpOpt = None) -> None:

@@ -9,8 +9,9 @@ from ..errors import UsageError
 from ..render.score import render_score
 from .entry import app
 from .help_format import MetraleCommand
-from .job import load, prepare, token_text
-from .options import Common, DeviceOpt, FormatOpt, MaxContextOpt, ModelOpt, PromptOpt, TimingsOpt, TokensOpt
+from .job import load, prepare, text_file_prompt, token_text
+from .options import (ChatOpt, Common, ComputeOpt, DeviceOpt, FormatOpt, MaxContextOpt, ModelOpt, NoSpecialTokensOpt,
+                      PromptOpt, SystemOpt, TextFileOpt, TimingsOpt, TokensOpt)
 
 
 @app.command(cls=MetraleCommand)
@@ -19,8 +20,10 @@ def score(
     model: ModelOpt = None,
     prompt: PromptOpt = None,
     tokens: TokensOpt = None,
-    text_file: Annotated[Optional[str], typer.Option(
-        "--text-file", metavar="F", help="Score the text of file F (UTF-8; '-' reads stdin).")] = None,
+    text_file: TextFileOpt = None,
+    chat: ChatOpt = False,
+    system: SystemOpt = None,
+    no_special_tokens: NoSpecialTokensOpt = False,
     top_k: Annotated[int, typer.Option("--top-k", "-k", metavar="K", help="Alternatives shown per token.")] = 3,
     chunk: Annotated[Optional[int], typer.Option(
         "--chunk", metavar="N", help="Tokens per window (default: the whole text, at most the context).")] = None,
@@ -29,6 +32,7 @@ def score(
     device: DeviceOpt = "auto",
     logits_dtype: Annotated[str, typer.Option(
         "--logits-dtype", metavar="bf16|fp32", help="Dtype of the logits rows scored (fp32: exact).")] = "fp32",
+    compute: ComputeOpt = None,
     fmt: FormatOpt = None,
     timings: TimingsOpt = False,
     max_context: MaxContextOpt = None,
@@ -46,15 +50,13 @@ def score(
       metrale score --text-file notes.txt --chunk 512 --stride 256 --format json
       metrale score --tokens "1 2 3 4 5" --model path/to/checkpoint --top-k 5
     """
-    from ..scoring import choose_chunk, read_text_file, run_score
+    from ..scoring import choose_chunk, run_score
 
-    if text_file is not None and (prompt is not None or tokens is not None):
-        raise UsageError("--text-file, --prompt and --tokens are exclusive: give one of them")
     if top_k < 0:
         raise UsageError(f"--top-k must be 0 or more, got {top_k}")
-    if text_file is not None:
-        prompt = read_text_file(text_file, lambda: typer.get_text_stream("stdin").read())
-    c = Common(model, prompt, tokens, device, logits_dtype, fmt, None, False, None, timings, max_context)
+    prompt = text_file_prompt(text_file, prompt, tokens)
+    c = Common(model, prompt, tokens, device, logits_dtype, fmt, None, False, None, timings, max_context,
+               chat, system, no_special_tokens, compute)
     job = prepare(ctx.obj, c)
     n_chunk, n_stride, kv = choose_chunk(job.spec.config, job.spec.label, len(job.ids), chunk, stride, max_context)
     target = load(job, job.spec, kv)

@@ -59,6 +59,7 @@ class LoadSpec:
     path: str | None = None  # a checkpoint (directory or file), or
     config: Any = None  # a ModelConfig with random weights (RandomTensors(config, seed))
     seed: int = 0
+    compute: str = "fp32"  # the NumPy engine's precision (the CUDA engine is bf16)
 
     def source(self):
         if self.path is not None:
@@ -135,7 +136,8 @@ def _load(cfg, spec: LoadSpec, group: ParallelRank, source, progress):
         return load_cuda_engine(cfg, source, spec.max_context, spec.fp32_logits, progress, tp=group)
     from ..backends.numpy.engine import load_numpy_engine
 
-    return load_numpy_engine(cfg, source, spec.max_context, spec.fp32_logits, progress, tp=group)
+    return load_numpy_engine(cfg, source, spec.max_context, spec.fp32_logits, progress, tp=group,
+                             compute=spec.compute)
 
 
 class Workers:

@@ -34,7 +34,8 @@ escapes, and every other invisible character as \\uXXXX); rich prints it after t
 newlines, and on a terminal streams it while decoding; JSON holds it raw.
 
 JSON keys (decode, verify and forward objects start with "command", "model" (the --model path as given,
-or "default"), "device" ("cpu"|"cuda") and "logits_dtype" ("bf16"|"fp32"); "hidden" appears only with
+or "default"), "device" ("cpu"|"cuda"), "compute" ("fp32"|"bf16": the engine's precision) and "logits_dtype"
+("bf16"|"fp32"); "hidden" appears only with
 --hidden or --dump-hidden, "timings" only with --timings; positions are 0-based):
 
 decode   {"prompt": text|null, "prompt_tokens": [ids],
@@ -85,7 +86,9 @@ bench    {"preset", "device", "context", "params", "streamed_bytes", "kv_bytes",
           with it, "figures" are the first path's)
 
 compare (logits)  {"command": "compare", "kind": "logits", "a"/"b": {"path", "source", "dtype", "shape"},
-          "rows", "vocab", "overall": {"max_abs_diff", "max_abs_a", "rel_err", "nmse", "cosine", "rel_diff"}
+          "rows" (compared), "only_a_positions", "only_b_positions" (positions one side holds and the other
+          not: rows pair up by position), "positions_selected" (--positions), "vocab",
+          "overall": {"max_abs_diff", "max_abs_a", "rel_err", "nmse", "cosine", "rel_diff"}
           (null when no row is finite on both sides), "top1": {"agree", "rows", "rate"}, "top5_overlap",
           "top10_overlap", "softmax": {"kl_mean", "kl_max", "kl_percentiles": {"99.9", "99", "95", "90", "50",
           "10", "5", "1", "0.1"}, "kl_min", "dp_mean", "dp_max", "dp_percentiles": {"99.9", "99", "95", "90",
@@ -98,13 +101,14 @@ compare (logits)  {"command": "compare", "kind": "logits", "a"/"b": {"path", "so
           "row_stats": [{"row", "position", "finite", "max_abs_diff", "max_abs_a", "rel_err", "nmse", "cosine",
           "rel_diff", "argmax_a", "argmax_b", "top5_overlap", "top10_overlap", "kl", "dp"}] (only with --rows)}
 compare (layers)  {"command": "compare", "kind": "layers", "a"/"b": {"path", "source", "tensors"}, "rows",
+          "only_a_positions", "only_b_positions", "positions_selected" (as for logits),
           "positions": [ints]|null, "tensors": [{"name", "shape", "max_abs_diff", "max_abs_a", "rel_err", "nmse",
           "cosine", "rel_diff", "worst_row", "worst_position", "nonfinite_mismatch", "diverged"}] (forward order),
           "only_in_a", "only_in_b", "rtol", "rtol_is_check", "first_divergence": {"name", "rel_err",
           "before_max_rel_err"}|null, "summary": the first-divergence line, "passed": bool|null, "failures"}
           Error statistics, KL and Δp are %.3e (4 significant digits), cosine %.8f, overlaps and rates %.4f,
           same_top_p_pct %.3f; positions are null for inputs that do not record them.
-score     {"command", "model", "device", "logits_dtype", "prompt": text|null (null with --text-file),
+score     {"command", "model", "device", "compute", "logits_dtype", "prompt": text|null (null with --text-file),
           "text_file": path|null, "prompt_tokens": [ids], "chunk", "stride",
           "windows": [{"start", "end", "first_scored"}],
           "scored": [{"position", "token", "text", "logprob", "prob", "rank",

@@ -54,6 +54,7 @@ class Meta:
     device: str
     logits_dtype: str
     fmt: str
+    compute: str = "fp32"  # the engine's precision (the CUDA engine: bf16)
     prompt: str | None = None  # prompt text, when the tokens came from --prompt
     has_tokenizer: bool = False
     top_k: int = 0
@@ -61,7 +62,7 @@ class Meta:
     draft_model: str | None = None
 
     def json_head(self) -> dict[str, Any]:
-        return {"command": self.command, "model": self.model, "device": self.device,
+        return {"command": self.command, "model": self.model, "device": self.device, "compute": self.compute,
                 "logits_dtype": self.logits_dtype}
 
     def pass_json_head(self, prompt_tokens: list[int]) -> dict[str, Any]:
@@ -103,6 +104,7 @@ def plain_head(console: Console, meta: Meta, prompt_tokens: list[int]) -> None:
     if meta.draft_model is not None:
         write(console, f"draft_model: {meta.draft_model}")
     write(console, f"device: {meta.device}")
+    write(console, f"compute: {meta.compute}")
     write(console, f"logits_dtype: {meta.logits_dtype}")
     if meta.prompt is not None:
         write(console, f"prompt: {escape_text(meta.prompt)}")
@@ -116,7 +118,7 @@ def rich_head(console: Console, meta: Meta, prompt_tokens: list[int]) -> None:
     grid.add_row("model", Text(meta.model))
     if meta.draft_model is not None:
         grid.add_row("draft model", Text(meta.draft_model))
-    grid.add_row("device", f"{meta.device}, logits {meta.logits_dtype}")
+    grid.add_row("device", f"{meta.device}, {meta.compute} compute, logits {meta.logits_dtype}")
     if meta.prompt is not None:
         grid.add_row("prompt", Text(escape_text(meta.prompt)))
     grid.add_row("prompt tokens", Text(f"{' '.join(map(str, prompt_tokens))} ({len(prompt_tokens)})"))

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from ..align import describe
 from .common import dump_json, f4, num, write
 
 
@@ -49,8 +50,11 @@ def _where(row: int, position: int | None) -> str:
 
 
 def compare_json(r: Any) -> dict[str, Any]:
+    al = r.alignment
     doc: dict[str, Any] = {"command": "compare", "kind": r.kind, "a": _side_json(r.a), "b": _side_json(r.b),
-                           "rows": r.rows}
+                           "rows": r.rows, "only_a_positions": list(al.only_a) if al else [],
+                           "only_b_positions": list(al.only_b) if al else [],
+                           "positions_selected": bool(al and al.selected)}
     if r.kind == "layers":
         return _layers_json(doc, r)
     t = r.tolerances
@@ -107,6 +111,12 @@ def _layers_json(doc: dict[str, Any], r: Any) -> dict[str, Any]:
         "summary": r.divergence_line(), "passed": r.passed, "failures": list(r.failures),
     })
     return doc
+
+
+def _alignment_line(r: Any) -> str | None:
+    """Which positions were compared, when some rows of A or B were not (else None: every row was)."""
+    al = r.alignment
+    return None if al is None or not al.partial else f"alignment: {describe(al)}"
 
 
 def render_compare(console: Console, fmt: str, r: Any) -> None:
@@ -186,6 +196,7 @@ def plain_logits_compare(c: Console, r: Any) -> None:
     write(c, f"a: {_side_text(r.a)}")
     write(c, f"b: {_side_text(r.b)}")
     write(c, f"kind: logits, rows: {r.rows}, vocab: {r.vocab}")
+    _plain_alignment(c, r)
     write(c, "")
     for key, value in _logits_summary(r):
         write(c, f"{key}: {value}")
@@ -206,9 +217,22 @@ def plain_logits_compare(c: Console, r: Any) -> None:
     write(c, f"check: {_check_text(r, _LOGITS_HINT)}")
 
 
-def rich_logits_compare(c: Console, r: Any) -> None:
+def _plain_alignment(c: Console, r: Any) -> None:
+    line = _alignment_line(r)
+    if line is not None:
+        write(c, line)
+
+
+def _rich_sides(c: Console, r: Any) -> None:
     c.print(Text(f"A (reference): {_side_text(r.a)}"))
     c.print(Text(f"B: {_side_text(r.b)}"))
+    line = _alignment_line(r)
+    if line is not None:
+        c.print(Text(line, style="yellow"))
+
+
+def rich_logits_compare(c: Console, r: Any) -> None:
+    _rich_sides(c, r)
     e = r.overall
     if e is not None:
         c.print(_rich_grid(f"logits: {r.rows} rows x {r.vocab}, over every value",
@@ -279,6 +303,7 @@ def plain_layers(c: Console, r: Any) -> None:
     write(c, f"b: {_side_text(r.b)}")
     write(c, f"kind: layers, rows: {r.rows}, tensors compared: {len(r.tensors)}")
     write(c, f"positions: {' '.join(map(str, r.positions)) if r.positions is not None else 'n/a'}")
+    _plain_alignment(c, r)
     write(c, "")
     _plain_table(c, _LAYER_HEAD, [_layer_cells(t) for t in r.tensors], first_left=True)
     write(c, "")
@@ -289,8 +314,7 @@ def plain_layers(c: Console, r: Any) -> None:
 
 
 def rich_layers(c: Console, r: Any) -> None:
-    c.print(Text(f"A (reference): {_side_text(r.a)}"))
-    c.print(Text(f"B: {_side_text(r.b)}"))
+    _rich_sides(c, r)
     t = Table(title=f"layer dumps: {r.rows} rows, {len(r.tensors)} tensors in forward order", title_justify="left",
               box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
     for i, h in enumerate(["tensor", "shape", "max|A-B|", "rel err", "cosine", "worst row"]):

@@ -14,10 +14,11 @@ from .compare import compare_json, plain_layers, plain_logits_compare, rich_laye
 
 def reference_check_json(r: Any) -> dict[str, Any]:
     """compare --reference's JSON: the run, then compare's logits (with row_stats) and layers objects."""
-    t = r.tolerances
+    t, p = r.tolerances, r.precision
     return {"command": "compare", "kind": "reference", "reference": r.reference,
-            "reference_version": r.reference_version, "model": r.model, "device": r.device,
-            "reference_device": "cpu", "dtype": r.dtype, "prompt_tokens": list(r.prompt_tokens), "steps": r.steps,
+            "reference_version": r.reference_version, "model": r.model, "device": p.device, "compute": p.compute,
+            "logits_dtype": p.logits, "reference_device": p.reference_device, "reference_dtype": p.reference,
+            "prompt_tokens": list(r.prompt_tokens), "steps": r.steps,
             "positions": list(r.positions), "reference_tokens": list(r.reference_tokens),
             "metrale_tokens": list(r.metrale_tokens), "tokens_identical": r.tokens_identical,
             "first_token_mismatch": r.first_token_mismatch, "layers_selected": r.selected_layers,
@@ -28,11 +29,14 @@ def reference_check_json(r: Any) -> dict[str, Any]:
 
 
 def _reference_lines(r: Any) -> list[tuple[str, str]]:
-    mismatch = r.first_token_mismatch
-    return [("reference", f"{r.reference} {r.reference_version} ({r.dtype}, cpu)"),
-            ("metrale", f"{r.dtype}, {r.device}"), ("model", r.model),
-            ("prompt_tokens", " ".join(map(str, r.prompt_tokens))),
-            ("steps", f"{r.steps} (rows compared: positions {r.positions[0]}..{r.positions[-1]}, teacher-forced)"),
+    mismatch, p = r.first_token_mismatch, r.precision
+    n = len(r.prompt_tokens)
+    return [("reference", f"{r.reference} {r.reference_version}: {p.reference} weights, compute and logits, "
+                          f"on {p.reference_device}"),
+            ("metrale", f"{p.compute} weights and compute, {p.logits} logits, on {p.device}"), ("model", r.model),
+            ("prompt_tokens", f"{' '.join(map(str, r.prompt_tokens))} ({n})"),
+            ("steps", f"{r.steps} (rows compared: positions {r.positions[0]}..{r.positions[-1]}, every prompt row "
+                      "and step row, teacher-forced)"),
             ("reference_tokens", " ".join(map(str, r.reference_tokens))),
             ("metrale_tokens", " ".join(map(str, r.metrale_tokens))),
             ("tokens_identical", "yes" if r.tokens_identical else f"no (first differs at step {mismatch})")]
