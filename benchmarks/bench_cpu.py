@@ -69,7 +69,7 @@ def run_metrale(path: str, prompt: list[int], steps: int) -> dict:
         tok = e.argmax_on_device(e.decode_logits_ptr())
         times.append(time.perf_counter() - t0)
         tokens.append(tok)
-    kv = e.cache.nbytes
+    kv = sum(state.nbytes for state in e.states.values())
     weights = m.config.parameter_count() * 4
     return dict(load_s=load, prefill_s=prefill, decode_ms=1000 * float(np.median(times)), tokens=tokens,
                 peak_rss_mb=rss_mb(), base_rss_mb=base, weights_mb=weights / 2**20, kv_mb=kv / 2**20)

@@ -8,7 +8,7 @@ import importlib
 
 import pytest
 
-BENCHMARKS = ("bench_kernels", "bench_prefill", "bench_attention", "bench_moe_layer", "decode_breakdown",
+BENCHMARKS = ("bench_kernels", "bench_prefill", "bench_attention", "bench_moe_layer",
               "profile_kernels", "bench_cpu")
 
 
