@@ -11,7 +11,7 @@ from .errors import InputError
 from .logits import LogitsBuffers
 
 if TYPE_CHECKING:
-    from .engine.loop import Tap
+    from .engine.ops import Tap
 
 
 def check_context(cfg: ModelConfig, max_context: int) -> None:

@@ -14,6 +14,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .logits import fp32_to_bf16, fp32_to_bf16_bits
+from .models.weights import expected_tensors
 from .safetensors_file import TensorInfo
 
 
@@ -26,7 +27,7 @@ class RandomTensors:
     def __init__(self, cfg: ModelConfig, seed: int = 0) -> None:
         self.cfg = cfg
         self.seed = seed
-        self.shapes = cfg.definition.expected_tensors()
+        self.shapes = expected_tensors(cfg.definition)
         # (1 + w) norms (Gemma) store w: drawn around 0, so the scale is near 1 as for the other families
         self.norm_mean = 1.0 - cfg.definition.norm.offset
         self.directory = Path(f"<random {cfg.model_type} weights, seed {seed}>")

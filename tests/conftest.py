@@ -125,10 +125,11 @@ def random_checkpoint(dest: Path, raw: dict, seed: int = 0) -> Path:
     from safetensors.numpy import save_file
 
     from metrale_cli.config import parse_config
+    from metrale_cli.models.weights import expected_tensors
 
     rng = np.random.default_rng(seed)
     tensors = {}
-    for name, shape in parse_config(raw).definition.expected_tensors().items():
+    for name, shape in expected_tensors(parse_config(raw).definition).items():
         scale = 1.0 if len(shape) == 1 else shape[-1] ** -0.5
         base = 1.0 if len(shape) == 1 else 0.0
         tensors[name] = (base + scale * rng.standard_normal(shape)).astype(np.float32)

@@ -10,6 +10,7 @@ import pytest
 
 from metrale_cli.config import parse_config
 from metrale_cli.errors import ConfigError, DeviceError
+from metrale_cli.models.weights import expected_tensors
 
 S, F = "sliding_attention", "full_attention"
 SHAPE = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 80, "num_hidden_layers": 6,
@@ -65,7 +66,7 @@ def test_gemma3_multimodal_hub_config_reads_its_text_config_with_defaults():
     assert windows(cfg).count(None) == 5 and windows(cfg)[5] is None and windows(cfg)[0] == 1024
     full = cfg.definition.layers[5].mixer.rope
     assert (full.theta, full.linear_factor) == (1e6, 8.0)
-    names = cfg.definition.expected_tensors()
+    names = expected_tensors(cfg.definition)
     assert "language_model.model.layers.0.self_attn.q_norm.weight" in names
     assert cfg.definition.ignored_prefixes == ("vision_tower.", "multi_modal_projector.")
 

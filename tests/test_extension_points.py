@@ -27,14 +27,14 @@ from safetensors.numpy import save_file
 from metrale_cli.models import formats
 from metrale_cli.backends.numpy.ops import as_fp32
 from metrale_cli.checkpoint import Checkpoint
-from metrale_cli.engine.loop import sublayer_out
+from metrale_cli.engine.ops import sublayer_out
 from metrale_cli.engine.mixers import MixerKind, register_mixer
 from metrale_cli.config import load_config
 from metrale_cli.errors import CheckpointError
 from metrale_cli.logits import bf16_bits, bf16_bits_to_fp32, fp32_to_bf16
 from metrale_cli.model import open_model
 from metrale_cli.models import FAMILIES, llama
-from metrale_cli.models.family import Family
+from metrale_cli.models.model_config import Family
 from metrale_cli.models.spec import Param, Tensor
 
 # ---- the toy mixer kind ------------------------------------------------------------------------------

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .loop import sublayer_out
 from .mixers import MixerKind, register_mixer
+from .ops import sublayer_out
 
 if TYPE_CHECKING:
     from ..models.spec import AttentionSpec, LayerSpec, Norm
-    from .loop import X, Ops
+    from .ops import X, Ops
 
 
 class AttentionOps(Protocol):

@@ -29,7 +29,7 @@ from ..errors import DeviceError
 
 if TYPE_CHECKING:
     from ..models.spec import LayerSpec
-    from .loop import X, Ops
+    from .ops import X, Ops
 
 
 class MixerState(Protocol):
@@ -62,6 +62,8 @@ class MixerKind:
 
 
 _KINDS: dict[str, MixerKind] = {}
+# The built-in kinds, each registered by importing its module on first use (the module registers itself)
+BUILTIN = {"attention": "metrale_cli.engine.attention"}
 
 
 def register_mixer(kind: MixerKind) -> MixerKind:
@@ -71,8 +73,8 @@ def register_mixer(kind: MixerKind) -> MixerKind:
 
 
 def mixer_kind(name: str) -> MixerKind:
-    if name not in _KINDS:
-        _load_builtin()
+    if name not in _KINDS and name in BUILTIN:
+        importlib.import_module(BUILTIN[name])
     if name not in _KINDS:
         raise KeyError(f"no mixer kind '{name}' is registered (known: {', '.join(sorted(_KINDS))})")
     return _KINDS[name]
@@ -84,7 +86,3 @@ def kinds_of(layers: Any) -> dict[str, list[int]]:
     for i, layer in enumerate(layers):
         out.setdefault(layer.mixer.kind, []).append(i)
     return out
-
-
-def _load_builtin() -> None:
-    from . import attention  # noqa: F401  (registers "attention")

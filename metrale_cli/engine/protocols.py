@@ -8,7 +8,7 @@ from ..logits import ModelLogits
 
 if TYPE_CHECKING:
     from ..config import ModelConfig
-    from .loop import Tap
+    from .ops import Tap
 
 
 class Engine(ModelLogits, Protocol):

@@ -7,7 +7,7 @@ lists and the fixture scripts read it.
 from __future__ import annotations
 
 from . import gemma2, gemma3, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe
-from .family import Family
+from .model_config import Family
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY)}
 # Gemma 2 / 3 and Phi-3 (sandwich norms, softcaps, sliding layers, partial rotary, longrope)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from . import gemma2, windows
-from .family import Family
+from .model_config import Family
 from .rope_params import read_rope
 from .spec import Rope
 

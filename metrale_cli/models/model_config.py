@@ -1,6 +1,8 @@
-"""The model blueprint (a Hugging Face `config.json` as one frozen dataclass) and the typed reader family
-modules parse their fields with. config.py reads config.json into it; a family module (models/<family>.py)
-receives a ConfigReader in its `parse` and the ModelConfig in its `define`.
+"""The model blueprint (a Hugging Face `config.json` as one frozen dataclass), the typed reader family modules
+parse their fields with, and what a family is. config.py reads config.json into a ModelConfig; a family
+module (models/<family>.py) builds a `Family` whose `parse` receives a ConfigReader and whose `define`
+receives the ModelConfig. Adding an architecture is one such module and one line in `models/__init__.py`'s
+registry; docs/ADDING_AN_ARCHITECTURE.md walks through it.
 
 Field names keep the Hugging Face names, so there is no translation layer to get wrong.
 """
@@ -10,17 +12,38 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import ConfigError
 from . import formats
-from .spec import ModelDefinition, Rope, RopeScaling
+from .spec import ModelDefinition, MoeSpec, Rope, RopeScaling
 
 if TYPE_CHECKING:  # numpy is imported where RoPE needs it: the CLI reads configs long before any math
     import numpy as np
 
-    from .family import Family
-    from .moe import MoeConfig
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The sparse block of a config and where it applies (ModelConfig.moe)."""
+
+    spec: MoeSpec
+    sparse_layers: tuple[int, ...]  # layers running `spec`; the others run the dense MLP (intermediate_size)
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str  # the config.json `model_type` it reads
+    hf_class: str  # transformers' causal-LM class (the reference the tests compare with)
+    # parse(reader) -> the family's ModelConfig fields (attention_bias, qk_norm, ...); refuses what the
+    # family does not implement with the field named.
+    parse: Callable[[ConfigReader], dict[str, Any]]
+    # define(cfg) -> the blocks and tensors the engines run
+    define: Callable[[ModelConfig], ModelDefinition]
+    summary: str = ""  # one line for --help, inspect and the README
+    # prepare(reader) -> the dict the generic fields are read from, when it is not config.json itself: the
+    # family's transformers defaults under the fields a config.json leaves out (Gemma's hub configs omit
+    # many), or a multimodal checkpoint's `text_config`. None: config.json as it is.
+    prepare: Callable[[ConfigReader], dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,10 @@ the default); a checkpoint saved with `save_original_format=False` is refused by
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from .model_config import MoeConfig
 from .spec import ModelDefinition, MoeSpec, Param
 
 if TYPE_CHECKING:
@@ -36,14 +37,6 @@ OTHER_ROUTING: dict[str, tuple[Any, ...]] = {
     "moe_router_bias": (False,),
     "use_expert_bias": (False,),
 }
-
-
-@dataclass(frozen=True)
-class MoeConfig:
-    """The sparse block of a config and where it applies (ModelConfig.moe)."""
-
-    spec: MoeSpec
-    sparse_layers: tuple[int, ...]  # layers running `spec`; the others run the dense MLP (intermediate_size)
 
 
 def refuse_other_routing(r: ConfigReader) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import llama, windows
-from .family import Family
+from .model_config import Family
 from .rope_params import read_longrope, read_rope, rope_type
 from .spec import AttentionSpec, LayerSpec, MlpSpec, ModelDefinition, Norm, Param, Rope
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from . import llama, moe, windows
-from .family import Family
+from .model_config import Family
 from .qwen3_moe import EXPERT_NAMES, qwen_moe_config
 
 if TYPE_CHECKING:

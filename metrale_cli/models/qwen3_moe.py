@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from . import llama, moe, qwen3
-from .family import Family
+from .model_config import Family
 
 if TYPE_CHECKING:
     from .model_config import ConfigReader, ModelConfig

@@ -308,13 +308,6 @@ class ModelDefinition:
             out.extend(layer.params)
         return out
 
-    def expected_tensors(self) -> dict[str, tuple[int, ...]]:
-        """Checkpoint tensor name -> shape, for every tensor the definition reads (a formatted param's
-        stored tensors and their scales: formats.stored_tensors)."""
-        from .formats import stored_tensors
-
-        return {t.name: t.shape for p in self.params() for t in stored_tensors(p)}
-
     def parameter_count(self) -> int:
         """The weights' element count (logical [out, in] shapes, whatever their storage)."""
         return sum(prod(t.shape) for p in self.params() for t in p.parts)

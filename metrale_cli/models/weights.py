@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Generic, Protocol, TypeVar
 
 from ..errors import CheckpointError, ConfigError
-from .formats import allowed_dtypes
+from .formats import allowed_dtypes, stored_tensors
 from .spec import ModelDefinition, Param
 
 if TYPE_CHECKING:
@@ -100,6 +100,12 @@ def split_param(p: Param, value: Any) -> dict[str, Any]:
     return out
 
 
+def expected_tensors(definition: ModelDefinition) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor name -> shape, for every tensor the definition reads (a formatted param's stored
+    tensors and their scales: formats.stored_tensors)."""
+    return {t.name: t.shape for p in definition.params() for t in stored_tensors(p)}
+
+
 def check_checkpoint(cfg: ModelConfig, ckpt: WeightSource) -> None:
     """Fail with one message listing every missing, unexpected, mis-shaped or unrunnable tensor."""
     definition = cfg.definition
@@ -112,7 +118,7 @@ def check_checkpoint(cfg: ModelConfig, ckpt: WeightSource) -> None:
                 f"{ckpt.directory / 'config.json'}: vocab_size {cfg.vocab_size} differs from the {rows} "
                 f"rows of {embed}"
             )
-    want = definition.expected_tensors()
+    want = expected_tensors(definition)
     problems: list[str] = []
     missing = sorted(set(want) - present, key=natural)
     if missing:

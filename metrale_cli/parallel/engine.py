@@ -24,7 +24,7 @@ from .protocol import RankServer
 
 if TYPE_CHECKING:
     from ..config import ModelConfig
-    from ..engine.loop import Tap
+    from ..engine.ops import Tap
     from .launcher import Workers
 
 

@@ -29,7 +29,7 @@ from metrale_cli.backends.numpy import ops as np_ops
 from metrale_cli.backends.numpy import routers as np_routers
 from metrale_cli.backends.numpy.ops import rms_norm, silu
 from metrale_cli.config import parse_config
-from metrale_cli.engine.loop import Route
+from metrale_cli.engine.ops import Route
 from metrale_cli.model import open_model
 from metrale_cli.models.spec import MoeSpec
 from metrale_cli.random_weights import RandomTensors

@@ -39,7 +39,8 @@ import numpy as np
 
 from ...config import ModelConfig
 from ...engine.longrope import has_longrope, long_factors
-from ...engine.loop import Tap, decoder_forward
+from ...engine.loop import decoder_forward
+from ...engine.ops import Tap
 from ...engine.mixers import kinds_of, mixer_kind
 from ...engine_base import EngineBase
 from ...errors import DeviceError, UsageError

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...engine.loop import Route
+from ...engine.ops import Route
 from .kernels.moe import MOE_MAX_ROWS, MoeKernels, RouteBuffers
 
 if TYPE_CHECKING:

@@ -28,19 +28,44 @@ decides what it fuses for a row count.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from ...engine.mixers import mixer_kind
-from .projections import weight_format
 from ...errors import DeviceError
 from .moe_passes import PrefillMoe, RowsMoe
+from .projections import weight_format
 
 if TYPE_CHECKING:
-    from ...engine.loop import Tap
-    from ...models.spec import Norm
-    from .engine import CudaEngine
+    from ...config import ModelConfig
+    from ...engine.ops import Tap
+    from ...models.spec import Norm, Rope
+    from ...models.weights import Weights
+    from .buffers import Buffers
+    from .moe_passes import MoeState
+    from .projections import Projections
+
+
+class PassEngine(Protocol):
+    """What a pass reads of its engine (engine.CudaEngine is one): the passes talk to these public parts only."""
+
+    cp: Any  # the CuPy module
+    kern: Any  # kernels.Kernels
+    stream: Any  # the engine's stream: every launch of a pass goes there
+    cfg: ModelConfig
+    w: Weights
+    max_context: int
+    length: int  # positions cached before this pass
+    buffers: Buffers  # the rows path's preallocated activations (buffers.py)
+    proj: Projections  # every projection (projections.py)
+    states: dict[str, Any]  # each mixer kind's state (engine/mixers.py)
+    moe: MoeState | None  # the sparse layers' buffers and kernels
+    tp: Any  # parallel/comm.ParallelRank of a tensor-parallel rank, else None
+    tpk: Any  # kernels.tp.TpKernels under tp
+
+    def inv_freq(self, rope: Rope) -> Any: ...  # the rope's inverse frequencies on the device
+    def oom(self, what: str, nbytes: int) -> DeviceError: ...  # the DeviceError of an out-of-memory
 
 
 def _check_activation(activation: str) -> None:
@@ -50,7 +75,7 @@ def _check_activation(activation: str) -> None:
         raise DeviceError(f"the CUDA kernels have no fused gated MLP for activation '{activation}'")
 
 
-def _share(e: CudaEngine, bias):
+def _share(e: PassEngine, bias):
     """A row-parallel projection's bias on a tensor-parallel rank: added once, by rank 0."""
     return bias if e.tp.rank == 0 else None
 
@@ -62,7 +87,7 @@ def _never(w) -> bool:
 class _Pass:
     kind = ""  # which ops a mixer kind's CUDA module gives this pass: "rows", "fused" or "prefill"
 
-    def __init__(self, engine: CudaEngine, tap: Tap | None) -> None:
+    def __init__(self, engine: PassEngine, tap: Tap | None) -> None:
         self.e, self.k, self.s = engine, engine.kern, engine.stream
         self._tap = tap
         self._mixers: dict[str, Any] = {}
@@ -97,7 +122,7 @@ class RowsPass(RowsMoe, _Pass):
 
     kind = "rows"
 
-    def __init__(self, engine: CudaEngine, m: int, tap: Tap | None = None) -> None:
+    def __init__(self, engine: PassEngine, m: int, tap: Tap | None = None) -> None:
         super().__init__(engine, tap)
         b = engine.buffers
         self.m = m
@@ -170,7 +195,7 @@ class RowsPass(RowsMoe, _Pass):
 ROPE_IN_ATTENTION = "one row: rope + KV append run in the attention split kernel where Kernels.rope_fits"
 
 
-def fused_plan(engine: CudaEngine, m: int) -> dict[str, str | None]:
+def fused_plan(engine: PassEngine, m: int) -> dict[str, str | None]:
     """What the fused rows path fuses for m rows, decided here and only here: {op: None (fused) or why
     it runs the rows path's launches instead}.  "qkv_rope": the qkv GEMV with rope + KV append in its
     epilogue (gemv_qkv_rope), from 2 rows on (one row: rope + KV append in the attention split kernel instead,
@@ -194,7 +219,7 @@ class FusedRowsPass(RowsPass):
 
     kind = "fused"
 
-    def __init__(self, engine: CudaEngine, m: int, tap: Tap | None = None) -> None:
+    def __init__(self, engine: PassEngine, m: int, tap: Tap | None = None) -> None:
         super().__init__(engine, m, tap)
         self.plan = fused_plan(engine, m)
         self._qkv_args = None
@@ -223,7 +248,7 @@ class PrefillPass(PrefillMoe, _Pass):
 
     kind = "prefill"
 
-    def __init__(self, engine: CudaEngine, ids: np.ndarray, tap: Tap | None = None) -> None:
+    def __init__(self, engine: PassEngine, ids: np.ndarray, tap: Tap | None = None) -> None:
         super().__init__(engine, tap)
         cp, cfg = engine.cp, engine.cfg
         self.t, self.start = len(ids), engine.length

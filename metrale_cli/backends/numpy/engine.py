@@ -17,7 +17,8 @@ import numpy as np
 from ...config import ModelConfig
 from ...engine.longrope import has_longrope, long_factors
 from ...models.formats import dequantize, stored_tensors
-from ...engine.loop import Tap, decoder_forward
+from ...engine.loop import decoder_forward
+from ...engine.ops import Tap
 from ...engine.mixers import kinds_of, mixer_kind
 from ...engine_base import EngineBase, check_context
 from ...errors import UsageError

@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from ...engine.loop import Route
+from ...engine.ops import Route
 from ...models.spec import MoeSpec
 from .ops import keep, sigmoid
 from .routers import ROUTERS
