@@ -59,6 +59,9 @@ def test_numbers():
     assert render.num(6.03125) == 6.0312  # the same rounding as %.4f
     assert render.num(float("nan")) is None and render.num(float("inf")) is None and render.num(None) is None
     assert render.num(0.00012344, ".3e") == 0.0001234
+    from metrale_cli.render.common import counted
+
+    assert counted(1, "row") == "1 row" and counted(0, "row") == "0 rows" and counted(2, "token") == "2 tokens"
 
 
 def test_json_layout_is_compact_where_readable():

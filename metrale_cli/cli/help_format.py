@@ -30,6 +30,9 @@ class HelpFormat:
 
     def __init__(self, *args: Any, help: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, help=reflow_help(help) if help else help, **kwargs)  # type: ignore[call-arg]
+        for param in self.params:  # type: ignore[attr-defined]
+            if getattr(param, "help", None):  # "[rows, hidden]" is text, not a markup tag to drop
+                param.help = escape(param.help)
 
     def format_help(self, ctx: typer.Context, formatter: Any) -> None:
         for param in self.get_params(ctx):  # type: ignore[attr-defined]

@@ -17,7 +17,7 @@ from ..dumps import HIDDEN_KINDS, DumpInfo, DumpTarget, check_dump_path, write_h
 from ..errors import NonFiniteLogitsError, UsageError
 from ..inputs import ModelSpec, check_positive, check_prompt_format, read_model_spec, resolve_prompt
 from ..model import LoadedModel, open_model, resolve_device
-from ..render.common import Meta, choose_format, load_progress
+from ..render.common import Meta, choose_format, counted, load_progress
 from .entry import State
 from .options import Common, LayerOptions
 
@@ -191,7 +191,7 @@ def dumps_on_nonfinite(job: Job, command: str, engine: Any,
         written = []
         if ev.rows is not None:
             n = len(ev.rows.data)
-            written.append(f"{job.common.dump_logits} ({n} row{'s' if n != 1 else ''})")
+            written.append(f"{job.common.dump_logits} ({counted(n, 'row')})")
         if ev.hidden is not None and job.common.dump_hidden is not None:
             written.append(job.common.dump_hidden)
         if recorder is not None:

@@ -10,8 +10,8 @@ Formats (`--format`, default: rich when stdout is a terminal, plain otherwise):
            (a top-k candidate is a row of its own; token texts are cut with an ellipsis rather than
            wrapped), and only prose (inspect's values, bench's targets) wraps at spaces
     plain  deterministic text: fixed column widths, no colour, nothing that depends on the terminal width;
-           decode prints one line per step as it is produced, then "stopped: eos|steps|interrupted
-           after N tokens"
+           decode prints one line per step as it is produced, then "stopped: after N tokens (--steps)",
+           "stopped: at EOS after N tokens" or "stopped: interrupted after N tokens"
     json   one JSON object per command (indented, UTF-8)
 
 plain and json are snapshot-stable: timings appear only with --timings, and numbers have fixed formats:

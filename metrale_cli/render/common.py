@@ -36,6 +36,11 @@ def choose_format(value: str | None, console: Console) -> str:
     return value
 
 
+def counted(n: int, noun: str) -> str:
+    """"1 row", "2 rows": a count with its noun in the right number."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def f4(x: float) -> str:
     return f"{x:.4f}"
 

@@ -9,8 +9,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .common import (TEXT_COLUMN, Meta, dump_json, f4, isatty, num, plain_head, prob_bar, rich_head, token_cell,
-                     write)
+from .common import (TEXT_COLUMN, Meta, counted, dump_json, f4, isatty, num, plain_head, prob_bar, rich_head,
+                     token_cell, write)
 from .tails import base_timings, json_tail, plain_hidden, plain_timings, rich_hidden, rich_timings
 from .text import display_text, escape_text, quote_text
 
@@ -96,7 +96,7 @@ class DecodeReport:
     def _plain_tail(self, result: DecodeResult, plain_match: bool | None) -> None:
         c = self.console
         write(c, "")
-        write(c, f"stopped: {_stop_reason(result)} after {len(result.steps)} tokens")
+        write(c, "stopped: " + _PLAIN_STOP[_stop_reason(result)].format(counted(len(result.steps), "token")))
         if result.text is not None:
             write(c, f"text: {quote_text(result.text)}")
         spec = _spec_json(result, self.meta)
@@ -142,6 +142,7 @@ def _stop_reason(result: DecodeResult) -> str:
     return "interrupted" if result.interrupted else "eos" if result.stopped_at_eos else "steps"
 
 
+_PLAIN_STOP = {"interrupted": "interrupted after {}", "eos": "at EOS after {}", "steps": "after {} (--steps)"}
 _RICH_STOP = {"interrupted": " (interrupted by Ctrl-C)", "eos": " (stopped at EOS)"}
 
 
