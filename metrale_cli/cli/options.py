@@ -60,7 +60,9 @@ DumpStatsOpt = Annotated[bool, typer.Option(
                          "sha256) as .json instead of the data, for models too big to dump whole.")]
 TimingsOpt = Annotated[bool, typer.Option("--timings", help="Report load, prefill and per-token times.")]
 MaxContextOpt = Annotated[Optional[int], typer.Option(
-    "--max-context", metavar="N", help="KV cache positions (default: just what the job needs).")]
+    "--max-context", metavar="N",
+    help="KV cache positions (default: just what the job needs). decode needs prompt + --steps - 1 (the last "
+         "token produced is never fed back), verify prompt + --k, forward the prompt.")]
 TpOpt = Annotated[Optional[int], typer.Option(
     "--tp", metavar="N",
     help="Tensor parallelism: the model sharded over N ranks, one process each (Megatron style). --device cuda: "

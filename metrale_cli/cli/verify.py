@@ -77,17 +77,20 @@ def _verify(job: Job, k: int, draft_ids: list[int] | None, draft_path: str | Non
     from ..decoding.verify import run_verify
 
     n = len(job.ids)
+    # The verify pass runs every draft (the last draft's row gives the bonus token): prompt + k positions.
+    # A draft model runs only the drafts before its last: prompt + k - 1.
     what = f"prompt ({n} tokens) + --k {k}"
     ctx = context_for(job.spec, n + k, what, job.common.max_context)
     draft_spec = read_model_spec(draft_path) if draft_path is not None else None
+    draft_ctx = n + k - 1
     if draft_spec is not None:
         check_draft_matches(job.spec, draft_spec)
-        context_for(draft_spec, n + k, f"for the draft model, {what}", None)
+        context_for(draft_spec, draft_ctx, f"for the draft model, prompt ({n} tokens) + --k {k} - 1", None)
     target = load(job, job.spec, ctx, job.common.tp)
     recorder = record_layers(job, target)
     drafter_model = None
     try:
-        drafter_model = load(job, draft_spec, n + k) if draft_spec is not None else None
+        drafter_model = load(job, draft_spec, draft_ctx) if draft_spec is not None else None
         source: Any = draft_ids if draft_ids is not None else ("model" if drafter_model else "self")
         with dumps_on_nonfinite(job, "verify", target.engine, recorder):
             result = run_verify(target.engine, job.ids, k, draft=source,
