@@ -291,5 +291,7 @@ def _write_stream(stream: IO[bytes] | None, chunks: Iterable[bytes]) -> None:
         for chunk in chunks:
             stream.write(chunk)
         stream.flush()
+    except BrokenPipeError:  # the reader left (`| head -c`): the CLI's quiet exit, not an output error
+        raise
     except OSError as e:
         raise OutputError(f"--dump-logits -: cannot write to stdout: {_reason(e)}") from None

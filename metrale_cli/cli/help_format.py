@@ -38,7 +38,10 @@ class HelpFormat:
         for param in self.get_params(ctx):  # type: ignore[attr-defined]
             if getattr(param, "is_flag", False) and param.metavar is None:
                 param.metavar = ""
-        super().format_help(ctx, formatter)  # type: ignore[misc]
+        try:
+            super().format_help(ctx, formatter)  # type: ignore[misc]
+        except SystemExit:  # typer's help console meeting a closed stdout (Rich exits 1): the CLI's exit 141
+            raise BrokenPipeError("stdout closed") from None
 
 
 class MetraleCommand(HelpFormat, TyperCommand):
