@@ -178,7 +178,7 @@ def test_speculative_decode_gives_greedy_tokens(run_cli, draft):
         assert spec["verify_passes"] == 3
     t = doc["timings"]
     assert t["plain_tokens_match"] is True
-    assert t["speculative_tokens_per_s"] > 0 and t["plain_tokens_per_s"] > 0
+    assert t["tokens_per_s_mean"] > 0 and t["plain_tokens_per_s_mean"] > 0
 
 
 def test_hidden_summary_matches_engine(run_cli):
@@ -201,6 +201,26 @@ def test_timings_only_on_request(run_cli, command):
     assert "timings" not in plain.stdout and "timings.load_s" in timed.stdout
     doc = as_json(run_cli(*base, "-f", "json", "--timings"))
     assert doc["timings"]["load_s"] >= 0 and doc["timings"]["prefill_ms"] > 0
+
+
+TIMED = {"decode": ["--steps", 6], "speculative": ["--steps", 6, "--draft", "ngram"], "verify": [], "forward": [],
+         "score": []}
+
+
+@pytest.mark.parametrize("command", list(TIMED))
+def test_timings_pair_each_rate_with_its_time_on_one_basis(run_cli, command):
+    """Every per-token time sits beside the rate on the same basis, named for it: X_per_token_ms_mean with
+    X_tokens_per_s_mean (one the reciprocal of the other), per_token_ms_median with tokens_per_s_of_median."""
+    name = "decode" if command == "speculative" else command
+    t = as_json(run_cli(name, "-m", LLAMA, "-t", "1 2 3 1 2", *TIMED[command], "-f", "json", "--timings"))["timings"]
+    pairs = [(k, k.replace("per_token_ms", "tokens_per_s")) for k in t if "per_token_ms_mean" in k]
+    pairs += [("per_token_ms_median", "tokens_per_s_of_median")] if "per_token_ms_median" in t else []
+    want = {"decode": 3, "speculative": 3, "verify": 2, "forward": 1, "score": 1}[command]
+    assert len(pairs) == want, t
+    for ms, rate in pairs:
+        assert t[ms] > 0 and 1000 / t[rate] == pytest.approx(t[ms], rel=1e-3, abs=6e-4), (ms, rate)  # ms: 3 decimals
+    assert not [k for k in t if k.endswith("tokens_per_s") or k.endswith("_ms_median") and "per_" not in k]
+    assert "per_pass_ms_median" in t and "per_pass_ms_mean" in t if command == "speculative" else True
 
 
 @pytest.mark.parametrize("command", ["decode", "verify", "forward"])

@@ -82,10 +82,6 @@ class Timings:
     step_s: list[float] = field(default_factory=list)  # one per decode step / verify pass
     extra: dict[str, float] = field(default_factory=dict)
 
-    @property
-    def per_token_ms(self) -> float | None:
-        return 1000 * float(np.median(self.step_s)) if self.step_s else None
-
 
 @dataclass
 class DecodeStep:

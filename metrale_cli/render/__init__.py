@@ -69,13 +69,19 @@ inspect  {"command", "model", "architecture", "model_type", "layers", "heads", "
           (the post-final-norm hidden state of the last row the command produced, the last row of
           --dump-hidden: for decode, plain or speculative, the row that chose the last token; sha256 of
           its fp32 bytes)
-"timings" {"load_s", "prefill_ms", "per_token_ms_median", "tokens_per_s"} for decode (tokens/s of the
-          decode steps after the prefill). Speculative decode has "per_pass_ms_median" (per verify pass)
-          instead of "per_token_ms_median", and adds "speculative_tokens_per_s", "plain_tokens_per_s",
-          "speedup", "plain_tokens_match": decode-phase tokens/s (tokens after the first, over the time
-          after the prefill) of speculative and of plain greedy decoding run in the same process on the
-          same engine, and whether both produced the same tokens;
-          {"load_s", "prefill_ms", "verify_ms"} for verify; {"load_s", "prefill_ms", "tokens_per_s"} for forward.
+"timings" every rate sits beside the time per token on the same basis, each named for it:
+          X_per_token_ms_mean and X_tokens_per_s_mean are the time over the tokens and its reciprocal;
+          per_token_ms_median and tokens_per_s_of_median the median step and its reciprocal.
+          Every command: {"load_s", "prefill_ms", "prefill_per_token_ms_mean", "prefill_tokens_per_s_mean"}
+          (score: every window's prefill, over the tokens the windows ran). decode adds the decode phase
+          (the tokens after the first, which the prefill row gives, over the time after the prefill):
+          "per_token_ms_mean", "tokens_per_s_mean", "per_token_ms_median", "tokens_per_s_of_median".
+          Speculative decode has no per-token median (a verify pass gives one token or more): it adds
+          "per_pass_ms_mean", "per_pass_ms_median" (per verify pass), "per_token_ms_mean",
+          "tokens_per_s_mean", and with the comparison run "plain_per_token_ms_mean",
+          "plain_tokens_per_s_mean" (plain greedy decoding of the same prompt on the same engine), "speedup",
+          "plain_tokens_match". verify adds "verify_ms", "verify_per_token_ms_mean",
+          "verify_tokens_per_s_mean" (the one pass over k drafts).
 
 bench    {"preset", "device", "context", "params", "streamed_bytes", "kv_bytes",
           "figures": [{"name", "value", "unit", "target", "ratio", "met"}], "notes": [text],

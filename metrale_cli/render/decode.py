@@ -11,7 +11,8 @@ from rich.text import Text
 
 from .common import (TEXT_COLUMN, Meta, counted, dump_json, f4, isatty, num, plain_head, prob_bar, rich_head,
                      token_cell, write)
-from .tails import base_timings, json_tail, plain_hidden, plain_timings, rich_hidden, rich_timings
+from .tails import (base_timings, json_tail, mean_rate, median_ms, median_rate, plain_hidden, plain_timings,
+                    rich_hidden, rich_timings)
 from .text import display_text, escape_text, quote_text
 
 if TYPE_CHECKING:  # decoding (and numpy) is imported by the commands that compute, not by `--help`
@@ -237,14 +238,17 @@ def decode_timings_json(result: DecodeResult, plain_match: bool | None = None) -
     t = result.timings
     out = base_timings(t)
     spec = isinstance(result, SpecDecodeResult) and result.stats is not None
-    out["per_pass_ms_median" if spec else "per_token_ms_median"] = num(t.per_token_ms, ".3f")
-    decoded = sum(t.step_s)
-    produced = len(result.steps) - 1  # the first token comes from the prefill row
-    out["tokens_per_s"] = num(produced / decoded, ".1f") if decoded > 0 and produced > 0 else None
+    if spec:  # a verify pass gives one or more tokens: passes and tokens each on their own basis
+        out["per_pass_ms_mean"] = num(1000 * sum(t.step_s) / len(t.step_s), ".3f") if t.step_s else None
+        out["per_pass_ms_median"] = median_ms(t.step_s)
+    # the decode phase: the tokens after the first (which the prefill row gives) over the time after it
+    out.update(mean_rate("", sum(t.step_s), len(result.steps) - 1))
+    if not spec:  # each step gives one token
+        out.update(median_rate(t.step_s))
     if isinstance(result, SpecDecodeResult) and result.spec_tokens_per_s is not None:
-        out["speculative_tokens_per_s"] = num(result.spec_tokens_per_s, ".1f")
-        out["plain_tokens_per_s"] = num(result.plain_tokens_per_s, ".1f")
-        ratio = (result.spec_tokens_per_s / result.plain_tokens_per_s) if result.plain_tokens_per_s else None
-        out["speedup"] = num(ratio, ".3f")
+        plain = result.plain_tokens_per_s
+        out["plain_per_token_ms_mean"] = num(1000 / plain, ".3f") if plain else None
+        out["plain_tokens_per_s_mean"] = num(plain, ".1f")
+        out["speedup"] = num(result.spec_tokens_per_s / plain if plain else None, ".3f")
         out["plain_tokens_match"] = plain_match
     return out

@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .common import TEXT_COLUMN, Meta, dump_json, f4, num, plain_head, rich_head, token_cell, write
-from .tails import json_tail, plain_hidden, plain_timings, prefill_timings_json, rich_hidden, rich_timings
+from .tails import base_timings, json_tail, plain_hidden, plain_timings, rich_hidden, rich_timings
 from .text import escape_text
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ def forward_json(meta: Meta, r: ForwardResult) -> dict[str, Any]:
 
 
 def forward_timings_json(r: ForwardResult) -> dict[str, Any]:
-    return prefill_timings_json(r.timings, len(r.prompt_tokens))
+    return base_timings(r.timings)
 
 
 def render_forward(console: Console, meta: Meta, r: ForwardResult) -> None:

@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .common import TEXT_COLUMN, Meta, dump_json, f4, num, plain_head, rich_head, token_cell, write
-from .tails import base_timings, json_tail, plain_hidden, plain_timings, rich_hidden, rich_timings
+from .tails import base_timings, json_tail, mean_rate, plain_hidden, plain_timings, rich_hidden, rich_timings
 from .text import escape_text
 
 if TYPE_CHECKING:
@@ -38,9 +38,8 @@ def verify_json(meta: Meta, r: VerifyResult) -> dict[str, Any]:
 
 
 def verify_timings_json(r: VerifyResult) -> dict[str, Any]:
-    out = base_timings(r.timings)
-    out["verify_ms"] = num(1000 * sum(r.timings.step_s), ".3f")
-    return out
+    seconds = sum(r.timings.step_s)
+    return {**base_timings(r.timings), "verify_ms": num(1000 * seconds, ".3f"), **mean_rate("verify_", seconds, r.k)}
 
 
 def render_verify(console: Console, meta: Meta, r: VerifyResult) -> None:
