@@ -350,6 +350,37 @@ def test_inspect_invalid_checkpoint_describes_then_fails(run_cli, tmp_path, help
     assert r.stderr.count("\n") == 1 and "model.norm.weight" in r.stderr
 
 
+def test_inspect_takes_model_as_every_command_does(run_cli):
+    """inspect --model PATH is inspect PATH; both at once must agree."""
+    by_option = run_cli("inspect", "--model", LLAMA, "-f", "json")
+    assert by_option.exit_code == 0 and by_option.stdout == run_cli("inspect", LLAMA, "-f", "json").stdout
+    assert run_cli("inspect", "-m", LLAMA, LLAMA, "-f", "json").stdout == by_option.stdout
+    both = run_cli("inspect", LLAMA, "--model", "default")
+    assert both.exit_code == 2 and "not both" in both.stderr
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.0001])
+def test_inspect_describes_a_truncated_checkpoint_then_exits_3(run_cli, tmp_path, helpers, keep):
+    """A weights file that does not open: config.json's description, the tensors its header still lists
+    (none when the header itself is cut), and what is wrong; exit 3, one line on stderr."""
+    import os
+
+    model = helpers.copy_model(tmp_path / "m")
+    weights = model / "model.safetensors"
+    os.truncate(weights, int(weights.stat().st_size * keep))
+    r = run_cli("inspect", "--model", model, "-f", "json")
+    assert r.exit_code == 3 and r.stderr.count("\n") == 1 and "truncated" in r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["valid"] is False and doc["layers"] == 2 and doc["vocab"] == 300 and "truncated" in doc["problems"]
+    if keep == 0.5:
+        assert doc["tensors"] == 21 and doc["dtypes"] == {"F32": 21}
+        assert "listed tensors lie beyond the end of their file" in doc["problems"]
+    else:
+        assert doc["tensors"] == 0 and doc["files"] == ["model.safetensors"]
+    plain = run_cli("inspect", model, "-f", "plain")
+    assert plain.exit_code == 3 and "valid: no" in plain.stdout and "problems: " in plain.stdout
+
+
 # -- the error boundary ------------------------------------------------------------------------------------------------
 
 

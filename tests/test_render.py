@@ -249,7 +249,7 @@ def test_rich_inspect_and_bench_fit(width):
     info = {"command": "inspect", "model": "p/" * 60, "architecture": "LlamaForCausalLM", "model_type": "llama",
             "layers": 32, "heads": 32, "kv_heads": 8, "head_dim": 128, "hidden": 4096, "intermediate": 14336,
             "vocab": 128256, "max_position_embeddings": 131072, "sliding_window": None, "parameters": 8030261248,
-            "dtype": "bfloat16", "dtypes": {"BF16": 291}, "shards": 4,
+            "dtype": "bfloat16", "dtypes": {"BF16": 291}, "tensors": 291, "shards": 4,
             "files": [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)], "bytes": 16060522496,
             "tied_embeddings": False, "rope": {"theta": 500000.0, "type": "llama3", "scaling": {
                 "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

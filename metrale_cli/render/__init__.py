@@ -60,7 +60,7 @@ verify   {"prompt", "prompt_tokens", "k", "draft_source", "draft_model",
 forward  {"prompt", "prompt_tokens", "rows": [{"position", "input", "argmax", "text", "logit"}]}
 inspect  {"command", "model", "architecture", "model_type", "layers", "heads", "kv_heads",
           "head_dim", "hidden", "intermediate", "vocab", "max_position_embeddings", "sliding_window",
-          "parameters", "dtype", "dtypes": {dtype: tensors}, "shards", "files", "bytes", "tied_embeddings",
+          "parameters", "dtype", "dtypes": {dtype: tensors}, "tensors" (how many the headers list), "shards", "files", "bytes", "tied_embeddings",
           "rope": {"theta", "type", "scaling", "rotary_fraction"}, "sliding_layers": [layer indices],
           "sliding_rope": {as rope} | null (when the sliding layers' rope differs), "attn_logit_softcapping",
           "final_logit_softcapping", "attention_scale", "norm", "post_norms", "activation", "embed_scale",

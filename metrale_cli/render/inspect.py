@@ -73,7 +73,7 @@ def _inspect_rows(info: dict[str, Any]) -> list[tuple[str, str]]:
         ("sliding_window", info["sliding_window"] if info["sliding_window"] is not None else "none"),
         ("parameters", f"{info['parameters']:,}" if info["parameters"] is not None else None),
         ("dtype", info["dtype"]),
-        ("dtypes", ", ".join(f"{k} x{v}" for k, v in info["dtypes"].items()) or None),
+        ("dtypes", ", ".join(f"{k} x{v}" for k, v in info["dtypes"].items()) or None), ("tensors", info["tensors"]),
         ("shards", info["shards"]), ("files", " ".join(info["files"]) or None),
         ("bytes", f"{info['bytes']:,}" if info["bytes"] is not None else None),
         ("tied_embeddings", info["tied_embeddings"]), ("rope", rope_s),
