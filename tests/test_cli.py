@@ -73,11 +73,11 @@ def test_decode_json_matches_engine_greedy(run_cli):
     doc = as_json(run_cli("decode", "-m", LLAMA, "-t", TOKENS, "--steps", 6, "--top-k", 3, "-f", "json",
                           "--device", "cpu"))
     assert set(doc) >= {"model", "device", "logits_dtype", "prompt_tokens", "steps"}
-    assert doc["prompt_tokens"] == [1, 2, 3] and doc["device"] == "cpu" and doc["logits_dtype"] == "bf16"
+    assert doc["prompt_tokens"] == [1, 2, 3] and doc["device"] == "cpu" and doc["logits_dtype"] == "fp32"
     assert [s["token"] for s in doc["steps"]] == greedy_tokens(LLAMA, [1, 2, 3], 6)
     assert [s["position"] for s in doc["steps"]] == list(range(3, 9))
     for s in doc["steps"]:
-        assert set(s) == {"position", "token", "text", "logit", "top_k"}
+        assert set(s) == {"position", "token", "text", "logit", "argmax_note", "top_k"}
         assert len(s["top_k"]) == 3 and s["top_k"][0]["token"] == s["token"]
         probs = [t["prob"] for t in s["top_k"]]
         assert probs == sorted(probs, reverse=True) and 0 < sum(probs) <= 1.001

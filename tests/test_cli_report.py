@@ -139,8 +139,8 @@ def test_verify_self_reports_ulps_and_identical_rows(run_cli):
     from metrale_cli.decoding.decode import run_decode
     from metrale_cli.model import open_model
 
-    doc = as_json(run_cli("verify", "--k", 6, "-f", "json"))
-    m = open_model(None, device="cpu", max_context=32)
+    doc = as_json(run_cli("verify", "--k", 6, "-f", "json", "--logits-dtype", "bf16"))
+    m = open_model(None, device="cpu", max_context=32, fp32_logits=False)
     try:
         seq = run_decode(m.engine, doc["prompt_tokens"], 7, keep_rows=True).rows.array()[1:]  # decode rows
         m.engine.reset()
@@ -163,7 +163,7 @@ def test_verify_self_reports_ulps_and_identical_rows(run_cli):
     at_max = diff == diff.max()
     assert doc["max_abs_diff_ulps_vs_sequential"] == int(np.abs(ordered(ver) - ordered(seq))[at_max].max())
     assert doc["rows_identical_vs_sequential"] == int((ver == seq).all(axis=1).sum())
-    plain = run_cli("verify", "--k", 6, "-f", "plain").stdout
+    plain = run_cli("verify", "--k", 6, "-f", "plain", "--logits-dtype", "bf16").stdout
     assert f"max_abs_diff_ulps_vs_sequential: {doc['max_abs_diff_ulps_vs_sequential']}\n" in plain
     assert f"rows_identical_vs_sequential: {doc['rows_identical_vs_sequential']}/6\n" in plain
 

@@ -140,8 +140,7 @@ def _raw_inspect_info(label: str, raw: dict[str, Any], ckpt: Checkpoint, problem
         "kv_heads": integer("num_key_value_heads", heads), "head_dim": head_dim, "hidden": hidden,
         "intermediate": integer("intermediate_size"), "vocab": integer("vocab_size"),
         "max_position_embeddings": integer("max_position_embeddings"), "sliding_window": integer("sliding_window"),
-        "parameters": params, "dtype": raw.get("torch_dtype", raw.get("dtype")), "dtypes": ckpt.dtypes(), "tensors": len(ckpt.tensor_names()),
-        "shards": len(ckpt.files), "files": [p.name for p in ckpt.files], "bytes": ckpt.total_bytes,
+        "parameters": params, "dtype": raw.get("torch_dtype", raw.get("dtype")), **_listing_info(ckpt),
         "tied_embeddings": raw.get("tie_word_embeddings") is True,
         "rope": {"theta": raw.get("rope_theta", rope_params.get("rope_theta")),
                  "type": (scaling or rope_params).get("rope_type", (scaling or {}).get("type", "default")),
@@ -157,7 +156,8 @@ def _raw_inspect_info(label: str, raw: dict[str, Any], ckpt: Checkpoint, problem
     }
 
 
-def _inspect_info(spec: ModelSpec, ckpt: Checkpoint | HeaderListing, problem: MetraleError | None) -> dict[str, Any]:
+def _inspect_info(spec: ModelSpec, ckpt: Checkpoint | HeaderListing,
+                  problem: MetraleError | None) -> dict[str, Any]:
     cfg = spec.config
     try:
         raw = json.loads((spec.directory / "config.json").read_text("utf-8"))
@@ -173,8 +173,7 @@ def _inspect_info(spec: ModelSpec, ckpt: Checkpoint | HeaderListing, problem: Me
         "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "hidden": cfg.hidden_size,
         "intermediate": cfg.intermediate_size, "vocab": cfg.vocab_size,
         "max_position_embeddings": cfg.max_position_embeddings, "sliding_window": cfg.sliding_window,
-        "parameters": cfg.parameter_count(), "dtype": cfg.dtype, "dtypes": ckpt.dtypes(), "tensors": len(ckpt.tensor_names()),
-        "shards": len(ckpt.files), "files": [p.name for p in ckpt.files], "bytes": ckpt.total_bytes,
+        "parameters": cfg.parameter_count(), "dtype": cfg.dtype, **_listing_info(ckpt),
         "tied_embeddings": cfg.tie_word_embeddings,
         **block_features(cfg),  # rope, sliding layers, softcaps, norms, activation, embedding scale
         "tokenizer": ckpt.has_tokenizer, "bos_token_id": cfg.bos_token_id, "eos_token_ids": list(cfg.eos_token_ids),
@@ -182,6 +181,12 @@ def _inspect_info(spec: ModelSpec, ckpt: Checkpoint | HeaderListing, problem: Me
         "valid": problem is None, "problems": str(problem) if problem is not None else None,
         "scanned": False, "nonfinite": None,  # --scan: the tensors holding NaN/Inf (name, dtype, nan, inf)
     }
+
+
+def _listing_info(ckpt: Checkpoint | HeaderListing) -> dict[str, Any]:
+    """inspect's keys from the tensor listing: dtypes, how many tensors, the files and their data bytes."""
+    return {"dtypes": ckpt.dtypes(), "tensors": len(ckpt.tensor_names()), "shards": len(ckpt.files),
+            "files": [p.name for p in ckpt.files], "bytes": ckpt.total_bytes}
 
 
 def _experts_info(cfg: Any) -> dict[str, Any] | None:

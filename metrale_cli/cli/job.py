@@ -16,7 +16,7 @@ from rich.console import Console
 from ..dumps import HIDDEN_KINDS, DumpInfo, DumpTarget, check_dump_path, write_hidden, write_logits
 from ..errors import NonFiniteLogitsError, UsageError
 from ..inputs import ModelSpec, check_positive, check_prompt_format, read_model_spec, resolve_prompt
-from ..model import LoadedModel, open_model, resolve_device
+from ..model import LoadedModel, default_logits_dtype, open_model, resolve_device
 from ..render.common import Meta, choose_format, counted, load_progress
 from .entry import State
 from .options import Common, LayerOptions
@@ -62,7 +62,7 @@ def prepare(state: State, c: Common) -> Job:
         raise UsageError("--prompt and --tokens are exclusive: give one of them")
     check_prompt_format(c.prompt, c.tokens, c.prompt_format)
     fmt = choose_format(c.fmt, state.out)
-    if c.logits_dtype not in ("bf16", "fp32"):
+    if c.logits_dtype not in ("bf16", "fp32", None):
         raise UsageError(f"--logits-dtype must be bf16 or fp32, got {c.logits_dtype!r}")
     logits_dump = check_dump_path(c.dump_logits, "--dump-logits") if c.dump_logits is not None else None
     hidden_dump = (check_dump_path(c.dump_hidden, "--dump-hidden", HIDDEN_KINDS, stdout_ok=False)
@@ -74,6 +74,7 @@ def prepare(state: State, c: Common) -> Job:
         check_positive(c.max_context, "--max-context")
     layers_dump = _check_layer_options(c.layers)
     device = resolve_device(c.device)
+    dtype = c.logits_dtype or default_logits_dtype(device)
     spec = read_model_spec(c.model)
     if c.tp is not None:
         check_tensor_parallel(c.tp, device, spec.config)
@@ -83,7 +84,7 @@ def prepare(state: State, c: Common) -> Job:
         parse_layers(c.layers.select, spec.config.num_hidden_layers)  # a bad index fails before any load
     ids, text = resolve_prompt(spec, c.prompt, c.tokens, lambda: typer.get_text_stream("stdin").read(),
                                c.prompt_format)
-    return Job(state, c, fmt, c.logits_dtype == "fp32", device, spec, ids, text, logits_dump, hidden_dump,
+    return Job(state, c, fmt, dtype == "fp32", device, spec, ids, text, logits_dump, hidden_dump,
                layers_dump)
 
 

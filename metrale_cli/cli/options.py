@@ -37,8 +37,12 @@ SystemOpt = Annotated[Optional[str], typer.Option(
 NoSpecialTokensOpt = Annotated[bool, typer.Option(
     "--no-special-tokens", help="Encode --prompt without the tokenizer's added BOS/template tokens.")]
 DeviceOpt = Annotated[str, typer.Option("--device", metavar="auto|cpu|cuda", help="Where to run.")]
-LogitsDtypeOpt = Annotated[str, typer.Option(
-    "--logits-dtype", metavar="bf16|fp32", help="Dtype of the logits rows the engine writes.")]
+LogitsDtypeOpt = Annotated[Optional[str], typer.Option(
+    "--logits-dtype", metavar="bf16|fp32",
+    help="Dtype of the logits rows the engine writes. Default: fp32 on the CPU (the NumPy engine's own rows: "
+         "its greedy tokens are transformers' fp32 greedy tokens), bf16 on the GPU (the CUDA engine's rows). "
+         "A bf16 row whose maximum is a tie (the lowest id wins) or, on the CPU, whose argmax differs from "
+         "the fp32 logits' is marked in the report.", show_default=False)]
 FormatOpt = Annotated[Optional[str], typer.Option(
     "--format", "-f", metavar="rich|plain|json", help="Output format (default: rich on a terminal, else plain).")]
 DumpLogitsOpt = Annotated[Optional[str], typer.Option(
@@ -82,7 +86,7 @@ class Common:
     prompt: str | None
     tokens: str | None
     device: str
-    logits_dtype: str
+    logits_dtype: str | None  # None: the device's default (model.default_logits_dtype)
     fmt: str | None
     dump_logits: str | None
     hidden: bool
@@ -118,7 +122,7 @@ def _pass_head(model: ModelOpt = None, prompt: PromptOpt = None, tokens: TokensO
     """The shared options before a pass command's own (only this signature is used)."""
 
 
-def _pass_tail(device: DeviceOpt = "auto", logits_dtype: LogitsDtypeOpt = "bf16", fmt: FormatOpt = None,
+def _pass_tail(device: DeviceOpt = "auto", logits_dtype: LogitsDtypeOpt = None, fmt: FormatOpt = None,
                dump_logits: DumpLogitsOpt = None, hidden: HiddenOpt = False, dump_hidden: DumpHiddenOpt = None,
                dump_layers: DumpLayersOpt = None, layers: LayersOpt = None, dump_stats: DumpStatsOpt = False,
                timings: TimingsOpt = False, max_context: MaxContextOpt = None, tp: TpOpt = None) -> None:

@@ -39,10 +39,11 @@ def verify(
     exactly K given token ids; --draft-model PATH drafts with a smaller model. Rows after the first
     rejection are not checked.
 
-    Expected for --draft self: a rounding difference of a step or a few of the logits dtype
-    (max_abs_diff_ulps_vs_sequential; 1 bf16 step on the CPU engine, and one bf16 step is 0.0625 for logits
-    from 8 to 16), since one pass over K rows sums in another order than K one-row steps;
-    rows_identical_vs_sequential counts the bit-identical rows.
+    Expected for --draft self: a rounding difference (max_abs_diff_ulps_vs_sequential), since one pass over
+    K rows sums in another order than K one-row steps: with bf16 rows a step or a few (1 on the CPU engine;
+    one bf16 step is 0.0625 for logits from 8 to 16); with fp32 rows (the CPU default) the same
+    differences unrounded, about 1e-5, some hundred fp32 steps. rows_identical_vs_sequential counts the
+    bit-identical rows.
 
     Examples:
       metrale verify --prompt "The for statement" --k 4

@@ -23,6 +23,16 @@ class TopK:
 
 
 @dataclass
+class ArgmaxNote:
+    """Why a bf16 row's argmax may not be an fp32 engine's: its maximum at several ids (`tied`; the lowest
+    wins, as torch.argmax), and the argmax of the row's fp32 logits before rounding where the engine knows
+    it and it differs (`fp32_argmax`: the NumPy engine; the CUDA engine's rows are bf16 from the start)."""
+
+    tied: list[int]  # the ids holding the row's maximum, when more than one
+    fp32_argmax: int | None  # None: the same as the row's, or not known
+
+
+@dataclass
 class HiddenSummary:
     size: int
     norm: float
@@ -90,6 +100,7 @@ class DecodeStep:
     text: str | None
     logit: float
     top_k: list[TopK]
+    note: ArgmaxNote | None = None  # a bf16 row's tie, or its fp32 argmax where it differs
 
 
 @dataclass
@@ -114,6 +125,7 @@ class VerifyRow:
     margin: float  # top-1 minus top-2 logit of the row that decided this position
     draft_text: str | None = None
     target_text: str | None = None
+    note: ArgmaxNote | None = None  # of the row that chose `target`
 
     @property
     def status(self) -> str:
@@ -147,6 +159,7 @@ class ForwardRow:
     argmax: int
     text: str | None
     logit: float
+    note: ArgmaxNote | None = None
 
 
 @dataclass

@@ -38,7 +38,8 @@ or "default"), "device" ("cpu"|"cuda") and "logits_dtype" ("bf16"|"fp32"); "hidd
 --hidden or --dump-hidden, "timings" only with --timings; positions are 0-based):
 
 decode   {"prompt": text|null, "prompt_tokens": [ids],
-          "steps": [{"position", "token", "text", "logit", "top_k": [{"token", "text", "logit", "prob"}]}],
+          "steps": [{"position", "token", "text", "logit", "argmax_note",
+                     "top_k": [{"token", "text", "logit", "prob"}]}],
           "text": the generated text (null without a tokenizer), "stopped_at_eos": bool,
           "interrupted": bool (Ctrl-C stopped decoding: the report holds the tokens produced so far),
           "speculative": {"k", "draft_source", "draft_model", "drafted", "accepted", "acceptance_rate",
@@ -46,7 +47,7 @@ decode   {"prompt": text|null, "prompt_tokens": [ids],
                          (only with --draft ngram or --draft-model)}
 verify   {"prompt", "prompt_tokens", "k", "draft_source", "draft_model",
           "rows": [{"position", "draft", "draft_text", "target", "target_text", "accepted", "status",
-                    "margin"}],
+                    "margin", "argmax_note"}],
           "accepted", "next_token", "next_text", "max_abs_diff_vs_sequential",
           "max_abs_diff_ulps_vs_sequential", "rows_identical_vs_sequential" (the last three null unless
           --draft self)}
@@ -57,10 +58,15 @@ verify   {"prompt", "prompt_tokens", "k", "draft_source", "draft_model",
          max_abs_diff_ulps_vs_sequential: max_abs_diff_vs_sequential in steps (ulps) of the logits dtype
          at the logit where it occurs (one bf16 step is 0.0625 for logits from 8 to 16);
          rows_identical_vs_sequential: how many of the k verify rows equal their decode rows bit for bit.
-forward  {"prompt", "prompt_tokens", "rows": [{"position", "input", "argmax", "text", "logit"}]}
+forward  {"prompt", "prompt_tokens", "rows": [{"position", "input", "argmax", "text", "logit", "argmax_note"}]}
+"argmax_note" (decode steps, verify rows' target, forward rows): null, or for a bf16 row whose maximum is
+          at several ids or whose fp32 argmax (before rounding; the NumPy engine) differs,
+          {"tied": [ids] (empty when no tie; the lowest wins), "fp32_argmax": id|null}. plain ends such a
+          line with "[bf16 tie 17=42, lowest wins; fp32 argmax 42]", rich adds a "bf16" column.
 inspect  {"command", "model", "architecture", "model_type", "layers", "heads", "kv_heads",
           "head_dim", "hidden", "intermediate", "vocab", "max_position_embeddings", "sliding_window",
-          "parameters", "dtype", "dtypes": {dtype: tensors}, "tensors" (how many the headers list), "shards", "files", "bytes", "tied_embeddings",
+          "parameters", "dtype", "dtypes": {dtype: tensors}, "tensors" (how many the headers list), "shards",
+          "files", "bytes", "tied_embeddings",
           "rope": {"theta", "type", "scaling", "rotary_fraction"}, "sliding_layers": [layer indices],
           "sliding_rope": {as rope} | null (when the sliding layers' rope differs), "attn_logit_softcapping",
           "final_logit_softcapping", "attention_scale", "norm", "post_norms", "activation", "embed_scale",

@@ -74,6 +74,47 @@ class Meta:
         return {**self.json_head(), "prompt": self.prompt, "prompt_tokens": list(prompt_tokens)}
 
 
+def note_json(note: Any) -> dict[str, Any] | None:
+    """A row's "argmax_note" (decoding.results.ArgmaxNote): null, or {"tied": [ids], "fp32_argmax": id|null}."""
+    return None if note is None else {"tied": list(note.tied), "fp32_argmax": note.fp32_argmax}
+
+
+def note_text(note: Any) -> str:
+    """An ArgmaxNote in words, the same in plain and rich: "bf16 tie 17=42, lowest wins; fp32 argmax 42"."""
+    if note is None:
+        return ""
+    parts = [f"bf16 tie {'='.join(map(str, note.tied))}, lowest wins"] if note.tied else []
+    if note.fp32_argmax is not None:
+        parts.append(f"fp32 argmax {note.fp32_argmax}")
+    return "; ".join(parts)
+
+
+def short_note(note: Any) -> str:
+    """An ArgmaxNote for a rich table's cell: "tie 17=42, fp32 42" (NOTE_CAPTION says what it means)."""
+    if note is None:
+        return ""
+    parts = [f"tie {'='.join(map(str, note.tied))}"] if note.tied else []
+    return ", ".join(parts + ([f"fp32 {note.fp32_argmax}"] if note.fp32_argmax is not None else []))
+
+
+NOTE_CAPTION = ("bf16: tie = the row's maximum at several ids (the lowest wins); fp32 = the argmax of the fp32 "
+                "logits before rounding")
+
+
+def note_column(table: Table, rows: list[Any]) -> bool:
+    """A rich table gets a "bf16" column, and the caption saying what it holds, when a row has a note."""
+    if not any(getattr(r, "note", None) is not None for r in rows):
+        return False
+    table.add_column("bf16", style="yellow", no_wrap=True)
+    table.caption, table.caption_justify = NOTE_CAPTION, "left"
+    return True
+
+
+def plain_note(note: Any) -> str:
+    """What a plain row line ends with when its bf16 argmax carries a note: "  [bf16 tie ...]"."""
+    return f"  [{note_text(note)}]" if note is not None else ""
+
+
 def write(console: Console, line: str = "") -> None:
     console.out(line, highlight=False)
 

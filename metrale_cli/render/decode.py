@@ -9,8 +9,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .common import (TEXT_COLUMN, Meta, counted, dump_json, f4, isatty, num, plain_head, prob_bar, rich_head,
-                     token_cell, write)
+from .common import (TEXT_COLUMN, Meta, counted, dump_json, f4, isatty, note_column, note_json, num, plain_head,
+                     plain_note, prob_bar, rich_head, short_note, token_cell, write)
 from .tails import (base_timings, json_tail, mean_rate, median_ms, median_rate, plain_hidden, plain_timings,
                     rich_hidden, rich_timings)
 from .text import display_text, escape_text, quote_text
@@ -66,7 +66,8 @@ class DecodeReport:
         if self.meta.fmt != "plain":
             return
         line = f"{step.position:>8}  {step.token:>8}  {f4(step.logit):>10}"
-        write(self.console, line + (f"  {escape_text(step.text)}" if self.meta.has_tokenizer else ""))
+        write(self.console, line + (f"  {escape_text(step.text)}" if self.meta.has_tokenizer else "")
+              + plain_note(step.note))
         for rank, t in enumerate(step.top_k, 1):
             sub = f"{'top' + str(rank):>8}  {t.token:>8}  {f4(t.logit):>10}  p={f4(t.prob)}"
             write(self.console, sub + (f"  {escape_text(t.text)}" if self.meta.has_tokenizer else ""))
@@ -163,15 +164,18 @@ def _rich_steps(c: Console, meta: Meta, result: DecodeResult) -> Table:
     if meta.top_k:
         t.add_column("p", justify="right", no_wrap=True)
         t.add_column("", no_wrap=True)
+    notes = note_column(t, result.steps)
     for n, s in enumerate(result.steps):
         if not meta.top_k:
-            t.add_row(*_step_cells(meta, str(s.position), s.token, s.text, s.logit, "cyan"))
+            t.add_row(*_step_cells(meta, str(s.position), s.token, s.text, s.logit, "cyan"),
+                      *([short_note(s.note)] if notes else []))
             continue
         for rank, cand in enumerate(s.top_k):
             chosen = cand.token == s.token
             cells = _step_cells(meta, str(s.position) if rank == 0 else "", cand.token, cand.text, cand.logit,
                                 "cyan" if chosen else "")
             cells += [f4(cand.prob), Text(prob_bar(cand.prob, bar), style="green" if chosen else "blue")]
+            cells += [short_note(s.note) if rank == 0 else ""] if notes else []
             t.add_row(*cells, style=None if chosen else "dim",
                       end_section=rank == len(s.top_k) - 1 and n < len(result.steps) - 1)
     return t
@@ -217,6 +221,7 @@ def decode_json(meta: Meta, result: DecodeResult, plain_match: bool | None = Non
     doc.update({
         "steps": [
             {"position": s.position, "token": s.token, "text": s.text, "logit": num(s.logit),
+             "argmax_note": note_json(s.note),
              "top_k": [{"token": t.token, "text": t.text, "logit": num(t.logit), "prob": num(t.prob)}
                        for t in s.top_k]}
             for s in result.steps
