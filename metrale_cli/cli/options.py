@@ -46,7 +46,9 @@ LogitsDtypeOpt = Annotated[Optional[str], typer.Option(
 FormatOpt = Annotated[Optional[str], typer.Option(
     "--format", "-f", metavar="rich|plain|json", help="Output format (default: rich on a terminal, else plain).")]
 DumpLogitsOpt = Annotated[Optional[str], typer.Option(
-    "--dump-logits", metavar="PATH", help="Write every logits row: .safetensors, .npy, .bin, or - (stdout).")]
+    "--dump-logits", metavar="PATH",
+    help="Write every logits row: .safetensors (a typed BF16 or F32 tensor), .npy (bf16 rows as uint16 bit "
+         "patterns, as .npy has no bf16: the .json sidecar says so and how to get float32), .bin, or - (stdout).")]
 HiddenOpt = Annotated[bool, typer.Option(
     "--hidden", help="Summarize the hidden state after the final norm (of the last row).")]
 DumpHiddenOpt = Annotated[Optional[str], typer.Option(
