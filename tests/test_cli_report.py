@@ -368,3 +368,24 @@ def test_bench_plain_leaves_out_the_fields_a_figure_does_not_have(run_cli, tmp_p
         assert any(x.startswith("target: ") for x in fields) == bool(f["target"])
         assert any(x.startswith("ratio: ") for x in fields) == (f["ratio"] is not None)
         assert (fields[-1] in ("met", "MISSED")) == (f["met"] is not None)
+
+
+def test_a_long_prompt_is_echoed_in_part_and_kept_whole_in_json(run_cli, helpers, tmp_path):
+    """2,480 prompt tokens: rich and plain echo the first 24 and the last 8 ids and say how many are left
+    out; JSON holds every one. A long prompt text is cut the same way (render.common.echo_text)."""
+    from metrale_cli.render.common import echo_text
+
+    model = helpers.random_llama(tmp_path / "m", hidden=32, layers=1, heads=2, kv_heads=1, intermediate=32,
+                                 vocab=512, max_positions=4096)
+    ids = [i % 500 for i in range(2480)]
+    args = ["forward", "-m", model, "-t", " ".join(map(str, ids))]
+    plain = run_cli(*args, "-f", "plain").stdout
+    line = next(x for x in plain.splitlines() if x.startswith("prompt_tokens: "))
+    assert line == ("prompt_tokens: " + " ".join(map(str, ids[:24])) + " \u2026 " + " ".join(map(str, ids[-8:]))
+                    + " (2480; 2448 not shown)")
+    rich = run_cli(*args, "-f", "rich", env={"COLUMNS": "80"}).stdout
+    assert "(2480; 2448 not shown)" in " ".join(rich.split()) and len(rich) < 4000
+    assert json.loads(run_cli(*args, "-f", "json").stdout)["prompt_tokens"] == ids
+    text = "x" * 1000
+    assert echo_text(text) == "x" * 300 + " \u2026 (600 characters not shown) \u2026 " + "x" * 100
+    assert echo_text("short text") == "short\u2423text"

@@ -143,6 +143,30 @@ def _flat(value: Any) -> bool:
     return not isinstance(value, list) or not any(isinstance(v, (dict, list)) for v in value)
 
 
+# A long prompt's echo before the result (rich and plain; JSON keeps it whole): its first and last ids,
+# and its text's first and last characters, saying how many were left out.
+ECHO_IDS = (24, 8)
+ECHO_CHARS = (300, 100)
+
+
+def echo_ids(ids: list[int]) -> str:
+    """"1 2 3 (3)", or for a long prompt its first and last ids: "0 1 ... 23 \u2026 2472 ... 2479 (2480; 2448
+    not shown)"."""
+    head, tail = ECHO_IDS
+    if len(ids) <= head + tail:
+        return f"{' '.join(map(str, ids))} ({len(ids)})"
+    shown = " ".join(map(str, ids[:head])) + " \u2026 " + " ".join(map(str, ids[-tail:]))
+    return f"{shown} ({len(ids)}; {len(ids) - head - tail} not shown)"
+
+
+def echo_text(text: str, show: Callable[[str], str] = escape_text) -> str:
+    """`show(text)`, or for a long text its first and last characters and how many are left out."""
+    head, tail = ECHO_CHARS
+    if len(text) <= head + tail:
+        return show(text)
+    return f"{show(text[:head])} \u2026 ({len(text) - head - tail} characters not shown) \u2026 {show(text[-tail:])}"
+
+
 def plain_head(console: Console, meta: Meta, prompt_tokens: list[int]) -> None:
     write(console, f"metrale {meta.command}")
     write(console, f"model: {meta.model}")
@@ -151,8 +175,8 @@ def plain_head(console: Console, meta: Meta, prompt_tokens: list[int]) -> None:
     write(console, f"device: {meta.device}")
     write(console, f"logits_dtype: {meta.logits_dtype}")
     if meta.prompt is not None:
-        write(console, f"prompt: {escape_text(meta.prompt)}")
-    write(console, f"prompt_tokens: {' '.join(map(str, prompt_tokens))} ({len(prompt_tokens)})")
+        write(console, f"prompt: {echo_text(meta.prompt)}")
+    write(console, f"prompt_tokens: {echo_ids(prompt_tokens)}")
 
 
 def rich_head(console: Console, meta: Meta, prompt_tokens: list[int]) -> None:
@@ -164,8 +188,8 @@ def rich_head(console: Console, meta: Meta, prompt_tokens: list[int]) -> None:
         grid.add_row("draft model", Text(meta.draft_model))
     grid.add_row("device", f"{meta.device}, logits {meta.logits_dtype}")
     if meta.prompt is not None:
-        grid.add_row("prompt", Text(escape_text(meta.prompt)))
-    grid.add_row("prompt tokens", Text(f"{' '.join(map(str, prompt_tokens))} ({len(prompt_tokens)})"))
+        grid.add_row("prompt", Text(echo_text(meta.prompt)))
+    grid.add_row("prompt tokens", Text(echo_ids(prompt_tokens)))
     console.print(grid)
 
 

@@ -9,8 +9,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .common import (TEXT_COLUMN, Meta, counted, dump_json, f4, isatty, note_column, note_json, num, plain_head,
-                     plain_note, prob_bar, rich_head, short_note, token_cell, write)
+from .common import (TEXT_COLUMN, Meta, counted, dump_json, echo_text, f4, isatty, note_column, note_json, num,
+                     plain_head, plain_note, prob_bar, rich_head, short_note, token_cell, write)
 from .tails import (base_timings, json_tail, mean_rate, median_ms, median_rate, plain_hidden, plain_timings,
                     rich_hidden, rich_timings)
 from .text import display_text, escape_text, quote_text
@@ -43,7 +43,8 @@ class DecodeReport:
                 rich_head(self.console, self.meta, prompt_tokens)
                 self.console.print(Text("text", style="bold"))
                 if self.meta.prompt is not None:
-                    self.console.out(display_text(self.meta.prompt), style="dim", highlight=False, end="")
+                    self.console.out(echo_text(self.meta.prompt, display_text), style="dim", highlight=False,
+                                     end="")
             else:
                 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
@@ -134,7 +135,7 @@ def _rich_text(c: Console, meta: Meta, text: str) -> None:
     """The generated text, after the prompt (dim) when the prompt came as text."""
     shown = Text()
     if meta.prompt is not None:
-        shown.append(display_text(meta.prompt), style="dim")
+        shown.append(echo_text(meta.prompt, display_text), style="dim")
     shown.append(display_text(text), style="cyan")
     c.print(Text("text", style="bold"))
     c.print(shown)
