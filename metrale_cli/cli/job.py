@@ -135,8 +135,8 @@ def load(job: Job, spec: ModelSpec, ctx: int, tp: int | None = None) -> LoadedMo
 
 def write_dumps(job: Job, command: str, rows, hidden_rows, tokens: list[int], positions: list[int],
                 recorder: "LayerRecorder | None" = None) -> None:
-    """The logits rows and the hidden rows behind them, with the same tokens and positions; and the layers
-    of every row the command processed (their own positions: prompt rows too, and redone drafts)."""
+    """The logits rows, the hidden rows behind them and the layers of the same rows, with the same tokens
+    and positions: every dump of one command holds the same rows."""
     info = DumpInfo(command, job.spec.label, tokens, positions)
     if job.logits_dump is not None:
         write_logits(job.logits_dump, rows, info, typer.get_binary_stream("stdout"))
@@ -145,8 +145,8 @@ def write_dumps(job: Job, command: str, rows, hidden_rows, tokens: list[int], po
     if recorder is not None:
         from ..layer_dumps import LayerDumpInfo, write_layers
 
-        write_layers(job.layers_dump, recorder.tensors(), recorder.positions,
-                     LayerDumpInfo(command, job.spec.label, tokens, recorder.layers))
+        tensors, at = recorder.at(positions)
+        write_layers(job.layers_dump, tensors, at, LayerDumpInfo(command, job.spec.label, tokens, recorder.layers))
 
 
 @contextlib.contextmanager
@@ -184,7 +184,10 @@ def dumps_on_nonfinite(job: Job, command: str, engine: Any,
         yield
     except NonFiniteRun as e:
         ev = e.evidence
-        write_dumps(job, command, ev.rows, ev.hidden, ev.tokens, ev.positions, recorder)
+        positions = ev.positions
+        if ev.rows is None and ev.hidden is None and recorder is not None:  # layers only: every row run since
+            positions = sorted({p for p in recorder.positions if p >= ev.first_position})
+        write_dumps(job, command, ev.rows, ev.hidden, ev.tokens, positions, recorder)
         parts = [str(e)]
         where = describe_nonfinite(engine, ev.tokens)
         if where:

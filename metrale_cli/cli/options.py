@@ -47,18 +47,19 @@ FormatOpt = Annotated[Optional[str], typer.Option(
     "--format", "-f", metavar="rich|plain|json", help="Output format (default: rich on a terminal, else plain).")]
 DumpLogitsOpt = Annotated[Optional[str], typer.Option(
     "--dump-logits", metavar="PATH",
-    help="Write every logits row: .safetensors (a typed BF16 or F32 tensor), .npy (bf16 rows as uint16 bit "
+    help="Write the command's logits rows (every dump holds the same rows: forward's --rows; decode's rows "
+         "that chose each token; verify's prompt-last and verify rows): .safetensors (a typed BF16 or F32 tensor), .npy (bf16 rows as uint16 bit "
          "patterns, as .npy has no bf16: the .json sidecar says so and how to get float32), .bin, or - (stdout).")]
 HiddenOpt = Annotated[bool, typer.Option(
     "--hidden", help="Summarize the hidden state after the final norm (of the last row).")]
 DumpHiddenOpt = Annotated[Optional[str], typer.Option(
     "--dump-hidden", metavar="PATH",
-    help="Write the hidden state after the final norm behind every logits row, fp32 [rows, hidden]: "
-         ".safetensors, .npy or .bin.")]
+    help="Write the hidden state after the final norm behind each of the command's rows (the rows "
+         "--dump-logits holds), fp32 [rows, hidden]: .safetensors, .npy or .bin.")]
 DumpLayersOpt = Annotated[Optional[str], typer.Option(
     "--dump-layers", metavar="PATH",
-    help="Write every module's output (fp32 [rows, width], named after the Hugging Face modules) for every "
-         "row the command processed: .safetensors or .npz; .json with --dump-stats.")]
+    help="Write every module's output (fp32 [rows, width], named after the Hugging Face modules) for the "
+         "command's rows (the rows --dump-logits holds): .safetensors or .npz; .json with --dump-stats.")]
 LayersOpt = Annotated[Optional[str], typer.Option(
     "--layers", metavar="I,J,...", help="The layers --dump-layers holds: indices, -1 = the last (default: all).")]
 DumpStatsOpt = Annotated[bool, typer.Option(
