@@ -89,6 +89,8 @@ def preset_path(name: str) -> Path:
     p = Path(name)
     if p.suffix == ".json" and p.is_file():
         return p
+    if p.is_dir() and (p / "config.json").is_file():  # a checkpoint directory: its config.json
+        return p / "config.json"
     folder = presets_dir()
     cand = folder / f"{name}.json"
     if not cand.is_file():

@@ -17,7 +17,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Iterable
 
 from metrale_cli.errors import CheckpointError
-from metrale_cli.safetensors_file import SafetensorsFile, TensorInfo, _show, _suggest
+from metrale_cli.safetensors_file import SafetensorsFile, TensorInfo, _show, _suggest, listed_tensors
 
 if TYPE_CHECKING:
     import numpy as np
@@ -146,9 +146,7 @@ class Checkpoint:
         return sum(t.nbytes for shard in self._shards for t in shard.tensors.values())
 
     def dtypes(self) -> dict[str, int]:
-        """dtype name -> number of tensors stored in it, most common first."""
-        counts = Counter(t.dtype for shard in self._shards for t in shard.tensors.values())
-        return dict(counts.most_common())
+        return dtype_counts(t for shard in self._shards for t in shard.tensors.values())
 
     @property
     def has_tokenizer(self) -> bool:
@@ -170,6 +168,47 @@ class Checkpoint:
 
     def __repr__(self) -> str:
         return f"Checkpoint({str(self.directory)!r}, {len(self.files)} file(s), {len(self._owner)} tensors)"
+
+
+def dtype_counts(tensors: Iterable[TensorInfo]) -> dict[str, int]:
+    """dtype name -> number of tensors stored in it, most common first."""
+    return dict(Counter(t.dtype for t in tensors).most_common())
+
+
+class HeaderListing:
+    """What the headers of a checkpoint that does not open still list (inspect describes a broken
+    checkpoint from it): the queries inspect asks of a Checkpoint, from each .safetensors header alone,
+    and the tensors whose data lies beyond the end of their file."""
+
+    def __init__(self, path: Path) -> None:
+        self.directory = path if path.is_dir() else path.parent
+        self.files = [path] if path.suffix == ".safetensors" else sorted(self.directory.glob("*.safetensors"))
+        self._tensors: dict[str, TensorInfo] = {}
+        self.truncated: list[str] = []
+        for file in self.files:
+            tensors, data_bytes = listed_tensors(file)
+            self._tensors.update(tensors)
+            self.truncated += [t.name for t in tensors.values() if t.end > data_bytes]
+
+    def tensor_names(self) -> list[str]:
+        return list(self._tensors)
+
+    def info(self, name: str) -> TensorInfo:
+        return self._tensors[name]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self._tensors.values())
+
+    def dtypes(self) -> dict[str, int]:
+        return dtype_counts(self._tensors.values())
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return (self.directory / TOKENIZER_NAME).is_file()
+
+    def close(self) -> None:
+        pass
 
 
 def _no_weights_message(directory: Path) -> str:

@@ -13,7 +13,8 @@ input position `positions[i]` (they predict the token at positions[i] + 1):
 
 The sidecar (`<PATH>.json`, e.g. `logits.npy.json`) records: command, model, dtype ("bf16"|"fp32"),
 storage ("float32" | "uint16 bf16 bit patterns" | "raw little-endian bf16/fp32"), shape [rows, vocab],
-vocab, tokens, positions.
+vocab, tokens, positions; for a bf16 .npy (which np.load reads as uint16: the format has no bf16 type)
+"to_float32", the expression giving the values. .safetensors stores a typed BF16 tensor.
 
 `tokens` are the ids the model ran: the prompt, then for decode the produced tokens fed back, for
 verify the k drafts; so row i is the output for input tokens[positions[i]].
@@ -184,6 +185,9 @@ def _npy_header(m: _Matrix) -> bytes:
     return buf.getvalue()
 
 
+BF16_NPY_LOAD = "(np.load(PATH).astype(np.uint32) << 16).view(np.float32)"
+
+
 def _sidecar(target: DumpTarget, m: _Matrix, info: DumpInfo) -> bytes:
     if target.kind == "npy":
         storage = "float32" if m.dtype == "fp32" else "uint16 bf16 bit patterns"
@@ -192,6 +196,8 @@ def _sidecar(target: DumpTarget, m: _Matrix, info: DumpInfo) -> bytes:
     doc = {"command": info.command, "model": info.model, "dtype": m.dtype, "storage": storage,
            "shape": [len(m.data), m.width], m.width_key: m.width, "tokens": info.tokens,
            "positions": info.positions}
+    if target.kind == "npy" and m.dtype == "bf16":  # .npy has no bf16: np.load gives the bits as uint16
+        doc["to_float32"] = BF16_NPY_LOAD
     return (json.dumps(doc, indent=1) + "\n").encode()
 
 
@@ -291,5 +297,7 @@ def _write_stream(stream: IO[bytes] | None, chunks: Iterable[bytes]) -> None:
         for chunk in chunks:
             stream.write(chunk)
         stream.flush()
+    except BrokenPipeError:  # the reader left (`| head -c`): the CLI's quiet exit, not an output error
+        raise
     except OSError as e:
         raise OutputError(f"--dump-logits -: cannot write to stdout: {_reason(e)}") from None

@@ -13,6 +13,9 @@ Exit codes (also in `metrale --help` and the README):
     9   outputs differ beyond the tolerance (`metrale compare` with --max-kl, --max-rel-err, --min-top1 or --rtol)
     70  internal error: a bug in metrale (run with METRALE_DEBUG=1 for the traceback)
     130 interrupted (Ctrl-C); no partial output file is left behind
+    141 stdout closed by its reader (`metrale decode ... | head -1`): metrale stops at once and quietly
+        (nothing on stderr), as a Unix tool killed by SIGPIPE exits 128 + 13; a dump not yet written is
+        not written, and no partial file is left behind
 """
 
 from __future__ import annotations
@@ -74,6 +77,13 @@ class Interrupted(MetraleError):
     kind = "interrupted"
 
 
+class StdoutClosed(MetraleError):
+    """The reader of stdout went away (a closed pipe): stop, and say nothing (stderr is for errors)."""
+
+    exit_code = 141  # 128 + SIGPIPE, what `yes | head -1` reports for yes
+    kind = "stdout closed"
+
+
 EXIT_CODES: dict[int, str] = {
     0: "success",
     UsageError.exit_code: "usage error (bad or conflicting options)",
@@ -85,6 +95,7 @@ EXIT_CODES: dict[int, str] = {
     DeviceError.exit_code: "device error (no CUDA/CuPy, out of device memory)",
     MetraleError.exit_code: "internal error (set METRALE_DEBUG=1 for a traceback)",
     Interrupted.exit_code: "interrupted (Ctrl-C); no partial file is left",
+    StdoutClosed.exit_code: "stdout closed by its reader (| head): quiet stop; no partial file is left",
 }
 
 

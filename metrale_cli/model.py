@@ -83,6 +83,13 @@ def check_compute(compute: str | None, device: str) -> str:
     return compute or "fp32"
 
 
+def default_logits_dtype(device: str) -> str:
+    """--logits-dtype's default on a resolved device: fp32 on the CPU, where the NumPy engine computes fp32
+    logits anyway (bf16 rows would round ties into its greedy choice: its greedy tokens are transformers'
+    fp32 ones only in fp32), bf16 on the GPU, whose engine writes bf16 rows as the engines it models do."""
+    return "fp32" if device == "cpu" else "bf16"
+
+
 # Names for the models shipped in the package, usable as --model/--draft-model from any directory. Their
 # directories sit beside DEFAULT_MODEL_DIR, so moving the embedded models only changes that constant.
 EMBEDDED_MODELS = ("default", "default-draft")
@@ -118,7 +125,7 @@ def hub_hint(path: str | Path | None) -> str:
 
 
 def open_model(path: str | Path | None = None, *, device: str = "auto", max_context: int | None = None,
-               fp32_logits: bool = False, progress: Callable[[int, int], None] | None = None,
+               fp32_logits: bool | None = None, progress: Callable[[int, int], None] | None = None,
                tp: int | None = None, compute: str | None = None) -> LoadedModel:
     """Load config.json, the safetensors tensors and tokenizer.json, and build the engine.
 
@@ -127,10 +134,14 @@ def open_model(path: str | Path | None = None, *, device: str = "auto", max_cont
     many ranks, one process each (parallel/launcher.py); this process is rank 0. `compute`: the NumPy
     engine's precision, "fp32" (the reference, its default) or "bf16" (every intermediate rounded where a
     bf16 forward rounds it); the CUDA engine is bf16 by nature and refuses "fp32" (check_compute).
+    `fp32_logits`: the rows' dtype, by default the device's (default_logits_dtype: fp32 on the CPU, bf16 on
+    the GPU).
     """
     t0 = time.perf_counter()
     chosen = resolve_device(device)
     compute = check_compute(compute, chosen)
+    if fp32_logits is None:
+        fp32_logits = default_logits_dtype(chosen) == "fp32"
     directory = model_dir(path)
     cfg = load_config(directory)
     target = model_path(path)

@@ -338,6 +338,31 @@ def _show(v: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def listed_tensors(path: Path) -> tuple[dict[str, TensorInfo], int]:
+    """What a safetensors header lists, each entry checked on its own, and the bytes of data the file holds:
+    a file the strict reader refuses (truncated, holes...) still says this much, for inspect to describe.
+    No tensors when the header itself cannot be read."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            raw = f.read(n) if n <= MAX_HEADER_BYTES else b""
+        if len(raw) != n:
+            return {}, 0
+        parser = _HeaderParser(path, 8 * _MAX_ADDRESSABLE_BYTES)  # sizes checked against the shapes only
+        header = parser._load_json(raw)
+    except (OSError, CheckpointError):
+        return {}, 0
+    tensors = {}
+    for name, entry in header.items():
+        try:
+            if name != "__metadata__":
+                tensors[name] = parser._tensor(name, entry)
+        except CheckpointError:
+            continue
+    return tensors, size - 8 - n
+
+
 class SafetensorsFile:
     """One validated .safetensors file, memory-mapped read-only. Use `SafetensorsFile.open(path)`."""
 

@@ -34,6 +34,14 @@ def test_bench_cli_json(tmp_path, capsys):
     assert printed["preset"] == "tiny-llama" and printed["device"] == "cpu"
 
 
+def test_a_checkpoint_directory_is_a_preset(tmp_path):
+    """bench --preset DIR reads DIR/config.json, as --preset DIR/config.json does."""
+    (tmp_path / "config.json").write_text(preset_path("tiny-llama").read_text())
+    assert preset_path(str(tmp_path)) == tmp_path / "config.json"
+    with pytest.raises(UsageError, match="unknown preset"):
+        preset_path(str(tmp_path / "missing"))
+
+
 def test_unknown_preset_lists_the_available_ones():
     with pytest.raises(UsageError, match="llama-3.1-8b"):
         preset_path("gpt-5")

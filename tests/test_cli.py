@@ -73,11 +73,11 @@ def test_decode_json_matches_engine_greedy(run_cli):
     doc = as_json(run_cli("decode", "-m", LLAMA, "-t", TOKENS, "--steps", 6, "--top-k", 3, "-f", "json",
                           "--device", "cpu"))
     assert set(doc) >= {"model", "device", "logits_dtype", "prompt_tokens", "steps"}
-    assert doc["prompt_tokens"] == [1, 2, 3] and doc["device"] == "cpu" and doc["logits_dtype"] == "bf16"
+    assert doc["prompt_tokens"] == [1, 2, 3] and doc["device"] == "cpu" and doc["logits_dtype"] == "fp32"
     assert [s["token"] for s in doc["steps"]] == greedy_tokens(LLAMA, [1, 2, 3], 6)
     assert [s["position"] for s in doc["steps"]] == list(range(3, 9))
     for s in doc["steps"]:
-        assert set(s) == {"position", "token", "text", "logit", "top_k"}
+        assert set(s) == {"position", "token", "text", "logit", "argmax_note", "top_k"}
         assert len(s["top_k"]) == 3 and s["top_k"][0]["token"] == s["token"]
         probs = [t["prob"] for t in s["top_k"]]
         assert probs == sorted(probs, reverse=True) and 0 < sum(probs) <= 1.001
@@ -178,7 +178,7 @@ def test_speculative_decode_gives_greedy_tokens(run_cli, draft):
         assert spec["verify_passes"] == 3
     t = doc["timings"]
     assert t["plain_tokens_match"] is True
-    assert t["speculative_tokens_per_s"] > 0 and t["plain_tokens_per_s"] > 0
+    assert t["tokens_per_s_mean"] > 0 and t["plain_tokens_per_s_mean"] > 0
 
 
 def test_hidden_summary_matches_engine(run_cli):
@@ -201,6 +201,26 @@ def test_timings_only_on_request(run_cli, command):
     assert "timings" not in plain.stdout and "timings.load_s" in timed.stdout
     doc = as_json(run_cli(*base, "-f", "json", "--timings"))
     assert doc["timings"]["load_s"] >= 0 and doc["timings"]["prefill_ms"] > 0
+
+
+TIMED = {"decode": ["--steps", 6], "speculative": ["--steps", 6, "--draft", "ngram"], "verify": [], "forward": [],
+         "score": []}
+
+
+@pytest.mark.parametrize("command", list(TIMED))
+def test_timings_pair_each_rate_with_its_time_on_one_basis(run_cli, command):
+    """Every per-token time sits beside the rate on the same basis, named for it: X_per_token_ms_mean with
+    X_tokens_per_s_mean (one the reciprocal of the other), per_token_ms_median with tokens_per_s_of_median."""
+    name = "decode" if command == "speculative" else command
+    t = as_json(run_cli(name, "-m", LLAMA, "-t", "1 2 3 1 2", *TIMED[command], "-f", "json", "--timings"))["timings"]
+    pairs = [(k, k.replace("per_token_ms", "tokens_per_s")) for k in t if "per_token_ms_mean" in k]
+    pairs += [("per_token_ms_median", "tokens_per_s_of_median")] if "per_token_ms_median" in t else []
+    want = {"decode": 3, "speculative": 3, "verify": 2, "forward": 1, "score": 1}[command]
+    assert len(pairs) == want, t
+    for ms, rate in pairs:
+        assert t[ms] > 0 and 1000 / t[rate] == pytest.approx(t[ms], rel=1e-3, abs=6e-4), (ms, rate)  # ms: 3 decimals
+    assert not [k for k in t if k.endswith("tokens_per_s") or k.endswith("_ms_median") and "per_" not in k]
+    assert "per_pass_ms_median" in t and "per_pass_ms_mean" in t if command == "speculative" else True
 
 
 @pytest.mark.parametrize("command", ["decode", "verify", "forward"])
@@ -330,6 +350,37 @@ def test_inspect_invalid_checkpoint_describes_then_fails(run_cli, tmp_path, help
     assert r.stderr.count("\n") == 1 and "model.norm.weight" in r.stderr
 
 
+def test_inspect_takes_model_as_every_command_does(run_cli):
+    """inspect --model PATH is inspect PATH; both at once must agree."""
+    by_option = run_cli("inspect", "--model", LLAMA, "-f", "json")
+    assert by_option.exit_code == 0 and by_option.stdout == run_cli("inspect", LLAMA, "-f", "json").stdout
+    assert run_cli("inspect", "-m", LLAMA, LLAMA, "-f", "json").stdout == by_option.stdout
+    both = run_cli("inspect", LLAMA, "--model", "default")
+    assert both.exit_code == 2 and "not both" in both.stderr
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.0001])
+def test_inspect_describes_a_truncated_checkpoint_then_exits_3(run_cli, tmp_path, helpers, keep):
+    """A weights file that does not open: config.json's description, the tensors its header still lists
+    (none when the header itself is cut), and what is wrong; exit 3, one line on stderr."""
+    import os
+
+    model = helpers.copy_model(tmp_path / "m")
+    weights = model / "model.safetensors"
+    os.truncate(weights, int(weights.stat().st_size * keep))
+    r = run_cli("inspect", "--model", model, "-f", "json")
+    assert r.exit_code == 3 and r.stderr.count("\n") == 1 and "truncated" in r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["valid"] is False and doc["layers"] == 2 and doc["vocab"] == 300 and "truncated" in doc["problems"]
+    if keep == 0.5:
+        assert doc["tensors"] == 21 and doc["dtypes"] == {"F32": 21}
+        assert "listed tensors lie beyond the end of their file" in doc["problems"]
+    else:
+        assert doc["tensors"] == 0 and doc["files"] == ["model.safetensors"]
+    plain = run_cli("inspect", model, "-f", "plain")
+    assert plain.exit_code == 3 and "valid: no" in plain.stdout and "problems: " in plain.stdout
+
+
 # -- the error boundary ------------------------------------------------------------------------------------------------
 
 
@@ -396,7 +447,7 @@ def test_context_is_sized_to_the_job(run_cli, monkeypatch):
     assert run_cli("verify", "-m", LLAMA, "-t", TOKENS, "--k", 2).exit_code == 0
     assert run_cli("decode", "-m", LLAMA, "-t", TOKENS, "--steps", 5, "--draft", "ngram", "--k", 4).exit_code == 0
     assert run_cli("forward", "-m", LLAMA, "-t", TOKENS, "--max-context", 50).exit_code == 0
-    assert seen == [8, 5, 12, 50]
+    assert seen == [7, 5, 11, 50]  # decode: the last token is never fed back (3 + 5 - 1)
 
 
 def test_random_model_helper_runs(run_cli, tmp_path, helpers):

@@ -136,9 +136,9 @@ CASES = [
     Case("prompt-without-tokenizer", ["decode", *M, "-p", "hello"], 5, "tokenizer.json"),
     Case("no-prompt-no-tokenizer", ["forward", *M], 5, "--tokens"),
     # lengths and counts
-    Case("steps-beyond-max-positions", ["decode", *M, *T, "--steps", "254"], 5, "max_position_embeddings 256"),
+    Case("steps-beyond-max-positions", ["decode", *M, *T, "--steps", "255"], 5, "max_position_embeddings 256"),
     Case("k-beyond-max-positions", ["verify", *M, *T, "--k", "254"], 5, "max_position_embeddings 256"),
-    Case("max-context-too-small", ["decode", *M, *T, "--steps", "8", "--max-context", "10"], 5, "--max-context 10"),
+    Case("max-context-too-small", ["decode", *M, *T, "--steps", "8", "--max-context", "9"], 5, "--max-context 9"),
     Case("max-context-beyond-model", ["forward", *M, *T, "--max-context", "1000"], 5, "--max-context 1000"),
     Case("steps-zero", ["decode", *M, *T, "--steps", "0"], 2, "--steps must be at least 1, got 0"),
     Case("steps-negative", ["decode", *M, *T, "--steps=-3"], 2, "--steps must be at least 1, got -3"),

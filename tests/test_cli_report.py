@@ -139,8 +139,8 @@ def test_verify_self_reports_ulps_and_identical_rows(run_cli):
     from metrale_cli.decoding.decode import run_decode
     from metrale_cli.model import open_model
 
-    doc = as_json(run_cli("verify", "--k", 6, "-f", "json"))
-    m = open_model(None, device="cpu", max_context=32)
+    doc = as_json(run_cli("verify", "--k", 6, "-f", "json", "--logits-dtype", "bf16"))
+    m = open_model(None, device="cpu", max_context=32, fp32_logits=False)
     try:
         seq = run_decode(m.engine, doc["prompt_tokens"], 7, keep_rows=True).rows.array()[1:]  # decode rows
         m.engine.reset()
@@ -163,7 +163,7 @@ def test_verify_self_reports_ulps_and_identical_rows(run_cli):
     at_max = diff == diff.max()
     assert doc["max_abs_diff_ulps_vs_sequential"] == int(np.abs(ordered(ver) - ordered(seq))[at_max].max())
     assert doc["rows_identical_vs_sequential"] == int((ver == seq).all(axis=1).sum())
-    plain = run_cli("verify", "--k", 6, "-f", "plain").stdout
+    plain = run_cli("verify", "--k", 6, "-f", "plain", "--logits-dtype", "bf16").stdout
     assert f"max_abs_diff_ulps_vs_sequential: {doc['max_abs_diff_ulps_vs_sequential']}\n" in plain
     assert f"rows_identical_vs_sequential: {doc['rows_identical_vs_sequential']}/6\n" in plain
 
@@ -247,7 +247,7 @@ def test_ctrl_c_in_speculative_decode(run_cli, monkeypatch):
     assert doc["interrupted"] is True and doc["speculative"]["verify_passes"] == 3
     assert len(tokens) == 1 + 3 * 3  # the prefill's token, then 3 passes of 2 accepted drafts + 1
     assert tokens == _greedy([5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], len(tokens), LLAMA)
-    assert "plain_tokens_per_s" not in doc["timings"]  # the comparison run is not started
+    assert "plain_tokens_per_s_mean" not in doc["timings"]  # the comparison run is not started
     assert r.stderr.splitlines() == [STOPPED.format(len(tokens))]
 
 
@@ -368,3 +368,24 @@ def test_bench_plain_leaves_out_the_fields_a_figure_does_not_have(run_cli, tmp_p
         assert any(x.startswith("target: ") for x in fields) == bool(f["target"])
         assert any(x.startswith("ratio: ") for x in fields) == (f["ratio"] is not None)
         assert (fields[-1] in ("met", "MISSED")) == (f["met"] is not None)
+
+
+def test_a_long_prompt_is_echoed_in_part_and_kept_whole_in_json(run_cli, helpers, tmp_path):
+    """2,480 prompt tokens: rich and plain echo the first 24 and the last 8 ids and say how many are left
+    out; JSON holds every one. A long prompt text is cut the same way (render.common.echo_text)."""
+    from metrale_cli.render.common import echo_text
+
+    model = helpers.random_llama(tmp_path / "m", hidden=32, layers=1, heads=2, kv_heads=1, intermediate=32,
+                                 vocab=512, max_positions=4096)
+    ids = [i % 500 for i in range(2480)]
+    args = ["forward", "-m", model, "-t", " ".join(map(str, ids))]
+    plain = run_cli(*args, "-f", "plain").stdout
+    line = next(x for x in plain.splitlines() if x.startswith("prompt_tokens: "))
+    assert line == ("prompt_tokens: " + " ".join(map(str, ids[:24])) + " \u2026 " + " ".join(map(str, ids[-8:]))
+                    + " (2480; 2448 not shown)")
+    rich = run_cli(*args, "-f", "rich", env={"COLUMNS": "80"}).stdout
+    assert "(2480; 2448 not shown)" in " ".join(rich.split()) and len(rich) < 4000
+    assert json.loads(run_cli(*args, "-f", "json").stdout)["prompt_tokens"] == ids
+    text = "x" * 1000
+    assert echo_text(text) == "x" * 300 + " \u2026 (600 characters not shown) \u2026 " + "x" * 100
+    assert echo_text("short text") == "short\u2423text"

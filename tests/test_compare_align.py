@@ -64,11 +64,13 @@ def test_positions_select_and_unknown_positions_are_named(run_cli, dumps):
 def test_forward_against_decode_layer_dumps(run_cli, dumps):
     d, tokens = dumps
     doc = _json(run_cli("compare", d / "fwd.safetensors", d / "dec.safetensors", "--rtol", "1e-4", "-f", "json"))
-    # decode's layer dump holds the prompt rows and each fed-back step: positions 0..19
-    assert doc["kind"] == "layers" and doc["positions"] == list(range(len(tokens) - 1))
-    assert doc["only_a_positions"] == [len(tokens) - 1] and doc["passed"] is True
-    doc = _json(run_cli("compare", d / "fwd.safetensors", d / "dec.safetensors", "--positions", "0..2", "-f", "json"))
-    assert doc["positions"] == [0, 1, 2] and all(t["shape"][0] == 3 for t in doc["tensors"])
+    # decode's layer dump holds the rows its logits dump holds: the row that chose each token, positions P-1..
+    p = len(PROMPT)
+    assert doc["kind"] == "layers" and doc["positions"] == list(range(p - 1, len(tokens) - 1))
+    assert doc["only_a_positions"] == list(range(p - 1)) + [len(tokens) - 1] and doc["passed"] is True
+    doc = _json(run_cli("compare", d / "fwd.safetensors", d / "dec.safetensors", "--positions", f"{p}..{p + 2}",
+                        "-f", "json"))
+    assert doc["positions"] == [p, p + 1, p + 2] and all(t["shape"][0] == 3 for t in doc["tensors"])
 
 
 def test_rows_that_ran_other_tokens_are_refused(run_cli, dumps):

@@ -339,3 +339,19 @@ def test_check_dump_path(tmp_path):
     with pytest.raises(OutputError, match="not a directory"):
         dumps.check_dump_path(str(tmp_path / "file" / "x.npy"), "--dump-logits")
     assert dumps.DumpTarget("--dump-logits", tmp_path / "l.bin", "bin").sidecar == tmp_path / "l.bin.json"
+
+
+def test_a_bf16_npy_dump_says_how_to_read_it(run_cli, tmp_path):
+    """.npy has no bf16: the rows load as uint16 bit patterns, and the sidecar gives the float32 recipe,
+    which gives the values the safetensors dump holds as a typed BF16 tensor."""
+    npy = tmp_path / "rows.npy"
+    args = ["forward", "-m", LLAMA, "-t", "1 2 3", "--rows", "all", "--logits-dtype", "bf16"]
+    assert run_cli(*args, "--dump-logits", npy).exit_code == 0
+    side = json.loads(npy.with_name("rows.npy.json").read_text())
+    assert side["storage"] == "uint16 bf16 bit patterns" and np.load(npy).dtype == np.uint16
+    values = eval(side["to_float32"], {"np": np, "PATH": npy})  # the recipe, as written
+    fp32 = tmp_path / "fp32.npy"
+    assert run_cli(*args[:-2], "--logits-dtype", "fp32", "--dump-logits", fp32).exit_code == 0
+    assert values.dtype == np.float32 and np.abs(values - np.load(fp32)).max() <= np.abs(np.load(fp32)).max() / 128
+    fp32_side = json.loads(fp32.with_name("fp32.npy.json").read_text())
+    assert "to_float32" not in fp32_side

@@ -134,6 +134,8 @@ def test_model_help_names_the_embedded_models(monkeypatch):
 def test_help_text_survives_rich_markup(monkeypatch):
     """Brackets in help text are literal: the JSON array form is shown, not eaten as a markup tag."""
     assert '"[1, 2, 3]"' in render_help("decode", WIDE, monkeypatch)
+    text = " ".join(render_help("forward", WIDE, monkeypatch).split())  # option help too: no "fp32 :"
+    assert "fp32 [rows, hidden]:" in text and "(fp32 [rows, width], named" in text
     assert reflow_help("Summary.\n\nRows [rows, vocab] in\norder.") == "Summary.\n\n\nRows \\[rows, vocab] in order."
 
 

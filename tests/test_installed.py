@@ -120,7 +120,7 @@ def test_installed_decode_on_the_embedded_model(installed):
     r = metrale(installed, "decode", "--steps", "2", "--format", "plain")
     assert r.returncode == 0, r.stderr
     assert "model: default" in r.stdout and "device: cpu" in r.stdout
-    assert "stopped: steps after 2 tokens" in r.stdout
+    assert "stopped: after 2 tokens (--steps)" in r.stdout
 
 
 @pytest.mark.slow

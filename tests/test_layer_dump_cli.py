@@ -1,4 +1,6 @@
-"""--dump-layers on forward, decode and verify: the rows of every pass the command ran, as computed."""
+"""--dump-layers on forward, decode and verify: the rows every dump of the command holds (those --rows
+selects for forward; the rows that chose each token for decode; the prompt's last row and the verify rows
+for verify), as computed."""
 
 from __future__ import annotations
 
@@ -33,27 +35,26 @@ def test_forward_layers_hold_the_rows_the_pass_computed(run_cli, tmp_path):
     np.testing.assert_array_equal(dump.tensors["model.norm"] @ _lm_head().T, np.load(d / "x.npy"))
 
 
-def test_decode_layers_are_the_prompt_then_each_step(run_cli, tmp_path):
+def test_decode_layers_are_the_rows_that_chose_each_token(run_cli, tmp_path):
     r = run_cli("decode", "-m", MODEL, "-t", "5 17 42", "--steps", "4", "--ignore-eos", "--logits-dtype", "fp32",
                 "--dump-layers", tmp_path / "l.npz", "--dump-hidden", tmp_path / "h.npy", "-f", "json")
     assert r.exit_code == 0, r.stderr
     doc = json.loads(r.stdout)
     dump = read_layer_dump(tmp_path / "l.npz")
-    assert dump.positions == [0, 1, 2, 3, 4, 5]  # prompt (3 rows), then the 3 steps fed back
+    assert dump.positions == [2, 3, 4, 5]  # the prompt's last row, then the 3 steps fed back
     assert dump.tokens == [5, 17, 42] + [s["token"] for s in doc["steps"][:-1]]
-    hidden = np.load(tmp_path / "h.npy")  # the rows that chose each token: positions 2, 3, 4, 5
-    np.testing.assert_array_equal(dump.tensors["model.norm"][2:], hidden)
+    hidden = np.load(tmp_path / "h.npy")  # the same rows
+    np.testing.assert_array_equal(dump.tensors["model.norm"], hidden)
 
 
-def test_verify_layers_include_the_drafting_steps(run_cli, tmp_path):
+def test_verify_layers_are_the_verify_rows_not_the_drafting_steps(run_cli, tmp_path):
     r = run_cli("verify", "-m", MODEL, "-t", "5 17 42", "--k", "3", "--logits-dtype", "fp32",
                 "--dump-layers", tmp_path / "l.safetensors", "--dump-hidden", tmp_path / "h.npy", "-f", "json")
     assert r.exit_code == 0, r.stderr
     dump = read_layer_dump(tmp_path / "l.safetensors")
-    # prompt rows 0..2, the self-drafting decode steps at 3..5 (the sequential rows), then the verify pass
-    assert dump.positions == [0, 1, 2, 3, 4, 5, 3, 4, 5]
-    hidden = np.load(tmp_path / "h.npy")  # the verify rows (and the prompt's last row before them)
-    np.testing.assert_array_equal(dump.tensors["model.norm"][-3:], hidden[-3:])
+    # the prompt's last row, then the verify pass's rows (not the self-drafting decode steps it redid)
+    assert dump.positions == [2, 3, 4, 5]
+    np.testing.assert_array_equal(dump.tensors["model.norm"], np.load(tmp_path / "h.npy"))
 
 
 def test_layer_selection_and_stats(run_cli, tmp_path):
@@ -66,8 +67,29 @@ def test_layer_selection_and_stats(run_cli, tmp_path):
     r = run_cli("forward", "-m", MODEL, "-t", "5 17 42", "--dump-layers", tmp_path / "s.json", "--dump-stats")
     assert r.exit_code == 0, r.stderr
     stats = json.loads((tmp_path / "s.json").read_text())
-    assert stats["rows"] == 3 and [t["name"] for t in stats["tensors"]][-1] == "model.norm"
+    assert stats["rows"] == 1 and [t["name"] for t in stats["tensors"]][-1] == "model.norm"  # --rows last
     assert all(t["nan"] == 0 and t["inf"] == 0 and len(t["sha256"]) == 64 for t in stats["tensors"])
+
+
+@pytest.mark.parametrize("command", [["forward"], ["forward", "--rows", "all"], ["decode", "--steps", "4"],
+                                     ["verify", "--k", "3"]])
+def test_every_dump_of_a_command_holds_the_same_rows(run_cli, tmp_path, command):
+    d = tmp_path
+    r = run_cli(*command, "-m", MODEL, "-t", "5 17 42 99", "--dump-logits", d / "x.npy", "--dump-hidden",
+                d / "h.safetensors", "--dump-layers", d / "l.safetensors")
+    assert r.exit_code == 0, r.stderr
+    logits = json.loads((d / "x.npy.json").read_text())["positions"]
+    hidden = json.loads(load_metadata(d / "h.safetensors")["positions"])
+    layers = read_layer_dump(d / "l.safetensors").positions
+    want = {"forward": [3], "decode": [3, 4, 5, 6], "verify": [3, 4, 5, 6]}[command[0]]
+    assert logits == hidden == layers == ([0, 1, 2, 3] if "all" in command else want)
+
+
+def load_metadata(path) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "np") as f:
+        return f.metadata()
 
 
 @pytest.mark.parametrize("args, code, words", [

@@ -19,8 +19,9 @@ VOCAB = 300
 
 
 def rows_of(path) -> np.ndarray:
-    """A .npy logits dump as fp32 values [rows, vocab]."""
-    return bf16_bits_to_fp32(np.load(path))
+    """A .npy logits dump (fp32, or bf16 bit patterns) as fp32 values [rows, vocab]."""
+    rows = np.load(path)
+    return bf16_bits_to_fp32(rows) if rows.dtype == np.uint16 else rows
 
 
 def sidecar(path) -> dict:
@@ -96,7 +97,7 @@ def test_forward_all_rows_dumps_every_row_then_exits_6(run_cli, nan_norm, tmp_pa
 
 
 def test_forward_to_stdout_writes_the_rows_too(run_cli, nan_norm, tmp_path):
-    r = run_cli("forward", "-m", nan_norm, "-t", "5 6", "--rows", "all", "--dump-logits", "-")
+    r = run_cli("forward", "-m", nan_norm, "-t", "5 6", "--rows", "all", "--dump-logits", "-", "--logits-dtype", "bf16")
     assert r.exit_code == 6
     rows = bf16_bits_to_fp32(np.frombuffer(r.stdout_bytes, np.uint16).reshape(-1, VOCAB))
     assert rows.shape == (2, VOCAB) and np.isnan(rows).all()

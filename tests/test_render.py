@@ -59,6 +59,9 @@ def test_numbers():
     assert render.num(6.03125) == 6.0312  # the same rounding as %.4f
     assert render.num(float("nan")) is None and render.num(float("inf")) is None and render.num(None) is None
     assert render.num(0.00012344, ".3e") == 0.0001234
+    from metrale_cli.render.common import counted
+
+    assert counted(1, "row") == "1 row" and counted(0, "row") == "0 rows" and counted(2, "token") == "2 tokens"
 
 
 def test_json_layout_is_compact_where_readable():
@@ -246,7 +249,7 @@ def test_rich_inspect_and_bench_fit(width):
     info = {"command": "inspect", "model": "p/" * 60, "architecture": "LlamaForCausalLM", "model_type": "llama",
             "layers": 32, "heads": 32, "kv_heads": 8, "head_dim": 128, "hidden": 4096, "intermediate": 14336,
             "vocab": 128256, "max_position_embeddings": 131072, "sliding_window": None, "parameters": 8030261248,
-            "dtype": "bfloat16", "dtypes": {"BF16": 291}, "shards": 4,
+            "dtype": "bfloat16", "dtypes": {"BF16": 291}, "tensors": 291, "shards": 4,
             "files": [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)], "bytes": 16060522496,
             "tied_embeddings": False, "rope": {"theta": 500000.0, "type": "llama3", "scaling": {
                 "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

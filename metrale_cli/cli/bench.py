@@ -24,7 +24,7 @@ def bench(
     preset: Annotated[Optional[str], typer.Option(
         "--preset", metavar="NAME|PATH", help="A preset in configs/ (llama-3.1-8b, llama-3.2-1b, qwen3-8b, mistral-7b, "
                          "gemma-2-9b, gemma-3-12b, phi-3-mini, phi-4-mini, qwen3-30b-a3b, mixtral-8x7b, tiny-llama) "
-                         "or a config.json path. Default: llama-3.1-8b on cuda, tiny-llama on cpu.",
+                         "or a config.json path (or a directory holding one). Default: llama-3.1-8b on cuda, tiny-llama on cpu.",
         show_default=False)] = None,
     device: DeviceOpt = "auto",
     context: Annotated[int, typer.Option("--context", metavar="N",

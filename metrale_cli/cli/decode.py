@@ -84,12 +84,15 @@ def _decode(job: Job, steps: int, top_k: int, ignore_eos: bool, speculative: boo
     from ..decoding.speculative import ModelDrafter, NgramDrafter
 
     n = len(job.ids)
-    what = f"prompt ({n} tokens) + --steps {steps}"
-    ctx = context_for(job.spec, n + steps, what, job.common.max_context, n + steps + (k if speculative else 0))
+    # The last token produced is never fed back: the cache holds the prompt and the tokens before it. A
+    # speculative run needs no more (its verify passes draft only into the room left); k more by default.
+    need = n + steps - 1
+    what = f"prompt ({n} tokens) + --steps {steps} - 1 (the last token is not run)"
+    ctx = context_for(job.spec, need, what, job.common.max_context, need + (k if speculative else 0))
     draft_spec = read_model_spec(draft_path) if draft_path is not None else None
     if draft_spec is not None:
         check_draft_matches(job.spec, draft_spec)
-        ctx = min(ctx, context_for(draft_spec, n + steps, f"for the draft model, {what}", None, ctx))
+        ctx = min(ctx, context_for(draft_spec, need, f"for the draft model, {what}", None, ctx))
     if speculative and job.layers_dump is not None:
         raise UsageError("--dump-layers records plain decoding: a speculative run's rejected drafts would mix "
                          "into the rows (dump one verify pass with `metrale verify --dump-layers` instead)")

@@ -17,7 +17,7 @@ except ImportError:  # pragma: no cover
     from click import exceptions as click_exc  # type: ignore[no-redef]
 
 from .. import __version__
-from ..errors import EXIT_CODES, Interrupted, MetraleError, UsageError
+from ..errors import EXIT_CODES, Interrupted, MetraleError, StdoutClosed, UsageError
 from ..models import FAMILIES
 from ..render.common import error_line, help_text
 from .help_format import HelpFormat
@@ -48,12 +48,20 @@ Set METRALE_DEBUG=1 to see the traceback of an internal error."""
 INTERRUPTED = "stopped by Ctrl-C (no partial output file is left)"
 
 
+class PipeConsole(Console):
+    """A Console whose closed pipe is a BrokenPipeError, as for any other write (Rich's own handling exits 1
+    from wherever the write happened), so the error boundary gives the one documented exit (141)."""
+
+    def on_broken_pipe(self) -> None:
+        raise BrokenPipeError("stdout closed")
+
+
 @dataclass
 class State:
     """The two consoles every report goes through; created once per run, passed down to render."""
 
-    out: Console = field(default_factory=lambda: Console(highlight=False))
-    err: Console = field(default_factory=lambda: Console(stderr=True, highlight=False))
+    out: Console = field(default_factory=lambda: PipeConsole(highlight=False))
+    err: Console = field(default_factory=lambda: PipeConsole(stderr=True, highlight=False))
 
 
 class MetraleGroup(HelpFormat, TyperGroup):
@@ -64,6 +72,14 @@ class MetraleGroup(HelpFormat, TyperGroup):
             return super().invoke(ctx)
         except KeyboardInterrupt:
             raise Interrupted(INTERRUPTED) from None
+        except BrokenPipeError:  # before click's own handling, which exits 1
+            raise StdoutClosed("the reader of stdout left") from None
+
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:  # --help and --version print from here
+        try:
+            return super().make_context(*args, **kwargs)
+        except BrokenPipeError:
+            raise StdoutClosed("the reader of stdout left") from None
 
     def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
              complete_var: str | None = None, standalone_mode: bool = True, **extra: Any) -> Any:
@@ -81,6 +97,9 @@ def _guarded(err: Console, run: Callable[[], Any]) -> int:
     try:
         rv = run()
         return rv if isinstance(rv, int) else 0
+    except (StdoutClosed, BrokenPipeError):  # `metrale decode | head`: the reader left; nothing more to say
+        _silence_stdout()
+        return StdoutClosed.exit_code
     except MetraleError as e:
         error_line(err, f"metrale: {e.kind}: {e}")
         return e.exit_code
@@ -99,9 +118,6 @@ def _guarded(err: Console, run: Callable[[], Any]) -> int:
     except click_exc.ClickException as e:
         error_line(err, f"metrale: error: {' '.join(e.format_message().split())}")
         return e.exit_code
-    except BrokenPipeError:  # `metrale decode | head`: the reader left; nothing more to say
-        _silence_stdout()
-        return 0
     except Exception as e:  # a bug: one line, the traceback only on request
         if os.environ.get("METRALE_DEBUG"):
             import traceback  # only for this, a bug's report
@@ -114,6 +130,7 @@ def _guarded(err: Console, run: Callable[[], Any]) -> int:
 
 
 def _silence_stdout() -> None:
+    """stdout to /dev/null, so the interpreter's last flush of it does not fail again."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
@@ -128,7 +145,7 @@ app = typer.Typer(cls=MetraleGroup, help=TOP_HELP, add_completion=False, no_args
 
 def _version(value: bool) -> None:
     if value:
-        help_text(Console(highlight=False), f"metrale {__version__}")
+        help_text(PipeConsole(highlight=False), f"metrale {__version__}")
         raise typer.Exit()
 
 

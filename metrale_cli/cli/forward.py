@@ -20,12 +20,14 @@ def forward(
     ctx: typer.Context,
     c: Common,
     rows: Annotated[str, typer.Option("--rows", metavar="last|all",
-                                      help="Report the last row (default) or every row.")] = "last",
+                                      help="The rows reported and dumped (every dump holds the same rows): the "
+                                           "last (default) or every prompt row.")] = "last",
 ) -> None:
     """One forward pass over the prompt: the argmax token and its logit for the last row or every row.
 
     --dump-logits writes the logits rows themselves (.safetensors, .npy, .bin), to compare with another
-    engine bit for bit.
+    engine bit for bit. Every dump (--dump-logits, --dump-hidden, --dump-layers) holds the rows --rows
+    selects: --rows all for every prompt row.
 
     Examples:
       metrale forward --prompt "The for statement" --rows all

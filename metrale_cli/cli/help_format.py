@@ -30,12 +30,18 @@ class HelpFormat:
 
     def __init__(self, *args: Any, help: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, help=reflow_help(help) if help else help, **kwargs)  # type: ignore[call-arg]
+        for param in self.params:  # type: ignore[attr-defined]
+            if getattr(param, "help", None):  # "[rows, hidden]" is text, not a markup tag to drop
+                param.help = escape(param.help)
 
     def format_help(self, ctx: typer.Context, formatter: Any) -> None:
         for param in self.get_params(ctx):  # type: ignore[attr-defined]
             if getattr(param, "is_flag", False) and param.metavar is None:
                 param.metavar = ""
-        super().format_help(ctx, formatter)  # type: ignore[misc]
+        try:
+            super().format_help(ctx, formatter)  # type: ignore[misc]
+        except SystemExit:  # typer's help console meeting a closed stdout (Rich exits 1): the CLI's exit 141
+            raise BrokenPipeError("stdout closed") from None
 
 
 class MetraleCommand(HelpFormat, TyperCommand):

@@ -7,8 +7,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ..checkpoint import Checkpoint
-from ..errors import ConfigError, MetraleError
+from ..checkpoint import Checkpoint, HeaderListing
+from ..errors import CheckpointError, ConfigError, MetraleError, UsageError
 from ..inputs import ModelSpec, read_model_spec
 from ..model import model_dir, model_path
 from ..models.weights import check_checkpoint
@@ -16,7 +16,7 @@ from ..render.common import choose_format
 from ..render.inspect import render_inspect
 from .entry import State, app
 from .help_format import MetraleCommand
-from .options import EMBEDDED_HELP, FormatOpt
+from .options import EMBEDDED_HELP, FormatOpt, ModelOpt
 
 
 @app.command(cls=MetraleCommand)
@@ -24,31 +24,44 @@ def inspect(
     ctx: typer.Context,
     path: Annotated[Optional[str], typer.Argument(
         metavar="PATH", help=f"Checkpoint directory, .safetensors file or index.json, or {EMBEDDED_HELP}. "
-                             "Default: default.", show_default=False)] = None,
+                             "Default: default. The same as --model.", show_default=False)] = None,
+    model: ModelOpt = None,
     fmt: FormatOpt = None,
     scan: Annotated[bool, typer.Option(
         "--scan", help="Also read every tensor and list those holding NaN or Inf (reads the whole checkpoint).")] = False,
 ) -> None:
     """Describe a checkpoint: architecture, sizes, parameter count, dtypes, shards, rope, tokenizer.
 
+    PATH (or --model PATH, as every other command takes it) names the checkpoint.
     The tensors are checked against config.json (names, shapes, dtypes).
-    An invalid checkpoint is still described; metrale then exits non-zero with the problems on stderr.
-    A config.json metrale cannot run (another model_type, hidden_act...) is described from its raw fields and the tensors, then named (exit 4).
+    An invalid checkpoint is still described, then its problem is named on stderr: a weights file that
+    does not open (truncated, malformed) from config.json and the tensors its headers list (exit 3); tensors
+    that do not match config.json (exit 3); a config.json metrale cannot run (another model_type,
+    hidden_act...) from its raw fields and the tensors (exit 4).
     Without --scan no tensor value is read, so NaN/Inf in the weights are not looked for.
 
     Examples:
       metrale inspect
       metrale inspect default-draft --format json
-      metrale inspect default --scan
+      metrale inspect --model default --scan
     """
     state: State = ctx.obj
     fmt_ = choose_format(fmt, state.out)
+    if path is not None and model is not None and path != model:
+        raise UsageError(f"inspect takes one checkpoint: PATH {path!r} or --model {model!r}, not both")
+    path = path if path is not None else model
     try:
         spec = read_model_spec(path)
     except ConfigError as unsupported:  # describe what config.json and the tensors say, then fail (exit 4)
         _inspect_without_config(state, fmt_, path, unsupported, scan)
         raise
-    ckpt = Checkpoint.open(spec.checkpoint_path)
+    try:
+        ckpt = Checkpoint.open(spec.checkpoint_path)
+    except CheckpointError as broken:  # what config.json and the headers still say, then the problem (exit 3)
+        listing = HeaderListing(spec.checkpoint_path)
+        problem = _broken(broken, listing)
+        render_inspect(state.out, fmt_, _with_scan(_inspect_info(spec, listing, problem), listing, False))
+        raise problem from None
     try:
         problem: MetraleError | None = None
         try:
@@ -62,7 +75,16 @@ def inspect(
         raise problem
 
 
-def _with_scan(info: dict[str, Any], ckpt: Checkpoint, scan: bool) -> dict[str, Any]:
+def _broken(problem: CheckpointError, listing: HeaderListing) -> MetraleError:
+    """The problem, with the tensors the headers list beyond the end of their file."""
+    if not listing.truncated:
+        return problem
+    names = ", ".join(listing.truncated[:3]) + (", ..." if len(listing.truncated) > 3 else "")
+    return CheckpointError(f"{problem}; {len(listing.truncated)} of {len(listing.tensor_names())} listed tensors "
+                           f"lie beyond the end of their file ({names})")
+
+
+def _with_scan(info: dict[str, Any], ckpt: Checkpoint | HeaderListing, scan: bool) -> dict[str, Any]:
     """inspect's "scanned" and "nonfinite" keys: with --scan, the tensors holding NaN or Inf."""
     info["nonfinite"] = None
     if scan:
@@ -118,8 +140,7 @@ def _raw_inspect_info(label: str, raw: dict[str, Any], ckpt: Checkpoint, problem
         "kv_heads": integer("num_key_value_heads", heads), "head_dim": head_dim, "hidden": hidden,
         "intermediate": integer("intermediate_size"), "vocab": integer("vocab_size"),
         "max_position_embeddings": integer("max_position_embeddings"), "sliding_window": integer("sliding_window"),
-        "parameters": params, "dtype": raw.get("torch_dtype", raw.get("dtype")), "dtypes": ckpt.dtypes(),
-        "shards": len(ckpt.files), "files": [p.name for p in ckpt.files], "bytes": ckpt.total_bytes,
+        "parameters": params, "dtype": raw.get("torch_dtype", raw.get("dtype")), **_listing_info(ckpt),
         "tied_embeddings": raw.get("tie_word_embeddings") is True,
         "rope": {"theta": raw.get("rope_theta", rope_params.get("rope_theta")),
                  "type": (scaling or rope_params).get("rope_type", (scaling or {}).get("type", "default")),
@@ -135,7 +156,8 @@ def _raw_inspect_info(label: str, raw: dict[str, Any], ckpt: Checkpoint, problem
     }
 
 
-def _inspect_info(spec: ModelSpec, ckpt: Checkpoint, problem: MetraleError | None) -> dict[str, Any]:
+def _inspect_info(spec: ModelSpec, ckpt: Checkpoint | HeaderListing,
+                  problem: MetraleError | None) -> dict[str, Any]:
     cfg = spec.config
     try:
         raw = json.loads((spec.directory / "config.json").read_text("utf-8"))
@@ -151,8 +173,7 @@ def _inspect_info(spec: ModelSpec, ckpt: Checkpoint, problem: MetraleError | Non
         "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "hidden": cfg.hidden_size,
         "intermediate": cfg.intermediate_size, "vocab": cfg.vocab_size,
         "max_position_embeddings": cfg.max_position_embeddings, "sliding_window": cfg.sliding_window,
-        "parameters": cfg.parameter_count(), "dtype": cfg.dtype, "dtypes": ckpt.dtypes(),
-        "shards": len(ckpt.files), "files": [p.name for p in ckpt.files], "bytes": ckpt.total_bytes,
+        "parameters": cfg.parameter_count(), "dtype": cfg.dtype, **_listing_info(ckpt),
         "tied_embeddings": cfg.tie_word_embeddings,
         **block_features(cfg),  # rope, sliding layers, softcaps, norms, activation, embedding scale
         "tokenizer": ckpt.has_tokenizer, "bos_token_id": cfg.bos_token_id, "eos_token_ids": list(cfg.eos_token_ids),
@@ -160,6 +181,12 @@ def _inspect_info(spec: ModelSpec, ckpt: Checkpoint, problem: MetraleError | Non
         "valid": problem is None, "problems": str(problem) if problem is not None else None,
         "scanned": False, "nonfinite": None,  # --scan: the tensors holding NaN/Inf (name, dtype, nan, inf)
     }
+
+
+def _listing_info(ckpt: Checkpoint | HeaderListing) -> dict[str, Any]:
+    """inspect's keys from the tensor listing: dtypes, how many tensors, the files and their data bytes."""
+    return {"dtypes": ckpt.dtypes(), "tensors": len(ckpt.tensor_names()), "shards": len(ckpt.files),
+            "files": [p.name for p in ckpt.files], "bytes": ckpt.total_bytes}
 
 
 def _experts_info(cfg: Any) -> dict[str, Any] | None:

@@ -16,8 +16,8 @@ from rich.console import Console
 from ..dumps import HIDDEN_KINDS, DumpInfo, DumpTarget, check_dump_path, write_hidden, write_logits
 from ..errors import NonFiniteLogitsError, UsageError
 from ..inputs import ModelSpec, check_positive, check_prompt_format, read_model_spec, resolve_prompt
-from ..model import LoadedModel, check_compute, open_model, resolve_device
-from ..render.common import Meta, choose_format, load_progress
+from ..model import LoadedModel, check_compute, default_logits_dtype, open_model, resolve_device
+from ..render.common import Meta, choose_format, counted, load_progress
 from .entry import State
 from .options import Common, LayerOptions
 
@@ -63,7 +63,7 @@ def prepare(state: State, c: Common) -> Job:
         raise UsageError("--prompt and --tokens are exclusive: give one of them")
     check_prompt_format(c.prompt, c.tokens, c.prompt_format)
     fmt = choose_format(c.fmt, state.out)
-    if c.logits_dtype not in ("bf16", "fp32"):
+    if c.logits_dtype not in ("bf16", "fp32", None):
         raise UsageError(f"--logits-dtype must be bf16 or fp32, got {c.logits_dtype!r}")
     logits_dump = check_dump_path(c.dump_logits, "--dump-logits") if c.dump_logits is not None else None
     hidden_dump = (check_dump_path(c.dump_hidden, "--dump-hidden", HIDDEN_KINDS, stdout_ok=False)
@@ -76,6 +76,7 @@ def prepare(state: State, c: Common) -> Job:
     layers_dump = _check_layer_options(c.layers)
     device = resolve_device(c.device)
     compute = check_compute(c.compute, device)
+    dtype = c.logits_dtype or default_logits_dtype(device)
     spec = read_model_spec(c.model)
     if c.tp is not None:
         check_tensor_parallel(c.tp, device, spec.config)
@@ -85,7 +86,7 @@ def prepare(state: State, c: Common) -> Job:
         parse_layers(c.layers.select, spec.config.num_hidden_layers)  # a bad index fails before any load
     ids, text = resolve_prompt(spec, c.prompt, c.tokens, lambda: typer.get_text_stream("stdin").read(),
                                c.prompt_format)
-    return Job(state, c, fmt, c.logits_dtype == "fp32", device, compute, spec, ids, text, logits_dump,
+    return Job(state, c, fmt, dtype == "fp32", device, compute, spec, ids, text, logits_dump,
                hidden_dump, layers_dump)
 
 
@@ -147,8 +148,8 @@ def load(job: Job, spec: ModelSpec, ctx: int, tp: int | None = None) -> LoadedMo
 
 def write_dumps(job: Job, command: str, rows, hidden_rows, tokens: list[int], positions: list[int],
                 recorder: "LayerRecorder | None" = None) -> None:
-    """The logits rows and the hidden rows behind them, with the same tokens and positions; and the layers
-    of every row the command processed (their own positions: prompt rows too, and redone drafts)."""
+    """The logits rows, the hidden rows behind them and the layers of the same rows, with the same tokens
+    and positions: every dump of one command holds the same rows."""
     info = DumpInfo(command, job.spec.label, tokens, positions)
     if job.logits_dump is not None:
         write_logits(job.logits_dump, rows, info, typer.get_binary_stream("stdout"))
@@ -157,8 +158,8 @@ def write_dumps(job: Job, command: str, rows, hidden_rows, tokens: list[int], po
     if recorder is not None:
         from ..layer_dumps import LayerDumpInfo, write_layers
 
-        write_layers(job.layers_dump, recorder.tensors(), recorder.positions,
-                     LayerDumpInfo(command, job.spec.label, tokens, recorder.layers))
+        tensors, at = recorder.at(positions)
+        write_layers(job.layers_dump, tensors, at, LayerDumpInfo(command, job.spec.label, tokens, recorder.layers))
 
 
 @contextlib.contextmanager
@@ -196,7 +197,10 @@ def dumps_on_nonfinite(job: Job, command: str, engine: Any,
         yield
     except NonFiniteRun as e:
         ev = e.evidence
-        write_dumps(job, command, ev.rows, ev.hidden, ev.tokens, ev.positions, recorder)
+        positions = ev.positions
+        if ev.rows is None and ev.hidden is None and recorder is not None:  # layers only: every row run since
+            positions = sorted({p for p in recorder.positions if p >= ev.first_position})
+        write_dumps(job, command, ev.rows, ev.hidden, ev.tokens, positions, recorder)
         parts = [str(e)]
         where = describe_nonfinite(engine, ev.tokens)
         if where:
@@ -204,7 +208,7 @@ def dumps_on_nonfinite(job: Job, command: str, engine: Any,
         written = []
         if ev.rows is not None:
             n = len(ev.rows.data)
-            written.append(f"{job.common.dump_logits} ({n} row{'s' if n != 1 else ''})")
+            written.append(f"{job.common.dump_logits} ({counted(n, 'row')})")
         if ev.hidden is not None and job.common.dump_hidden is not None:
             written.append(job.common.dump_hidden)
         if recorder is not None:

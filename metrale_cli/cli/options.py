@@ -39,8 +39,12 @@ NoSpecialTokensOpt = Annotated[bool, typer.Option(
 TextFileOpt = Annotated[Optional[str], typer.Option(
     "--text-file", metavar="F", help="The text of file F as the prompt (UTF-8; '-' reads stdin).")]
 DeviceOpt = Annotated[str, typer.Option("--device", metavar="auto|cpu|cuda", help="Where to run.")]
-LogitsDtypeOpt = Annotated[str, typer.Option(
-    "--logits-dtype", metavar="bf16|fp32", help="Dtype of the logits rows the engine writes.")]
+LogitsDtypeOpt = Annotated[Optional[str], typer.Option(
+    "--logits-dtype", metavar="bf16|fp32",
+    help="Dtype of the logits rows the engine writes. Default: fp32 on the CPU (the NumPy engine's own rows: "
+         "its greedy tokens are transformers' fp32 greedy tokens), bf16 on the GPU (the CUDA engine's rows). "
+         "A bf16 row whose maximum is a tie (the lowest id wins) or, on the CPU, whose argmax differs from "
+         "the fp32 logits' is marked in the report.", show_default=False)]
 ComputeOpt = Annotated[Optional[str], typer.Option(
     "--compute", metavar="fp32|bf16",
     help="The CPU engine's precision: fp32 (default, the reference) or bf16 (weights, activations and KV cache "
@@ -49,17 +53,20 @@ ComputeOpt = Annotated[Optional[str], typer.Option(
 FormatOpt = Annotated[Optional[str], typer.Option(
     "--format", "-f", metavar="rich|plain|json", help="Output format (default: rich on a terminal, else plain).")]
 DumpLogitsOpt = Annotated[Optional[str], typer.Option(
-    "--dump-logits", metavar="PATH", help="Write every logits row: .safetensors, .npy, .bin, or - (stdout).")]
+    "--dump-logits", metavar="PATH",
+    help="Write the command's logits rows (every dump holds the same rows: forward's --rows; decode's rows "
+         "that chose each token; verify's prompt-last and verify rows): .safetensors (a typed BF16 or F32 tensor), .npy (bf16 rows as uint16 bit "
+         "patterns, as .npy has no bf16: the .json sidecar says so and how to get float32), .bin, or - (stdout).")]
 HiddenOpt = Annotated[bool, typer.Option(
     "--hidden", help="Summarize the hidden state after the final norm (of the last row).")]
 DumpHiddenOpt = Annotated[Optional[str], typer.Option(
     "--dump-hidden", metavar="PATH",
-    help="Write the hidden state after the final norm behind every logits row, fp32 [rows, hidden]: "
-         ".safetensors, .npy or .bin.")]
+    help="Write the hidden state after the final norm behind each of the command's rows (the rows "
+         "--dump-logits holds), fp32 [rows, hidden]: .safetensors, .npy or .bin.")]
 DumpLayersOpt = Annotated[Optional[str], typer.Option(
     "--dump-layers", metavar="PATH",
-    help="Write every module's output (fp32 [rows, width], named after the Hugging Face modules) for every "
-         "row the command processed: .safetensors or .npz; .json with --dump-stats.")]
+    help="Write every module's output (fp32 [rows, width], named after the Hugging Face modules) for the "
+         "command's rows (the rows --dump-logits holds): .safetensors or .npz; .json with --dump-stats.")]
 LayersOpt = Annotated[Optional[str], typer.Option(
     "--layers", metavar="I,J,...", help="The layers --dump-layers holds: indices, -1 = the last (default: all).")]
 DumpStatsOpt = Annotated[bool, typer.Option(
@@ -67,7 +74,9 @@ DumpStatsOpt = Annotated[bool, typer.Option(
                          "sha256) as .json instead of the data, for models too big to dump whole.")]
 TimingsOpt = Annotated[bool, typer.Option("--timings", help="Report load, prefill and per-token times.")]
 MaxContextOpt = Annotated[Optional[int], typer.Option(
-    "--max-context", metavar="N", help="KV cache positions (default: just what the job needs).")]
+    "--max-context", metavar="N",
+    help="KV cache positions (default: just what the job needs). decode needs prompt + --steps - 1 (the last "
+         "token produced is never fed back), verify prompt + --k, forward the prompt.")]
 TpOpt = Annotated[Optional[int], typer.Option(
     "--tp", metavar="N",
     help="Tensor parallelism: the model sharded over N ranks, one process each (Megatron style). --device cuda: "
@@ -87,7 +96,7 @@ class Common:
     prompt: str | None
     tokens: str | None
     device: str
-    logits_dtype: str
+    logits_dtype: str | None  # None: the device's default (model.default_logits_dtype)
     fmt: str | None
     dump_logits: str | None
     hidden: bool
@@ -124,7 +133,7 @@ def _pass_head(model: ModelOpt = None, prompt: PromptOpt = None, tokens: TokensO
     """The shared options before a pass command's own (only this signature is used)."""
 
 
-def _pass_tail(device: DeviceOpt = "auto", logits_dtype: LogitsDtypeOpt = "bf16", compute: ComputeOpt = None,
+def _pass_tail(device: DeviceOpt = "auto", logits_dtype: LogitsDtypeOpt = None, compute: ComputeOpt = None,
                fmt: FormatOpt = None,
                dump_logits: DumpLogitsOpt = None, hidden: HiddenOpt = False, dump_hidden: DumpHiddenOpt = None,
                dump_layers: DumpLayersOpt = None, layers: LayersOpt = None, dump_stats: DumpStatsOpt = False,

@@ -39,10 +39,11 @@ def verify(
     exactly K given token ids; --draft-model PATH drafts with a smaller model. Rows after the first
     rejection are not checked.
 
-    Expected for --draft self: a rounding difference of a step or a few of the logits dtype
-    (max_abs_diff_ulps_vs_sequential; 1 bf16 step on the CPU engine, and one bf16 step is 0.0625 for logits
-    from 8 to 16), since one pass over K rows sums in another order than K one-row steps;
-    rows_identical_vs_sequential counts the bit-identical rows.
+    Expected for --draft self: a rounding difference (max_abs_diff_ulps_vs_sequential), since one pass over
+    K rows sums in another order than K one-row steps: with bf16 rows a step or a few (1 on the CPU engine;
+    one bf16 step is 0.0625 for logits from 8 to 16); with fp32 rows (the CPU default) the same
+    differences unrounded, about 1e-5, some hundred fp32 steps. rows_identical_vs_sequential counts the
+    bit-identical rows.
 
     Examples:
       metrale verify --prompt "The for statement" --k 4
@@ -77,17 +78,20 @@ def _verify(job: Job, k: int, draft_ids: list[int] | None, draft_path: str | Non
     from ..decoding.verify import run_verify
 
     n = len(job.ids)
+    # The verify pass runs every draft (the last draft's row gives the bonus token): prompt + k positions.
+    # A draft model runs only the drafts before its last: prompt + k - 1.
     what = f"prompt ({n} tokens) + --k {k}"
     ctx = context_for(job.spec, n + k, what, job.common.max_context)
     draft_spec = read_model_spec(draft_path) if draft_path is not None else None
+    draft_ctx = n + k - 1
     if draft_spec is not None:
         check_draft_matches(job.spec, draft_spec)
-        context_for(draft_spec, n + k, f"for the draft model, {what}", None)
+        context_for(draft_spec, draft_ctx, f"for the draft model, prompt ({n} tokens) + --k {k} - 1", None)
     target = load(job, job.spec, ctx, job.common.tp)
     recorder = record_layers(job, target)
     drafter_model = None
     try:
-        drafter_model = load(job, draft_spec, n + k) if draft_spec is not None else None
+        drafter_model = load(job, draft_spec, draft_ctx) if draft_spec is not None else None
         source: Any = draft_ids if draft_ids is not None else ("model" if drafter_model else "self")
         with dumps_on_nonfinite(job, "verify", target.engine, recorder):
             result = run_verify(target.engine, job.ids, k, draft=source,

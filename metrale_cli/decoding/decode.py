@@ -36,7 +36,7 @@ def run_forward(engine, prompt: Sequence[int], *, all_rows: bool, token_text=Non
         if rows is not None:
             rows.append(raw)
         vals = rd.values(raw, ptr)
-        out.append(ForwardRow(first_pos + i, ids[i], rd.text(ids[i]), float(vals[ids[i]])))
+        out.append(ForwardRow(first_pos + i, ids[i], rd.text(ids[i]), float(vals[ids[i]]), rd.note(ptr, vals, ids[i])))
     take_hidden(engine, hidden_rows)
     return ForwardResult(list(prompt), out, rows, hidden_rows.summary() if hidden_rows else None, timings,
                          hidden_rows)
@@ -47,7 +47,8 @@ def run_forward(engine, prompt: Sequence[int], *, all_rows: bool, token_text=Non
 
 def prefill_next(engine, rd: Reader, prompt: Sequence[int], timings: Timings, rows: Rows | None,
                  hidden: HiddenRows | None = None):
-    """Prefill the prompt; return (next token, its row values) from the prompt's last row."""
+    """Prefill the prompt; return (next token, its row values, the row's ArgmaxNote) from the prompt's last
+    row."""
     engine.reset()
     t0 = time.perf_counter()
     engine.prefill(prompt, all_logits=False)
@@ -59,7 +60,8 @@ def prefill_next(engine, rd: Reader, prompt: Sequence[int], timings: Timings, ro
     if rows is not None:
         rows.append(raw)
     take_hidden(engine, hidden)
-    return token, rd.values(raw, ptr)
+    values = rd.values(raw, ptr)
+    return token, values, rd.note(ptr, values, token)
 
 
 def run_decode(engine, prompt: Sequence[int], steps: int, *, top_k: int = 0, eos_ids: Sequence[int] = (),
@@ -93,10 +95,11 @@ def _greedy_steps(engine, rd: Reader, prompt: Sequence[int], steps: int, top_k: 
                   out: list[DecodeStep], on_step: Callable[[DecodeStep], None] | None,
                   should_stop: Callable[[], bool] | None) -> tuple[bool, bool]:
     """run_decode's loop: appends each produced step to `out`; (stopped at EOS, interrupted)."""
-    token, values = prefill_next(engine, rd, prompt, timings, rows, hidden)
+    token, values, note = prefill_next(engine, rd, prompt, timings, rows, hidden)
     stopped = interrupted = False
     for i in range(steps):
-        step = DecodeStep(len(prompt) + i, token, rd.text(token), float(values[token]), rd.top_k(values, top_k))
+        step = DecodeStep(len(prompt) + i, token, rd.text(token), float(values[token]), rd.top_k(values, top_k),
+                          note)
         out.append(step)
         if on_step is not None:
             on_step(step)
@@ -118,6 +121,7 @@ def _greedy_steps(engine, rd: Reader, prompt: Sequence[int], steps: int, top_k: 
             rows.append(raw)
         take_hidden(engine, hidden)
         values = rd.values(raw, ptr)
+        note = rd.note(ptr, values, token)
     return stopped, interrupted
 
 

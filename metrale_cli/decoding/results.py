@@ -23,6 +23,16 @@ class TopK:
 
 
 @dataclass
+class ArgmaxNote:
+    """Why a bf16 row's argmax may not be an fp32 engine's: its maximum at several ids (`tied`; the lowest
+    wins, as torch.argmax), and the argmax of the row's fp32 logits before rounding where the engine knows
+    it and it differs (`fp32_argmax`: the NumPy engine; the CUDA engine's rows are bf16 from the start)."""
+
+    tied: list[int]  # the ids holding the row's maximum, when more than one
+    fp32_argmax: int | None  # None: the same as the row's, or not known
+
+
+@dataclass
 class HiddenSummary:
     size: int
     norm: float
@@ -82,10 +92,6 @@ class Timings:
     step_s: list[float] = field(default_factory=list)  # one per decode step / verify pass
     extra: dict[str, float] = field(default_factory=dict)
 
-    @property
-    def per_token_ms(self) -> float | None:
-        return 1000 * float(np.median(self.step_s)) if self.step_s else None
-
 
 @dataclass
 class DecodeStep:
@@ -94,6 +100,7 @@ class DecodeStep:
     text: str | None
     logit: float
     top_k: list[TopK]
+    note: ArgmaxNote | None = None  # a bf16 row's tie, or its fp32 argmax where it differs
 
 
 @dataclass
@@ -118,6 +125,7 @@ class VerifyRow:
     margin: float  # top-1 minus top-2 logit of the row that decided this position
     draft_text: str | None = None
     target_text: str | None = None
+    note: ArgmaxNote | None = None  # of the row that chose `target`
 
     @property
     def status(self) -> str:
@@ -151,6 +159,7 @@ class ForwardRow:
     argmax: int
     text: str | None
     logit: float
+    note: ArgmaxNote | None = None
 
 
 @dataclass

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..errors import NonFiniteLogitsError
 from ..logits import DevicePtr, bf16_bits_to_fp32
-from .results import DecodeStep, Evidence, HiddenRows, NonFiniteRun, Rows, TopK
+from .results import ArgmaxNote, DecodeStep, Evidence, HiddenRows, NonFiniteRun, Rows, TopK
 
 
 def describe_nonfinite(engine, tokens: Sequence[int]) -> str | None:
@@ -46,6 +46,19 @@ class Reader:
         if self.engine.logits_ptr_is_fp32(ptr):
             return np.frombuffer(raw, dtype=np.float32).copy()
         return bf16_bits_to_fp32(np.frombuffer(raw, dtype=np.uint16))
+
+    def note(self, ptr: DevicePtr, values: np.ndarray, token: int) -> ArgmaxNote | None:
+        """For a bf16 row whose argmax is `token`: the ids tied at its maximum, and the engine's fp32 argmax
+        of the row where it differs (read before the engine's next pass); None when neither applies."""
+        if self.engine.logits_ptr_is_fp32(ptr):
+            return None
+        tied = np.flatnonzero(values == values[token])
+        fp32_argmax = getattr(self.engine, "fp32_argmax", None)
+        other = fp32_argmax(ptr) if fp32_argmax is not None else None
+        other = other if other is not None and other not in (token, -1) else None
+        if len(tied) < 2 and other is None:
+            return None
+        return ArgmaxNote([int(i) for i in tied] if len(tied) > 1 else [], other)
 
     def argmax(self, ptr: DevicePtr, position: int) -> int:
         """`position`: the input position whose output the row is (as the dumps number rows), for the

@@ -100,7 +100,7 @@ def speculative_decode(engine, drafter, prompt: Sequence[int], steps: int, k: in
         return nonfinite_run(e, engine, rows, hidden, failed, ran, len(prompt) - 1)
 
     try:
-        cur, values = prefill_next(engine, rd, prompt, timings, rows, hidden)
+        cur, values, note = prefill_next(engine, rd, prompt, timings, rows, hidden)
     except NonFiniteLogitsError as e:
         raise evidence(e, prompt, rd.failed) from None
     drafter.start(prompt)
@@ -108,15 +108,16 @@ def speculative_decode(engine, drafter, prompt: Sequence[int], steps: int, k: in
     out: list[DecodeStep] = []
     eos = set(eos_ids)
 
-    def emit(token: int, vals: np.ndarray) -> bool:
+    def emit(token: int, vals: np.ndarray, note) -> bool:
         """Record one produced token; True when decoding must stop."""
-        step = DecodeStep(len(prompt) + len(out), token, rd.text(token), float(vals[token]), rd.top_k(vals, top_k))
+        step = DecodeStep(len(prompt) + len(out), token, rd.text(token), float(vals[token]), rd.top_k(vals, top_k),
+                          note)
         out.append(step)
         if on_step is not None:
             on_step(step)
         return len(out) >= steps or (token in eos and not ignore_eos)
 
-    stopped = emit(cur, values)
+    stopped = emit(cur, values, note)
     interrupted = False
     while not stopped:
         if should_stop is not None and should_stop():
@@ -157,7 +158,8 @@ def speculative_decode(engine, drafter, prompt: Sequence[int], steps: int, k: in
                 hidden.extend(pass_hidden[j:j + 1])
             token = drafts[j] if j < accepted else targets[accepted]
             committed.append(token)
-            if emit(token, rd.values(raw, buf.row_ptr(j))):
+            vals = rd.values(raw, buf.row_ptr(j))
+            if emit(token, vals, rd.note(buf.row_ptr(j), vals, token)):
                 stopped = True
                 break
         cur = committed[-1]

@@ -36,7 +36,7 @@ def run_verify(engine, prompt: Sequence[int], k: int, *, draft: str | Sequence[i
     seq_hidden = hidden_rows_for(engine, want_hidden)  # the self-draft decode steps' hidden rows
     verifying = False
     try:
-        first, first_values = prefill_next(engine, rd, prompt, timings, logit_rows, hidden)
+        first, first_values, first_note = prefill_next(engine, rd, prompt, timings, logit_rows, hidden)
         if draft == "self":
             source, drafts, seq_raws = "self", [first], []
             draft_greedy(engine, rd, drafts, k, n, seq_raws, seq_hidden)
@@ -70,12 +70,14 @@ def run_verify(engine, prompt: Sequence[int], k: int, *, draft: str | Sequence[i
             logit_rows.append(raw)
     values = [first_values] + [rd.values(raw, buf.row_ptr(0)) for raw in raws]
     targets = [first] + targets_after  # targets[i]: greedy token at position n + i
+    notes = [first_note] + [rd.note(buf.row_ptr(i), values[i + 1], targets[i + 1]) for i in range(k)]
     rows, accepted, mismatch_seen = [], 0, False
     for i, d in enumerate(drafts):
         ok: bool | None = None if mismatch_seen else d == targets[i]
         mismatch_seen = mismatch_seen or not ok
         accepted += bool(ok)
-        rows.append(VerifyRow(n + i, d, targets[i], ok, margin(values[i]), rd.text(d), rd.text(targets[i])))
+        rows.append(VerifyRow(n + i, d, targets[i], ok, margin(values[i]), rd.text(d), rd.text(targets[i]),
+                              notes[i]))
     next_token = targets[accepted]
     engine.trim(n + accepted)
     diff = ulps = identical = None
@@ -119,5 +121,5 @@ def draft_from_model(draft_engine, prompt: Sequence[int], k: int) -> list[int]:
     """k drafts from a draft model: its greedy token after the prompt, then what its drafter proposes
     after that (k - 1 decode steps; no step is run whose output is not used)."""
     drafter = ModelDrafter(draft_engine)
-    first, _ = prefill_next(draft_engine, drafter.rd, prompt, Timings(), None)
+    first, _, _ = prefill_next(draft_engine, drafter.rd, prompt, Timings(), None)
     return [first] + drafter.propose(list(prompt) + [first], k - 1)

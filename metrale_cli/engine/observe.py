@@ -91,6 +91,14 @@ class LayerRecorder:
         """name -> fp32 [rows, width], every pass's rows in order."""
         return {name: np.concatenate(parts, axis=0) for name, parts in self.rows.items()}
 
+    def at(self, positions: Sequence[int]) -> tuple[dict[str, np.ndarray], list[int]]:
+        """The rows at `positions`, in that order (the rows a command's other dumps hold): a position run
+        more than once (a self-drafted row the verify pass redid) gives its last run; one never run is
+        left out. Returns the tensors and the positions they hold."""
+        last = {p: i for i, p in enumerate(self.positions)}
+        idx = [last[p] for p in positions if p in last]
+        return {name: t[idx] for name, t in self.tensors().items()}, [self.positions[i] for i in idx]
+
 
 def capture(engine: Engine, tokens: Sequence[int], keep: Callable[[str], bool]) -> dict[str, np.ndarray]:
     """The tapped tensors `keep` selects when `tokens` run as one prefill from position 0."""

@@ -10,8 +10,8 @@ Formats (`--format`, default: rich when stdout is a terminal, plain otherwise):
            (a top-k candidate is a row of its own; token texts are cut with an ellipsis rather than
            wrapped), and only prose (inspect's values, bench's targets) wraps at spaces
     plain  deterministic text: fixed column widths, no colour, nothing that depends on the terminal width;
-           decode prints one line per step as it is produced, then "stopped: eos|steps|interrupted
-           after N tokens"
+           decode prints one line per step as it is produced, then "stopped: after N tokens (--steps)",
+           "stopped: at EOS after N tokens" or "stopped: interrupted after N tokens"
     json   one JSON object per command (indented, UTF-8)
 
 plain and json are snapshot-stable: timings appear only with --timings, and numbers have fixed formats:
@@ -39,7 +39,8 @@ or "default"), "device" ("cpu"|"cuda"), "compute" ("fp32"|"bf16": the engine's p
 --hidden or --dump-hidden, "timings" only with --timings; positions are 0-based):
 
 decode   {"prompt": text|null, "prompt_tokens": [ids],
-          "steps": [{"position", "token", "text", "logit", "top_k": [{"token", "text", "logit", "prob"}]}],
+          "steps": [{"position", "token", "text", "logit", "argmax_note",
+                     "top_k": [{"token", "text", "logit", "prob"}]}],
           "text": the generated text (null without a tokenizer), "stopped_at_eos": bool,
           "interrupted": bool (Ctrl-C stopped decoding: the report holds the tokens produced so far),
           "speculative": {"k", "draft_source", "draft_model", "drafted", "accepted", "acceptance_rate",
@@ -47,7 +48,7 @@ decode   {"prompt": text|null, "prompt_tokens": [ids],
                          (only with --draft ngram or --draft-model)}
 verify   {"prompt", "prompt_tokens", "k", "draft_source", "draft_model",
           "rows": [{"position", "draft", "draft_text", "target", "target_text", "accepted", "status",
-                    "margin"}],
+                    "margin", "argmax_note"}],
           "accepted", "next_token", "next_text", "max_abs_diff_vs_sequential",
           "max_abs_diff_ulps_vs_sequential", "rows_identical_vs_sequential" (the last three null unless
           --draft self)}
@@ -58,10 +59,15 @@ verify   {"prompt", "prompt_tokens", "k", "draft_source", "draft_model",
          max_abs_diff_ulps_vs_sequential: max_abs_diff_vs_sequential in steps (ulps) of the logits dtype
          at the logit where it occurs (one bf16 step is 0.0625 for logits from 8 to 16);
          rows_identical_vs_sequential: how many of the k verify rows equal their decode rows bit for bit.
-forward  {"prompt", "prompt_tokens", "rows": [{"position", "input", "argmax", "text", "logit"}]}
+forward  {"prompt", "prompt_tokens", "rows": [{"position", "input", "argmax", "text", "logit", "argmax_note"}]}
+"argmax_note" (decode steps, verify rows' target, forward rows): null, or for a bf16 row whose maximum is
+          at several ids or whose fp32 argmax (before rounding; the NumPy engine) differs,
+          {"tied": [ids] (empty when no tie; the lowest wins), "fp32_argmax": id|null}. plain ends such a
+          line with "[bf16 tie 17=42, lowest wins; fp32 argmax 42]", rich adds a "bf16" column.
 inspect  {"command", "model", "architecture", "model_type", "layers", "heads", "kv_heads",
           "head_dim", "hidden", "intermediate", "vocab", "max_position_embeddings", "sliding_window",
-          "parameters", "dtype", "dtypes": {dtype: tensors}, "shards", "files", "bytes", "tied_embeddings",
+          "parameters", "dtype", "dtypes": {dtype: tensors}, "tensors" (how many the headers list), "shards",
+          "files", "bytes", "tied_embeddings",
           "rope": {"theta", "type", "scaling", "rotary_fraction"}, "sliding_layers": [layer indices],
           "sliding_rope": {as rope} | null (when the sliding layers' rope differs), "attn_logit_softcapping",
           "final_logit_softcapping", "attention_scale", "norm", "post_norms", "activation", "embed_scale",
@@ -70,13 +76,19 @@ inspect  {"command", "model", "architecture", "model_type", "layers", "heads", "
           (the post-final-norm hidden state of the last row the command produced, the last row of
           --dump-hidden: for decode, plain or speculative, the row that chose the last token; sha256 of
           its fp32 bytes)
-"timings" {"load_s", "prefill_ms", "per_token_ms_median", "tokens_per_s"} for decode (tokens/s of the
-          decode steps after the prefill). Speculative decode has "per_pass_ms_median" (per verify pass)
-          instead of "per_token_ms_median", and adds "speculative_tokens_per_s", "plain_tokens_per_s",
-          "speedup", "plain_tokens_match": decode-phase tokens/s (tokens after the first, over the time
-          after the prefill) of speculative and of plain greedy decoding run in the same process on the
-          same engine, and whether both produced the same tokens;
-          {"load_s", "prefill_ms", "verify_ms"} for verify; {"load_s", "prefill_ms", "tokens_per_s"} for forward.
+"timings" every rate sits beside the time per token on the same basis, each named for it:
+          X_per_token_ms_mean and X_tokens_per_s_mean are the time over the tokens and its reciprocal;
+          per_token_ms_median and tokens_per_s_of_median the median step and its reciprocal.
+          Every command: {"load_s", "prefill_ms", "prefill_per_token_ms_mean", "prefill_tokens_per_s_mean"}
+          (score: every window's prefill, over the tokens the windows ran). decode adds the decode phase
+          (the tokens after the first, which the prefill row gives, over the time after the prefill):
+          "per_token_ms_mean", "tokens_per_s_mean", "per_token_ms_median", "tokens_per_s_of_median".
+          Speculative decode has no per-token median (a verify pass gives one token or more): it adds
+          "per_pass_ms_mean", "per_pass_ms_median" (per verify pass), "per_token_ms_mean",
+          "tokens_per_s_mean", and with the comparison run "plain_per_token_ms_mean",
+          "plain_tokens_per_s_mean" (plain greedy decoding of the same prompt on the same engine), "speedup",
+          "plain_tokens_match". verify adds "verify_ms", "verify_per_token_ms_mean",
+          "verify_tokens_per_s_mean" (the one pass over k drafts).
 
 bench    {"preset", "device", "context", "params", "streamed_bytes", "kv_bytes",
           "figures": [{"name", "value", "unit", "target", "ratio", "met"}], "notes": [text],

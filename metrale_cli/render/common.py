@@ -36,6 +36,11 @@ def choose_format(value: str | None, console: Console) -> str:
     return value
 
 
+def counted(n: int, noun: str) -> str:
+    """"1 row", "2 rows": a count with its noun in the right number."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def f4(x: float) -> str:
     return f"{x:.4f}"
 
@@ -70,6 +75,47 @@ class Meta:
         return {**self.json_head(), "prompt": self.prompt, "prompt_tokens": list(prompt_tokens)}
 
 
+def note_json(note: Any) -> dict[str, Any] | None:
+    """A row's "argmax_note" (decoding.results.ArgmaxNote): null, or {"tied": [ids], "fp32_argmax": id|null}."""
+    return None if note is None else {"tied": list(note.tied), "fp32_argmax": note.fp32_argmax}
+
+
+def note_text(note: Any) -> str:
+    """An ArgmaxNote in words, the same in plain and rich: "bf16 tie 17=42, lowest wins; fp32 argmax 42"."""
+    if note is None:
+        return ""
+    parts = [f"bf16 tie {'='.join(map(str, note.tied))}, lowest wins"] if note.tied else []
+    if note.fp32_argmax is not None:
+        parts.append(f"fp32 argmax {note.fp32_argmax}")
+    return "; ".join(parts)
+
+
+def short_note(note: Any) -> str:
+    """An ArgmaxNote for a rich table's cell: "tie 17=42, fp32 42" (NOTE_CAPTION says what it means)."""
+    if note is None:
+        return ""
+    parts = [f"tie {'='.join(map(str, note.tied))}"] if note.tied else []
+    return ", ".join(parts + ([f"fp32 {note.fp32_argmax}"] if note.fp32_argmax is not None else []))
+
+
+NOTE_CAPTION = ("bf16: tie = the row's maximum at several ids (the lowest wins); fp32 = the argmax of the fp32 "
+                "logits before rounding")
+
+
+def note_column(table: Table, rows: list[Any]) -> bool:
+    """A rich table gets a "bf16" column, and the caption saying what it holds, when a row has a note."""
+    if not any(getattr(r, "note", None) is not None for r in rows):
+        return False
+    table.add_column("bf16", style="yellow", no_wrap=True)
+    table.caption, table.caption_justify = NOTE_CAPTION, "left"
+    return True
+
+
+def plain_note(note: Any) -> str:
+    """What a plain row line ends with when its bf16 argmax carries a note: "  [bf16 tie ...]"."""
+    return f"  [{note_text(note)}]" if note is not None else ""
+
+
 def write(console: Console, line: str = "") -> None:
     console.out(line, highlight=False)
 
@@ -98,6 +144,30 @@ def _flat(value: Any) -> bool:
     return not isinstance(value, list) or not any(isinstance(v, (dict, list)) for v in value)
 
 
+# A long prompt's echo before the result (rich and plain; JSON keeps it whole): its first and last ids,
+# and its text's first and last characters, saying how many were left out.
+ECHO_IDS = (24, 8)
+ECHO_CHARS = (300, 100)
+
+
+def echo_ids(ids: list[int]) -> str:
+    """"1 2 3 (3)", or for a long prompt its first and last ids: "0 1 ... 23 \u2026 2472 ... 2479 (2480; 2448
+    not shown)"."""
+    head, tail = ECHO_IDS
+    if len(ids) <= head + tail:
+        return f"{' '.join(map(str, ids))} ({len(ids)})"
+    shown = " ".join(map(str, ids[:head])) + " \u2026 " + " ".join(map(str, ids[-tail:]))
+    return f"{shown} ({len(ids)}; {len(ids) - head - tail} not shown)"
+
+
+def echo_text(text: str, show: Callable[[str], str] = escape_text) -> str:
+    """`show(text)`, or for a long text its first and last characters and how many are left out."""
+    head, tail = ECHO_CHARS
+    if len(text) <= head + tail:
+        return show(text)
+    return f"{show(text[:head])} \u2026 ({len(text) - head - tail} characters not shown) \u2026 {show(text[-tail:])}"
+
+
 def plain_head(console: Console, meta: Meta, prompt_tokens: list[int]) -> None:
     write(console, f"metrale {meta.command}")
     write(console, f"model: {meta.model}")
@@ -107,8 +177,8 @@ def plain_head(console: Console, meta: Meta, prompt_tokens: list[int]) -> None:
     write(console, f"compute: {meta.compute}")
     write(console, f"logits_dtype: {meta.logits_dtype}")
     if meta.prompt is not None:
-        write(console, f"prompt: {escape_text(meta.prompt)}")
-    write(console, f"prompt_tokens: {' '.join(map(str, prompt_tokens))} ({len(prompt_tokens)})")
+        write(console, f"prompt: {echo_text(meta.prompt)}")
+    write(console, f"prompt_tokens: {echo_ids(prompt_tokens)}")
 
 
 def rich_head(console: Console, meta: Meta, prompt_tokens: list[int]) -> None:
@@ -120,8 +190,8 @@ def rich_head(console: Console, meta: Meta, prompt_tokens: list[int]) -> None:
         grid.add_row("draft model", Text(meta.draft_model))
     grid.add_row("device", f"{meta.device}, {meta.compute} compute, logits {meta.logits_dtype}")
     if meta.prompt is not None:
-        grid.add_row("prompt", Text(escape_text(meta.prompt)))
-    grid.add_row("prompt tokens", Text(f"{' '.join(map(str, prompt_tokens))} ({len(prompt_tokens)})"))
+        grid.add_row("prompt", Text(echo_text(meta.prompt)))
+    grid.add_row("prompt tokens", Text(echo_ids(prompt_tokens)))
     console.print(grid)
 
 

@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..align import describe
-from .common import dump_json, f4, num, write
+from .common import counted, dump_json, f4, num, write
 
 
 def _e3(x: float | None) -> str:
@@ -254,7 +254,7 @@ def rich_logits_compare(c: Console, r: Any) -> None:
                            rows, first_left=True))
     if r.mismatches:
         head = ["row", "pos", "A top", "A logit", "B there", "B top", "A there", "B logit", "A margin"]
-        c.print(_rich_grid(f"argmax differs in {len(r.mismatches)} rows", head,
+        c.print(_rich_grid(f"argmax differs in {counted(len(r.mismatches), 'row')}", head,
                            [_mismatch_cells(m) for m in r.mismatches], compact=True))
     if r.row_stats is not None:
         head = ["row", "pos", "max|A-B|", "rel err", "KL", "Δp", "A top", "B top", "top5"]

@@ -9,9 +9,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .common import (TEXT_COLUMN, Meta, dump_json, f4, isatty, num, plain_head, prob_bar, rich_head, token_cell,
-                     write)
-from .tails import base_timings, json_tail, plain_hidden, plain_timings, rich_hidden, rich_timings
+from .common import (TEXT_COLUMN, Meta, counted, dump_json, echo_text, f4, isatty, note_column, note_json, num,
+                     plain_head, plain_note, prob_bar, rich_head, short_note, token_cell, write)
+from .tails import (base_timings, json_tail, mean_rate, median_ms, median_rate, plain_hidden, plain_timings,
+                    rich_hidden, rich_timings)
 from .text import display_text, escape_text, quote_text
 
 if TYPE_CHECKING:  # decoding (and numpy) is imported by the commands that compute, not by `--help`
@@ -42,7 +43,8 @@ class DecodeReport:
                 rich_head(self.console, self.meta, prompt_tokens)
                 self.console.print(Text("text", style="bold"))
                 if self.meta.prompt is not None:
-                    self.console.out(display_text(self.meta.prompt), style="dim", highlight=False, end="")
+                    self.console.out(echo_text(self.meta.prompt, display_text), style="dim", highlight=False,
+                                     end="")
             else:
                 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
@@ -65,7 +67,8 @@ class DecodeReport:
         if self.meta.fmt != "plain":
             return
         line = f"{step.position:>8}  {step.token:>8}  {f4(step.logit):>10}"
-        write(self.console, line + (f"  {escape_text(step.text)}" if self.meta.has_tokenizer else ""))
+        write(self.console, line + (f"  {escape_text(step.text)}" if self.meta.has_tokenizer else "")
+              + plain_note(step.note))
         for rank, t in enumerate(step.top_k, 1):
             sub = f"{'top' + str(rank):>8}  {t.token:>8}  {f4(t.logit):>10}  p={f4(t.prob)}"
             write(self.console, sub + (f"  {escape_text(t.text)}" if self.meta.has_tokenizer else ""))
@@ -96,7 +99,7 @@ class DecodeReport:
     def _plain_tail(self, result: DecodeResult, plain_match: bool | None) -> None:
         c = self.console
         write(c, "")
-        write(c, f"stopped: {_stop_reason(result)} after {len(result.steps)} tokens")
+        write(c, "stopped: " + _PLAIN_STOP[_stop_reason(result)].format(counted(len(result.steps), "token")))
         if result.text is not None:
             write(c, f"text: {quote_text(result.text)}")
         spec = _spec_json(result, self.meta)
@@ -132,7 +135,7 @@ def _rich_text(c: Console, meta: Meta, text: str) -> None:
     """The generated text, after the prompt (dim) when the prompt came as text."""
     shown = Text()
     if meta.prompt is not None:
-        shown.append(display_text(meta.prompt), style="dim")
+        shown.append(echo_text(meta.prompt, display_text), style="dim")
     shown.append(display_text(text), style="cyan")
     c.print(Text("text", style="bold"))
     c.print(shown)
@@ -142,6 +145,7 @@ def _stop_reason(result: DecodeResult) -> str:
     return "interrupted" if result.interrupted else "eos" if result.stopped_at_eos else "steps"
 
 
+_PLAIN_STOP = {"interrupted": "interrupted after {}", "eos": "at EOS after {}", "steps": "after {} (--steps)"}
 _RICH_STOP = {"interrupted": " (interrupted by Ctrl-C)", "eos": " (stopped at EOS)"}
 
 
@@ -161,15 +165,18 @@ def _rich_steps(c: Console, meta: Meta, result: DecodeResult) -> Table:
     if meta.top_k:
         t.add_column("p", justify="right", no_wrap=True)
         t.add_column("", no_wrap=True)
+    notes = note_column(t, result.steps)
     for n, s in enumerate(result.steps):
         if not meta.top_k:
-            t.add_row(*_step_cells(meta, str(s.position), s.token, s.text, s.logit, "cyan"))
+            t.add_row(*_step_cells(meta, str(s.position), s.token, s.text, s.logit, "cyan"),
+                      *([short_note(s.note)] if notes else []))
             continue
         for rank, cand in enumerate(s.top_k):
             chosen = cand.token == s.token
             cells = _step_cells(meta, str(s.position) if rank == 0 else "", cand.token, cand.text, cand.logit,
                                 "cyan" if chosen else "")
             cells += [f4(cand.prob), Text(prob_bar(cand.prob, bar), style="green" if chosen else "blue")]
+            cells += [short_note(s.note) if rank == 0 else ""] if notes else []
             t.add_row(*cells, style=None if chosen else "dim",
                       end_section=rank == len(s.top_k) - 1 and n < len(result.steps) - 1)
     return t
@@ -215,6 +222,7 @@ def decode_json(meta: Meta, result: DecodeResult, plain_match: bool | None = Non
     doc.update({
         "steps": [
             {"position": s.position, "token": s.token, "text": s.text, "logit": num(s.logit),
+             "argmax_note": note_json(s.note),
              "top_k": [{"token": t.token, "text": t.text, "logit": num(t.logit), "prob": num(t.prob)}
                        for t in s.top_k]}
             for s in result.steps
@@ -236,14 +244,17 @@ def decode_timings_json(result: DecodeResult, plain_match: bool | None = None) -
     t = result.timings
     out = base_timings(t)
     spec = isinstance(result, SpecDecodeResult) and result.stats is not None
-    out["per_pass_ms_median" if spec else "per_token_ms_median"] = num(t.per_token_ms, ".3f")
-    decoded = sum(t.step_s)
-    produced = len(result.steps) - 1  # the first token comes from the prefill row
-    out["tokens_per_s"] = num(produced / decoded, ".1f") if decoded > 0 and produced > 0 else None
+    if spec:  # a verify pass gives one or more tokens: passes and tokens each on their own basis
+        out["per_pass_ms_mean"] = num(1000 * sum(t.step_s) / len(t.step_s), ".3f") if t.step_s else None
+        out["per_pass_ms_median"] = median_ms(t.step_s)
+    # the decode phase: the tokens after the first (which the prefill row gives) over the time after it
+    out.update(mean_rate("", sum(t.step_s), len(result.steps) - 1))
+    if not spec:  # each step gives one token
+        out.update(median_rate(t.step_s))
     if isinstance(result, SpecDecodeResult) and result.spec_tokens_per_s is not None:
-        out["speculative_tokens_per_s"] = num(result.spec_tokens_per_s, ".1f")
-        out["plain_tokens_per_s"] = num(result.plain_tokens_per_s, ".1f")
-        ratio = (result.spec_tokens_per_s / result.plain_tokens_per_s) if result.plain_tokens_per_s else None
-        out["speedup"] = num(ratio, ".3f")
+        plain = result.plain_tokens_per_s
+        out["plain_per_token_ms_mean"] = num(1000 / plain, ".3f") if plain else None
+        out["plain_tokens_per_s_mean"] = num(plain, ".1f")
+        out["speedup"] = num(result.spec_tokens_per_s / plain if plain else None, ".3f")
         out["plain_tokens_match"] = plain_match
     return out

@@ -7,8 +7,9 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
-from .common import TEXT_COLUMN, Meta, dump_json, f4, num, plain_head, rich_head, token_cell, write
-from .tails import json_tail, plain_hidden, plain_timings, prefill_timings_json, rich_hidden, rich_timings
+from .common import (TEXT_COLUMN, Meta, dump_json, f4, note_column, note_json, num, plain_head, plain_note, rich_head,
+                     short_note, token_cell, write)
+from .tails import base_timings, json_tail, plain_hidden, plain_timings, rich_hidden, rich_timings
 from .text import escape_text
 
 if TYPE_CHECKING:
@@ -19,14 +20,14 @@ def forward_json(meta: Meta, r: ForwardResult) -> dict[str, Any]:
     doc = meta.pass_json_head(r.prompt_tokens)
     doc.update({
         "rows": [{"position": row.position, "input": r.prompt_tokens[row.position], "argmax": row.argmax,
-                  "text": row.text, "logit": num(row.logit)} for row in r.rows],
+                  "text": row.text, "logit": num(row.logit), "argmax_note": note_json(row.note)} for row in r.rows],
     })
     json_tail(doc, meta, r.hidden, lambda: forward_timings_json(r))
     return doc
 
 
 def forward_timings_json(r: ForwardResult) -> dict[str, Any]:
-    return prefill_timings_json(r.timings, len(r.prompt_tokens))
+    return base_timings(r.timings)
 
 
 def render_forward(console: Console, meta: Meta, r: ForwardResult) -> None:
@@ -40,7 +41,7 @@ def render_forward(console: Console, meta: Meta, r: ForwardResult) -> None:
               + ("  text" if meta.has_tokenizer else ""))
         for row in r.rows:
             line = f"{row.position:>8}  {r.prompt_tokens[row.position]:>8}  {row.argmax:>8}  {f4(row.logit):>10}"
-            write(console, line + (f"  {escape_text(row.text)}" if meta.has_tokenizer else ""))
+            write(console, line + (f"  {escape_text(row.text)}" if meta.has_tokenizer else "") + plain_note(row.note))
         plain_hidden(console, r.hidden)
         if meta.timings:
             plain_timings(console, forward_timings_json(r))
@@ -52,11 +53,12 @@ def render_forward(console: Console, meta: Meta, r: ForwardResult) -> None:
     if meta.has_tokenizer:
         t.add_column("text", **TEXT_COLUMN)
     t.add_column("logit", justify="right", no_wrap=True)
+    notes = note_column(t, r.rows)
     for row in r.rows:
         cells: list[Any] = [str(row.position), str(r.prompt_tokens[row.position]), str(row.argmax)]
         if meta.has_tokenizer:
             cells.append(token_cell(row.text, "cyan"))
-        t.add_row(*cells, f4(row.logit))
+        t.add_row(*cells, f4(row.logit), *([short_note(row.note)] if notes else []))
     console.print(t)
     rich_hidden(console, r.hidden)
     if meta.timings:

@@ -74,6 +74,7 @@ def _inspect_rows(info: dict[str, Any]) -> list[tuple[str, str]]:
         ("parameters", f"{info['parameters']:,}" if info["parameters"] is not None else None),
         ("dtype", info["dtype"]),
         ("dtypes", ", ".join(f"{k} x{v}" for k, v in info["dtypes"].items()) or None),
+        ("tensors", info["tensors"]),
         ("shards", info["shards"]), ("files", " ".join(info["files"]) or None),
         ("bytes", f"{info['bytes']:,}" if info["bytes"] is not None else None),
         ("tied_embeddings", info["tied_embeddings"]), ("rope", rope_s),

@@ -9,7 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .common import Meta, dump_json, f4, num, plain_head, rich_head, write
-from .tails import plain_timings, prefill_timings_json, rich_timings
+from .tails import base_timings, plain_timings, rich_timings
 from .text import escape_text
 
 
@@ -32,7 +32,7 @@ def score_json(meta: Meta, r: Any, text_file: str | None = None) -> dict[str, An
 
 
 def score_timings_json(r: Any) -> dict[str, Any]:
-    return prefill_timings_json(r.timings, len(r.scored))
+    return base_timings(r.timings, sum(w.end - w.start for w in r.windows))  # every window's prefill
 
 
 # The score aggregates: six significant digits. They sum fp32 log-probabilities, whose last bits move with

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from typing import TYPE_CHECKING, Any, Callable
 
 from rich.console import Console
@@ -15,15 +16,29 @@ if TYPE_CHECKING:
     from ..decoding.results import HiddenSummary, Timings
 
 
-def base_timings(t: Timings) -> dict[str, Any]:
-    return {"load_s": num(t.load_s, ".3f"), "prefill_ms": num(1000 * t.prefill_s, ".3f")}
+def base_timings(t: Timings, tokens: int | None = None) -> dict[str, Any]:
+    """load and prefill, and the prefill's rate over `tokens` (default: the prompt's)."""
+    return {"load_s": num(t.load_s, ".3f"), "prefill_ms": num(1000 * t.prefill_s, ".3f"),
+            **mean_rate("prefill_", t.prefill_s, t.prompt_tokens if tokens is None else tokens)}
 
 
-def prefill_timings_json(t: Timings, tokens: int) -> dict[str, Any]:
-    """The timings of a command that runs one prefill: load, prefill, and the `tokens` it ran per second."""
-    out = base_timings(t)
-    out["tokens_per_s"] = num(tokens / t.prefill_s, ".1f") if t.prefill_s > 0 else None
-    return out
+def mean_rate(prefix: str, seconds: float, tokens: int) -> dict[str, Any]:
+    """`tokens` over `seconds` on one basis, the mean: ms per token and its reciprocal, tokens per second."""
+    ok = seconds > 0 and tokens > 0
+    return {f"{prefix}per_token_ms_mean": num(1000 * seconds / tokens, ".3f") if ok else None,
+            f"{prefix}tokens_per_s_mean": num(tokens / seconds, ".1f") if ok else None}
+
+
+def median_ms(step_s: list[float]) -> float | None:
+    """The median step in ms (3 decimals); None without steps."""
+    return num(1000 * statistics.median(step_s), ".3f") if step_s else None
+
+
+def median_rate(step_s: list[float]) -> dict[str, Any]:
+    """Steps that produce one token each: the median step, and the rate of that median step."""
+    median = statistics.median(step_s) if step_s else 0.0
+    return {"per_token_ms_median": median_ms(step_s),
+            "tokens_per_s_of_median": num(1 / median, ".1f") if median > 0 else None}
 
 
 def json_tail(doc: dict[str, Any], meta: Meta, hidden: HiddenSummary | None,
@@ -75,12 +90,24 @@ def rich_hidden(c: Console, h: HiddenSummary | None) -> None:
 
 
 _TIMING_LABELS = {
-    "load_s": ("load", "s"), "prefill_ms": ("prefill", "ms"), "per_token_ms_median": ("per token (median)", "ms"),
-    "tokens_per_s": ("tokens/s", ""), "verify_ms": ("verify pass", "ms"),
-    "per_pass_ms_median": ("per verify pass (median)", "ms"),
-    "speculative_tokens_per_s": ("speculative tokens/s", ""), "plain_tokens_per_s": ("plain greedy tokens/s", ""),
+    "load_s": ("load", "s"), "prefill_ms": ("prefill", "ms"), "verify_ms": ("verify pass", "ms"),
     "speedup": ("speedup", "x"), "plain_tokens_match": ("same tokens as plain greedy", ""),
 }
+
+
+def timing_label(key: str) -> tuple[str, str]:
+    """A timings key as rich shows it, with its unit: prefill_tokens_per_s_mean -> ("prefill tokens/s
+    (mean)", ""), per_token_ms_median -> ("per token (median)", "ms")."""
+    if key in _TIMING_LABELS:
+        return _TIMING_LABELS[key]
+    basis = ""
+    for suffix, shown in (("_of_median", "of the median"), ("_mean", "mean"), ("_median", "median")):
+        if key.endswith(suffix):
+            key, basis = key.removesuffix(suffix), f" ({shown})"
+            break
+    unit = "ms" if key.endswith("_ms") else ""
+    words = key.removesuffix("_ms").replace("_per_s", "/s").replace("_", " ").replace("per pass", "per verify pass")
+    return words + basis, unit
 
 
 def plain_timings(c: Console, timings: dict[str, Any]) -> None:
@@ -94,7 +121,7 @@ def rich_timings(c: Console, timings: dict[str, Any]) -> None:
     t.add_column("")
     t.add_column("", justify="right")
     for key, value in timings.items():
-        label, unit = _TIMING_LABELS.get(key, (key, ""))
+        label, unit = timing_label(key)
         shown = "n/a" if value is None else ("yes" if value else "no") if isinstance(value, bool) else f"{value} {unit}"
         t.add_row(label, shown.strip())
     c.print(t)

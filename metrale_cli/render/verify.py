@@ -9,8 +9,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .common import TEXT_COLUMN, Meta, dump_json, f4, num, plain_head, rich_head, token_cell, write
-from .tails import base_timings, json_tail, plain_hidden, plain_timings, rich_hidden, rich_timings
+from .common import (TEXT_COLUMN, Meta, dump_json, f4, note_column, note_json, num, plain_head, plain_note, rich_head,
+                     short_note, token_cell, write)
+from .tails import base_timings, json_tail, mean_rate, plain_hidden, plain_timings, rich_hidden, rich_timings
 from .text import escape_text
 
 if TYPE_CHECKING:
@@ -25,7 +26,8 @@ def verify_json(meta: Meta, r: VerifyResult) -> dict[str, Any]:
         "draft_model": meta.draft_model,
         "rows": [{"position": row.position, "draft": row.draft, "draft_text": row.draft_text,
                   "target": row.target, "target_text": row.target_text, "accepted": row.accepted,
-                  "status": row.status, "margin": num(row.margin)} for row in r.rows],
+                  "status": row.status, "margin": num(row.margin), "argmax_note": note_json(row.note)}
+                 for row in r.rows],
         "accepted": r.accepted,
         "next_token": r.next_token,
         "next_text": r.next_text,
@@ -38,9 +40,8 @@ def verify_json(meta: Meta, r: VerifyResult) -> dict[str, Any]:
 
 
 def verify_timings_json(r: VerifyResult) -> dict[str, Any]:
-    out = base_timings(r.timings)
-    out["verify_ms"] = num(1000 * sum(r.timings.step_s), ".3f")
-    return out
+    seconds = sum(r.timings.step_s)
+    return {**base_timings(r.timings), "verify_ms": num(1000 * seconds, ".3f"), **mean_rate("verify_", seconds, r.k)}
 
 
 def render_verify(console: Console, meta: Meta, r: VerifyResult) -> None:
@@ -66,7 +67,7 @@ def _plain_verify(c: Console, meta: Meta, r: VerifyResult) -> None:
                 f"{f4(row.margin):>10}")
         if text:
             line += f"  {escape_text(row.draft_text)} | {escape_text(row.target_text)}"
-        write(c, line)
+        write(c, line + plain_note(row.note))
     write(c, "")
     write(c, f"accepted: {r.accepted}/{r.k}")
     write(c, f"next_token: {r.next_token}" + (f"  {escape_text(r.next_text)}" if text else ""))
@@ -92,13 +93,14 @@ def _rich_verify(c: Console, meta: Meta, r: VerifyResult) -> None:
     if meta.has_tokenizer:
         t.add_column("draft text", **TEXT_COLUMN)
         t.add_column("target text", **TEXT_COLUMN)
+    notes = note_column(t, r.rows)
     for row in r.rows:
         mark, style = _VERIFY_MARKS[row.status]
         cells: list[Any] = [str(row.position), str(row.draft), str(row.target),
                             Text(mark, style=f"bold {style}"), f4(row.margin)]
         if meta.has_tokenizer:
             cells += [token_cell(row.draft_text), token_cell(row.target_text)]
-        t.add_row(*cells, style=style)
+        t.add_row(*cells, *([short_note(row.note)] if notes else []), style=style)
     c.print(t)
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold", no_wrap=True)

@@ -199,6 +199,8 @@ class NumpyEngine(EngineBase):
         vocab = weights.lm_head.shape[0]  # the logits width: a rank's vocabulary range under tp
         self._logits = np.zeros((1, vocab), self._logits_dtype)  # [rows, V], grown on demand
         self._decode_logits = np.zeros((1, vocab), self._logits_dtype)  # [1, V]
+        # bf16 rows: the argmax of each row's fp32 logits before rounding (fp32_argmax)
+        self._rows_fp32_argmax = self._decode_fp32_argmax = np.zeros(1, np.int64)
         if tp is not None:  # each decode step's argmax candidates of every rank ([size, 1, (value, index)])
             self._tp_decode_gathered = np.zeros((tp.size, 1, 2), np.float32)
         self._hidden = np.zeros((1, cfg.hidden_size), np.float32)  # [1, H]
@@ -220,7 +222,9 @@ class NumpyEngine(EngineBase):
     def decode(self, token: int) -> None:
         ids = self._check_tokens([token])
         h = self._forward(ids, long=self._begin_call(len(ids)))
-        self._decode_logits[:] = self._round_logits(self._lm_head(h))
+        logits = self._lm_head(h)
+        self._decode_fp32_argmax = self._argmax_before_rounding(logits)
+        self._decode_logits[:] = self._round_logits(logits)
         self._hidden_rows = h  # [1, H]
         if self.tp is not None:  # the distributed argmax's candidates, as the CUDA decode graph gathers them
             self.tp.comm.all_gather(self.tp_argmax_pairs(self._decode_logits), self._tp_decode_gathered)
@@ -278,12 +282,25 @@ class NumpyEngine(EngineBase):
         self._hidden_rows = h  # the rows behind these logits (hidden_rows_ptr)
         if self._logits.shape[0] != logits.shape[0]:
             self._logits = np.empty(logits.shape, self._logits_dtype)
+        self._rows_fp32_argmax = self._argmax_before_rounding(logits)
         self._logits[:] = self._round_logits(logits)
         self._n_rows = logits.shape[0]
 
     def _round_logits(self, logits: np.ndarray) -> np.ndarray:
         """fp32 logits in the buffers' dtype: kept as they are, or rounded to bf16 (nearest even)."""
         return logits if self._fp32_logits else fp32_to_bf16_bits(logits)
+
+    def _argmax_before_rounding(self, logits: np.ndarray) -> np.ndarray:
+        """For bf16 rows, each fp32 row's argmax (one pass over the rows; nothing for fp32 rows)."""
+        return np.empty(0, np.int64) if self._fp32_logits else host_argmax(logits)
+
+    def fp32_argmax(self, ptr: DevicePtr) -> int | None:
+        """The argmax of row `ptr`'s fp32 logits before they were rounded to bf16 (-1: NaN/Inf), where a
+        bf16 row's own argmax may differ (two logits rounding to one bf16 value); None for fp32 rows."""
+        if self._fp32_logits:
+            return None
+        rows = self._decode_fp32_argmax if ptr._buffer is self._decode_logits else self._rows_fp32_argmax
+        return int(rows[ptr.row])
 
     # -- LogitsBuffers hooks -----------------------------------------------------------------------------
     def _row_to_host(self, ptr: DevicePtr) -> np.ndarray:
