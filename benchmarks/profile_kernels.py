@@ -6,7 +6,8 @@
 
 Attention at 1025 keys of a 2048-position cache for the gemma-2-9b (head_dim 256, SIMT, softcap 50),
 llama-3.1-8b (head_dim 128, tensor cores) and phi-3-mini (head_dim 96, SIMT) layer shapes; the qkv GEMV of
-llama-3.1-8b with its fused norm (gemv and gemv_stream) and the o GEMV (gemv)."""
+llama-3.1-8b with its fused norm and the o GEMV, each on the fp32-FMA GEMV (gemv) and on the ring GEMV the rows
+path takes for one row (gemv_ring, at the engine's ring depth, Kernels.ring_chunks)."""
 
 from __future__ import annotations
 
@@ -46,13 +47,14 @@ def main() -> None:
     for n in (6144, 4096):
         w = bf16((n, 4096))
         o = cp.empty((1, n), cp.float32)
-        if n == 6144:
-            k.gemv(x, w, o, norm_weight=nw)
-            k.gemv_stream(x, w, o, norm_weight=nw, config=(4, 4))
-        else:
-            k.gemv(x, w, o)
-            k.gemv_stream(x, w, o, config=(4, 4))
+        norm = dict(norm_weight=nw) if n == 6144 else {}
+        k.gemv(x, w, o, **norm)
+        ring = k.ring_fits(1, 4096, n)
+        if ring:
+            k.gemv_ring(x, w, o, chunks=k.ring_chunks(4096, n, False), **norm)
         cp.cuda.Device().synchronize()
+        print("qkv" if n == 6144 else "o", "gemv" + (" and gemv_ring" if ring else " (the ring GEMV does not fit)"),
+              flush=True)
     print("done", flush=True)
 
 

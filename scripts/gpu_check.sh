@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Everything the GPU issues report, in one run on the GPU machine (from the source tree, nothing installed):
 #   bash scripts/gpu_check.sh [OUTDIR]
-# 0. the kernels' cold compile time; 1. the GPU test suite (kernels, engine parity, CLI on cuda); 2. the
-# bench of the llama-3.1-8b shape at 1024 context (both rows paths, fused and rows, side by side, with
-# transformers eager) and at 8192; 3. the shipped target/draft pair, speculative against plain decoding.
+# 0. the kernels' cold compile time (the core module, then the fused rows path's module); 1. the GPU test
+# suite (kernels, engine parity, CLI on cuda); 2. the bench of the llama-3.1-8b shape at 1024 context (both
+# rows paths, fused and rows, side by side, with transformers eager) and at 8192; 3. the shipped
+# target/draft pair, speculative against plain decoding.
 set -uo pipefail
 out=${1:-${OUT:-/tmp/metrale-gpu}}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import time; t = time.time(); from metrale_cli.backends.cuda.kernels import Kernels; k = Kernels(); \
-a = time.time(); k.load_extra(); print(f'kernel compile (cold): core module {a - t:.1f} s, extra module {time.time() - a:.1f} s')" \
+a = time.time(); k.load_fused(); print(f'kernel compile (cold): core module {a - t:.1f} s, fused module {time.time() - a:.1f} s')" \
   | tee -a "$out/gpu.txt"
 timeout 420 python3 -m pytest tests/gpu -q -p no:cacheprovider -rs -s 2>&1 | tee "$out/gpu_tests.log" \
   | grep -E "rel err|differs|FAILED|passed|failed|error" | tail -40
