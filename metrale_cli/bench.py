@@ -317,7 +317,7 @@ def _run_bench(eng, name: str, cfg: ModelConfig, device: str, context: int, ks: 
         eng.trim(context)  # keep the context fixed: every step attends over `context` positions
 
     decode_s = timer.time(decode_once, repeats)
-    target = 1.15 if cfg.moe is None else 1.3  # MoE (issue 14): more, smaller launches per step
+    target = 1.15 if cfg.moe is None else 1.3  # a mixture of experts: more, smaller launches per step
     res.figures.append(Figure("decode step", decode_s * 1e3, "ms", f"<= {target} x floor", decode_s / floor,
                               decode_s <= target * floor))
     if getattr(getattr(eng, "kern", None), "pdl_supported", False):  # the step with the other PDL setting

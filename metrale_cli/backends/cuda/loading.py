@@ -116,7 +116,7 @@ def mixer_weight_keys(kind: str, layer_keys: frozenset[str]) -> frozenset[str] |
 
 def unsupported_features(definition: ModelDefinition) -> list[str]:
     """What the model definition asks for that the CUDA kernels do not compute. Each is refused with a
-    DeviceError naming it, never run with wrong numbers (the NumPy engine runs them all). The issue-13
+    DeviceError naming it, never run with wrong numbers (the NumPy engine runs them all). The family
     features (embedding scale, softcaps, (1 + w) norms, sliding windows, partial rotary, linear and
     longrope scaling, gelu_tanh, sandwich norms) run in the kernels; what remains is a mixer kind with no CUDA
     implementation, a weight the passes do not know (attention sinks, say), a gate activation the fused MLP
