@@ -68,3 +68,14 @@ def test_what_the_moe_kernels_do_not_take_is_refused(helpers):
         "mixture-of-experts activation gelu_tanh", "(1 + w) RMSNorm in a mixture-of-experts layer",
         "weight mlp_out_norm"]
 
+
+
+@pytest.mark.parametrize("name,head_dim", [("llama", 16), ("qwen3", 24)])
+def test_a_head_dim_the_kernels_lack_is_refused_before_anything_loads(helpers, name, head_dim):
+    """The attention kernels take head_dim 32, 64, 96, 128 and 256 (README: which real checkpoints that
+    excludes); another is refused naming it, before CuPy is looked for or a tensor is read."""
+    cfg = _cfg(helpers, name)
+    assert cfg.head_dim == head_dim
+    with pytest.raises(DeviceError, match=f"head_dim {head_dim} is not supported by the CUDA kernels "
+                                          r"\(supported: 32, 64, 96, 128, 256\)"):
+        load_cuda_engine(cfg, RandomTensors(cfg), 16)

@@ -146,6 +146,21 @@ def unsupported_features(definition: ModelDefinition) -> list[str]:
     return list(dict.fromkeys(found))
 
 
+def check_sizes(cfg: ModelConfig) -> None:
+    """DeviceError unless the kernels take the model's sizes: head_dim (the attention kernels' instances) and
+    hidden / intermediate sizes that are multiples of 8 (16-byte loads). Needs no CuPy."""
+    from .kernels.tuning import DECODE_HEAD_DIMS, PREFILL_HEAD_DIMS
+
+    dims = sorted(set(DECODE_HEAD_DIMS) & set(PREFILL_HEAD_DIMS))
+    if cfg.head_dim not in dims:
+        raise DeviceError(f"head_dim {cfg.head_dim} is not supported by the CUDA kernels "
+                          f"(supported: {', '.join(map(str, dims))}); use --device cpu")
+    odd = [n for n, v in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size))
+           if v % 8]
+    if odd:
+        raise DeviceError(f"{odd[0]} must be a multiple of 8 for the CUDA kernels; use --device cpu")
+
+
 def load_cuda_engine(cfg: ModelConfig, source, max_context: int, fp32_logits: bool = False,
                      progress: Callable[[int], None] | None = None, use_graphs: bool = True, tp=None,
                      path: str | None = None) -> CudaEngine:
@@ -176,19 +191,11 @@ def load_cuda_engine(cfg: ModelConfig, source, max_context: int, fp32_logits: bo
         why = MoeKernels.check_sizes(s.num_experts, s.top_k, s.intermediate_size, s.shared_expert_size or 8)
         if why is not None:
             raise DeviceError(f"{cfg.model_type}: the CUDA MoE kernels do not take {why}; use --device cpu")
+    check_sizes(cfg)
     if not source.made_from_definition:
         check_checkpoint(full, source)  # the whole model's tensors, before a rank keeps its share
     _cupy()
-    from .kernels import DECODE_HEAD_DIMS, PREFILL_HEAD_DIMS, Kernels
-
-    dims = sorted(set(DECODE_HEAD_DIMS) & set(PREFILL_HEAD_DIMS))
-    if cfg.head_dim not in dims:
-        raise DeviceError(f"head_dim {cfg.head_dim} is not supported by the CUDA kernels "
-                          f"(supported: {', '.join(map(str, dims))}); use --device cpu")
-    odd = [n for n, v in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size))
-           if v % 8]
-    if odd:
-        raise DeviceError(f"{odd[0]} must be a multiple of 8 for the CUDA kernels; use --device cpu")
+    from .kernels import Kernels
 
     try:
         kern = Kernels()
