@@ -20,12 +20,11 @@ import numpy as np
 from ..engine_base import EngineBase
 from ..logits import DevicePtr
 from .comm import assemble_rows, pick_argmax
-from .protocol import RankServer
+from .protocol import RankServer, RankWorkers
 
 if TYPE_CHECKING:
     from ..config import ModelConfig
     from ..engine.ops import Tap
-    from .launcher import Workers
 
 
 @dataclass(frozen=True)
@@ -40,7 +39,7 @@ class ShardedRows:
 class TensorParallelEngine(EngineBase):
     """The model sharded over `workers.size` ranks, behind the ModelLogits interface (rank 0)."""
 
-    def __init__(self, cfg: ModelConfig, local: Any, server: RankServer, workers: Workers) -> None:
+    def __init__(self, cfg: ModelConfig, local: Any, server: RankServer, workers: RankWorkers) -> None:
         self.cfg, self.local, self.server, self.workers = cfg, local, server, workers
         self.tp_size = server.group.size
         self.device = local.device

@@ -29,6 +29,8 @@ async error checks) instead of process sentinels.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import atexit
 import multiprocessing as mp
 import os
@@ -318,10 +320,11 @@ def worker_main(rank: int, size: int, spec: LoadSpec, conn, rendezvous: tuple) -
 
 
 def _config(path: str):
+    """The config of LoadSpec.path: a checkpoint directory, or a .safetensors / index file inside one."""
     from ..config import load_config
-    from ..model import model_dir
 
-    return load_config(model_dir(path))
+    p = Path(path)
+    return load_config(p.parent if p.is_file() else p)
 
 
 def _exit_with_parent(sentinel) -> None:

@@ -17,11 +17,19 @@ Successful calls are not answered (decode steps pipeline); a failure is noticed 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from .comm import ParallelRank
+
+
+class RankWorkers(Protocol):
+    """How rank 0 reaches ranks 1..N-1 (launcher.Workers: processes and pipes; the GPU tests: threads)."""
+
+    def send(self, op: str, args: tuple, observed: bool) -> None: ...  # one call to every worker
+    def check(self) -> None: ...  # raise the first failure a worker reported
+    def close(self) -> None: ...  # end the workers
 
 # Engine passes (their arguments as Engine's), then the logits reads every rank takes part in:
 #   gather(which, row, n)   rows [n, V] of the "rows" or "decode" logits buffer, gathered to rank 0
