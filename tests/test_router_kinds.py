@@ -20,10 +20,6 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.reference
 
 
-def _route(logits_source, w, spec, bias=None, correction=None):
-    return moe.route(logits_source, w, spec, bias, correction)
-
-
 def _same_choice(ours_idx, ours_w, ref_idx, ref_w):
     """Equal as sets per row (transformers' sorted=False gives no order), weights matched by expert."""
     for r in range(ours_idx.shape[0]):
@@ -52,11 +48,11 @@ def test_sigmoid_biased_grouped_equals_deepseek_v3_router(n_group, topk_group, n
         logits, ref_w, ref_idx = ref(torch.from_numpy(x))
     spec = MoeSpec(e, k, 8, norm, router=RouterSpec("sigmoid_biased_grouped", n_group=n_group, topk_group=topk_group,
                                                     routed_scaling_factor=scale))
-    r = _route(x, w, spec, correction=corr)
+    r = moe.route(x, w, spec, correction=corr)
     np.testing.assert_allclose(r.logits, logits.numpy(), rtol=1e-5, atol=1e-6)
     _same_choice(r.top_k_index, r.top_k_weights, ref_idx.numpy(), ref_w.numpy())
     # the correction moves the choice, never the weights: without it some rows choose other experts
-    plain = _route(x, w, spec)
+    plain = moe.route(x, w, spec)
     assert (np.sort(plain.top_k_index, 1) != np.sort(r.top_k_index, 1)).any()
 
 
@@ -75,7 +71,7 @@ def test_topk_softmax_equals_gpt_oss_router():
         ref.bias.copy_(torch.from_numpy(b))
         logits, ref_w, ref_idx = ref(torch.from_numpy(x))
     spec = MoeSpec(e, k, 8, False, router=RouterSpec("topk_softmax", bias=True))
-    r = _route(x, w, spec, bias=b)
+    r = moe.route(x, w, spec, bias=b)
     np.testing.assert_allclose(r.logits, logits.numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(r.top_k_index, ref_idx.numpy())  # torch sorts here: the same order
     np.testing.assert_allclose(r.top_k_weights, ref_w.numpy(), rtol=2e-6, atol=1e-7)

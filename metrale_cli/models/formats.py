@@ -112,13 +112,7 @@ def apply(definition: ModelDefinition, quantization: dict[str, Any] | None) -> M
 
 
 def dequantize(p: Param, read: Callable[[str], Any]) -> list[np.ndarray]:
-    """Each part of param p as fp32 [rows, ...], from `read(name)` (the stored arrays, BF16 as uint16 bits)."""
-    import numpy as np
-
-    from ..logits import bf16_bits_to_fp32
-
-    if p.format is None:
-        return [bf16_bits_to_fp32(a) if a.dtype == np.uint16 else np.array(a, dtype=np.float32)
-                for a in (read(t.name) for t in p.parts)]
+    """Each part of param p (stored in a weight format: p.format is set) as its exact fp32 value [rows, ...],
+    from `read(name)` (the stored arrays, BF16 as uint16 bits). Dense params are the loader's `read`'s."""
     fmt = weight_format(p.format)
     return [fmt.dequantize(*(read(s.name) for s in fmt.tensors(t))) for t in p.parts]
