@@ -84,7 +84,7 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
 
     if "rope_theta" not in family_fields:  # families with per-layer or other rope types read their own
         family_fields["rope_theta"], family_fields["rope_scaling"] = _parse_rope(r)
-    return ModelConfig(
+    cfg = ModelConfig(
         model_type=model_type,
         vocab_size=r.positive_int("vocab_size"),
         hidden_size=hidden,
@@ -103,6 +103,12 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
         family=family,
         **family_fields,
     )
+    if cfg.quantization is not None:
+        try:  # which param is in which format: a skip list that splits a fused weight is refused here
+            cfg.definition
+        except formats.QuantConfigError as e:
+            raise CheckpointError(f"{source}: {e}") from None
+    return cfg
 
 
 def _quantization(r: ConfigReader) -> dict[str, Any] | None:
@@ -115,6 +121,10 @@ def _quantization(r: ConfigReader) -> dict[str, Any] | None:
         known = ", ".join(formats.known_quant_methods()) or "none yet"
         raise CheckpointError(f"{r.source}: quantization_config.quant_method {method!r} is a weight format metrale "
                               f"does not read (supported: {known})")
+    try:
+        formats.quant_method(method).check(qc)
+    except formats.QuantConfigError as e:
+        raise CheckpointError(f"{r.source}: {e}") from None
     return qc
 
 

@@ -151,7 +151,7 @@ def _raw_inspect_info(label: str, raw: dict[str, Any], ckpt: Checkpoint, problem
         "post_norms": None, "activation": raw.get("hidden_activation", raw.get("hidden_act")), "embed_scale": None,
         "tokenizer": ckpt.has_tokenizer, "bos_token_id": integer("bos_token_id"),
         "eos_token_ids": eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [],
-        "experts": None,
+        "experts": None, "weight_formats": None,
         "valid": False, "problems": str(problem),
     }
 
@@ -177,7 +177,7 @@ def _inspect_info(spec: ModelSpec, ckpt: Checkpoint | HeaderListing,
         "tied_embeddings": cfg.tie_word_embeddings,
         **block_features(cfg),  # rope, sliding layers, softcaps, norms, activation, embedding scale
         "tokenizer": ckpt.has_tokenizer, "bos_token_id": cfg.bos_token_id, "eos_token_ids": list(cfg.eos_token_ids),
-        "experts": _experts_info(cfg),
+        "experts": _experts_info(cfg), "weight_formats": _formats_info(cfg),
         "valid": problem is None, "problems": str(problem) if problem is not None else None,
         "scanned": False, "nonfinite": None,  # --scan: the tensors holding NaN/Inf (name, dtype, nan, inf)
     }
@@ -187,6 +187,16 @@ def _listing_info(ckpt: Checkpoint | HeaderListing) -> dict[str, Any]:
     """inspect's keys from the tensor listing: dtypes, how many tensors, the files and their data bytes."""
     return {"dtypes": ckpt.dtypes(), "tensors": len(ckpt.tensor_names()), "shards": len(ckpt.files),
             "files": [p.name for p in ckpt.files], "bytes": ckpt.total_bytes}
+
+
+def _formats_info(cfg: Any) -> dict[str, Any]:
+    """How the weights are stored: the quant_method (None: dense), and per weight format how many params use it
+    (the rest stay in the checkpoint's dense dtypes)."""
+    counts: dict[str, int] = {}
+    for p in cfg.definition.params():
+        counts[p.format or "dense"] = counts.get(p.format or "dense", 0) + 1
+    qc = cfg.quantization or {}
+    return {"quant_method": qc.get("quant_method"), "params": counts}
 
 
 def _experts_info(cfg: Any) -> dict[str, Any] | None:

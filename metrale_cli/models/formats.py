@@ -21,6 +21,7 @@ the field named. The loader (models/weights.py) and the tensor-parallel sharding
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -45,16 +46,31 @@ class WeightFormat:
         return (self.stored(t),) + self.companions(t)
 
 
+class QuantConfigError(Exception):
+    """A quantization_config field metrale does not implement (or a malformed one); config.py names the file."""
+
+    def __init__(self, field: str, value: Any, why: str) -> None:
+        super().__init__(f"quantization_config.{field} {value!r} {why}")
+
+
 @dataclass(frozen=True)
 class QuantMethod:
-    """A `quantization_config.quant_method`: which format each param of a definition is stored in."""
+    """A `quantization_config.quant_method`: which format each param of a definition is stored in
+    (`format_of(config, param)`, None: left dense), after `check(config)` has refused what it does not
+    implement (raising QuantConfigError)."""
 
     name: str
     format_of: Callable[[dict[str, Any], Param], str | None]
+    check: Callable[[dict[str, Any]], None] = lambda qc: None
 
 
 _FORMATS: dict[str, WeightFormat] = {}
 _METHODS: dict[str, QuantMethod] = {}
+BUILTIN = "metrale_cli.models.quantized"  # the built-in formats, imported on the first lookup
+
+
+def _builtins() -> None:
+    importlib.import_module(BUILTIN)
 
 
 def register_format(fmt: WeightFormat) -> WeightFormat:
@@ -69,15 +85,20 @@ def register_quant_method(method: QuantMethod) -> QuantMethod:
 
 def weight_format(name: str) -> WeightFormat:
     if name not in _FORMATS:
+        _builtins()
+    if name not in _FORMATS:
         raise KeyError(f"no weight format '{name}' is registered (known: {', '.join(sorted(_FORMATS))})")
     return _FORMATS[name]
 
 
 def quant_method(name: str) -> QuantMethod | None:
+    if name not in _METHODS:
+        _builtins()
     return _METHODS.get(name)
 
 
 def known_quant_methods() -> list[str]:
+    _builtins()
     return sorted(_METHODS)
 
 

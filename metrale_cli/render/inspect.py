@@ -89,12 +89,22 @@ def _inspect_rows(info: dict[str, Any]) -> list[tuple[str, str]]:
         ("tokenizer", info["tokenizer"]), ("bos_token_id", info["bos_token_id"]),
         ("eos_token_ids", " ".join(map(str, info["eos_token_ids"])) or "none"),
         ("experts", _experts_text(info["experts"], info["layers"]) if info.get("experts") else "none"),
+        ("weight_formats", _formats_text(info.get("weight_formats"))),
         ("valid", info["valid"]),
     ]
     if info["problems"]:
         rows.append(("problems", info["problems"]))
     rows.extend(_nonfinite_rows(info))
     return [(k, shown(v)) for k, v in rows]
+
+
+def _formats_text(x: dict[str, Any] | None) -> str | None:
+    """The stored weight formats in one line: "dense", or the quant_method and how many params each format holds."""
+    if x is None:
+        return None
+    if x["quant_method"] is None:
+        return "dense"
+    return f"{x['quant_method']}: " + ", ".join(f"{name} x{n}" for name, n in x["params"].items())
 
 
 def _nonfinite_rows(info: dict[str, Any]) -> list[tuple[str, str]]:
