@@ -278,6 +278,8 @@ def _run_bench(eng, name: str, cfg: ModelConfig, device: str, context: int, ks: 
     streamed = _streamed_bytes(cfg, elem)
     kv_read = kv_bytes_read(cfg, context, elem)
     res = BenchResult(name, device, context, cfg.parameter_count(), streamed, kv_read)
+    if weight_formats_note(cfg):
+        res.notes.append(weight_formats_note(cfg))
     if tp is not None:  # the floor of one rank: its share of the weights and its KV heads
         from .parallel.sharding import rank_config
 
@@ -436,9 +438,28 @@ def _decode_logits(eng) -> np.ndarray:
 
 
 def _streamed_bytes(cfg: ModelConfig, elem: int) -> int:
-    """Weight bytes one decode step reads: all but the embedding table (which a tied lm_head reads whole)."""
+    """Weight bytes one decode step reads: all but the embedding table (which a tied lm_head reads whole). A
+    weight stored in a weight format counts its stored bytes on the GPU (which keeps them: e4m3 and its scales),
+    `elem` an element on the CPU (which dequantizes it)."""
+    from math import prod
+
+    from .models.formats import stored_nbytes
+
     embed = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
-    return (cfg.parameter_count() - embed) * elem
+    dense = (cfg.parameter_count() - embed) * elem
+    if elem != 2:
+        return dense
+    formatted = [p for p in cfg.definition.params() if p.format is not None]
+    return dense - sum(prod(p.shape) for p in formatted) * elem + sum(stored_nbytes(p) for p in formatted)
+
+
+def weight_formats_note(cfg: ModelConfig) -> str | None:
+    """The bench's line on how the weights are stored, for a quantized model."""
+    names = sorted({p.format for p in cfg.definition.params() if p.format is not None})
+    if not names:
+        return None
+    return (f"weights: quant_method {cfg.quantization['quant_method']} ({', '.join(names)}); the GPU floor counts "
+            "their stored bytes (weights and scales)")
 
 
 def _expert_params(cfg: ModelConfig) -> tuple[int, int]:

@@ -14,8 +14,9 @@ import numpy as np
 
 from .config import ModelConfig
 from .logits import fp32_to_bf16, fp32_to_bf16_bits
+from .models.formats import weight_format
 from .models.weights import expected_tensors
-from .safetensors_file import TensorInfo
+from .safetensors_file import DTYPES, TensorInfo
 
 
 class RandomTensors:
@@ -28,6 +29,15 @@ class RandomTensors:
         self.cfg = cfg
         self.seed = seed
         self.shapes = expected_tensors(cfg.definition)
+        # Params stored in a weight format: their stored tensors in the format's first dtype (e4m3 weights, fp32
+        # scales), drawn as such (_formatted): name -> (dtype, the logical weight's input width)
+        self.formatted: dict[str, tuple[str, int]] = {}
+        for p in cfg.definition.params():
+            if p.format is not None:
+                fmt = weight_format(p.format)
+                for t in p.parts:
+                    for s, dtypes in zip(fmt.tensors(t), fmt.dtypes):
+                        self.formatted[s.name] = (dtypes[0], t.shape[-1])
         # (1 + w) norms (Gemma) store w: drawn around 0, so the scale is near 1 as for the other families
         self.norm_mean = 1.0 - cfg.definition.norm.offset
         self.directory = Path(f"<random {cfg.model_type} weights, seed {seed}>")
@@ -40,16 +50,20 @@ class RandomTensors:
 
     def info(self, name: str) -> TensorInfo:
         shape = self.shapes[name]
-        return TensorInfo(name, "BF16", shape, 0, 2 * int(np.prod(shape)))
+        dtype = self.formatted.get(name, ("BF16", 0))[0]
+        return TensorInfo(name, dtype, shape, 0, int(np.prod(shape)) * DTYPES[dtype][0] // 8)
 
     @property
     def total_bytes(self) -> int:
-        return sum(2 * int(np.prod(s)) for s in self.shapes.values())
+        return sum(self.info(n).nbytes for n in self.shapes)
 
     def array(self, name: str, *, bf16_bits: bool = False) -> np.ndarray:
-        """bf16 (uint16 bit patterns with bf16_bits, as Checkpoint.array gives them)."""
+        """bf16 (uint16 bit patterns with bf16_bits, as Checkpoint.array gives them); a formatted param's
+        stored tensors in their dtype."""
         rng = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
         shape = self.shapes[name]
+        if name in self.formatted:
+            return self._formatted(rng, shape, *self.formatted[name])
         mean, std = self._moments(name, shape, self.norm_mean)
         values = rng.standard_normal(shape, dtype=np.float32) * std + mean
         return fp32_to_bf16_bits(values) if bf16_bits else fp32_to_bf16(values)
@@ -62,6 +76,19 @@ class RandomTensors:
         rs = cp.random.RandomState(self.seed * 1000003 + zlib.crc32(name.encode()))
         return rs.standard_normal(shape, dtype=cp.float32) * cp.float32(std) + cp.float32(mean)
 
+    @staticmethod
+    def _formatted(rng, shape: tuple[int, ...], dtype: str, fan_in: int) -> np.ndarray:
+        """An e4m3 weight: random signs, exponents 2^-3..2^3 and mantissas (std about 5, never NaN), whose
+        scales (F32/BF16: fan_in^-0.5 / 5 within +-20%) give the Linear weights' N(0, 1/fan_in) size."""
+        import ml_dtypes
+
+        if dtype == "F8_E4M3":
+            b = rng.integers(0, 256, shape, dtype=np.uint8)
+            exponent = (4 + (b >> 3) % 7).astype(np.uint8)  # biased 4..10: 2^-3 .. 2^3
+            return ((b & 0x87) | (exponent << 3)).view(ml_dtypes.float8_e4m3fn)
+        values = (fan_in ** -0.5 / 5 * rng.uniform(0.8, 1.2, shape)).astype(np.float32)
+        return values if dtype == "F32" else fp32_to_bf16(values)
+
     def release(self, name: str) -> None:
         pass
 
@@ -69,7 +96,10 @@ class RandomTensors:
         pass
 
     def dtypes(self) -> dict[str, int]:
-        return {"BF16": len(self.shapes)}
+        counts: dict[str, int] = {}
+        for n in self.shapes:
+            counts[self.info(n).dtype] = counts.get(self.info(n).dtype, 0) + 1
+        return counts
 
     @staticmethod
     def _moments(name: str, shape: tuple[int, ...], norm_mean: float = 1.0) -> tuple[float, float]:

@@ -71,7 +71,7 @@ def fake_cupy():
         cuda=cuda, float32=np.float32, uint16=np.uint16, int32=np.int32,
         zeros=wrap(np.zeros), empty=wrap(np.zeros), empty_like=wrap(np.zeros_like), full=wrap(np.full),
         asarray=wrap(np.asarray), concatenate=wrap(np.concatenate), arange=wrap(np.arange),
-        ascontiguousarray=wrap(np.ascontiguousarray),
+        ascontiguousarray=wrap(np.ascontiguousarray), repeat=wrap(np.repeat), uint8=np.uint8,
     )
 
 

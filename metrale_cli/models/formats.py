@@ -22,7 +22,7 @@ the field named. The loader (models/weights.py) and the tensor-parallel sharding
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
@@ -40,6 +40,13 @@ class WeightFormat:
     dtypes: tuple[tuple[str, ...], ...]  # allowed dtypes: of the stored tensor, then of each companion
     dequantize: Callable[..., np.ndarray]  # (stored, *companions) -> fp32 [out, in]
     stored: Callable[[Tensor], Tensor] = lambda t: t  # the stored tensor of logical weight t (packed: other shape)
+    kind: str = ""  # the family of formats this one belongs to ("fp8_block": every block size); "": none
+    params: dict[str, Any] = field(default_factory=dict, compare=False)  # the family's parameters (block size)
+
+    @property
+    def family(self) -> str:
+        """What a backend registers its implementation under: the kind, else the format's own name."""
+        return self.kind or self.name
 
     def tensors(self, t: Tensor) -> tuple[Tensor, ...]:
         """Everything the checkpoint stores for logical weight t: the stored tensor, then its companions."""
@@ -116,6 +123,19 @@ def allowed_dtypes(p: Param) -> dict[str, tuple[str, ...]]:
         return {t.name: DENSE_DTYPES for t in p.parts}
     fmt = weight_format(p.format)
     return {s.name: dtypes for t in p.parts for s, dtypes in zip(fmt.tensors(t), fmt.dtypes)}
+
+
+def stored_nbytes(p: Param) -> int:
+    """The bytes the checkpoint stores for param p in its (first allowed) dtypes: what a backend that keeps the
+    format reads (a dense param: 2 bytes an element, as bf16)."""
+    from math import prod
+
+    from ..safetensors_file import DTYPES
+
+    if p.format is None:
+        return 2 * sum(prod(t.shape) for t in p.parts)
+    fmt = weight_format(p.format)
+    return sum(prod(s.shape) * DTYPES[d[0]][0] // 8 for t in p.parts for s, d in zip(fmt.tensors(t), fmt.dtypes))
 
 
 def apply(definition: ModelDefinition, quantization: dict[str, Any] | None) -> ModelDefinition:

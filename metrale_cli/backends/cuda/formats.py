@@ -7,6 +7,7 @@ one (a test's toy format, say)."""
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -17,16 +18,18 @@ PROJECTION_KEYS = frozenset({"qkv", "o", "gate_up", "down", "router", "shared_ga
 
 @dataclass(frozen=True)
 class CudaFormat:
-    name: str
+    name: str  # a weight format's name, or the kind of a family of them (WeightFormat.family: "fp8_block")
     # upload(param, read, kern) -> one device weight per part: read(name) gives a stored tensor as a host array
     upload: Callable[[Any, Callable[[str], Any], Any], list[Any]]
     concat: Callable[[list[Any], Any], Any]  # concat(parts, cp): a fused param's parts (q, k, v -> qkv) as one weight
     # linear(proj, x, w, out, bias, accumulate=, swiglu=, norm_weight=, eps=, norm_offset=, activation=)
     linear: Callable[..., None]
     gemm: Callable[..., Any]  # gemm(proj, x, w, bias, accumulate_into) -> f32 [T, N]
+    accepts: Callable[[dict], bool] = lambda params: True  # which of the kind's formats (WeightFormat.params) it runs
 
 
 _FORMATS: dict[str, CudaFormat] = {}
+BUILTIN = ("metrale_cli.backends.cuda.fp8",)  # the built-in entries, imported on the first lookup (no CuPy needed)
 
 
 def register_cuda_format(fmt: CudaFormat) -> CudaFormat:
@@ -35,4 +38,20 @@ def register_cuda_format(fmt: CudaFormat) -> CudaFormat:
 
 
 def cuda_format(name: str) -> CudaFormat | None:
-    return _FORMATS.get(name)
+    """The entry that runs weight format `name`: registered under the name itself, or under its kind and
+    accepting its parameters; None when the CUDA engine cannot run it."""
+    if name in _FORMATS:
+        return _FORMATS[name]
+    for module in BUILTIN:
+        importlib.import_module(module)
+    from ...models.formats import weight_format
+
+    try:
+        wf = weight_format(name)
+    except KeyError:
+        return None
+    entry = _FORMATS.get(wf.family)
+    if entry is None or not entry.accepts(wf.params):
+        return None
+    _FORMATS[name] = entry  # resolved once: the projections look a weight's format up on every call
+    return entry

@@ -40,6 +40,15 @@ class Projections:
     def __init__(self, cp: Any, kern: Any, stream: Any, lm_head: Any, final_logit_softcap: float | None) -> None:
         self.cp, self.kern, self.stream = cp, kern, stream
         self.lm_head, self.final_logit_softcap = lm_head, final_logit_softcap
+        self._scratch: dict[tuple, Any] = {}
+
+    def scratch(self, tag: str, shape: tuple[int, ...]) -> Any:
+        """A persistent f32 work buffer of `shape` for a format's rows path (allocated on its first, eager use,
+        so a captured graph only ever sees buffers that outlive it)."""
+        key = (tag, tuple(shape))
+        if key not in self._scratch:
+            self._scratch[key] = self.cp.empty(shape, self.cp.float32)
+        return self._scratch[key]
 
     def linear(self, x, w, out, bias=None, *, accumulate=False, swiglu=False, norm_weight=None,
                eps: float = 1e-6, norm_offset: float = 0.0, activation: str = "silu") -> None:

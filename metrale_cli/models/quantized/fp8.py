@@ -41,7 +41,8 @@ def block_format(block_n: int, block_k: int, *, static: bool = False) -> str:
 
         register_format(WeightFormat(
             name, companions=companions, dtypes=(("F8_E4M3",), SCALE_DTYPES) + ((("F32", "BF16"),) if static else ()),
-            dequantize=lambda w, scale, *_: dequantize_block(w, scale, block_n, block_k)))
+            dequantize=lambda w, scale, *_: dequantize_block(w, scale, block_n, block_k),
+            kind="fp8_block", params={"block": (block_n, block_k), "static": static}))
     return name
 
 
@@ -54,7 +55,8 @@ def tensor_format(*, static: bool = False) -> str:
         register_format(WeightFormat(
             name, companions=lambda t: (Tensor(t.name + "_scale_inv", ()),) + _activation_scale(t, static),
             dtypes=(("F8_E4M3",), SCALE_DTYPES) + ((("F32", "BF16"),) if static else ()),
-            dequantize=lambda w, scale, *_: e4m3_as_fp32(w) * scale_as_fp32(scale).reshape(())))
+            dequantize=lambda w, scale, *_: e4m3_as_fp32(w) * scale_as_fp32(scale).reshape(()),
+            kind="fp8_tensor", params={"static": static}))
     return name
 
 
@@ -100,6 +102,8 @@ def _check(qc: dict[str, Any]) -> None:
         refuse("scale_fmt", qc.get("scale_fmt"), "is not float or ue8m0")
     if qc.get("expert_dtype", "fp8") != "fp8":
         refuse("expert_dtype", qc.get("expert_dtype"), "is not implemented (fp8 experts only)")
+    if qc.get("fmt", "e4m3") not in ("e4m3", None):
+        refuse("fmt", qc.get("fmt"), "is not implemented (e4m3 weights only)")
     if qc.get("modules_to_convert"):
         refuse("modules_to_convert", qc.get("modules_to_convert"), "is not implemented")
 

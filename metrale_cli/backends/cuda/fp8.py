@@ -1,0 +1,104 @@
+"""FP8 weights on the GPU (models/quantized/fp8.py: e4m3 with block or per-tensor scales): they stay FP8 on the
+device. The rows path's GEMV (kernels/fp8.cu) reads the e4m3 bytes and their fp32 block scales and dequantizes in
+registers, so a decode step reads about half the bytes of bf16; the prefill path dequantizes one weight at a time
+to bf16 into a temporary buffer for cuBLAS (the bf16 path rounds the activations to bf16 there too).
+
+A fused weight (q, k, v -> qkv) keeps its parts' block scales when every part but the last has a multiple of the
+block height in rows; otherwise (and for per-tensor scales, one per part) its scales are expanded to one row each.
+The GEMV needs the block width to be a multiple of 16 (a 16-byte load never spans two scale blocks): other block
+widths are refused by --device cuda (`accepts`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ...models.quantized import scale_as_fp32
+from .formats import CudaFormat, register_cuda_format
+
+
+class Fp8Weight:
+    """An FP8 weight on the device: e4m3 bytes [N, K] (uint8), fp32 scales [ceil(N / srow), ceil(K / bk)]."""
+
+    def __init__(self, fmt: str, data: Any, scale: Any, srow: int, bk: int) -> None:
+        self.format, self.data, self.scale, self.srow, self.bk = fmt, data, scale, srow, bk
+        self.shape = data.shape
+
+    def per_row(self, cp) -> Any:
+        """The scales expanded to one row per weight row."""
+        return self.scale if self.srow == 1 else cp.ascontiguousarray(cp.repeat(self.scale, self.srow, axis=0)[:self.shape[0]])
+
+
+def _kernels(kern: Any):
+    fp8 = getattr(kern, "_fp8_kernels", None)
+    if fp8 is None:
+        from .kernels.fp8 import Fp8Kernels
+
+        fp8 = kern._fp8_kernels = Fp8Kernels(kern)
+    return fp8
+
+
+def _upload(p: Any, read, kern: Any) -> list[Fp8Weight]:
+    from ...models.formats import weight_format
+
+    cp, wf = kern.cp, weight_format(p.format)
+    out = []
+    for t in p.parts:
+        rows, cols = t.shape
+        data = cp.asarray(np.ascontiguousarray(read(t.name)).view(np.uint8))
+        scale = scale_as_fp32(read(t.name + "_scale_inv"))
+        if wf.kind == "fp8_tensor":  # one scale: a single block covering the weight
+            srow, bk, scale = rows, cols, scale.reshape(1, 1)
+        else:
+            srow, bk = wf.params["block"]
+        out.append(Fp8Weight(p.format, data, cp.asarray(np.ascontiguousarray(scale, np.float32)), srow, bk))
+    return out
+
+
+def _concat(parts: list[Fp8Weight], cp) -> Fp8Weight:
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    data = cp.concatenate([p.data for p in parts], axis=0)
+    aligned = (all(p.srow == first.srow and p.bk == first.bk for p in parts)
+               and all(p.shape[0] % p.srow == 0 for p in parts[:-1]))
+    if aligned:
+        return Fp8Weight(first.format, data, cp.concatenate([p.scale for p in parts], axis=0), first.srow, first.bk)
+    if len({p.bk for p in parts}) != 1:  # per-tensor parts of different widths cannot happen (fused parts share K)
+        raise ValueError("fused FP8 parts with different scale block widths")
+    return Fp8Weight(first.format, data, cp.concatenate([p.per_row(cp) for p in parts], axis=0), 1, first.bk)
+
+
+def _linear(proj, x, w: Fp8Weight, out, bias=None, *, accumulate=False, swiglu=False, norm_weight=None, eps=1e-6,
+            norm_offset=0.0, activation="silu") -> None:
+    """The rows path: the RMSNorm of x (when given) into a scratch row block, the FP8 GEMV, and with swiglu the
+    gate activation of its [gate, up] output."""
+    kern, s = proj.kern, proj.stream
+    if norm_weight is not None:
+        xn = proj.scratch("fp8_norm", x.shape)
+        kern.rmsnorm(x, norm_weight, eps, xn, offset=norm_offset, stream=s)
+        x = xn
+    fp8 = _kernels(kern)
+    if swiglu:
+        y = proj.scratch("fp8_gate_up", (x.shape[0], w.shape[0]))
+        fp8.gemv(x, w.data, w.scale, w.srow, w.bk, y, bias, stream=s)
+        kern.swiglu(y, out, activation=activation, stream=s)
+    else:
+        fp8.gemv(x, w.data, w.scale, w.srow, w.bk, out, bias, accumulate=accumulate, stream=s)
+
+
+def _gemm(proj, x, w: Fp8Weight, bias=None, accumulate_into=None):
+    """The prefill path: the weight dequantized to bf16 (a temporary), then the bf16 cuBLAS GEMM."""
+    cp = proj.cp
+    wb = cp.empty(w.shape, cp.uint16)
+    _kernels(proj.kern).dequant_bf16(w.data, w.scale, w.srow, w.bk, wb, stream=proj.stream)
+    return proj.gemm_bf16(x, wb, bias, accumulate_into)
+
+
+def _accepts(params: dict) -> bool:
+    return params.get("block", (1, 16))[1] % 16 == 0
+
+
+for _kind in ("fp8_block", "fp8_tensor"):
+    register_cuda_format(CudaFormat(_kind, _upload, _concat, _linear, _gemm, accepts=_accepts))

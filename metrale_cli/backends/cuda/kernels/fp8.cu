@@ -1,0 +1,114 @@
+// FP8 (e4m3) weights with block scales (models/quantized/fp8.py): the rows path's GEMV, which reads the
+// stored bytes and dequantizes in registers, and the prefill path's dequantization to bf16 for cuBLAS.
+//
+// Weight: e4m3 bytes [N, K] (Hugging Face [out, in] layout).  Scales: float32 [ceil(N / srow), KB], the scale
+// of weight (n, k) at [n / srow, k / bk], bk a multiple of 16 (a 16-byte chunk never straddles two scale
+// blocks).  srow is the checkpoint's block height, or 1 where the engine expanded a fused weight's scales
+// to one row each (its parts' row counts were not multiples of the block height).
+//
+// e4m3 -> fp32 is exact: `cvt.rn.f16x2.e4m3x2` (sm_89+) widens two e4m3 values to two halves (every e4m3
+// value, subnormals included, is a half), and a half converts to fp32 exactly.
+//
+// gemv_fp8_kernel<M>:  out[M, N] (=|+=) x[M, K] @ (w * scale)[N, K]^T (+ bias).  A warp owns one output row
+// n; lane l walks the 16-byte chunks l, l + 32, ... of its row (FP8_U chunks in flight), and for each chunk
+// adds scale * (the fp32 dot product of the chunk's 16 weights with x) to its partial sum, for every row m of
+// x.  Partial sums are reduced with warp shuffles.  Requirements (checked by Fp8Kernels.gemv): K % 16 == 0,
+// 1 <= M <= 16, w and x 16-byte aligned.
+#include "common.cu"
+
+#define FP8_WARPS 4
+#define FP8_U 4
+
+// Two e4m3 values (low byte first) as two floats, exactly.
+__device__ __forceinline__ float2 e4m3x2_to_f32(unsigned short v) {
+    unsigned int h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(v));
+    float lo, hi;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((unsigned short)(h2 & 0xffffu)));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((unsigned short)(h2 >> 16)));
+    return make_float2(lo, hi);
+}
+
+// The dot product of 4 e4m3 weights (one 32-bit word, k order) with x[0..3], added to s in k order.
+__device__ __forceinline__ float dot4_e4m3(unsigned int w, const float4& x, float s) {
+    const float2 a = e4m3x2_to_f32((unsigned short)(w & 0xffffu));
+    const float2 b = e4m3x2_to_f32((unsigned short)(w >> 16));
+    s = fmaf(a.x, x.x, s);
+    s = fmaf(a.y, x.y, s);
+    s = fmaf(b.x, x.z, s);
+    s = fmaf(b.y, x.w, s);
+    return s;
+}
+
+template <int M>
+__global__ void __launch_bounds__(FP8_WARPS * 32)
+gemv_fp8_kernel(const float* __restrict__ x, const uint4* __restrict__ w, const float* __restrict__ scale,
+                const unsigned short* __restrict__ bias, float* __restrict__ out, int N, int K, int srow, int bk,
+                int KB, int accumulate, int has_bias) {
+    const int lane = threadIdx.x & 31;
+    const int n = blockIdx.x * FP8_WARPS + (threadIdx.x >> 5);
+    if (n >= N) return;  // whole warp; no block barrier below
+    const int C = K >> 4;  // 16-byte chunks per row
+    const uint4* row = w + (u64)n * C;
+    const float* srow_scale = scale + (u64)(n / srow) * KB;
+    const int chunks_per_block = bk >> 4;
+    float acc[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[m] = 0.f;
+    for (int c0 = lane; c0 < C; c0 += 32 * FP8_U) {
+        uint4 wv[FP8_U];
+#pragma unroll
+        for (int u = 0; u < FP8_U; ++u)
+            if (c0 + 32 * u < C) wv[u] = ld_stream_u4(row + c0 + 32 * u);
+#pragma unroll
+        for (int u = 0; u < FP8_U; ++u) {
+            const int c = c0 + 32 * u;
+            if (c >= C) break;
+            const float s = __ldg(srow_scale + c / chunks_per_block);
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                const float4* xp = reinterpret_cast<const float4*>(x + (u64)m * K) + 4 * c;
+                float d = dot4_e4m3(wv[u].x, __ldg(xp), 0.f);
+                d = dot4_e4m3(wv[u].y, __ldg(xp + 1), d);
+                d = dot4_e4m3(wv[u].z, __ldg(xp + 2), d);
+                d = dot4_e4m3(wv[u].w, __ldg(xp + 3), d);
+                acc[m] = fmaf(s, d, acc[m]);
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[m] = warp_sum(acc[m]);
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        if (lane == (m & 31)) {
+            float v = acc[m];
+            if (has_bias) v += bf16_to_f32_bits(bias[n]);
+            float* o = out + (u64)m * N + n;
+            if (accumulate) v += *o;
+            *o = v;
+        }
+    }
+}
+
+// out[n, k] = bf16(e4m3(w[n, k]) * scale[n / srow, k / bk]), round to nearest even: the prefill path's weight
+// for cuBLAS (one thread per 16-byte chunk: 16 weights, one scale).
+extern "C" __global__ void dequant_fp8_bf16_kernel(const uint4* __restrict__ w, const float* __restrict__ scale,
+                                                   uint4* __restrict__ out, int N, int K, int srow, int bk, int KB) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const int C = K >> 4;
+    if (i >= (u64)N * C) return;
+    const int n = (int)(i / C), c = (int)(i % C);
+    const float s = scale[(u64)(n / srow) * KB + (c * 16) / bk];
+    const uint4 q = w[i];
+    const unsigned int words[4] = {q.x, q.y, q.z, q.w};
+    unsigned int packed[8];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const float2 a = e4m3x2_to_f32((unsigned short)(words[j] & 0xffffu));
+        const float2 b = e4m3x2_to_f32((unsigned short)(words[j] >> 16));
+        packed[2 * j] = pack_bf16x2(a.x * s, a.y * s);
+        packed[2 * j + 1] = pack_bf16x2(b.x * s, b.y * s);
+    }
+    out[2 * i] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    out[2 * i + 1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+}

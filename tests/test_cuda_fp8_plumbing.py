@@ -1,0 +1,148 @@
+"""FP8 weights through the CUDA engine's Python side on the CPU (backends/cuda/fp8.py: upload, fused parts' scales,
+the rows path with its norm / SwiGLU around the GEMV, the prefill path's dequantization), with fp8.cu's kernels
+replaced by NumPy implementations of their documented contracts and test_cuda_plumbing's stand-ins for the rest.
+The kernels themselves are tested on a GPU (tests/gpu/test_fp8.py); here the e4m3 sources compile (nvcc -ptx).
+"""
+
+from __future__ import annotations
+
+import inspect
+import shutil
+import subprocess
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from metrale_cli.model import open_model
+
+pytest.importorskip("metrale_cli.backends.cuda.kernels")
+from metrale_cli.backends.cuda import fp8 as cuda_fp8  # noqa: E402
+from metrale_cli.backends.cuda.kernels import fp8 as fp8_kernels  # noqa: E402
+
+from test_extension_points import cuda_plumbing, fake_cuda_engine, host_rows, rel  # noqa: E402
+from test_quantized_fp8 import FIXTURES, quantize_llama  # noqa: E402
+
+# The engine's stand-ins (bf16 activations, KV cache, norms and lm_head) against the fp32 NumPy engine on these
+# random models: about 1.2e-2 (a wiring error, a scale applied to the wrong block, is O(1)). The fused weights
+# themselves are checked exactly below.
+TOL = 3e-2
+
+
+class NumpyFp8Kernels:
+    """fp8.cu's contracts in NumPy (the same signatures as kernels/fp8.Fp8Kernels)."""
+
+    calls: list[tuple[str, int, int]] = []
+
+    @staticmethod
+    def _weight(w, scale, srow, bk) -> np.ndarray:
+        q = np.asarray(w).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+        s = np.repeat(np.repeat(np.asarray(scale), srow, 0)[:q.shape[0]], bk, 1)[:, :q.shape[1]]
+        return q * s
+
+    def gemv(self, x, w, scale, srow, bk, out, bias=None, *, accumulate=False, stream=None):
+        assert 1 <= x.shape[0] <= 16 and w.shape[1] % 16 == 0 and bk % 16 == 0
+        self.calls.append(("gemv", srow, bk))
+        y = np.asarray(x, np.float32) @ self._weight(w, scale, srow, bk).T
+        if bias is not None:
+            y += (np.asarray(bias).astype(np.uint32) << 16).view(np.float32)
+        out[...] = y + out if accumulate else y
+
+    def dequant_bf16(self, w, scale, srow, bk, out, *, stream=None):
+        self.calls.append(("dequant", srow, bk))
+        out[...] = np.asarray(self._weight(w, scale, srow, bk).astype(ml_dtypes.bfloat16)).view(np.uint16)
+
+
+def test_the_stand_ins_take_the_real_signatures():
+    def shape(f):  # names, kinds and defaults; annotations aside
+        return [(p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()]
+
+    for name in ("gemv", "dequant_bf16"):
+        assert shape(getattr(NumpyFp8Kernels, name)) == shape(getattr(fp8_kernels.Fp8Kernels, name)), name
+
+
+@pytest.fixture
+def fake_fp8(monkeypatch):
+    NumpyFp8Kernels.calls = []
+    monkeypatch.setattr(cuda_fp8, "_kernels", lambda kern: NumpyFp8Kernels())
+    return NumpyFp8Kernels
+
+
+@pytest.mark.parametrize("block", [(16, 16), (48, 32)])
+@pytest.mark.parametrize("rows_path", ["rows", "fused"])
+def test_fp8_weights_run_through_the_cuda_engine(tmp_path, fake_fp8, block, rows_path, monkeypatch):
+    plumbing = cuda_plumbing()
+    from metrale_cli.backends.cuda.projections import Projections
+
+    monkeypatch.setattr(Projections, "gemm_bf16", plumbing._fake_gemm)
+    rng = np.random.default_rng()
+    path, _ = quantize_llama(tmp_path, block, rng)
+    ids = rng.integers(0, 300, 24).tolist()
+    cpu = open_model(path, device="cpu", max_context=40, fp32_logits=True).engine
+    e = fake_cuda_engine(plumbing, path, 40, rows_path)
+    qkv = e.w.layers[0]["qkv"]
+    assert isinstance(qkv, cuda_fp8.Fp8Weight) and qkv.data.dtype == np.uint8  # kept as e4m3 bytes
+    # 48-row blocks do not divide q's 64 rows: the fused qkv's scales are expanded to one per row
+    assert qkv.srow == (1 if block[0] == 48 else block[0]) and qkv.scale.shape == (-(-128 // qkv.srow), 64 // block[1])
+    for run in (lambda x: x.prefill(ids[:20], all_logits=True), lambda x: x.verify(ids[20:24])):
+        run(cpu), run(e)
+        assert rel(host_rows(e, e.logits_buffer_ptr()), host_rows(cpu, cpu.logits_buffer_ptr())) < TOL
+    cpu.trim(21), e.trim(21)
+    cpu.decode(5), e.decode(5)
+    assert rel(host_rows(e, e.decode_logits_ptr()), host_rows(cpu, cpu.decode_logits_ptr())) < TOL
+    # the fused qkv / gate_up as uploaded (scales concatenated or expanded) == each part's exact dequantization
+    from metrale_cli.checkpoint import Checkpoint
+    from metrale_cli.config import load_config
+    from metrale_cli.models import formats
+
+    cfg = load_config(path)
+    with Checkpoint.open(path) as ckpt:
+        for p in cfg.definition.layers[1].params:
+            if p.format is not None:
+                w = e.w.layers[1][p.key]
+                want = np.concatenate(formats.dequantize(p, lambda n: ckpt.array(n, bf16_bits=True)))
+                assert np.array_equal(NumpyFp8Kernels._weight(w.data, w.scale, w.srow, w.bk), want), p.key
+    kinds = {c[0] for c in fake_fp8.calls}
+    assert kinds == {"gemv", "dequant"}  # the rows path's GEMV and the prefill's dequantization both ran
+
+
+def test_what_the_fp8_gemv_cannot_take_is_refused_by_name():
+    from metrale_cli.backends.cuda.loading import unsupported_features
+    from metrale_cli.config import load_config
+
+    found = unsupported_features(load_config(FIXTURES / "models" / "qwen3_moe_fp8_block").definition)
+    assert "weight format fp8_block8x8" in found  # 8-wide blocks: a 16-byte load would span two scales
+    assert unsupported_features(load_config(FIXTURES / "models" / "llama_fp8_block").definition) == []
+    assert unsupported_features(load_config(FIXTURES / "models" / "qwen3_fp8_tensor").definition) == []
+
+
+def test_fp8_experts_are_refused_by_the_cuda_engine(tmp_path):
+    """The MoE kernels read bf16 experts: FP8 experts are named, not run wrongly."""
+    import json
+
+    from metrale_cli.backends.cuda.loading import unsupported_features
+    from metrale_cli.config import load_config
+
+    src = FIXTURES / "models" / "qwen3_moe_fp8_block"
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"]["weight_block_size"] = [16, 16]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    found = unsupported_features(load_config(tmp_path).definition)
+    assert "experts_gate_up weights stored as fp8_block16x16" in found
+
+
+@pytest.mark.slow
+def test_fp8_cu_compiles_for_sm90(tmp_path):
+    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").is_file() else None)
+    if nvcc is None:
+        pytest.skip("nvcc not found: fp8.cu is compiled by the GPU tests only")
+    src = tmp_path / "fp8_module.cu"
+    src.write_text(fp8_kernels.module_source() + "\nvoid* const metrale_instances[] = {\n"
+                   + ",\n".join(f"    (void*)&{n}" for n in fp8_kernels.name_expressions()) + "\n};\n")
+    r = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-ptx", "-o", str(tmp_path / "fp8.ptx"), str(src)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ptx = (tmp_path / "fp8.ptx").read_text()
+    assert ptx.count(".entry") == len(fp8_kernels.name_expressions()) + len(fp8_kernels.PLAIN)
+    assert "cvt.rn.f16x2.e4m3x2" in ptx
