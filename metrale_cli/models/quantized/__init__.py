@@ -73,6 +73,6 @@ def scale_as_fp32(s: np.ndarray) -> np.ndarray:
     return s.astype(np.float32)
 
 
-from . import fp8  # noqa: E402  (registers its formats; needs the helpers above)
+from . import fp8, mxfp4  # noqa: E402  (registers their formats; they need the helpers above)
 
-__all__ = ["fp8", "linear_weight", "matches", "refuse", "scale_as_fp32", "skipped_by"]
+__all__ = ["fp8", "mxfp4", "linear_weight", "matches", "refuse", "scale_as_fp32", "skipped_by"]
