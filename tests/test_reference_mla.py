@@ -193,8 +193,8 @@ def test_the_correction_bias_changes_the_choice(name):
         if "router_correction" in lw:
             lw["router_correction"] = np.zeros_like(lw["router_correction"])
     taps = observed(e, g["prompt"])
-    changed = [not np.array_equal(np.sort(taps[f"model.layers.{i}.mlp.gate.top_k_index"], -1), np.sort(g["top_k_index"][j], -1))
-               for j, i in enumerate(g["moe_layers"])]
+    changed = [not np.array_equal(np.sort(taps[f"model.layers.{i}.mlp.gate.top_k_index"], -1),
+                                  np.sort(g["top_k_index"][j], -1)) for j, i in enumerate(g["moe_layers"])]
     assert any(changed)
 
 
@@ -211,7 +211,8 @@ def test_each_rope_feature_matters(feature):
         m2 = dataclasses.replace(m, rope=dataclasses.replace(m.rope, yarn=None))
     else:
         m2 = dataclasses.replace(m, scale=m.qk_head_dim ** -0.5)
-    cfg.__dict__["definition"] = dataclasses.replace(d, layers=tuple(dataclasses.replace(x, mixer=m2) for x in d.layers))
+    layers = tuple(dataclasses.replace(x, mixer=m2) for x in d.layers)
+    cfg.__dict__["definition"] = dataclasses.replace(d, layers=layers)
     assert rel_err(prefill_rows(engine("deepseek_v3", cfg=cfg), g["prompt"]), g["prefill_logits"]) > 1e-3
 
 

@@ -93,7 +93,7 @@ def sigmoid_grouped_moe(r: ConfigReader, d: MoeDefaults) -> MoeConfig | None:
     experts, top_k, size = _experts(r, d)
     n_group, topk_group = _groups(r, d, experts, top_k)
     if experts // n_group < 2:
-        r.refuse("n_group", n_group, f"groups of {experts} experts need at least 2 experts each (a group scores its best two)")
+        r.refuse("n_group", n_group, f"leaves groups of fewer than 2 of the {experts} experts (a group scores its best two)")
     router = RouterSpec("sigmoid_biased_grouped", n_group=n_group, topk_group=topk_group,
                         routed_scaling_factor=float(r.optional("routed_scaling_factor", (int, float), d.scaling)))
     return _moe(r, d, experts, top_k, size, r.optional("norm_topk_prob", bool, d.norm_topk_prob), router)
@@ -107,7 +107,8 @@ def _accept(r: ConfigReader, key: str, values: tuple[str, ...], why: str) -> Non
 
 def _experts(r: ConfigReader, d: MoeDefaults) -> tuple[int, int, int]:
     experts = moe.positive(r, "n_routed_experts", d.experts)
-    top_k = r.positive_int("num_experts_per_tok") if d.top_k is None else moe.positive(r, "num_experts_per_tok", d.top_k)
+    top_k = (r.positive_int("num_experts_per_tok") if d.top_k is None
+             else moe.positive(r, "num_experts_per_tok", d.top_k))
     if top_k > experts:
         r.refuse("num_experts_per_tok", top_k, f"more than the {experts} experts")
     return experts, top_k, moe.positive(r, "moe_intermediate_size", d.size)

@@ -115,7 +115,8 @@ def _experts_text(x: dict[str, Any], layers: int) -> str:
     """A mixture of experts in one line: the experts, the routing rule, the sparse layers, the active size."""
     kind = x.get("router", "softmax_topk")
     rule = {"softmax_topk": "softmax in fp32", "topk_softmax": "softmax of the top-k logits",
-            "softmax_group_limited": f"softmax in fp32, within the best {x.get('topk_group')} of {x.get('n_group')} groups",
+            "softmax_group_limited": f"softmax in fp32, within the best {x.get('topk_group')} of "
+                                     f"{x.get('n_group')} groups",
             "sigmoid_biased_grouped": f"sigmoid with correction bias, within the best {x.get('topk_group')} of "
                                       f"{x.get('n_group')} groups"}.get(kind, kind)
     routing = f"top-{x['top_k']} ({rule}, " + ("renormalised" if x["norm_topk_prob"] else "not renormalised")
