@@ -260,3 +260,40 @@ def test_mtp_layer_tensors_are_ignored(tmp_path):
     ids = [int(t) for t in rng.integers(0, 300, 6)]
     a.prefill(ids), b.prefill(ids)
     np.testing.assert_array_equal(a.copy_hidden_to_host(), b.copy_hidden_to_host())
+
+
+def test_yarn_runs_through_the_cuda_engine_plumbing(monkeypatch):
+    """The CUDA engine's rope takes inv_freq and the cos/sin factor from the spec: a yarn rope on an attention
+    model runs through its Python side (stand-in kernels) as the NumPy engine computes it."""
+    import dataclasses
+
+    plumbing = pytest.importorskip("test_cuda_plumbing")
+    from metrale_cli.models.spec import Yarn
+
+    yarn = Yarn(factor=4.0, original_max_position_embeddings=8, attention_factor=1.2, beta_fast=8, beta_slow=1)
+    real = plumbing.load_config
+
+    def with_yarn(path, yarn=yarn):
+        cfg = real(path)
+        d = cfg.definition
+        layers = tuple(dataclasses.replace(x, mixer=dataclasses.replace(x.mixer, rope=dataclasses.replace(
+            x.mixer.rope, yarn=yarn))) for x in d.layers)
+        cfg.__dict__["definition"] = dataclasses.replace(d, layers=layers)
+        return cfg
+
+    rng = np.random.default_rng()
+    prompt = [int(t) for t in rng.integers(0, 300, 12)]
+    monkeypatch.setattr(plumbing, "load_config", with_yarn)
+    cpu = plumbing.cpu_engine("phi3")
+    with plumbing.fake_engine("phi3") as gpu:
+        gpu.prefill(prompt, all_logits=True), cpu.prefill(prompt, all_logits=True)
+        gpu.decode(5), cpu.decode(5)
+        err = plumbing.rel(plumbing.rows(gpu, gpu.decode_logits_ptr(), 1),
+                           plumbing.rows(cpu, cpu.decode_logits_ptr(), 1))
+    monkeypatch.setattr(plumbing, "load_config", lambda path: with_yarn(path, None))
+    plain = plumbing.cpu_engine("phi3")
+    plain.prefill(prompt), plain.decode(5)
+    off = plumbing.rel(plumbing.rows(plain, plain.decode_logits_ptr(), 1),
+                       plumbing.rows(cpu, cpu.decode_logits_ptr(), 1))
+    print(f"yarn through the CUDA plumbing: {err:.2e} (without yarn: {off:.2e})")
+    assert err < plumbing.TOL < off
