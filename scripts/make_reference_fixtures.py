@@ -60,6 +60,9 @@ from transformers import (  # noqa: E402  (mixtures of experts)
     Qwen3MoeForCausalLM,
 )
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import mla_reference_specs as mla_specs  # noqa: E402  (latent attention, DeepSeek routing, GLM-4.5)
+
 ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "tests" / "fixtures"
 MODELS_DIR = FIX / "models"
@@ -126,7 +129,7 @@ def model_specs():
 # Sparse families: >= 8 experts, top-k 2 and 8, dense and sparse layers mixed, norm_topk_prob both ways.
 # Goldens add the router's view of the prompt (see moe_golden); prompts are also required to keep every
 # routing decision clear of a near tie (MIN_ROUTE_GAP), so fp32 rounding cannot change an expert.
-MOE_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
+MOE_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral") + mla_specs.TYPES
 MIN_ROUTE_GAP = 1e-5  # smallest allowed gap between the k-th and (k+1)-th routing probability
 
 
@@ -176,7 +179,10 @@ def moe_golden(model, ids: torch.Tensor) -> tuple[dict, float]:
         h.remove()
     k = model.config.num_experts_per_tok
     gap = float("inf")
-    for logits in logs["router_logits"]:
+    grouped = model.config.model_type in mla_specs.TYPES
+    if grouped:  # DeepSeek / GLM routing: the margins of its group and expert choices
+        gap = mla_specs.route_gap(model, layers, logs["router_logits"])
+    for logits in [] if grouped else logs["router_logits"]:
         probs = torch.softmax(logits.float(), dim=-1).sort(dim=-1, descending=True).values
         if k < probs.shape[-1]:
             gap = min(gap, float((probs[:, k - 1] - probs[:, k]).min()))
@@ -339,6 +345,7 @@ def pick_prompt(model, vocab: int, seed: int, cfg):
             seq = np.concatenate([prompt, arrays["greedy_tokens"][:-1]])
             _, info["route_gap"] = moe_golden(model, torch.from_numpy(seq)[None])
             arrays.update(extra)
+            arrays.update(mla_specs.mla_golden(model, torch.from_numpy(prompt)[None]))  # MLA: the normed latents
             if info["route_gap"] < MIN_ROUTE_GAP:
                 continue
         if info["margin"] >= MIN_MARGIN and info["distinct"] >= MIN_DISTINCT:
@@ -530,6 +537,7 @@ def build(name, seed, model_cls, cfg_cls, extra, opts):
     torch.manual_seed(seed)
     model = model_cls(config).float().eval()
     reinit_(model, seed, bool(getattr(config, "tie_word_embeddings", False)))
+    mla_specs.draw_buffers_(model, seed)  # DeepSeek / GLM routers' correction bias (none elsewhere)
     if getattr(config, "tie_word_embeddings", False):
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
 
@@ -597,6 +605,8 @@ def main(argv):
     MODELS_DIR.mkdir(parents=True, exist_ok=True)
     builds = [(spec[0], build, spec) for spec in model_specs() + moe_model_specs()]
     builds += [(spec[0], build_issue13, spec) for spec in issue13_specs()]
+    builds += [(name, build, (name, seed, getattr(transformers, m), getattr(transformers, c), extra, opts))
+               for name, seed, m, c, extra, opts in mla_specs.mla_model_specs()]
     for name, builder, spec in builds:
         if only and name not in only:
             continue

@@ -23,7 +23,7 @@ from metrale_cli.parallel import launcher
 from metrale_cli.parallel.comm import assemble_rows, pick_argmax
 
 FAMILIES = ["llama", "llama_tied", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mistral_window",
-            "qwen3_moe", "qwen2_moe", "mixtral"]
+            "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"]
 
 
 def _rows(e, ptr) -> np.ndarray:
@@ -72,7 +72,7 @@ def test_one_rank_equals_the_plain_engine_bit_for_bit(helpers, name):
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "gemma2", "mistral_window", "qwen3_moe", "qwen2_moe",
-                                  "mixtral"])
+                                  "mixtral", "glm4_moe"])
 def test_two_ranks_give_the_same_tokens_and_close_logits(helpers, name):
     plain, tp = _models(helpers, name, 2)
     try:

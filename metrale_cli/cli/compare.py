@@ -14,8 +14,8 @@ from ..render.reference import render_reference_check
 from .entry import State, app
 from .help_format import MetraleCommand
 from .job import load, prepare, text_file_prompt
-from .options import (ChatOpt, Common, ComputeOpt, FormatOpt, ModelOpt, NoSpecialTokensOpt, PromptOpt, SystemOpt,
-                      TextFileOpt, TokensOpt)
+from .options import (ChatOpt, Common, ComputeOpt, FormatOpt, MlaOpt, ModelOpt, NoSpecialTokensOpt, PromptOpt,
+                      SystemOpt, TextFileOpt, TokensOpt)
 
 
 @app.command(cls=MetraleCommand)
@@ -67,6 +67,7 @@ def compare(
         help="With --reference: metrale's logits dtype; bf16 also pairs bf16 compute on both sides "
              "(default: the compute's).")] = None,
     compute: ComputeOpt = None,
+    mla: MlaOpt = None,
     fmt: FormatOpt = None,
 ) -> None:
     """Compare two logits dumps or two layer dumps; A is the reference.
@@ -94,7 +95,8 @@ def compare(
     Like with like: fp32 on both sides on the CPU by default; --compute bf16 (or --logits-dtype bf16) runs
     metrale's bf16 compute against transformers in bf16; --device cuda runs metrale's GPU engine against
     transformers in bf16 on the GPU (on the CPU when torch sees no GPU). The header says what each side
-    computed. It is a check by default (exit 9 beyond it), with tolerances set from the worst a correct
+    computed. --mla absorbed checks a latent-attention model's absorbed algebra against transformers' naive one.
+    It is a check by default (exit 9 beyond it), with tolerances set from the worst a correct
     model measured (scripts/measure_reference_margins.py on the embedded model and 19 fixture families, and
     two real checkpoints, SmolLM2-135M and Gemma 3 270M): fp32 rel err 1e-3, KL 1e-4, every argmax agrees,
     layers --rtol 1e-3 (measured at worst 4.4e-6, 1.1e-10, 1.0, 8.7e-6); bf16 1.5e-1, 1e-1, 0.8, 3e-1
@@ -117,12 +119,12 @@ def compare(
     fmt_ = choose_format(fmt, state.out)
     given = {"--model": model, "--prompt": prompt, "--tokens": tokens, "--text-file": text_file, "--steps": steps,
              "--layers": layers, "--device": device, "--logits-dtype": logits_dtype, "--compute": compute,
-             "--system": system, "--chat": chat or None, "--no-special-tokens": no_special_tokens or None}
+             "--mla": mla, "--system": system, "--chat": chat or None, "--no-special-tokens": no_special_tokens or None}
     if reference is not None:
         if a is not None or b is not None:
             raise UsageError("--reference runs the comparison itself: give --model, not files A and B")
         c = Common(model, text_file_prompt(text_file, prompt, tokens), tokens, device or "cpu", logits_dtype or "",
-                   fmt, None, False, None, False, None, chat, system, no_special_tokens, compute)
+                   fmt, None, False, None, False, None, chat, system, no_special_tokens, compute, mla=mla)
         return _reference_check(ctx, reference, c, steps, layers, Tolerances(max_kl, max_rel_err, min_top1, rtol))
     extra = [name for name, value in given.items() if value is not None]
     if extra:

@@ -178,6 +178,7 @@ def _inspect_info(spec: ModelSpec, ckpt: Checkpoint | HeaderListing,
         **block_features(cfg),  # rope, sliding layers, softcaps, norms, activation, embedding scale
         "tokenizer": ckpt.has_tokenizer, "bos_token_id": cfg.bos_token_id, "eos_token_ids": list(cfg.eos_token_ids),
         "experts": _experts_info(cfg), "weight_formats": _formats_info(cfg),
+        **_latent_info(cfg),  # latent attention and what the checkpoint holds that is not run, when there is any
         "valid": problem is None, "problems": str(problem) if problem is not None else None,
         "scanned": False, "nonfinite": None,  # --scan: the tensors holding NaN/Inf (name, dtype, nan, inf)
     }
@@ -205,7 +206,28 @@ def _experts_info(cfg: Any) -> dict[str, Any] | None:
         return None
     s = cfg.moe.spec
     per_expert = 3 * s.intermediate_size * cfg.hidden_size
+    r = s.router
     return {"count": s.num_experts, "top_k": s.top_k, "intermediate": s.intermediate_size,
             "norm_topk_prob": s.norm_topk_prob, "shared_expert_intermediate": s.shared_expert_size,
+            "router": r.kind, "n_group": r.n_group, "topk_group": r.topk_group,
+            "routed_scaling_factor": r.routed_scaling_factor, "shared_expert_gated": s.shared_expert_gated,
             "sparse_layers": list(cfg.moe.sparse_layers),
             "active_parameters": cfg.parameter_count() - len(cfg.moe.sparse_layers) * (s.num_experts - s.top_k) * per_expert}
+
+
+def _latent_info(cfg: Any) -> dict[str, Any]:
+    """"latent_attention" (an MLA model: its sizes and its cache per token) and "notes" (what the checkpoint
+    holds that is not run), each only when there is one."""
+    out: dict[str, Any] = {}
+    d = cfg.definition
+    mla = [layer.mixer for layer in d.layers if layer.mixer.kind == "mla"]
+    if mla:
+        m = mla[0]
+        out["latent_attention"] = {
+            "layers": len(mla), "q_lora_rank": m.q_lora_rank, "kv_lora_rank": m.kv_lora_rank,
+            "qk_nope_head_dim": m.qk_nope_head_dim, "qk_rope_head_dim": m.qk_rope_head_dim,
+            "v_head_dim": m.v_head_dim, "rope_interleave": m.rope_interleave, "softmax_scale": m.scale,
+            "cache_floats_per_token": len(mla) * m.latent_size}
+    if d.notes:
+        out["notes"] = list(d.notes)
+    return out

@@ -76,6 +76,11 @@ def prepare(state: State, c: Common) -> Job:
     layers_dump = _check_layer_options(c.layers)
     device = resolve_device(c.device)
     compute = check_compute(c.compute, device)
+    if c.mla is not None:
+        from ..engine.mla import FORMS
+
+        if c.mla not in FORMS:
+            raise UsageError(f"--mla must be one of {', '.join(FORMS)}, got {c.mla!r}")
     dtype = c.logits_dtype or default_logits_dtype(device)
     spec = read_model_spec(c.model)
     if c.tp is not None:
@@ -143,7 +148,7 @@ def _tap_layer(name: str) -> int | None:
 def load(job: Job, spec: ModelSpec, ctx: int, tp: int | None = None) -> LoadedModel:
     with load_progress(job.state.err, spec.label) as progress:
         return open_model(spec.path, device=job.device, max_context=ctx, fp32_logits=job.fp32,
-                          progress=progress, tp=tp, compute=job.compute)
+                          progress=progress, tp=tp, compute=job.compute, mla=job.common.mla)
 
 
 def write_dumps(job: Job, command: str, rows, hidden_rows, tokens: list[int], positions: list[int],

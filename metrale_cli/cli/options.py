@@ -50,6 +50,12 @@ ComputeOpt = Annotated[Optional[str], typer.Option(
     help="The CPU engine's precision: fp32 (default, the reference) or bf16 (weights, activations and KV cache "
          "rounded to bf16 where transformers' bf16 forward rounds them, to check a bf16 engine like with like). "
          "--device cuda computes in bf16 (its weights are bf16) and refuses fp32.")]
+MlaOpt = Annotated[Optional[str], typer.Option(
+    "--mla", metavar="naive|absorbed",
+    help="The CPU engine's algebra for latent-attention (DeepSeek MLA) layers: naive (default, as transformers: "
+         "every cached latent decompressed into per-head keys and values) or absorbed (kv_b_proj folded into the "
+         "query and the output, attention over the cached latents, as inference engines compute it). Both read "
+         "the same latent cache; other layers ignore it.")]
 FormatOpt = Annotated[Optional[str], typer.Option(
     "--format", "-f", metavar="rich|plain|json", help="Output format (default: rich on a terminal, else plain).")]
 DumpLogitsOpt = Annotated[Optional[str], typer.Option(
@@ -109,6 +115,7 @@ class Common:
     compute: str | None = None  # --compute; None: the device's own (fp32 on the CPU, bf16 on the GPU)
     layers: "LayerOptions | None" = None
     tp: int | None = None  # --tp N: ranks of tensor parallelism (None: the plain one-process engine)
+    mla: str | None = None  # --mla naive|absorbed; None: naive
 
     @property
     def prompt_format(self) -> PromptFormat:
@@ -134,7 +141,7 @@ def _pass_head(model: ModelOpt = None, prompt: PromptOpt = None, tokens: TokensO
 
 
 def _pass_tail(device: DeviceOpt = "auto", logits_dtype: LogitsDtypeOpt = None, compute: ComputeOpt = None,
-               fmt: FormatOpt = None,
+               mla: MlaOpt = None, fmt: FormatOpt = None,
                dump_logits: DumpLogitsOpt = None, hidden: HiddenOpt = False, dump_hidden: DumpHiddenOpt = None,
                dump_layers: DumpLayersOpt = None, layers: LayersOpt = None, dump_stats: DumpStatsOpt = False,
                timings: TimingsOpt = False, max_context: MaxContextOpt = None, tp: TpOpt = None) -> None:

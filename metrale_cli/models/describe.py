@@ -25,6 +25,11 @@ def rope_info(rope: Rope) -> dict[str, Any]:
         lr, kind = rope.longrope, "longrope"
         scaling = {"original_max_position_embeddings": lr.original_max_position_embeddings,
                    "attention_factor": lr.attention_factor}
+    elif rope.yarn is not None:
+        y, kind = rope.yarn, "yarn"
+        scaling = {"factor": y.factor, "original_max_position_embeddings": y.original_max_position_embeddings,
+                   "attention_factor": y.attention_factor, "beta_fast": y.beta_fast, "beta_slow": y.beta_slow,
+                   "truncate": y.truncate}
     elif rope.linear_factor != 1.0:
         kind, scaling = "linear", {"factor": rope.linear_factor}
     return {"theta": rope.theta, "type": kind, "scaling": scaling, "rotary_fraction": rope.dims / rope.head_dim}
@@ -35,8 +40,11 @@ def block_features(cfg: ModelConfig) -> dict[str, Any]:
     d = cfg.definition
     layers = d.layers
     attention = [(i, layer.mixer) for i, layer in enumerate(layers) if layer.mixer.kind == "attention"]
-    sliding = [i for i, a in attention if a.window is not None]
-    first_full = next((a for _, a in attention if a.window is None), attention[0][1] if attention else None)
+    if not attention:  # another mixer kind that rotates (latent attention): its rope and scale
+        attention = [(i, layer.mixer) for i, layer in enumerate(layers) if hasattr(layer.mixer, "rope")]
+    sliding = [i for i, a in attention if getattr(a, "window", None) is not None]
+    first_full = next((a for _, a in attention if getattr(a, "window", None) is None),
+                      attention[0][1] if attention else None)
     first_sliding = layers[sliding[0]].mixer if sliding else None
     sliding_rope = first_sliding.rope if first_sliding is not None else None
     full_rope = first_full.rope if first_full is not None else None
@@ -44,7 +52,7 @@ def block_features(cfg: ModelConfig) -> dict[str, Any]:
         "rope": rope_info(full_rope) if full_rope is not None else None,
         "sliding_layers": sliding,
         "sliding_rope": rope_info(sliding_rope) if sliding_rope not in (None, full_rope) else None,
-        "attn_logit_softcapping": attention[0][1].softcap if attention else None,
+        "attn_logit_softcapping": getattr(attention[0][1], "softcap", None) if attention else None,
         "final_logit_softcapping": d.final_logit_softcap,
         "attention_scale": attention[0][1].scale if attention else None,
         "norm": "rmsnorm (1 + w)" if d.norm.offset else "rmsnorm",

@@ -76,26 +76,30 @@ def qwen_sparse_layers(r: ConfigReader) -> tuple[int, ...]:
     return tuple(i for i in range(layers) if (i + 1) % step == 0 and i not in dense)
 
 
-def define_sparse(cfg: ModelConfig, base: ModelDefinition, block: str, names: tuple[str, str, str]) -> ModelDefinition:
+def define_sparse(cfg: ModelConfig, base: ModelDefinition, block: str, names: tuple[str, str, str],
+                  shared: str = "shared_expert.") -> ModelDefinition:
     """`base` (the dense definition) with the sparse block on cfg.moe.sparse_layers. `block` is the
     checkpoint module of the sparse MLP (`mlp`, mixtral `block_sparse_moe`), `names` the (gate, up, down)
-    projection names of one expert."""
+    projection names of one expert, `shared` the shared expert's module (DeepSeek's `shared_experts.`)."""
     if cfg.moe is None:
         return base
     layers = list(base.layers)
     for i in cfg.moe.sparse_layers:
         dense = tuple(p for p in layers[i].params if p.key not in ("gate_up", "down"))
         layers[i] = replace(layers[i], mlp=cfg.moe.spec,
-                            params=dense + sparse_params(cfg.hidden_size, cfg.moe.spec, f"model.layers.{i}.{block}.", names))
+                            params=dense + sparse_params(cfg.hidden_size, cfg.moe.spec, f"model.layers.{i}.{block}.", names,
+                                                         shared))
     return replace(base, layers=tuple(layers))
 
 
-def sparse_params(h: int, spec: MoeSpec, p: str, names: tuple[str, str, str]) -> tuple[Param, ...]:
-    """The router (with the shared expert's gate row appended), the stacked experts and the shared expert."""
+def sparse_params(h: int, spec: MoeSpec, p: str, names: tuple[str, str, str],
+                  shared: str = "shared_expert.") -> tuple[Param, ...]:
+    """The router (with a gated shared expert's gate row appended) and its choice correction, the stacked
+    experts and the shared expert."""
     e, inter = spec.num_experts, spec.intermediate_size
     gate, up, down = names
     router = [(p + "gate.weight", (e, h))]
-    if spec.shared_expert_size:
+    if spec.shared_expert_size and spec.shared_expert_gated:
         router.append((p + "shared_expert_gate.weight", (1, h)))
     params = [
         Param.of("router", *router),
@@ -103,8 +107,10 @@ def sparse_params(h: int, spec: MoeSpec, p: str, names: tuple[str, str, str]) ->
                                            (f"{p}experts.{j}.{up}.weight", (inter, h))] for j in range(e)]),
         Param.stacked("experts_down", [[(f"{p}experts.{j}.{down}.weight", (h, inter))] for j in range(e)]),
     ]
+    if spec.router.kind == "sigmoid_biased_grouped":
+        params.append(Param.of("router_correction", (p + "gate.e_score_correction_bias", (e,))))
     if spec.shared_expert_size:
-        s, q = spec.shared_expert_size, p + "shared_expert."
+        s, q = spec.shared_expert_size, p + shared
         params += [Param.of("shared_gate_up", (q + "gate_proj.weight", (s, h)), (q + "up_proj.weight", (s, h))),
                    Param.of("shared_down", (q + "down_proj.weight", (h, s)))]
     return tuple(params)

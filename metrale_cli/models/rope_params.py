@@ -1,7 +1,8 @@
 """RoPE parameter dicts (a 5.x `rope_parameters` entry or a 4.x `rope_scaling`) read into a `Rope`.
 
 config.py reads the flat default/llama3 layout every Llama-like family uses; the families with more
-(Gemma 3: one dict per layer type, `linear` scaling; Phi-3: `longrope`, partial rotary) read theirs here.
+(Gemma 3: one dict per layer type, `linear` scaling; Phi-3: `longrope`, partial rotary; DeepSeek / gpt-oss:
+`yarn`) read theirs here.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
-from .spec import LongRope, Rope, RopeScaling
+from .spec import LongRope, Rope, RopeScaling, Yarn, yarn_mscale
 
 if TYPE_CHECKING:
     from .model_config import ConfigReader
@@ -39,6 +40,8 @@ def read_rope(r: ConfigReader, key: str, params: dict[str, Any], theta: float, h
         if scaling.high_freq_factor == scaling.low_freq_factor:
             r.refuse(f"{key}.high_freq_factor", scaling.high_freq_factor, "must differ from low_freq_factor")
         return Rope(float(theta), head_dim, scaling, rotary_dim=rotary_dim)
+    if kind == "yarn":
+        return Rope(float(theta), head_dim, rotary_dim=rotary_dim, yarn=read_yarn(r, key, params))
     return Rope(float(theta), head_dim, rotary_dim=rotary_dim, longrope=longrope if kind == "longrope" else None)
 
 
@@ -66,6 +69,41 @@ def read_longrope(r: ConfigReader, key: str, params: dict[str, Any], rotary_dim:
     else:
         attention = _number(r, key, params, "attention_factor")
     return LongRope(factors[0], factors[1], original_max, float(attention))
+
+
+def read_yarn(r: ConfigReader, key: str, params: dict[str, Any]) -> Yarn:
+    """YaRN as transformers 5 reads it (standardize_rope_params, then _compute_yarn_parameters): a top-level
+    original_max_position_embeddings wins over the dict's, which defaults to max_position_embeddings;
+    `factor` must be given, null meaning max_position_embeddings / original; attention_factor, when not
+    given, is mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set (non-zero), else
+    mscale(factor); beta_fast / beta_slow default (also when 0) to 32 / 1; truncate defaults to true."""
+    max_pos = r.optional("max_position_embeddings", int, 2048)
+    top = r.raw.get("original_max_position_embeddings")
+    original = top if top is not None else params.get("original_max_position_embeddings", max_pos)
+    if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
+        r.refuse(f"{key}.original_max_position_embeddings", original, "must be a positive integer")
+    if "factor" not in params:
+        raise ConfigError(f"{r.source}: {key} of type yarn is missing 'factor'")
+    factor = max_pos / original if params["factor"] is None else _number(r, key, params, "factor")
+    if factor <= 0:
+        r.refuse(f"{key}.factor", factor, "must be positive")
+    mscale = _optional_number(r, key, params, "mscale")
+    mscale_all_dim = _optional_number(r, key, params, "mscale_all_dim")
+    attention = _optional_number(r, key, params, "attention_factor")
+    if attention is None:
+        attention = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim
+                     else yarn_mscale(factor))
+    truncate = params.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ConfigError(f"{r.source}: {key}.truncate must be true or false, got {json.dumps(truncate)}")
+    beta_fast = _optional_number(r, key, params, "beta_fast") or 32.0
+    beta_slow = _optional_number(r, key, params, "beta_slow") or 1.0
+    return Yarn(float(factor), original, float(attention), float(beta_fast), float(beta_slow), truncate,
+                mscale_all_dim or None)
+
+
+def _optional_number(r: ConfigReader, key: str, params: dict[str, Any], name: str) -> float | None:
+    return None if params.get(name) is None else _number(r, key, params, name)
 
 
 def _number(r: ConfigReader, key: str, params: dict[str, Any], name: str) -> float:

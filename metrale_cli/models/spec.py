@@ -18,6 +18,13 @@ Engine weight keys (`Param.key`), one vocabulary for every family:
     down            the MLP output projection                   (down_proj)
     mlp_out_norm    norm of the MLP output before the residual add (Gemma's post_feedforward_layernorm)
 
+Latent attention layers (LayerSpec.mixer a MlaSpec) read instead of qkv/qkv_bias/q_norm/k_norm:
+    q               q_proj [heads * (nope + rope), H], or without it (q_lora_rank) the three below
+    q_a, q_a_norm, q_b   q_a_proj [q_lora, H], q_a_layernorm [q_lora], q_b_proj [heads * (nope + rope), q_lora]
+    kv_a            kv_a_proj_with_mqa [kv_lora + rope, H]
+    kv_a_norm       kv_a_layernorm [kv_lora]
+    kv_b            kv_b_proj [heads * (nope + v), kv_lora]
+
 Sparse (mixture-of-experts) layers, whose LayerSpec.mlp is a MoeSpec, read instead of gate_up/down:
     router          the router [E, H] (HF mlp.gate / block_sparse_moe.gate), with the shared expert's gate
                     row appended [E + 1, H] when there is one (qwen2_moe shared_expert_gate)
@@ -25,6 +32,7 @@ Sparse (mixture-of-experts) layers, whose LayerSpec.mlp is a MoeSpec, read inste
     experts_down    every expert's down projection, stacked [E, H, I]
     shared_gate_up  the shared expert's gate/up [2S, H] and down [H, S] (qwen2_moe shared_expert)
     shared_down
+    router_correction  the choice correction of sigmoid_biased_grouped routing [E] (e_score_correction_bias)
 
 Per-layer attention options live in `AttentionSpec` (window, score softcap, rope with its partial
 rotary / per-layer base / scaling), model-wide ones in `ModelDefinition` (embedding scale, final logit
@@ -109,6 +117,44 @@ class LongRope:
 
 
 @dataclass(frozen=True)
+class Yarn:
+    """YaRN (`rope_type` "yarn"), as transformers' _compute_yarn_parameters: each frequency blends its
+    interpolated value (divided by `factor`) and its original one by a linear ramp over the dims between the
+    correction range of `beta_fast` and `beta_slow` rotations in `original_max_position_embeddings`
+    positions (bounds floored / ceiled when `truncate`); cos and sin are multiplied by `attention_factor`.
+    `mscale_all_dim` (DeepSeek) also scales an MLA layer's softmax (softmax_mscale)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    attention_factor: float
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    mscale_all_dim: float | None = None
+
+    def ramp_bounds(self, dims: int, theta: float) -> tuple[float, float]:
+        """The dims (of the dims/2 frequencies) where the ramp starts and ends."""
+        def dim_of(rotations: float) -> float:
+            return dims * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = dim_of(self.beta_fast), dim_of(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        return max(low, 0), min(high, dims - 1)
+
+    def softmax_mscale(self) -> float:
+        """The factor on an MLA layer's softmax scale: mscale(factor, mscale_all_dim) ** 2 (1 without it)."""
+        if not self.mscale_all_dim:
+            return 1.0
+        return yarn_mscale(self.factor, self.mscale_all_dim) ** 2
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention scaling 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclass(frozen=True)
 class Rope:
     theta: float
     head_dim: int
@@ -116,6 +162,7 @@ class Rope:
     rotary_dim: int | None = None  # partial rotary (Phi-4-mini): only the first rotary_dim dims rotate
     linear_factor: float = 1.0  # `linear` scaling (Gemma 3 global layers): positions / factor
     longrope: LongRope | None = None
+    yarn: Yarn | None = None
 
     @property
     def dims(self) -> int:
@@ -124,7 +171,9 @@ class Rope:
 
     @property
     def attention_scaling(self) -> float:
-        """The factor on cos and sin (longrope's attention_factor; 1 otherwise)."""
+        """The factor on cos and sin (longrope's or YaRN's attention_factor; 1 otherwise)."""
+        if self.yarn is not None:
+            return self.yarn.attention_factor
         return self.longrope.attention_factor if self.longrope is not None else 1.0
 
     def uses_long(self, seq_len: int) -> bool:
@@ -143,6 +192,8 @@ class Rope:
         if self.longrope is not None:
             lr = self.longrope
             inv = inv / np.asarray(lr.long_factor if long else lr.short_factor, dtype=np.float64)
+        if self.yarn is not None:
+            inv = _yarn_blend(inv, self.yarn, d, self.theta)
         return (inv / self.linear_factor).astype(np.float32)
 
 
@@ -160,6 +211,18 @@ def _llama3_scale(inv_freq: np.ndarray, s: RopeScaling) -> np.ndarray:
     smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
     return np.where(is_medium, smoothed, scaled)
+
+
+def _yarn_blend(inv_freq: np.ndarray, y: Yarn, dims: int, theta: float) -> np.ndarray:
+    """YaRN: inv_freq / factor below the ramp's start, inv_freq past its end, linearly blended between."""
+    import numpy as np
+
+    low, high = y.ramp_bounds(dims, theta)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = np.clip((np.arange(dims // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # the share of the original (extrapolated) frequency
+    return inv_freq / y.factor * (1 - keep) + inv_freq * keep
 
 
 @dataclass(frozen=True)
@@ -203,6 +266,41 @@ class AttentionSpec:
         return self.num_heads // self.num_kv_heads
 
 
+@dataclass(frozen=True)
+class MlaSpec:
+    """The "mla" mixer kind (engine/mla.py): DeepSeek-V2/V3's multi-head latent attention. Per token, with
+    h = input_norm(x):
+        q = q_b(q_a_norm(q_a(h))) (q_lora_rank) or q_proj(h)     [heads, nope + rope], the rope part rotated
+        [c; k_pe] = kv_a(h); c = kv_a_norm(c)                    the latent [kv_lora_rank], k_pe [rope], rotated
+        [k_nope; v] = kv_b(c) per head                           [heads, nope + v]
+        y = softmax([q_nope; q_pe] . [k_nope; k_pe] * scale) v   -> o_proj
+    The cache holds the latent [c; k_pe] of every position (latent_size floats). `rope_interleave`: the rope
+    dims rotate in adjacent pairs (x0, x1), (x2, x3), ... (DeepSeek-V2 always, V3's default), else as
+    rotate_half pairs i with i + rope/2. Weight keys: input_norm, q (or q_a, q_a_norm, q_b), kv_a, kv_a_norm,
+    kv_b, o."""
+
+    kind: ClassVar[str] = "mla"
+    num_heads: int
+    q_lora_rank: int | None  # None: one q_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope: Rope  # over the qk_rope_head_dim dims
+    scale: float  # qk_head_dim ** -0.5, times YaRN's softmax mscale
+    rope_interleave: bool = True
+    latent_norm: Norm = Norm(1e-6)  # q_a_layernorm and kv_a_layernorm (transformers builds them with eps 1e-6)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_size(self) -> int:
+        """Floats per cached position: the normed latent and the rotated shared key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
 # Gated linear units, glu(gate, up) elementwise in fp32: "silu" = silu(g) * u (SwiGLU), "gelu_tanh" =
 # gelu_tanh(g) * u (GeGLU), "swiglu_oai" = gpt-oss's clamped SwiGLU: g' = min(g, L), u' = clip(u, -L, L),
 # g' * sigmoid(alpha g') * (u' + 1) with L = MoeSpec.swiglu_limit, alpha = MoeSpec.swiglu_alpha.
@@ -224,7 +322,10 @@ class RouterSpec:
     softmax_topk (qwen2_moe, qwen3_moe, mixtral): p = softmax(logits); the top_k largest p; divided by
         their sum when norm_topk_prob.
     topk_softmax (gpt-oss): the top_k largest logits; their softmax.
-    (norm_topk_prob is MoeSpec's: every rule may renormalise.)
+    (norm_topk_prob is MoeSpec's: every rule may renormalise; every rule's weights are then multiplied by
+    routed_scaling_factor.)
+    softmax_group_limited (DeepSeek-V2 group_limited_greedy): p = softmax(logits); the top_k largest p within
+        the topk_group groups (of n_group) whose largest p are highest (the other experts' p taken as 0).
     sigmoid_biased_grouped (DeepSeek-V3, GLM-4.5): s = sigmoid(logits); the choice ranks s + correction
         (weight key `router_correction` [E], e_score_correction_bias), within the topk_group groups (of
         n_group) whose two best choice scores sum highest; the weights are the chosen s, divided by their
@@ -238,7 +339,7 @@ class RouterSpec:
     routed_scaling_factor: float = 1.0
 
 
-ROUTER_KINDS = ("softmax_topk", "topk_softmax", "sigmoid_biased_grouped")
+ROUTER_KINDS = ("softmax_topk", "topk_softmax", "softmax_group_limited", "sigmoid_biased_grouped")
 
 
 @dataclass(frozen=True)
@@ -248,6 +349,7 @@ class MoeSpec:
         the router (RouterSpec) picks top_k experts e with weights w_e (ties: the lowest expert index first);
         y = sum over them of w_e * down_e(glu(gate_e(h), up_e(h)))
         + sigmoid(shared_gate(h)) * shared_expert(h)  when shared_expert_size (qwen2_moe)
+          (+ shared_expert(h), ungated, when not shared_expert_gated: DeepSeek's shared experts)
     with glu = `activation` (models/spec.GLU_KINDS), and each expert's gate/up and down biases added when
     `expert_bias` (weight keys `experts_gate_up_bias` [E, 2I], `experts_down_bias` [E, H]; gpt-oss).
     """
@@ -257,11 +359,12 @@ class MoeSpec:
     intermediate_size: int  # of one expert
     norm_topk_prob: bool
     activation: str = "silu"  # a GLU_KINDS name
-    shared_expert_size: int | None = None  # intermediate size of the sigmoid-gated shared expert
+    shared_expert_size: int | None = None  # intermediate size of the shared expert
     router: RouterSpec = RouterSpec()
     expert_bias: bool = False
     swiglu_limit: float | None = None  # the "swiglu_oai" activation's clamp (gpt-oss swiglu_limit)
     swiglu_alpha: float = 1.702  # and its sigmoid's slope (gpt-oss swiglu_alpha)
+    shared_expert_gated: bool = True  # the shared expert times sigmoid(its gate row of the router) (qwen2_moe)
     # tensor parallelism (parallel/sharding.py): a rank routes over all num_experts experts and holds
     # experts first_expert .. first_expert + held_experts - 1 (its stacked weights); None: all of them
     first_expert: int = 0
@@ -279,7 +382,7 @@ class LayerSpec:
     """One decoder block: a token mixer (attention, or another kind: engine/mixers.py) and an MLP, each
     pre-normed and added to the residual stream."""
 
-    mixer: AttentionSpec  # or another mixer kind's spec: any frozen dataclass with a `kind` (engine/mixers.py)
+    mixer: AttentionSpec | MlaSpec  # or another mixer kind's spec: any frozen dataclass with a `kind` (engine/mixers.py)
     mlp: MlpSpec | MoeSpec  # a MoeSpec makes the layer sparse
     norm: Norm
     params: tuple[Param, ...]
@@ -300,6 +403,7 @@ class ModelDefinition:
     ignored_prefixes: tuple[str, ...] = field(default=())  # whole subtrees never read (a vision tower)
     embed_scale: float | None = None  # embedding rows times this fp32 value (Gemma: sqrt(hidden_size))
     final_logit_softcap: float | None = None  # logits -> tanh(logits / c) * c on every lm_head row
+    notes: tuple[str, ...] = field(default=())  # what the checkpoint has that is not run (inspect shows them)
 
     def params(self) -> list[Param]:
         """Every weight, globals first (the order loaders and checks walk them)."""

@@ -73,8 +73,9 @@ def check_tp(definition: ModelDefinition, n: int) -> None:
         raise UsageError(f"--tp {n}: a vocabulary of {vocab} rows leaves the last rank none")
     for layer in definition.layers:
         a = layer.mixer
-        if n > 1 and a.kind != "attention":  # the plan splits attention heads; another kind has no plan yet
-            raise UsageError(f"--tp {n}: layers of kind '{a.kind}' have no tensor-parallel split yet (use --tp 1)")
+        if a.kind != "attention":  # the plan splits attention heads; another kind has no plan yet
+            raise UsageError(f"--tp {n}: layers of kind '{a.kind}' have no tensor-parallel split yet "
+                             f"({'use --tp 1' if n > 1 else 'run without --tp'})")
         if n > 1 and a.sinks:
             raise UsageError(f"--tp {n}: attention sinks have no tensor-parallel split yet (use --tp 1)")
         if a.num_heads % n:

@@ -71,7 +71,10 @@ inspect  {"command", "model", "architecture", "model_type", "layers", "heads", "
           "rope": {"theta", "type", "scaling", "rotary_fraction"}, "sliding_layers": [layer indices],
           "sliding_rope": {as rope} | null (when the sliding layers' rope differs), "attn_logit_softcapping",
           "final_logit_softcapping", "attention_scale", "norm", "post_norms", "activation", "embed_scale",
-          "tokenizer", "bos_token_id", "eos_token_ids", "valid", "problems"}
+          "tokenizer", "bos_token_id", "eos_token_ids", "experts", "valid", "problems"}, plus, only when
+          there is one, "latent_attention" {"layers", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+          "qk_rope_head_dim", "v_head_dim", "rope_interleave", "softmax_scale", "cache_floats_per_token"}
+          (MLA models) and "notes": [what the checkpoint holds that is not run]
 "hidden"  {"size", "norm", "mean", "std", "min", "max", "first": [8 values], "sha256"}
           (the post-final-norm hidden state of the last row the command produced, the last row of
           --dump-hidden: for decode, plain or speculative, the row that chose the last token; sha256 of

@@ -90,8 +90,11 @@ def _inspect_rows(info: dict[str, Any]) -> list[tuple[str, str]]:
         ("eos_token_ids", " ".join(map(str, info["eos_token_ids"])) or "none"),
         ("experts", _experts_text(info["experts"], info["layers"]) if info.get("experts") else "none"),
         ("weight_formats", _formats_text(info.get("weight_formats"))),
-        ("valid", info["valid"]),
     ]
+    if info.get("latent_attention"):
+        rows.append(("latent_attention", _latent_text(info["latent_attention"])))
+    rows += [("notes", note) for note in info.get("notes", [])]
+    rows.append(("valid", info["valid"]))
     if info["problems"]:
         rows.append(("problems", info["problems"]))
     rows.extend(_nonfinite_rows(info))
@@ -120,11 +123,29 @@ def _nonfinite_rows(info: dict[str, Any]) -> list[tuple[str, str]]:
 
 def _experts_text(x: dict[str, Any], layers: int) -> str:
     """A mixture of experts in one line: the experts, the routing rule, the sparse layers, the active size."""
-    routing = f"top-{x['top_k']} (softmax in fp32, " + ("renormalised)" if x["norm_topk_prob"] else "not renormalised)")
+    kind = x.get("router", "softmax_topk")
+    rule = {"softmax_topk": "softmax in fp32", "topk_softmax": "softmax of the top-k logits",
+            "softmax_group_limited": f"softmax in fp32, within the best {x.get('topk_group')} of "
+                                     f"{x.get('n_group')} groups",
+            "sigmoid_biased_grouped": f"sigmoid with correction bias, within the best {x.get('topk_group')} of "
+                                      f"{x.get('n_group')} groups"}.get(kind, kind)
+    routing = f"top-{x['top_k']} ({rule}, " + ("renormalised" if x["norm_topk_prob"] else "not renormalised")
+    scaling = x.get("routed_scaling_factor", 1.0)
+    routing += (f", times {scaling:g})" if scaling != 1.0 else ")")
     if x["shared_expert_intermediate"]:
-        routing += f" + a shared expert of intermediate {x['shared_expert_intermediate']} (sigmoid gate)"
+        gate = "sigmoid gate" if x.get("shared_expert_gated", True) else "ungated"
+        routing += f" + a shared expert of intermediate {x['shared_expert_intermediate']} ({gate})"
     sparse = x["sparse_layers"]
     dense = [i for i in range(layers) if i not in set(sparse)]
     where = f"all {layers}" if not dense else ", ".join(map(str, sparse)) + " (dense: " + ", ".join(map(str, dense)) + ")"
     return (f"{x['count']} of intermediate {x['intermediate']}, {routing}; sparse layers {where}; "
             f"{x['active_parameters']:,} active parameters per token")
+
+
+def _latent_text(m: dict[str, Any]) -> str:
+    """An MLA model's latent attention in one line, with its cache per token."""
+    q = f"q_lora_rank {m['q_lora_rank']}" if m["q_lora_rank"] is not None else "q_proj"
+    return (f"{m['layers']} layers, kv_lora_rank {m['kv_lora_rank']}, {q}, qk nope/rope "
+            f"{m['qk_nope_head_dim']}/{m['qk_rope_head_dim']}, v {m['v_head_dim']}, "
+            f"rope {'interleaved' if m['rope_interleave'] else 'rotate_half'}, softmax scale {m['softmax_scale']:.6g}; "
+            f"cache {m['cache_floats_per_token']:,} values per token")

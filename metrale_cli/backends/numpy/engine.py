@@ -20,6 +20,7 @@ from ...models.formats import dequantize, stored_tensors
 from ...engine.loop import decoder_forward
 from ...engine.ops import Tap
 from ...engine.mixers import kinds_of, mixer_kind
+from ...engine.mla import FORMS as MLA_FORMS
 from ...engine_base import EngineBase, check_context
 from ...errors import UsageError
 from ...logits import DevicePtr, bf16_bits_to_fp32, fp32_to_bf16_bits, host_argmax
@@ -138,8 +139,9 @@ class NumpyPass:
         h = rms_norm(x, norm[0], norm[1].eps, norm[1].offset, r)
         y = moe.experts(h, route, w_gate_up, w_down, glu(spec.activation, spec.swiglu_limit, spec.swiglu_alpha, r),
                         spec.first_expert, bias, r)
-        if shared is not None:  # qwen2_moe: + sigmoid(shared_expert_gate(h)) * shared_expert(h)
-            y = r(y + r(route.shared_gate * r(moe.gated(h, shared[0], glu(spec.activation, r=r), r=r) @ shared[1].T)))
+        if shared is not None:  # qwen2_moe: + sigmoid(shared_expert_gate(h)) * shared_expert(h); DeepSeek: ungated
+            s = r(moe.gated(h, shared[0], glu(spec.activation, r=r), r=r) @ shared[1].T)
+            y = r(y + (r(route.shared_gate * s) if spec.shared_expert_gated else s))
         return y
 
     def mixer(self, layer: int):
@@ -172,14 +174,16 @@ class NumpyEngine(EngineBase):
     device = "cpu"
 
     def __init__(self, cfg: ModelConfig, weights: Weights, max_context: int, fp32_logits: bool = False,
-                 pass_rows: int = PREFILL_CHUNK, tp=None, compute: str = "fp32"):
+                 pass_rows: int = PREFILL_CHUNK, tp=None, compute: str = "fp32", mla: str = "naive"):
         """`pass_rows`: the most tokens one forward runs (prefill and verify are chunked to it); it sizes
         the sliding layers' ring buffers (engine/kv_layout.py). `tp` (parallel/comm.ParallelRank): this
         engine is one tensor-parallel rank, `cfg` and `weights` its shard (parallel/sharding.py).
         `compute`: "fp32" (the reference) or "bf16" (every intermediate rounded where transformers' bf16
-        forward rounds it, its weights read with read_weights(compute="bf16"))."""
+        forward rounds it, its weights read with read_weights(compute="bf16")). `mla`: the algebra of
+        latent-attention layers, "naive" (as transformers) or "absorbed" (engine/mla.py)."""
         check_context(cfg, max_context)
         self.compute = compute
+        self.mla = mla
         self.cfg = cfg
         self.w = weights
         self.max_context = max_context
@@ -323,16 +327,18 @@ class NumpyEngine(EngineBase):
 
 
 def load_numpy_engine(cfg: ModelConfig, source: WeightSource, max_context: int, fp32_logits: bool = False,
-                      progress=None, tp=None, compute: str = "fp32") -> NumpyEngine:
+                      progress=None, tp=None, compute: str = "fp32", mla: str = "naive") -> NumpyEngine:
     """Check and convert the weights, then build the engine (cache sized for max_context positions).
     With `tp` (parallel/comm.ParallelRank) only that rank's shard is kept, and the engine is that rank's.
-    `compute`: "fp32" or "bf16" (NumpyEngine)."""
+    `compute`: "fp32" or "bf16"; `mla`: "naive" or "absorbed" (NumpyEngine)."""
     check_context(cfg, max_context)  # refuse before converting gigabytes of weights
     if compute not in ROUNDING:
         raise UsageError(f"unknown compute precision '{compute}' (choose from {', '.join(ROUNDING)})")
+    if mla not in MLA_FORMS:
+        raise UsageError(f"--mla must be one of {', '.join(MLA_FORMS)}, got {mla!r}")
     if tp is None:
         return NumpyEngine(cfg, read_weights(cfg, source, progress, compute=compute), max_context, fp32_logits,
-                           compute=compute)
+                           compute=compute, mla=mla)
     from ...parallel.sharding import RankShard, rank_config
 
     shard = RankShard(cfg.definition, tp.rank, tp.size)

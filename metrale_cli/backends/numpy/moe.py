@@ -37,7 +37,8 @@ def route(h: np.ndarray, w_router: np.ndarray, spec: MoeSpec, bias: np.ndarray |
                              else denominator)
     if spec.router.routed_scaling_factor != 1.0:
         weights = weights * np.float32(spec.router.routed_scaling_factor)
-    shared_gate = r(sigmoid(logits[:, spec.num_experts:])) if spec.shared_expert_size else None
+    gated = spec.shared_expert_size and spec.shared_expert_gated
+    shared_gate = r(sigmoid(logits[:, spec.num_experts:])) if gated else None
     return Route(router_logits, index, r(weights), shared_gate)
 
 

@@ -31,6 +31,18 @@ def topk_softmax(logits: np.ndarray, spec: MoeSpec, correction: np.ndarray | Non
     return index, softmax(np.take_along_axis(logits, index, axis=-1))
 
 
+def softmax_group_limited(logits: np.ndarray, spec: MoeSpec,
+                          correction: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    r, (t, e) = spec.router, logits.shape
+    probs = softmax(logits)
+    best = probs.reshape(t, r.n_group, e // r.n_group).max(axis=-1)  # [T, n_group]
+    keep = np.zeros((t, r.n_group), bool)
+    np.put_along_axis(keep, top_k(best, r.topk_group), True, axis=-1)
+    masked = np.where(np.repeat(keep, e // r.n_group, axis=-1), probs, np.float32(0))  # as transformers: 0, not -inf
+    index = top_k(masked, spec.top_k)
+    return index, np.take_along_axis(masked, index, axis=-1)
+
+
 def sigmoid_biased_grouped(logits: np.ndarray, spec: MoeSpec,
                            correction: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     r, (t, e) = spec.router, logits.shape
@@ -48,4 +60,5 @@ def sigmoid_biased_grouped(logits: np.ndarray, spec: MoeSpec,
 
 
 ROUTERS: dict[str, Callable[[np.ndarray, MoeSpec, np.ndarray | None], tuple[np.ndarray, np.ndarray]]] = {
-    "softmax_topk": softmax_topk, "topk_softmax": topk_softmax, "sigmoid_biased_grouped": sigmoid_biased_grouped}
+    "softmax_topk": softmax_topk, "topk_softmax": topk_softmax, "softmax_group_limited": softmax_group_limited,
+    "sigmoid_biased_grouped": sigmoid_biased_grouped}

@@ -1,0 +1,121 @@
+"""The "mla" mixer kind on the NumPy engine (engine/mla.py): DeepSeek's latent attention in fp32, the
+reference, in both algebras.
+
+The cache keeps, per latent-attention layer, one row per position: the normed latent c [kv_lora_rank] and
+the rotated shared key k_pe [qk_rope_head_dim] (MlaSpec.latent_size floats), as inference engines keep it.
+Each pass then attends over those rows in the engine's form (`NumpyEngine.mla`):
+
+- naive (the default, as transformers computes): kv_b_proj decompresses every cached latent into per-head
+  keys [k_nope; k_pe] and values, then softmax(q k^T * scale) v;
+- absorbed: the query's nope part is folded through kv_b_proj's key rows (q_lat = q_nope W_k, per head,
+  [kv_lora_rank]), scores = q_lat . c + q_pe . k_pe over the latents themselves, the probabilities weigh
+  the latents (o_lat = p c) and kv_b_proj's value rows map that to the head's output (o_lat W_v^T).
+
+Both are the same sums in another order; they differ by fp32 rounding only (tests/test_mla.py measures it).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ...engine.mla import FORMS
+from ...errors import UsageError
+from .ops import apply_rope, rms_norm
+
+if TYPE_CHECKING:
+    from ...models.spec import MlaSpec
+
+
+class LatentCache:
+    """The latent rows [max_context, kv_lora_rank + qk_rope_head_dim] of each latent-attention layer."""
+
+    def __init__(self, definition, max_context: int, layers: list[int]) -> None:
+        # np.zeros maps pages lazily: the unused tail costs no memory
+        self.latent = {i: np.zeros((max_context, definition.layers[i].mixer.latent_size), np.float32) for i in layers}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.latent.values())
+
+    def write(self, layer: int, start: int, rows: np.ndarray) -> None:
+        self.latent[layer][start:start + len(rows)] = rows
+
+    def read(self, layer: int, end: int) -> np.ndarray:
+        return self.latent[layer][:end]
+
+    def trim(self, length: int) -> None:
+        """Every position is kept: any trim is honoured (the engine's length says which rows are valid)."""
+
+    def reset(self) -> None:
+        pass
+
+
+def state(engine, layers: list[int]) -> LatentCache:
+    """The latent cache of `engine`'s latent-attention layers (engine/mixers.py)."""
+    form = getattr(engine, "mla", "naive")
+    if form not in FORMS:
+        raise UsageError(f"--mla must be one of {', '.join(FORMS)}, got {form!r}")
+    return LatentCache(engine.cfg.definition, engine.max_context, layers)
+
+
+def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleave: bool, r) -> np.ndarray:
+    """RoPE on x [T, heads, rope]. Interleaved pairs (x0, x1), (x2, x3), ... come out as transformers'
+    DeepSeek-V3 writes them, the rotated even members first, then the odd ones (q and k alike, so the scores
+    are those of the pairs in place); otherwise rotate_half pairs."""
+    if interleave:
+        x = np.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+    return apply_rope(x, cos, sin, r)
+
+
+class MlaOps:
+    """engine/mla.py's ops for one NumPy pass (`p`: a NumpyPass at positions p.start..p.start+p.t-1)."""
+
+    def __init__(self, p, cache: LatentCache) -> None:
+        self.p, self.cache = p, cache
+        self.form = getattr(p.e, "mla", "naive")
+
+    def append_latent(self, kv, layer: int, m: MlaSpec, kv_norm):
+        r = self.p.r
+        latent = rms_norm(kv[:, :m.kv_lora_rank], kv_norm, m.latent_norm.eps, m.latent_norm.offset, r)
+        cos, sin = self.p.cos_sin(m.rope)
+        k_pe = rotate(kv[:, None, m.kv_lora_rank:], cos, sin, m.rope_interleave, r)[:, 0]
+        self.cache.write(layer, self.p.start, np.concatenate([latent, k_pe], axis=-1))
+        return latent
+
+    def attention(self, q, layer: int, m: MlaSpec, kv_b):
+        t, h, nope, r = self.p.t, m.num_heads, m.qk_nope_head_dim, self.p.r
+        q = q.reshape(t, h, m.qk_head_dim)
+        cos, sin = self.p.cos_sin(m.rope)
+        q_nope = q[..., :nope].transpose(1, 0, 2)  # (h, T, nope)
+        q_pe = rotate(q[..., nope:], cos, sin, m.rope_interleave, r).transpose(1, 0, 2)  # (h, T, rope)
+        end = self.p.start + t
+        rows = self.cache.read(layer, end)  # (L, kv_lora + rope)
+        c, k_pe = rows[:, :m.kv_lora_rank], rows[:, m.kv_lora_rank:]
+        w = kv_b.reshape(h, nope + m.v_head_dim, m.kv_lora_rank)  # per head: [W_k; W_v]
+        if self.form == "naive":
+            kv = r(c @ kv_b.T).reshape(end, h, nope + m.v_head_dim).transpose(1, 0, 2)  # (h, L, nope + v)
+            keys = np.concatenate([kv[..., :nope], np.broadcast_to(k_pe, (h,) + k_pe.shape)], axis=-1)
+            scores = r(np.concatenate([q_nope, q_pe], axis=-1) @ keys.transpose(0, 2, 1))  # (h, T, L)
+            probs = self._softmax(r(scores * np.float32(m.scale)), t, end)
+            y = r(probs @ kv[..., nope:])  # (h, T, v)
+        else:
+            q_lat = r(q_nope @ w[:, :nope])  # (h, T, kv_lora): q_nope folded through W_k
+            scores = r(r(q_lat @ c.T) + r(q_pe @ k_pe.T))  # (h, T, L)
+            probs = self._softmax(r(scores * np.float32(m.scale)), t, end)
+            y = r(r(probs @ c) @ w[:, nope:].transpose(0, 2, 1))  # (h, T, v): the latent mix through W_v
+        return y.transpose(1, 0, 2).reshape(t, h * m.v_head_dim)
+
+    def _softmax(self, scores: np.ndarray, t: int, end: int) -> np.ndarray:
+        """Causal softmax over the keys of positions 0..end-1 for queries at start..start+t-1 (fp32)."""
+        hidden = np.arange(end)[None, :] > (self.p.start + np.arange(t))[:, None]
+        if hidden.any():
+            scores = np.where(hidden, np.float32(-np.inf), scores)
+        scores = scores - scores.max(axis=-1, keepdims=True)
+        e = np.exp(scores)
+        return self.p.r(e / e.sum(axis=-1, keepdims=True))
+
+
+def ops(p, cache: LatentCache) -> MlaOps:
+    return MlaOps(p, cache)

@@ -1,0 +1,243 @@
+"""DeepSeek-V3 (`DeepseekV3ForCausalLM`; Kimi-K2 and Moonlight checkpoints declare it too) and DeepSeek-V2
+(`DeepseekV2ForCausalLM`, DeepSeek-V2-Lite): latent attention (the "mla" mixer kind, models/spec.MlaSpec)
+and a mixture of experts with DeepSeek's routing.
+
+Per layer: x += o_proj(mla(input_layernorm(x))); x += mlp(post_attention_layernorm(x)), the MLP dense
+(intermediate_size) on the first `first_k_dense_replace` layers, sparse after: n_routed_experts SwiGLU
+experts of moe_intermediate_size plus ungated shared experts (one SwiGLU of moe_intermediate_size *
+n_shared_experts, `mlp.shared_experts`).
+- V3 routing (sigmoid_biased_grouped): sigmoid scores, e_score_correction_bias for the choice only, the
+  topk_group best of n_group groups, renormalised when norm_topk_prob, times routed_scaling_factor.
+- V2 routing: softmax, `topk_method` greedy (softmax_topk) or group_limited_greedy (softmax_group_limited),
+  never renormalised (transformers' V2 router ignores norm_topk_prob: a config setting it is refused),
+  times routed_scaling_factor.
+RoPE (default or yarn) over the qk_rope_head_dim dims; YaRN's mscale_all_dim also scales the softmax.
+The multi-token-prediction layers (`num_nextn_predict_layers`, stored as model.layers.{num_hidden_layers}...)
+are not run: their tensors are ignored, and `inspect` says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from . import llama, moe
+from .model_config import Family, MoeConfig
+from .rope_params import read_rope
+from .spec import LayerSpec, MlaSpec, MlpSpec, ModelDefinition, MoeSpec, Norm, Param, RouterSpec
+
+if TYPE_CHECKING:
+    from .model_config import ConfigReader, ModelConfig
+
+EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+# DeepSeek-V3.2's sparse-attention indexer: a config with these is not the V3 architecture
+V32_FIELDS = ("index_topk", "index_head_dim", "index_n_heads")
+
+
+@dataclass(frozen=True)
+class DeepseekOptions:
+    mla: MlaSpec  # every layer's latent attention
+    nextn: int  # num_nextn_predict_layers: the multi-token-prediction layers the checkpoint may hold (not run)
+
+
+@dataclass(frozen=True)
+class MoeDefaults:
+    """A family's transformers defaults for the fields a config may leave out."""
+
+    experts: int
+    top_k: int | None
+    size: int
+    shared: int
+    first_dense: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    scaling: float
+
+
+V3 = MoeDefaults(256, 8, 2048, 1, 3, 8, 4, True, 2.5)
+V2 = MoeDefaults(64, None, 1407, 2, 0, 1, 1, False, 1.0)
+
+
+def parse_v3(r: ConfigReader) -> dict[str, Any]:
+    for key in V32_FIELDS:
+        if key in r.raw:
+            r.refuse(key, r.raw[key], "DeepSeek-V3.2's sparse attention indexer is not implemented")
+    _accept(r, "scoring_func", ("sigmoid",), "only sigmoid scoring is DeepSeek-V3's")
+    _accept(r, "topk_method", ("noaux_tc",), "only noaux_tc (grouped sigmoid routing with correction bias) is V3's")
+    return _parse(r, interleave=r.optional("rope_interleave", bool, True),
+                  moe_cfg=sigmoid_grouped_moe(r, V3))
+
+
+def parse_v2(r: ConfigReader) -> dict[str, Any]:
+    _accept(r, "scoring_func", ("softmax",), "DeepSeek-V2 routes by softmax")
+    method = r.optional("topk_method", str, "greedy")
+    if method not in ("greedy", "group_limited_greedy"):
+        r.refuse("topk_method", method, "supported: greedy, group_limited_greedy")
+    if r.optional("norm_topk_prob", bool, False):
+        r.refuse("norm_topk_prob", True, "transformers' DeepSeek-V2 router never renormalises")
+    if r.raw.get("rope_interleave") is False:
+        r.refuse("rope_interleave", False, "DeepSeek-V2 always rotates interleaved pairs")
+    d = V2
+    experts, top_k, size = _experts(r, d)
+    n_group, topk_group = _groups(r, d, experts, top_k) if method == "group_limited_greedy" else (1, 1)
+    kind = "softmax_group_limited" if method == "group_limited_greedy" else "softmax_topk"
+    router = RouterSpec(kind, n_group=n_group, topk_group=topk_group,
+                        routed_scaling_factor=float(r.optional("routed_scaling_factor", (int, float), d.scaling)))
+    return _parse(r, interleave=True, moe_cfg=_moe(r, d, experts, top_k, size, False, router))
+
+
+def sigmoid_grouped_moe(r: ConfigReader, d: MoeDefaults) -> MoeConfig | None:
+    """DeepSeek-V3's sparse block (also GLM-4.5's): sigmoid_biased_grouped routing, ungated shared experts,
+    dense layers before first_k_dense_replace."""
+    experts, top_k, size = _experts(r, d)
+    n_group, topk_group = _groups(r, d, experts, top_k)
+    if experts // n_group < 2:
+        r.refuse("n_group", n_group, f"leaves groups of fewer than 2 of the {experts} experts (a group scores its best two)")
+    router = RouterSpec("sigmoid_biased_grouped", n_group=n_group, topk_group=topk_group,
+                        routed_scaling_factor=float(r.optional("routed_scaling_factor", (int, float), d.scaling)))
+    return _moe(r, d, experts, top_k, size, r.optional("norm_topk_prob", bool, d.norm_topk_prob), router)
+
+
+def _accept(r: ConfigReader, key: str, values: tuple[str, ...], why: str) -> None:
+    value = r.raw.get(key)
+    if value is not None and value not in values:
+        r.refuse(key, value, why)
+
+
+def _experts(r: ConfigReader, d: MoeDefaults) -> tuple[int, int, int]:
+    experts = moe.positive(r, "n_routed_experts", d.experts)
+    top_k = (r.positive_int("num_experts_per_tok") if d.top_k is None
+             else moe.positive(r, "num_experts_per_tok", d.top_k))
+    if top_k > experts:
+        r.refuse("num_experts_per_tok", top_k, f"more than the {experts} experts")
+    return experts, top_k, moe.positive(r, "moe_intermediate_size", d.size)
+
+
+def _groups(r: ConfigReader, d: MoeDefaults, experts: int, top_k: int) -> tuple[int, int]:
+    n_group = moe.positive(r, "n_group", d.n_group)
+    topk_group = moe.positive(r, "topk_group", d.topk_group)
+    if experts % n_group:
+        r.refuse("n_group", n_group, f"does not divide the {experts} experts")
+    if topk_group > n_group:
+        r.refuse("topk_group", topk_group, f"more than the {n_group} groups")
+    if top_k > topk_group * (experts // n_group):
+        r.refuse("num_experts_per_tok", top_k, f"more than the {topk_group} chosen groups hold")
+    return n_group, topk_group
+
+
+def _moe(r: ConfigReader, d: MoeDefaults, experts: int, top_k: int, size: int, norm_topk_prob: bool,
+         router: RouterSpec) -> MoeConfig | None:
+    shared = r.optional("n_shared_experts", int, d.shared)
+    if shared <= 0:
+        r.refuse("n_shared_experts", shared, "this family always has shared experts (at least 1)")
+    freq = r.raw.get("moe_layer_freq")
+    if freq is not None and freq != 1:
+        r.refuse("moe_layer_freq", freq, "transformers makes every layer from first_k_dense_replace on sparse")
+    layers = r.positive_int("num_hidden_layers")
+    first = r.optional("first_k_dense_replace", int, d.first_dense)
+    if first < 0:
+        r.refuse("first_k_dense_replace", first, "must not be negative")
+    spec = MoeSpec(experts, top_k, size, norm_topk_prob, "silu", size * shared, router=router,
+                   shared_expert_gated=False)
+    sparse = tuple(range(first, layers))
+    return MoeConfig(spec, sparse) if sparse else None
+
+
+def nextn_layers(r: ConfigReader) -> int:
+    """num_nextn_predict_layers (transformers 5 also writes it as num_mtp_layers)."""
+    key = "num_nextn_predict_layers" if "num_nextn_predict_layers" in r.raw else "num_mtp_layers"
+    n = r.optional(key, int, 0)
+    if n < 0:
+        r.refuse(key, n, "must not be negative")
+    return n
+
+
+def _parse(r: ConfigReader, interleave: bool, moe_cfg: MoeConfig | None) -> dict[str, Any]:
+    llama.refuse_non_swiglu(r)
+    if r.optional("attention_bias", bool, False):
+        r.refuse("attention_bias", True, "biases on the latent attention projections are not implemented")
+    heads = r.positive_int("num_attention_heads")
+    kv_heads = r.optional("num_key_value_heads", int, heads)
+    if kv_heads != heads:
+        r.refuse("num_key_value_heads", kv_heads, f"latent attention has one key per query head ({heads})")
+    q_lora = r.raw.get("q_lora_rank", 1536)  # an explicit null means q_proj (no query compression)
+    if q_lora is not None:
+        q_lora = moe.positive(r, "q_lora_rank", 1536)
+    rope_dim = moe.positive(r, "qk_rope_head_dim", 64)
+    if rope_dim % 2:
+        r.refuse("qk_rope_head_dim", rope_dim, "RoPE needs an even number of dims")
+    nope, v = moe.positive(r, "qk_nope_head_dim", 128), moe.positive(r, "v_head_dim", 128)
+    rope = _rope(r, rope_dim)
+    scale = (nope + rope_dim) ** -0.5 * (rope.yarn.softmax_mscale() if rope.yarn is not None else 1.0)
+    mla = MlaSpec(heads, q_lora, moe.positive(r, "kv_lora_rank", 512), nope, rope_dim, v, rope, scale, interleave)
+    return dict(attention_bias=False, o_proj_bias=False, qk_norm=False, sliding_window=None, layer_types=(),
+                rope_theta=rope.theta, rope_scaling=None, moe=moe_cfg, options=DeepseekOptions(mla, nextn_layers(r)))
+
+
+def _rope(r: ConfigReader, dims: int):
+    """rope_parameters (5.x) or rope_scaling + rope_theta (4.x): default or yarn over `dims` dims."""
+    key = "rope_scaling" if r.optional("rope_scaling", dict, None) else "rope_parameters"
+    params = dict(r.optional(key, dict, None) or {})
+    theta = params.get("rope_theta", r.optional("rope_theta", (int, float), 10000.0))
+    partial = params.get("partial_rotary_factor", r.raw.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        r.refuse("partial_rotary_factor", partial, "latent attention rotates all qk_rope_head_dim dims")
+    return read_rope(r, key, params, theta, dims, ("default", "yarn"))
+
+
+def define(cfg: ModelConfig) -> ModelDefinition:
+    h, v, o = cfg.hidden_size, cfg.vocab_size, cfg.options
+    norm, mlp = Norm(cfg.rms_norm_eps), MlpSpec(cfg.intermediate_size, "silu")
+    layers = tuple(LayerSpec(o.mla, mlp, norm, layer_params(cfg, i, o.mla)) for i in range(cfg.num_hidden_layers))
+    n, L = o.nextn, cfg.num_hidden_layers
+    base = ModelDefinition(
+        family=cfg.model_type, layers=layers,
+        embed=Param.of("embed", ("model.embed_tokens.weight", (v, h))),
+        final_norm=Param.of("final_norm", ("model.norm.weight", (h,))),
+        lm_head=None if cfg.tie_word_embeddings else Param.of("lm_head", ("lm_head.weight", (v, h))),
+        norm=norm,
+        ignored=llama.IGNORED_SUFFIXES + (("lm_head.weight",) if cfg.tie_word_embeddings else ()),
+        ignored_prefixes=nextn_prefixes(L, n), notes=nextn_notes(L, n))
+    return moe.define_sparse(cfg, base, "mlp", EXPERT_NAMES, shared="shared_experts.")
+
+
+def nextn_prefixes(layers: int, n: int) -> tuple[str, ...]:
+    return tuple(f"model.layers.{layers + j}." for j in range(n))
+
+
+def nextn_notes(layers: int, n: int) -> tuple[str, ...]:
+    if not n:
+        return ()
+    where = f"model.layers.{layers}" + (f"..{layers + n - 1}" if n > 1 else "")
+    return (f"num_nextn_predict_layers {n}: the multi-token-prediction layer{'s' if n > 1 else ''} ({where}) "
+            f"{'are' if n > 1 else 'is'} not run; {'their' if n > 1 else 'its'} tensors are ignored",)
+
+
+def layer_params(cfg: ModelConfig, i: int, m: MlaSpec) -> tuple[Param, ...]:
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    p, s = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+    q_out = m.num_heads * m.qk_head_dim
+    if m.q_lora_rank is None:
+        q = [Param.of("q", (s + "q_proj.weight", (q_out, h)))]
+    else:
+        q = [Param.of("q_a", (s + "q_a_proj.weight", (m.q_lora_rank, h))),
+             Param.of("q_a_norm", (s + "q_a_layernorm.weight", (m.q_lora_rank,))),
+             Param.of("q_b", (s + "q_b_proj.weight", (q_out, m.q_lora_rank)))]
+    return (
+        Param.of("input_norm", (p + "input_layernorm.weight", (h,))),
+        *q,
+        Param.of("kv_a", (s + "kv_a_proj_with_mqa.weight", (m.latent_size, h))),
+        Param.of("kv_a_norm", (s + "kv_a_layernorm.weight", (m.kv_lora_rank,))),
+        Param.of("kv_b", (s + "kv_b_proj.weight", (m.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank))),
+        Param.of("o", (s + "o_proj.weight", (h, m.num_heads * m.v_head_dim))),
+        Param.of("mlp_norm", (p + "post_attention_layernorm.weight", (h,))),
+        Param.of("gate_up", (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h))),
+        Param.of("down", (p + "mlp.down_proj.weight", (h, inter))),
+    )
+
+
+V3_FAMILY = Family("deepseek_v3", "DeepseekV3ForCausalLM", parse_v3, define,
+                   "DeepSeek-V3 / Kimi-K2 / Moonlight (latent attention, grouped sigmoid routing, shared experts)")
+V2_FAMILY = Family("deepseek_v2", "DeepseekV2ForCausalLM", parse_v2, define,
+                   "DeepSeek-V2 / V2-Lite (latent attention, softmax greedy or group-limited routing)")
