@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Build the quantized-checkpoint fixtures and their transformers goldens (fp32, CPU).
+"""Build the quantized-checkpoint and gpt-oss fixtures and their transformers goldens (fp32, CPU).
 
 Each fixture takes one of the reference fixtures (tests/fixtures/models/<source>, made by
 make_reference_fixtures.py), stores its decoder Linear weights quantized as a real checkpoint of that
@@ -14,6 +14,13 @@ scale = amax / 448 (stored in the scale dtype the spec names), e4m3 = round-to-n
 
     python scripts/make_quantized_fixtures.py            # all
     python scripts/make_quantized_fixtures.py llama_fp8_block
+
+gpt-oss (`gpt_oss`, `gpt_oss_mxfp4`): a tiny GptOssForCausalLM made by transformers (4 layers alternating a
+sliding window of 4 with full attention, 8 experts top-2 with biases, YaRN factor 4, sinks), every parameter
+re-drawn; `gpt_oss` is its save_pretrained (the experts fused [E, in, out], gate/up interleaved), `gpt_oss_mxfp4`
+the same model with its experts stored as MXFP4 (`*_blocks` / `*_scales`: per 32 values the E8M0 scale
+2^ceil(log2(amax / 6)), each value rounded to the nearest e2m1), loaded by transformers with
+Mxfp4Config(dequantize=True).
 
 Golden npz keys: those of make_reference_fixtures.py (prompt, prefill_logits, greedy_tokens, ...).
 """
@@ -160,12 +167,84 @@ def _block_kwargs(path: Path) -> dict:
     return {k: qc[k] for k in ("weight_block_size", "modules_to_not_convert", "activation_scheme") if k in qc}
 
 
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+
+
+def gpt_oss_model() -> torch.nn.Module:
+    cfg = transformers.GptOssConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=4,
+        max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 64, "rope_theta": 10000.0})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(11)
+    model = transformers.GptOssForCausalLM(cfg).float().eval()
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if "norm" in name:
+                new = 0.5 + torch.rand(p.shape, generator=g)
+            elif name.endswith("bias") or name.endswith("sinks"):
+                new = 0.5 * torch.randn(p.shape, generator=g)
+            elif "embed" in name:
+                new = torch.randn(p.shape, generator=g)
+            elif "lm_head" in name:
+                new = 2.5 / p.shape[-1] ** 0.5 * torch.randn(p.shape, generator=g)
+            elif "experts" in name:  # [E, in, out]
+                new = 1.2 / p.shape[-2] ** 0.5 * torch.randn(p.shape, generator=g)
+            else:
+                new = 1.2 / p.shape[-1] ** 0.5 * torch.randn(p.shape, generator=g)
+            p.copy_(new)
+    return model
+
+
+def mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[E, N, K] fp32 -> blocks U8 [E, N, K/32, 16] (low nibble first), E8M0 scales U8 [E, N, K/32]."""
+    g = w.reshape(*w.shape[:-1], -1, 32)
+    exp = np.ceil(np.log2(np.maximum(np.abs(g).max(-1), 1e-30) / 6.0)).astype(np.int32)
+    v = g / np.ldexp(np.float32(1), exp)[..., None]
+    code = np.abs(np.abs(v)[..., None] - E2M1).argmin(-1).astype(np.uint8) | ((v < 0) << 3).astype(np.uint8)
+    return (code[..., 0::2] | (code[..., 1::2] << 4)).astype(np.uint8), (exp + 127).astype(np.uint8)
+
+
+def build_gpt_oss(name: str) -> None:
+    out = FIXTURES / "models" / name
+    if out.exists():
+        shutil.rmtree(out)
+    model = gpt_oss_model()
+    model.to(torch.bfloat16).save_pretrained(out)  # as gpt-oss's bf16 exports: the goldens compute on these values
+    if name == "gpt_oss_mxfp4":
+        tensors = load_file(out / "model.safetensors")
+        for key in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+            w = tensors.pop(key).astype(np.float32).swapaxes(-1, -2)  # stored [E, in, out] -> [E, out, in]
+            blocks, scales = mxfp4(w)
+            tensors[key + "_blocks"], tensors[key + "_scales"] = blocks, scales
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        config = json.loads((out / "config.json").read_text())
+        config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+        ref.write_json(out / "config.json", config)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            out, dtype=torch.float32, attn_implementation="eager",
+            quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
+    else:
+        ref.write_json(out / "config.json", json.loads((out / "config.json").read_text()))
+        model = ref.load_fp32(out)
+    arrays, info = ref.pick_prompt(model, 300, 11, model.config)
+    ref.write_npz(FIXTURES / "golden" / f"{name}.npz", arrays)
+    print(f"== {name}: margin {info['margin']:.4f}, distinct {info['distinct']}, checks {info['checks']}")
+
+
+GPT_OSS = ("gpt_oss", "gpt_oss_mxfp4")
+
+
 def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     transformers.logging.set_verbosity_error()
-    for name in argv[1:] or SPECS:
-        build(name)
+    for name in argv[1:] or (*SPECS, *GPT_OSS):
+        build_gpt_oss(name) if name in GPT_OSS else build(name)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""FP8 checkpoints (quant_method "fp8": e4m3 weights with block or per-tensor scales) on the NumPy engine.
+"""Quantized checkpoints on the NumPy engine: FP8 (quant_method "fp8": e4m3 weights with block or per-tensor
+scales), and gpt-oss as shipped (MXFP4 experts) and as exported in bf16.
 
 Goldens: scripts/make_quantized_fixtures.py (transformers loading the quantized checkpoint on the CPU,
 dequantized to fp32). Partial edge blocks, which transformers refuses to dequantize ("not divisible by
@@ -24,7 +25,8 @@ from metrale_cli.model import open_model
 from metrale_cli.models import formats
 
 FIXTURES = Path(__file__).parent / "fixtures"
-MODELS = ["llama_fp8_block", "qwen3_moe_fp8_block", "qwen3_fp8_tensor"]
+FP8_MODELS = ["llama_fp8_block", "qwen3_moe_fp8_block", "qwen3_fp8_tensor"]
+MODELS = FP8_MODELS + ["gpt_oss", "gpt_oss_mxfp4"]  # gpt-oss: its bf16 export and its shipped MXFP4 experts
 
 
 def golden(name: str):
@@ -109,7 +111,7 @@ def test_verify_rows_equal_sequential_decode_and_trim(name, k):
     assert rel_err(rows(e, e.decode_logits_ptr(), 1)[0], rows(fresh, fresh.decode_logits_ptr(), 1)[0]) <= 1e-5
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", FP8_MODELS)
 def test_dequantized_weights_equal_transformers_bit_for_bit(name):
     """metrale's fp32 value of every stored FP8 weight == transformers' dequantized parameter."""
     torch = pytest.importorskip("torch")

@@ -25,10 +25,12 @@ import importlib
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable
 
+from .spec import Tensor
+
 if TYPE_CHECKING:
     import numpy as np
 
-    from .spec import ModelDefinition, Param, Tensor
+    from .spec import ModelDefinition, Param
 
 DENSE_DTYPES = ("BF16", "F16", "F32")  # what a param with no format may be stored as
 
@@ -112,7 +114,7 @@ def known_quant_methods() -> list[str]:
 def stored_tensors(p: Param) -> list[Tensor]:
     """What the checkpoint holds for param p: its parts as they are, or each part's stored tensors."""
     if p.format is None:
-        return list(p.parts)
+        return [Tensor(t.name, t.shape[:-2] + t.shape[:-3:-1]) for t in p.parts] if p.transposed else list(p.parts)
     fmt = weight_format(p.format)
     return [s for t in p.parts for s in fmt.tensors(t)]
 
@@ -120,7 +122,7 @@ def stored_tensors(p: Param) -> list[Tensor]:
 def allowed_dtypes(p: Param) -> dict[str, tuple[str, ...]]:
     """Checkpoint tensor name -> the dtypes it may be stored as, for every tensor of param p."""
     if p.format is None:
-        return {t.name: DENSE_DTYPES for t in p.parts}
+        return {t.name: DENSE_DTYPES for t in stored_tensors(p)}
     fmt = weight_format(p.format)
     return {s.name: dtypes for t in p.parts for s, dtypes in zip(fmt.tensors(t), fmt.dtypes)}
 

@@ -72,6 +72,12 @@ class Param:
     # How the checkpoint stores each part (formats.py): None = dense (BF16/F16/F32 as they are), else a
     # registered weight format's name; set from the checkpoint's quantization_config (formats.apply).
     format: str | None = None
+    # Layouts the loader undoes (gpt-oss's fused experts): `interleaved` - the output axis (the second to last
+    # of a weight, the last of a bias) alternates the two halves (gate 0, up 0, gate 1, ...) and is reordered
+    # to [all gate; all up]; `transposed` - stored dense as [..., in, out] (the parts' shapes say [..., out,
+    # in]: the engine's layout); a weight format's stored tensors say their own layout.
+    interleaved: bool = False
+    transposed: bool = False
 
     @property
     def shape(self) -> tuple[int, ...]:

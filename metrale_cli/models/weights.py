@@ -76,6 +76,10 @@ def load_weights(definition: ModelDefinition, read: Callable[[str], A], concat: 
         if p.format is not None and read_formatted is None:
             raise CheckpointError(f"{p.parts[0].name}: this engine does not read weights stored as {p.format}")
         parts = [read(t.name) for t in p.parts] if p.format is None else read_formatted(p)
+        if p.transposed and p.format is None:  # stored [..., in, out]
+            parts = [a.swapaxes(-1, -2).copy() for a in parts]
+        if p.interleaved:
+            parts = [deinterleave(a, p) for a in parts]
         value = parts[0] if len(parts) == 1 else concat(parts)
         return value.reshape(p.shape) if p.experts else value  # stacked experts: [E, rows, ...]
 
@@ -87,6 +91,17 @@ def load_weights(definition: ModelDefinition, read: Callable[[str], A], concat: 
     lm_head = keep_rows(param(definition.lm_head))
     table = keep_rows(embed(definition.embed.parts[0].name) if embed is not None else param(definition.embed))
     return Weights(table, final_norm, lm_head, layers)
+
+
+def deinterleave(a: Any, p: Param) -> Any:
+    """An interleaved param's array (gate 0, up 0, gate 1, ... along its output axis: the second to last of a
+    weight, the last of a bias) as [all gate; all up] (a fresh array: fancy indexing copies)."""
+    import numpy as np
+
+    bias = p.parts[0].name.endswith("bias")
+    n = a.shape[-1] if bias else a.shape[-2]
+    order = np.concatenate([np.arange(0, n, 2), np.arange(1, n, 2)])
+    return a[..., order] if bias else a[..., order, :]
 
 
 def split_param(p: Param, value: Any) -> dict[str, Any]:
