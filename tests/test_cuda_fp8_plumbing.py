@@ -146,3 +146,16 @@ def test_fp8_cu_compiles_for_sm90(tmp_path):
     ptx = (tmp_path / "fp8.ptx").read_text()
     assert ptx.count(".entry") == len(fp8_kernels.name_expressions()) + len(fp8_kernels.PLAIN)
     assert "cvt.rn.f16x2.e4m3x2" in ptx
+
+
+def test_an_fp8_input_width_the_gemv_cannot_take_is_refused(tmp_path):
+    import json
+
+    from metrale_cli.backends.cuda.loading import unsupported_features
+    from metrale_cli.config import load_config
+
+    cfg = json.loads((FIXTURES / "models" / "llama_fp8_block" / "config.json").read_text())
+    cfg["intermediate_size"] = 88  # down_proj's input: not a multiple of 16
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    found = unsupported_features(load_config(tmp_path).definition)
+    assert found == ["down in FP8 with an input width of 88 (the FP8 GEMV takes multiples of 16)"]

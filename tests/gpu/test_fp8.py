@@ -88,7 +88,7 @@ def test_dequant_bf16_is_bit_exact(cp, fp8k, rng, srow, bk):
 
 # ---- the engine ---------------------------------------------------------------------------------------------
 
-BASE = dict(vocab_size=1003, hidden_size=256, intermediate_size=344, num_hidden_layers=3, num_attention_heads=4,
+BASE = dict(vocab_size=1003, hidden_size=256, intermediate_size=352, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
             dtype="bfloat16")
 MODELS = {  # name: (config, weight_block_size or None)

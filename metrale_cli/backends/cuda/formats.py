@@ -26,6 +26,7 @@ class CudaFormat:
     linear: Callable[..., None]
     gemm: Callable[..., Any]  # gemm(proj, x, w, bias, accumulate_into) -> f32 [T, N]
     accepts: Callable[[dict], bool] = lambda params: True  # which of the kind's formats (WeightFormat.params) it runs
+    refuses: Callable[[Any], str | None] = lambda param: None  # why it cannot run this param (its sizes), or None
 
 
 _FORMATS: dict[str, CudaFormat] = {}

@@ -100,5 +100,10 @@ def _accepts(params: dict) -> bool:
     return params.get("block", (1, 16))[1] % 16 == 0
 
 
+def _refuses(p) -> str | None:
+    k = p.parts[0].shape[-1]
+    return f"{p.key} in FP8 with an input width of {k} (the FP8 GEMV takes multiples of 16)" if k % 16 else None
+
+
 for _kind in ("fp8_block", "fp8_tensor"):
-    register_cuda_format(CudaFormat(_kind, _upload, _concat, _linear, _gemm, accepts=_accepts))
+    register_cuda_format(CudaFormat(_kind, _upload, _concat, _linear, _gemm, accepts=_accepts, refuses=_refuses))

@@ -130,6 +130,8 @@ def unsupported_features(definition: ModelDefinition) -> list[str]:
             found.append(f"weight format {p.format}")
         elif p.format is not None and p.key not in PROJECTION_KEYS:
             found.append(f"{p.key} weights stored as {p.format}")
+        elif p.format is not None and cuda_format(p.format).refuses(p):
+            found.append(cuda_format(p.format).refuses(p))
     for layer in definition.layers:
         mixer = mixer_weight_keys(layer.mixer.kind, frozenset(layer.keys()))
         if mixer is None:

@@ -9,15 +9,13 @@
 // e4m3 -> fp32 is exact: `cvt.rn.f16x2.e4m3x2` (sm_89+) widens two e4m3 values to two halves (every e4m3
 // value, subnormals included, is a half), and a half converts to fp32 exactly.
 //
-// gemv_fp8_kernel<M>:  out[M, N] (=|+=) x[M, K] @ (w * scale)[N, K]^T (+ bias).  A warp owns one output row
-// n; lane l walks the 16-byte chunks l, l + 32, ... of its row (FP8_U chunks in flight), and for each chunk
-// adds scale * (the fp32 dot product of the chunk's 16 weights with x) to its partial sum, for every row m of
-// x.  Partial sums are reduced with warp shuffles.  Requirements (checked by Fp8Kernels.gemv): K % 16 == 0,
-// 1 <= M <= 16, w and x 16-byte aligned.
+// gemv_fp8_kernel<M, R>:  out[M, N] (=|+=) x[M, K] @ (w * scale)[N, K]^T (+ bias), fp32 accumulation; partial
+// sums reduced with warp shuffles.  Requirements (checked by Fp8Kernels.gemv): K % 16 == 0, 1 <= M <= 16, w and
+// x 16-byte aligned.
 #include "common.cu"
 
 #define FP8_WARPS 4
-#define FP8_U 4
+#define FP8_U 2
 
 // Two e4m3 values (low byte first) as two floats, exactly.
 __device__ __forceinline__ float2 e4m3x2_to_f32(unsigned short v) {
@@ -29,63 +27,96 @@ __device__ __forceinline__ float2 e4m3x2_to_f32(unsigned short v) {
     return make_float2(lo, hi);
 }
 
-// The dot product of 4 e4m3 weights (one 32-bit word, k order) with x[0..3], added to s in k order.
-__device__ __forceinline__ float dot4_e4m3(unsigned int w, const float4& x, float s) {
-    const float2 a = e4m3x2_to_f32((unsigned short)(w & 0xffffu));
-    const float2 b = e4m3x2_to_f32((unsigned short)(w >> 16));
-    s = fmaf(a.x, x.x, s);
-    s = fmaf(a.y, x.y, s);
-    s = fmaf(b.x, x.z, s);
-    s = fmaf(b.y, x.w, s);
-    return s;
+// The 16 e4m3 weights of a 16-byte chunk (k order) times their block's scale, as fp32: each the fp32 product
+// of the exact value and the scale, the value the NumPy engine's dequantization gives.
+__device__ __forceinline__ void e4m3x16_scaled(const uint4& q, float s, float (&w)[16]) {
+    const unsigned int words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const float2 a = e4m3x2_to_f32((unsigned short)(words[j] & 0xffffu));
+        const float2 b = e4m3x2_to_f32((unsigned short)(words[j] >> 16));
+        w[4 * j] = a.x * s;
+        w[4 * j + 1] = a.y * s;
+        w[4 * j + 2] = b.x * s;
+        w[4 * j + 3] = b.y * s;
+    }
 }
 
-template <int M>
+// A warp owns R consecutive output rows; lane l walks the 16-byte chunks l, l + 32, ... of all R rows (FP8_U
+// chunks of each in flight).  Each chunk's weights are widened and scaled once and used for every row of x,
+// and each x chunk is loaded once for the R weight rows.
+template <int M, int R>
 __global__ void __launch_bounds__(FP8_WARPS * 32)
 gemv_fp8_kernel(const float* __restrict__ x, const uint4* __restrict__ w, const float* __restrict__ scale,
                 const unsigned short* __restrict__ bias, float* __restrict__ out, int N, int K, int srow, int bk,
                 int KB, int accumulate, int has_bias) {
     const int lane = threadIdx.x & 31;
-    const int n = blockIdx.x * FP8_WARPS + (threadIdx.x >> 5);
-    if (n >= N) return;  // whole warp; no block barrier below
+    const int n0 = (blockIdx.x * FP8_WARPS + (threadIdx.x >> 5)) * R;
+    if (n0 >= N) return;  // whole warp; no block barrier below
     const int C = K >> 4;  // 16-byte chunks per row
-    const uint4* row = w + (u64)n * C;
-    const float* srow_scale = scale + (u64)(n / srow) * KB;
     const int chunks_per_block = bk >> 4;
-    float acc[M];
+    const uint4* rows[R];
+    const float* scales[R];
 #pragma unroll
-    for (int m = 0; m < M; ++m) acc[m] = 0.f;
+    for (int r = 0; r < R; ++r) {
+        const int n = min(n0 + r, N - 1);  // rows past N - 1 are read, never stored
+        rows[r] = w + (u64)n * C;
+        scales[r] = scale + (u64)(n / srow) * KB;
+    }
+    float acc[R][M];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
     for (int c0 = lane; c0 < C; c0 += 32 * FP8_U) {
-        uint4 wv[FP8_U];
+        uint4 wv[FP8_U][R];
 #pragma unroll
         for (int u = 0; u < FP8_U; ++u)
-            if (c0 + 32 * u < C) wv[u] = ld_stream_u4(row + c0 + 32 * u);
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+                if (c0 + 32 * u < C) wv[u][r] = ld_stream_u4(rows[r] + c0 + 32 * u);
 #pragma unroll
         for (int u = 0; u < FP8_U; ++u) {
             const int c = c0 + 32 * u;
             if (c >= C) break;
-            const float s = __ldg(srow_scale + c / chunks_per_block);
+            float wf[R][16];
+#pragma unroll
+            for (int r = 0; r < R; ++r) e4m3x16_scaled(wv[u][r], __ldg(scales[r] + c / chunks_per_block), wf[r]);
 #pragma unroll
             for (int m = 0; m < M; ++m) {
                 const float4* xp = reinterpret_cast<const float4*>(x + (u64)m * K) + 4 * c;
-                float d = dot4_e4m3(wv[u].x, __ldg(xp), 0.f);
-                d = dot4_e4m3(wv[u].y, __ldg(xp + 1), d);
-                d = dot4_e4m3(wv[u].z, __ldg(xp + 2), d);
-                d = dot4_e4m3(wv[u].w, __ldg(xp + 3), d);
-                acc[m] = fmaf(s, d, acc[m]);
+                float xv[16];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const float4 v = __ldg(xp + j);
+                    xv[4 * j] = v.x;
+                    xv[4 * j + 1] = v.y;
+                    xv[4 * j + 2] = v.z;
+                    xv[4 * j + 3] = v.w;
+                }
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+#pragma unroll
+                    for (int j = 0; j < 16; ++j) acc[r][m] = fmaf(wf[r][j], xv[j], acc[r][m]);
             }
         }
     }
 #pragma unroll
-    for (int m = 0; m < M; ++m) acc[m] = warp_sum(acc[m]);
+    for (int r = 0; r < R; ++r)
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-        if (lane == (m & 31)) {
-            float v = acc[m];
-            if (has_bias) v += bf16_to_f32_bits(bias[n]);
-            float* o = out + (u64)m * N + n;
-            if (accumulate) v += *o;
-            *o = v;
+        for (int m = 0; m < M; ++m) acc[r][m] = warp_sum(acc[r][m]);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int n = n0 + r;
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            if (lane == ((r * M + m) & 31) && n < N) {
+                float v = acc[r][m];
+                if (has_bias) v += bf16_to_f32_bits(bias[n]);
+                float* o = out + (u64)m * N + n;
+                if (accumulate) v += *o;
+                *o = v;
+            }
         }
     }
 }

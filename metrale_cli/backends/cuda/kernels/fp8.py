@@ -15,8 +15,14 @@ FP8_WARPS = 4  # must match fp8.cu
 
 
 
+def rows_per_warp(m: int) -> int:
+    """Weight rows a warp owns for M rows of x: x chunks are shared by more rows when they are few (registers:
+    R x 16 widened weights and R x M sums)."""
+    return 4 if m <= 4 else 2
+
+
 def gemv_name(m: int) -> str:
-    return f"gemv_fp8_kernel<{m}>"
+    return f"gemv_fp8_kernel<{m}, {rows_per_warp(m)}>"
 
 
 def module_source() -> str:
@@ -88,7 +94,7 @@ class Fp8Kernels:
         if bias is not None:
             k._bf16(bias, "bias", 1)
             k._shape(bias, "bias", (n,))
-        grid = (-(-n // FP8_WARPS),)
+        grid = (-(-n // (FP8_WARPS * rows_per_warp(m))),)
         args = (x, w, scale, bias if bias is not None else out, out, np.int32(n), np.int32(kk), np.int32(srow),
                 np.int32(bk), np.int32(kb), np.int32(bool(accumulate)), np.int32(bias is not None))
         self._launch(gemv_name(m), grid, (FP8_WARPS * 32,), args, stream)
