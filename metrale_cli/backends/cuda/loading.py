@@ -119,8 +119,10 @@ def unsupported_features(definition: ModelDefinition) -> list[str]:
     DeviceError naming it, never run with wrong numbers (the NumPy engine runs them all). The family
     features (embedding scale, softcaps, (1 + w) norms, sliding windows, partial rotary, linear and
     longrope and yarn scaling (the rope's inv_freq and attention factor from the spec), gelu_tanh, sandwich
-    norms) run in the kernels; what remains is a mixer kind with no CUDA implementation (latent attention), a weight the passes do not know (attention sinks, say), a gate activation the fused MLP
-    lacks, and what the MoE kernels do not take."""
+    norms) run in the kernels; what remains is a mixer kind with no CUDA implementation (latent attention), a
+    weight the passes do not know (attention sinks, say), a gate activation the fused MLP lacks, and what the
+    MoE kernels do not take (a router kind other than softmax_topk, a routed_scaling_factor, ungated shared
+    experts)."""
     from .kernels.tuning import ACTIVATIONS  # no CuPy needed
 
     found: list[str] = []
