@@ -1,4 +1,5 @@
-"""DeepSeek-V3 (`DeepseekV3ForCausalLM`; Kimi-K2 and Moonlight checkpoints declare it too) and DeepSeek-V2
+"""DeepSeek-V3 (`DeepseekV3ForCausalLM`; Moonlight declares it too, Kimi-K2 declares `kimi_k2` with
+DeepSeek-V3's architecture and code, read alike here) and DeepSeek-V2
 (`DeepseekV2ForCausalLM`, DeepSeek-V2-Lite): latent attention (the "mla" mixer kind, models/spec.MlaSpec)
 and a mixture of experts with DeepSeek's routing.
 
@@ -239,5 +240,7 @@ def layer_params(cfg: ModelConfig, i: int, m: MlaSpec) -> tuple[Param, ...]:
 
 V3_FAMILY = Family("deepseek_v3", "DeepseekV3ForCausalLM", parse_v3, define,
                    "DeepSeek-V3 / Kimi-K2 / Moonlight (latent attention, grouped sigmoid routing, shared experts)")
+KIMI_K2_FAMILY = Family("kimi_k2", "DeepseekV3ForCausalLM", parse_v3, define,
+                        "Kimi-K2 (DeepSeek-V3's architecture under its own model_type)")
 V2_FAMILY = Family("deepseek_v2", "DeepseekV2ForCausalLM", parse_v2, define,
                    "DeepSeek-V2 / V2-Lite (latent attention, softmax greedy or group-limited routing)")

@@ -148,4 +148,5 @@ def _latent_text(m: dict[str, Any]) -> str:
     return (f"{m['layers']} layers, kv_lora_rank {m['kv_lora_rank']}, {q}, qk nope/rope "
             f"{m['qk_nope_head_dim']}/{m['qk_rope_head_dim']}, v {m['v_head_dim']}, "
             f"rope {'interleaved' if m['rope_interleave'] else 'rotate_half'}, softmax scale {m['softmax_scale']:.6g}; "
-            f"cache {m['cache_floats_per_token']:,} values per token")
+            f"cache {m['cache_floats_per_token']:,} values per token ({4 * m['cache_floats_per_token']:,} bytes in fp32, "
+            f"{2 * m['cache_floats_per_token']:,} in bf16)")

@@ -119,9 +119,10 @@ def unsupported_features(definition: ModelDefinition) -> list[str]:
     DeviceError naming it, never run with wrong numbers (the NumPy engine runs them all). The family
     features (embedding scale, softcaps, (1 + w) norms, sliding windows, partial rotary, linear and
     longrope and yarn scaling (the rope's inv_freq and attention factor from the spec), gelu_tanh, sandwich
-    norms) run in the kernels; what remains is a mixer kind with no CUDA
-    implementation, a weight the passes do not know (attention sinks, say), a gate activation the fused MLP
-    lacks, and what the MoE kernels do not take."""
+    norms) run in the kernels; what remains is a mixer kind with no CUDA implementation (latent attention), a
+    weight the passes do not know (attention sinks, say), a gate activation the fused MLP lacks, and what the
+    MoE kernels do not take (a router kind other than softmax_topk, a routed_scaling_factor, ungated shared
+    experts)."""
     from .kernels.tuning import ACTIVATIONS  # no CuPy needed
 
     found: list[str] = []
@@ -140,7 +141,8 @@ def unsupported_features(definition: ModelDefinition) -> list[str]:
             found += [f"{layer.mlp.router.kind} routing"] if layer.mlp.router.kind != "softmax_topk" else []
             scaling = layer.mlp.router.routed_scaling_factor
             found += [f"routed_scaling_factor {scaling:g}"] if scaling != 1.0 else []
-            found += ["ungated shared experts"] if layer.mlp.shared_expert_size and not layer.mlp.shared_expert_gated else []
+            ungated = layer.mlp.shared_expert_size and not layer.mlp.shared_expert_gated
+            found += ["ungated shared experts"] if ungated else []
             found += [f"mixture-of-experts activation {layer.mlp.activation}"] if layer.mlp.activation != "silu" else []
             found += ["(1 + w) RMSNorm in a mixture-of-experts layer"] if layer.norm.offset else []
             mlp = MOE_MLP_KEYS
