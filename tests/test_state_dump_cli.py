@@ -69,3 +69,16 @@ def test_layer_dump_taps_the_linear_attention_output(run_cli, tmp_path):
         a = dump[f"model.layers.{i}.linear_attn"]
         assert a.shape == (4, 64) and np.abs(a).max() > 0
     assert "model.layers.3.self_attn" in dump
+
+
+def test_inspect_reports_the_state_bytes_per_sequence(run_cli):
+    import json
+
+    r = run_cli("inspect", MODEL, "--format", "json")
+    assert r.exit_code == 0, r.stderr
+    info = json.loads(r.stdout)["linear_attention"]
+    e = open_model(MODEL, device="cpu", max_context=8, fp32_logits=True).engine
+    assert info["layers"] == [0, 1, 2, 4]
+    assert info["state_bytes_per_sequence"] == e.states["linear_attention"].nbytes == 32256
+    r = run_cli("inspect", "tests/fixtures/models/llama", "--format", "json")
+    assert "linear_attention" not in json.loads(r.stdout)  # only models that have the layers

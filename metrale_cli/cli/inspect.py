@@ -164,7 +164,9 @@ def _inspect_info(spec: ModelSpec, ckpt: Checkpoint | HeaderListing,
     except (OSError, ValueError):
         raw = {}
     archs = raw.get("architectures")
-    from ..models.describe import block_features
+    from ..models.describe import block_features, linear_attention_info
+
+    linear = linear_attention_info(cfg)
 
     return {
         "command": "inspect", "model": spec.label,
@@ -178,6 +180,7 @@ def _inspect_info(spec: ModelSpec, ckpt: Checkpoint | HeaderListing,
         **block_features(cfg),  # rope, sliding layers, softcaps, norms, activation, embedding scale
         "tokenizer": ckpt.has_tokenizer, "bos_token_id": cfg.bos_token_id, "eos_token_ids": list(cfg.eos_token_ids),
         "experts": _experts_info(cfg),
+        **({"linear_attention": linear} if linear is not None else {}),  # Gated DeltaNet layers and their state
         "valid": problem is None, "problems": str(problem) if problem is not None else None,
         "scanned": False, "nonfinite": None,  # --scan: the tensors holding NaN/Inf (name, dtype, nan, inf)
     }

@@ -89,8 +89,10 @@ def _inspect_rows(info: dict[str, Any]) -> list[tuple[str, str]]:
         ("tokenizer", info["tokenizer"]), ("bos_token_id", info["bos_token_id"]),
         ("eos_token_ids", " ".join(map(str, info["eos_token_ids"])) or "none"),
         ("experts", _experts_text(info["experts"], info["layers"]) if info.get("experts") else "none"),
-        ("valid", info["valid"]),
     ]
+    if info.get("linear_attention"):
+        rows.append(("linear_attention", _linear_text(info["linear_attention"], info["layers"])))
+    rows.append(("valid", info["valid"]))
     if info["problems"]:
         rows.append(("problems", info["problems"]))
     rows.extend(_nonfinite_rows(info))
@@ -118,3 +120,11 @@ def _experts_text(x: dict[str, Any], layers: int) -> str:
     where = f"all {layers}" if not dense else ", ".join(map(str, sparse)) + " (dense: " + ", ".join(map(str, dense)) + ")"
     return (f"{x['count']} of intermediate {x['intermediate']}, {routing}; sparse layers {where}; "
             f"{x['active_parameters']:,} active parameters per token")
+
+
+def _linear_text(x: dict[str, Any], layers: int) -> str:
+    """The Gated DeltaNet layers in one line: where, their heads, and the state a sequence keeps for them."""
+    return (f"layers {', '.join(map(str, x['layers']))} of {layers}; key heads {x['key_heads']} x {x['key_head_dim']}, "
+            f"value heads {x['value_heads']} x {x['value_head_dim']}, conv kernel {x['conv_kernel']}; state "
+            f"{x['state_bytes_per_sequence']:,} bytes per sequence (fp32: conv {x['conv_state_bytes']:,} + "
+            f"recurrent {x['recurrent_state_bytes']:,})")
