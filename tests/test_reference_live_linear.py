@@ -32,7 +32,25 @@ VARIANTS = {
     "qwen3_next_dense": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
         num_hidden_layers=4, linear_num_key_heads=1, linear_num_value_heads=3, linear_key_head_dim=16,
         linear_value_head_dim=8, num_experts=0)),
+    # Qwen3.5: flat in_proj_qkv / z / b / a; dense, or every layer sparse and renormalised; the multimodal
+    # checkpoints' text part (a one-block vision tower that is never read)
+    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
+        num_hidden_layers=4, layer_types=[L, L, F, L], linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=12)),
+    "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", dict(
+        num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=12)),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
+        num_hidden_layers=4, layer_types=[L, F, L, L], linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=12, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=24, shared_expert_intermediate_size=32)),
+    "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", dict(
+        num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=12, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=24,
+        shared_expert_intermediate_size=32)),
 }
+VISION = dict(depth=1, hidden_size=32, intermediate_size=40, num_heads=2, out_hidden_size=48, patch_size=14,
+              spatial_merge_size=2, temporal_patch_size=2)
 LENGTHS = (1, 63, 64, 65, 192)
 STEPS = 16
 MIN_ROUTE_GAP = 1e-5
@@ -47,6 +65,8 @@ def randomize(model, rng: np.random.Generator) -> None:
                 val = rng.normal(0, 0.5, p.shape)
             elif name.endswith("linear_attn.norm.weight"):
                 val = rng.uniform(0.5, 1.5, p.shape)
+            elif "visual" in name:
+                continue
             elif "norm" in name:  # (1 + w)
                 val = rng.uniform(-0.5, 0.5, p.shape)
             elif "embed" in name:
@@ -59,12 +79,12 @@ def randomize(model, rng: np.random.Generator) -> None:
 def route_gap(model, ids) -> float:
     logits = []
     hooks = [layer.mlp.gate.register_forward_hook(lambda m, a, o: logits.append(o[0].detach()))
-             for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+             for layer in decoder(model).layers if hasattr(layer.mlp, "gate")]
     with torch.no_grad():
         model(ids, use_cache=False)
     for h in hooks:
         h.remove()
-    k, gap = model.config.num_experts_per_tok, float("inf")
+    k, gap = text_config(model).num_experts_per_tok, float("inf")
     for lg in logits:
         p = torch.softmax(lg.float(), -1).sort(-1, descending=True).values
         gap = min(gap, float((p[:, k - 1] - p[:, k]).min()))
@@ -74,7 +94,11 @@ def route_gap(model, ids) -> float:
 def draw(variant: str, seed: int, path):
     cfg_name, model_name, extra = VARIANTS[variant]
     rng = np.random.default_rng(seed)
-    config = getattr(transformers, cfg_name)(**COMMON, **extra)
+    if model_name.endswith("ConditionalGeneration"):
+        text = {k: v for k, v in {**COMMON, **extra}.items() if k not in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        config = getattr(transformers, cfg_name)(text_config=text, vision_config=VISION)
+    else:
+        config = getattr(transformers, cfg_name)(**COMMON, **extra)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).float().eval()
     randomize(model, rng)
@@ -87,8 +111,17 @@ def draw(variant: str, seed: int, path):
         gen = model.generate(ids[:, :20], attention_mask=torch.ones_like(ids[:, :20]), do_sample=False,
                              max_new_tokens=STEPS, min_new_tokens=STEPS, eos_token_id=None, pad_token_id=0,
                              output_logits=True, return_dict_in_generate=True)
-    gap = min(route_gap(model, ids), route_gap(model, gen.sequences)) if config.num_experts else float("inf")
+    sparse = getattr(text_config(model), "num_experts", 0)
+    gap = min(route_gap(model, ids), route_gap(model, gen.sequences)) if sparse else float("inf")
     return model, prompt, gen, gap
+
+
+def decoder(model):
+    return getattr(model.model, "language_model", model.model)
+
+
+def text_config(model):
+    return model.config.get_text_config()
 
 
 def rel(a, b) -> float:
@@ -106,14 +139,14 @@ def test_live_hybrid_against_transformers(variant, tmp_path):
     else:
         pytest.fail(f"no draw without a routing near tie from seed {seed0}")
     eng = lambda: open_model(path, device="cpu", max_context=256, fp32_logits=True).engine  # noqa: E731
-    linear = [i for i, t in enumerate(model.config.layer_types) if t == L]
+    linear = [i for i, t in enumerate(text_config(model).layer_types) if t == L]
     for n in LENGTHS:
         ids = torch.from_numpy(prompt[:n])[None]
         hooks, hf = [], {}
         for i in linear:
-            hooks.append(model.model.layers[i].linear_attn.register_forward_hook(
+            hooks.append(decoder(model).layers[i].linear_attn.register_forward_hook(
                 lambda m, a, o, i=i: hf.__setitem__(i, o[0].detach().numpy())))
-        cache = transformers.DynamicCache(config=model.config)
+        cache = transformers.DynamicCache(config=text_config(model))
         with torch.no_grad():
             ref = model(ids, cache=cache, use_cache=True).logits[0].numpy()
         for h in hooks:

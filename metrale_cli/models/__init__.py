@@ -6,7 +6,7 @@ lists and the fixture scripts read it.
 
 from __future__ import annotations
 
-from . import gemma2, gemma3, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, qwen3_next
+from . import gemma2, gemma3, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, qwen3_5, qwen3_next
 from .model_config import Family
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY)}
@@ -16,6 +16,6 @@ FAMILIES.update({f.model_type: f for f in (gemma2.FAMILY, gemma3.TEXT_FAMILY, ge
 # Mixtures of experts (models/moe.py)
 FAMILIES.update({f.model_type: f for f in (qwen2_moe.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY)})
 # Hybrid linear / full attention (Gated DeltaNet: the linear_attention mixer kind)
-FAMILIES.update({f.model_type: f for f in (qwen3_next.FAMILY,)})
+FAMILIES.update({f.model_type: f for f in (qwen3_next.FAMILY, *qwen3_5.FAMILIES)})
 
 __all__ = ["FAMILIES", "Family"]
