@@ -48,8 +48,15 @@ SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=80, num_attention
              linear_conv_kernel_dim=4)
 
 
+VISION = dict(depth=1, hidden_size=32, intermediate_size=40, num_heads=2, out_hidden_size=64, patch_size=14,
+              spatial_merge_size=2, temporal_patch_size=2)
+
+
 def specs():
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    from transformers import (Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM,
+                              Qwen3_5MoeTextConfig, Qwen3NextConfig, Qwen3NextForCausalLM)
+
+    text = {k: v for k, v in SMALL.items() if k not in ("bos_token_id", "eos_token_id", "pad_token_id")}
 
     return [
         # 5 layers L L L F L; sparse layers top-2 of 8 with the gated shared expert, layer 1 dense
@@ -57,11 +64,20 @@ def specs():
             **SMALL, num_hidden_layers=5, layer_types=[LIN, LIN, LIN, FULL, LIN], num_experts=8, num_experts_per_tok=2,
             moe_intermediate_size=40, shared_expert_intermediate_size=56, norm_topk_prob=True, mlp_only_layers=[1],
             tie_word_embeddings=False)),
+        # Qwen3.5 dense, the multimodal checkpoint (a one-block vision tower, never read): 4 layers L L L F,
+        # flat in_proj_qkv / z / b / a, the decoder under model.language_model.
+        ("qwen3_5", 1402, Qwen3_5ForConditionalGeneration, lambda: Qwen3_5Config(
+            text_config=dict(text, num_hidden_layers=4, tie_word_embeddings=False), vision_config=VISION,
+            tie_word_embeddings=False)),
+        # Qwen3.5-MoE text model: 4 layers L F L L, every layer top-4 of 8 (renormalised) + the shared expert
+        ("qwen3_5_moe_text", 1403, Qwen3_5MoeForCausalLM, lambda: Qwen3_5MoeTextConfig(
+            **SMALL, num_hidden_layers=4, layer_types=[LIN, FULL, LIN, LIN], num_experts=8, num_experts_per_tok=4,
+            moe_intermediate_size=40, shared_expert_intermediate_size=56, tie_word_embeddings=False)),
     ]
 
 
 def reinit_hybrid_(model, seed: int) -> None:
-    ref.reinit_(model, seed, bool(model.config.tie_word_embeddings))
+    ref.reinit_(model, seed, bool(model.config.get_text_config().tie_word_embeddings))
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
@@ -75,10 +91,11 @@ def reinit_hybrid_(model, seed: int) -> None:
 
 def states(model, prompt: np.ndarray) -> dict:
     """transformers' cache contents after a prefill of `prompt`."""
-    cache = transformers.DynamicCache(config=model.config)
+    text = model.config.get_text_config()
+    cache = transformers.DynamicCache(config=text)
     with torch.no_grad():
         model(torch.from_numpy(prompt)[None], cache=cache, use_cache=True)
-    layers = [i for i, t in enumerate(model.config.layer_types) if t == LIN]
+    layers = [i for i, t in enumerate(text.layer_types) if t == LIN]
     return {"linear_layers": np.array(layers, np.int64),
             "conv_state": np.stack([cache.layers[i].conv_states[0][0].numpy() for i in layers]).astype(np.float32),
             "recurrent_state": np.stack([cache.layers[i].recurrent_states[0][0].numpy()
@@ -86,7 +103,7 @@ def states(model, prompt: np.ndarray) -> dict:
 
 
 def routing_gap(model, ids: np.ndarray) -> float:
-    if not any(hasattr(layer.mlp, "gate") for layer in model.model.layers):
+    if not any(hasattr(layer.mlp, "gate") for layer in getattr(model.model, "language_model", model.model).layers):
         return float("inf")
     return ref.moe_golden(model, torch.from_numpy(ids)[None])[1]
 
@@ -95,14 +112,18 @@ def build(name, seed, model_cls, make_config):
     out = ref.MODELS_DIR / name
     config = make_config()
     config._attn_implementation = "eager"
+    config.get_text_config()._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = model_cls(config).float().eval()
     reinit_hybrid_(model, seed)
     model.save_pretrained(out)
     cfg_path = out / "config.json"
     ref.write_json(cfg_path, __import__("json").loads(cfg_path.read_text()))
-    model = ref.load_fp32(out)
-    vocab = config.vocab_size
+    # reload from disk; sparse layers with transformers' plain per-expert loop (its CPU default is grouped)
+    sparse = bool(getattr(config.get_text_config(), "num_experts", 0))
+    model = model_cls.from_pretrained(out, attn_implementation="eager",
+                                      **({"experts_implementation": "eager"} if sparse else {})).float().eval()
+    vocab = config.get_text_config().vocab_size
     for attempt in range(50):
         rng = np.random.default_rng(seed * 100 + attempt)
         prompt = rng.integers(0, vocab, size=PROMPT_LEN, dtype=np.int64)

@@ -1,9 +1,11 @@
-"""The NumPy engine on the hybrid Gated DeltaNet family (qwen3_next) against golden outputs of transformers
-(fp32, CPU; scripts/make_linear_fixtures.py), and the linear-attention state: rollback after verify, trim,
-the chunked rule against the recurrent one on the whole model.
+"""The NumPy engine on the hybrid Gated DeltaNet families against golden outputs of transformers (fp32, CPU;
+scripts/make_linear_fixtures.py), and the linear-attention state: rollback after verify, trim, the chunked
+rule against the recurrent one on the whole model.
 
-The fixture: 5 layers L L L F L (linear / full attention), sparse layers top-2 of 8 with the gated shared
-expert, layer 1 dense; prompts of 1, 63, 64, 65 and 192 tokens cross transformers' chunks of 64.
+Fixtures: qwen3_next (5 layers L L L F L, linear / full attention; sparse layers top-2 of 8 with the gated
+shared expert, layer 1 dense), qwen3_5 (the multimodal checkpoint's dense text model, L L L F, flat
+projections), qwen3_5_moe_text (L F L L, every layer top-4 of 8). Prompts of 1, 63, 64, 65 and 192 tokens
+cross transformers' chunks of 64.
 """
 
 from __future__ import annotations
@@ -20,15 +22,15 @@ from metrale_cli.model import open_model
 from metrale_cli.models.spec import AttentionSpec, LinearAttentionSpec
 
 FIXTURES = Path(__file__).parent / "fixtures"
-NAME = "qwen3_next"
+MODELS = ["qwen3_next", "qwen3_5", "qwen3_5_moe_text"]
 
 
-def golden():
-    return np.load(FIXTURES / "golden" / f"{NAME}.npz")
+def golden(name: str = "qwen3_next"):
+    return np.load(FIXTURES / "golden" / f"{name}.npz")
 
 
-def engine(ctx: int = 320):
-    return open_model(FIXTURES / "models" / NAME, device="cpu", max_context=ctx, fp32_logits=True).engine
+def engine(name: str = "qwen3_next", ctx: int = 320):
+    return open_model(FIXTURES / "models" / name, device="cpu", max_context=ctx, fp32_logits=True).engine
 
 
 def rel_err(out, ref) -> float:
@@ -58,54 +60,59 @@ def test_the_fixture_mixes_both_kinds():
     assert "model.layers.0.linear_attn" in tap_names(d) and "model.layers.3.self_attn" in tap_names(d)
 
 
-def test_prefill_logits_match_transformers():
-    g = golden()
-    e = engine()
+@pytest.mark.parametrize("name", MODELS)
+def test_prefill_logits_match_transformers(name):
+    g = golden(name)
+    e = engine(name)
     n = e.prefill(g["prompt"], all_logits=True)
     err = rel_err(rows(e, e.logits_buffer_ptr(), n), g["prefill_logits"])
-    print(f"prefill of {n}: max|diff|/max|ref| = {err:.2e}")
+    print(f"{name} prefill of {n}: max|diff|/max|ref| = {err:.2e}")
     assert err <= 1e-5
     assert rel_err(e.copy_hidden_to_host(), g["hidden_after_norm"]) <= 1e-5
 
 
+@pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("i", range(5))
-def test_prefill_across_chunk_boundaries(i):
+def test_prefill_across_chunk_boundaries(name, i):
     """Prompts of 1, chunk - 1, chunk, chunk + 1 and 3 chunks (chunk 64, transformers' own)."""
-    g = golden()
+    g = golden(name)
     n = int(g["lengths"][i])
-    e = engine()
+    e = engine(name)
     e.prefill(g["long_prompt"][:n], all_logits=True)
     out = rows(e, e.logits_buffer_ptr(), n)
     err = max(rel_err(out, g["long_logits"][:n]), rel_err(out[-1], g["lengths_last"][i]))
-    print(f"prompt of {n}: max|diff|/max|ref| = {err:.2e}")
+    print(f"{name} prompt of {n}: max|diff|/max|ref| = {err:.2e}")
     assert err <= 1e-5
 
 
-def test_32_greedy_steps_match_generate():
-    g = golden()
-    res = decoding.run_decode(engine(), list(g["prompt"]), 32, keep_rows=True)
+@pytest.mark.parametrize("name", MODELS)
+def test_32_greedy_steps_match_generate(name):
+    g = golden(name)
+    res = decoding.run_decode(engine(name), list(g["prompt"]), 32, keep_rows=True)
     assert [s.token for s in res.steps] == list(g["greedy_tokens"])
     err = rel_err(res.rows.array(), g["greedy_logits"])
-    print(f"32 greedy rows: max|diff|/max|ref| = {err:.2e}")
+    print(f"{name} 32 greedy rows: max|diff|/max|ref| = {err:.2e}")
     assert err <= 1e-5
 
 
-def test_chunked_rule_equals_recurrent_rule_on_the_model():
-    g = golden()
+@pytest.mark.parametrize("name", MODELS)
+def test_chunked_rule_equals_recurrent_rule_on_the_model(name):
+    g = golden(name)
     out = {}
     for rule in ("chunked", "recurrent"):
-        e = engine()
+        e = engine(name)
         e.states["linear_attention"].rule = rule
         e.prefill(g["long_prompt"], all_logits=True)
         out[rule] = rows(e, e.logits_buffer_ptr(), len(g["long_prompt"]))
     err = rel_err(out["chunked"], out["recurrent"])
-    print(f"chunked vs recurrent, 192 rows: max|diff|/max|ref| = {err:.2e}")
+    print(f"{name} chunked vs recurrent, 192 rows: max|diff|/max|ref| = {err:.2e}")
     assert 0 < err <= 1e-5  # not the same code path, and the same numbers
 
 
-def test_state_after_prefill_equals_transformers_cache():
-    g = golden()
-    e = engine()
+@pytest.mark.parametrize("name", MODELS)
+def test_state_after_prefill_equals_transformers_cache(name):
+    g = golden(name)
+    e = engine(name)
     e.prefill(g["prompt"])
     st = e.states["linear_attention"].tensors()
     for j, i in enumerate(g["linear_layers"]):
@@ -115,45 +122,47 @@ def test_state_after_prefill_equals_transformers_cache():
         assert rel_err(st[f"model.layers.{i}.linear_attn.recurrent_state"], g["recurrent_state"][j]) <= 1e-5
 
 
+@pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("k", range(1, 9))
-def test_verify_equals_sequential_decode_with_a_rejection_at_every_position(k):
+def test_verify_equals_sequential_decode_with_a_rejection_at_every_position(name, k):
     """verify(k drafts) rows == k sequential decode rows; then for every accepted count a (0..k) the state
     rolled back to the last accepted token decodes as the sequential run that stopped there."""
     rng = np.random.default_rng()
-    prompt = list(golden()["prompt"])
+    prompt = list(golden(name)["prompt"])
     drafts = [int(t) for t in rng.integers(0, 300, k)]
     nxt = int(rng.integers(0, 300))
-    seq = engine()
+    seq = engine(name)
     seq.prefill(prompt)
     seq_rows, after = [], []
     for t in drafts:
         seq_rows.append(decode_row(seq, t))
-    e = engine()
+    e = engine(name)
     for accepted in range(k + 1):
         e.reset()
         e.prefill(prompt)
         e.verify(drafts)
         assert rel_err(rows(e, e.logits_buffer_ptr(), k), np.stack(seq_rows)) <= 1e-5
         e.trim(len(prompt) + accepted)
-        ref = engine()
+        ref = engine(name)
         ref.prefill(prompt)
         for t in drafts[:accepted]:
             ref.decode(t)
         after.append(rel_err(decode_row(e, nxt), decode_row(ref, nxt)))
-    print(f"k={k}: verify vs sequential, rollback then decode vs sequential: max {max(after):.2e}")
+    print(f"{name} k={k}: verify vs sequential, rollback then decode vs sequential: max {max(after):.2e}")
     assert max(after) <= 1e-5  # the same recurrent steps (the projections of k rows round differently)
 
 
-def test_trim_then_decode_equals_a_fresh_run():
+@pytest.mark.parametrize("name", MODELS)
+def test_trim_then_decode_equals_a_fresh_run(name):
     rng = np.random.default_rng()
-    prompt = list(golden()["prompt"])
+    prompt = list(golden(name)["prompt"])
     drafts = [int(t) for t in rng.integers(0, 300, 5)]
-    e = engine()
+    e = engine(name)
     e.prefill(prompt)
     e.verify(drafts)
     keep = int(rng.integers(0, 6))
     e.trim(len(prompt) + keep)
-    fresh = engine()
+    fresh = engine(name)
     fresh.prefill(prompt + drafts[:keep])
     assert rel_err(decode_row(e, 7), decode_row(fresh, 7)) <= 1e-5
 
