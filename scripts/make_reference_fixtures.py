@@ -8,9 +8,6 @@ For every model in MODELS this script
   * writes it with ``save_pretrained`` to ``tests/fixtures/models/<name>/``,
   * runs transformers on a random prompt and writes ``tests/fixtures/golden/<name>.npz``.
 
-The hybrid linear-attention fixtures (qwen3_next, qwen3_5) are made by make_linear_fixtures.py, with
-these helpers.
-
 Everything is seeded; no network is needed.  Regenerate with
 
     python scripts/make_reference_fixtures.py
