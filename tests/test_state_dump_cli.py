@@ -82,3 +82,10 @@ def test_inspect_reports_the_state_bytes_per_sequence(run_cli):
     assert info["state_bytes_per_sequence"] == e.states["linear_attention"].nbytes == 32256
     r = run_cli("inspect", "tests/fixtures/models/llama", "--format", "json")
     assert "linear_attention" not in json.loads(r.stdout)  # only models that have the layers
+
+
+def test_what_the_linear_layers_do_not_have_yet_is_refused_by_name(run_cli):
+    r = run_cli("forward", "--model", MODEL, "--tokens", "1 2 3", "--compute", "bf16")
+    assert r.exit_code == 2 and "--compute bf16 is not implemented for linear-attention layers" in r.stderr
+    r = run_cli("forward", "--model", MODEL, "--tokens", "1 2 3", "--tp", "2", "--device", "cpu")
+    assert r.exit_code == 2 and "layers of kind 'linear_attention' have no tensor-parallel split" in r.stderr

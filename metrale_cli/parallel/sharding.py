@@ -73,10 +73,9 @@ def check_tp(definition: ModelDefinition, n: int) -> None:
         raise UsageError(f"--tp {n}: a vocabulary of {vocab} rows leaves the last rank none")
     for layer in definition.layers:
         a = layer.mixer
-        if a.kind != "attention":  # the plan splits attention heads; another kind has no plan yet
-            if n > 1:
-                raise UsageError(f"--tp {n}: layers of kind '{a.kind}' have no tensor-parallel split yet (use --tp 1)")
-            continue
+        if a.kind != "attention":  # the plan splits attention heads; another kind has no plan yet (not even
+            # --tp 1, which runs the sharded path on one rank)
+            raise UsageError(f"--tp {n}: layers of kind '{a.kind}' have no tensor-parallel split yet (leave --tp out)")
         if n > 1 and a.sinks:
             raise UsageError(f"--tp {n}: attention sinks have no tensor-parallel split yet (use --tp 1)")
         if n > 1 and a.output_gate:
