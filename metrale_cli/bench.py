@@ -216,9 +216,10 @@ def gemm_rate_cpu(n: int = 1024) -> float:
 
 
 def kv_bytes_read(cfg: ModelConfig, context: int, elem: int) -> int:
-    """K and V bytes one decode step at `context` reads: a sliding layer only its window of them."""
+    """K and V bytes one decode step at `context` reads: a sliding layer only its window of them (layers of
+    another mixer kind hold no KV cache)."""
     return sum(2 * layer.mixer.kv_size * elem * min(context, layer.mixer.window or context)
-               for layer in cfg.definition.layers)
+               for layer in cfg.definition.layers if layer.mixer.kind == "attention")
 
 
 def build_engine(cfg: ModelConfig, device: str, context: int, tp: int | None = None):
