@@ -168,17 +168,23 @@ def test_trim_then_decode_equals_a_fresh_run(name):
 
 
 def test_a_trim_with_no_saved_state_is_refused():
+    """After decode steps the state keeps the copies of the last ROLLBACK positions: a trim further back is
+    refused by name; one within them restores the state of that position."""
+    from metrale_cli.backends.numpy.linear_attention import ROLLBACK
+
     prompt = list(golden()["prompt"])
+    steps = [int(t) for t in np.random.default_rng().integers(0, 300, ROLLBACK + 2)]
     e = engine()
     e.prefill(prompt)
-    for t in (5, 6, 7):
+    for t in steps:
         e.decode(t)
-    with pytest.raises(InputError, match="cannot trim the linear-attention state to position 66"):
-        e.trim(len(prompt) + 1)  # two steps back: only the last pass's start is kept
-    assert e.length == len(prompt) + 3
-    e.trim(len(prompt) + 2)  # one step back: the start of the last decode
+    end = len(prompt) + len(steps)
+    with pytest.raises(InputError, match=f"cannot trim the linear-attention state to position {end - ROLLBACK - 1}"):
+        e.trim(end - ROLLBACK - 1)
+    assert e.length == end
+    e.trim(end - ROLLBACK)  # the oldest copy kept
     fresh = engine()
-    fresh.prefill(prompt + [5, 6])
+    fresh.prefill(prompt + steps[:len(steps) - ROLLBACK])
     assert rel_err(decode_row(e, 9), decode_row(fresh, 9)) <= 1e-5
     e.trim(0)
     assert e.length == 0 and not e.states["linear_attention"].recurrent[0].any()

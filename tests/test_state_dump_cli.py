@@ -89,3 +89,14 @@ def test_what_the_linear_layers_do_not_have_yet_is_refused_by_name(run_cli):
     assert r.exit_code == 2 and "--compute bf16 is not implemented for linear-attention layers" in r.stderr
     r = run_cli("forward", "--model", MODEL, "--tokens", "1 2 3", "--tp", "2", "--device", "cpu")
     assert r.exit_code == 2 and "layers of kind 'linear_attention' have no tensor-parallel split" in r.stderr
+
+
+def test_verify_self_drafts_roll_the_state_back(run_cli):
+    """verify --draft self decodes k steps, trims back k positions and verifies: the state's kept copies
+    make the trim possible, and every self draft is accepted."""
+    import json
+
+    r = run_cli("verify", "--model", MODEL, "--tokens", "3 1 4 1 5", "--k", "6", "--format", "json")
+    assert r.exit_code == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["accepted"] == 6 and out["max_abs_diff_vs_sequential"] <= 1e-4

@@ -5,11 +5,12 @@ Which rule runs: a pass of one token (decode) and every verify pass run the recu
 token at a time; verify keeps the state after each row); a prefill of more tokens runs the chunked rule
 (`LinearState.rule`, "chunked" as transformers; a test sets "recurrent" to compare the two on a model).
 
-Rollback: a recurrent state cannot be cut back, so the state keeps copies. At the start of every pass it
-saves the state it starts from, and a verify pass also saves the state after each of its rows; `trim` to
-one of those positions restores the copy, `trim` to any other position (but the current one, or 0) is
-refused with an InputError. Each kept position costs `nbytes` (the conv and recurrent states of every
-linear layer), so a verify of k rows keeps k + 1 copies until the next pass.
+Rollback: a recurrent state cannot be cut back, so the state keeps copies. Every pass saves the state it
+starts from, and a verify pass also saves the state after each of its rows; the copies of the last
+`ROLLBACK` positions are kept (and all of the last verify pass's). `trim` to a kept position restores its
+copy; `trim` to any other position (but the current one, or 0) is refused with an InputError naming the
+kept ones. Each kept position costs `nbytes` (the conv and recurrent states of every linear layer): a
+verify of k rows keeps k + 1 copies, a run of decode steps at most ROLLBACK.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from ...models.spec import LinearAttentionSpec, ModelDefinition
 
 States = dict[int, tuple[np.ndarray, np.ndarray]]  # layer -> (conv state, recurrent state)
+ROLLBACK = 16  # positions back a trim can reach after decode steps (verify's own rows are always kept)
 
 
 class LinearState:
@@ -56,7 +58,9 @@ class LinearState:
             if start != 0:
                 raise InputError(f"the linear-attention state is at position {self.position}, not {start}")
             self.reset()  # the cache is being recomputed from its first token
-        self.saved = {start: self._copy()}
+        oldest = start + rows - max(ROLLBACK, rows + 1 if keep_rows else 0)
+        self.saved = {p: st for p, st in self.saved.items() if oldest <= p < start}
+        self.saved[start] = self._copy()
         self.position = start + rows
         self.keep_rows = keep_rows
         if keep_rows:
@@ -77,7 +81,7 @@ class LinearState:
             kept = ", ".join(str(p) for p in sorted(self.saved)) or "none"
             raise InputError(
                 f"cannot trim the linear-attention state to position {length}: a recurrent state cannot be cut "
-                f"back, and states are kept only at the start of the last pass and after each verify row "
+                f"back, and copies are kept only at the last {ROLLBACK} positions and each row of the last verify "
                 f"(positions {kept})")
         self.saved = {p: s for p, s in self.saved.items() if p <= length}
 
