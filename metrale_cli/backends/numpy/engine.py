@@ -333,6 +333,10 @@ def load_numpy_engine(cfg: ModelConfig, source: WeightSource, max_context: int, 
     check_context(cfg, max_context)  # refuse before converting gigabytes of weights
     if compute not in ROUNDING:
         raise UsageError(f"unknown compute precision '{compute}' (choose from {', '.join(ROUNDING)})")
+    for kind in kinds_of(cfg.definition.layers):  # a kind's module may compute in fewer precisions (COMPUTE)
+        if compute not in getattr(mixer_kind(kind).backend("numpy"), "COMPUTE", ROUNDING):
+            raise UsageError(f"--compute {compute} is not implemented for {kind.replace('_', '-')} layers yet "
+                             "(use --compute fp32)")
     if tp is None:
         return NumpyEngine(cfg, read_weights(cfg, source, progress, compute=compute), max_context, fp32_logits,
                            compute=compute)

@@ -104,10 +104,14 @@ class LinearState:
         return {i: (self.conv[i].copy(), self.recurrent[i].copy()) for i in self.specs}
 
 
+# fp32 compute only: where a bf16 forward of transformers rounds inside Gated DeltaNet is not matched yet, so
+# load_numpy_engine refuses --compute bf16 before reading any weight
+COMPUTE = ("fp32",)
+
+
 def state(engine, layers: list[int]) -> LinearState:
-    """The state of `engine`'s linear-attention layers (engine/mixers.py). fp32 compute only: where a bf16
-    forward of transformers rounds inside Gated DeltaNet is not matched yet, so --compute bf16 is refused."""
-    if getattr(engine, "compute", "fp32") != "fp32":
+    """The state of `engine`'s linear-attention layers (engine/mixers.py)."""
+    if getattr(engine, "compute", "fp32") not in COMPUTE:
         raise UsageError("--compute bf16 is not implemented for linear-attention layers yet (use --compute fp32)")
     return LinearState(engine.cfg.definition, layers)
 
