@@ -194,3 +194,28 @@ def test_state_bytes_per_sequence():
     st = engine().states["linear_attention"]
     per_layer = (2 * 2 * 16 + 4 * 24) * 3 + 4 * 16 * 24  # conv [conv_dim, K - 1] + recurrent [v_heads, dk, dv]
     assert st.nbytes == 4 * 4 * per_layer  # 4 linear layers, fp32
+
+
+def test_a_pass_stopped_part_way_leaves_a_usable_state(monkeypatch):
+    """A pass interrupted after some linear layers ran (Ctrl-C) does not advance the engine; the next pass
+    starts from the saved state of that position, so the run equals one that was never interrupted."""
+    from metrale_cli.backends.numpy import linear_attention
+
+    prompt = list(golden()["prompt"])
+    e, fresh = engine(), engine()
+    e.prefill(prompt)
+    fresh.prefill(prompt)
+    mix, calls = linear_attention.LinearAttentionOps.mix, []
+
+    def stop_at_the_second_layer(self, *args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return mix(self, *args)
+
+    monkeypatch.setattr(linear_attention.LinearAttentionOps, "mix", stop_at_the_second_layer)
+    with pytest.raises(KeyboardInterrupt):
+        e.decode(5)
+    monkeypatch.setattr(linear_attention.LinearAttentionOps, "mix", mix)
+    assert e.length == len(prompt)
+    assert rel_err(decode_row(e, 5), decode_row(fresh, 5)) == 0

@@ -54,10 +54,13 @@ class LinearState:
 
     def begin(self, start: int, rows: int, keep_rows: bool) -> None:
         """A pass of `rows` tokens from position `start`: save the states it starts from."""
-        if start != self.position:
-            if start != 0:
+        if start != self.position:  # a pass that stopped part-way (Ctrl-C), or a cache recomputed from 0
+            if start == 0:
+                self.reset()
+            elif self._kept(start):
+                self._restore(start)
+            else:
                 raise InputError(f"the linear-attention state is at position {self.position}, not {start}")
-            self.reset()  # the cache is being recomputed from its first token
         oldest = start + rows - max(ROLLBACK, rows + 1 if keep_rows else 0)
         self.saved = {p: st for p, st in self.saved.items() if oldest <= p < start}
         self.saved[start] = self._copy()
@@ -73,10 +76,8 @@ class LinearState:
         elif length == 0:
             self.reset()
             return
-        elif len(self.saved.get(length, {})) == len(self.specs):
-            for i, (c, r) in self.saved[length].items():
-                self.conv[i], self.recurrent[i] = c.copy(), r.copy()
-            self.position = length
+        elif self._kept(length):
+            self._restore(length)
         else:
             kept = ", ".join(str(p) for p in sorted(self.saved)) or "none"
             raise InputError(
@@ -99,6 +100,14 @@ class LinearState:
             out[f"model.layers.{i}.linear_attn.conv_state"] = self.conv[i]
             out[f"model.layers.{i}.linear_attn.recurrent_state"] = self.recurrent[i]
         return out
+
+    def _kept(self, position: int) -> bool:
+        return len(self.saved.get(position, {})) == len(self.specs)
+
+    def _restore(self, position: int) -> None:
+        for i, (c, r) in self.saved[position].items():
+            self.conv[i], self.recurrent[i] = c.copy(), r.copy()
+        self.position = position
 
     def _copy(self) -> States:
         return {i: (self.conv[i].copy(), self.recurrent[i].copy()) for i in self.specs}
