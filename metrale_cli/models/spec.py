@@ -26,6 +26,12 @@ Sparse (mixture-of-experts) layers, whose LayerSpec.mlp is a MoeSpec, read inste
     shared_gate_up  the shared expert's gate/up [2S, H] and down [H, S] (qwen2_moe shared_expert)
     shared_down
 
+Linear-attention layers (LayerSpec.mixer a LinearAttentionSpec, Gated DeltaNet) read instead of qkv/o:
+    lin_in          in_proj_qkvz + in_proj_ba (qwen3_next), or in_proj_qkv + z + b + a (qwen3_5), fused
+    conv            the depthwise causal conv1d over q | k | v   [conv_dim, 1, kernel]
+    dt_bias, A_log  the decay's bias and log rate per value head
+    lin_norm        RMSNormGated's weight [v_head_dim]           lin_out   out_proj [H, v_dim]
+
 Per-layer attention options live in `AttentionSpec` (window, score softcap, rope with its partial
 rotary / per-layer base / scaling), model-wide ones in `ModelDefinition` (embedding scale, final logit
 softcap). Every default is the Llama behaviour.

@@ -133,7 +133,6 @@ class AttentionOps:
         p = r(p[..., :n])
         return r(p @ values).reshape(nkv, rep, t, d).transpose(2, 0, 1, 3).reshape(t, a.q_size)  # (T, nh*d)
 
-
     def output_gate(self, y, qkv, a: AttentionSpec):
         """y [T, heads * d] times sigmoid of each head's gate rows of the doubled q projection."""
         gate = qkv[:, :a.q_proj_size].reshape(self.p.t, a.num_heads, 2 * a.head_dim)[..., a.head_dim:]
