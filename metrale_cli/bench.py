@@ -217,9 +217,10 @@ def gemm_rate_cpu(n: int = 1024) -> float:
 
 def kv_bytes_read(cfg: ModelConfig, context: int, elem: int) -> int:
     """K and V bytes one decode step at `context` reads: a sliding layer only its window of them; a latent
-    attention layer its one latent row per position."""
+    attention layer its one latent row per position (layers of another mixer kind hold no KV cache)."""
     return sum((layer.mixer.latent_size if layer.mixer.kind == "mla" else 2 * layer.mixer.kv_size) * elem
-               * min(context, getattr(layer.mixer, "window", None) or context) for layer in cfg.definition.layers)
+               * min(context, getattr(layer.mixer, "window", None) or context) for layer in cfg.definition.layers
+               if layer.mixer.kind in ("attention", "mla"))
 
 
 def build_engine(cfg: ModelConfig, device: str, context: int, tp: int | None = None):

@@ -79,3 +79,18 @@ def test_a_head_dim_the_kernels_lack_is_refused_before_anything_loads(helpers, n
     with pytest.raises(DeviceError, match=f"head_dim {head_dim} is not supported by the CUDA kernels "
                                           r"\(supported: 32, 64, 96, 128, 256\)"):
         load_cuda_engine(cfg, RandomTensors(cfg), 16)
+
+
+def test_linear_attention_and_the_output_gate_are_refused_by_name(helpers):
+    """qwen3_next: the Gated DeltaNet layer kind and the gated full attention have no CUDA kernels yet."""
+    cfg = _cfg(helpers, "qwen3_next")
+    found = unsupported_features(cfg.definition)
+    assert found == ["layer kind linear_attention", "(1 + w) RMSNorm in a mixture-of-experts layer",
+                     "attention output gate"]
+    with pytest.raises(DeviceError, match="does not implement layer kind linear_attention, .*attention output gate") as e:
+        load_cuda_engine(cfg, RandomTensors(cfg), 32)  # before CuPy is looked for
+    assert "\n" not in str(e.value)
+    # the output gate alone (a full-attention layer of the fixture put in layer 0) is refused too
+    layer3 = cfg.definition.layers[3]
+    cfg = _with_layer0(_cfg(helpers, "qwen3_next"), mixer=layer3.mixer, params=layer3.params)
+    assert "attention output gate" in unsupported_features(cfg.definition)

@@ -10,10 +10,11 @@ from ..inputs import check_draft_matches, check_positive, context_for, read_mode
 from ..model import LoadedModel
 from ..render.common import note
 from ..render.decode import DecodeReport
+from ..state_dumps import check_state_dump, write_state_dump
 from .entry import State, app
 from .help_format import MetraleCommand
 from .job import Job, ctrl_c_stops, dumps_on_nonfinite, load, prepare, record_layers, token_text, write_dumps
-from .options import DEFAULT_K, Common, DraftModelOpt, pass_options
+from .options import DEFAULT_K, Common, DraftModelOpt, DumpStateOpt, pass_options
 
 if TYPE_CHECKING:  # the commands import decoding (and with it numpy) when they run: --help stays fast
     from ..decoding.results import SpecDecodeResult
@@ -35,6 +36,7 @@ def decode(
     draft_model: DraftModelOpt = None,
     k: Annotated[Optional[int], typer.Option(
         "--k", metavar="K", help=f"Drafts per verify pass (default {DEFAULT_K}).")] = None,
+    dump_state: DumpStateOpt = None,
 ) -> None:
     """Greedy decoding: prefill the prompt, then --steps decode steps, one line per produced token.
 
@@ -66,7 +68,8 @@ def decode(
     k = DEFAULT_K if k is None else k
     if speculative:
         check_positive(k, "--k")
-    _decode(job, steps, top_k or 0, ignore_eos, speculative, draft_model, k)
+    state_dump = check_state_dump(dump_state, job.spec.config.definition) if dump_state is not None else None
+    _decode(job, steps, top_k or 0, ignore_eos, speculative, draft_model, k, state_dump)
 
 
 def _cap_top_k(state: State, top_k: int, vocab: int) -> int:
@@ -78,7 +81,7 @@ def _cap_top_k(state: State, top_k: int, vocab: int) -> int:
 
 
 def _decode(job: Job, steps: int, top_k: int, ignore_eos: bool, speculative: bool, draft_path: str | None,
-            k: int) -> None:
+            k: int, state_dump=None) -> None:
     from ..decoding.decode import run_decode
     from ..decoding.rows import TextStream
     from ..decoding.speculative import ModelDrafter, NgramDrafter
@@ -123,6 +126,8 @@ def _decode(job: Job, steps: int, top_k: int, ignore_eos: bool, speculative: boo
             fed = job.ids + [s.token for s in result.steps[:-1]]
             write_dumps(job, "decode", result.rows, result.hidden_rows, fed,
                         [s.position - 1 for s in result.steps], recorder)
+            if state_dump is not None:  # the state after the last token run (the last produced is not run)
+                write_state_dump(state_dump, target.engine)
         report.finish(result, plain_match)
         if result.interrupted:
             raise Interrupted(f"stopped by Ctrl-C after {len(result.steps)} tokens (no dump file is written)")

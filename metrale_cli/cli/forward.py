@@ -8,10 +8,11 @@ import typer
 from ..errors import UsageError
 from ..inputs import context_for
 from ..render.forward import render_forward
+from ..state_dumps import check_state_dump, write_state_dump
 from .entry import app
 from .help_format import MetraleCommand
 from .job import dumps_on_nonfinite, load, prepare, record_layers, token_text, write_dumps
-from .options import Common, pass_options
+from .options import Common, DumpStateOpt, pass_options
 
 
 @app.command(cls=MetraleCommand)
@@ -22,12 +23,14 @@ def forward(
     rows: Annotated[str, typer.Option("--rows", metavar="last|all",
                                       help="The rows reported and dumped (every dump holds the same rows): the "
                                            "last (default) or every prompt row.")] = "last",
+    dump_state: DumpStateOpt = None,
 ) -> None:
     """One forward pass over the prompt: the argmax token and its logit for the last row or every row.
 
     --dump-logits writes the logits rows themselves (.safetensors, .npy, .bin), to compare with another
     engine bit for bit. Every dump (--dump-logits, --dump-hidden, --dump-layers) holds the rows --rows
-    selects: --rows all for every prompt row.
+    selects: --rows all for every prompt row. --dump-state writes a linear-attention model's recurrent
+    and conv states after the pass.
 
     Examples:
       metrale forward --prompt "The for statement" --rows all
@@ -39,6 +42,7 @@ def forward(
     if rows not in ("last", "all"):
         raise UsageError(f"--rows must be last or all, got {rows!r}")
     job = prepare(ctx.obj, c)
+    state_dump = check_state_dump(dump_state, job.spec.config.definition) if dump_state is not None else None
     n = len(job.ids)
     model_ctx = context_for(job.spec, n, f"prompt ({n} tokens)", c.max_context)
     target = load(job, job.spec, model_ctx, job.common.tp)
@@ -50,6 +54,8 @@ def forward(
         result.timings.load_s = target.load_seconds
         write_dumps(job, "forward", result.logit_rows, result.hidden_rows, job.ids,
                     [row.position for row in result.rows], recorder)
+        if state_dump is not None:
+            write_state_dump(state_dump, target.engine)
         render_forward(job.report_console, job.meta("forward", target), result)
     finally:
         target.close()

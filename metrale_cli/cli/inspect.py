@@ -164,7 +164,9 @@ def _inspect_info(spec: ModelSpec, ckpt: Checkpoint | HeaderListing,
     except (OSError, ValueError):
         raw = {}
     archs = raw.get("architectures")
-    from ..models.describe import block_features
+    from ..models.describe import block_features, linear_attention_info
+
+    linear = linear_attention_info(cfg)
 
     return {
         "command": "inspect", "model": spec.label,
@@ -179,6 +181,7 @@ def _inspect_info(spec: ModelSpec, ckpt: Checkpoint | HeaderListing,
         "tokenizer": ckpt.has_tokenizer, "bos_token_id": cfg.bos_token_id, "eos_token_ids": list(cfg.eos_token_ids),
         "experts": _experts_info(cfg), "weight_formats": _formats_info(cfg),
         **_latent_info(cfg),  # latent attention and what the checkpoint holds that is not run, when there is any
+        **({"linear_attention": linear} if linear is not None else {}),  # Gated DeltaNet layers and their state
         "valid": problem is None, "problems": str(problem) if problem is not None else None,
         "scanned": False, "nonfinite": None,  # --scan: the tensors holding NaN/Inf (name, dtype, nan, inf)
     }

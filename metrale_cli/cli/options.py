@@ -78,6 +78,10 @@ LayersOpt = Annotated[Optional[str], typer.Option(
 DumpStatsOpt = Annotated[bool, typer.Option(
     "--dump-stats", help="--dump-layers writes per-tensor statistics (min, max, mean, std, NaN/Inf counts, "
                          "sha256) as .json instead of the data, for models too big to dump whole.")]
+DumpStateOpt = Annotated[Optional[str], typer.Option(
+    "--dump-state", metavar="PATH",
+    help="Write the recurrent and conv states of every linear-attention layer after the run (fp32 "
+         "safetensors: model.layers.{i}.linear_attn.recurrent_state / .conv_state).")]
 TimingsOpt = Annotated[bool, typer.Option("--timings", help="Report load, prefill and per-token times.")]
 MaxContextOpt = Annotated[Optional[int], typer.Option(
     "--max-context", metavar="N",

@@ -4,6 +4,7 @@ softcaps and attention sinks (models/spec.AttentionSpec), in the order every bac
     qkv = qkv_proj(input_norm(x))            ops.linear (the norm fused where the backend can)
     q   = rope(q); the cache gets rope(k), v ops.mixer(i).rope_kv_append (q/k norm first when the spec has it)
     a   = softmax(q k^T * scale) v           ops.mixer(i).attention (window, softcap, sinks)
+    a  *= sigmoid(gate)                      ops.mixer(i).output_gate, when the spec has an output gate
     x  += o_proj(a)                          sublayer_out (through the sandwich post-norm when the layer has one)
 
 Backends: `backends/numpy/attention.py` (the reference, and its KV cache with rings for sliding layers),
@@ -30,6 +31,9 @@ class AttentionOps(Protocol):
     def attention(self, q: X, layer: int, spec: AttentionSpec, *, sinks: Any = None) -> X:
         """[T, heads * d]; `sinks` [heads]: one learned logit per head in every row's softmax (gpt-oss)."""
         ...
+    def output_gate(self, y: X, qkv: X, spec: AttentionSpec) -> X:
+        """y * sigmoid(gate), the gate rows of each head in the doubled q projection (spec.output_gate)."""
+        ...
 
 
 def forward(ops: Ops, i: int, layer: LayerSpec, lw: dict[str, Any], x: X) -> X:
@@ -38,6 +42,8 @@ def forward(ops: Ops, i: int, layer: LayerSpec, lw: dict[str, Any], x: X) -> X:
     att: AttentionOps = ops.mixer(i)
     q = att.rope_kv_append(qkv, i, a, lw.get("q_norm"), lw.get("k_norm"), layer.norm)
     y = att.attention(q, i, a, sinks=lw.get("sinks"))
+    if a.output_gate:  # qwen3_next: y * sigmoid(gate), the gate from the doubled q projection
+        y = att.output_gate(y, qkv, a)
     return sublayer_out(ops, y, lw["o"], lw.get("o_bias"), lw.get("attn_out_norm"), layer.norm, x,
                         f"{p}.self_attn", f"{p}.post_attention_layernorm")
 

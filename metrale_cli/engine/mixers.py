@@ -2,8 +2,9 @@
 on each backend.
 
 A layer (models/spec.LayerSpec) is a token mixer followed by an MLP. The mixer's spec names its kind
-(`LayerSpec.mixer.kind`): "attention" (GQA/MQA with rope, windows, softcaps and sinks), "mla" (DeepSeek's
-latent attention); linear attention would be a kind of its own. A kind is one `MixerKind`:
+(`LayerSpec.mixer.kind`): "attention" (GQA/MQA with rope, windows, softcaps, sinks and output gates), "mla"
+(DeepSeek's latent attention) and "linear_attention" (Gated DeltaNet: a conv state and a recurrent state instead
+of a KV cache). A kind is one `MixerKind`:
 
 - `forward(ops, i, layer, lw, x) -> x`: the sublayer in the order every backend runs it (its input norm,
   its projections through `ops.linear`, its own ops through `ops.mixer(i)`, its output projection added
@@ -63,7 +64,8 @@ class MixerKind:
 
 _KINDS: dict[str, MixerKind] = {}
 # The built-in kinds, each registered by importing its module on first use (the module registers itself)
-BUILTIN = {"attention": "metrale_cli.engine.attention", "mla": "metrale_cli.engine.mla"}
+BUILTIN = {"attention": "metrale_cli.engine.attention", "mla": "metrale_cli.engine.mla",
+           "linear_attention": "metrale_cli.engine.linear_attention"}
 
 
 def register_mixer(kind: MixerKind) -> MixerKind:

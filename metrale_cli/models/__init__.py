@@ -6,7 +6,8 @@ lists and the fixture scripts read it.
 
 from __future__ import annotations
 
-from . import deepseek, gemma2, gemma3, glm4_moe, gpt_oss, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe
+from . import (deepseek, gemma2, gemma3, glm4_moe, gpt_oss, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3,
+               qwen3_5, qwen3_moe, qwen3_next)
 from .model_config import Family
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY)}
@@ -20,5 +21,7 @@ FAMILIES.update({f.model_type: f for f in (deepseek.V3_FAMILY, deepseek.KIMI_K2_
                                            glm4_moe.FAMILY)})
 # gpt-oss (attention sinks, clamped SwiGLU experts with biases, MXFP4 experts: models/quantized/mxfp4.py)
 FAMILIES.update({gpt_oss.FAMILY.model_type: gpt_oss.FAMILY})
+# Hybrid linear / full attention (Gated DeltaNet: the linear_attention mixer kind)
+FAMILIES.update({f.model_type: f for f in (qwen3_next.FAMILY, *qwen3_5.FAMILIES)})
 
 __all__ = ["FAMILIES", "Family"]

@@ -60,3 +60,18 @@ def block_features(cfg: ModelConfig) -> dict[str, Any]:
         "activation": layers[0].mlp.activation,
         "embed_scale": d.embed_scale,
     }
+
+
+def linear_attention_info(cfg: ModelConfig) -> dict[str, Any] | None:
+    """The linear-attention (Gated DeltaNet) layers and the state one sequence keeps for them (fp32, as the
+    NumPy engine holds it: conv [conv_dim, kernel - 1] + recurrent [v_heads, k_head_dim, v_head_dim] per
+    layer); None for a model without them."""
+    layers = [(i, layer.mixer) for i, layer in enumerate(cfg.definition.layers) if layer.mixer.kind == "linear_attention"]
+    if not layers:
+        return None
+    s = layers[0][1]
+    conv = sum(m.conv_dim * (m.conv_kernel - 1) * 4 for _, m in layers)
+    recurrent = sum(m.num_v_heads * m.k_head_dim * m.v_head_dim * 4 for _, m in layers)
+    return {"layers": [i for i, _ in layers], "key_heads": s.num_k_heads, "key_head_dim": s.k_head_dim,
+            "value_heads": s.num_v_heads, "value_head_dim": s.v_head_dim, "conv_kernel": s.conv_kernel,
+            "conv_state_bytes": conv, "recurrent_state_bytes": recurrent, "state_bytes_per_sequence": conv + recurrent}

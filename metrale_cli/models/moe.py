@@ -77,18 +77,19 @@ def qwen_sparse_layers(r: ConfigReader) -> tuple[int, ...]:
 
 
 def define_sparse(cfg: ModelConfig, base: ModelDefinition, block: str, names: tuple[str, str, str],
-                  shared: str = "shared_expert.") -> ModelDefinition:
+                  shared: str = "shared_expert.", prefix: str = "model.") -> ModelDefinition:
     """`base` (the dense definition) with the sparse block on cfg.moe.sparse_layers. `block` is the
     checkpoint module of the sparse MLP (`mlp`, mixtral `block_sparse_moe`), `names` the (gate, up, down)
-    projection names of one expert, `shared` the shared expert's module (DeepSeek's `shared_experts.`)."""
+    projection names of one expert, `shared` the shared expert's module (DeepSeek's `shared_experts.`),
+    `prefix` where the decoder's layers live."""
     if cfg.moe is None:
         return base
     layers = list(base.layers)
     for i in cfg.moe.sparse_layers:
         dense = tuple(p for p in layers[i].params if p.key not in ("gate_up", "down"))
         layers[i] = replace(layers[i], mlp=cfg.moe.spec,
-                            params=dense + sparse_params(cfg.hidden_size, cfg.moe.spec, f"model.layers.{i}.{block}.", names,
-                                                         shared))
+                            params=dense + sparse_params(cfg.hidden_size, cfg.moe.spec, f"{prefix}layers.{i}.{block}.",
+                                                         names, shared))
     return replace(base, layers=tuple(layers))
 
 

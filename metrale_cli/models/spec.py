@@ -34,6 +34,12 @@ Sparse (mixture-of-experts) layers, whose LayerSpec.mlp is a MoeSpec, read inste
     shared_down
     router_correction  the choice correction of sigmoid_biased_grouped routing [E] (e_score_correction_bias)
 
+Linear-attention layers (LayerSpec.mixer a LinearAttentionSpec, Gated DeltaNet) read instead of qkv/o:
+    lin_in          in_proj_qkvz + in_proj_ba (qwen3_next), or in_proj_qkv + z + b + a (qwen3_5), fused
+    conv            the depthwise causal conv1d over q | k | v   [conv_dim, 1, kernel]
+    dt_bias, A_log  the decay's bias and log rate per value head
+    lin_norm        RMSNormGated's weight [v_head_dim]           lin_out   out_proj [H, v_dim]
+
 Per-layer attention options live in `AttentionSpec` (window, score softcap, rope with its partial
 rotary / per-layer base / scaling), model-wide ones in `ModelDefinition` (embedding scale, final logit
 softcap). Every default is the Llama behaviour.
@@ -257,10 +263,18 @@ class AttentionSpec:
     # Attention sinks (gpt-oss): a learned logit per query head (weight key `sinks` [num_heads]) that joins
     # every row's softmax as one more column and is dropped after it, so the probabilities sum below 1.
     sinks: bool = False
+    # Output gate (qwen3_next, qwen3_5): q_proj is doubled, each head's rows [q_h; gate_h], and the attention
+    # output of head h is multiplied by sigmoid(gate_h) before o_proj. The fused `qkv` is then [2q + 2kv, H].
+    output_gate: bool = False
 
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
+
+    @property
+    def q_proj_size(self) -> int:
+        """Rows of the q projection in the fused qkv: q, or q and its output gate interleaved per head."""
+        return self.q_size * (2 if self.output_gate else 1)
 
     @property
     def kv_size(self) -> int:
@@ -305,6 +319,42 @@ class MlaSpec:
     def latent_size(self) -> int:
         """Floats per cached position: the normed latent and the rotated shared key."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class LinearAttentionSpec:
+    """The "linear_attention" mixer kind (engine/linear_attention.py): Gated DeltaNet (qwen3_next, qwen3_5).
+
+    Weight keys: `lin_in` the input projection [2 k_dim + 2 v_dim + 2 v_heads, H] (q, k, v, z, b, a; in
+    qwen3_next's head-grouped order when `grouped`, else flat), `conv` the depthwise causal conv
+    [conv_dim, 1, conv_kernel] over q|k|v (conv_dim = 2 k_dim + v_dim), `dt_bias` and `A_log` [v_heads],
+    `lin_norm` the gated RMSNorm weight [v_head_dim] (plain w, no offset), `lin_out` out_proj [H, v_dim]."""
+
+    kind: ClassVar[str] = "linear_attention"
+    num_k_heads: int
+    num_v_heads: int  # a multiple of num_k_heads: q/k head h // (num_v_heads // num_k_heads) serves value head h
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int  # linear_conv_kernel_dim
+    eps: float  # the gated norm's (rms_norm_eps)
+    grouped: bool = True  # lin_in in qwen3_next's order: per key head [q_h, k_h, v_h.., z_h..], then [b_h.., a_h..]
+    chunk_size: int = 64  # the chunked (prefill) rule's chunk, transformers' default
+
+    @property
+    def k_dim(self) -> int:
+        return self.num_k_heads * self.k_head_dim
+
+    @property
+    def v_dim(self) -> int:
+        return self.num_v_heads * self.v_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.k_dim + self.v_dim
+
+    @property
+    def in_size(self) -> int:
+        return 2 * self.k_dim + 2 * self.v_dim + 2 * self.num_v_heads
 
 
 # Gated linear units, glu(gate, up) elementwise in fp32: "silu" = silu(g) * u (SwiGLU), "gelu_tanh" =
@@ -388,7 +438,7 @@ class LayerSpec:
     """One decoder block: a token mixer (attention, or another kind: engine/mixers.py) and an MLP, each
     pre-normed and added to the residual stream."""
 
-    mixer: AttentionSpec | MlaSpec  # or another mixer kind's spec: any frozen dataclass with a `kind` (engine/mixers.py)
+    mixer: AttentionSpec | MlaSpec | LinearAttentionSpec  # or another mixer kind's spec: any frozen dataclass with a `kind` (engine/mixers.py)
     mlp: MlpSpec | MoeSpec  # a MoeSpec makes the layer sparse
     norm: Norm
     params: tuple[Param, ...]

@@ -73,11 +73,13 @@ def check_tp(definition: ModelDefinition, n: int) -> None:
         raise UsageError(f"--tp {n}: a vocabulary of {vocab} rows leaves the last rank none")
     for layer in definition.layers:
         a = layer.mixer
-        if a.kind != "attention":  # the plan splits attention heads; another kind has no plan yet
-            raise UsageError(f"--tp {n}: layers of kind '{a.kind}' have no tensor-parallel split yet "
-                             f"({'use --tp 1' if n > 1 else 'run without --tp'})")
+        if a.kind != "attention":  # the plan splits attention heads; another kind has no plan yet (not even
+            # --tp 1, which runs the sharded path on one rank)
+            raise UsageError(f"--tp {n}: layers of kind '{a.kind}' have no tensor-parallel split yet (leave --tp out)")
         if n > 1 and a.sinks:
             raise UsageError(f"--tp {n}: attention sinks have no tensor-parallel split yet (use --tp 1)")
+        if n > 1 and a.output_gate:
+            raise UsageError(f"--tp {n}: the attention output gate has no tensor-parallel split yet (use --tp 1)")
         if a.num_heads % n:
             raise UsageError(f"--tp {n} does not divide num_attention_heads {a.num_heads}")
         if (a.num_kv_heads % n) if n <= a.num_kv_heads else (n % a.num_kv_heads):

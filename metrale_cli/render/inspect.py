@@ -94,6 +94,8 @@ def _inspect_rows(info: dict[str, Any]) -> list[tuple[str, str]]:
     if info.get("latent_attention"):
         rows.append(("latent_attention", _latent_text(info["latent_attention"])))
     rows += [("notes", note) for note in info.get("notes", [])]
+    if info.get("linear_attention"):
+        rows.append(("linear_attention", _linear_text(info["linear_attention"], info["layers"])))
     rows.append(("valid", info["valid"]))
     if info["problems"]:
         rows.append(("problems", info["problems"]))
@@ -150,3 +152,11 @@ def _latent_text(m: dict[str, Any]) -> str:
             f"rope {'interleaved' if m['rope_interleave'] else 'rotate_half'}, softmax scale {m['softmax_scale']:.6g}; "
             f"cache {m['cache_floats_per_token']:,} values per token ({4 * m['cache_floats_per_token']:,} bytes in fp32, "
             f"{2 * m['cache_floats_per_token']:,} in bf16)")
+
+
+def _linear_text(x: dict[str, Any], layers: int) -> str:
+    """The Gated DeltaNet layers in one line: where, their heads, and the state a sequence keeps for them."""
+    return (f"layers {', '.join(map(str, x['layers']))} of {layers}; key heads {x['key_heads']} x {x['key_head_dim']}, "
+            f"value heads {x['value_heads']} x {x['value_head_dim']}, conv kernel {x['conv_kernel']}; state "
+            f"{x['state_bytes_per_sequence']:,} bytes per sequence (fp32: conv {x['conv_state_bytes']:,} + "
+            f"recurrent {x['recurrent_state_bytes']:,})")

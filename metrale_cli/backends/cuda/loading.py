@@ -137,6 +137,8 @@ def unsupported_features(definition: ModelDefinition) -> list[str]:
         mixer = mixer_weight_keys(layer.mixer.kind, frozenset(layer.keys()))
         if mixer is None:
             found.append(f"layer kind {layer.mixer.kind}")
+        if getattr(layer.mixer, "output_gate", False):  # qwen3_next's sigmoid gate on the attention output
+            found.append("attention output gate")
         if isinstance(layer.mlp, MoeSpec):  # kernels/moe.cu: softmax top-k routing, SwiGLU experts after a plain RMSNorm
             found += [f"{layer.mlp.router.kind} routing"] if layer.mlp.router.kind != "softmax_topk" else []
             scaling = layer.mlp.router.routed_scaling_factor

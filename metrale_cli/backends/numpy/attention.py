@@ -16,7 +16,7 @@ import numpy as np
 
 from ...engine.kv_layout import ring_rollback, ring_slots
 from ...errors import InputError
-from .ops import apply_rope, rms_norm, softcap
+from .ops import apply_rope, rms_norm, sigmoid, softcap
 
 if TYPE_CHECKING:
     from ...models.spec import AttentionSpec, ModelDefinition, Norm
@@ -90,9 +90,10 @@ class AttentionOps:
 
     def rope_kv_append(self, qkv, layer: int, a: AttentionSpec, q_norm, k_norm, norm: Norm):
         t, d, nkv = self.p.t, a.head_dim, a.num_kv_heads
-        q = qkv[:, :a.q_size].reshape(t, a.num_heads, d)  # (T, nh, d)
-        k = qkv[:, a.q_size:a.q_size + a.kv_size].reshape(t, nkv, d)  # (T, nkv, d)
-        v = qkv[:, a.q_size + a.kv_size:].reshape(t, nkv, d)  # (T, nkv, d)
+        qp = a.q_proj_size
+        q = qkv[:, :qp].reshape(t, a.num_heads, qp // a.num_heads)[..., :d]  # (T, nh, d); a gate's rows follow
+        k = qkv[:, qp:qp + a.kv_size].reshape(t, nkv, d)  # (T, nkv, d)
+        v = qkv[:, qp + a.kv_size:].reshape(t, nkv, d)  # (T, nkv, d)
         r = self.p.r
         if q_norm is not None:
             q = rms_norm(q, q_norm, norm.eps, norm.offset, r)
@@ -131,6 +132,12 @@ class AttentionOps:
         p /= p.sum(axis=-1, keepdims=True)
         p = r(p[..., :n])
         return r(p @ values).reshape(nkv, rep, t, d).transpose(2, 0, 1, 3).reshape(t, a.q_size)  # (T, nh*d)
+
+    def output_gate(self, y, qkv, a: AttentionSpec):
+        """y [T, heads * d] times sigmoid of each head's gate rows of the doubled q projection."""
+        gate = qkv[:, :a.q_proj_size].reshape(self.p.t, a.num_heads, 2 * a.head_dim)[..., a.head_dim:]
+        r = self.p.r
+        return r(y * r(sigmoid(gate.reshape(self.p.t, a.q_size))))
 
 
 def ops(p, cache: KVCache) -> AttentionOps:

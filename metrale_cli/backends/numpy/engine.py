@@ -72,8 +72,10 @@ def read_weights(cfg: ModelConfig, source: WeightSource, progress: Callable[[int
 class NumpyPass:
     """engine/loop.py's ops for one pass of T rows at positions start..start+T-1 (plain NumPy)."""
 
-    def __init__(self, engine: NumpyEngine, ids: np.ndarray, tap: Tap | None = None, long: bool = False) -> None:
+    def __init__(self, engine: NumpyEngine, ids: np.ndarray, tap: Tap | None = None, long: bool = False,
+                 verify: bool = False) -> None:
         self.e, self.ids, self.t, self.start = engine, ids, len(ids), engine.length
+        self.verify = verify  # a verify pass: a recurrent state keeps each row's state (for trim)
         self.long = long  # longrope: this call runs the long factors (engine/longrope.py)
         self._tap = tap
         self._rope: dict[object, tuple[np.ndarray, np.ndarray]] = {}
@@ -236,16 +238,16 @@ class NumpyEngine(EngineBase):
     def verify(self, tokens: Sequence[int]) -> int:
         """k draft tokens at the next k positions in one forward; rows [k, vocab] in the logits buffer."""
         ids = self._check_tokens(tokens)
-        self._write_rows(np.concatenate(self._chunks(ids, True), axis=0))
+        self._write_rows(np.concatenate(self._chunks(ids, True, verify=True), axis=0))
         return len(ids)
 
     # -- the forward ---------------------------------------------------------------------------------------
-    def _chunks(self, ids: np.ndarray, all_rows: bool) -> list[np.ndarray]:
+    def _chunks(self, ids: np.ndarray, all_rows: bool, verify: bool = False) -> list[np.ndarray]:
         """One call (prefill, verify) in forwards of at most pass_rows tokens; the post-norm rows
         of every token (all_rows) or of the last one."""
         long, rows = self._begin_call(len(ids)), []
         for start in range(0, len(ids), self.pass_rows):
-            h = self._forward(ids[start:start + self.pass_rows], long)
+            h = self._forward(ids[start:start + self.pass_rows], long, verify=verify)
             if all_rows or start + self.pass_rows >= len(ids):
                 rows.append(h if all_rows else h[-1:])
         return rows
@@ -263,11 +265,12 @@ class NumpyEngine(EngineBase):
                 self._forward(prefix[start:start + self.pass_rows], long, quiet=True)  # not the caller's pass
         return long
 
-    def _forward(self, ids: np.ndarray, long: bool = False, quiet: bool = False) -> np.ndarray:
+    def _forward(self, ids: np.ndarray, long: bool = False, quiet: bool = False, verify: bool = False) -> np.ndarray:
         """Run ids [T] at positions length..length+T-1, append their K/V, return the post-final-norm
         hidden states [T, H]. The hidden state of the last position is kept for hidden_after_norm().
         The pass's taps go to the engine's observer (`self.tap`), unless `quiet` (a cache recomputation)."""
-        h = decoder_forward(NumpyPass(self, ids, None if quiet else self.tap, long), self.cfg.definition, self.w)
+        h = decoder_forward(NumpyPass(self, ids, None if quiet else self.tap, long, verify), self.cfg.definition,
+                            self.w)
         self._tokens[self.length:self.length + len(ids)] = ids
         self.length += len(ids)
         self._hidden[0] = h[-1]
@@ -336,6 +339,10 @@ def load_numpy_engine(cfg: ModelConfig, source: WeightSource, max_context: int, 
         raise UsageError(f"unknown compute precision '{compute}' (choose from {', '.join(ROUNDING)})")
     if mla not in MLA_FORMS:
         raise UsageError(f"--mla must be one of {', '.join(MLA_FORMS)}, got {mla!r}")
+    for kind in kinds_of(cfg.definition.layers):  # a kind's module may compute in fewer precisions (COMPUTE)
+        if compute not in getattr(mixer_kind(kind).backend("numpy"), "COMPUTE", ROUNDING):
+            raise UsageError(f"--compute {compute} is not implemented for {kind.replace('_', '-')} layers yet "
+                             "(use --compute fp32)")
     if tp is None:
         return NumpyEngine(cfg, read_weights(cfg, source, progress, compute=compute), max_context, fp32_logits,
                            compute=compute, mla=mla)

@@ -1,0 +1,173 @@
+// Gated DeltaNet (the linear_attention mixer kind) for the rows path: T rows (a decode step, or the rows of a
+// verify pass, in order) through one layer's conv, gates, recurrent rule and gated norm. fp32 throughout,
+// the order of operations of backends/numpy/gated_delta.py (the reference the GPU tests compare with).
+// Not yet wired into the CUDA engine (which refuses the kind); compiled as a module of its own.
+//
+// The fused input projection `proj` [T, in_size] is read through column maps (gated_delta.py builds them
+// from the spec), so the head-grouped (qwen3_next) and flat (qwen3_5) layouts need no copy:
+//   src[c]    conv channel c (q | k | v, conv_dim of them)      z_col[h * dv + j]  the gate z of value (h, j)
+//   b_col[h]  beta's logit of value head h                      a_col[h]           the decay's input of head h
+#include "common.cu"
+
+#define GDN_MAX_KERNEL 8
+
+__device__ __forceinline__ float gdn_silu(float x) { return x / (1.0f + expf(-x)); }
+
+// One thread per conv channel: out[t, c] = silu(sum_j w[c, j] * x[t + j - (K - 1)]) over the channel's last
+// K - 1 inputs (`state` [C, K - 1], oldest first) and this row's; the state moves on by T rows. With `save`,
+// the state after each row is written to `saved` [T, C, K - 1] (verify's rollback copies).
+extern "C" __global__ void gdn_conv_kernel(const float* __restrict__ proj, int in_size, const int* __restrict__ src,
+                                           const unsigned short* __restrict__ w, float* __restrict__ state,
+                                           float* __restrict__ out, float* __restrict__ saved, int save, int T, int C,
+                                           int K) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float win[GDN_MAX_KERNEL];
+    for (int j = 0; j < K - 1; ++j) win[j] = state[(size_t)c * (K - 1) + j];
+    for (int t = 0; t < T; ++t) {
+        float x = proj[(size_t)t * in_size + src[c]];
+        float acc = 0.0f;
+        for (int j = 0; j < K - 1; ++j) acc += win[j] * bf16_to_f32_bits(w[(size_t)c * K + j]);
+        acc += x * bf16_to_f32_bits(w[(size_t)c * K + K - 1]);
+        out[(size_t)t * C + c] = gdn_silu(acc);
+        for (int j = 0; j + 1 < K - 1; ++j) win[j] = win[j + 1];
+        if (K > 1) win[K - 2] = x;
+        if (save)
+            for (int j = 0; j < K - 1; ++j) saved[((size_t)t * C + c) * (K - 1) + j] = win[j];
+    }
+    for (int j = 0; j < K - 1; ++j) state[(size_t)c * (K - 1) + j] = win[j];
+}
+
+// One thread per (row, value head): beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias) (torch's
+// softplus: x itself above 20).
+extern "C" __global__ void gdn_gates_kernel(const float* __restrict__ proj, int in_size, const int* __restrict__ b_col,
+                                            const int* __restrict__ a_col, const float* __restrict__ a_log,
+                                            const float* __restrict__ dt_bias, float* __restrict__ beta,
+                                            float* __restrict__ g, int T, int H) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= T * H) return;
+    int t = i / H, h = i % H;
+    float b = proj[(size_t)t * in_size + b_col[h]];
+    float a = proj[(size_t)t * in_size + a_col[h]] + dt_bias[h];
+    beta[i] = 1.0f / (1.0f + expf(-b));
+    float sp = a > 20.0f ? a : log1pf(expf(a));
+    g[i] = -expf(a_log[h]) * sp;
+}
+
+// Block (value head h, a slice of its dv columns); each column j is held by GDN_SPLIT(DK) = DK / 32 threads
+// (consecutive lanes), 32 values of S[h, :, j] each, in registers: the state is read once and written once,
+// whatever T. Per row: q and k of h's key head from the conv output ([T, C]: q at hk * DK, k at
+// Hk * DK + hk * DK, v at 2 Hk DK + h dv), l2-normalised in shared memory (q also times DK^-0.5), then
+// S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T q (the sums over DK: each thread's 32, then across the
+// column's threads). With `save`, the state after each row goes to `saved` [T, v_heads, DK, dv].
+#define GDN_PER_THREAD 32
+template <int DK>
+__device__ void gdn_recurrent(const float* __restrict__ conv, int C, const float* __restrict__ beta,
+                              const float* __restrict__ g, float* __restrict__ state, float* __restrict__ out,
+                              float* __restrict__ saved, int save, int T, int Hk, int Hv, int dv) {
+    constexpr int P = DK / GDN_PER_THREAD;  // threads per column, a power of two <= 32
+    __shared__ float qs[DK], ks[DK], red[2][32];
+    const int h = blockIdx.x, p = threadIdx.x % P, hk = h / (Hv / Hk);
+    const int j = blockIdx.y * (blockDim.x / P) + threadIdx.x / P;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    const bool mine = j < dv;
+    const int i0 = p * GDN_PER_THREAD;
+    float s[GDN_PER_THREAD];
+#pragma unroll
+    for (int i = 0; i < GDN_PER_THREAD; ++i) s[i] = mine ? state[((size_t)h * DK + i0 + i) * dv + j] : 0.0f;
+    for (int t = 0; t < T; ++t) {
+        const float* row = conv + (size_t)t * C;
+        float sq = 0.0f, sk = 0.0f;
+        for (int i = threadIdx.x; i < DK; i += blockDim.x) {
+            float q = row[hk * DK + i], k = row[Hk * DK + hk * DK + i];
+            qs[i] = q;
+            ks[i] = k;
+            sq += q * q;
+            sk += k * k;
+        }
+        sq = warp_sum(sq);
+        sk = warp_sum(sk);
+        if (lane == 0) {
+            red[0][warp] = sq;
+            red[1][warp] = sk;
+        }
+        __syncthreads();
+        sq = 0.0f;
+        sk = 0.0f;
+        for (int w = 0; w < warps; ++w) {
+            sq += red[0][w];
+            sk += red[1][w];
+        }
+        const float qn = 1.0f / sqrtf(sq + 1e-6f), kn = 1.0f / sqrtf(sk + 1e-6f), scale = rsqrtf((float)DK);
+        __syncthreads();  // every thread has read red before the next row's warps overwrite it
+        for (int i = threadIdx.x; i < DK; i += blockDim.x) {
+            qs[i] = qs[i] * qn * scale;
+            ks[i] = ks[i] * kn;
+        }
+        __syncthreads();
+        const float decay = expf(g[t * Hv + h]), b = beta[t * Hv + h];
+        float mem = 0.0f;
+#pragma unroll
+        for (int i = 0; i < GDN_PER_THREAD; ++i) {
+            s[i] *= decay;
+            mem += s[i] * ks[i0 + i];
+        }
+#pragma unroll
+        for (int o = P / 2; o > 0; o >>= 1) mem += __shfl_xor_sync(0xffffffffu, mem, o);
+        const float v = mine ? row[2 * Hk * DK + h * dv + j] : 0.0f;
+        const float delta = (v - mem) * b;
+        float o = 0.0f;
+#pragma unroll
+        for (int i = 0; i < GDN_PER_THREAD; ++i) {
+            s[i] += ks[i0 + i] * delta;
+            o += s[i] * qs[i0 + i];
+        }
+#pragma unroll
+        for (int m = P / 2; m > 0; m >>= 1) o += __shfl_xor_sync(0xffffffffu, o, m);
+        if (mine) {
+            if (p == 0) out[((size_t)t * Hv + h) * dv + j] = o;
+            if (save) {
+#pragma unroll
+                for (int i = 0; i < GDN_PER_THREAD; ++i) saved[(((size_t)t * Hv + h) * DK + i0 + i) * dv + j] = s[i];
+            }
+        }
+        __syncthreads();  // qs / ks are rewritten by the next row
+    }
+    if (mine) {
+#pragma unroll
+        for (int i = 0; i < GDN_PER_THREAD; ++i) state[((size_t)h * DK + i0 + i) * dv + j] = s[i];
+    }
+}
+
+#define GDN_RECURRENT(DK)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) gdn_recurrent_##DK##_kernel(                                 \
+        const float* conv, int C, const float* beta, const float* g, float* state, float* out, float* saved,      \
+        int save, int T, int Hk, int Hv, int dv) {                                                                 \
+        gdn_recurrent<DK>(conv, C, beta, g, state, out, saved, save, T, Hk, Hv, dv);                               \
+    }
+GDN_RECURRENT(64)
+GDN_RECURRENT(128)
+GDN_RECURRENT(256)
+
+// Block per (row, value head), RMSNormGated: y = w * o / sqrt(mean(o^2) + eps) * silu(z), over dv.
+extern "C" __global__ void gdn_gated_norm_kernel(const float* __restrict__ o, const float* __restrict__ proj,
+                                                 int in_size, const int* __restrict__ z_col,
+                                                 const unsigned short* __restrict__ w, float eps,
+                                                 float* __restrict__ y, int Hv, int dv) {
+    __shared__ float red[32];
+    const int t = blockIdx.x, h = blockIdx.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    const float* x = o + ((size_t)t * Hv + h) * dv;
+    float ss = 0.0f;
+    for (int j = threadIdx.x; j < dv; j += blockDim.x) ss += x[j] * x[j];
+    ss = warp_sum(ss);
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    ss = 0.0f;
+    for (int i = 0; i < warps; ++i) ss += red[i];
+    const float inv = 1.0f / sqrtf(ss / (float)dv + eps);
+    for (int j = threadIdx.x; j < dv; j += blockDim.x) {
+        float z = proj[(size_t)t * in_size + z_col[h * dv + j]];
+        y[(size_t)t * Hv * dv + h * dv + j] = bf16_to_f32_bits(w[j]) * (x[j] * inv) * gdn_silu(z);
+    }
+}

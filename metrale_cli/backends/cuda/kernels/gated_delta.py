@@ -1,0 +1,137 @@
+"""Python wrappers of the Gated DeltaNet kernels (gated_delta.cu), a CuPy RawModule of their own: one layer of
+the linear_attention kind over T rows (decode, verify) in fp32, the order of backends/numpy/gated_delta.py.
+
+    conv(proj, ...)        the causal conv + SiLU over q | k | v, its state moving on (per-row copies optional)
+    gates(proj, ...)       beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias)
+    recurrent(conv, ...)   the gated delta rule, the state read and written once (per-row copies optional)
+    gated_norm(o, ...)     RMSNormGated, w * norm(o) * silu(z)
+
+The projection's layout (qwen3_next's head-grouped one, qwen3_5's flat one) is read through `column_maps`,
+int32 maps built once per spec on the host. Not yet wired into the CUDA engine, which refuses the kind:
+tests/gpu/test_gated_delta_cuda.py checks the kernels against the NumPy reference.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+_CUDA_DIR = Path(__file__).resolve().parent
+PLAIN = ("gdn_conv_kernel", "gdn_gates_kernel", "gdn_gated_norm_kernel", "gdn_recurrent_64_kernel",
+         "gdn_recurrent_128_kernel", "gdn_recurrent_256_kernel")
+KEY_HEAD_DIMS = (64, 128, 256)
+MAX_KERNEL = 8  # GDN_MAX_KERNEL
+THREADS = 128
+
+
+def module_source() -> str:
+    text = (_CUDA_DIR / "gated_delta.cu").read_text()
+    body = "\n".join(ln for ln in text.splitlines() if ln.strip() != '#include "common.cu"')
+    return (_CUDA_DIR / "common.cu").read_text() + "\n// ---- gated_delta.cu ----\n" + body + "\n"
+
+
+def column_maps(spec: Any) -> dict[str, np.ndarray]:
+    """Where each input of the layer sits in the fused projection's row (models/spec.LinearAttentionSpec):
+    `src` [conv_dim] the conv channels q | k | v, `z` [v_dim], `b`, `a` [v_heads]."""
+    hk, hv, dk, dv = spec.num_k_heads, spec.num_v_heads, spec.k_head_dim, spec.v_head_dim
+    rep, kd, vd = hv // hk, spec.k_dim, spec.v_dim
+    if spec.grouped:  # per key head [q_h, k_h, v of its rep value heads, their z], then per key head [b.., a..]
+        group, base = 2 * dk + 2 * rep * dv, 2 * kd + 2 * vd
+        head = np.arange(hk)[:, None] * group
+        q = (head + np.arange(dk)).ravel()
+        k = (head + dk + np.arange(dk)).ravel()
+        v = (head + 2 * dk + np.arange(rep * dv)).ravel()
+        z = (head + 2 * dk + rep * dv + np.arange(rep * dv)).ravel()
+        ba = base + np.arange(hk)[:, None] * 2 * rep
+        b, a = (ba + np.arange(rep)).ravel(), (ba + rep + np.arange(rep)).ravel()
+    else:  # q | k | v | z | b | a
+        q, k, v = np.arange(kd), kd + np.arange(kd), 2 * kd + np.arange(vd)
+        z = 2 * kd + vd + np.arange(vd)
+        b, a = 2 * kd + 2 * vd + np.arange(hv), 2 * kd + 2 * vd + hv + np.arange(hv)
+    return {"src": np.concatenate([q, k, v]).astype(np.int32), "z": z.astype(np.int32),
+            "b": b.astype(np.int32), "a": a.astype(np.int32)}
+
+
+class GatedDeltaKernels:
+    """The Gated DeltaNet kernels, launched through `kern` (a cuda.kernels.Kernels)."""
+
+    def __init__(self, kern: Any) -> None:
+        cp = kern._cp
+        self.k, self._cp = kern, cp
+        try:
+            module = cp.RawModule(code=module_source(), options=("-std=c++17", "-DMETRALE_NVRTC"))
+            self._fn = {n: module.get_function(n) for n in PLAIN}
+        except Exception as e:  # an NVRTC or driver failure: one clear line
+            from ....errors import DeviceError
+
+            raise DeviceError(f"cannot compile the Gated DeltaNet kernels ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0]})") from None
+
+    def _launch(self, name: str, grid: tuple, block: tuple, args: tuple, stream: Any) -> None:
+        self._fn[name](grid, block, args, stream=stream)
+
+    def conv(self, proj: Any, src: Any, weight: Any, state: Any, out: Any, saved: Any = None, *,
+             stream: Any = None) -> None:
+        """out f32 [T, C] = silu(causal conv) of the channels proj[:, src] (proj f32 [T, in], src int32 [C]),
+        weight bf16 [C, K], state f32 [C, K - 1] (updated); saved f32 [T, C, K - 1] or None."""
+        k = self.k
+        k._f32(proj, "proj", 2)
+        k._i32(src, "src", 1)
+        k._bf16(weight, "weight", 2)
+        (t, width), (c,), (_, kernel) = proj.shape, src.shape, weight.shape
+        if not 1 <= kernel <= MAX_KERNEL:
+            raise ValueError(f"conv: kernel size {kernel} outside 1..{MAX_KERNEL}")
+        k._shape(weight, "weight", (c, kernel))
+        k._shape(state, "state", (c, kernel - 1))
+        k._shape(out, "out", (t, c))
+        if saved is not None:
+            k._shape(saved, "saved", (t, c, kernel - 1))
+        args = (proj, np.int32(width), src, weight, state, out, k._dummy if saved is None else saved,
+                np.int32(saved is not None), np.int32(t), np.int32(c), np.int32(kernel))
+        self._launch("gdn_conv_kernel", (-(-c // THREADS),), (THREADS,), args, stream)
+
+    def gates(self, proj: Any, b_col: Any, a_col: Any, a_log: Any, dt_bias: Any, beta: Any, g: Any, *,
+              stream: Any = None) -> None:
+        """beta, g f32 [T, H] from proj f32 [T, in] at columns b_col, a_col (int32 [H]); a_log, dt_bias f32 [H]."""
+        k = self.k
+        k._f32(proj, "proj", 2)
+        (t, width), (h,) = proj.shape, b_col.shape
+        for name, arr, shape in (("a_col", a_col, (h,)), ("a_log", a_log, (h,)), ("dt_bias", dt_bias, (h,)),
+                                 ("beta", beta, (t, h)), ("g", g, (t, h))):
+            k._shape(arr, name, shape)
+        args = (proj, np.int32(width), b_col, a_col, a_log, dt_bias, beta, g, np.int32(t), np.int32(h))
+        self._launch("gdn_gates_kernel", (-(-(t * h) // THREADS),), (THREADS,), args, stream)
+
+    def recurrent(self, conv: Any, beta: Any, g: Any, state: Any, out: Any, spec: Any, saved: Any = None, *,
+                  stream: Any = None) -> None:
+        """The gated delta rule over T rows: conv f32 [T, conv_dim] (q | k | v after the conv), beta, g f32
+        [T, v_heads], state f32 [v_heads, dk, dv] (updated), out f32 [T, v_heads, dv]; saved f32
+        [T, v_heads, dk, dv] (the state after each row) or None."""
+        k = self.k
+        dk, dv, hk, hv = spec.k_head_dim, spec.v_head_dim, spec.num_k_heads, spec.num_v_heads
+        if dk not in KEY_HEAD_DIMS:
+            raise ValueError(f"recurrent: key head dim {dk} not in {KEY_HEAD_DIMS}")
+        t = conv.shape[0]
+        k._shape(conv, "conv", (t, spec.conv_dim))
+        k._shape(state, "state", (hv, dk, dv))
+        k._shape(out, "out", (t, hv, dv))
+        if saved is not None:
+            k._shape(saved, "saved", (t, hv, dk, dv))
+        columns = THREADS // (dk // 32)
+        args = (conv, np.int32(spec.conv_dim), beta, g, state, out, k._dummy if saved is None else saved,
+                np.int32(saved is not None), np.int32(t), np.int32(hk), np.int32(hv), np.int32(dv))
+        self._launch(f"gdn_recurrent_{dk}_kernel", (hv, -(-dv // columns)), (THREADS,), args, stream)
+
+    def gated_norm(self, o: Any, proj: Any, z_col: Any, weight: Any, eps: float, y: Any, *,
+                   stream: Any = None) -> None:
+        """y f32 [T, v_heads * dv] = weight * rms_norm(o) * silu(proj[:, z_col]); o f32 [T, v_heads, dv],
+        weight bf16 [dv]."""
+        k = self.k
+        t, hv, dv = o.shape
+        k._shape(z_col, "z_col", (hv * dv,))
+        k._shape(weight, "weight", (dv,))
+        k._shape(y, "y", (t, hv * dv))
+        args = (o, proj, np.int32(proj.shape[1]), z_col, weight, np.float32(eps), y, np.int32(hv), np.int32(dv))
+        self._launch("gdn_gated_norm_kernel", (t, hv), (THREADS,), args, stream)
