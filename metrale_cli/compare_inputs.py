@@ -42,12 +42,22 @@ class ReadOptions:
     tensor_b: str | None = None  # --tensor-b: B's, when it is named differently
     vocab: int | None = None  # --vocab: row width of a raw .bin
     dtype: str | None = None  # --dtype: f32 | bf16 | f16 for raw .bin and uint16 data
+    fmt_a: str | None = None  # --from-a: A's format (None: by content)
+    fmt_b: str | None = None  # --from: B's format
+    map_file: str | None = None  # --map: name rules for engine dumps
+    model: str | None = None  # --model: the config.json that splits fused outputs
+    tp_dirs: list[str] | None = None  # --tp-dirs: B's folders, one per TP rank
 
     def check(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
             raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.vocab is not None and self.vocab <= 0:
             raise UsageError(f"--vocab must be at least 1, got {self.vocab}")
+        from .readers import FORMATS
+
+        for option, fmt in (("--from-a", self.fmt_a), ("--from", self.fmt_b)):
+            if fmt is not None and fmt not in FORMATS:
+                raise UsageError(f"{option} takes {', '.join(FORMATS)}, got {fmt!r}")
 
 
 @dataclass
@@ -71,6 +81,23 @@ def read_input(path: str | Path, label: str, opts: ReadOptions) -> Matrix | Laye
     """Side `label` of a comparison: a logits Matrix or a LayerDump (see the module docstring)."""
     p = Path(path)
     where = f"{label}: {p}"
+    fmt = opts.fmt_b if label == "B" else opts.fmt_a
+    from .readers import FILE_FORMATS, is_engine_input, read_engine
+
+    if is_engine_input(p, fmt):
+        got = read_engine(p, label, fmt, map_file=opts.map_file, model=opts.model,
+                          tp_dirs=opts.tp_dirs if label == "B" else None)
+        if isinstance(got, LayerDump):
+            return got
+        if got is not None:  # one tensor: logits rows
+            kind = {"f32": "fp32", "f64": "f64", "f16": "f16", "bf16": "bf16"}.get(got.dtype_name)
+            if kind is None:
+                raise InputError(f"{where}: holds a {got.dtype_name} tensor; logits are floating point")
+            values = got.array.astype(np.float64 if kind == "f64" else np.float32)
+            return Matrix(label, p, "PyTorch tensor (.pt)", kind, _rows(values, where))
+    elif fmt in FILE_FORMATS and p.suffix.lower() not in FILE_FORMATS[fmt]:
+        raise InputError(f"{where}: --from {fmt} reads {' or '.join(FILE_FORMATS[fmt])} files, not "
+                         f"'{p.suffix or '(none)'}'")
     if p.is_dir():
         raise InputError(f"{where}: is a directory, not a dump file")
     if not p.is_file():
@@ -92,6 +119,16 @@ def read_input(path: str | Path, label: str, opts: ReadOptions) -> Matrix | Laye
                          "dumps themselves (.safetensors or .npz)")
     raise InputError(f"{where}: unknown extension '{p.suffix or '(none)'}'; compare reads .safetensors, "
                      ".npy, .bin and .npz")
+
+
+def logits_side(dump: LayerDump, label: str) -> Matrix:
+    """The logits an engine's layer dump kept aside, as a logits Matrix (InputError when it has none)."""
+    values = dump.metadata.get("logits")
+    if values is None:
+        raise InputError(f"{label} ({dump.path}) is a layer dump holding no logits (no logits_processor or "
+                         "lm_head output): compare it with a layer dump")
+    return Matrix(label, dump.path, f"{dump.source}, logits", "fp32", _rows(np.asarray(values), f"{label}: {dump.path}"),
+                  dump.metadata.get("logits_positions"), dump.tokens)
 
 
 # -- the formats ----------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 against transformers on the same checkpoint."""
 
 
+from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
@@ -33,6 +34,15 @@ def compare(
         "--vocab", metavar="N", help="Row width of a raw .bin without a sidecar.")] = None,
     dtype: Annotated[Optional[str], typer.Option(
         "--dtype", metavar="f32|bf16|f16", help="Dtype of a raw .bin, or of uint16 .npy/U16 data.")] = None,
+    from_b: Annotated[Optional[str], typer.Option(
+        "--from", metavar="FORMAT", help="B's format: vllm, sglang, trtllm, torch, npy, safetensors, bin "
+                                         "(default: by content).")] = None,
+    from_a: Annotated[Optional[str], typer.Option(
+        "--from-a", metavar="FORMAT", help="A's format, when it is another engine's dump.")] = None,
+    map_file: Annotated[Optional[str], typer.Option(
+        "--map", metavar="FILE", help="Rules naming an engine's tensors as metrale's taps (TOML or JSON).")] = None,
+    tp_dirs: Annotated[Optional[str], typer.Option(
+        "--tp-dirs", metavar="D0,D1,...", help="B is these folders, one per tensor-parallel rank.")] = None,
     rows: Annotated[bool, typer.Option("--rows", help="Also list the statistics of every row.")] = False,
     positions: Annotated[Optional[str], typer.Option(
         "--positions", metavar="P,A..B",
@@ -124,12 +134,19 @@ def compare(
         c = Common(model, text_file_prompt(text_file, prompt, tokens), tokens, device or "cpu", logits_dtype or "",
                    fmt, None, False, None, False, None, chat, system, no_special_tokens, compute)
         return _reference_check(ctx, reference, c, steps, layers, Tolerances(max_kl, max_rel_err, min_top1, rtol))
+    engine = any(v is not None for v in (from_b, from_a, tp_dirs, map_file)) or any(
+        x is not None and (Path(x).is_dir() or x.endswith(".pt")) for x in (a, b))
+    if engine:
+        given.pop("--model")  # with an engine's dump, --model's config.json splits fused outputs
     extra = [name for name, value in given.items() if value is not None]
     if extra:
         raise UsageError(f"{', '.join(extra)} go with --reference transformers (comparing two files needs none)")
+    dirs = [d for d in tp_dirs.split(",") if d] if tp_dirs is not None else None
+    if b is None and dirs:
+        b = dirs[0]
     if a is None or b is None:
         raise UsageError("compare needs two files: metrale compare A B (A is the reference)")
-    result = run_compare(a, b, ReadOptions(tensor, tensor_b, vocab, dtype),
+    result = run_compare(a, b, ReadOptions(tensor, tensor_b, vocab, dtype, from_a, from_b, map_file, model, dirs),
                          Tolerances(max_kl, max_rel_err, min_top1, rtol), keep_rows=rows,
                          positions=parse_positions(positions))
     render_compare(state.out, fmt_, result)
