@@ -88,7 +88,30 @@ def compare(
     (float32, float16, or bf16 bit patterns with --dtype bf16), a .safetensors tensor (--tensor NAME),
     raw .bin (--vocab N --dtype f32|bf16|f16).
     Layer dumps (.safetensors/.npz from --dump-layers): the same error statistics per tensor in forward
-    order, and the first tensor that diverges.
+    order, each position's largest error and first tensor beyond --rtol, and the first divergence: the
+    first tensor in forward order beyond it, at its first such position.
+
+    Other engines' dumps: --from FORMAT (B), --from-a FORMAT (A), else by content. To make them:
+      vllm    vllm serve M --enforce-eager --intermediate-log-config
+              '{"enabled": true}' (the run folder: step_N/MODULE/outputs_*.pt)
+      sglang  python -m sglang.launch_server ... --debug-tensor-dump-output-folder
+              D (D: TP*_PP*_Rank* folders of PassNNNNN.pt); or DUMPER_ENABLE=1
+              (the dumper's folder of name=...pt files)
+      trtllm  python run.py ... --output_logits_npy out.npy (out.npy);
+              per-op .pt files: their folder
+      torch   torch.save(tensor_or_dict, "x.pt") (x.pt, or a folder of them)
+      npy, safetensors, bin: as above; llamacpp: not read yet
+
+    No .pt file is unpickled by torch: only tensor and storage records are read, and a file naming anything
+    else (code) is refused (exit 5). vLLM and SGLang module paths become metrale's taps (model.layers.N.self_attn,
+    .mlp, the residual stream model.layers.N, ...; finer ones such as self_attn.q_proj are listed as only on
+    that side): qkv_proj is split into q, k, v with the head counts of --model DIR's config.json (or the rope
+    outputs' widths), gate_up_proj into gate and up. TP shards (vLLM's devices, SGLang's rank folders, or
+    --tp-dirs D0,D1) join along the features (column-parallel) or are taken once (row-parallel, already
+    summed). --map FILE (TOML or JSON rules: pattern, name, optional split, slice, tp) names anything else.
+    Steps (prefill, then decode) are rows at their positions; token ids both sides carry must agree (else
+    exit 5). Against a logits dump, an engine dump's logits (logits_processor) are compared.
+
     Rows pair up by position wherever both sides say which position each row is for (metrale's dumps do):
     a forward dump against a decode dump compares the positions both hold and names the others (rows that
     ran different tokens are refused); --positions selects among them. Without positions rows pair by index.
@@ -115,6 +138,9 @@ def compare(
       metrale compare ref.safetensors mine.npy --dtype bf16
       metrale compare ref.npy mine.bin --vocab 128256 --dtype bf16 --max-kl 1e-3
       metrale compare ref-layers.safetensors mine-layers.safetensors --rtol 1e-3
+      metrale compare layers.safetensors vllm_run/ --model DIR --rtol 1e-4
+      metrale compare logits.npy sglang_dump/ --from sglang --max-kl 1e-3
+      metrale compare layers.safetensors ops/ --from torch --map names.toml
       metrale compare --reference transformers --prompt "The for" --steps 4
       metrale compare --reference transformers --tokens "1 2 3" --layers 0,-1
     """
