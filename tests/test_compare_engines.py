@@ -1,12 +1,14 @@
 """`metrale compare` against other engines' dumps: vLLM's intermediate logging and SGLang's tensor dump
-across two TP ranks and two forward steps (values from transformers, laid out by tests/engine_dumps.py),
+across two TP ranks and two forward steps (values from transformers, laid out by scripts/engine_dumps.py),
 SGLang's dumper files and generic .pt files with --map, TensorRT-LLM's logits .npy; each against metrale
 on the same checkpoint, with a planted difference named by layer and position."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +19,19 @@ from metrale_cli.errors import InputError
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from engine_dumps import fresh_tokens, hf_modules, write_sglang, write_vllm  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("engine_dumps", REPO / "scripts" / "engine_dumps.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_dumps = _script()
+fresh_tokens, hf_modules, write_sglang, write_vllm = (_dumps.fresh_tokens, _dumps.hf_modules, _dumps.write_sglang,
+                                                      _dumps.write_vllm)
 
 LLAMA = "tests/fixtures/models/llama"
 T = 7

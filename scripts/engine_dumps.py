@@ -1,22 +1,37 @@
-"""Dumps laid out as vLLM and SGLang write them, with values from transformers (the independent reference):
-forward hooks on a Hugging Face Llama give every module's output, which is then shaped the way those
+"""Dumps laid out as vLLM and SGLang write them, with values from transformers, for `metrale compare` to
+read: forward hooks on a Hugging Face Llama give every module's output, which is then shaped the way those
 engines' modules return it (fused qkv_proj and gate_up_proj, add-and-norm returning (normed, residual), a
-decoder layer returning (mlp output, residual), q/k after rope, TP shards per rank) and written with
-torch.save into each engine's folder layout (see metrale_cli/readers/vllm.py and sglang.py)."""
+decoder layer returning (mlp output, residual), q/k after rope, TP shards per rank) and written with real
+torch.save into each engine's folder layout (metrale_cli/readers/vllm.py and sglang.py describe them).
+
+    python scripts/engine_dumps.py vllm OUT --tokens "0 341 343 455" [--model DIR] [--tp 2]
+        [--prefill N] [--perturb model.layers.1.mlp@2]
+
+--prefill N: the first N tokens are step 0, then one decode step per token (default: all but the last);
+--perturb MODULE@POSITION adds 5% of the module output's largest magnitude at that position (every rank's
+copy), standing in for an engine that diverges there. Runs from a source checkout (needs torch and
+transformers: pip install 'metrale[reference]'); tests/test_compare_engines.py uses the same writers.
+"""
 
 from __future__ import annotations
 
+import argparse
+import re
 from pathlib import Path
 
 import numpy as np
 import torch
 
+ROOT = Path(__file__).resolve().parent.parent
+
 
 def hf_modules(model_dir: str | Path, tokens: list[int]) -> dict:
     """Every module output a Llama forward gives, [T, width] fp32 torch tensors, plus logits."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+    hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     cfg = model.config
     out: dict = {}
@@ -156,3 +171,42 @@ def _save(path: Path, t: torch.Tensor) -> None:
 
 def fresh_tokens(n: int, vocab: int) -> list[int]:
     return [int(t) for t in np.random.default_rng().integers(1, vocab, n)]
+
+
+def perturb(h: dict, module: str, position: int) -> None:
+    """Add 5% of the output's largest magnitude at one position, in the transformers outputs `h`."""
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(mlp|self_attn)", module)
+    if m is None:
+        raise SystemExit(f"--perturb: {module!r} is not model.layers.N.mlp or model.layers.N.self_attn")
+    key = f"{m.group(1)}.{'mlp_out' if m.group(2) == 'mlp' else 'attn_out'}"
+    x = h[key].clone()
+    x[position] += 0.05 * x.abs().max()
+    h[key] = x
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("engine", choices=["vllm", "sglang"])
+    ap.add_argument("out")
+    ap.add_argument("--tokens", required=True)
+    ap.add_argument("--model", default=str(ROOT / "metrale_cli" / "assets" / "models" / "default"))
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--prefill", type=int)
+    ap.add_argument("--perturb")
+    args = ap.parse_args()
+    tokens = [int(t) for t in args.tokens.split()]
+    h = hf_modules(args.model, tokens)
+    if args.perturb:
+        module, _, pos = args.perturb.partition("@")
+        perturb(h, module, int(pos))
+    n = len(tokens) - 1 if args.prefill is None else args.prefill
+    steps = [slice(0, n)] + [slice(k, k + 1) for k in range(n, len(tokens))]
+    write = write_vllm if args.engine == "vllm" else write_sglang
+    write(Path(args.out), h, tokens, args.tp, steps)
+    what = f", {args.perturb} perturbed" if args.perturb else ""
+    print(f"{args.out}: {args.engine} dump of {len(tokens)} tokens in {len(steps)} steps over {args.tp} TP "
+          f"ranks{what} (transformers, {Path(args.model).name})")
+
+
+if __name__ == "__main__":
+    main()
