@@ -201,3 +201,43 @@ def test_trtllm_logits_npy_against_metrale_decode(run_cli, tmp_path, hf):
     doc = as_json(run_cli("compare", tmp_path / "m.npy", tmp_path / "trt.npy", "--from", "trtllm", "-f", "json"))
     assert doc["rows"] == rows.shape[0] and doc["top1"]["rate"] == 1.0
     assert 0 < float(doc["overall"]["max_abs_diff"]) < 1e-3
+
+
+def test_rich_report_draws_the_error_by_position(run_cli, tmp_path, hf, metrale_dump):
+    tokens, h = hf
+    _dumps.perturb(h_copy := dict(h), "model.layers.0.self_attn", 4)
+    b = write_vllm(tmp_path / "vllm", h_copy, tokens, 1, STEPS)
+    r = run_cli("compare", metrale_dump, b, "-f", "rich", env={"COLUMNS": "100"})
+    assert r.exit_code == 0, r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("max rel err by position"))
+    bars = line.rsplit(": ", 1)[1]
+    assert line.startswith(f"max rel err by position 0..{T - 1}, max ") and len(bars) == T
+    assert bars[4] == "█" and " at 4:" in line  # the planted position is the tallest bar
+    r = run_cli("compare", tmp_path / "a.npy", b, "-f", "rich", env={"COLUMNS": "100"})
+    assert any(x.startswith(f"KL by position {T - 2}..{T - 1}") for x in r.stdout.splitlines()), r.stdout
+
+
+def test_sparkline_heights_are_on_a_log_scale():
+    from metrale_cli.render.compare import sparkline
+
+    assert sparkline([1e-8, 1e-6, 1e-4, 0.0, float("nan")]) == "▁▅█▁!"
+    assert sparkline([0.0, 0.0]) == "▁▁"
+
+
+@pytest.mark.parametrize("args, code, words", [
+    (["--from", "llamacpp"], 2, "not read yet"),
+    (["--from", "onnx"], 2, "--from takes vllm, sglang"),
+    (["--from", "safetensors"], 5, "--from safetensors reads .safetensors files, not '.npy'"),
+])
+def test_format_choice_errors(run_cli, tmp_path, args, code, words):
+    np.save(tmp_path / "a.npy", np.random.default_rng().standard_normal((2, 5)).astype(np.float32))
+    r = run_cli("compare", tmp_path / "a.npy", tmp_path / "a.npy", *args)
+    assert r.exit_code == code and words in r.stderr, r.stderr
+
+
+def test_a_folder_of_nothing_known_is_one_input_error(run_cli, tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "notes.txt").write_text("x")
+    np.save(tmp_path / "a.npy", np.random.default_rng().standard_normal((2, 5)).astype(np.float32))
+    r = run_cli("compare", tmp_path / "a.npy", tmp_path / "d")
+    assert r.exit_code == 5 and "not a dump metrale reads" in r.stderr, r.stderr
