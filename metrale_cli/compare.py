@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -258,13 +258,16 @@ class LayerComparison:
 
 
 def run_compare(a_path: str, b_path: str, opts: ReadOptions, tol: Tolerances, keep_rows: bool = False,
-                positions: Sequence[int] | None = None) -> LogitsComparison | LayerComparison:
+                positions: Sequence[int] | None = None) -> Any:
     """Read A and B and compare them: logits against logits, or layer dump against layer dump; `positions`
     (--positions) selects among the positions both hold."""
     opts.check()
     tol.check()
     a = read_input(a_path, "A", opts)
     b = read_input(b_path, "B", opts)
+    stats = _stats_comparison(a, b, a_path, b_path, tol, keep_rows)
+    if stats is not None:
+        return stats
     if isinstance(a, Matrix) and isinstance(b, LayerDump) and "logits" in b.metadata:
         b = logits_side(b, "B")  # an engine's dump against a logits dump: its logits
     elif isinstance(b, Matrix) and isinstance(a, LayerDump) and "logits" in a.metadata:
@@ -282,6 +285,29 @@ def run_compare(a_path: str, b_path: str, opts: ReadOptions, tol: Tolerances, ke
     if keep_rows:
         raise UsageError("--rows lists logits rows; for layer dumps each tensor's worst row is in the table")
     return compare_layers(a, b, tol.rtol, a_path=a_path, b_path=b_path, select=positions)
+
+
+def _stats_comparison(a: Any, b: Any, a_path: str, b_path: str, tol: Tolerances, keep_rows: bool) -> Any:
+    """llama.cpp's printed statistics (B) against metrale's layer dump or --dump-stats file (A); None when
+    neither side is statistics."""
+    from .compare_stats import StatsDoc, compare_stats
+    from .readers.llamacpp import EvalCallback
+
+    if not any(isinstance(x, (StatsDoc, EvalCallback)) for x in (a, b)):
+        return None
+    if isinstance(a, EvalCallback):
+        raise UsageError("llama.cpp's eval-callback output is compared as B, against metrale's dump as A")
+    if not isinstance(b, EvalCallback):
+        which = "A" if isinstance(a, StatsDoc) else "B"
+        raise InputError(f"{which} is a --dump-stats file (statistics, not tensors): it is compared only with "
+                         "llama.cpp's eval-callback output; for other dumps compare the tensors (.safetensors, .npz)")
+    if isinstance(a, Matrix) or tol.logits_given or keep_rows:
+        raise UsageError("llama.cpp's eval-callback output holds layer statistics: compare it with a layer dump "
+                         "(or --dump-stats file) using --rtol")
+    sides = (Side(a_path, a.source if isinstance(a, LayerDump) else "metrale --dump-stats", None, None,
+                  len(a.tensors) if isinstance(a, LayerDump) else len(a.doc["tensors"])),
+             Side(b_path, "llama.cpp eval-callback", None, None, len(b.nodes)))
+    return compare_stats(a, b, tol.rtol, sides, DEFAULT_RTOL)
 
 
 # -- logits -------------------------------------------------------------------------------------------------------
@@ -475,9 +501,9 @@ def _apply_tolerances(result: LogitsComparison, rows: list[RowStats]) -> None:
         result.first_exceeding = Exceeding(first, rows[first].position, reasons[first])
 
 
-def failure_message(result: LogitsComparison | LayerComparison) -> str:
+def failure_message(result: Any) -> str:
     """The one line a failed check ends with (errors.DivergenceError's message)."""
-    if isinstance(result, LayerComparison):
+    if result.kind in ("layers", "stats"):
         return result.divergence_line()
     text = "; ".join(result.failures)
     fe = result.first_exceeding

@@ -77,24 +77,25 @@ class Matrix:
         return int(self.values.shape[0]), int(self.values.shape[1])
 
 
-def read_input(path: str | Path, label: str, opts: ReadOptions) -> Matrix | LayerDump:
-    """Side `label` of a comparison: a logits Matrix or a LayerDump (see the module docstring)."""
+def read_input(path: str | Path, label: str, opts: ReadOptions) -> Any:
+    """Side `label` of a comparison: a logits Matrix or a LayerDump (see the module docstring); llama.cpp's
+    printed statistics (readers.llamacpp.EvalCallback) or a --dump-stats file (compare_stats.StatsDoc)."""
     p = Path(path)
     where = f"{label}: {p}"
     fmt = opts.fmt_b if label == "B" else opts.fmt_a
-    from .readers import FILE_FORMATS, is_engine_input, read_engine
+    from .readers import FILE_FORMATS, LogitsRows, is_engine_input, read_engine
 
     if is_engine_input(p, fmt):
         got = read_engine(p, label, fmt, map_file=opts.map_file, model=opts.model,
                           tp_dirs=opts.tp_dirs if label == "B" else None)
-        if isinstance(got, LayerDump):
-            return got
-        if got is not None:  # one tensor: logits rows
-            kind = {"f32": "fp32", "f64": "f64", "f16": "f16", "bf16": "bf16"}.get(got.dtype_name)
+        if isinstance(got, LogitsRows):
+            kind = {"f32": "fp32", "f64": "f64", "f16": "f16", "bf16": "bf16"}.get(got.dtype)
             if kind is None:
-                raise InputError(f"{where}: holds a {got.dtype_name} tensor; logits are floating point")
-            values = got.array.astype(np.float64 if kind == "f64" else np.float32)
-            return Matrix(label, p, "PyTorch tensor (.pt)", kind, _rows(values, where))
+                raise InputError(f"{where}: holds a {got.dtype} tensor; logits are floating point")
+            values = got.values.astype(np.float64 if kind == "f64" else np.float32)
+            return Matrix(label, got.path or p, got.source, kind, _rows(values, where), got.positions, got.tokens)
+        if got is not None:
+            return got  # a LayerDump, or llama.cpp's statistics
     elif fmt in FILE_FORMATS and p.suffix.lower() not in FILE_FORMATS[fmt]:
         raise InputError(f"{where}: --from {fmt} reads {' or '.join(FILE_FORMATS[fmt])} files, not "
                          f"'{p.suffix or '(none)'}'")
@@ -115,8 +116,9 @@ def read_input(path: str | Path, label: str, opts: ReadOptions) -> Matrix | Laye
     if ext == ".bin":
         return _from_bin(p, label, where, opts)
     if ext == ".json" and is_stats_file(p):
-        raise InputError(f"{where}: is a --dump-stats file (statistics, not tensors); compare needs the "
-                         "dumps themselves (.safetensors or .npz)")
+        from .compare_stats import read_stats_file
+
+        return read_stats_file(p, label)  # statistics: compared only with llama.cpp's printed ones
     raise InputError(f"{where}: unknown extension '{p.suffix or '(none)'}'; compare reads .safetensors, "
                      ".npy, .bin and .npz")
 

@@ -225,7 +225,7 @@ def test_sparkline_heights_are_on_a_log_scale():
 
 
 @pytest.mark.parametrize("args, code, words", [
-    (["--from", "llamacpp"], 2, "not read yet"),
+    (["--from", "llamacpp"], 5, "neither llama-eval-callback output"),
     (["--from", "onnx"], 2, "--from takes vllm, sglang"),
     (["--from", "safetensors"], 5, "--from safetensors reads .safetensors files, not '.npy'"),
 ])

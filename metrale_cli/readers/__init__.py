@@ -7,8 +7,9 @@ content, and turned into what compare reads (a logits `Matrix` or a `LayerDump` 
     trtllm       run.py --output_logits_npy (a [batch, beams, steps, vocab] .npy of batch 1, beam 1), or a
                  folder of per-op .pt files (each file a tensor named by its stem, or a dict)
     torch        a .pt file (a tensor: logits rows; a dict, nested: one tap per tensor) or a folder of them
+    llamacpp     llama-eval-callback's printed output (a text file: each node's edge values and sum, for a
+                 statistics comparison), or llama-debug --save-logits' llamacpp-<model>.bin (or its folder)
     npy, safetensors, bin   as compare_inputs reads them
-    llamacpp     not read yet: refused by name
 
 Several TP ranks: vLLM's devices (cuda_0, cuda_1) and SGLang's rank folders are found in the folder given;
 `--tp-dirs D0,D1,...` names one folder per rank instead. Shards join as names.py says. Steps (vLLM's
@@ -19,6 +20,7 @@ torch, no code from the file run).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +28,23 @@ import numpy as np
 
 from ..errors import InputError, UsageError
 from ..layer_dumps import LayerDump, forward_order
-from . import sglang, torch_pickle, vllm
+from . import llamacpp, sglang, torch_pickle, vllm
 from .names import LOGITS, Config, Raw, Rule, load_map, resolve
 
 FORMATS = ("vllm", "sglang", "trtllm", "torch", "npy", "safetensors", "bin", "llamacpp")
 FILE_FORMATS = {"npy": (".npy",), "safetensors": (".safetensors",), "bin": (".bin",)}
+
+
+@dataclass
+class LogitsRows:
+    """Logits an engine saved as such (a .pt tensor, llama-debug's .bin): for compare_inputs' Matrix."""
+
+    values: np.ndarray
+    dtype: str  # f32 | f16 | bf16 | f64 | ...
+    source: str
+    positions: list[int] | None = None
+    tokens: list[int] | None = None
+    path: Path | None = None
 
 
 def is_engine_input(path: Path, fmt: str | None) -> bool:
@@ -39,18 +53,20 @@ def is_engine_input(path: Path, fmt: str | None) -> bool:
         return False
     if fmt is not None:
         return True
-    return path.is_dir() or path.suffix.lower() == ".pt"
+    if path.is_dir() or path.suffix.lower() == ".pt" or path.name.startswith("llamacpp-"):
+        return True
+    return path.suffix.lower() in (".txt", ".log") and llamacpp.is_eval_callback(path)
 
 
 def read_engine(path: str | Path, label: str, fmt: str | None, *, map_file: str | None = None,
                 model: str | None = None, tp_dirs: list[str] | None = None) -> Any:
-    """Side `label` of a comparison from an engine's dump: a LayerDump; a torch_pickle.Tensor for a .pt
-    holding one tensor; None for a file compare_inputs reads itself (TensorRT-LLM's logits .npy)."""
+    """Side `label` of a comparison from an engine's dump: a LayerDump; LogitsRows for saved logits; an
+    llamacpp.EvalCallback (statistics); None for a file compare_inputs reads itself (TensorRT-LLM's .npy)."""
     p = Path(path)
     where = f"{label}: {p}"
-    if fmt == "llamacpp":
-        raise UsageError("--from llamacpp: llama.cpp's eval-callback and llama-debug outputs are not read yet; "
-                         "dump its logits with --save-logits and compare them as a raw .bin (--vocab N --dtype f32)")
+    if fmt == "llamacpp" or (fmt is None and (p.name.startswith("llamacpp-") or (p.is_dir() and any(
+            p.glob("llamacpp-*.bin")))) or (fmt is None and p.is_file() and llamacpp.is_eval_callback(p))):
+        return _llamacpp(p, where)
     if fmt is not None and fmt not in FORMATS:
         raise UsageError(f"--from takes {', '.join(FORMATS)}, got {fmt!r}")
     rules: list[Rule] = load_map(map_file) if map_file else []
@@ -72,6 +88,17 @@ def read_engine(path: str | Path, label: str, fmt: str | None, *, map_file: str 
     if len(steps[0].tensors) and max(len(v) for v in steps[0].tensors.values()) > 1:
         source += f", {max(len(v) for v in steps[0].tensors.values())} TP ranks"
     return assemble(steps, p, where, source, rules, builtin, config)
+
+
+def _llamacpp(p: Path, where: str) -> Any:
+    if p.is_file() and llamacpp.is_eval_callback(p):
+        return llamacpp.read_eval_callback(p, where)
+    if llamacpp.debug_files(p) is None:
+        raise InputError(f"{where}: neither llama-eval-callback output (a text file of common_debug_cb_eval "
+                         "lines) nor llama-debug --save-logits output (llamacpp-<model>.bin)")
+    values, tokens, logits_path = llamacpp.read_debug_logits(p, where)
+    positions = [len(tokens) - 1] if tokens else None
+    return LogitsRows(values, "f32", "llama-debug --save-logits", positions, tokens, logits_path)
 
 
 def _read_dirs(dirs: list[Path], fmt: str | None, where: str) -> tuple[str, list[Raw]]:
@@ -125,8 +152,8 @@ def _merge_ranks(per_rank: list[list[Raw]], where: str) -> list[Raw]:
 
 def _from_file(p: Path, label: str, where: str, rules: list[Rule]) -> Any:
     obj = torch_pickle.load(p, where)
-    if isinstance(obj, torch_pickle.Tensor):
-        return obj  # one tensor: logits rows, for compare_inputs
+    if isinstance(obj, torch_pickle.Tensor):  # one tensor: logits rows
+        return LogitsRows(obj.array, obj.dtype_name, "PyTorch tensor (.pt)", path=p)
     flat = sglang.flatten(obj)
     if not flat:
         raise InputError(f"{where}: holds no tensors")

@@ -86,6 +86,8 @@ def compare_json(r: Any) -> dict[str, Any]:
                            "positions_selected": bool(al and al.selected)}
     if r.kind == "layers":
         return _layers_json(doc, r)
+    if r.kind == "stats":
+        return _stats_json(doc, r)
     t = r.tolerances
     sm = r.softmax
     doc.update({
@@ -157,6 +159,8 @@ def render_compare(console: Console, fmt: str, r: Any) -> None:
     """The report of `metrale compare` (logits or layer dumps); --rows adds the per-row table."""
     if fmt == "json":
         dump_json(console, compare_json(r))
+    elif r.kind == "stats":
+        stats_report(console, r, rich=fmt != "plain")
     elif r.kind == "layers":
         (plain_layers if fmt == "plain" else rich_layers)(console, r)
     else:
@@ -166,7 +170,7 @@ def render_compare(console: Console, fmt: str, r: Any) -> None:
 def _check_text(r: Any, hint: str) -> str:
     if r.passed is None:
         return f"not run (a report; {hint} to check)"
-    if r.kind == "layers":  # the divergence line just above says why
+    if r.kind in ("layers", "stats"):  # the divergence line just above says why
         return f"{'passed' if r.passed else 'FAILED'} (--rtol {r.rtol:g})"
     return "passed" if r.passed else "FAILED: " + "; ".join(r.failures)
 
@@ -385,3 +389,57 @@ def rich_layers(c: Console, r: Any) -> None:
             c.print(Text(f"{label}: {' '.join(names)}", style="yellow"))
     c.print(Text(r.divergence_line(), style="bold red" if first is not None else "bold green"))
     _rich_check(c, r, _LAYERS_HINT)
+
+
+# -- statistics (llama.cpp's eval-callback) -----------------------------------------------------------------------
+
+_STATS_HEAD = ["tensor", "llama.cpp node", "shape", "sum_a", "sum_b", "sum_tol", "edges", "edge_max_diff", "edge_tol",
+               "ok"]
+
+
+def _stat_cells(t: Any) -> list[str]:
+    return [t.name, t.node, "x".join(map(str, t.shape)), f"{t.sum_a:.6g}",
+            "n/a" if t.sum_b is None else f"{t.sum_b:.6g}", _e3(t.sum_tol), str(t.edges), _e3(t.edge_max_diff),
+            _e3(t.edge_tol), "DIFFERS" if t.diverged else "yes"]
+
+
+def _stats_json(doc: dict[str, Any], r: Any) -> dict[str, Any]:
+    first = r.first_divergence
+    doc.update({
+        "statistics_only": True, "what": r.what, "positions": r.positions,
+        "tensors": [{"name": t.name, "node": t.node, "shape": t.shape, "sum_a": num(t.sum_a, ".7g"),
+                     "sum_b": num(t.sum_b, ".7g"), "sum_tol": num(t.sum_tol, ".3e"), "edges": t.edges,
+                     "edge_max_diff": num(t.edge_max_diff, ".3e"), "edge_tol": num(t.edge_tol, ".3e"),
+                     "first_position": t.first_position, "diverged": t.diverged} for t in r.tensors],
+        "only_in_a": list(r.only_a), "only_in_b": list(r.only_b), "rtol": r.rtol, "rtol_is_check": r.rtol_is_check,
+        "first_divergence": None if first is None else {"name": first.name, "node": first.node,
+                                                         "position": first.first_position},
+        "summary": r.divergence_line(), "passed": r.passed, "failures": list(r.failures),
+    })
+    return doc
+
+
+def stats_report(c: Console, r: Any, rich: bool) -> None:
+    """A statistics comparison: plain lines, or the same with rich's table."""
+    if rich:
+        _rich_sides(c, r)
+        c.print(Text(r.what, style="yellow"))
+        c.print(_rich_grid(f"statistics: {r.rows} positions, {len(r.tensors)} tensors in forward order",
+                           ["tensor", "sum A", "sum B", "tol", "edge |Δ|", "tol", "ok"],
+                           [[x for i, x in enumerate(_stat_cells(t)) if i not in (1, 2, 6)] for t in r.tensors],
+                           first_left=True, compact=True))
+        c.print(Text(r.divergence_line(), style="bold red" if r.first_divergence is not None else "bold green"))
+        _rich_check(c, r, _LAYERS_HINT)
+        return
+    write(c, "metrale compare")
+    write(c, f"a: {_side_text(r.a)}")
+    write(c, f"b: {_side_text(r.b)}")
+    write(c, f"kind: statistics, positions: {' '.join(map(str, r.positions))}, tensors compared: {len(r.tensors)}")
+    write(c, r.what)
+    write(c, "")
+    _plain_table(c, _STATS_HEAD, [_stat_cells(t) for t in r.tensors], first_left=True)
+    write(c, "")
+    write(c, f"only_in_a: {' '.join(r.only_a) or 'none'}")
+    write(c, f"only_in_b: {' '.join(r.only_b) or 'none'}")
+    write(c, r.divergence_line())
+    write(c, f"check: {_check_text(r, _LAYERS_HINT)}")
