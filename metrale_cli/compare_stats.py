@@ -8,7 +8,8 @@ What both hold is compared, with tolerances scaled to the tensor:
     edge values  max |a - b| over the printed values <= rtol·max|a| + 5e-5 (4 decimals printed)
 With a --dump-stats file on A only the sum is common. The first tensor in forward order outside a tolerance
 is the first divergence, at the first printed position where an edge value is outside it (when one is).
-The q and k taps are compared in llama.cpp's row order (readers/llamacpp.py).
+The q and k taps are compared in llama.cpp's row order (readers/llamacpp.py). A node over fewer tokens than
+the prompt (llama.cpp's last layer keeps only the output rows after attention) holds the last positions.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def compare_stats(a: LayerDump | StatsDoc, b: EvalCallback, rtol: float | None, 
         a = a.doc  # type: ignore[assignment]
     taps = b.taps
     tokens_b = b.tokens
-    t_rows = next((n.ne[1] if n.ne[2] * n.ne[3] == 1 else n.ne[2] for n in taps.values()), 0)
+    t_rows = max((_tokens(n) for n in taps.values()), default=0)
     positions_a = (a.get("positions") if stats_only else a.positions) or []
     tokens_a = a.get("tokens") if stats_only else a.tokens
     want = list(range(t_rows))
@@ -136,19 +137,23 @@ def compare_stats(a: LayerDump | StatsDoc, b: EvalCallback, rtol: float | None, 
     for name in common:
         node = taps[name]
         if stats_only:
-            tensors.append(_sum_only(name, node, a_stats[name], limit))
+            if _tokens(node) == t_rows:  # A's sum is over every position: a node over fewer is not comparable
+                tensors.append(_sum_only(name, node, a_stats[name], limit))
         else:
-            values = np.asarray(a.tensors[name][rows], dtype=np.float64)
+            # a node over fewer tokens holds the last ones (llama.cpp keeps only the output rows in the last
+            # layer after attention)
+            values = np.asarray(a.tensors[name][rows[t_rows - _tokens(node):]], dtype=np.float64)
             if name.rsplit(".", 1)[-1] in PERMUTED and head_dim:
                 values = to_llamacpp_layout(values, head_dim)
-            tensors.append(_compare(name, node, values, limit))
+            tensors.append(_compare(name, node, values, limit, t_rows - _tokens(node)))
     if not tensors:
         raise InputError(f"A and B hold no tensor in common (llama.cpp nodes mapped: "
                          f"{', '.join(list(taps)[:4]) or 'none'})")
     first = next((t for t in tensors if t.diverged), None)
     what = ("statistics comparison: B (llama.cpp eval-callback) holds each node's sum and edge values "
             "(first and last 3 along each dimension, 4 decimals); " +
-            ("A holds statistics only: compared the sums" if stats_only else "compared the sums and edge values"))
+            ("A holds statistics only: compared the sums (of the nodes over every position)" if stats_only
+             else "compared the sums and edge values"))
     result = StatsComparison(sides[0], sides[1], t_rows, want, tensors,
                              [n for n in a_names if n not in taps], [n for n in taps if n not in a_names],
                              limit, rtol is not None, first, what)
@@ -161,7 +166,11 @@ def _sum_tol(n: int, abs_sum: float, rtol: float, sums: int) -> float:
     return max(rtol, n * 2.0 ** -24) * abs_sum + SUM_ABS * sums
 
 
-def _compare(name: str, node: Node, values: np.ndarray, rtol: float) -> StatTensor:
+def _tokens(node: Node) -> int:
+    return node.ne[1] if node.ne[2] * node.ne[3] == 1 else node.ne[2]
+
+
+def _compare(name: str, node: Node, values: np.ndarray, rtol: float, first_pos: int) -> StatTensor:
     a4 = tap_view(values, node)
     sum_a = float(a4.sum())
     sum_tol = _sum_tol(a4.size, float(np.abs(a4).sum()), rtol, node.ne[3])
@@ -178,7 +187,7 @@ def _compare(name: str, node: Node, values: np.ndarray, rtol: float) -> StatTens
         bad = np.argwhere(~(d <= edge_tol))
         if bad.size:
             axis = token_axis(node)
-            first = min(node.index_sets[axis][int(i)] for i in bad[:, axis])
+            first = first_pos + min(node.index_sets[axis][int(i)] for i in bad[:, axis])
     diverged = not sum_ok or (max_d is not None and not max_d <= (edge_tol or 0.0))
     return StatTensor(name, node.name, list(values.shape), sum_a, node.total, sum_tol, edges, max_d, edge_tol,
                       first, diverged)

@@ -49,6 +49,11 @@ def _engine_line(line: str) -> bool:
         re.match(r"\s+\d+\s+\d\.\d+e[-+]\d+", line) is not None
 
 
+def _llamacpp_line(line: str) -> bool:
+    return line.split(":", 1)[0] in {"kind", "check", "top1_agreement", "rel_err", "kl_max", "only_in_b"} or \
+        line.startswith(("statistics comparison", "first divergence", "no divergence", "alignment"))
+
+
 EXAMPLES: dict[str, list[Command]] = {
     "diverges": [
         Command('metrale forward --prompt "The for statement" --dump-layers a.safetensors --format plain'),
@@ -62,6 +67,13 @@ EXAMPLES: dict[str, list[Command]] = {
                 "--perturb model.layers.1.mlp@2"),
         Command("metrale compare a.safetensors vllm_run --rtol 1e-4 --format plain", keep=_engine_line),
     ],
+    "llamacpp": [
+        Command('metrale forward --prompt "The for statement" --rows all --dump-layers a.safetensors '
+                "--dump-logits a.npy --format plain", keep=lambda line: line.startswith("prompt_tokens")),
+        Command("metrale compare a.safetensors tests/fixtures/llamacpp/eval-callback.txt --rtol 1e-3 --format plain",
+                keep=_llamacpp_line),
+        Command("metrale compare a.npy tests/fixtures/llamacpp/debug --max-kl 1e-6 --format plain", keep=_llamacpp_line),
+    ],
     "reference": [
         Command('metrale compare --reference transformers --prompt "The for statement" --steps 4 --layers 0,-1 '
                 "--format plain", keep=_reference_line),
@@ -71,7 +83,7 @@ EXAMPLES: dict[str, list[Command]] = {
 
 def run(cmd: Command, cwd: Path) -> str:
     """`$ line`, then what it printed (stdout, then stderr), abridged as the command says."""
-    argv = shlex.split(cmd.line)
+    argv = [str(ROOT / a) if a.startswith("tests/fixtures/") else a for a in shlex.split(cmd.line)]
     if argv[0] == "metrale":
         argv = [sys.executable, "-m", "metrale_cli", *argv[1:]]
     elif argv[0] == "python":

@@ -241,3 +241,21 @@ def test_a_folder_of_nothing_known_is_one_input_error(run_cli, tmp_path):
     np.save(tmp_path / "a.npy", np.random.default_rng().standard_normal((2, 5)).astype(np.float32))
     r = run_cli("compare", tmp_path / "a.npy", tmp_path / "d")
     assert r.exit_code == 5 and "not a dump metrale reads" in r.stderr, r.stderr
+
+
+def test_vllm_ranks_in_separate_folders_with_tp_dirs(run_cli, tmp_path, hf, metrale_dump):
+    tokens, h = hf
+    both = write_vllm(tmp_path / "both", h, tokens, 2, STEPS)
+    dirs = []
+    for r in range(2):  # each rank's files in its own run folder, as separate processes write them
+        d = tmp_path / f"rank{r}"
+        for f in both.rglob(f"*_cuda_{r}.pt"):
+            dest = d / f.relative_to(both)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(f, dest)
+        dirs.append(d)
+    doc = as_json(run_cli("compare", metrale_dump, "--tp-dirs", f"{dirs[0]},{dirs[1]}", "--from", "vllm",
+                          "--rtol", "1e-4", "-f", "json"))
+    assert doc["passed"] is True and {t["name"] for t in doc["tensors"]} == METRALE_TAPS
+    dump = read_input(dirs[0], "B", ReadOptions(fmt_b="vllm", tp_dirs=[str(d) for d in dirs]))
+    assert np.array_equal(dump.tensors["model.layers.1.mlp.gate_proj"], h["1.gate"].numpy())
