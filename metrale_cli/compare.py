@@ -306,7 +306,7 @@ def _stats_comparison(a: Any, b: Any, a_path: str, b_path: str, tol: Tolerances,
                          "(or --dump-stats file) using --rtol")
     sides = (Side(a_path, a.source if isinstance(a, LayerDump) else "metrale --dump-stats", None, None,
                   len(a.tensors) if isinstance(a, LayerDump) else len(a.doc["tensors"])),
-             Side(b_path, "llama.cpp eval-callback", None, None, len(b.nodes)))
+             Side(b_path, "llama.cpp eval-callback", None, None, len(b.nodes), list(b.notes)))
     return compare_stats(a, b, tol.rtol, sides, DEFAULT_RTOL)
 
 

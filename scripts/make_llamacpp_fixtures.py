@@ -12,7 +12,7 @@ llama-debug -j 2`). The script
      byte-level BPE, which the converter does not recognise by its hash, so it is told "gpt-2"; a
      tokenizer_config.json beside a copy of the model says the BOS token is added, as the model's own
      tokenizer does (tokenizer.json's post-processor);
-  2. runs `llama-eval-callback` on the prompt (every graph node's name, op, shape, edge values and sum)
+  2. runs `llama-eval-callback` on the prompt in fp32 (F32 KV cache, flash attention off) (every graph node's name, op, shape, edge values and sum)
      into eval-callback.txt;
   3. runs `llama-debug --save-logits` into debug/ (the last position's logits as raw float32, the token
      ids as int32);
@@ -25,11 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from metrale_cli.readers.llamacpp import read_eval_callback
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "metrale_cli" / "assets" / "models" / "default"
@@ -64,11 +67,22 @@ def main() -> None:
         code = CONVERT.format(src=str(src), gguf=str(src / "gguf-py"), model=str(model), out=str(gguf),
                               script=str(src / "convert_hf_to_gguf.py"))
         subprocess.run([sys.executable, "-c", code], check=True)
-        common = ["-m", str(gguf), "-p", args.prompt, "-t", "2", "-c", "64", "--temp", "0"]
-        env = dict(os.environ, LLAMA_LOG_COLORS="0")
-        cb = subprocess.run([str(bins / "llama-eval-callback"), *common], capture_output=True, text=True, env=env,
-                            check=True)
-        (OUT / "eval-callback.txt").write_text(cb.stdout + cb.stderr)
+        # fp32 like metrale's: an F32 KV cache (llama.cpp's default is F16), and flash attention off (on the
+        # CPU it rounds through F16: the attention outputs then differ from fp32 by ~2e-4 relative)
+        common = ["-m", str(gguf), "-p", args.prompt, "-t", "2", "-c", "64", "--temp", "0", "-ctk", "f32",
+                  "-ctv", "f32", "-fa", "off"]
+        env = dict(os.environ)
+        # stdout and stderr into one file, as a shell's `> out.txt 2>&1` does: llama.cpp's logger thread can
+        # drop its last lines at exit (its log singleton is never flushed), which it did here with two pipes;
+        # and as it can still lose the tail, it is run until the printout reaches the logits node
+        for _ in range(20):
+            subprocess.run(["sh", "-c", 'exec "$0" "$@" > "$OUT_FILE" 2>&1', str(bins / "llama-eval-callback"),
+                            *common], env=dict(env, OUT_FILE=str(OUT / "eval-callback.txt")), check=True)
+            cb = read_eval_callback(OUT / "eval-callback.txt", "llama-eval-callback")
+            if not cb.notes and cb.nodes[-1].name == "result_output":
+                break
+        else:
+            raise SystemExit("llama-eval-callback's printout lost its last nodes 20 times")
         debug = OUT / "debug"
         shutil.rmtree(debug, ignore_errors=True)
         subprocess.run([str(bins / "llama-debug"), *common, "--save-logits", "--logits-output-dir", str(debug)],
@@ -80,7 +94,7 @@ def main() -> None:
     (OUT / "VERSION.txt").write_text(
         f"llama.cpp: {version}\nmodel: metrale_cli/assets/models/default, converted to F32 GGUF\n"
         f"prompt: {args.prompt}\n"
-        f"commands: llama-eval-callback {' '.join(common[2:])}; llama-debug ... --save-logits\n"
+        f"commands: llama-eval-callback {shlex.join(common[2:])}; llama-debug (the same) --save-logits\n"
         f"made by: python scripts/make_llamacpp_fixtures.py\n")
     print(f"{OUT}: eval-callback.txt, debug/, VERSION.txt ({version})")
 

@@ -15,7 +15,8 @@
 heads, tokens]), values are printed to 4 decimals, and the sum (one per ne3) to 6, accumulated in float32.
 So a node is known only by its statistics: `Node` keeps its edge values, indexed, and its sum. Nodes named
 NAME-N belong to layer N; several nodes may share a name (Qcur-0 after the projection, after a reshape,
-after rope), told apart by their op. The token ids are the lines after "number of input tokens = N".
+after rope), told apart by their op. The token ids are the lines after "number of input tokens = N" (the last field of each: the log may prefix a
+time). Newer builds name the embedding node `embd`, older ones `inp_embd`.
 
 `llama-debug -m M.gguf -p PROMPT --save-logits` writes `llamacpp-<model>.bin` (the last position's logits,
 raw float32) and `llamacpp-<model>-tokens.bin` (the prompt's ids, int32) into its output folder.
@@ -42,7 +43,8 @@ _SUM = re.compile(r"^\s*sum = (\S+)\s*$")
 
 # (llama.cpp name without the layer suffix, op or None for any) -> metrale tap ({i}: the layer)
 TAPS: list[tuple[str, str | None, str]] = [
-    ("inp_embd", None, "model.embed_tokens"),
+    ("inp_embd", "GET_ROWS", "model.embed_tokens"),
+    ("embd", "GET_ROWS", "model.embed_tokens"),
     ("attn_norm", None, "model.layers.{i}.input_layernorm"),
     ("Qcur", "MUL_MAT", "model.layers.{i}.self_attn.q_proj"),
     ("Kcur", "MUL_MAT", "model.layers.{i}.self_attn.k_proj"),
@@ -59,7 +61,8 @@ TAPS: list[tuple[str, str | None, str]] = [
     ("l_out", None, "model.layers.{i}"),
     ("result_norm", None, "model.norm"),
 ]
-PERMUTED = ("q_proj", "k_proj", "q_rope", "k_rope")  # rows llama.cpp's converter reorders for its rope
+PERMUTED = ("q_proj", "k_proj", "q_rope", "k_rope")
+_VIEWS = ("RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE", "CPY", "CONT")  # rows llama.cpp's converter reorders for its rope
 
 
 @dataclass
@@ -85,6 +88,7 @@ class EvalCallback:
     nodes: list[Node]
     tokens: list[int] | None
     taps: dict[str, Node] = field(default_factory=dict)  # metrale tap -> the node it is
+    notes: list[str] = field(default_factory=list)
 
 
 def edge_indices(n: int) -> list[int]:
@@ -106,6 +110,7 @@ def read_eval_callback(p: Path, where: str) -> EvalCallback:
     except OSError as e:
         raise InputError(f"{where}: cannot be read ({e.strerror or e})") from None
     nodes: list[Node] = []
+    notes: list[str] = []
     tokens = None
     k = 0
     while k < len(lines):
@@ -115,7 +120,7 @@ def read_eval_callback(p: Path, where: str) -> EvalCallback:
             t = re.search(r"number of input tokens = (\d+)", line)
             if t:
                 n = int(t.group(1))
-                ids = [s.strip() for s in lines[k + 1:k + 1 + n]]
+                ids = [(s.split() or [""])[-1] for s in lines[k + 1:k + 1 + n]]  # after any log prefix
                 if len(ids) == n and all(re.fullmatch(r"-?\d+", s) for s in ids):
                     tokens = [int(s) for s in ids]
                     k += n
@@ -139,15 +144,20 @@ def read_eval_callback(p: Path, where: str) -> EvalCallback:
             k += 1
         node = Node(m.group(1).strip(), m.group(2), m.group(3), ne, None, sum(sums) if sums else None)  # type: ignore[arg-type]
         shape = [len(s) for s in node.index_sets]
+        complete = len(sums) == ne[3]
+        if values and (len(values) != int(np.prod(shape)) or not complete):
+            if k >= len(lines):  # the output ends inside this node
+                notes.append(f"the output ends inside node {node.name} (llama.cpp's logger can drop its last "
+                             "lines at exit: write stdout and stderr to one file, > out.txt 2>&1); it is left out")
+                break
+            raise InputError(f"{where}: node {node.name}: {len(values)} printed values, expected "
+                             f"{int(np.prod(shape))} for shape {{{', '.join(map(str, ne))}}}: a damaged file")
         if values:
-            if len(values) != int(np.prod(shape)):
-                raise InputError(f"{where}: node {node.name}: {len(values)} printed values, expected "
-                                 f"{int(np.prod(shape))} for shape {{{', '.join(map(str, ne))}}}: a truncated file?")
             node.edges = np.array(values, dtype=np.float64).reshape(shape)
         nodes.append(node)
     if not nodes:
         raise InputError(f"{where}: no tensors printed by llama-eval-callback")
-    out = EvalCallback(p, nodes, tokens)
+    out = EvalCallback(p, nodes, tokens, notes=notes)
     out.taps = map_taps(nodes)
     return out
 
@@ -160,10 +170,12 @@ def map_taps(nodes: list[Node]) -> dict[str, Node]:
         base, layer = m.group(1), m.group(2)  # type: ignore[union-attr]
         for name, op, tap in TAPS:
             if base == name and (op is None or node.op == op) and ("{i}" in tap) == (layer is not None):
-                if node.edges is not None or node.total is not None:
-                    if op is None and node.op in ("RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE", "CPY", "CONT"):
-                        continue
-                    out[tap.format(i=layer)] = node
+                key = tap.format(i=layer)
+                if node.edges is None and node.total is None:
+                    continue
+                if op is None and key in out and node.op in _VIEWS:
+                    continue  # a view of a node already taken (a reshape alone is taken: kqv_out)
+                out[key] = node
     return out
 
 

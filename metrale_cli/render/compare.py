@@ -436,6 +436,7 @@ def stats_report(c: Console, r: Any, rich: bool) -> None:
     write(c, f"b: {_side_text(r.b)}")
     write(c, f"kind: statistics, positions: {' '.join(map(str, r.positions))}, tensors compared: {len(r.tensors)}")
     write(c, r.what)
+    _plain_alignment(c, r)
     write(c, "")
     _plain_table(c, _STATS_HEAD, [_stat_cells(t) for t in r.tensors], first_left=True)
     write(c, "")
