@@ -50,7 +50,7 @@ def _engine_line(line: str) -> bool:
 
 
 def _llamacpp_line(line: str) -> bool:
-    return line.split(":", 1)[0] in {"kind", "check", "top1_agreement", "rel_err", "kl_max", "only_in_b"} or \
+    return line.split(":", 1)[0] in {"kind", "check", "top1_agreement", "rel_err", "kl_max", "only_in_a"} or \
         line.startswith(("statistics comparison", "first divergence", "no divergence", "alignment"))
 
 
