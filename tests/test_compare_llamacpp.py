@@ -146,3 +146,38 @@ def test_the_fixture_says_how_it_was_made():
     assert "llama.cpp:" in version and "make_llamacpp_fixtures.py" in version
     assert (FIX / "debug" / "llamacpp-default-f32-prompt.txt").read_text().splitlines()[2] == \
         "token ids: 0, 341, 343, 455"
+
+
+def test_finer_taps_from_transformers_match_llamacpp_nodes_through_its_row_order(tmp_path):
+    """transformers' q/k/v projections, rope outputs, norms and MLP parts of the default model (the taps
+    metrale does not dump yet) against llama.cpp's Qcur/Kcur/..., compared in llama.cpp's q/k row order."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import importlib.util
+
+    from metrale_cli import layer_dumps as ld
+    from metrale_cli.compare import DEFAULT_RTOL, Side
+    from metrale_cli.compare_stats import compare_stats
+
+    spec = importlib.util.spec_from_file_location("engine_dumps", FIX.parents[2] / "scripts" / "engine_dumps.py")
+    dumps = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dumps)
+    tokens = [0, 341, 343, 455]
+    h = dumps.hf_modules(FIX.parents[2] / "metrale_cli" / "assets" / "models" / "default", tokens)
+    parts = {"input_layernorm": "n1", "self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj": "v",
+             "self_attn.q_rope": "q_rope", "self_attn.k_rope": "k_rope", "self_attn.o_proj.input": "attn",
+             "post_attention_layernorm": "n2", "mlp.gate_proj": "gate", "mlp.up_proj": "up",
+             "mlp.down_proj.input": "act"}
+    taps = {f"model.layers.{i}.{tap}": h[f"{i}.{key}"].numpy() for i in range(5) for tap, key in parts.items()}
+    dump = ld.LayerDump(tmp_path, {n: taps[n] for n in ld.forward_order(list(taps))}, list(range(4)), tokens)
+    cb = llamacpp.read_eval_callback(CALLBACK, "B")
+    r = compare_stats(dump, cb, 1e-4, (Side("a", "transformers", None, None), Side("b", "llama.cpp", None, None)),
+                      DEFAULT_RTOL)
+    compared = {t.name for t in r.tensors}
+    assert {f"model.layers.{i}.{tap}" for i in range(4) for tap in parts} <= compared
+    assert r.first_divergence is None, r.divergence_line()
+    # without the permutation the q projection's printed values do not match
+    q = r.tensors[[t.name for t in r.tensors].index("model.layers.0.self_attn.q_proj")]
+    node = cb.taps["model.layers.0.self_attn.q_proj"]
+    plain = llamacpp.edges_of(llamacpp.tap_view(taps["model.layers.0.self_attn.q_proj"].astype(np.float64), node), node)
+    assert np.abs(plain - node.edges).max() > 100 * q.edge_max_diff
