@@ -35,8 +35,8 @@ def compare(
     dtype: Annotated[Optional[str], typer.Option(
         "--dtype", metavar="f32|bf16|f16", help="Dtype of a raw .bin, or of uint16 .npy/U16 data.")] = None,
     from_b: Annotated[Optional[str], typer.Option(
-        "--from", metavar="FORMAT", help="B's format: vllm, sglang, trtllm, torch, npy, safetensors, bin "
-                                         "(default: by content).")] = None,
+        "--from", metavar="FORMAT", help="B's format: vllm, sglang, trtllm, llamacpp, torch, npy, safetensors, "
+                                         "bin (default: by content).")] = None,
     from_a: Annotated[Optional[str], typer.Option(
         "--from-a", metavar="FORMAT", help="A's format, when it is another engine's dump.")] = None,
     map_file: Annotated[Optional[str], typer.Option(
@@ -92,15 +92,18 @@ def compare(
     first tensor in forward order beyond it, at its first such position.
 
     Other engines' dumps: --from FORMAT (B), --from-a FORMAT (A), else by content. To make them:
-      vllm    vllm serve M --enforce-eager --intermediate-log-config
-              '{"enabled": true}' (the run folder: step_N/MODULE/outputs_*.pt)
-      sglang  python -m sglang.launch_server ... --debug-tensor-dump-output-folder
-              D (D: TP*_PP*_Rank* folders of PassNNNNN.pt); or DUMPER_ENABLE=1
-              (the dumper's folder of name=...pt files)
-      trtllm  python run.py ... --output_logits_npy out.npy (out.npy);
-              per-op .pt files: their folder
-      torch   torch.save(tensor_or_dict, "x.pt") (x.pt, or a folder of them)
-      npy, safetensors, bin: as above; llamacpp: not read yet
+      vllm      vllm serve M --enforce-eager --intermediate-log-config
+                '{"enabled": true}' (the run folder: step_N/MODULE/outputs_*.pt)
+      sglang    sglang.launch_server --debug-tensor-dump-output-folder D (D, its
+                TP*_PP*_Rank* folders of PassNNNNN.pt); or DUMPER_ENABLE=1
+                (the dumper's folder of name=...pt files)
+      trtllm    python run.py ... --output_logits_npy out.npy (out.npy);
+                per-op .pt files: their folder
+      llamacpp  llama-eval-callback -m M.gguf -p P > out.txt 2>&1 (out.txt: each
+                node's sum and edge values, a statistics comparison);
+                llama-debug ... --save-logits (its folder: the last row's logits)
+      torch     torch.save(tensor_or_dict, "x.pt") (x.pt, or a folder of them)
+      npy, safetensors, bin: as above
 
     No .pt file is unpickled by torch: only tensor and storage records are read, and a file naming anything
     else (code) is refused (exit 5). vLLM and SGLang module paths become metrale's taps (model.layers.N.self_attn,
@@ -141,6 +144,7 @@ def compare(
       metrale compare layers.safetensors vllm_run/ --model DIR --rtol 1e-4
       metrale compare logits.npy sglang_dump/ --from sglang --max-kl 1e-3
       metrale compare layers.safetensors ops/ --from torch --map names.toml
+      metrale compare layers.safetensors out.txt --from llamacpp --rtol 1e-3
       metrale compare --reference transformers --prompt "The for" --steps 4
       metrale compare --reference transformers --tokens "1 2 3" --layers 0,-1
     """
