@@ -259,3 +259,11 @@ def test_vllm_ranks_in_separate_folders_with_tp_dirs(run_cli, tmp_path, hf, metr
     assert doc["passed"] is True and {t["name"] for t in doc["tensors"]} == METRALE_TAPS
     dump = read_input(dirs[0], "B", ReadOptions(fmt_b="vllm", tp_dirs=[str(d) for d in dirs]))
     assert np.array_equal(dump.tensors["model.layers.1.mlp.gate_proj"], h["1.gate"].numpy())
+
+
+def test_engine_dump_as_the_reference_with_from_a(run_cli, tmp_path, hf, metrale_dump):
+    tokens, h = hf
+    a = write_sglang(tmp_path / "sgl", h, tokens, 1, STEPS)[0]  # one rank's folder of passes
+    doc = as_json(run_cli("compare", a, metrale_dump, "--from-a", "sglang", "--rtol", "1e-4", "-f", "json"))
+    assert doc["passed"] is True and doc["a"]["source"] == "SGLang tensor dump"
+    assert {t["name"] for t in doc["tensors"]} == METRALE_TAPS and set(doc["only_in_a"]) == FINE
