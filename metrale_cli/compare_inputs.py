@@ -11,6 +11,9 @@ Logits inputs (the extension decides):
     .bin          metrale's raw rows with their PATH.json sidecar, or raw little-endian rows with
                   --vocab N --dtype f32|bf16|f16
     .npz          with --tensor NAME one array of it; without, a layer dump
+Other engines' dumps (a folder, a .pt file, llama.cpp's outputs, or any input with --from/--from-a) are
+read by the readers package into the same kinds, or into llama.cpp's printed statistics; a --dump-stats
+file is read for a statistics comparison with those.
 --dtype and --vocab apply only to inputs that do not record them (raw .bin, uint16 .npy, U16 tensors).
 A leading batch dimension of 1 ([1, rows, vocab]) is dropped; a 1-D array is one row. Values are
 converted exactly to float32 (float64 inputs stay float64); every problem is an InputError that names

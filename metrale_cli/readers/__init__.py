@@ -1,5 +1,6 @@
 """Other engines' dumps for `metrale compare`: each format in its own module, chosen by `--from` or by
-content, and turned into what compare reads (a logits `Matrix` or a `LayerDump` named by metrale's taps).
+content, and turned into what compare reads (a logits `Matrix` or a `LayerDump` named by metrale's taps;
+llama.cpp's printed statistics stay an `llamacpp.EvalCallback`, for compare_stats).
 
     vllm         intermediate tensor logging: a run folder of step_N/<module>/outputs_<device>.pt (vllm.py)
     sglang       --debug-tensor-dump-output-folder: TP{t}_PP{p}_Rank{r}/PassNNNNN.pt dicts; or the
