@@ -145,3 +145,20 @@ def test_a_view_reaching_past_its_storage_is_refused(tmp_path):
     with pytest.raises(InputError, match="not a complete PyTorch .pt file"):
         tp.load(p)
     assert pkl
+
+
+def test_a_tensor_larger_than_its_storage_is_refused_before_any_allocation(tmp_path):
+    """A hand-made pickle whose tensor claims 2^60 elements of a 4-element storage."""
+    torch.save(fresh((2, 2)), tmp_path / "x.pt")
+    with zipfile.ZipFile(tmp_path / "x.pt") as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    pkl = next(n for n in members if n.endswith("data.pkl"))
+    huge = (2**30).to_bytes(4, "little")  # BININT operands
+    patched = members[pkl].replace(b"K\x02K\x02\x86", b"J" + huge + b"J" + huge + b"\x86", 1)
+    assert patched != members[pkl]
+    members[pkl] = patched
+    with zipfile.ZipFile(tmp_path / "x.pt", "w") as z:
+        for n, b in members.items():
+            z.writestr(n, b)
+    with pytest.raises(InputError, match="reaches past its storage"):
+        tp.load(tmp_path / "x.pt")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import io
+import math
 import pickle
 import struct
 import zipfile
@@ -95,7 +96,7 @@ class _Pending:
     def read(self) -> Tensor:
         base = self.storage.array()
         offset, size, stride = self.offset, self.size, self.stride
-        n = int(np.prod(size, dtype=np.int64)) if size else 1
+        n = math.prod(size)  # exact (no overflow): a size past the storage is refused below
         last = offset + sum((s - 1) * st for s, st in zip(size, stride)) if n else offset
         if n and last >= base.size:
             raise pickle.UnpicklingError(f"a tensor [{', '.join(map(str, size))}] at offset {offset} reaches "
