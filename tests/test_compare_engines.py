@@ -267,3 +267,16 @@ def test_engine_dump_as_the_reference_with_from_a(run_cli, tmp_path, hf, metrale
     doc = as_json(run_cli("compare", a, metrale_dump, "--from-a", "sglang", "--rtol", "1e-4", "-f", "json"))
     assert doc["passed"] is True and doc["a"]["source"] == "SGLang tensor dump"
     assert {t["name"] for t in doc["tensors"]} == METRALE_TAPS and set(doc["only_in_a"]) == FINE
+
+
+def test_sglang_last_token_only_dump_compares_the_last_positions(run_cli, tmp_path, hf, metrale_dump):
+    """TENSOR_DUMP_LAST_TOKEN_ONLY=1: each pass keeps its last row, at the last of its positions."""
+    tokens, h = hf
+    d = write_sglang(tmp_path / "sgl", h, tokens, 1, STEPS)[0]
+    for f in sorted(d.glob("Pass*.pt")):
+        obj = torch.load(f)
+        torch.save({k: (v if "forward_batch_info" in k else [x[-1:] for x in v] if isinstance(v, list) else v[-1:])
+                    for k, v in obj.items()}, f)
+    doc = as_json(run_cli("compare", metrale_dump, d, "--rtol", "1e-4", "-f", "json"))
+    assert doc["passed"] is True and doc["positions"] == [T - 2, T - 1]
+    assert {t["name"] for t in doc["tensors"]} == METRALE_TAPS

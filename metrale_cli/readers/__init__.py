@@ -180,8 +180,10 @@ def assemble(steps: list[Raw], p: Path, where: str, source: str, rules: list[Rul
             continue
         rows = _step_rows(taps, raw, where, notes, k)
         taps = {n: a for n, a in taps.items() if a.shape[0] == rows}
-        pos = raw.positions if raw.positions is not None and len(raw.positions) == rows else \
-            list(range(cursor, cursor + rows))
+        if raw.positions is not None and len(raw.positions) >= rows:
+            pos = raw.positions[len(raw.positions) - rows:]  # fewer rows: the last ones (a last-token-only dump)
+        else:
+            pos = list(range(cursor, cursor + rows))
         cursor = (max(pos) + 1) if pos else cursor
         positions += pos
         if raw.tokens is not None and len(raw.tokens) == rows:
@@ -212,15 +214,14 @@ def assemble(steps: list[Raw], p: Path, where: str, source: str, rules: list[Rul
 
 
 def _step_rows(taps: dict[str, np.ndarray], raw: Raw, where: str, notes: list[str], k: int) -> int:
-    """The step's row count: its positions' length, else the most common first dimension."""
-    if raw.positions is not None:
-        return len(raw.positions)
+    """The step's row count: the most common first dimension (its positions' length on a tie)."""
     counts: dict[int, int] = {}
     for a in taps.values():
         counts[a.shape[0]] = counts.get(a.shape[0], 0) + 1
     if not counts:
         return 0
-    rows = max(counts, key=lambda r: (counts[r], r))
+    full = len(raw.positions) if raw.positions is not None else -1
+    rows = max(counts, key=lambda r: (counts[r], r == full, r))
     odd = [n for n, a in taps.items() if a.shape[0] != rows]
     if odd:
         notes.append(f"step {k}: {', '.join(odd[:4])} hold other than {rows} rows, left out")
