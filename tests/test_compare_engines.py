@@ -90,19 +90,28 @@ def test_engine_dump_over_two_tp_ranks_matches_metrale(run_cli, tmp_path, hf, me
     assert dump.tokens == tokens
 
 
-def test_planted_difference_is_named_by_layer_and_position(run_cli, tmp_path, hf, metrale_dump):
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_planted_difference_is_named_by_layer_and_position(run_cli, tmp_path, hf, metrale_dump, engine):
     tokens, h = hf
-    b = write_vllm(tmp_path / "vllm", h, tokens, 2, STEPS)
-    f = b / "step_0" / "model.layers.1.mlp" / "outputs_cuda_0.pt"
-    x = torch.load(f)
-    x[3] += 0.05 * x[3].abs().max()
-    torch.save(x, f)
-    shutil.copy(f, f.with_name("outputs_cuda_1.pt"))
+    if engine == "vllm":
+        b = write_vllm(tmp_path / "vllm", h, tokens, 2, STEPS)
+        f = b / "step_0" / "model.layers.1.mlp" / "outputs_cuda_0.pt"
+        x = torch.load(f)
+        x[3] += 0.05 * x[3].abs().max()
+        torch.save(x, f)
+        shutil.copy(f, f.with_name("outputs_cuda_1.pt"))
+    else:
+        b = tmp_path / "sgl"
+        for d in write_sglang(b, h, tokens, 2, STEPS):  # the row-parallel down_proj output on every rank
+            obj = torch.load(d / "Pass00000.pt")
+            obj["model.layers.1.mlp.down_proj"][3] += 0.05 * obj["model.layers.1.mlp.down_proj"][3].abs().max()
+            torch.save(obj, d / "Pass00000.pt")
     r = run_cli("compare", metrale_dump, b, "--model", LLAMA, "--rtol", "1e-4", "-f", "plain")
     assert r.exit_code == 9, r.stderr
     assert "first divergence: model.layers.1.mlp at position 3" in r.stdout
     doc = as_json(run_cli("compare", metrale_dump, b, "--model", LLAMA, "-f", "json"))
     assert doc["first_divergence"]["name"] == "model.layers.1.mlp" and doc["first_divergence"]["position"] == 3
+    assert [p["first_exceeding"] for p in doc["by_position"]] == [None] * 3 + ["model.layers.1.mlp"] + [None] * 3
 
 
 def test_engine_logits_against_metrale_logits(run_cli, tmp_path, hf, metrale_dump):
