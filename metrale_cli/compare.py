@@ -38,12 +38,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from .align import RowAlignment, align_rows
-from .compare_inputs import Matrix, ReadOptions, read_input
+from .compare_inputs import Matrix, ReadOptions, logits_side, read_input
 from .errors import InputError, UsageError
 from .layer_dumps import LayerDump
 
@@ -129,6 +129,16 @@ class Tolerances:
 
 
 @dataclass
+class PositionError:
+    """The final logits' error at one row: KL(P_A || P_B) and max|A-B| / max|A| (NaN for a non-finite row)."""
+
+    row: int
+    position: int | None
+    kl: float
+    rel_err: float
+
+
+@dataclass
 class Side:
     """What one input was: for the report's header."""
 
@@ -137,6 +147,7 @@ class Side:
     dtype: str | None
     shape: list[int] | None  # logits [rows, vocab]
     tensors: int | None = None  # layer dumps
+    notes: list[str] = field(default_factory=list)  # what reading an engine's dump left out
 
 
 @dataclass
@@ -164,6 +175,7 @@ class LogitsComparison:
     failures: list[str]
     row_stats: list[RowStats] | None = None  # with --rows
     alignment: RowAlignment | None = None  # which rows of A and B were paired
+    by_position: list[PositionError] = field(default_factory=list)  # every row, in order
     kind: str = "logits"
 
     @property
@@ -189,6 +201,9 @@ class TensorComparison:
     worst_position: int | None
     nonfinite_mismatch: int  # values finite on one side only
     diverged: bool
+    row_rel_err: list[float] = field(default_factory=list)  # per row: its max|A-B| / the tensor's max|A|
+    first_row: int | None = None  # the first row beyond the tolerance (NaN/Inf where A is finite counts)
+    first_position: int | None = None
 
 
 @dataclass
@@ -212,15 +227,28 @@ class LayerComparison:
     def passed(self) -> bool | None:
         return None if not self.rtol_is_check else not self.failures
 
+    def by_position(self) -> list[tuple[int, float, str | None]]:
+        """Per row compared: (position, or the row index without positions; the largest rel err of any tensor
+        there; the first tensor in forward order beyond the tolerance there, None when none is)."""
+        out = []
+        for r in range(self.rows):
+            errs = [t.row_rel_err[r] for t in self.tensors if r < len(t.row_rel_err)]
+            first = next((t.name for t in self.tensors if r < len(t.row_rel_err) and not t.row_rel_err[r] <= self.rtol),
+                         None)
+            out.append((self.positions[r] if self.positions else r, max(errs, default=0.0), first))
+        return out
+
     def divergence_line(self) -> str:
-        """'first divergence: model.layers.17.mlp, rel err 3.1e-02; everything before it <= 1.0e-04'."""
+        """'first divergence: model.layers.17.mlp at position 5, rel err 3.1e-02; everything before it <= 1.0e-04'."""
         d = self.first_divergence
         if d is None:
             worst = max((t.errors.rel_err for t in self.tensors), default=0.0)
             return f"no divergence: every tensor's rel err <= {self.rtol:.1e} (largest {worst:.1e})"
         what = "NaN/Inf where A is finite" if d.nonfinite_mismatch and not d.errors.rel_err > self.rtol \
             else f"rel err {d.errors.rel_err:.1e}"
-        line = f"first divergence: {d.name}, {what} (rtol {self.rtol:.1e})"
+        at = "" if d.first_row is None else (f" at position {d.first_position}" if d.first_position is not None
+                                             else f" at row {d.first_row}")
+        line = f"first divergence: {d.name}{at}, {what} (rtol {self.rtol:.1e})"
         if self.before_max_rel_err is None:
             return line + "; it is the first tensor compared"
         return line + f"; everything before it <= {self.before_max_rel_err:.1e}"
@@ -230,13 +258,20 @@ class LayerComparison:
 
 
 def run_compare(a_path: str, b_path: str, opts: ReadOptions, tol: Tolerances, keep_rows: bool = False,
-                positions: Sequence[int] | None = None) -> LogitsComparison | LayerComparison:
+                positions: Sequence[int] | None = None) -> Any:
     """Read A and B and compare them: logits against logits, or layer dump against layer dump; `positions`
     (--positions) selects among the positions both hold."""
     opts.check()
     tol.check()
     a = read_input(a_path, "A", opts)
     b = read_input(b_path, "B", opts)
+    stats = _stats_comparison(a, b, a_path, b_path, tol, keep_rows)
+    if stats is not None:
+        return stats
+    if isinstance(a, Matrix) and isinstance(b, LayerDump) and "logits" in b.metadata:
+        b = logits_side(b, "B")  # an engine's dump against a logits dump: its logits
+    elif isinstance(b, Matrix) and isinstance(a, LayerDump) and "logits" in a.metadata:
+        a = logits_side(a, "A")
     if isinstance(a, Matrix) != isinstance(b, Matrix):
         what = {True: "a logits matrix", False: "a layer dump"}
         raise InputError(f"A ({a_path}) is {what[isinstance(a, Matrix)]} but B ({b_path}) is "
@@ -250,6 +285,29 @@ def run_compare(a_path: str, b_path: str, opts: ReadOptions, tol: Tolerances, ke
     if keep_rows:
         raise UsageError("--rows lists logits rows; for layer dumps each tensor's worst row is in the table")
     return compare_layers(a, b, tol.rtol, a_path=a_path, b_path=b_path, select=positions)
+
+
+def _stats_comparison(a: Any, b: Any, a_path: str, b_path: str, tol: Tolerances, keep_rows: bool) -> Any:
+    """llama.cpp's printed statistics (B) against metrale's layer dump or --dump-stats file (A); None when
+    neither side is statistics."""
+    from .compare_stats import StatsDoc, compare_stats
+    from .readers.llamacpp import EvalCallback
+
+    if not any(isinstance(x, (StatsDoc, EvalCallback)) for x in (a, b)):
+        return None
+    if isinstance(a, EvalCallback):
+        raise UsageError("llama.cpp's eval-callback output is compared as B, against metrale's dump as A")
+    if not isinstance(b, EvalCallback):
+        which = "A" if isinstance(a, StatsDoc) else "B"
+        raise InputError(f"{which} is a --dump-stats file (statistics, not tensors): it is compared only with "
+                         "llama.cpp's eval-callback output; for other dumps compare the tensors (.safetensors, .npz)")
+    if isinstance(a, Matrix) or tol.logits_given or keep_rows:
+        raise UsageError("llama.cpp's eval-callback output holds layer statistics: compare it with a layer dump "
+                         "(or --dump-stats file) using --rtol")
+    sides = (Side(a_path, a.source if isinstance(a, LayerDump) else "metrale --dump-stats", None, None,
+                  len(a.tensors) if isinstance(a, LayerDump) else len(a.doc["tensors"])),
+             Side(b_path, "llama.cpp eval-callback", None, None, len(b.nodes), list(b.notes)))
+    return compare_stats(a, b, tol.rtol, sides, DEFAULT_RTOL)
 
 
 # -- logits -------------------------------------------------------------------------------------------------------
@@ -277,7 +335,9 @@ def compare_logits(a: Matrix, b: Matrix, tol: Tolerances | None = None, *, keep_
                      for k in TOP_KS},
         softmax=_softmax_stats(finite) if finite else None,
         mismatches=mismatches, nonfinite_rows=[r.row for r in rows if not r.finite], tolerances=tol,
-        first_exceeding=None, exceeding_rows=0, failures=[], row_stats=rows if keep_rows else None, alignment=al)
+        first_exceeding=None, exceeding_rows=0, failures=[], row_stats=rows if keep_rows else None, alignment=al,
+        by_position=[PositionError(r.row, r.position, r.kl if r.finite else math.nan,
+                                   r.errors.rel_err if r.finite else math.nan) for r in rows])
     _apply_tolerances(result, rows)
     return result
 
@@ -441,9 +501,9 @@ def _apply_tolerances(result: LogitsComparison, rows: list[RowStats]) -> None:
         result.first_exceeding = Exceeding(first, rows[first].position, reasons[first])
 
 
-def failure_message(result: LogitsComparison | LayerComparison) -> str:
+def failure_message(result: Any) -> str:
     """The one line a failed check ends with (errors.DivergenceError's message)."""
-    if isinstance(result, LayerComparison):
+    if result.kind in ("layers", "stats"):
         return result.divergence_line()
     text = "; ".join(result.failures)
     fe = result.first_exceeding
@@ -481,8 +541,8 @@ def compare_layers(a: LayerDump, b: LayerDump, rtol: float | None = None, *, a_p
         earlier = [t.errors.rel_err for t in tensors[:tensors.index(first)]]
         before = max(earlier) if earlier else None
     result = LayerComparison(
-        Side(a_path or str(a.path), a.source, None, None, len(a.tensors)),
-        Side(b_path or str(b.path), b.source, None, None, len(b.tensors)),
+        Side(a_path or str(a.path), a.source, None, None, len(a.tensors), list(a.metadata.get("notes") or [])),
+        Side(b_path or str(b.path), b.source, None, None, len(b.tensors), list(b.metadata.get("notes") or [])),
         len(al.rows_a), positions, tensors, only_a, only_b, limit, rtol is not None, first, before, alignment=al)
     if rtol is not None and first is not None:
         result.failures = [result.divergence_line()]
@@ -510,5 +570,12 @@ def _tensor_comparison(name: str, a: np.ndarray, b: np.ndarray, positions: list[
         stats, worst = ErrorStats(math.nan, math.nan, math.nan, math.nan, math.nan, math.nan), 0
     mismatch = int((fx != fy).sum())
     diverged = bool(mismatch) or not stats.rel_err <= rtol
+    with np.errstate(invalid="ignore"):
+        row_d = np.where(both, np.abs(x - y), 0.0).max(axis=1) if x.size else np.zeros(x.shape[0])
+    max_a = stats.max_abs_a if math.isfinite(stats.max_abs_a) else 0.0
+    row_rel = [float(v) for v in _ratio(row_d, np.full_like(row_d, max_a))]
+    row_rel = [math.inf if (fx[r] != fy[r]).any() else v for r, v in enumerate(row_rel)]
+    first = next((r for r, v in enumerate(row_rel) if not v <= rtol), None) if diverged else None
     return TensorComparison(name, list(a.shape), stats, worst, positions[worst] if positions else None,
-                            mismatch, diverged)
+                            mismatch, diverged, row_rel, first,
+                            positions[first] if positions and first is not None else None)

@@ -11,6 +11,9 @@ Logits inputs (the extension decides):
     .bin          metrale's raw rows with their PATH.json sidecar, or raw little-endian rows with
                   --vocab N --dtype f32|bf16|f16
     .npz          with --tensor NAME one array of it; without, a layer dump
+Other engines' dumps (a folder, a .pt file, llama.cpp's outputs, or any input with --from/--from-a) are
+read by the readers package into the same kinds, or into llama.cpp's printed statistics; a --dump-stats
+file is read for a statistics comparison with those.
 --dtype and --vocab apply only to inputs that do not record them (raw .bin, uint16 .npy, U16 tensors).
 A leading batch dimension of 1 ([1, rows, vocab]) is dropped; a 1-D array is one row. Values are
 converted exactly to float32 (float64 inputs stay float64); every problem is an InputError that names
@@ -42,12 +45,22 @@ class ReadOptions:
     tensor_b: str | None = None  # --tensor-b: B's, when it is named differently
     vocab: int | None = None  # --vocab: row width of a raw .bin
     dtype: str | None = None  # --dtype: f32 | bf16 | f16 for raw .bin and uint16 data
+    fmt_a: str | None = None  # --from-a: A's format (None: by content)
+    fmt_b: str | None = None  # --from: B's format
+    map_file: str | None = None  # --map: name rules for engine dumps
+    model: str | None = None  # --model: the config.json that splits fused outputs
+    tp_dirs: list[str] | None = None  # --tp-dirs: B's folders, one per TP rank
 
     def check(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
             raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.vocab is not None and self.vocab <= 0:
             raise UsageError(f"--vocab must be at least 1, got {self.vocab}")
+        from .readers import FORMATS
+
+        for option, fmt in (("--from-a", self.fmt_a), ("--from", self.fmt_b)):
+            if fmt is not None and fmt not in FORMATS:
+                raise UsageError(f"{option} takes {', '.join(FORMATS)}, got {fmt!r}")
 
 
 @dataclass
@@ -67,10 +80,28 @@ class Matrix:
         return int(self.values.shape[0]), int(self.values.shape[1])
 
 
-def read_input(path: str | Path, label: str, opts: ReadOptions) -> Matrix | LayerDump:
-    """Side `label` of a comparison: a logits Matrix or a LayerDump (see the module docstring)."""
+def read_input(path: str | Path, label: str, opts: ReadOptions) -> Any:
+    """Side `label` of a comparison: a logits Matrix or a LayerDump (see the module docstring); llama.cpp's
+    printed statistics (readers.llamacpp.EvalCallback) or a --dump-stats file (compare_stats.StatsDoc)."""
     p = Path(path)
     where = f"{label}: {p}"
+    fmt = opts.fmt_b if label == "B" else opts.fmt_a
+    from .readers import FILE_FORMATS, LogitsRows, is_engine_input, read_engine
+
+    if is_engine_input(p, fmt):
+        got = read_engine(p, label, fmt, map_file=opts.map_file, model=opts.model,
+                          tp_dirs=opts.tp_dirs if label == "B" else None)
+        if isinstance(got, LogitsRows):
+            kind = {"f32": "fp32", "f64": "f64", "f16": "f16", "bf16": "bf16"}.get(got.dtype)
+            if kind is None:
+                raise InputError(f"{where}: holds a {got.dtype} tensor; logits are floating point")
+            values = got.values.astype(np.float64 if kind == "f64" else np.float32)
+            return Matrix(label, got.path or p, got.source, kind, _rows(values, where), got.positions, got.tokens)
+        if got is not None:
+            return got  # a LayerDump, or llama.cpp's statistics
+    elif fmt in FILE_FORMATS and p.suffix.lower() not in FILE_FORMATS[fmt]:
+        raise InputError(f"{where}: --from {fmt} reads {' or '.join(FILE_FORMATS[fmt])} files, not "
+                         f"'{p.suffix or '(none)'}'")
     if p.is_dir():
         raise InputError(f"{where}: is a directory, not a dump file")
     if not p.is_file():
@@ -88,10 +119,21 @@ def read_input(path: str | Path, label: str, opts: ReadOptions) -> Matrix | Laye
     if ext == ".bin":
         return _from_bin(p, label, where, opts)
     if ext == ".json" and is_stats_file(p):
-        raise InputError(f"{where}: is a --dump-stats file (statistics, not tensors); compare needs the "
-                         "dumps themselves (.safetensors or .npz)")
+        from .compare_stats import read_stats_file
+
+        return read_stats_file(p, label)  # statistics: compared only with llama.cpp's printed ones
     raise InputError(f"{where}: unknown extension '{p.suffix or '(none)'}'; compare reads .safetensors, "
                      ".npy, .bin and .npz")
+
+
+def logits_side(dump: LayerDump, label: str) -> Matrix:
+    """The logits an engine's layer dump kept aside, as a logits Matrix (InputError when it has none)."""
+    values = dump.metadata.get("logits")
+    if values is None:
+        raise InputError(f"{label} ({dump.path}) is a layer dump holding no logits (no logits_processor or "
+                         "lm_head output): compare it with a layer dump")
+    return Matrix(label, dump.path, f"{dump.source}, logits", "fp32", _rows(np.asarray(values), f"{label}: {dump.path}"),
+                  dump.metadata.get("logits_positions"), dump.tokens)
 
 
 # -- the formats ----------------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ Exit codes (also in `metrale --help` and the README):
     2   usage error: bad or conflicting options (typer/click also use 2)
     3   checkpoint error: a weights file, shard index or tensor set is missing, malformed or inconsistent
     4   config error: config.json is invalid, inconsistent, or asks for something metrale cannot run
-    5   input error: token ids, prompt or lengths that the model cannot take
+    5   input error: token ids, prompt or lengths that the model cannot take; a compared file that cannot be
+        read (a .pt file whose pickle names code is refused unrun: readers/torch_pickle.UnsafePickleError)
     6   non-finite logits: a produced logits row holds NaN or Inf
     7   output error: a dump path that cannot be written (directory, permissions, disk full)
     8   device error: no CUDA device or CuPy, or device memory exhausted

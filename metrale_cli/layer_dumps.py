@@ -14,8 +14,9 @@ order):
 Families with more points add them under their HF module names (e.g. Gemma's
 `model.layers.{i}.post_attention_layernorm`, an MoE router's `model.layers.{i}.mlp.gate`); an integer
 valued tap (chosen experts) is stored as fp32, exact below 2**24. Forward order (`forward_order`): the
-embedding, then per layer (in natural order, 2 before 10) its input norm, self_attn, post-attention
-norms, mlp and its sub-modules, other taps, and the layer output last; then model.norm; names metrale does
+embedding, then per layer (in natural order, 2 before 10) its input norm, self_attn (its parts, q/k/v
+projections, rope, o_proj's input, before its output), post-attention norms, mlp (a router's gate and
+the projections before its output), other taps, and the layer output last; then model.norm; names metrale does
 not know come after, in the order given.
 
 Formats (the extension of PATH picks one):
@@ -101,6 +102,13 @@ _SUB_RANK = {"input_layernorm": 0, "self_attn": 1, "post_attention_layernorm": 2
              "pre_feedforward_layernorm": 3, "mlp": 4, "block_sparse_moe": 4, "post_feedforward_layernorm": 5}
 
 
+# Rank of a part inside self_attn / mlp (the finer taps other engines dump): projections, rope, the input of
+# the output projection, the output projection; a router's gate before the experts' projections.
+_INNER_RANK = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "q_rope": 3, "k_rope": 4, "o_proj.input": 5, "o_proj": 6,
+               "gate": 0, "gate.top_k_index": 1, "gate.top_k_weights": 2, "gate_proj": 3, "up_proj": 4,
+               "down_proj.input": 5, "down_proj": 6}
+
+
 def forward_key(name: str) -> tuple:
     """Sort key putting tap names in forward order (see the module docstring)."""
     if name == EMBED:
@@ -110,7 +118,9 @@ def forward_key(name: str) -> tuple:
         layer, sub = int(m.group(1)), m.group(2)
         if sub is None:
             return (1, layer, 9)  # the layer's output comes after everything inside it
-        return (1, layer, _SUB_RANK.get(sub.split(".")[0], 6), sub.count("."))
+        head, _, rest = sub.partition(".")
+        inner = 9 if not rest else _INNER_RANK.get(rest, 8)  # a module's own output after its parts
+        return (1, layer, _SUB_RANK.get(head, 6), inner, sub.count("."))
     if name == NORM:
         return (2,)
     return (3,)

@@ -9,7 +9,7 @@ report to the lines it names (the others become one `...` line per run of them).
     PYTHONPATH=. python scripts/readme_examples.py --check  # exit 1 when README.md differs
 
 tests/test_readme_examples.py checks that README.md holds exactly what this script writes.
-Needs torch and transformers for the `reference` example (pip install 'metrale[reference]').
+Needs torch and transformers for the `reference` and `vllm` examples (pip install 'metrale[reference]').
 """
 
 from __future__ import annotations
@@ -43,11 +43,36 @@ def _reference_line(line: str) -> bool:
         line.startswith(("no divergence", "first divergence", "metrale compare --reference", "kind:"))
 
 
+def _engine_line(line: str) -> bool:
+    return line.split(":", 1)[0] in {"a", "b", "kind", "positions", "check"} or line.startswith(
+        ("first divergence", "metrale: outputs differ", "model.layers.1.mlp ", "position ", "vllm_run:")) or \
+        re.match(r"\s+\d+\s+\d\.\d+e[-+]\d+", line) is not None
+
+
+def _llamacpp_line(line: str) -> bool:
+    return line.split(":", 1)[0] in {"kind", "check", "top1_agreement", "rel_err", "kl_max", "only_in_a"} or \
+        line.startswith(("statistics comparison", "first divergence", "no divergence", "alignment"))
+
+
 EXAMPLES: dict[str, list[Command]] = {
     "diverges": [
         Command('metrale forward --prompt "The for statement" --dump-layers a.safetensors --format plain'),
         Command("python scripts/perturb_layer_dump.py a.safetensors b.safetensors model.layers.2.mlp"),
         Command("metrale compare a.safetensors b.safetensors --rtol 1e-3 --format plain"),
+    ],
+    "vllm": [
+        Command('metrale forward --prompt "The for statement" --rows all --dump-layers a.safetensors --format plain',
+                keep=lambda line: line.startswith("prompt_tokens")),
+        Command('python scripts/engine_dumps.py vllm vllm_run --tokens "0 341 343 455" --tp 2 '
+                "--perturb model.layers.1.mlp@2"),
+        Command("metrale compare a.safetensors vllm_run --rtol 1e-4 --format plain", keep=_engine_line),
+    ],
+    "llamacpp": [
+        Command('metrale forward --prompt "The for statement" --rows all --dump-layers a.safetensors '
+                "--dump-logits a.npy --format plain", keep=lambda line: line.startswith("prompt_tokens")),
+        Command("metrale compare a.safetensors tests/fixtures/llamacpp/eval-callback.txt --rtol 1e-3 --format plain",
+                keep=_llamacpp_line),
+        Command("metrale compare a.npy tests/fixtures/llamacpp/debug --max-kl 1e-6 --format plain", keep=_llamacpp_line),
     ],
     "reference": [
         Command('metrale compare --reference transformers --prompt "The for statement" --steps 4 --layers 0,-1 '
@@ -58,7 +83,7 @@ EXAMPLES: dict[str, list[Command]] = {
 
 def run(cmd: Command, cwd: Path) -> str:
     """`$ line`, then what it printed (stdout, then stderr), abridged as the command says."""
-    argv = shlex.split(cmd.line)
+    argv = [str(ROOT / a) if a.startswith("tests/fixtures/") else a for a in shlex.split(cmd.line)]
     if argv[0] == "metrale":
         argv = [sys.executable, "-m", "metrale_cli", *argv[1:]]
     elif argv[0] == "python":

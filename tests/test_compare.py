@@ -187,7 +187,12 @@ def test_planted_layer_perturbation_is_the_first_divergence():
     assert r.before_max_rel_err <= 1e-5 and r.passed is False
     assert [t.name for t in r.tensors] == names
     line = r.divergence_line()
-    assert line.startswith(f"first divergence: {names[planted]}, rel err ") and "everything before it <=" in line
+    t = r.first_divergence
+    first_row = next(k for k in range(4) if np.abs(a[names[planted]][k] - b[names[planted]][k]).max()
+                     > 1e-3 * np.abs(a[names[planted]]).max())
+    assert t.first_row == first_row and t.row_rel_err[first_row] > 1e-3
+    assert line.startswith(f"first divergence: {names[planted]} at row {first_row}, rel err ")
+    assert "everything before it <=" in line
     x, y = a[names[planted]].astype(np.float64), b[names[planted]].astype(np.float64)
     t = r.tensors[planted]
     assert t.errors.rel_err == pytest.approx(np.max(np.abs(x - y)) / np.max(np.abs(x)), rel=1e-12)
@@ -388,18 +393,21 @@ def test_cli_layer_dumps_exit_9_at_the_first_divergence(run_cli, tmp_path):
     names = ld.layer_tap_names(range(3))
     a = {n: rng.standard_normal((2, 16)).astype(np.float32) for n in names}
     b = dict(a)
-    b["model.layers.1.self_attn"] = a["model.layers.1.self_attn"] * np.float32(1.01)
+    b["model.layers.1.self_attn"] = a["model.layers.1.self_attn"] * np.float32([[1.0], [1.01]])  # row 1 only
     info = ld.LayerDumpInfo("forward", "m", [1, 2], [0, 1, 2])
     ld.write_layer_dump(tmp_path / "a.safetensors", a, [0, 1], info)
     ld.write_layer_dump(tmp_path / "b.npz", b, [0, 1], info)
     r = run_cli("compare", tmp_path / "a.safetensors", tmp_path / "b.npz", "--rtol", "1e-3", "-f", "plain")
     assert r.exit_code == 9
-    assert "first divergence: model.layers.1.self_attn, rel err 1.0e-02" in r.stdout
+    rel = np.abs(b["model.layers.1.self_attn"] - a["model.layers.1.self_attn"]).max() / \
+        np.abs(a["model.layers.1.self_attn"]).max()
+    assert f"first divergence: model.layers.1.self_attn at position 1, rel err {rel:.1e}" in r.stdout
     assert "everything before it <= 0.0e+00" in r.stdout and "check: FAILED" in r.stdout
     assert r.stderr.startswith("metrale: outputs differ: first divergence: model.layers.1.self_attn")
     doc = as_json(run_cli("compare", tmp_path / "a.safetensors", tmp_path / "b.npz", "-f", "json"))
     assert doc["kind"] == "layers" and doc["passed"] is None and doc["rtol"] == 1e-3
-    assert doc["first_divergence"]["name"] == "model.layers.1.self_attn"
+    assert doc["first_divergence"]["name"] == "model.layers.1.self_attn" and doc["first_divergence"]["position"] == 1
+    assert [p["first_exceeding"] for p in doc["by_position"]] == [None, "model.layers.1.self_attn"]
     assert [t["name"] for t in doc["tensors"]] == names
 
 

@@ -53,11 +53,16 @@ def test_parse_layers_rejects(spec, error, words):
 def test_forward_order_is_the_order_of_the_forward():
     expected = ["model.embed_tokens",
                 "model.layers.2.input_layernorm", "model.layers.2.self_attn", "model.layers.2.post_attention_layernorm",
-                "model.layers.2.pre_feedforward_layernorm", "model.layers.2.mlp", "model.layers.2.mlp.gate",
+                "model.layers.2.pre_feedforward_layernorm", "model.layers.2.mlp.gate", "model.layers.2.mlp",
                 "model.layers.2.post_feedforward_layernorm", "model.layers.2",
                 "model.layers.10.self_attn", "model.layers.10.mlp", "model.layers.10", "model.norm", "lm_head"]
     shuffled = list(np.random.default_rng().permutation(expected))
     assert ld.forward_order(shuffled) == expected
+    fine = [f"model.layers.0.{s}" for s in (
+        "input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.q_rope",
+        "self_attn.k_rope", "self_attn.o_proj.input", "self_attn", "post_attention_layernorm", "mlp.gate_proj",
+        "mlp.up_proj", "mlp.down_proj.input", "mlp")] + ["model.layers.0"]
+    assert ld.forward_order(list(np.random.default_rng().permutation(fine))) == fine
     assert ld.layer_tap_names([10, 2]) == ["model.embed_tokens", "model.layers.2.self_attn", "model.layers.2.mlp",
                                            "model.layers.2", "model.layers.10.self_attn", "model.layers.10.mlp",
                                            "model.layers.10", "model.norm"]

@@ -2,7 +2,7 @@
 example's commands (embedded default model, CPU) and the README block must hold exactly that output.
 
 Two things are left out of the equality: transformers' version (the reference example names the one
-installed), and, in that example only, figures below 1e-4 (metrale against transformers in fp32 differ by
+installed), and, in that example, the vLLM-style one and the llama.cpp one, figures below 1e-4 (metrale against transformers in fp32 differ by
 ~1e-6, in the last bits of each BLAS's summation order, which differs between machines). Regenerate with
 `PYTHONPATH=. python scripts/readme_examples.py`."""
 
@@ -44,11 +44,11 @@ def test_every_example_is_in_the_readme():
 
 @pytest.mark.parametrize("name", sorted(examples.EXAMPLES))
 def test_readme_holds_what_the_commands_print(name):
-    if name == "reference":
+    if name in ("reference", "vllm"):
         pytest.importorskip("torch")
         pytest.importorskip("transformers")
     now = examples.example(name)
-    mask = name == "reference"
+    mask = name in ("reference", "vllm", "llamacpp")  # transformers against metrale: figures below 1e-4 vary by machine
     assert _normal(BLOCKS[name], mask) == _normal(now, mask), (
         f"README.md's {name!r} example is stale: run PYTHONPATH=. python scripts/readme_examples.py")
 

@@ -2,6 +2,7 @@
 against transformers on the same checkpoint."""
 
 
+from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
@@ -33,6 +34,15 @@ def compare(
         "--vocab", metavar="N", help="Row width of a raw .bin without a sidecar.")] = None,
     dtype: Annotated[Optional[str], typer.Option(
         "--dtype", metavar="f32|bf16|f16", help="Dtype of a raw .bin, or of uint16 .npy/U16 data.")] = None,
+    from_b: Annotated[Optional[str], typer.Option(
+        "--from", metavar="FORMAT", help="B's format: vllm, sglang, trtllm, llamacpp, torch, npy, safetensors, "
+                                         "bin (default: by content).")] = None,
+    from_a: Annotated[Optional[str], typer.Option(
+        "--from-a", metavar="FORMAT", help="A's format, when it is another engine's dump.")] = None,
+    map_file: Annotated[Optional[str], typer.Option(
+        "--map", metavar="FILE", help="Rules naming an engine's tensors as metrale's taps (TOML or JSON).")] = None,
+    tp_dirs: Annotated[Optional[str], typer.Option(
+        "--tp-dirs", metavar="D0,D1,...", help="B is these folders, one per tensor-parallel rank.")] = None,
     rows: Annotated[bool, typer.Option("--rows", help="Also list the statistics of every row.")] = False,
     positions: Annotated[Optional[str], typer.Option(
         "--positions", metavar="P,A..B",
@@ -79,7 +89,33 @@ def compare(
     (float32, float16, or bf16 bit patterns with --dtype bf16), a .safetensors tensor (--tensor NAME),
     raw .bin (--vocab N --dtype f32|bf16|f16).
     Layer dumps (.safetensors/.npz from --dump-layers): the same error statistics per tensor in forward
-    order, and the first tensor that diverges.
+    order, each position's largest error and first tensor beyond --rtol, and the first divergence: the
+    first tensor in forward order beyond it, at its first such position.
+
+    Other engines' dumps: --from FORMAT (B), --from-a FORMAT (A), else by content. To make them:
+      vllm      vllm serve M --enforce-eager --intermediate-log-config
+                '{"enabled": true}' (the run folder: step_N/MODULE/outputs_*.pt)
+      sglang    sglang.launch_server --debug-tensor-dump-output-folder D (D, its
+                TP*_PP*_Rank* folders of PassNNNNN.pt); or DUMPER_ENABLE=1
+                (the dumper's folder of name=...pt files)
+      trtllm    python run.py ... --output_logits_npy out.npy (out.npy);
+                per-op .pt files: their folder
+      llamacpp  llama-eval-callback -m M.gguf -p P > out.txt 2>&1 (out.txt: each
+                node's sum and edge values, a statistics comparison);
+                llama-debug ... --save-logits (its folder: the last row's logits)
+      torch     torch.save(tensor_or_dict, "x.pt") (x.pt, or a folder of them)
+      npy, safetensors, bin: as above
+
+    No .pt file is unpickled by torch: only tensor and storage records are read, and a file naming anything
+    else (code) is refused (exit 5). vLLM and SGLang module paths become metrale's taps (model.layers.N.self_attn,
+    .mlp, the residual stream model.layers.N, ...; finer ones such as self_attn.q_proj are listed as only on
+    that side): qkv_proj is split into q, k, v with the head counts of --model DIR's config.json (or the rope
+    outputs' widths), gate_up_proj into gate and up. TP shards (vLLM's devices, SGLang's rank folders, or
+    --tp-dirs D0,D1) join along the features (column-parallel) or are taken once (row-parallel, already
+    summed). --map FILE (TOML or JSON rules: pattern, name, optional split, slice, tp) names anything else.
+    Steps (prefill, then decode) are rows at their positions; token ids both sides carry must agree (else
+    exit 5). Against a logits dump, an engine dump's logits (logits_processor) are compared.
+
     Rows pair up by position wherever both sides say which position each row is for (metrale's dumps do):
     a forward dump against a decode dump compares the positions both hold and names the others (rows that
     ran different tokens are refused); --positions selects among them. Without positions rows pair by index.
@@ -107,6 +143,10 @@ def compare(
       metrale compare ref.safetensors mine.npy --dtype bf16
       metrale compare ref.npy mine.bin --vocab 128256 --dtype bf16 --max-kl 1e-3
       metrale compare ref-layers.safetensors mine-layers.safetensors --rtol 1e-3
+      metrale compare layers.safetensors vllm_run/ --model DIR --rtol 1e-4
+      metrale compare logits.npy sglang_dump/ --from sglang --max-kl 1e-3
+      metrale compare layers.safetensors ops/ --from torch --map names.toml
+      metrale compare layers.safetensors out.txt --from llamacpp --rtol 1e-3
       metrale compare --reference transformers --prompt "The for" --steps 4
       metrale compare --reference transformers --tokens "1 2 3" --layers 0,-1
     """
@@ -126,12 +166,19 @@ def compare(
         c = Common(model, text_file_prompt(text_file, prompt, tokens), tokens, device or "cpu", logits_dtype or "",
                    fmt, None, False, None, False, None, chat, system, no_special_tokens, compute, mla=mla)
         return _reference_check(ctx, reference, c, steps, layers, Tolerances(max_kl, max_rel_err, min_top1, rtol))
+    engine = any(v is not None for v in (from_b, from_a, tp_dirs, map_file)) or any(
+        x is not None and (Path(x).is_dir() or x.endswith(".pt")) for x in (a, b))
+    if engine:
+        given.pop("--model")  # with an engine's dump, --model's config.json splits fused outputs
     extra = [name for name, value in given.items() if value is not None]
     if extra:
         raise UsageError(f"{', '.join(extra)} go with --reference transformers (comparing two files needs none)")
+    dirs = [d for d in tp_dirs.split(",") if d] if tp_dirs is not None else None
+    if b is None and dirs:
+        b = dirs[0]
     if a is None or b is None:
         raise UsageError("compare needs two files: metrale compare A B (A is the reference)")
-    result = run_compare(a, b, ReadOptions(tensor, tensor_b, vocab, dtype),
+    result = run_compare(a, b, ReadOptions(tensor, tensor_b, vocab, dtype, from_a, from_b, map_file, model, dirs),
                          Tolerances(max_kl, max_rel_err, min_top1, rtol), keep_rows=rows,
                          positions=parse_positions(positions))
     render_compare(state.out, fmt_, result)

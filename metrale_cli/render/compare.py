@@ -37,7 +37,36 @@ def _side_json(s: Any) -> dict[str, Any]:
         doc.update({"dtype": s.dtype, "shape": s.shape})
     else:
         doc["tensors"] = s.tensors
+    if s.notes:
+        doc["notes"] = list(s.notes)
     return doc
+
+
+SPARKS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float]) -> str:
+    """One character per value, heights on a log scale from the smallest positive value to the largest
+    (0 is the lowest bar; NaN/Inf the highest, as '!')."""
+    finite = [v for v in values if math.isfinite(v) and v > 0]
+    lo, hi = (math.log10(min(finite)), math.log10(max(finite))) if finite else (0.0, 0.0)
+    out = []
+    for v in values:
+        if not math.isfinite(v):
+            out.append("!")
+        elif v <= 0 or hi == lo:
+            out.append(SPARKS[0] if v <= 0 or not finite else SPARKS[-1])
+        else:
+            out.append(SPARKS[round((math.log10(v) - lo) / (hi - lo) * (len(SPARKS) - 1))])
+    return "".join(out)
+
+
+def _spark_line(label: str, positions: list[Any], values: list[float]) -> str:
+    finite = [(v, p) for v, p in zip(values, positions) if math.isfinite(v)]
+    worst = max(finite, default=None)
+    span = f"{positions[0]}..{positions[-1]}" if positions else ""
+    top = "" if worst is None else f", max {worst[0]:.1e} at {worst[1]}"
+    return f"{label} by position {span}{top}: {sparkline(values)}"
 
 
 def _side_text(s: Any) -> str:
@@ -57,6 +86,8 @@ def compare_json(r: Any) -> dict[str, Any]:
                            "positions_selected": bool(al and al.selected)}
     if r.kind == "layers":
         return _layers_json(doc, r)
+    if r.kind == "stats":
+        return _stats_json(doc, r)
     t = r.tolerances
     sm = r.softmax
     doc.update({
@@ -79,6 +110,8 @@ def compare_json(r: Any) -> dict[str, Any]:
             "reasons": list(r.first_exceeding.reasons)},
         "exceeding_rows": r.exceeding_rows, "passed": r.passed, "failures": list(r.failures),
     })
+    doc["by_position"] = [{"row": e.row, "position": e.position, "kl": num(e.kl, ".3e"),
+                           "rel_err": num(e.rel_err, ".3e")} for e in r.by_position]
     if r.row_stats is not None:
         doc["row_stats"] = [_row_json(s) for s in r.row_stats]
     return doc
@@ -103,11 +136,14 @@ def _layers_json(doc: dict[str, Any], r: Any) -> dict[str, Any]:
         "positions": r.positions,
         "tensors": [{"name": t.name, "shape": t.shape, **(_errors_json(t.errors) or {}), "worst_row": t.worst_row,
                      "worst_position": t.worst_position, "nonfinite_mismatch": t.nonfinite_mismatch,
-                     "diverged": t.diverged} for t in r.tensors],
+                     "diverged": t.diverged, "first_row": t.first_row, "first_position": t.first_position,
+                     "rel_err_by_row": [num(v, ".3e") for v in t.row_rel_err]} for t in r.tensors],
         "only_in_a": list(r.only_a), "only_in_b": list(r.only_b), "rtol": r.rtol, "rtol_is_check": r.rtol_is_check,
         "first_divergence": None if first is None else {
-            "name": first.name, "rel_err": num(first.errors.rel_err, ".3e"),
-            "before_max_rel_err": num(r.before_max_rel_err, ".3e")},
+            "name": first.name, "row": first.first_row, "position": first.first_position,
+            "rel_err": num(first.errors.rel_err, ".3e"), "before_max_rel_err": num(r.before_max_rel_err, ".3e")},
+        "by_position": [{"position": p, "max_rel_err": num(v, ".3e"), "first_exceeding": n}
+                        for p, v, n in r.by_position()],
         "summary": r.divergence_line(), "passed": r.passed, "failures": list(r.failures),
     })
     return doc
@@ -123,6 +159,8 @@ def render_compare(console: Console, fmt: str, r: Any) -> None:
     """The report of `metrale compare` (logits or layer dumps); --rows adds the per-row table."""
     if fmt == "json":
         dump_json(console, compare_json(r))
+    elif r.kind == "stats":
+        stats_report(console, r, rich=fmt != "plain")
     elif r.kind == "layers":
         (plain_layers if fmt == "plain" else rich_layers)(console, r)
     else:
@@ -132,7 +170,7 @@ def render_compare(console: Console, fmt: str, r: Any) -> None:
 def _check_text(r: Any, hint: str) -> str:
     if r.passed is None:
         return f"not run (a report; {hint} to check)"
-    if r.kind == "layers":  # the divergence line just above says why
+    if r.kind in ("layers", "stats"):  # the divergence line just above says why
         return f"{'passed' if r.passed else 'FAILED'} (--rtol {r.rtol:g})"
     return "passed" if r.passed else "FAILED: " + "; ".join(r.failures)
 
@@ -221,6 +259,9 @@ def _plain_alignment(c: Console, r: Any) -> None:
     line = _alignment_line(r)
     if line is not None:
         write(c, line)
+    for label, side in (("a", r.a), ("b", r.b)):
+        for note in side.notes:
+            write(c, f"note ({label}): {note}")
 
 
 def _rich_sides(c: Console, r: Any) -> None:
@@ -229,6 +270,9 @@ def _rich_sides(c: Console, r: Any) -> None:
     line = _alignment_line(r)
     if line is not None:
         c.print(Text(line, style="yellow"))
+    for label, side in (("A", r.a), ("B", r.b)):
+        for note in side.notes:
+            c.print(Text(f"note ({label}): {note}", style="yellow"))
 
 
 def rich_logits_compare(c: Console, r: Any) -> None:
@@ -260,6 +304,10 @@ def rich_logits_compare(c: Console, r: Any) -> None:
         head = ["row", "pos", "max|A-B|", "rel err", "KL", "Δp", "A top", "B top", "top5"]
         c.print(_rich_grid("per row", head, [[x for i, x in enumerate(_row_cells(s)) if i not in (4, 5, 11)]
                                              for s in r.row_stats], compact=True))
+    if len(r.by_position) > 1:
+        pos = [e.position if e.position is not None else e.row for e in r.by_position]
+        c.print(Text(_spark_line("KL", pos, [e.kl for e in r.by_position])))
+        c.print(Text(_spark_line("rel err", pos, [e.rel_err for e in r.by_position])))
     fe = r.first_exceeding
     if fe is not None:
         c.print(Text(f"first row exceeding: {_where(fe.row, fe.position)}: {', '.join(fe.reasons)}", style="red"))
@@ -295,6 +343,7 @@ def _layer_cells(t: Any) -> list[str]:
 
 
 _LAYERS_HINT = "give --rtol"
+BY_POSITION_ROWS = 64  # plain output lists the per-position table up to this many rows (JSON always)
 
 
 def plain_layers(c: Console, r: Any) -> None:
@@ -309,6 +358,11 @@ def plain_layers(c: Console, r: Any) -> None:
     write(c, "")
     write(c, f"only_in_a: {' '.join(r.only_a) or 'none'}")
     write(c, f"only_in_b: {' '.join(r.only_b) or 'none'}")
+    if 1 < r.rows <= BY_POSITION_ROWS:
+        write(c, "")
+        _plain_table(c, ["position", "max_rel_err", "first_exceeding"],
+                     [[str(p), _e3(v), n or "-"] for p, v, n in r.by_position()])
+        write(c, "")
     write(c, r.divergence_line())
     write(c, f"check: {_check_text(r, _LAYERS_HINT)}")
 
@@ -327,8 +381,66 @@ def rich_layers(c: Console, r: Any) -> None:
         cells = _layer_cells(tc)
         t.add_row(*cells[:4], cells[5], str(tc.worst_row), style=style)
     c.print(t)
+    if r.rows > 1:
+        by = r.by_position()
+        c.print(Text(_spark_line("max rel err", [p for p, _, _ in by], [v for _, v, _ in by])))
     for label, names in (("only in A", r.only_a), ("only in B", r.only_b)):
         if names:
             c.print(Text(f"{label}: {' '.join(names)}", style="yellow"))
     c.print(Text(r.divergence_line(), style="bold red" if first is not None else "bold green"))
     _rich_check(c, r, _LAYERS_HINT)
+
+
+# -- statistics (llama.cpp's eval-callback) -----------------------------------------------------------------------
+
+_STATS_HEAD = ["tensor", "llama.cpp node", "shape", "sum_a", "sum_b", "sum_tol", "edges", "edge_max_diff", "edge_tol",
+               "ok"]
+
+
+def _stat_cells(t: Any) -> list[str]:
+    return [t.name, t.node, "x".join(map(str, t.shape)), f"{t.sum_a:.6g}",
+            "n/a" if t.sum_b is None else f"{t.sum_b:.6g}", _e3(t.sum_tol), str(t.edges), _e3(t.edge_max_diff),
+            _e3(t.edge_tol), "DIFFERS" if t.diverged else "yes"]
+
+
+def _stats_json(doc: dict[str, Any], r: Any) -> dict[str, Any]:
+    first = r.first_divergence
+    doc.update({
+        "statistics_only": True, "what": r.what, "positions": r.positions,
+        "tensors": [{"name": t.name, "node": t.node, "shape": t.shape, "sum_a": num(t.sum_a, ".7g"),
+                     "sum_b": num(t.sum_b, ".7g"), "sum_tol": num(t.sum_tol, ".3e"), "edges": t.edges,
+                     "edge_max_diff": num(t.edge_max_diff, ".3e"), "edge_tol": num(t.edge_tol, ".3e"),
+                     "first_position": t.first_position, "diverged": t.diverged} for t in r.tensors],
+        "only_in_a": list(r.only_a), "only_in_b": list(r.only_b), "rtol": r.rtol, "rtol_is_check": r.rtol_is_check,
+        "first_divergence": None if first is None else {"name": first.name, "node": first.node,
+                                                         "position": first.first_position},
+        "summary": r.divergence_line(), "passed": r.passed, "failures": list(r.failures),
+    })
+    return doc
+
+
+def stats_report(c: Console, r: Any, rich: bool) -> None:
+    """A statistics comparison: plain lines, or the same with rich's table."""
+    if rich:
+        _rich_sides(c, r)
+        c.print(Text(r.what, style="yellow"))
+        c.print(_rich_grid(f"statistics: {r.rows} positions, {len(r.tensors)} tensors in forward order",
+                           ["tensor", "sum A", "sum B", "tol", "edge |Δ|", "tol", "ok"],
+                           [[x for i, x in enumerate(_stat_cells(t)) if i not in (1, 2, 6)] for t in r.tensors],
+                           first_left=True, compact=True))
+        c.print(Text(r.divergence_line(), style="bold red" if r.first_divergence is not None else "bold green"))
+        _rich_check(c, r, _LAYERS_HINT)
+        return
+    write(c, "metrale compare")
+    write(c, f"a: {_side_text(r.a)}")
+    write(c, f"b: {_side_text(r.b)}")
+    write(c, f"kind: statistics, positions: {' '.join(map(str, r.positions))}, tensors compared: {len(r.tensors)}")
+    write(c, r.what)
+    _plain_alignment(c, r)
+    write(c, "")
+    _plain_table(c, _STATS_HEAD, [_stat_cells(t) for t in r.tensors], first_left=True)
+    write(c, "")
+    write(c, f"only_in_a: {' '.join(r.only_a) or 'none'}")
+    write(c, f"only_in_b: {' '.join(r.only_b) or 'none'}")
+    write(c, r.divergence_line())
+    write(c, f"check: {_check_text(r, _LAYERS_HINT)}")
