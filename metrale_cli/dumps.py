@@ -41,7 +41,7 @@ import os
 import signal
 import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Iterable, Iterator, Sequence
 
@@ -110,6 +110,9 @@ class DumpInfo:
     model: str
     tokens: list[int]
     positions: list[int]
+    # how the engine computed the rows where a model offers a choice (a quantized checkpoint's
+    # "activation_quant": none | emulate), written into the metadata beside the rest
+    engine: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -163,7 +166,7 @@ def _safetensors_chunks(m: _Matrix, info: DumpInfo) -> list[bytes]:
         "__metadata__": {
             "format": f"metrale-{m.name}", "dtype": m.dtype, m.width_key: str(m.width),
             "rows": str(len(m.data)), "command": info.command, "model": info.model,
-            "positions": json.dumps(info.positions, separators=(",", ":")),
+            "positions": json.dumps(info.positions, separators=(",", ":")), **info.engine,
         },
         m.name: {"dtype": "F32" if m.dtype == "fp32" else "BF16", "shape": [len(m.data), m.width],
                  "data_offsets": [0, n]},
@@ -195,7 +198,7 @@ def _sidecar(target: DumpTarget, m: _Matrix, info: DumpInfo) -> bytes:
         storage = f"raw little-endian {m.dtype}"
     doc = {"command": info.command, "model": info.model, "dtype": m.dtype, "storage": storage,
            "shape": [len(m.data), m.width], m.width_key: m.width, "tokens": info.tokens,
-           "positions": info.positions}
+           "positions": info.positions, **info.engine}
     if target.kind == "npy" and m.dtype == "bf16":  # .npy has no bf16: np.load gives the bits as uint16
         doc["to_float32"] = BF16_NPY_LOAD
     return (json.dumps(doc, indent=1) + "\n").encode()

@@ -142,6 +142,7 @@ class LayerDumpInfo:
     model: str
     tokens: list[int]
     layers: list[int]
+    engine: dict[str, str] = field(default_factory=dict)  # as dumps.DumpInfo.engine
 
 
 @dataclass
@@ -178,7 +179,7 @@ def _checked(tensors: Mapping[str, np.ndarray], positions: Sequence[int]) -> dic
 def _metadata(info: LayerDumpInfo, rows: int, order: list[str]) -> dict[str, str]:
     return {"format": FORMAT, "command": info.command, "model": info.model, "rows": str(rows),
             "layers": json.dumps([int(i) for i in info.layers], separators=(",", ":")),
-            "order": json.dumps(order, separators=(",", ":"))}
+            "order": json.dumps(order, separators=(",", ":")), **info.engine}
 
 
 # -- writing -------------------------------------------------------------------------------------------------------
@@ -215,7 +216,7 @@ def write_layer_stats(target: DumpTarget | Path, tensors: Mapping[str, np.ndarra
     doc = {"format": STATS_FORMAT, "command": info.command, "model": info.model, "rows": len(positions),
            "layers": [int(i) for i in info.layers], "tokens": [int(t) for t in info.tokens],
            "positions": [int(p) for p in positions],
-           "tensors": [tensor_stats(name, a) for name, a in taps.items()]}
+           **info.engine, "tensors": [tensor_stats(name, a) for name, a in taps.items()]}
     commit([(path, [_stats_json(doc).encode()])])
 
 

@@ -84,5 +84,6 @@ def test_inspect_names_the_format_sinks_and_windows():
     res = CliRunner().invoke(app, ["inspect", str(MXFP4), "--format", "json"])
     assert res.exit_code == 0, res.output
     info = json.loads(res.output)
-    assert info["weight_formats"] == {"quant_method": "mxfp4", "params": {"dense": 47, "mxfp4": 8}}
+    assert info["weight_formats"] == {"quant_method": "mxfp4", "params": {"dense": 47, "mxfp4": 8},
+                                      "activation_quant": {"mxfp4": "none (weight-only)"}}
     assert info["sliding_window"] == 4 and info["model_type"] == "gpt_oss"

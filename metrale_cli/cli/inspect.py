@@ -200,7 +200,13 @@ def _formats_info(cfg: Any) -> dict[str, Any]:
     for p in cfg.definition.params():
         counts[p.format or "dense"] = counts.get(p.format or "dense", 0) + 1
     qc = cfg.quantization or {}
-    return {"quant_method": qc.get("quant_method"), "params": counts}
+    info: dict[str, Any] = {"quant_method": qc.get("quant_method"), "params": counts}
+    if qc:  # what --activation-quant emulate does to each format's inputs
+        from ..models.formats import weight_format
+
+        info["activation_quant"] = {name: weight_format(name).input_quant_doc or "none (weight-only)"
+                                    for name in counts if name != "dense"}
+    return info
 
 
 def _experts_info(cfg: Any) -> dict[str, Any] | None:

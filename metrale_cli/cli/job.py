@@ -81,6 +81,10 @@ def prepare(state: State, c: Common) -> Job:
 
         if c.mla not in FORMS:
             raise UsageError(f"--mla must be one of {', '.join(FORMS)}, got {c.mla!r}")
+    if c.activation_quant not in (None, "none", "emulate"):
+        raise UsageError(f"--activation-quant must be none or emulate, got {c.activation_quant!r}")
+    if c.activation_quant == "emulate" and device == "cuda":
+        raise UsageError("--activation-quant emulate runs on the CPU engine only yet (use --device cpu)")
     dtype = c.logits_dtype or default_logits_dtype(device)
     spec = read_model_spec(c.model)
     if c.tp is not None:
@@ -148,14 +152,22 @@ def _tap_layer(name: str) -> int | None:
 def load(job: Job, spec: ModelSpec, ctx: int, tp: int | None = None) -> LoadedModel:
     with load_progress(job.state.err, spec.label) as progress:
         return open_model(spec.path, device=job.device, max_context=ctx, fp32_logits=job.fp32,
-                          progress=progress, tp=tp, compute=job.compute, mla=job.common.mla)
+                          progress=progress, tp=tp, compute=job.compute, mla=job.common.mla,
+                          activation_quant=job.common.activation_quant)
+
+
+def engine_settings(job: Job) -> dict[str, str]:
+    """What the dumps' metadata records of the engine's choices: a quantized checkpoint's activation mode."""
+    if job.spec.config.quantization is None:
+        return {}
+    return {"activation_quant": job.common.activation_quant or "none"}
 
 
 def write_dumps(job: Job, command: str, rows, hidden_rows, tokens: list[int], positions: list[int],
                 recorder: "LayerRecorder | None" = None) -> None:
     """The logits rows, the hidden rows behind them and the layers of the same rows, with the same tokens
     and positions: every dump of one command holds the same rows."""
-    info = DumpInfo(command, job.spec.label, tokens, positions)
+    info = DumpInfo(command, job.spec.label, tokens, positions, engine_settings(job))
     if job.logits_dump is not None:
         write_logits(job.logits_dump, rows, info, typer.get_binary_stream("stdout"))
     if job.hidden_dump is not None:
@@ -164,7 +176,8 @@ def write_dumps(job: Job, command: str, rows, hidden_rows, tokens: list[int], po
         from ..layer_dumps import LayerDumpInfo, write_layers
 
         tensors, at = recorder.at(positions)
-        write_layers(job.layers_dump, tensors, at, LayerDumpInfo(command, job.spec.label, tokens, recorder.layers))
+        write_layers(job.layers_dump, tensors, at, LayerDumpInfo(command, job.spec.label, tokens, recorder.layers,
+                                                                 engine_settings(job)))
 
 
 @contextlib.contextmanager

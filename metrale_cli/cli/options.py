@@ -56,6 +56,12 @@ MlaOpt = Annotated[Optional[str], typer.Option(
          "every cached latent decompressed into per-head keys and values) or absorbed (kv_b_proj folded into the "
          "query and the output, attention over the cached latents, as inference engines compute it). Both read "
          "the same latent cache; other layers ignore it.")]
+ActivationQuantOpt = Annotated[Optional[str], typer.Option(
+    "--activation-quant", metavar="none|emulate",
+    help="A quantized checkpoint's activations on the CPU engine: none (default: fp32, the ideal reference of the "
+         "stored weights) or emulate (each quantized weight's input quantized as the checkpoint's scheme says an "
+         "engine does, e.g. FP8 W8A8's dynamic e4m3 scales per token and 128 columns), so a difference splits "
+         "into activation quantization and the rest. Recorded in every dump's metadata.")]
 FormatOpt = Annotated[Optional[str], typer.Option(
     "--format", "-f", metavar="rich|plain|json", help="Output format (default: rich on a terminal, else plain).")]
 DumpLogitsOpt = Annotated[Optional[str], typer.Option(
@@ -120,6 +126,7 @@ class Common:
     layers: "LayerOptions | None" = None
     tp: int | None = None  # --tp N: ranks of tensor parallelism (None: the plain one-process engine)
     mla: str | None = None  # --mla naive|absorbed; None: naive
+    activation_quant: str | None = None  # --activation-quant none|emulate; None: none
 
     @property
     def prompt_format(self) -> PromptFormat:
@@ -145,7 +152,7 @@ def _pass_head(model: ModelOpt = None, prompt: PromptOpt = None, tokens: TokensO
 
 
 def _pass_tail(device: DeviceOpt = "auto", logits_dtype: LogitsDtypeOpt = None, compute: ComputeOpt = None,
-               mla: MlaOpt = None, fmt: FormatOpt = None,
+               mla: MlaOpt = None, activation_quant: ActivationQuantOpt = None, fmt: FormatOpt = None,
                dump_logits: DumpLogitsOpt = None, hidden: HiddenOpt = False, dump_hidden: DumpHiddenOpt = None,
                dump_layers: DumpLayersOpt = None, layers: LayersOpt = None, dump_stats: DumpStatsOpt = False,
                timings: TimingsOpt = False, max_context: MaxContextOpt = None, tp: TpOpt = None) -> None:

@@ -42,6 +42,11 @@ class WeightFormat:
     dtypes: tuple[tuple[str, ...], ...]  # allowed dtypes: of the stored tensor, then of each companion
     dequantize: Callable[..., np.ndarray]  # (stored, *companions) -> fp32 [out, in]
     stored: Callable[[Tensor], Tensor] = lambda t: t  # the stored tensor of logical weight t (packed: other shape)
+    # input_quant(x, *companions) -> x': the activations as the checkpoint's scheme says an engine quantizes them
+    # before multiplying (FP8 W8A8: e4m3 with dynamic per-token group scales, or the static input scale), as
+    # fp32 values; None: the scheme keeps activations unquantized (weight-only). `--activation-quant emulate`.
+    input_quant: Callable[..., np.ndarray] | None = None
+    input_quant_doc: str = ""  # what input_quant does, in a few words (inspect, dumps' metadata)
     kind: str = ""  # the family of formats this one belongs to ("fp8_block": every block size); "": none
     params: dict[str, Any] = field(default_factory=dict, compare=False)  # the family's parameters (block size)
 

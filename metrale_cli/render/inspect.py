@@ -109,7 +109,9 @@ def _formats_text(x: dict[str, Any] | None) -> str | None:
         return None
     if x["quant_method"] is None:
         return "dense"
-    return f"{x['quant_method']}: " + ", ".join(f"{name} x{n}" for name, n in x["params"].items())
+    text = f"{x['quant_method']}: " + ", ".join(f"{name} x{n}" for name, n in x["params"].items())
+    emulated = "; ".join(f"{name}: {doc}" for name, doc in x.get("activation_quant", {}).items())
+    return text + (f" (--activation-quant emulate: {emulated})" if emulated else "")
 
 
 def _nonfinite_rows(info: dict[str, Any]) -> list[tuple[str, str]]:

@@ -16,7 +16,7 @@ import numpy as np
 
 from ...config import ModelConfig
 from ...engine.longrope import has_longrope, long_factors
-from ...models.formats import dequantize, stored_tensors
+from ...models.formats import dequantize, stored_tensors, weight_format
 from ...engine.loop import decoder_forward
 from ...engine.ops import Tap
 from ...engine.mixers import kinds_of, mixer_kind
@@ -27,18 +27,20 @@ from ...logits import DevicePtr, bf16_bits_to_fp32, fp32_to_bf16_bits, host_argm
 from ...models.spec import MoeSpec, Norm, Rope
 from ...models.weights import WeightSource, Weights, check_checkpoint, load_weights
 from . import moe
-from .ops import ROUNDING, as_fp32, glu, rms_norm, softcap
+from .ops import ROUNDING, InputQuantized, as_fp32, glu, rms_norm, softcap
 
 # Queries per prefill chunk: bounds the attention scores to heads x chunk x context floats.
 PREFILL_CHUNK = 256
 
 
 def read_weights(cfg: ModelConfig, source: WeightSource, progress: Callable[[int], None] | None = None,
-                 shard=None, compute: str = "fp32") -> Weights:
+                 shard=None, compute: str = "fp32", activation_quant: str = "none") -> Weights:
     """Convert the checkpoint to fp32, fusing multi-part params. Each tensor is read once from the memory
     map and its pages released right after, so peak memory stays near the fp32 weights. `shard`
     (models/weights.Shard) keeps one tensor-parallel rank's share. With compute "bf16" every weight is
-    rounded to bf16 (an F32 or F16 checkpoint run by a bf16 engine)."""
+    rounded to bf16 (an F32 or F16 checkpoint run by a bf16 engine). With activation_quant "emulate" each
+    weight whose format quantizes its input (WeightFormat.input_quant) carries that quantization
+    (ops.InputQuantized)."""
     if not source.made_from_definition:
         check_checkpoint(cfg, source)
     r = ROUNDING[compute]
@@ -65,8 +67,32 @@ def read_weights(cfg: ModelConfig, source: WeightSource, progress: Callable[[int
             source.release(t.name)
         return parts
 
-    return load_weights(cfg.definition, f32, lambda parts: np.concatenate(parts, axis=0), embed=mapped, shard=shard,
-                        read_formatted=dequantized)
+    weights = load_weights(cfg.definition, f32, lambda parts: np.concatenate(parts, axis=0), embed=mapped,
+                           shard=shard, read_formatted=dequantized)
+    if activation_quant == "emulate":
+        for i, layer in enumerate(cfg.definition.layers):
+            for p in layer.params:
+                quant = input_quant(p, source)
+                if quant is not None:
+                    weights.layers[i][p.key] = InputQuantized.of(weights.layers[i][p.key], quant)
+    return weights
+
+
+def input_quant(p, source: WeightSource):
+    """x -> x' as param p's format quantizes a matmul's input (None: p's input stays fp32). A fused param's
+    parts each carry their static input scale; the largest is used for all (as engines fuse them)."""
+    if p.format is None or weight_format(p.format).input_quant is None:
+        return None
+    fmt = weight_format(p.format)
+    companions = [[source.array(c.name, bf16_bits=True) for c in fmt.companions(t)] for t in p.parts]
+    if len(companions) > 1 and companions[0]:  # the largest of each companion over the parts
+        merged = [max(parts, key=lambda a: float(np.max(as_fp32(a)))) for parts in zip(*companions)]
+    else:
+        merged = companions[0]
+    return lambda x: fmt.input_quant(x, *merged)
+
+
+ACTIVATION_QUANT = ("none", "emulate")  # --activation-quant: fp32 activations, or as the checkpoint's scheme
 
 
 class NumpyPass:
@@ -100,7 +126,7 @@ class NumpyPass:
     def linear(self, x, w, bias=None, *, out, norm=None, residual=None, tap=None, reduce=False):
         if norm is not None:
             x = rms_norm(x, norm[0], norm[1].eps, norm[1].offset, self.r)
-        y = x @ w.T
+        y = moe.matmul(x, w)
         sharded = reduce and self.tp is not None  # a row-parallel partial sum: bias on rank 0 only, then summed
         if bias is not None and not (sharded and self.tp.rank != 0):
             y += bias
@@ -176,7 +202,8 @@ class NumpyEngine(EngineBase):
     device = "cpu"
 
     def __init__(self, cfg: ModelConfig, weights: Weights, max_context: int, fp32_logits: bool = False,
-                 pass_rows: int = PREFILL_CHUNK, tp=None, compute: str = "fp32", mla: str = "naive"):
+                 pass_rows: int = PREFILL_CHUNK, tp=None, compute: str = "fp32", mla: str = "naive",
+                 activation_quant: str = "none"):
         """`pass_rows`: the most tokens one forward runs (prefill and verify are chunked to it); it sizes
         the sliding layers' ring buffers (engine/kv_layout.py). `tp` (parallel/comm.ParallelRank): this
         engine is one tensor-parallel rank, `cfg` and `weights` its shard (parallel/sharding.py).
@@ -186,6 +213,7 @@ class NumpyEngine(EngineBase):
         check_context(cfg, max_context)
         self.compute = compute
         self.mla = mla
+        self.activation_quant = activation_quant  # "emulate": quantized weights' inputs as their scheme says
         self.cfg = cfg
         self.w = weights
         self.max_context = max_context
@@ -330,7 +358,8 @@ class NumpyEngine(EngineBase):
 
 
 def load_numpy_engine(cfg: ModelConfig, source: WeightSource, max_context: int, fp32_logits: bool = False,
-                      progress=None, tp=None, compute: str = "fp32", mla: str = "naive") -> NumpyEngine:
+                      progress=None, tp=None, compute: str = "fp32", mla: str = "naive",
+                      activation_quant: str = "none") -> NumpyEngine:
     """Check and convert the weights, then build the engine (cache sized for max_context positions).
     With `tp` (parallel/comm.ParallelRank) only that rank's shard is kept, and the engine is that rank's.
     `compute`: "fp32" or "bf16"; `mla`: "naive" or "absorbed" (NumpyEngine)."""
@@ -339,13 +368,17 @@ def load_numpy_engine(cfg: ModelConfig, source: WeightSource, max_context: int, 
         raise UsageError(f"unknown compute precision '{compute}' (choose from {', '.join(ROUNDING)})")
     if mla not in MLA_FORMS:
         raise UsageError(f"--mla must be one of {', '.join(MLA_FORMS)}, got {mla!r}")
+    if activation_quant not in ACTIVATION_QUANT:
+        raise UsageError(f"--activation-quant must be one of {', '.join(ACTIVATION_QUANT)}, got {activation_quant!r}")
+    if activation_quant != "none" and tp is not None:
+        raise UsageError("--activation-quant emulate does not run under --tp yet")
     for kind in kinds_of(cfg.definition.layers):  # a kind's module may compute in fewer precisions (COMPUTE)
         if compute not in getattr(mixer_kind(kind).backend("numpy"), "COMPUTE", ROUNDING):
             raise UsageError(f"--compute {compute} is not implemented for {kind.replace('_', '-')} layers yet "
                              "(use --compute fp32)")
     if tp is None:
-        return NumpyEngine(cfg, read_weights(cfg, source, progress, compute=compute), max_context, fp32_logits,
-                           compute=compute, mla=mla)
+        return NumpyEngine(cfg, read_weights(cfg, source, progress, compute=compute, activation_quant=activation_quant),
+                           max_context, fp32_logits, compute=compute, mla=mla, activation_quant=activation_quant)
     from ...parallel.sharding import RankShard, rank_config
 
     shard = RankShard(cfg.definition, tp.rank, tp.size)

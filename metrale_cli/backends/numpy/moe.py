@@ -60,7 +60,7 @@ def experts(h: np.ndarray, route: Route, w_gate_up: np.ndarray, w_down: np.ndarr
             continue
         tokens = pairs // k  # distinct: top-k indices of one row are distinct
         b_gu, b_down = (None, None) if bias is None else (bias[0][e], bias[1][e])
-        out = gated(h[tokens], w_gate_up[e], glu, b_gu, r) @ w_down[e].T
+        out = matmul(gated(h[tokens], w_gate_up[e], glu, b_gu, r), w_down[e])
         out = r(out if b_down is None else out + b_down)
         y[tokens] = r(y[tokens] + r(out * route.top_k_weights.reshape(-1)[pairs][:, None]))
     return y
@@ -69,5 +69,11 @@ def experts(h: np.ndarray, route: Route, w_gate_up: np.ndarray, w_down: np.ndarr
 def gated(h: np.ndarray, w_gate_up: np.ndarray, glu: Callable[[np.ndarray], np.ndarray],
           bias: np.ndarray | None = None, r=keep) -> np.ndarray:
     """glu(h @ [gate; up].T (+ bias)) [T, I] with w_gate_up = [gate; up] [2I, H] (ops.glu)."""
-    gu = h @ w_gate_up.T
+    gu = matmul(h, w_gate_up)
     return glu(r(gu if bias is None else gu + bias))
+
+
+def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x @ w.T, the input first quantized as w's checkpoint scheme says when w carries one (ops.InputQuantized)."""
+    q = getattr(w, "input_quant", None)
+    return (x if q is None else q(x)) @ w.T

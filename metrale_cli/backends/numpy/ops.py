@@ -99,3 +99,19 @@ def glu(kind: str, limit: float | None = None, alpha: float = 1.702, r=keep):
         return r(r(act(gu[:, :i])) * gu[:, i:])
 
     return gated
+
+
+class InputQuantized(np.ndarray):
+    """A weight whose matmul input is quantized first, as the checkpoint's scheme says an engine does
+    (`--activation-quant emulate`: models/formats.WeightFormat.input_quant). Views (w.T, w[e]) keep it."""
+
+    input_quant = None
+
+    def __array_finalize__(self, obj) -> None:
+        self.input_quant = getattr(obj, "input_quant", None)
+
+    @staticmethod
+    def of(w: np.ndarray, quant) -> "InputQuantized":
+        out = np.asarray(w).view(InputQuantized)
+        out.input_quant = quant
+        return out
