@@ -309,3 +309,13 @@ def test_the_readmes_map_example_does_what_it_says(tmp_path):
     got = read_input(dirs[0], "B", ReadOptions(fmt_b="torch", tp_dirs=dirs, map_file=str(tmp_path / "names.toml")))
     assert np.array_equal(got.tensors["model.layers.0.self_attn.k_proj"], k.numpy())
     assert np.array_equal(got.tensors["model.layers.0"], out.numpy())
+
+
+def test_head_shaped_column_shards_join_by_heads():
+    """Qwen3's q_norm output per rank is [tokens, heads/tp, head_dim]: the whole is rank 0's heads, then rank 1's."""
+    from metrale_cli.readers.names import Config, Raw, resolve
+
+    x = np.random.default_rng().standard_normal((5, 4, 8)).astype(np.float32)  # 4 heads of 8
+    raw = Raw({"model.layers.0.self_attn.q_norm": [x[:, :2], x[:, 2:]]})
+    got = resolve(raw, [], True, Config(), "B").taps["model.layers.0.self_attn.q_norm"]
+    assert np.array_equal(got, x.reshape(5, 32))

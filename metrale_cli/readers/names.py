@@ -10,6 +10,7 @@ Built-in map (vLLM and SGLang name modules by the Hugging Face paths, so one map
     model.embed_tokens                        model.embed_tokens                   replicated
     model.layers.{i}.input_layernorm#0        model.layers.{i}.input_layernorm    replicated
     model.layers.{i}.self_attn.qkv_proj       .self_attn.q_proj, k_proj, v_proj   column, fused: split per rank
+    model.layers.{i}.self_attn.q_norm, k_norm .self_attn.q_norm, k_norm (Qwen3)  column
     model.layers.{i}.self_attn.rotary_emb#0/1 .self_attn.q_rope, k_rope           column
     model.layers.{i}.self_attn.attn           .self_attn.o_proj.input             column
     model.layers.{i}.self_attn (or o_proj)    .self_attn                           replicated (row-parallel, summed)
@@ -105,6 +106,7 @@ BUILTIN: list[Rule] = [
          ["model.layers.{1}.self_attn.q_proj", "model.layers.{1}.self_attn.k_proj",
           "model.layers.{1}.self_attn.v_proj"], split=[], tp="column"),
     Rule(re.compile(_L + r"\.self_attn\.(q|k|v)_proj(?:#0)?"), ["model.layers.{1}.self_attn.{2}_proj"], tp="column"),
+    Rule(re.compile(_L + r"\.self_attn\.(q|k)_norm(?:#0)?"), ["model.layers.{1}.self_attn.{2}_norm"], tp="column"),
     Rule(re.compile(_L + r"\.self_attn\.rotary_emb#0"), ["model.layers.{1}.self_attn.q_rope"], tp="column"),
     Rule(re.compile(_L + r"\.self_attn\.rotary_emb#1"), ["model.layers.{1}.self_attn.k_rope"], tp="column"),
     Rule(re.compile(_L + r"\.self_attn\.attn(?:#0)?"), ["model.layers.{1}.self_attn.o_proj.input"], tp="column"),
@@ -236,6 +238,7 @@ def _apply(rule: Rule, name: str, shards: list[np.ndarray], names: list[str], ra
         if rule.split:
             whole = _split(whole[0], rule.split, name, where)
     else:
+        shards = [s.reshape(s.shape[0], -1) for s in shards]  # [tokens, heads, head_dim] shards join by heads
         widths = _widths(rule, name, shards, names, raw, config, where, notes)
         if widths is None:
             return [np.concatenate(shards, axis=-1)]
