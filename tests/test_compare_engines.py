@@ -319,3 +319,13 @@ def test_head_shaped_column_shards_join_by_heads():
     raw = Raw({"model.layers.0.self_attn.q_norm": [x[:, :2], x[:, 2:]]})
     got = resolve(raw, [], True, Config(), "B").taps["model.layers.0.self_attn.q_norm"]
     assert np.array_equal(got, x.reshape(5, 32))
+
+
+def test_one_rope_output_under_every_layers_name_is_left_out_with_a_note(run_cli, tmp_path, hf, metrale_dump):
+    tokens, h = hf
+    shared = dict(h, **{"0.q_rope": h["1.q_rope"], "0.k_rope": h["1.k_rope"]})  # the last call's, as SGLang records
+    b = write_sglang(tmp_path / "sgl", shared, tokens, 1, STEPS)[0]
+    r = run_cli("compare", metrale_dump, b, "-f", "plain")
+    assert r.exit_code == 0, r.stderr
+    assert "note (b): q_rope/k_rope left out: every layer's name holds the same output" in r.stdout
+    assert "q_rope" not in r.stdout.split("only_in_b:")[1].split("\n")[0]

@@ -178,6 +178,7 @@ def assemble(steps: list[Raw], p: Path, where: str, source: str, rules: list[Rul
     cursor = 0
     for k, raw in enumerate(steps):
         res = resolve(raw, rules, builtin, config, where)
+        notes += [n for n in res.notes if n not in notes]
         taps = {n: a for n, a in res.taps.items() if a.shape[0] > 0}
         if not taps and res.logits is None:
             continue

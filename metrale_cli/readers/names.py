@@ -224,7 +224,21 @@ def resolve(raw: Raw, rules: list[Rule], builtin: bool, config: Config, where: s
         out.setdefault(target, value)
     if builtin:
         _residual_stream(raw, out, config, where)
+        _shared_rope(out, notes)
     return Resolved({n: _rows(v) for n, v in out.items()}, logits, notes)
+
+
+def _shared_rope(out: dict[str, np.ndarray], notes: list[str]) -> None:
+    """The rotary embedding is one module shared by every layer; a dump that hooks it under each layer's
+    name (SGLang's) records one call's output under all of them. Identical rope outputs in two layers mean
+    that: they are left out, with a note."""
+    ropes = [n for n in out if n.endswith(".self_attn.q_rope")]
+    if len(ropes) > 1 and any(out[a].shape == out[b].shape and np.array_equal(out[a], out[b])
+                              for a, b in zip(ropes, ropes[1:])):
+        for n in [n for n in out if n.endswith((".self_attn.q_rope", ".self_attn.k_rope"))]:
+            del out[n]
+        notes.append("q_rope/k_rope left out: every layer's name holds the same output (the rotary embedding "
+                     "is one module shared by the layers, hooked once per name)")
 
 
 def _fill(template: str, m: re.Match) -> str:
