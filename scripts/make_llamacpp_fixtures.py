@@ -1,7 +1,8 @@
 """Make tests/fixtures/llamacpp/: what llama.cpp's own tools print and save for metrale's embedded default
 model, for `metrale compare --from llamacpp` and its tests.
 
-    python scripts/make_llamacpp_fixtures.py LLAMA_CPP_SOURCE_DIR [--prompt "The for statement"]
+    PYTHONPATH=. python scripts/make_llamacpp_fixtures.py LLAMA_CPP_SOURCE_DIR [--prompt "The for statement"]
+        [--version "what to record as the llama.cpp build"]
 
 LLAMA_CPP_SOURCE_DIR is a llama.cpp checkout built for the CPU (the one vendored in the llama-cpp-python
 sdist works: `pip download llama-cpp-python --no-binary :all: --no-deps`, unpack, then in
@@ -12,8 +13,9 @@ llama-debug -j 2`). The script
      byte-level BPE, which the converter does not recognise by its hash, so it is told "gpt-2"; a
      tokenizer_config.json beside a copy of the model says the BOS token is added, as the model's own
      tokenizer does (tokenizer.json's post-processor);
-  2. runs `llama-eval-callback` on the prompt in fp32 (F32 KV cache, flash attention off) (every graph node's name, op, shape, edge values and sum)
-     into eval-callback.txt;
+  2. runs `llama-eval-callback` on the prompt in fp32 (F32 KV cache, flash attention off) into
+     eval-callback.txt: every graph node's name, op, shape, edge values and sum (stdout and stderr in one
+     file, rerun until the printout is whole: llama.cpp's logger can lose its tail at exit);
   3. runs `llama-debug --save-logits` into debug/ (the last position's logits as raw float32, the token
      ids as int32);
   4. writes VERSION.txt: the llama.cpp commit or sdist version and the commands run.

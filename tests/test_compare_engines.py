@@ -150,7 +150,7 @@ def test_unknown_tensor_differing_between_ranks_asks_for_a_rule(tmp_path, hf):
         torch.save({"custom.out": torch.full((3, 4), float(k + 1))}, d / "ops.pt")
     with pytest.raises(InputError, match="custom.out differs between TP ranks 0 and 1"):
         read_input(d0, "B", ReadOptions(fmt_b="torch", tp_dirs=[str(d0), str(d1)]))
-    (tmp_path / "m.json").write_text(json.dumps({"map": [{"pattern": r"ops\.custom\.out", "name": "x",
+    (tmp_path / "m.json").write_text(json.dumps({"map": [{"pattern": r"custom\.out", "name": "x",
                                                           "tp": "column"}]}))
     got = read_input(d0, "B", ReadOptions(fmt_b="torch", tp_dirs=[str(d0), str(d1)], map_file=str(tmp_path / "m.json")))
     assert got.tensors["x"].shape == (3, 8) and got.tensors["x"][0, 5] == 2
@@ -289,3 +289,43 @@ def test_sglang_last_token_only_dump_compares_the_last_positions(run_cli, tmp_pa
     doc = as_json(run_cli("compare", metrale_dump, d, "--rtol", "1e-4", "-f", "json"))
     assert doc["passed"] is True and doc["positions"] == [T - 2, T - 1]
     assert {t["name"] for t in doc["tensors"]} == METRALE_TAPS
+
+
+def test_the_readmes_map_example_does_what_it_says(tmp_path):
+    import re
+
+    toml = re.search(r"```toml\n(.*?)```", (REPO / "README.md").read_text(), re.S).group(1)
+    (tmp_path / "names.toml").write_text(toml)
+    rng = np.random.default_rng()
+    q, k, v = (torch.tensor(rng.standard_normal((3, w)), dtype=torch.float32) for w in (2048, 512, 512))
+    out = torch.tensor(rng.standard_normal((3, 64)), dtype=torch.float32)
+    dirs = []
+    for r in range(2):  # two TP ranks, each with its half of q, k and v
+        d = tmp_path / f"rank{r}"
+        d.mkdir()
+        torch.save({"blk.0.out": out, "blk.0.qkv": torch.cat([x.chunk(2, -1)[r] for x in (q, k, v)], -1)},
+                   d / "ops.pt")
+        dirs.append(str(d))
+    got = read_input(dirs[0], "B", ReadOptions(fmt_b="torch", tp_dirs=dirs, map_file=str(tmp_path / "names.toml")))
+    assert np.array_equal(got.tensors["model.layers.0.self_attn.k_proj"], k.numpy())
+    assert np.array_equal(got.tensors["model.layers.0"], out.numpy())
+
+
+def test_head_shaped_column_shards_join_by_heads():
+    """Qwen3's q_norm output per rank is [tokens, heads/tp, head_dim]: the whole is rank 0's heads, then rank 1's."""
+    from metrale_cli.readers.names import Config, Raw, resolve
+
+    x = np.random.default_rng().standard_normal((5, 4, 8)).astype(np.float32)  # 4 heads of 8
+    raw = Raw({"model.layers.0.self_attn.q_norm": [x[:, :2], x[:, 2:]]})
+    got = resolve(raw, [], True, Config(), "B").taps["model.layers.0.self_attn.q_norm"]
+    assert np.array_equal(got, x.reshape(5, 32))
+
+
+def test_one_rope_output_under_every_layers_name_is_left_out_with_a_note(run_cli, tmp_path, hf, metrale_dump):
+    tokens, h = hf
+    shared = dict(h, **{"0.q_rope": h["1.q_rope"], "0.k_rope": h["1.k_rope"]})  # the last call's, as SGLang records
+    b = write_sglang(tmp_path / "sgl", shared, tokens, 1, STEPS)[0]
+    r = run_cli("compare", metrale_dump, b, "-f", "plain")
+    assert r.exit_code == 0, r.stderr
+    assert "note (b): q_rope/k_rope left out: every layer's name holds the same output" in r.stdout
+    assert "q_rope" not in r.stdout.split("only_in_b:")[1].split("\n")[0]

@@ -8,6 +8,7 @@ llama.cpp's printed statistics stay an `llamacpp.EvalCallback`, for compare_stat
     trtllm       run.py --output_logits_npy (a [batch, beams, steps, vocab] .npy of batch 1, beam 1), or a
                  folder of per-op .pt files (each file a tensor named by its stem, or a dict)
     torch        a .pt file (a tensor: logits rows; a dict, nested: one tap per tensor) or a folder of them
+                 (a file holding one tensor names it by its stem; a dict's tensors keep their keys)
     llamacpp     llama-eval-callback's printed output (a text file: each node's edge values and sum, for a
                  statistics comparison), or llama-debug --save-logits' llamacpp-<model>.bin (or its folder)
     npy, safetensors, bin   as compare_inputs reads them
@@ -130,7 +131,9 @@ def _read_dir(d: Path, fmt: str | None, where: str) -> tuple[str, list[Raw]]:
         for f in sorted(d.iterdir()):
             if f.suffix == ".pt":
                 obj = torch_pickle.load(f, f"{where}: {f.name}")
-                tensors.update({k: [v.array] for k, v in sglang.flatten(obj, f.stem).items()})
+                # a lone tensor is named by its file; a dict's tensors by their keys
+                prefix = f.stem if not isinstance(obj, dict) else ""
+                tensors.update({k: [v.array] for k, v in sglang.flatten(obj, prefix).items()})
         return "torch", [Raw(tensors)]
     what = f"a {fmt} dump" if fmt else "a dump metrale reads"
     raise InputError(f"{where}: not {what} (vLLM step_N folders, SGLang TP*_PP*_Rank* or Pass*.pt, "
@@ -175,6 +178,7 @@ def assemble(steps: list[Raw], p: Path, where: str, source: str, rules: list[Rul
     cursor = 0
     for k, raw in enumerate(steps):
         res = resolve(raw, rules, builtin, config, where)
+        notes += [n for n in res.notes if n not in notes]
         taps = {n: a for n, a in res.taps.items() if a.shape[0] > 0}
         if not taps and res.logits is None:
             continue

@@ -2,21 +2,22 @@
 
 `llama-eval-callback -m M.gguf -p PROMPT` prints every graph node it computes:
 
-    common_debug_cb_eval:    attn_norm-0 = (f32)        MUL(norm-0{192, 4, 1, 1}, blk.0.attn_norm.weight{192, 1, 1, 1}}) = {192, 4, 1, 1}
-                                       [
-                                        [
-                                         [ v, v, v, ..., v, v, v ],   (first and last 3 along each dimension)
-                                         ...
-                                        ],
-                                       ]
-                                       sum = S
+    common_debug_cb_eval:  attn_norm-0 = (f32)  MUL(norm-0{192, 4, 1, 1}, blk.0.attn_norm.weight{...}}) = {192, 4, 1, 1}
+        [
+            [
+                [ v, v, v, ..., v, v, v ],   (the first and last 3 along each dimension)
+                ...
+            ],
+        ]
+        sum = S
 
 `ne` is innermost first (ne0 the features, ne1 the tokens for a 2-D activation; a 3-D one is [head_dim,
 heads, tokens]), values are printed to 4 decimals, and the sum (one per ne3) to 6, accumulated in float32.
 So a node is known only by its statistics: `Node` keeps its edge values, indexed, and its sum. Nodes named
 NAME-N belong to layer N; several nodes may share a name (Qcur-0 after the projection, after a reshape,
-after rope), told apart by their op. The token ids are the lines after "number of input tokens = N" (the last field of each: the log may prefix a
-time). Newer builds name the embedding node `embd`, older ones `inp_embd`.
+after rope), told apart by their op. The token ids are the lines after "number of input tokens = N" (the
+last field of each: the log may prefix a time). Newer builds name the embedding node `embd`, older ones
+`inp_embd`.
 
 `llama-debug -m M.gguf -p PROMPT --save-logits` writes `llamacpp-<model>.bin` (the last position's logits,
 raw float32) and `llamacpp-<model>-tokens.bin` (the prompt's ids, int32) into its output folder.
@@ -142,7 +143,8 @@ def read_eval_callback(p: Path, where: str) -> EvalCallback:
             elif lines[k].strip() and not lines[k].strip().startswith(("]", "...")):
                 break  # a log line: this node printed no values (a quantized tensor)
             k += 1
-        node = Node(m.group(1).strip(), m.group(2), m.group(3), ne, None, sum(sums) if sums else None)  # type: ignore[arg-type]
+        node = Node(m.group(1).strip(), m.group(2), m.group(3), ne,  # type: ignore[arg-type]
+                    None, sum(sums) if sums else None)
         shape = [len(s) for s in node.index_sets]
         complete = len(sums) == ne[3]
         if values and (len(values) != int(np.prod(shape)) or not complete):

@@ -10,6 +10,7 @@ Built-in map (vLLM and SGLang name modules by the Hugging Face paths, so one map
     model.embed_tokens                        model.embed_tokens                   replicated
     model.layers.{i}.input_layernorm#0        model.layers.{i}.input_layernorm    replicated
     model.layers.{i}.self_attn.qkv_proj       .self_attn.q_proj, k_proj, v_proj   column, fused: split per rank
+    model.layers.{i}.self_attn.q_norm, k_norm .self_attn.q_norm, k_norm (Qwen3)  column
     model.layers.{i}.self_attn.rotary_emb#0/1 .self_attn.q_rope, k_rope           column
     model.layers.{i}.self_attn.attn           .self_attn.o_proj.input             column
     model.layers.{i}.self_attn (or o_proj)    .self_attn                           replicated (row-parallel, summed)
@@ -105,6 +106,7 @@ BUILTIN: list[Rule] = [
          ["model.layers.{1}.self_attn.q_proj", "model.layers.{1}.self_attn.k_proj",
           "model.layers.{1}.self_attn.v_proj"], split=[], tp="column"),
     Rule(re.compile(_L + r"\.self_attn\.(q|k|v)_proj(?:#0)?"), ["model.layers.{1}.self_attn.{2}_proj"], tp="column"),
+    Rule(re.compile(_L + r"\.self_attn\.(q|k)_norm(?:#0)?"), ["model.layers.{1}.self_attn.{2}_norm"], tp="column"),
     Rule(re.compile(_L + r"\.self_attn\.rotary_emb#0"), ["model.layers.{1}.self_attn.q_rope"], tp="column"),
     Rule(re.compile(_L + r"\.self_attn\.rotary_emb#1"), ["model.layers.{1}.self_attn.k_rope"], tp="column"),
     Rule(re.compile(_L + r"\.self_attn\.attn(?:#0)?"), ["model.layers.{1}.self_attn.o_proj.input"], tp="column"),
@@ -222,7 +224,21 @@ def resolve(raw: Raw, rules: list[Rule], builtin: bool, config: Config, where: s
         out.setdefault(target, value)
     if builtin:
         _residual_stream(raw, out, config, where)
+        _shared_rope(out, notes)
     return Resolved({n: _rows(v) for n, v in out.items()}, logits, notes)
+
+
+def _shared_rope(out: dict[str, np.ndarray], notes: list[str]) -> None:
+    """The rotary embedding is one module shared by every layer; a dump that hooks it under each layer's
+    name (SGLang's) records one call's output under all of them. Identical rope outputs in two layers mean
+    that: they are left out, with a note."""
+    ropes = [n for n in out if n.endswith(".self_attn.q_rope")]
+    if len(ropes) > 1 and any(out[a].shape == out[b].shape and np.array_equal(out[a], out[b])
+                              for a, b in zip(ropes, ropes[1:])):
+        for n in [n for n in out if n.endswith((".self_attn.q_rope", ".self_attn.k_rope"))]:
+            del out[n]
+        notes.append("q_rope/k_rope left out: every layer's name holds the same output (the rotary embedding "
+                     "is one module shared by the layers, hooked once per name)")
 
 
 def _fill(template: str, m: re.Match) -> str:
@@ -236,6 +252,7 @@ def _apply(rule: Rule, name: str, shards: list[np.ndarray], names: list[str], ra
         if rule.split:
             whole = _split(whole[0], rule.split, name, where)
     else:
+        shards = [s.reshape(s.shape[0], -1) for s in shards]  # [tokens, heads, head_dim] shards join by heads
         widths = _widths(rule, name, shards, names, raw, config, where, notes)
         if widths is None:
             return [np.concatenate(shards, axis=-1)]

@@ -35,7 +35,8 @@ def is_pass_dir(p: Path) -> bool:
 
 def rank_dirs(p: Path) -> list[Path]:
     """The TP{t}_PP{p}_Rank{r} folders under p, in TP order (pipeline stage 0)."""
-    found = [(int(m.group(1)), int(m.group(2)), d) for d in p.iterdir() if d.is_dir() and (m := RANK_DIR.fullmatch(d.name))]
+    found = [(int(m.group(1)), int(m.group(2)), d) for d in p.iterdir()
+             if d.is_dir() and (m := RANK_DIR.fullmatch(d.name))]
     stages = {pp for _, pp, _ in found}
     if len(stages) > 1:
         raise InputError(f"{p}: pipeline-parallel stages {sorted(stages)}: compare reads one stage's TP ranks")
