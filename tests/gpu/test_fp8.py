@@ -131,7 +131,7 @@ def write_fp8(path: Path, arch: dict, block, rng) -> Path:
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_the_cuda_engine_on_fp8_checkpoints_matches_the_numpy_engine(tmp_path, rng, name):
+def test_the_cuda_engine_on_fp8_checkpoints_matches_the_numpy_engine(cp, tmp_path, rng, name):
     arch, block = MODELS[name]
     path = write_fp8(tmp_path / name, arch, block, rng)
     cpu = open_model(path, device="cpu", max_context=96).engine
@@ -146,8 +146,8 @@ def test_the_cuda_engine_on_fp8_checkpoints_matches_the_numpy_engine(tmp_path, r
     cpu.reset(), gpu.reset()
     a = decoding.run_decode(cpu, prompt[:8], 24, keep_rows=True)
     b = decoding.run_decode(gpu, prompt[:8], 24, keep_rows=True)
-    tokens_agree([s.token for s in a.steps], [s.token for s in b.steps], a.rows.array())
-    assert rel(b.rows.array(), a.rows.array()) < 2e-2
+    n = tokens_agree([s.token for s in a.steps], [s.token for s in b.steps], a.rows.array())
+    assert rel(b.rows.array()[:n], a.rows.array()[:n]) < 2e-2  # past a near-tie split the rows differ
     # verify == the same tokens decoded one by one, on the GPU (rows path, graphs on)
     gpu.reset()
     gpu.prefill(prompt[:8])
@@ -162,7 +162,7 @@ def test_the_cuda_engine_on_fp8_checkpoints_matches_the_numpy_engine(tmp_path, r
     assert rel(v, np.stack(seq)) < 1e-3
 
 
-def test_graph_replay_equals_eager_on_fp8(tmp_path, rng):
+def test_graph_replay_equals_eager_on_fp8(cp, tmp_path, rng):
     path = write_fp8(tmp_path / "m", MODELS["llama_block128"][0], [128, 128], rng)
     prompt = [int(t) for t in rng.integers(0, BASE["vocab_size"], 12)]
     out = []

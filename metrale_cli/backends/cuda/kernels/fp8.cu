@@ -63,6 +63,15 @@ gemv_fp8_kernel(const float* __restrict__ x, const uint4* __restrict__ w, const 
         rows[r] = w + (u64)n * C;
         scales[r] = scale + (u64)(n / srow) * KB;
     }
+    // PDL (common.cu): pull this warp's first weight chunks into L2 while the kernel that wrote x finishes; x and
+    // out are touched only after pdl_wait.
+#pragma unroll
+    for (int u = 0; u < FP8_U; ++u)
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            if (lane + 32 * u < C) prefetch_l2(rows[r] + lane + 32 * u);
+    pdl_wait();
+    pdl_trigger();
     float acc[R][M];
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -125,6 +134,8 @@ gemv_fp8_kernel(const float* __restrict__ x, const uint4* __restrict__ w, const 
 // for cuBLAS (one thread per 16-byte chunk: 16 weights, one scale).
 extern "C" __global__ void dequant_fp8_bf16_kernel(const uint4* __restrict__ w, const float* __restrict__ scale,
                                                    uint4* __restrict__ out, int N, int K, int srow, int bk, int KB) {
+    pdl_wait();  // its output may be read by a kernel launched before this one finished (common.cu)
+    pdl_trigger();
     const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     const int C = K >> 4;
     if (i >= (u64)N * C) return;
