@@ -46,6 +46,7 @@ def torch_reference(path, prompt, quant):
     (a torch function of the input tensor and the module name)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers loads an FP8 checkpoint through it
     import sys
 
     sys.path.insert(0, str(FIXTURES.parent.parent / "scripts"))

@@ -27,6 +27,8 @@ FIXTURES = Path(__file__).parent / "fixtures" / "models"
 @pytest.mark.parametrize("name", sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").is_file()))
 def test_layers_equal_transformers_hidden_states(name):
     m = open_model(FIXTURES / name, device="cpu", fp32_logits=True)
+    if m.config.quantization is not None:  # transformers dequantizes a quantized checkpoint through accelerate
+        pytest.importorskip("accelerate")
     rng = np.random.default_rng()
     tokens = rng.integers(0, m.config.vocab_size, 11)
     got = capture(m.engine, tokens.tolist(), lambda n: True)
