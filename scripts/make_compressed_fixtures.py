@@ -15,7 +15,9 @@ Goldens (`tests/fixtures/golden/<name>.npz`, the keys of make_reference_fixtures
   - NVFP4: the package's decompression computes in its working dtype (its fp4 unpacking yields bf16), so
     transformers' load holds bf16-rounded weights; the golden is transformers' fp32 model of the source
     fixture with its Linear weights set to the package's decompression in fp32 (`reference_weights`: the same
-    `dequantize` with fp32 inputs), and the script asserts transformers' load equals those values rounded to bf16.
+    `dequantize` with fp32 inputs), and the script asserts transformers' load equals those values rounded to bf16;
+  - mixed-precision: transformers 5.25 decompresses every module with one group's scheme and fails to load it;
+    the golden is computed as for NVFP4, on the package's fp32 decompression.
 
     python scripts/make_compressed_fixtures.py            # all
     python scripts/make_compressed_fixtures.py llama_ct_w4a16
