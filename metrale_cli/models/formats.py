@@ -162,5 +162,13 @@ def apply(definition: ModelDefinition, quantization: dict[str, Any] | None) -> M
 def dequantize(p: Param, read: Callable[[str], Any]) -> list[np.ndarray]:
     """Each part of param p (stored in a weight format: p.format is set) as its exact fp32 value [rows, ...],
     from `read(name)` (the stored arrays, BF16 as uint16 bits). Dense params are the loader's `read`'s."""
+    from ..errors import CheckpointError
+
     fmt = weight_format(p.format)
-    return [fmt.dequantize(*(read(s.name) for s in fmt.tensors(t))) for t in p.parts]
+    out = []
+    for t in p.parts:
+        try:
+            out.append(fmt.dequantize(*(read(s.name) for s in fmt.tensors(t))))
+        except CheckpointError as e:  # a stored value that contradicts the tensors' shapes: name the weight
+            raise CheckpointError(f"{t.name} ({p.format}): {e}") from None
+    return out

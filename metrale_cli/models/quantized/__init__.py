@@ -74,5 +74,6 @@ def scale_as_fp32(s: np.ndarray) -> np.ndarray:
 
 
 from . import fp8, mxfp4  # noqa: E402  (registers their formats; they need the helpers above)
+from . import compressed_tensors, modelopt  # noqa: E402  (after fp8 and mxfp4, whose helpers they use)
 
-__all__ = ["fp8", "mxfp4", "linear_weight", "matches", "refuse", "scale_as_fp32", "skipped_by"]
+__all__ = ["compressed_tensors", "fp8", "modelopt", "mxfp4", "linear_weight", "matches", "refuse", "scale_as_fp32", "skipped_by"]
