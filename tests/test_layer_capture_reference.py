@@ -26,8 +26,9 @@ FIXTURES = Path(__file__).parent / "fixtures" / "models"
 
 def _loaded_as_stored(path) -> bool:
     """Whether transformers' plain load computes with the checkpoint's exact values: not so for compressed-tensors
-    (it runs the compressed modules, or rounds decompressed NVFP4 to bf16) and ModelOpt checkpoints, whose layers
-    tests/test_quantized_compressed.py checks against the package's own fp32 decompression instead."""
+    (it runs the compressed modules, or rounds decompressed NVFP4 to bf16) and ModelOpt checkpoints (no CPU load),
+    which tests/test_quantized_compressed.py checks end to end (logits, greedy rows, weights bit for bit) against
+    transformers' fp32 forward on the package's own fp32 decompression instead."""
     import json
 
     qc = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
