@@ -61,8 +61,8 @@ EXAMPLES: dict[str, list[Command]] = {
         Command("metrale compare a.safetensors b.safetensors --rtol 1e-3 --format plain"),
     ],
     "vllm": [
-        Command('metrale forward --prompt "The for statement" --rows all --dump-layers a.safetensors --format plain',
-                keep=lambda line: line.startswith("prompt_tokens")),
+        Command('metrale forward --prompt "The for statement" --rows all --dump-layers a.safetensors --taps fine '
+                "--format plain", keep=lambda line: line.startswith("prompt_tokens")),
         Command('python scripts/engine_dumps.py vllm vllm_run --tokens "0 341 343 455" --tp 2 '
                 "--perturb model.layers.1.mlp@2"),
         Command("metrale compare a.safetensors vllm_run --rtol 1e-4 --format plain", keep=_engine_line),

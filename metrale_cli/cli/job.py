@@ -83,6 +83,8 @@ def prepare(state: State, c: Common) -> Job:
             raise UsageError(f"--mla must be one of {', '.join(FORMS)}, got {c.mla!r}")
     if c.activation_quant not in (None, "none", "emulate"):
         raise UsageError(f"--activation-quant must be none or emulate, got {c.activation_quant!r}")
+    if c.layers is not None and c.layers.taps == "fine" and device == "cuda":
+        raise UsageError("--taps fine runs on the CPU engine only yet (use --device cpu)")
     if c.activation_quant == "emulate" and device == "cuda":
         raise UsageError("--activation-quant emulate runs on the CPU engine only yet (use --device cpu)")
     dtype = c.logits_dtype or default_logits_dtype(device)
@@ -122,9 +124,12 @@ def check_tensor_parallel(tp: int, device: str, cfg: Any) -> None:
 
 def _check_layer_options(opts: LayerOptions | None) -> DumpTarget | None:
     if opts is None or not opts.wanted:
-        if opts is not None and (opts.select is not None or opts.stats):
-            raise UsageError(f"{'--layers' if opts.select is not None else '--dump-stats'} needs --dump-layers PATH")
+        if opts is not None and (opts.select is not None or opts.stats or opts.taps is not None):
+            flag = "--layers" if opts.select is not None else "--dump-stats" if opts.stats else "--taps"
+            raise UsageError(f"{flag} needs --dump-layers PATH")
         return None
+    if opts.taps not in (None, "default", "fine"):
+        raise UsageError(f"--taps must be default or fine, got {opts.taps!r}")
     from ..layer_dumps import check_layer_dump_path  # numpy: only for a command that dumps layers
 
     return check_layer_dump_path(opts.path, stats=opts.stats)
@@ -140,6 +145,8 @@ def record_layers(job: Job, model: LoadedModel) -> "LayerRecorder | None":
     chosen = set(parse_layers(job.common.layers.select, model.config.num_hidden_layers))
     recorder = LayerRecorder(model.engine, lambda name: _tap_layer(name) in chosen | {None}, sorted(chosen))
     model.engine.tap = recorder
+    if job.common.layers.taps == "fine":
+        model.engine.fine_taps = True  # engine/ops.Ops.fine_taps: the passes tap inside the blocks too
     return recorder
 
 

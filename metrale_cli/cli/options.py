@@ -84,6 +84,12 @@ LayersOpt = Annotated[Optional[str], typer.Option(
 DumpStatsOpt = Annotated[bool, typer.Option(
     "--dump-stats", help="--dump-layers writes per-tensor statistics (min, max, mean, std, NaN/Inf counts, "
                          "sha256) as .json instead of the data, for models too big to dump whole.")]
+TapsOpt = Annotated[Optional[str], typer.Option(
+    "--taps", metavar="default|fine",
+    help="What --dump-layers holds of each attention layer with a dense MLP: default (every module's output) or "
+         "fine (also the values inside the block that other engines dump: input_layernorm, q/k/v after the "
+         "projection, q/k norm, q/k after rope, o_proj's input, the MLP's input norm, gate and up, down_proj's "
+         "input; the CPU engine).")]
 DumpStateOpt = Annotated[Optional[str], typer.Option(
     "--dump-state", metavar="PATH",
     help="Write the recurrent and conv states of every linear-attention layer after the run (fp32 "
@@ -140,6 +146,7 @@ class LayerOptions:
     path: str | None
     select: str | None
     stats: bool
+    taps: str | None = None  # --taps default|fine; None: default
 
     @property
     def wanted(self) -> bool:
@@ -155,6 +162,7 @@ def _pass_tail(device: DeviceOpt = "auto", logits_dtype: LogitsDtypeOpt = None, 
                mla: MlaOpt = None, activation_quant: ActivationQuantOpt = None, fmt: FormatOpt = None,
                dump_logits: DumpLogitsOpt = None, hidden: HiddenOpt = False, dump_hidden: DumpHiddenOpt = None,
                dump_layers: DumpLayersOpt = None, layers: LayersOpt = None, dump_stats: DumpStatsOpt = False,
+               taps: TapsOpt = None,
                timings: TimingsOpt = False, max_context: MaxContextOpt = None, tp: TpOpt = None) -> None:
     """The shared options after a pass command's own (only this signature is used)."""
 
@@ -170,7 +178,8 @@ def pass_options(command: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(command)
     def run(ctx: typer.Context, **options: Any) -> None:
         given = {name: options.pop(name) for name in shared}
-        layers = LayerOptions(given.pop("dump_layers"), given.pop("layers"), given.pop("dump_stats"))
+        layers = LayerOptions(given.pop("dump_layers"), given.pop("layers"), given.pop("dump_stats"),
+                              given.pop("taps"))
         command(ctx, Common(**given, layers=layers), **options)
 
     signature = inspect.Signature([ctx, *head, *own, *tail], return_annotation=None)

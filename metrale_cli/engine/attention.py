@@ -38,18 +38,33 @@ class AttentionOps(Protocol):
 
 def forward(ops: Ops, i: int, layer: LayerSpec, lw: dict[str, Any], x: X) -> X:
     a, p = layer.mixer, f"model.layers.{i}"
+    fine = getattr(ops, "fine_taps", False)
+    if fine:
+        ops.tap(f"{p}.input_layernorm", ops.norm(x, lw["input_norm"], layer.norm, out="h"))
     qkv = ops.linear(x, lw["qkv"], lw.get("qkv_bias"), out="qkv", norm=(lw["input_norm"], layer.norm))
+    if fine:  # the projections' outputs (biases added): q (with a gate's rows when it has one), k, v
+        qp = a.q_proj_size
+        ops.tap(f"{p}.self_attn.q_proj", qkv[:, :qp])
+        ops.tap(f"{p}.self_attn.k_proj", qkv[:, qp:qp + a.kv_size])
+        ops.tap(f"{p}.self_attn.v_proj", qkv[:, qp + a.kv_size:])
     att: AttentionOps = ops.mixer(i)
-    q = att.rope_kv_append(qkv, i, a, lw.get("q_norm"), lw.get("k_norm"), layer.norm)
+    q = att.rope_kv_append(qkv, i, a, lw.get("q_norm"), lw.get("k_norm"), layer.norm)  # fine: q/k norm, rope taps
     y = att.attention(q, i, a, sinks=lw.get("sinks"))
     if a.output_gate:  # qwen3_next: y * sigmoid(gate), the gate from the doubled q projection
         y = att.output_gate(y, qkv, a)
+    if fine:
+        ops.tap(f"{p}.self_attn.o_proj.input", y)
     return sublayer_out(ops, y, lw["o"], lw.get("o_bias"), lw.get("attn_out_norm"), layer.norm, x,
                         f"{p}.self_attn", f"{p}.post_attention_layernorm")
 
 
-def tap_names(p: str, layer: LayerSpec) -> list[str]:
-    return [f"{p}.self_attn"] + ([f"{p}.post_attention_layernorm"] if "attn_out_norm" in layer.keys() else [])
+def tap_names(p: str, layer: LayerSpec, fine: bool = False) -> list[str]:
+    names = [f"{p}.self_attn"] + ([f"{p}.post_attention_layernorm"] if "attn_out_norm" in layer.keys() else [])
+    if not fine:
+        return names
+    qk_norm = [f"{p}.self_attn.q_norm", f"{p}.self_attn.k_norm"] if "q_norm" in layer.keys() else []
+    return ([f"{p}.input_layernorm"] + [f"{p}.self_attn.{n}_proj" for n in "qkv"] + qk_norm
+            + [f"{p}.self_attn.q_rope", f"{p}.self_attn.k_rope", f"{p}.self_attn.o_proj.input"] + names)
 
 
 ATTENTION = register_mixer(MixerKind(

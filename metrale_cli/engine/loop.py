@@ -45,13 +45,34 @@ def decoder_forward(ops: Ops, definition: ModelDefinition, w: Weights) -> X:
         if isinstance(layer.mlp, MoeSpec):
             x = sparse_mlp(ops, layer, lw, x, i)
         else:
+            if getattr(ops, "fine_taps", False):
+                fine_mlp_taps(ops, layer, lw, x, p)
             act = ops.gated_mlp(x, lw["gate_up"], norm=(lw["mlp_norm"], layer.norm), activation=layer.mlp.activation)
+            if getattr(ops, "fine_taps", False):
+                ops.tap(f"{p}.mlp.down_proj.input", act)
             x = sublayer_out(ops, act, lw["down"], None, lw.get("mlp_out_norm"), layer.norm, x,
                              f"{p}.mlp", f"{p}.post_feedforward_layernorm")
         ops.tap(p, x)
     h = ops.norm(x, w.final_norm, definition.norm, out="h")
     ops.tap("model.norm", h)
     return h
+
+
+def fine_taps_mlp_norm(layer: LayerSpec, p: str) -> str:
+    """The tap name of a dense MLP's input norm: its checkpoint module (post_attention_layernorm in Llama,
+    pre_feedforward_layernorm in Gemma's sandwich blocks)."""
+    param = next(q for q in layer.params if q.key == "mlp_norm")
+    return param.parts[0].name.removesuffix(".weight")
+
+
+def fine_mlp_taps(ops: Ops, layer: LayerSpec, lw: dict[str, Any], x: X, p: str) -> None:
+    """--taps fine of a dense MLP, computed beside its fused path: the normed input, gate and up (before the
+    activation)."""
+    ops.tap(fine_taps_mlp_norm(layer, p), ops.norm(x, lw["mlp_norm"], layer.norm, out="h"))
+    gu = ops.linear(x, lw["gate_up"], out="gate_up", norm=(lw["mlp_norm"], layer.norm))
+    half = gu.shape[1] // 2
+    ops.tap(f"{p}.mlp.gate_proj", gu[:, :half])
+    ops.tap(f"{p}.mlp.up_proj", gu[:, half:])
 
 
 def sparse_mlp(ops: Ops, layer: LayerSpec, lw: dict[str, Any], x: X, i: int) -> X:
@@ -68,14 +89,17 @@ def sparse_mlp(ops: Ops, layer: LayerSpec, lw: dict[str, Any], x: X, i: int) -> 
                        bias=bias)
 
 
-def tap_names(definition: ModelDefinition) -> list[str]:
-    """Every tap point in forward order (what a layer dump can hold)."""
+def tap_names(definition: ModelDefinition, fine: bool = False) -> list[str]:
+    """Every tap point in forward order (what a layer dump can hold); with `fine`, the --taps fine ones too."""
     names = ["model.embed_tokens"]
     for i, layer in enumerate(definition.layers):
         p, keys = f"model.layers.{i}", layer.keys()
-        names += mixer_kind(layer.mixer.kind).tap_names(p, layer)
+        kind = mixer_kind(layer.mixer.kind)
+        names += kind.tap_names(p, layer, fine) if fine and layer.mixer.kind == "attention" else kind.tap_names(p, layer)
         if isinstance(layer.mlp, MoeSpec):
             names += [f"{p}.mlp.gate{s}" for s in ("", ".top_k_index", ".top_k_weights")]
+        elif fine:
+            names += [fine_taps_mlp_norm(layer, p), f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj", f"{p}.mlp.down_proj.input"]
         names.append(f"{p}.mlp")
         names += [f"{p}.post_feedforward_layernorm"] if "mlp_out_norm" in keys else []
         names.append(p)

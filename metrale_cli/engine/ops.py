@@ -18,7 +18,13 @@ Tap = Callable[[str, Any], None]
 
 
 class Ops(Protocol):
-    """What a backend implements for one pass of T rows at positions start..start+T-1."""
+    """What a backend implements for one pass of T rows at positions start..start+T-1.
+
+    `fine_taps`: the pass also taps the values inside a block that other engines dump (the normed inputs, q/k/v
+    after the projection and after rope, the attention output before o_proj, the MLP's gate/up and the input of
+    down_proj; `--taps fine`), computed beside the block's own path; False on a backend that does not."""
+
+    fine_taps: bool = False
 
     def embed(self, table: Any, scale: float | None = None) -> X: ...  # [T, H] fp32 rows (times scale)
     def linear(self, x: X, w: Any, bias: Any = None, *, out: str, norm: Any = None, residual: X | None = None,

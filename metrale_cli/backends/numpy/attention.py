@@ -95,11 +95,17 @@ class AttentionOps:
         k = qkv[:, qp:qp + a.kv_size].reshape(t, nkv, d)  # (T, nkv, d)
         v = qkv[:, qp + a.kv_size:].reshape(t, nkv, d)  # (T, nkv, d)
         r = self.p.r
+        fine = self.p.fine_taps
+        pre = f"model.layers.{layer}.self_attn."
         if q_norm is not None:
             q = rms_norm(q, q_norm, norm.eps, norm.offset, r)
             k = rms_norm(k, k_norm, norm.eps, norm.offset, r)
+            if fine:
+                self.p.tap(pre + "q_norm", q.reshape(t, -1)), self.p.tap(pre + "k_norm", k.reshape(t, -1))
         cos, sin = self.p.cos_sin(a.rope)
         q, k = apply_rope(q, cos, sin, r), apply_rope(k, cos, sin, r)
+        if fine:
+            self.p.tap(pre + "q_rope", q.reshape(t, -1)), self.p.tap(pre + "k_rope", k.reshape(t, -1))
         self.cache.write(layer, self.p.start, k.transpose(1, 0, 2), v.transpose(1, 0, 2))  # (nkv, T, d)
         return q
 

@@ -104,6 +104,7 @@ class NumpyPass:
         self.verify = verify  # a verify pass: a recurrent state keeps each row's state (for trim)
         self.long = long  # longrope: this call runs the long factors (engine/longrope.py)
         self._tap = tap
+        self.fine_taps = tap is not None and getattr(engine, "fine_taps", False)  # engine/ops.Ops.fine_taps
         self._rope: dict[object, tuple[np.ndarray, np.ndarray]] = {}
         self._mixers: dict[str, object] = {}
         self.tp = getattr(engine, "tp", None)  # parallel/comm.ParallelRank of a sharded engine, else None
