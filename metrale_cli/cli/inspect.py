@@ -147,6 +147,7 @@ def _raw_inspect_info(label: str, raw: dict[str, Any], ckpt: Checkpoint, problem
                  "scaling": scaling, "rotary_fraction": number("partial_rotary_factor")},
         # the block features of models/describe.py: unknown without a definition, but the softcaps as written
         "sliding_layers": None, "sliding_rope": None, "attn_logit_softcapping": number("attn_logit_softcapping"),
+        "attention_sinks": None,
         "final_logit_softcapping": number("final_logit_softcapping"), "attention_scale": None, "norm": None,
         "post_norms": None, "activation": raw.get("hidden_activation", raw.get("hidden_act")), "embed_scale": None,
         "tokenizer": ckpt.has_tokenizer, "bos_token_id": integer("bos_token_id"),

@@ -53,6 +53,7 @@ def block_features(cfg: ModelConfig) -> dict[str, Any]:
         "sliding_layers": sliding,
         "sliding_rope": rope_info(sliding_rope) if sliding_rope not in (None, full_rope) else None,
         "attn_logit_softcapping": getattr(attention[0][1], "softcap", None) if attention else None,
+        "attention_sinks": any(getattr(a, "sinks", False) for _, a in attention),  # gpt-oss: a logit per head
         "final_logit_softcapping": d.final_logit_softcap,
         "attention_scale": attention[0][1].scale if attention else None,
         "norm": "rmsnorm (1 + w)" if d.norm.offset else "rmsnorm",

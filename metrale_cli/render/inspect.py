@@ -82,6 +82,8 @@ def _inspect_rows(info: dict[str, Any]) -> list[tuple[str, str]]:
         ("sliding_rope", rope_text(info["sliding_rope"]) if info["sliding_rope"] else
          "as rope" if info["sliding_layers"] else "none" if info["sliding_layers"] is not None else None),
         ("attn_logit_softcapping", info["attn_logit_softcapping"] or "none"),
+        ("attention_sinks", {True: "yes (a learned logit per head in every softmax)", False: "none"}.get(
+            info.get("attention_sinks"))),
         ("final_logit_softcapping", info["final_logit_softcapping"] or "none"),
         ("attention_scale", f"{info['attention_scale']:.6g}" if info["attention_scale"] is not None else None),
         ("norm", info["norm"]), ("post_norms", info["post_norms"]), ("activation", info["activation"]),
