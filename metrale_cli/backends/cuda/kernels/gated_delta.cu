@@ -1,7 +1,13 @@
 // Gated DeltaNet (the linear_attention mixer kind) for the rows path: T rows (a decode step, or the rows of a
 // verify pass, in order) through one layer's conv, gates, recurrent rule and gated norm. fp32 throughout,
 // the order of operations of backends/numpy/gated_delta.py (the reference the GPU tests compare with).
-// Not yet wired into the CUDA engine (which refuses the kind); compiled as a module of its own.
+// Compiled as a module of its own, for a model with linear-attention layers (backends/cuda/linear_attention.py).
+//
+// The states live in a ring of R slots ([R, ...] each): slot p % R holds the state at position p (after the
+// first p tokens). A pass of T rows at positions pos[0..T-1] (consecutive, on the device: a captured graph reads
+// them at replay) reads the slot of pos[0] and writes the state after row t to the slot of pos[t] + 1, every row
+// (`every`: decode and verify, so a rollback to any of the last R - 1 positions is only a change of length) or
+// the last row only (a prefill). Each thread reads its part of the state once, before it writes any slot.
 //
 // The fused input projection `proj` [T, in_size] is read through column maps (gated_delta.py builds them
 // from the spec), so the head-grouped (qwen3_next) and flat (qwen3_5) layouts need no copy:
@@ -14,15 +20,18 @@
 __device__ __forceinline__ float gdn_silu(float x) { return x / (1.0f + expf(-x)); }
 
 // One thread per conv channel: out[t, c] = silu(sum_j w[c, j] * x[t + j - (K - 1)]) over the channel's last
-// K - 1 inputs (`state` [C, K - 1], oldest first) and this row's; the state moves on by T rows. With `save`,
-// the state after each row is written to `saved` [T, C, K - 1] (verify's rollback copies).
+// K - 1 inputs (a ring slot [C, K - 1], oldest first) and this row's; the state after each row (every) or the
+// last goes to the next position's slot of `ring` [R, C, K - 1].
 extern "C" __global__ void gdn_conv_kernel(const float* __restrict__ proj, int in_size, const int* __restrict__ src,
-                                           const unsigned short* __restrict__ w, float* __restrict__ state,
-                                           float* __restrict__ out, float* __restrict__ saved, int save, int T, int C,
-                                           int K) {
+                                           const unsigned short* __restrict__ w, float* __restrict__ ring, int R,
+                                           const int* __restrict__ pos, int every, float* __restrict__ out, int T,
+                                           int C, int K) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
+    const size_t slot = (size_t)C * (K - 1);
     float win[GDN_MAX_KERNEL];
+    const int p0 = pos[0];
+    const float* state = ring + (size_t)(p0 % R) * slot;
     for (int j = 0; j < K - 1; ++j) win[j] = state[(size_t)c * (K - 1) + j];
     for (int t = 0; t < T; ++t) {
         float x = proj[(size_t)t * in_size + src[c]];
@@ -32,10 +41,11 @@ extern "C" __global__ void gdn_conv_kernel(const float* __restrict__ proj, int i
         out[(size_t)t * C + c] = gdn_silu(acc);
         for (int j = 0; j + 1 < K - 1; ++j) win[j] = win[j + 1];
         if (K > 1) win[K - 2] = x;
-        if (save)
-            for (int j = 0; j < K - 1; ++j) saved[((size_t)t * C + c) * (K - 1) + j] = win[j];
+        if (every || t == T - 1) {
+            float* next = ring + (size_t)((p0 + t + 1) % R) * slot;
+            for (int j = 0; j < K - 1; ++j) next[(size_t)c * (K - 1) + j] = win[j];
+        }
     }
-    for (int j = 0; j < K - 1; ++j) state[(size_t)c * (K - 1) + j] = win[j];
 }
 
 // One thread per (row, value head): beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias) (torch's
@@ -59,12 +69,14 @@ extern "C" __global__ void gdn_gates_kernel(const float* __restrict__ proj, int 
 // whatever T. Per row: q and k of h's key head from the conv output ([T, C]: q at hk * DK, k at
 // Hk * DK + hk * DK, v at 2 Hk DK + h dv), l2-normalised in shared memory (q also times DK^-0.5), then
 // S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T q (the sums over DK: each thread's 32, then across the
-// column's threads). With `save`, the state after each row goes to `saved` [T, v_heads, DK, dv].
+// column's threads). The state is read from the slot of pos[0] of `ring` [R, v_heads, DK, dv]; the state after
+// each row (every) or the last goes to the next position's slot.
 #define GDN_PER_THREAD 32
 template <int DK>
 __device__ void gdn_recurrent(const float* __restrict__ conv, int C, const float* __restrict__ beta,
-                              const float* __restrict__ g, float* __restrict__ state, float* __restrict__ out,
-                              float* __restrict__ saved, int save, int T, int Hk, int Hv, int dv) {
+                              const float* __restrict__ g, float* __restrict__ ring, int R,
+                              const int* __restrict__ pos, int every, float* __restrict__ out, int T, int Hk, int Hv,
+                              int dv) {
     constexpr int P = DK / GDN_PER_THREAD;  // threads per column, a power of two <= 32
     __shared__ float qs[DK], ks[DK], red[2][32];
     const int h = blockIdx.x, p = threadIdx.x % P, hk = h / (Hv / Hk);
@@ -72,6 +84,9 @@ __device__ void gdn_recurrent(const float* __restrict__ conv, int C, const float
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
     const bool mine = j < dv;
     const int i0 = p * GDN_PER_THREAD;
+    const size_t slot = (size_t)Hv * DK * dv;
+    const int p0 = pos[0];
+    const float* state = ring + (size_t)(p0 % R) * slot;
     float s[GDN_PER_THREAD];
 #pragma unroll
     for (int i = 0; i < GDN_PER_THREAD; ++i) s[i] = mine ? state[((size_t)h * DK + i0 + i) * dv + j] : 0.0f;
@@ -126,24 +141,21 @@ __device__ void gdn_recurrent(const float* __restrict__ conv, int C, const float
         for (int m = P / 2; m > 0; m >>= 1) o += __shfl_xor_sync(0xffffffffu, o, m);
         if (mine) {
             if (p == 0) out[((size_t)t * Hv + h) * dv + j] = o;
-            if (save) {
+            if (every || t == T - 1) {
+                float* next = ring + (size_t)((p0 + t + 1) % R) * slot;
 #pragma unroll
-                for (int i = 0; i < GDN_PER_THREAD; ++i) saved[(((size_t)t * Hv + h) * DK + i0 + i) * dv + j] = s[i];
+                for (int i = 0; i < GDN_PER_THREAD; ++i) next[((size_t)h * DK + i0 + i) * dv + j] = s[i];
             }
         }
         __syncthreads();  // qs / ks are rewritten by the next row
-    }
-    if (mine) {
-#pragma unroll
-        for (int i = 0; i < GDN_PER_THREAD; ++i) state[((size_t)h * DK + i0 + i) * dv + j] = s[i];
     }
 }
 
 #define GDN_RECURRENT(DK)                                                                                          \
     extern "C" __global__ void __launch_bounds__(128) gdn_recurrent_##DK##_kernel(                                 \
-        const float* conv, int C, const float* beta, const float* g, float* state, float* out, float* saved,      \
-        int save, int T, int Hk, int Hv, int dv) {                                                                 \
-        gdn_recurrent<DK>(conv, C, beta, g, state, out, saved, save, T, Hk, Hv, dv);                               \
+        const float* conv, int C, const float* beta, const float* g, float* ring, int R, const int* pos, int every, \
+        float* out, int T, int Hk, int Hv, int dv) {                                                               \
+        gdn_recurrent<DK>(conv, C, beta, g, ring, R, pos, every, out, T, Hk, Hv, dv);                              \
     }
 GDN_RECURRENT(64)
 GDN_RECURRENT(128)
