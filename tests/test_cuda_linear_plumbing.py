@@ -349,3 +349,15 @@ def test_a_gated_qkv_is_not_fused_and_the_gate_kernels_are_bound():
         assert inspect.signature(getattr(Kernels, name)).parameters.keys() == \
             inspect.signature(getattr(LinearFakeKernels, name)).parameters.keys()
     assert "norm_offset" in inspect.signature(MoeKernels.route).parameters
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_bench_floor_counts_the_state_a_step_moves(name):
+    """`metrale bench`'s floor of a hybrid model counts its linear layers' states: read once and written after each
+    row, i.e. (1 + rows) x the NumPy engine's state of one sequence; a plain attention model moves none."""
+    from metrale_cli.bench import linear_state_bytes
+
+    cpu = plumbing.cpu_engine(name)
+    one = cpu.states["linear_attention"].nbytes
+    assert linear_state_bytes(cpu.cfg) == 2 * one and linear_state_bytes(cpu.cfg, rows=4) == 5 * one
+    assert linear_state_bytes(plumbing.load_config(plumbing.FIXTURES / "llama")) == 0
