@@ -371,7 +371,7 @@ def _run_bench(eng, name: str, cfg: ModelConfig, device: str, context: int, ks: 
                                   v / decode_s, (v <= limit * decode_s) if k in (4, 8) else None))
         if cfg.moe is not None:  # against its own floor: the union of the experts its k rows chose
             vb = _moe_step_bytes(eng, cfg, drafts, context, elem, streamed)
-            vfloor = (vb + kv_read) / bw
+            vfloor = (vb + kv_read + linear_state_bytes(cfg, k) - linear_state_bytes(cfg)) / bw  # k rows' states
             res.figures.append(Figure(f"verify k={k} floor", vfloor * 1e3, "ms", "weights (its experts) + KV / bw",
                                       v / vfloor))
             res.figures.append(_experts_figure(f"verify k={k}", cfg, vb, streamed, elem))
