@@ -361,3 +361,26 @@ def test_the_bench_floor_counts_the_state_a_step_moves(name):
     one = cpu.states["linear_attention"].nbytes
     assert linear_state_bytes(cpu.cfg) == 2 * one and linear_state_bytes(cpu.cfg, rows=4) == 5 * one
     assert linear_state_bytes(plumbing.load_config(plumbing.FIXTURES / "llama")) == 0
+
+
+def test_the_presets_shapes_and_what_the_cuda_engine_still_refuses():
+    """qwen3.5-27b (Qwen3.5-27B's text model: 64 layers, 48 of them Gated DeltaNet) runs on the CUDA engine's kernels
+    and fits one 80 GB card in bf16; qwen3-next-80b-a3b-fp8 (FP8 block weights) is refused by name before anything
+    loads: its 512 experts and its FP8 expert weights are not in the MoE kernels yet."""
+    from metrale_cli.backends.cuda.loading import load_cuda_engine, unsupported_features
+    from metrale_cli.bench import preset_path
+    from metrale_cli.errors import DeviceError
+    from metrale_cli.random_weights import RandomTensors
+
+    dense = plumbing.load_config(preset_path("qwen3.5-27b"))
+    kinds = [layer.mixer.kind for layer in dense.definition.layers]
+    assert kinds.count("linear_attention") == 48 and kinds.count("attention") == 16
+    assert unsupported_features(dense.definition) == []
+    assert 26.5e9 < dense.definition.parameter_count() < 27.5e9  # 54 GB in bf16
+    sparse = plumbing.load_config(preset_path("qwen3-next-80b-a3b-fp8"))
+    assert sparse.quantization["quant_method"] == "fp8" and 79e9 < sparse.definition.parameter_count() < 81e9
+    assert unsupported_features(sparse.definition) == ["experts_gate_up weights stored as fp8_block128x128",
+                                                       "experts_down weights stored as fp8_block128x128"]
+    with pytest.raises(DeviceError, match="does not implement experts_gate_up weights stored as fp8"):
+        load_cuda_engine(sparse, RandomTensors(sparse), 64)
+    assert "512 experts" in MoeKernels.check_sizes(512, 10, 512, 512)
