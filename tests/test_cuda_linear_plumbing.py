@@ -384,3 +384,20 @@ def test_the_presets_shapes_and_what_the_cuda_engine_still_refuses():
     with pytest.raises(DeviceError, match="does not implement experts_gate_up weights stored as fp8"):
         load_cuda_engine(sparse, RandomTensors(sparse), 64)
     assert "512 experts" in MoeKernels.check_sizes(512, 10, 512, 512)
+
+
+@pytest.mark.parametrize("plen", [5, 20])
+def test_the_linear_attention_taps_match_the_numpy_engine(plen, monkeypatch):
+    """The layer dumps' taps on the CUDA engine (model.layers.{i}.linear_attn, the mixer output before the residual
+    add): the same names as the NumPy engine's, and the same values within the bf16 weights' rounding."""
+    prompt = _tokens(plen)
+    cpu = plumbing.cpu_engine("qwen3_5")
+    got, want = {}, {}
+    with fake_engine("qwen3_5", monkeypatch) as gpu:
+        gpu.tap = lambda name, x: got.setdefault(name, np.asarray(x))
+        cpu.tap = lambda name, x: want.setdefault(name, np.asarray(x))
+        gpu.prefill(prompt)
+        cpu.prefill(prompt)
+    linear = [n for n in want if n.endswith(".linear_attn")]
+    assert set(got) == set(want) and len(linear) == 3
+    assert max(rel(got[n], want[n]) for n in linear) < plumbing.TOL
