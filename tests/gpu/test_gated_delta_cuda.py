@@ -90,3 +90,51 @@ def test_output_gate_kernels(cp, kernels, rng):
     kernels.output_gate(d_y, cp.asarray(gated), nh, hd)
     want = y * (1 / (1 + np.exp(-heads[..., hd:].reshape(m, -1))))
     assert _rel(d_y.get(), want) <= 1e-6
+
+
+@pytest.mark.parametrize("dk,dv,hk,hv,grouped", [(128, 128, 2, 4, True), (64, 96, 1, 3, False), (256, 64, 2, 2, True)])
+@pytest.mark.parametrize("rows", [17, 34, 130])  # 34: the state after the last row goes to the slot the conv read
+def test_the_prefill_kernels_give_the_rows_kernels_numbers(cp, kernels, rng, dk, dv, hk, hv, grouped, rows):
+    """conv_rows + qk_norm + recurrent(prenormed) (the prefill path) against conv + recurrent (the rows path, every
+    row in sequence) on the same inputs: the same outputs and final state to the last bits of fp32, and the
+    reference's."""
+    from metrale_cli.backends.cuda.kernels.gated_delta import GatedDeltaKernels, column_maps
+
+    spec = LinearAttentionSpec(hk, hv, dk, dv, 4, 1e-6, grouped=grouped)
+    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    proj = f(rows, spec.in_size)
+    w = cp.asarray(fp32_to_bf16_bits(f(spec.conv_dim, 4) * 0.5))
+    beta = cp.asarray(rng.uniform(0.05, 0.95, (rows, hv)).astype(np.float32))
+    g = cp.asarray(-rng.uniform(0.01, 1.0, (rows, hv)).astype(np.float32))
+    R, p0 = 17, int(rng.integers(0, 40))
+    ring_conv = np.full((R, spec.conv_dim, 3), np.nan, np.float32)
+    ring_rec = np.full((R, hv, dk, dv), np.nan, np.float32)
+    ring_conv[p0 % R], ring_rec[p0 % R] = f(spec.conv_dim, 3), f(hv, dk, dv) * 0.1
+    gk = GatedDeltaKernels(kernels)
+    src = cp.asarray(column_maps(spec)["src"])
+    pos = cp.asarray(np.arange(p0, p0 + rows, dtype=np.int32))
+    d_proj = cp.asarray(proj)
+    out = {}
+    for prefill in (False, True):
+        rc, rr = cp.asarray(ring_conv), cp.asarray(ring_rec)
+        conv, o = cp.empty((rows, spec.conv_dim), cp.float32), cp.empty((rows, hv, dv), cp.float32)
+        if prefill:
+            gk.conv_rows(d_proj, src, w, rc, pos, conv)
+            gk.qk_norm(conv, spec)
+        else:
+            gk.conv(d_proj, src, w, rc, pos, conv, every=False)
+        gk.recurrent(conv, beta, g, rr, pos, o, spec, every=False, prenormed=prefill)
+        cp.cuda.runtime.deviceSynchronize()
+        last = (p0 + rows) % R
+        out[prefill] = (conv[:, 2 * spec.k_dim:].get(), o.get(), rc[last].get(), rr[last].get())
+    for a, b in zip(out[True], out[False]):
+        assert _rel(a, b) <= 1e-6
+    # and the reference (gated_delta.py) from the same conv output
+    conv_ref, conv_after = ref.causal_conv(proj[:, column_maps(spec)["src"]], bf16_bits_to_fp32(w.get()),
+                                           ring_conv[p0 % R])
+    kd = spec.k_dim
+    qq, kk = ref.prepare(conv_ref[:, :kd].reshape(rows, hk, dk), conv_ref[:, kd:2 * kd].reshape(rows, hk, dk), hv // hk)
+    o_ref, rec_after = ref.recurrent(qq, kk, conv_ref[:, 2 * kd:].reshape(rows, hv, dv), g.get(), beta.get(),
+                                     ring_rec[p0 % R])
+    assert _rel(out[True][1], o_ref) <= 1e-5 and _rel(out[True][3], rec_after) <= 1e-5
+    np.testing.assert_array_equal(out[True][2], conv_after)

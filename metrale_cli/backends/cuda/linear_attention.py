@@ -18,12 +18,14 @@ qwen3-next-80b (36 linear layers, 32 value heads of 128 x 128) 2.1 MiB a layer, 
 Ops, the same four launches on every pass type (conv + SiLU, gates, the recurrent rule, the gated norm):
 - `RowsLinear` (RowsPass and FusedRowsPass: decode, verify, short prompts; graph-capturable: no host reads, no
   allocations, the positions read on the device) writes into the state's preallocated row buffers;
-- `PrefillLinear` (PrefillPass: long prompts, eager) runs the recurrent kernel over the chunk's tokens in one
-  launch: exact, but sequential in the tokens (each block walks the T tokens of its value head's columns, four
-  barriers a token), so its cost grows with T where a chunked kernel's would be a few GEMMs per 64 tokens; the
-  NumPy engine's chunked rule gives the same values to fp32 rounding (tests/test_gated_delta.py). Not measured:
-  at an estimated 1-2 us a token and layer (a chain of loads, two block sums and four barriers), 2048 tokens
-  through qwen3.5-27b's 48 linear layers would take 0.1-0.2 s, about as long as the prompt's GEMMs.
+- `PrefillLinear` (PrefillPass: long prompts, eager) runs the conv and the q / k l2 norms parallel over the
+  chunk's tokens, then the recurrent rule over them in one launch (`recurrent(prenormed=True)`: each thread reads
+  its q and k itself, the next token's while it computes the current one: no shared memory, no barrier): exact,
+  and equal to the rows path's numbers, but sequential in the tokens, so its cost grows with T where a chunked
+  kernel's would be a few GEMMs per 64 tokens; the NumPy engine's chunked rule gives the same values to fp32
+  rounding (tests/test_gated_delta.py). Not measured: the per-token chain is ~100 dependent FMAs and two short
+  shuffle reductions per thread (estimated 0.1-0.3 us a token and layer: 10-30 ms for 2048 tokens through
+  qwen3.5-27b's 48 linear layers, against ~0.15 s of its GEMMs).
 """
 
 from __future__ import annotations
@@ -188,9 +190,23 @@ class RowsLinear(_Linear):
 
 
 class PrefillLinear(_Linear):
-    """The prefill path's ops (PrefillPass: p.t tokens from p.start): fresh buffers, the last row's state kept."""
+    """The prefill path's ops (PrefillPass: p.t > MAX_ROWS tokens from p.start): fresh buffers, the last row's state
+    kept; the conv and the q / k norms parallel over the rows, then the rule reading the normalised q and k (the
+    rows path's numbers: the same operations in the same order)."""
 
     every = False
+
+    def mix(self, proj, layer: int, spec, lw):
+        st, k, s, maps = self.st, self.st.kernels, self.s, self.st.maps
+        pos = self.p.pos
+        conv, beta, g, o, y = self._buffers(proj.shape[0])
+        k.conv_rows(proj, maps["src"], lw["conv"].reshape(spec.conv_dim, spec.conv_kernel), st.conv[layer], pos,
+                    conv, stream=s)
+        k.qk_norm(conv, spec, stream=s)
+        k.gates(proj, maps["b"], maps["a"], st.a_log[layer], st.dt_bias[layer], beta, g, stream=s)
+        k.recurrent(conv, beta, g, st.recurrent[layer], pos, o, spec, every=False, prenormed=True, stream=s)
+        k.gated_norm(o, proj, maps["z"], lw["lin_norm"], spec.eps, y, stream=s)
+        return y
 
     def _buffers(self, t: int):
         cp, sp, f = self.st.cp, self.st.spec, self.st.cp.float32
