@@ -223,6 +223,15 @@ def kv_bytes_read(cfg: ModelConfig, context: int, elem: int) -> int:
                if layer.mixer.kind in ("attention", "mla"))
 
 
+def linear_state_bytes(cfg: ModelConfig, rows: int = 1) -> int:
+    """Recurrent and conv state bytes (fp32) a pass of `rows` tokens moves through a linear-attention model's
+    layers: each layer's state read once and written after every row (the CUDA engine keeps each row's state for
+    rollback). The same at every context: the state does not grow."""
+    per = sum(4 * (m.num_v_heads * m.k_head_dim * m.v_head_dim + m.conv_dim * (m.conv_kernel - 1))
+              for m in (layer.mixer for layer in cfg.definition.layers) if m.kind == "linear_attention")
+    return per * (1 + rows)
+
+
 def build_engine(cfg: ModelConfig, device: str, context: int, tp: int | None = None):
     """The engine of the bench's random weights; with `tp`, rank 0's engine of that many ranks, each of
     which draws the same weights (by name and seed) and keeps its shard."""
@@ -278,8 +287,11 @@ def _run_bench(eng, name: str, cfg: ModelConfig, device: str, context: int, ks: 
                tp: int | None, paths: tuple[str, ...] | None = None) -> BenchResult:
     elem = 2 if device == "cuda" else 4
     streamed = _streamed_bytes(cfg, elem)
-    kv_read = kv_bytes_read(cfg, context, elem)
+    kv_read = kv_bytes_read(cfg, context, elem) + linear_state_bytes(cfg)  # a recurrent state counts as read
     res = BenchResult(name, device, context, cfg.parameter_count(), streamed, kv_read)
+    if linear_state_bytes(cfg):
+        res.notes.append(f"linear-attention layers: their recurrent and conv states ({linear_state_bytes(cfg) / 2**20:.0f}"
+                         " MiB read and written a step) count in the floor with the KV cache")
     if weight_formats_note(cfg):
         res.notes.append(weight_formats_note(cfg))
     if tp is not None:  # the floor of one rank: its share of the weights and its KV heads
@@ -359,7 +371,7 @@ def _run_bench(eng, name: str, cfg: ModelConfig, device: str, context: int, ks: 
                                   v / decode_s, (v <= limit * decode_s) if k in (4, 8) else None))
         if cfg.moe is not None:  # against its own floor: the union of the experts its k rows chose
             vb = _moe_step_bytes(eng, cfg, drafts, context, elem, streamed)
-            vfloor = (vb + kv_read) / bw
+            vfloor = (vb + kv_read + linear_state_bytes(cfg, k) - linear_state_bytes(cfg)) / bw  # k rows' states
             res.figures.append(Figure(f"verify k={k} floor", vfloor * 1e3, "ms", "weights (its experts) + KV / bw",
                                       v / vfloor))
             res.figures.append(_experts_figure(f"verify k={k}", cfg, vb, streamed, elem))
@@ -505,7 +517,8 @@ def _prefill_flops(cfg: ModelConfig, t: int) -> float:
     one, total = _expert_params(cfg)
     active = cfg.parameter_count() - (total - one * cfg.moe.spec.top_k * len(cfg.moe.sparse_layers) if one else 0)
     matmul = 2 * t * (active - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2))
-    attn = 2 * 2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * t * t / 2  # causal QK^T and PV
+    softmax_layers = sum(layer.mixer.kind != "linear_attention" for layer in cfg.definition.layers)
+    attn = 2 * 2 * softmax_layers * cfg.num_attention_heads * cfg.head_dim * t * t / 2  # causal QK^T and PV
     head = 2 * cfg.hidden_size * cfg.vocab_size  # the last row's logits
     return matmul + attn + head
 

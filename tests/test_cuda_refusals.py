@@ -65,8 +65,7 @@ def test_what_the_moe_kernels_do_not_take_is_refused(helpers):
     cfg = _with_layer0(cfg, mlp=dataclasses.replace(layer.mlp, activation="gelu_tanh"),
                        norm=Norm(eps=layer.norm.eps, offset=1.0), params=layer.params + (post,))
     assert unsupported_features(cfg.definition) == [
-        "mixture-of-experts activation gelu_tanh", "(1 + w) RMSNorm in a mixture-of-experts layer",
-        "weight mlp_out_norm"]
+        "mixture-of-experts activation gelu_tanh", "weight mlp_out_norm"]  # the (1 + w) norm: in the kernels
 
 
 
@@ -81,16 +80,25 @@ def test_a_head_dim_the_kernels_lack_is_refused_before_anything_loads(helpers, n
         load_cuda_engine(cfg, RandomTensors(cfg), 16)
 
 
-def test_linear_attention_and_the_output_gate_are_refused_by_name(helpers):
-    """qwen3_next: the Gated DeltaNet layer kind and the gated full attention have no CUDA kernels yet."""
-    cfg = _cfg(helpers, "qwen3_next")
-    found = unsupported_features(cfg.definition)
-    assert found == ["layer kind linear_attention", "(1 + w) RMSNorm in a mixture-of-experts layer",
-                     "attention output gate"]
-    with pytest.raises(DeviceError, match="does not implement layer kind linear_attention, .*attention output gate") as e:
-        load_cuda_engine(cfg, RandomTensors(cfg), 32)  # before CuPy is looked for
+def _linear_dims(cfg, k_head_dim):
+    """cfg with every linear-attention layer's key head dim set to k_head_dim."""
+    d = cfg.definition
+    layers = tuple(dataclasses.replace(layer, mixer=dataclasses.replace(layer.mixer, k_head_dim=k_head_dim))
+                   if layer.mixer.kind == "linear_attention" else layer for layer in d.layers)
+    cfg.__dict__["definition"] = dataclasses.replace(d, layers=layers)
+    return cfg
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5", "qwen3_5_moe_text"])
+def test_linear_attention_runs_on_the_kernels_key_head_dims_only(helpers, name):
+    """The Gated DeltaNet layers, the attention output gate and the (1 + w) norms of the sparse layers run on the
+    GPU; a key head dim the recurrent kernel has no instance for (the fixtures' 16) is refused by name, before
+    CuPy is looked for."""
+    cfg = _cfg(helpers, name)
+    assert unsupported_features(cfg.definition) == ["linear-attention key head dim 16"]
+    with pytest.raises(DeviceError, match="does not implement linear-attention key head dim 16") as e:
+        load_cuda_engine(cfg, RandomTensors(cfg), 32)
     assert "\n" not in str(e.value)
-    # the output gate alone (a full-attention layer of the fixture put in layer 0) is refused too
-    layer3 = cfg.definition.layers[3]
-    cfg = _with_layer0(_cfg(helpers, "qwen3_next"), mixer=layer3.mixer, params=layer3.params)
-    assert "attention output gate" in unsupported_features(cfg.definition)
+    for dk in (64, 128, 256):
+        assert unsupported_features(_linear_dims(_cfg(helpers, name), dk).definition) == []
+    assert any(getattr(layer.mixer, "output_gate", False) for layer in cfg.definition.layers)

@@ -386,3 +386,24 @@ def test_expert_groups_of_a_tensor_parallel_rank():
     assert [e for e, _ in used] == sorted(set((idx[(idx >= lo) & (idx < hi)] - lo).tolist()))
     assert all(n == min(int(np.sum(idx == e + lo)), g.rows) for e, n in used)
     assert len(g.used()) == len(used) + 1  # the others' pairs, grouped as one more expert
+
+
+def test_moe_kernels_compile_with_nvcc(tmp_path):
+    """moe.cu with every template instance the runtime asks NVRTC for compiles with nvcc (sm_90, PTX; skipped
+    without nvcc): the route kernel's norm offset ((1 + w) norms, qwen3_next) changed its signature."""
+    import re
+    import subprocess
+
+    from metrale_cli.backends.cuda.kernels.moe import PLAIN, module_source, name_expressions
+
+    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").is_file() else None)
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    table = ",\n".join(f"    (void*)&{n}" for n in name_expressions())
+    src = tmp_path / "moe_module.cu"
+    src.write_text(module_source() + f"\nvoid* const metrale_instances[] = {{\n{table}\n}};\n")
+    r = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-ptx", "-o", str(tmp_path / "m.ptx"), str(src)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    entries = re.findall(r"^\s*(?:\.visible\s+)?\.entry\s+(\w+)", (tmp_path / "m.ptx").read_text(), re.M)
+    assert len(entries) == len(PLAIN) + len(name_expressions()) and "moe_route_kernel" in entries

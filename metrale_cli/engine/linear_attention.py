@@ -10,8 +10,8 @@ the order every backend runs it.
     x      += out_proj(y)                           sublayer_out; tap model.layers.{i}.linear_attn
 
 Backends: `backends/numpy/linear_attention.py` (the reference: the recurrent rule for decode and verify,
-the chunked rule for prefill, and the states with their rollback). The CUDA engine has none yet and
-refuses the kind by name.
+the chunked rule for prefill, and the states with their rollback), `backends/cuda/linear_attention.py` (the
+kernels' launches, the states in rings of per-position slots on the device).
 """
 
 from __future__ import annotations
@@ -47,4 +47,5 @@ def tap_names(p: str, layer: LayerSpec) -> list[str]:
 
 
 LINEAR_ATTENTION = register_mixer(MixerKind(
-    "linear_attention", forward, tap_names, backends={"numpy": "metrale_cli.backends.numpy.linear_attention"}))
+    "linear_attention", forward, tap_names, backends={"numpy": "metrale_cli.backends.numpy.linear_attention",
+                                            "cuda": "metrale_cli.backends.cuda.linear_attention"}))

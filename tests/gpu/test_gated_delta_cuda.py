@@ -1,6 +1,8 @@
 """The Gated DeltaNet kernels (kernels/gated_delta.cu) against the NumPy reference (backends/numpy: the layer's
 `LinearAttentionOps.mix` path and gated_delta.py) on fresh random inputs: one decode row and verify-like rows
-with the state after each row, both projection layouts, every key head dim the kernels take."""
+with the state after each row in its ring slot (positions that wrap around the ring), a prefill-like pass that
+keeps only the last row's state, both projection layouts, every key head dim the kernels take; and the attention
+output gate's two launches (elementwise.cu)."""
 
 from __future__ import annotations
 
@@ -18,8 +20,8 @@ def _rel(a, b) -> float:
 
 
 @pytest.mark.parametrize("dk,dv,hk,hv,grouped", [(128, 128, 2, 4, True), (64, 96, 1, 3, False), (256, 64, 2, 2, True)])
-@pytest.mark.parametrize("rows", [1, 5])
-def test_one_layer_against_the_reference(cp, kernels, rng, dk, dv, hk, hv, grouped, rows):
+@pytest.mark.parametrize("rows,every", [(1, True), (5, True), (5, False), (40, False)])
+def test_one_layer_against_the_reference(cp, kernels, rng, dk, dv, hk, hv, grouped, rows, every):
     from metrale_cli.backends.cuda.kernels.gated_delta import GatedDeltaKernels, column_maps
 
     spec = LinearAttentionSpec(hk, hv, dk, dv, 4, 1e-6, grouped=grouped)
@@ -34,33 +36,105 @@ def test_one_layer_against_the_reference(cp, kernels, rng, dk, dv, hk, hv, group
     # the reference (fp32 NumPy), as LinearAttentionOps.mix computes it
     q, k, v, z, b, a = split(proj, spec)
     mixed = np.concatenate([q.reshape(rows, -1), k.reshape(rows, -1), v.reshape(rows, -1)], axis=1)
-    conv, conv_after = ref.causal_conv(mixed, bf16_bits_to_fp32(w_bits), conv_state)
+    conv, _ = ref.causal_conv(mixed, bf16_bits_to_fp32(w_bits), conv_state)
     kd = spec.k_dim
     qq, kk = ref.prepare(conv[:, :kd].reshape(rows, hk, dk), conv[:, kd:2 * kd].reshape(rows, hk, dk), hv // hk)
     beta = 1 / (1 + np.exp(-b))
     g = -np.exp(a_log) * softplus(a + dt_bias)
-    kept: list = []
-    o, rec_after = ref.recurrent(qq, kk, conv[:, 2 * kd:].reshape(rows, hv, dv), g, beta, rec_state, kept)
+    rec_kept: list = []
+    o, _ = ref.recurrent(qq, kk, conv[:, 2 * kd:].reshape(rows, hv, dv), g, beta, rec_state, rec_kept)
     y = ref.gated_rms_norm(o, z, bf16_bits_to_fp32(norm_bits), spec.eps).reshape(rows, spec.v_dim)
 
     gk = GatedDeltaKernels(kernels)
+    R = 7  # ring slots; the first position is chosen so that the pass wraps around the ring
+    p0 = int(rng.integers(R, 3 * R))
     maps = {n: cp.asarray(m) for n, m in column_maps(spec).items()}
-    d_proj, d_conv_state, d_rec = cp.asarray(proj), cp.asarray(conv_state), cp.asarray(rec_state)
+    ring_conv = np.full((R, spec.conv_dim, 3), np.nan, np.float32)  # slots the pass must not read: NaN
+    ring_rec = np.full((R, hv, dk, dv), np.nan, np.float32)
+    ring_conv[p0 % R], ring_rec[p0 % R] = conv_state, rec_state
+    d_proj, d_ring_conv, d_ring_rec = cp.asarray(proj), cp.asarray(ring_conv), cp.asarray(ring_rec)
+    d_pos = cp.asarray(np.arange(p0, p0 + rows, dtype=np.int32))
     d_conv = cp.empty((rows, spec.conv_dim), cp.float32)
-    d_conv_saved = cp.empty((rows, spec.conv_dim, 3), cp.float32)
     d_beta, d_g = cp.empty((rows, hv), cp.float32), cp.empty((rows, hv), cp.float32)
-    d_o, d_saved = cp.empty((rows, hv, dv), cp.float32), cp.empty((rows, hv, dk, dv), cp.float32)
-    d_y = cp.empty((rows, spec.v_dim), cp.float32)
-    gk.conv(d_proj, maps["src"], cp.asarray(w_bits), d_conv_state, d_conv, d_conv_saved)
+    d_o, d_y = cp.empty((rows, hv, dv), cp.float32), cp.empty((rows, spec.v_dim), cp.float32)
+    gk.conv(d_proj, maps["src"], cp.asarray(w_bits), d_ring_conv, d_pos, d_conv, every=every)
     gk.gates(d_proj, maps["b"], maps["a"], cp.asarray(a_log), cp.asarray(dt_bias), d_beta, d_g)
-    gk.recurrent(d_conv, d_beta, d_g, d_rec, d_o, spec, d_saved)
+    gk.recurrent(d_conv, d_beta, d_g, d_ring_rec, d_pos, d_o, spec, every=every)
     gk.gated_norm(d_o, d_proj, maps["z"], cp.asarray(norm_bits), spec.eps, d_y)
     cp.cuda.runtime.deviceSynchronize()
 
-    assert _rel(d_conv.get(), conv) <= 1e-6 and _rel(d_conv_state.get(), conv_after) == 0
+    assert _rel(d_conv.get(), conv) <= 1e-6
     assert _rel(d_beta.get(), beta) <= 1e-6 and _rel(d_g.get(), g) <= 1e-6
-    assert _rel(d_o.get(), o) <= 1e-5 and _rel(d_rec.get(), rec_after) <= 1e-5
-    assert _rel(d_saved.get(), np.stack(kept)) <= 1e-5
+    assert _rel(d_o.get(), o) <= 1e-5 and _rel(d_y.get(), y) <= 1e-5
     full = np.concatenate([conv_state.T, mixed])
-    np.testing.assert_array_equal(d_conv_saved.get(), np.stack([full[j:j + 3].T for j in range(1, rows + 1)]))
-    assert _rel(d_y.get(), y) <= 1e-5
+    got_conv, got_rec = d_ring_conv.get(), d_ring_rec.get()
+    kept = [j for j in range(1, rows + 1) if every or j == rows][-(R - 1):]  # later rows overwrite earlier slots
+    for j in kept:
+        np.testing.assert_array_equal(got_conv[(p0 + j) % R], full[j:j + 3].T)
+        assert _rel(got_rec[(p0 + j) % R], rec_kept[j - 1]) <= 1e-5
+    untouched = set(range(R)) - {(p0 + j) % R for j in range(1, rows + 1) if every or j == rows}
+    for s in untouched - {p0 % R}:
+        assert np.isnan(got_conv[s]).all() and np.isnan(got_rec[s]).all()  # nothing written there
+
+
+def test_output_gate_kernels(cp, kernels, rng):
+    """gate_split (q rows of each head, then k | v) and output_gate (y * sigmoid(gate_h)) against NumPy."""
+    m, nh, hd, kv = 3, 4, 256, 2 * 2 * 256
+    gated = rng.normal(size=(m, 2 * nh * hd + kv)).astype(np.float32)
+    y = rng.normal(size=(m, nh * hd)).astype(np.float32)
+    heads = gated[:, :2 * nh * hd].reshape(m, nh, 2 * hd)
+    d_plain = cp.empty((m, nh * hd + kv), cp.float32)
+    kernels.gate_split(cp.asarray(gated), d_plain, nh, hd)
+    np.testing.assert_array_equal(d_plain.get(), np.concatenate([heads[..., :hd].reshape(m, -1), gated[:, 2 * nh * hd:]], 1))
+    d_y = cp.asarray(y)
+    kernels.output_gate(d_y, cp.asarray(gated), nh, hd)
+    want = y * (1 / (1 + np.exp(-heads[..., hd:].reshape(m, -1))))
+    assert _rel(d_y.get(), want) <= 1e-6
+
+
+@pytest.mark.parametrize("dk,dv,hk,hv,grouped", [(128, 128, 2, 4, True), (64, 96, 1, 3, False), (256, 64, 2, 2, True)])
+@pytest.mark.parametrize("rows", [17, 34, 130])  # 34: the state after the last row goes to the slot the conv read
+def test_the_prefill_kernels_give_the_rows_kernels_numbers(cp, kernels, rng, dk, dv, hk, hv, grouped, rows):
+    """conv_rows + qk_norm + recurrent(prenormed) (the prefill path) against conv + recurrent (the rows path, every
+    row in sequence) on the same inputs: the same outputs and final state to the last bits of fp32, and the
+    reference's."""
+    from metrale_cli.backends.cuda.kernels.gated_delta import GatedDeltaKernels, column_maps
+
+    spec = LinearAttentionSpec(hk, hv, dk, dv, 4, 1e-6, grouped=grouped)
+    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    proj = f(rows, spec.in_size)
+    w = cp.asarray(fp32_to_bf16_bits(f(spec.conv_dim, 4) * 0.5))
+    beta = cp.asarray(rng.uniform(0.05, 0.95, (rows, hv)).astype(np.float32))
+    g = cp.asarray(-rng.uniform(0.01, 1.0, (rows, hv)).astype(np.float32))
+    R, p0 = 17, int(rng.integers(0, 40))
+    ring_conv = np.full((R, spec.conv_dim, 3), np.nan, np.float32)
+    ring_rec = np.full((R, hv, dk, dv), np.nan, np.float32)
+    ring_conv[p0 % R], ring_rec[p0 % R] = f(spec.conv_dim, 3), f(hv, dk, dv) * 0.1
+    gk = GatedDeltaKernels(kernels)
+    src = cp.asarray(column_maps(spec)["src"])
+    pos = cp.asarray(np.arange(p0, p0 + rows, dtype=np.int32))
+    d_proj = cp.asarray(proj)
+    out = {}
+    for prefill in (False, True):
+        rc, rr = cp.asarray(ring_conv), cp.asarray(ring_rec)
+        conv, o = cp.empty((rows, spec.conv_dim), cp.float32), cp.empty((rows, hv, dv), cp.float32)
+        if prefill:
+            gk.conv_rows(d_proj, src, w, rc, pos, conv)
+            gk.qk_norm(conv, spec)
+        else:
+            gk.conv(d_proj, src, w, rc, pos, conv, every=False)
+        gk.recurrent(conv, beta, g, rr, pos, o, spec, every=False, prenormed=prefill)
+        cp.cuda.runtime.deviceSynchronize()
+        last = (p0 + rows) % R
+        out[prefill] = (conv[:, 2 * spec.k_dim:].get(), o.get(), rc[last].get(), rr[last].get())
+    for a, b in zip(out[True], out[False]):
+        assert _rel(a, b) <= 1e-6
+    # and the reference (gated_delta.py) from the same conv output
+    conv_ref, conv_after = ref.causal_conv(proj[:, column_maps(spec)["src"]], bf16_bits_to_fp32(w.get()),
+                                           ring_conv[p0 % R])
+    kd = spec.k_dim
+    qq, kk = ref.prepare(conv_ref[:, :kd].reshape(rows, hk, dk), conv_ref[:, kd:2 * kd].reshape(rows, hk, dk), hv // hk)
+    o_ref, rec_after = ref.recurrent(qq, kk, conv_ref[:, 2 * kd:].reshape(rows, hv, dv), g.get(), beta.get(),
+                                     ring_rec[p0 % R])
+    assert _rel(out[True][1], o_ref) <= 1e-5 and _rel(out[True][3], rec_after) <= 1e-5
+    np.testing.assert_array_equal(out[True][2], conv_after)

@@ -64,12 +64,12 @@ def moe_kernels(kernels):
     return MoeKernels(kernels)
 
 
-def _route(cp, mk, logits, x, norm_w_bits, spec: MoeSpec, eps=1e-5):
+def _route(cp, mk, logits, x, norm_w_bits, spec: MoeSpec, eps=1e-5, norm_offset=0.0):
     from metrale_cli.backends.cuda.kernels.moe import RouteBuffers
 
     b = RouteBuffers.allocate(cp, spec.num_experts, spec.top_k, x.shape[1])
     mk.route(cp.asarray(logits), cp.asarray(x), cp.asarray(norm_w_bits), eps, spec.num_experts, spec.top_k,
-             spec.norm_topk_prob, bool(spec.shared_expert_size), b)
+             spec.norm_topk_prob, bool(spec.shared_expert_size), b, norm_offset=norm_offset)
     cp.cuda.Device().synchronize()
     return b
 
@@ -99,6 +99,10 @@ def test_route_kernel_matches_numpy(cp, moe_kernels, rng, seed, m, experts, k, n
     if shared:
         np.testing.assert_allclose(b.sgate[:m].get(), np_ops.sigmoid(logits[:, -1]), rtol=1e-6)
     np.testing.assert_allclose(b.h[:m].get(), rms_norm(x, nw, 1e-5), rtol=1e-5, atol=1e-6)
+    # the (1 + w) norms of qwen3_next's sparse layers: h scaled by 1 + w, the routing unchanged
+    b1 = _route(cp, moe_kernels, logits, x, nb, spec, norm_offset=1.0)
+    np.testing.assert_array_equal(b1.idx[:m].get(), idx, err_msg=f"seed={seed}")
+    np.testing.assert_allclose(b1.h[:m].get(), rms_norm(x, nw + np.float32(1.0), 1e-5), rtol=1e-5, atol=1e-6)
     # the union: every chosen expert once, increasing, with its rows and slots
     n = int(b.n_union.get()[0])
     ue, um, us = b.union_e.get()[:n], b.union_mask.get()[:n], b.union_slot.get()[:n]

@@ -10,6 +10,10 @@ flash_prefill.cu and norm_rope.cu's rope_kv_append:
   `linear(out="qkv")` recorded (FusedRowsPass.take_qkv); else as RowsAttention;
 - `PrefillAttention` (PrefillPass: long prompts, eager): rope + KV append, then tensor-core flash attention.
 
+An output-gated layer (qwen3_next, qwen3_5: AttentionSpec.output_gate) projects q and its gate per head; its ops set
+the gates aside first (`gate_split` into the q | k | v layout the rope kernels read; the fused path takes the
+rows path's launches there) and multiply the attention output by their sigmoid (`output_gate`) before o_proj.
+
 The kernels take no attention sinks: a layer with a `sinks` weight is refused before any pass runs
 (WEIGHT_KEYS, loading.unsupported_features).  Sliding layers keep a full-length cache (the NumPy engine's ring
 buffer is not on the GPU); their attention kernels read only the window."""
@@ -36,7 +40,7 @@ class KVCache:
     def __init__(self, cp: Any, layers: list[int], kv_heads: int, max_context: int, head_dim: int,
                  qkv_weights: list[Any] = ()) -> None:
         self.slot = {layer: i for i, layer in enumerate(layers)}
-        self._qkv = {id(w) for w in qkv_weights}  # the layers' qkv projections (fuses_qkv)
+        self._qkv = {id(w) for w in qkv_weights}  # the layers' qkv projections the fused path may fuse (fuses_qkv)
         self.max_context = max_context
         self.keys = cp.zeros((len(layers), kv_heads, max_context, head_dim), cp.uint16)
         self.values = cp.zeros((len(layers), kv_heads, max_context, head_dim), cp.uint16)
@@ -68,8 +72,9 @@ class KVCache:
 def state(engine: Any, layers: list[int]) -> KVCache:
     """The KV cache of `engine`'s attention layers (engine/mixers.py)."""
     cfg = engine.cfg
+    fusable = [i for i in layers if not cfg.definition.layers[i].mixer.output_gate]  # gated: q and gate interleaved
     return KVCache(engine.cp, layers, cfg.num_key_value_heads, engine.max_context, cfg.head_dim,
-                   [engine.w.layers[i]["qkv"] for i in layers])
+                   [engine.w.layers[i]["qkv"] for i in fusable])
 
 
 def window(a: AttentionSpec, max_context: int) -> int | None:
@@ -84,7 +89,23 @@ class RowsAttention:
         self.p, self.cache = p, cache
         self.e, self.k, self.s = p.e, p.k, p.s
 
+    def plain_qkv(self, qkv, a: AttentionSpec):
+        """qkv in the q | k | v layout the rope kernels read: an output-gated layer's gates set aside into the
+        plain buffer (the gates stay in qkv for output_gate)."""
+        if not a.output_gate:
+            return qkv
+        plain = self.e.buffers.qkv_plain[:self.p.m]
+        self.k.gate_split(qkv, plain, a.num_heads, a.head_dim, stream=self.s)
+        return plain
+
+    def output_gate(self, y, qkv, a: AttentionSpec):
+        self.k.output_gate(y, qkv, a.num_heads, a.head_dim, stream=self.s)
+        return y
+
     def rope_kv_append(self, qkv, layer: int, a: AttentionSpec, q_norm, k_norm, norm: Norm):
+        return self._rope_kv_append(self.plain_qkv(qkv, a), layer, a, q_norm, k_norm, norm)
+
+    def _rope_kv_append(self, qkv, layer: int, a: AttentionSpec, q_norm, k_norm, norm: Norm):
         p, b = self.p, self.e.buffers
         # rotated q: in place in the GEMV output for one row, else its own contiguous buffer
         q = qkv[:, :a.q_size].reshape(1, a.num_heads, a.head_dim) if p.m == 1 else b.q[:p.m]
@@ -120,11 +141,12 @@ class FusedRowsAttention(RowsAttention):
         p = self.p
         pending = p.take_qkv()
         if pending is None:
+            qkv = self.plain_qkv(qkv, a)
             if p.m == 1 and self.k.rope_fits(a.head_dim, a.num_heads, a.num_kv_heads,
                                              window(a, self.e.max_context), a.softcap) is None:
                 self._rope = self.rope_args(a, q_norm, k_norm, norm)
                 return qkv  # unrotated: attention rotates it
-            return super().rope_kv_append(qkv, layer, a, q_norm, k_norm, norm)
+            return self._rope_kv_append(qkv, layer, a, q_norm, k_norm, norm)
         x, w, bias, (nw, nk) = pending
         b = self.e.buffers
         q = b.q[:p.m]
@@ -155,6 +177,10 @@ class PrefillAttention:
 
     def rope_kv_append(self, qkv, layer: int, a: AttentionSpec, q_norm, k_norm, norm: Norm):
         p = self.p
+        if a.output_gate:  # the gates set aside (they stay in qkv for output_gate)
+            plain = self.e.cp.empty((p.t, a.q_size + 2 * a.kv_size), self.e.cp.float32)
+            self.k.gate_split(qkv, plain, a.num_heads, a.head_dim, stream=self.s)
+            qkv = plain
         # rope on q and k (+ qk norm) and the KV append in one pass over the GEMM output
         self.k.rope_kv_append(qkv, p.pos, self.e.inv_freq(a.rope), p.q, self.cache.k(layer), self.cache.v(layer),
                               q_norm, k_norm, norm.eps, attention_scaling=a.rope.attention_scaling,
@@ -166,6 +192,10 @@ class PrefillAttention:
         self.k.attention_prefill(q, self.cache.k(layer), self.cache.v(layer), p.start, p.t, p.attn, a.scale,
                                  window=window(a, self.e.max_context), softcap=a.softcap, stream=self.s)
         return p.attn.reshape(p.t, a.q_size)
+
+    def output_gate(self, y, qkv, a: AttentionSpec):
+        self.k.output_gate(y, qkv, a.num_heads, a.head_dim, stream=self.s)
+        return y
 
 
 OPS = {"rows": RowsAttention, "fused": FusedRowsAttention, "prefill": PrefillAttention}

@@ -31,7 +31,11 @@ class Buffers:
         self.io = cp.zeros((2, R), cp.int32)  # int32 [2, R]: row 0 token ids, row 1 positions (graph inputs)
         self.x = cp.zeros((R, H), cp.float32)  # f32 [R, H]: the residual stream
         self.h = cp.zeros((R, H), cp.float32)  # f32 [R, H]: normed activations (rows path: the final norm only)
-        self.qkv = cp.zeros((R, cfg.q_size + 2 * cfg.kv_size), cp.float32)  # f32 [R, q + 2 kv]
+        # f32 [R, q + 2 kv]; with an attention output gate [R, 2 q + 2 kv] (q and its gate per head) and the plain
+        # layout the rope kernels read beside it
+        gated = any(getattr(layer.mixer, "output_gate", False) for layer in cfg.definition.layers)
+        self.qkv = cp.zeros((R, (2 if gated else 1) * cfg.q_size + 2 * cfg.kv_size), cp.float32)
+        self.qkv_plain = cp.zeros((R, cfg.q_size + 2 * cfg.kv_size), cp.float32) if gated else None
         self.q = cp.zeros((R, nh, d), cp.float32)  # f32 [R, heads, d]: rotated q when m > 1
         self.attn = cp.zeros((R, nh, d), cp.float32)  # f32 [R, heads, d]: the attention output
         self.act = cp.zeros((R, cfg.intermediate_size), cp.float32)  # f32 [R, I]: the gated MLP's activations

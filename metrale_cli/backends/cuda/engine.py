@@ -229,8 +229,18 @@ class CudaEngine(EngineBase):
         return oom_error(self.cp, what, nbytes)
 
     # -- the rows path (graph-captured) ---------------------------------------------------------------
+    def _advance_states(self, rows: int, every: bool) -> None:
+        """Before a pass of `rows` tokens: the host's bookkeeping of the mixer states that keep some
+        (linear_attention.LinearStates.advance: which ring slots the pass reads and writes); `every`: the rows
+        path, which keeps the state after every row. Nothing of it runs on replay, so it is done here."""
+        for st in self.states.values():
+            advance = getattr(st, "advance", None)
+            if advance is not None:
+                advance(self.length, rows, every)
+
     def _run_rows(self, ids: Sequence[int], kind: str) -> None:
         m, b = len(ids), self.buffers
+        self._advance_states(m, True)
         b.io_np[0, :m] = ids
         b.io_np[1, :m] = np.arange(self.length, self.length + m)
         b.io.set(b.io_np, stream=self.stream)  # async from pinned memory
@@ -301,6 +311,7 @@ class CudaEngine(EngineBase):
     def _prefill_chunk(self, ids: np.ndarray, tap: Tap | None = None):
         """One chunk of T tokens at positions length..length+T-1 (engine/loop.py over PrefillPass);
         returns post-final-norm rows [T, H]."""
+        self._advance_states(len(ids), False)
         h = decoder_forward(PrefillPass(self, ids, tap), self.cfg.definition, self.w)
         self._tokens[self.length:self.length + len(ids)] = ids
         self.length += len(ids)

@@ -13,7 +13,8 @@ from typing import Any, Callable
 
 # Param keys whose weights reach the projections (loading.unsupported_features refuses a formatted weight of any
 # other key: the MoE kernels and the embedding gather read bf16 weights directly).
-PROJECTION_KEYS = frozenset({"qkv", "o", "gate_up", "down", "router", "shared_gate_up", "shared_down", "lm_head"})
+PROJECTION_KEYS = frozenset({"qkv", "o", "gate_up", "down", "router", "shared_gate_up", "shared_down", "lm_head",
+                             "lin_in", "lin_out"})
 
 
 @dataclass(frozen=True)

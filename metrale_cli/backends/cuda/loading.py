@@ -119,10 +119,11 @@ def unsupported_features(definition: ModelDefinition) -> list[str]:
     DeviceError naming it, never run with wrong numbers (the NumPy engine runs them all). The family
     features (embedding scale, softcaps, (1 + w) norms, sliding windows, partial rotary, linear and
     longrope and yarn scaling (the rope's inv_freq and attention factor from the spec), gelu_tanh, sandwich
-    norms) run in the kernels; what remains is a mixer kind with no CUDA implementation (latent attention), a
-    weight the passes do not know (attention sinks, say), a gate activation the fused MLP lacks, and what the
-    MoE kernels do not take (a router kind other than softmax_topk, a routed_scaling_factor, ungated shared
-    experts)."""
+    norms, in MoE layers too, the attention output gate) run in the kernels; what remains is a mixer kind with no
+    CUDA implementation (latent attention), a weight the passes do not know (attention sinks, say), a gate
+    activation the fused MLP lacks, what the MoE kernels do not take (a router kind other than softmax_topk, a
+    routed_scaling_factor, ungated shared experts), and Gated DeltaNet sizes its kernels lack (key head dims other
+    than 64, 128, 256)."""
     from .kernels.tuning import ACTIVATIONS  # no CuPy needed
 
     found: list[str] = []
@@ -137,8 +138,10 @@ def unsupported_features(definition: ModelDefinition) -> list[str]:
         mixer = mixer_weight_keys(layer.mixer.kind, frozenset(layer.keys()))
         if mixer is None:
             found.append(f"layer kind {layer.mixer.kind}")
-        if getattr(layer.mixer, "output_gate", False):  # qwen3_next's sigmoid gate on the attention output
-            found.append("attention output gate")
+        if layer.mixer.kind == "linear_attention":  # the Gated DeltaNet kernels' sizes
+            from .linear_attention import unsupported
+
+            found += unsupported(layer.mixer)
         if isinstance(layer.mlp, MoeSpec):  # kernels/moe.cu: softmax top-k routing, SwiGLU experts after a plain RMSNorm
             found += [f"{layer.mlp.router.kind} routing"] if layer.mlp.router.kind != "softmax_topk" else []
             scaling = layer.mlp.router.routed_scaling_factor
@@ -146,7 +149,6 @@ def unsupported_features(definition: ModelDefinition) -> list[str]:
             ungated = layer.mlp.shared_expert_size and not layer.mlp.shared_expert_gated
             found += ["ungated shared experts"] if ungated else []
             found += [f"mixture-of-experts activation {layer.mlp.activation}"] if layer.mlp.activation != "silu" else []
-            found += ["(1 + w) RMSNorm in a mixture-of-experts layer"] if layer.norm.offset else []
             mlp = MOE_MLP_KEYS
         else:
             found += [f"activation {layer.mlp.activation}"] if layer.mlp.activation not in ACTIVATIONS else []

@@ -1,5 +1,7 @@
 """engine/loop.py's mixture-of-experts ops on the GPU (mixed into passes.py's RowsPass and PrefillPass).
 
+Every norm of a sparse layer takes the (1 + w) offset of the family's norms (qwen3_next).
+
 Rows path (decode, verify, short prefills; graph-captured): the router GEMV with the RMSNorm fused
 (the engine's projections, projections.py), then kernels.moe's route (top-k, shared gate, h, the union of the rows'
 experts), gate_up (reads only the union's experts, each once) and down (the weighted sum over each row's
@@ -50,9 +52,9 @@ class RowsMoe:
     def route(self, x, w_router, spec: MoeSpec, *, norm, bias=None, correction=None):
         st, m = self.e.moe, self.m
         logits = st.logits[:m]
-        self.e.proj.linear(x, w_router, logits, norm_weight=norm[0], eps=norm[1].eps)
+        self.e.proj.linear(x, w_router, logits, norm_weight=norm[0], eps=norm[1].eps, norm_offset=norm[1].offset)
         st.kern.route(logits, x, norm[0], norm[1].eps, spec.num_experts, spec.top_k, spec.norm_topk_prob,
-                      bool(spec.shared_expert_size), st.buf, held=spec.held, stream=self.s)
+                      bool(spec.shared_expert_size), st.buf, held=spec.held, norm_offset=norm[1].offset, stream=self.s)
         b = st.buf
         return Route(logits[:, :spec.num_experts], b.idx[:m], b.wts[:m],
                      b.sgate[:m, None] if spec.shared_expert_size else None)
@@ -63,7 +65,8 @@ class RowsMoe:
         with_shared = None
         if shared is not None:
             act_s = st.act_s[:m]
-            e.proj.linear(x, shared[0], act_s, swiglu=True, norm_weight=norm[0], eps=norm[1].eps)
+            e.proj.linear(x, shared[0], act_s, swiglu=True, norm_weight=norm[0], eps=norm[1].eps,
+                          norm_offset=norm[1].offset)
             with_shared = (shared[1], act_s)
         st.kern.gate_up(m, w_gate_up, st.buf, st.act, first=first, stream=self.s)
         if tap is not None and self._tap is not None:  # the block's output before the residual add, beside
@@ -127,7 +130,7 @@ class PrefillMoe:
     def route(self, x, w_router, spec: MoeSpec, *, norm, bias=None, correction=None):
         cp, t = self.e.cp, self.t
         h = cp.empty_like(x)
-        self.k.rmsnorm(x, norm[0], norm[1].eps, h, stream=self.s)
+        self.k.rmsnorm(x, norm[0], norm[1].eps, h, offset=norm[1].offset, stream=self.s)
         self._moe_h = h  # the experts' input, kept for experts()
         router = cp.empty(w_router.shape, cp.float32)
         self.k.bf16_to_f32(w_router, router, stream=self.s)

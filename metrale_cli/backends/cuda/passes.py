@@ -84,6 +84,10 @@ def _never(w) -> bool:
     return False
 
 
+def _no_buffers(m: int) -> dict:
+    return {}
+
+
 class _Pass:
     kind = ""  # which ops a mixer kind's CUDA module gives this pass: "rows", "fused" or "prefill"
 
@@ -128,6 +132,8 @@ class RowsPass(RowsMoe, _Pass):
         self.m = m
         self.ids, self.pos = b.io[0, :m], b.io[1, :m]
         self.buffers = {"x": b.x[:m], "h": b.h[:m], "qkv": b.qkv[:m]}
+        for st in engine.states.values():  # a mixer kind's own projection outputs (linear attention's lin_in)
+            self.buffers.update(getattr(st, "rows_buffers", _no_buffers)(m))
 
     def embed(self, table, scale=None):
         x = self.buffers["x"]

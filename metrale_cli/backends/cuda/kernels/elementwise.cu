@@ -90,3 +90,37 @@ extern "C" __global__ void kv_append_kernel(const float* __restrict__ k,
         v_cache[dst] = f32_to_bf16_bits(v[idx]);
     }
 }
+
+// The attention output gate (qwen3_next, qwen3_5): the q projection is doubled, each head's rows [q_h; gate_h].
+// gate_split: gated f32 [M, 2 nh hd + kv] -> plain f32 [M, nh hd + kv] (q heads, then the k and v columns as they
+// are), the layout rope_kv_append reads.
+extern "C" __global__ void gate_split_kernel(const float* __restrict__ gated, float* __restrict__ plain, int M,
+                                             int nh, int hd, int kv) {
+    pdl_wait();
+    pdl_trigger();
+    const int q = nh * hd, w = q + kv;
+    const long long n = (long long)M * w;
+    for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
+         idx += (long long)gridDim.x * blockDim.x) {
+        const int i = (int)(idx % w);
+        const long long m = idx / w;
+        const int src = i < q ? (i / hd) * 2 * hd + i % hd : q + i;
+        plain[idx] = gated[m * (w + q) + src];
+    }
+}
+
+// y f32 [M, nh hd] *= sigmoid(gate) in place, gate_h the second half of head h's rows of gated [M, 2 nh hd + kv].
+extern "C" __global__ void output_gate_kernel(float* __restrict__ y, const float* __restrict__ gated, int M, int nh,
+                                              int hd, int kv) {
+    pdl_wait();
+    pdl_trigger();
+    const int q = nh * hd;
+    const long long n = (long long)M * q;
+    for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
+         idx += (long long)gridDim.x * blockDim.x) {
+        const int i = (int)(idx % q);
+        const long long m = idx / q;
+        const float g = gated[m * (2 * q + kv) + (i / hd) * 2 * hd + hd + i % hd];
+        y[idx] = y[idx] * (1.0f / (1.0f + expf(-g)));
+    }
+}

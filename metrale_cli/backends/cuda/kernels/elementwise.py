@@ -1,5 +1,6 @@
 """Launch wrappers of elementwise.cu: embedding, softcap, fp32 <-> bf16, the gated MLP activation of the prefill
-path, and the unfused KV append (a reference for the fused one in the GPU tests)."""
+path, the unfused KV append (a reference for the fused one in the GPU tests), and the attention output gate's
+two launches (gate_split before rope, output_gate after attention)."""
 
 from __future__ import annotations
 
@@ -91,3 +92,43 @@ class ElementwiseKernels:
             return
         args = (k, v, k_cache, v_cache, positions, np.int32(M), np.int32(n_kv), np.int32(hd), np.int32(max_ctx))
         self._launch("kv_append_kernel", (self._grid1d(n),), (256,), args, stream)
+
+    def _gated_qkv(self, gated: Any, M: int, n_heads: int, head_dim: int) -> int:
+        """The kv width of a gated qkv f32 [M, 2 n_heads head_dim + kv] (checked)."""
+        self._f32(gated, "gated", 2)
+        q = n_heads * head_dim
+        kv = gated.shape[1] - 2 * q
+        if kv < 0 or gated.shape[0] != M:
+            raise ValueError(f"gated qkv: shape {gated.shape} for {M} rows of {n_heads} heads of {head_dim} "
+                             "(q and its gate per head, then k and v)")
+        return kv
+
+    def gate_split(self, gated: Any, plain: Any, n_heads: int, head_dim: int, *, stream: Any = None) -> None:
+        """The attention output gate's doubled q projection set aside: plain f32 [M, n_heads head_dim + kv] = the
+        q rows of each head of gated f32 [M, 2 n_heads head_dim + kv] (per head [q_h; gate_h]), then its kv
+        columns, the layout rope_kv_append reads."""
+        np = self._np
+        self._f32(plain, "plain", 2)
+        M = plain.shape[0]
+        kv = self._gated_qkv(gated, M, n_heads, head_dim)
+        self._shape(plain, "plain", (M, n_heads * head_dim + kv))
+        self._disjoint(gated, "gated", plain, "plain")
+        n = plain.size
+        if n == 0:
+            return
+        args = (gated, plain, np.int32(M), np.int32(n_heads), np.int32(head_dim), np.int32(kv))
+        self._launch("gate_split_kernel", (self._grid1d(n),), (256,), args, stream)
+
+    def output_gate(self, y: Any, gated: Any, n_heads: int, head_dim: int, *, stream: Any = None) -> None:
+        """y f32 [M, n_heads head_dim] *= sigmoid(gate) in place, gate_h the second half of head h's rows of the
+        gated qkv f32 [M, 2 n_heads head_dim + kv]."""
+        np = self._np
+        self._f32(y, "y", 2)
+        M = y.shape[0]
+        kv = self._gated_qkv(gated, M, n_heads, head_dim)
+        self._shape(y, "y", (M, n_heads * head_dim))
+        n = y.size
+        if n == 0:
+            return
+        args = (y, gated, np.int32(M), np.int32(n_heads), np.int32(head_dim), np.int32(kv))
+        self._launch("output_gate_kernel", (self._grid1d(n),), (256,), args, stream)

@@ -1,14 +1,20 @@
 """Python wrappers of the Gated DeltaNet kernels (gated_delta.cu), a CuPy RawModule of their own: one layer of
 the linear_attention kind over T rows (decode, verify) in fp32, the order of backends/numpy/gated_delta.py.
 
-    conv(proj, ...)        the causal conv + SiLU over q | k | v, its state moving on (per-row copies optional)
+    conv(proj, ...)        the causal conv + SiLU over q | k | v, its state moving on in a ring of slots
     gates(proj, ...)       beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias)
-    recurrent(conv, ...)   the gated delta rule, the state read and written once (per-row copies optional)
+    recurrent(conv, ...)   the gated delta rule, the state read once and written once per kept row
     gated_norm(o, ...)     RMSNormGated, w * norm(o) * silu(z)
+and for the prefill path (many rows, eager), the same numbers with less of the rows' chain in sequence:
+    conv_rows(proj, ...)   the conv parallel over the rows, then the state after the last row
+    qk_norm(conv, ...)     q and k l2-normalised in place (recurrent(..., prenormed=True) reads them)
 
-The projection's layout (qwen3_next's head-grouped one, qwen3_5's flat one) is read through `column_maps`,
-int32 maps built once per spec on the host. Not yet wired into the CUDA engine, which refuses the kind:
-tests/gpu/test_gated_delta_cuda.py checks the kernels against the NumPy reference.
+The states are rings of R slots (gated_delta.cu's header): slot p % R holds the state at position p; a pass at
+positions pos (int32, on the device) reads the slot of pos[0] and writes the slot of each next position (every
+row, or with every=False only the last). The projection's layout (qwen3_next's head-grouped one, qwen3_5's flat
+one) is read through `column_maps`, int32 maps built once per spec on the host. The engine's module is
+backends/cuda/linear_attention.py; tests/gpu/test_gated_delta_cuda.py checks the kernels against the NumPy
+reference.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ import numpy as np
 
 _CUDA_DIR = Path(__file__).resolve().parent
 PLAIN = ("gdn_conv_kernel", "gdn_gates_kernel", "gdn_gated_norm_kernel", "gdn_recurrent_64_kernel",
-         "gdn_recurrent_128_kernel", "gdn_recurrent_256_kernel")
+         "gdn_recurrent_128_kernel", "gdn_recurrent_256_kernel", "gdn_conv_rows_kernel", "gdn_conv_tail_kernel",
+         "gdn_qk_norm_kernel", "gdn_recurrent_pre_64_kernel", "gdn_recurrent_pre_128_kernel",
+         "gdn_recurrent_pre_256_kernel")
 KEY_HEAD_DIMS = (64, 128, 256)
 MAX_KERNEL = 8  # GDN_MAX_KERNEL
 THREADS = 128
@@ -72,25 +80,67 @@ class GatedDeltaKernels:
     def _launch(self, name: str, grid: tuple, block: tuple, args: tuple, stream: Any) -> None:
         self._fn[name](grid, block, args, stream=stream)
 
-    def conv(self, proj: Any, src: Any, weight: Any, state: Any, out: Any, saved: Any = None, *,
+    def conv(self, proj: Any, src: Any, weight: Any, ring: Any, positions: Any, out: Any, *, every: bool = True,
              stream: Any = None) -> None:
         """out f32 [T, C] = silu(causal conv) of the channels proj[:, src] (proj f32 [T, in], src int32 [C]),
-        weight bf16 [C, K], state f32 [C, K - 1] (updated); saved f32 [T, C, K - 1] or None."""
+        weight bf16 [C, K]; ring f32 [R, C, K - 1] (R > 1): read at the slot of positions[0], written at the
+        next position's slot after every row (every) or the last; positions int32 [T], consecutive."""
         k = self.k
         k._f32(proj, "proj", 2)
         k._i32(src, "src", 1)
         k._bf16(weight, "weight", 2)
+        k._f32(ring, "ring", 3)
+        k._i32(positions, "positions", 1)
         (t, width), (c,), (_, kernel) = proj.shape, src.shape, weight.shape
         if not 1 <= kernel <= MAX_KERNEL:
             raise ValueError(f"conv: kernel size {kernel} outside 1..{MAX_KERNEL}")
         k._shape(weight, "weight", (c, kernel))
-        k._shape(state, "state", (c, kernel - 1))
+        k._shape(ring, "ring", (ring.shape[0], c, kernel - 1))
+        k._shape(positions, "positions", (t,))
         k._shape(out, "out", (t, c))
-        if saved is not None:
-            k._shape(saved, "saved", (t, c, kernel - 1))
-        args = (proj, np.int32(width), src, weight, state, out, k._dummy if saved is None else saved,
-                np.int32(saved is not None), np.int32(t), np.int32(c), np.int32(kernel))
+        if ring.shape[0] < 2 or t == 0:
+            raise ValueError(f"conv: {ring.shape[0]} ring slots for {t} rows (at least 2 slots, 1 row)")
+        args = (proj, np.int32(width), src, weight, ring, np.int32(ring.shape[0]), positions, np.int32(bool(every)),
+                out, np.int32(t), np.int32(c), np.int32(kernel))
         self._launch("gdn_conv_kernel", (-(-c // THREADS),), (THREADS,), args, stream)
+
+    def conv_rows(self, proj: Any, src: Any, weight: Any, ring: Any, positions: Any, out: Any, *,
+                  stream: Any = None) -> None:
+        """conv(..., every=False) parallel over the rows: out f32 [T, C] (T >= kernel - 1), then the slot of
+        positions[0] + T gets the state after the last row (a second launch)."""
+        k = self.k
+        k._f32(proj, "proj", 2)
+        k._i32(src, "src", 1)
+        k._bf16(weight, "weight", 2)
+        k._f32(ring, "ring", 3)
+        k._i32(positions, "positions", 1)
+        (t, width), (c,), (_, kernel) = proj.shape, src.shape, weight.shape
+        if not 1 <= kernel <= MAX_KERNEL:
+            raise ValueError(f"conv_rows: kernel size {kernel} outside 1..{MAX_KERNEL}")
+        k._shape(weight, "weight", (c, kernel))
+        k._shape(ring, "ring", (ring.shape[0], c, kernel - 1))
+        k._shape(positions, "positions", (t,))
+        k._shape(out, "out", (t, c))
+        if ring.shape[0] < 2 or t < max(1, kernel - 1):
+            raise ValueError(f"conv_rows: {ring.shape[0]} ring slots for {t} rows (at least 2 slots, kernel - 1 rows)")
+        args = (proj, np.int32(width), src, weight, ring, np.int32(ring.shape[0]), positions, out, np.int32(t),
+                np.int32(c), np.int32(kernel))
+        self._launch("gdn_conv_rows_kernel", (-(-(t * c) // THREADS),), (THREADS,), args, stream)
+        args = (proj, np.int32(width), src, ring, np.int32(ring.shape[0]), positions, np.int32(t), np.int32(c),
+                np.int32(kernel))
+        self._launch("gdn_conv_tail_kernel", (-(-c // THREADS),), (THREADS,), args, stream)
+
+    def qk_norm(self, conv: Any, spec: Any, *, stream: Any = None) -> None:
+        """q and k of conv f32 [T, conv_dim] l2-normalised in place per row and key head, q also times
+        k_head_dim ** -0.5 (as recurrent computes them), for recurrent(..., prenormed=True)."""
+        k = self.k
+        k._f32(conv, "conv", 2)
+        t = conv.shape[0]
+        k._shape(conv, "conv", (t, spec.conv_dim))
+        if t == 0:
+            return
+        args = (conv, np.int32(spec.conv_dim), np.int32(spec.num_k_heads), np.int32(spec.k_head_dim))
+        self._launch("gdn_qk_norm_kernel", (t, 2 * spec.num_k_heads), (THREADS,), args, stream)
 
     def gates(self, proj: Any, b_col: Any, a_col: Any, a_log: Any, dt_bias: Any, beta: Any, g: Any, *,
               stream: Any = None) -> None:
@@ -104,25 +154,33 @@ class GatedDeltaKernels:
         args = (proj, np.int32(width), b_col, a_col, a_log, dt_bias, beta, g, np.int32(t), np.int32(h))
         self._launch("gdn_gates_kernel", (-(-(t * h) // THREADS),), (THREADS,), args, stream)
 
-    def recurrent(self, conv: Any, beta: Any, g: Any, state: Any, out: Any, spec: Any, saved: Any = None, *,
-                  stream: Any = None) -> None:
-        """The gated delta rule over T rows: conv f32 [T, conv_dim] (q | k | v after the conv), beta, g f32
-        [T, v_heads], state f32 [v_heads, dk, dv] (updated), out f32 [T, v_heads, dv]; saved f32
-        [T, v_heads, dk, dv] (the state after each row) or None."""
+    def recurrent(self, conv: Any, beta: Any, g: Any, ring: Any, positions: Any, out: Any, spec: Any, *,
+                  every: bool = True, prenormed: bool = False, stream: Any = None) -> None:
+        """The gated delta rule over T rows: conv f32 [T, conv_dim] (q | k | v after the conv; with prenormed, q
+        and k already through qk_norm), beta, g f32 [T, v_heads], out f32 [T, v_heads, dv]; ring f32
+        [R, v_heads, dk, dv] (R > 1): read at the slot of positions[0], written at the next position's slot after
+        every row (every) or the last; positions int32 [T], consecutive."""
         k = self.k
         dk, dv, hk, hv = spec.k_head_dim, spec.v_head_dim, spec.num_k_heads, spec.num_v_heads
         if dk not in KEY_HEAD_DIMS:
             raise ValueError(f"recurrent: key head dim {dk} not in {KEY_HEAD_DIMS}")
         t = conv.shape[0]
+        k._f32(conv, "conv", 2)
+        k._f32(ring, "ring", 4)
+        k._i32(positions, "positions", 1)
         k._shape(conv, "conv", (t, spec.conv_dim))
-        k._shape(state, "state", (hv, dk, dv))
+        k._shape(beta, "beta", (t, hv))
+        k._shape(g, "g", (t, hv))
+        k._shape(ring, "ring", (ring.shape[0], hv, dk, dv))
+        k._shape(positions, "positions", (t,))
         k._shape(out, "out", (t, hv, dv))
-        if saved is not None:
-            k._shape(saved, "saved", (t, hv, dk, dv))
+        if ring.shape[0] < 2 or t == 0:
+            raise ValueError(f"recurrent: {ring.shape[0]} ring slots for {t} rows (at least 2 slots, 1 row)")
         columns = THREADS // (dk // 32)
-        args = (conv, np.int32(spec.conv_dim), beta, g, state, out, k._dummy if saved is None else saved,
-                np.int32(saved is not None), np.int32(t), np.int32(hk), np.int32(hv), np.int32(dv))
-        self._launch(f"gdn_recurrent_{dk}_kernel", (hv, -(-dv // columns)), (THREADS,), args, stream)
+        args = (conv, np.int32(spec.conv_dim), beta, g, ring, np.int32(ring.shape[0]), positions,
+                np.int32(bool(every)), out, np.int32(t), np.int32(hk), np.int32(hv), np.int32(dv))
+        name = f"gdn_recurrent_pre_{dk}_kernel" if prenormed else f"gdn_recurrent_{dk}_kernel"
+        self._launch(name, (hv, -(-dv // columns)), (THREADS,), args, stream)
 
     def gated_norm(self, o: Any, proj: Any, z_col: Any, weight: Any, eps: float, y: Any, *,
                    stream: Any = None) -> None:

@@ -156,9 +156,9 @@ __device__ __forceinline__ float moe_inv_rms(const float (*ss)[MOE_MAX_ROWS], in
     return rsqrtf(tot / (float)H + eps);
 }
 
-// h[r] = norm_w * (x[r] * inv_r) for every row r < M, float4 i of a row by the threads t = i (mod nt): elementwise
+// h[r] = (norm_w + off) * (x[r] * inv_r) for every row r < M (off: the (1 + w) norms' 1, else 0), float4 i of a row by the threads t = i (mod nt): elementwise
 // once the sums are known, so which threads write it does not change it.
-__device__ __forceinline__ void moe_write_h(const float* x, const unsigned short* __restrict__ norm_w,
+__device__ __forceinline__ void moe_write_h(const float* x, const unsigned short* __restrict__ norm_w, float off,
                                             const float (*ss)[MOE_MAX_ROWS], float eps, int M, int H, int t, int nt,
                                             float* __restrict__ h) {
     const int H4 = H >> 2;
@@ -169,8 +169,8 @@ __device__ __forceinline__ void moe_write_h(const float* x, const unsigned short
         for (int i = t; i < H4; i += nt) {
             const float4 v = xr[i];
             const ushort4 g = reinterpret_cast<const ushort4*>(norm_w)[i];
-            hr[i] = make_float4(bf16_to_f32_bits(g.x) * (v.x * inv), bf16_to_f32_bits(g.y) * (v.y * inv),
-                                bf16_to_f32_bits(g.z) * (v.z * inv), bf16_to_f32_bits(g.w) * (v.w * inv));
+            hr[i] = make_float4((bf16_to_f32_bits(g.x) + off) * (v.x * inv), (bf16_to_f32_bits(g.y) + off) * (v.y * inv),
+                                (bf16_to_f32_bits(g.z) + off) * (v.z * inv), (bf16_to_f32_bits(g.w) + off) * (v.w * inv));
         }
     }
 }
@@ -227,14 +227,15 @@ __device__ __forceinline__ void moe_union_out(const signed char (*slot_of)[MOE_M
 
 // After the router GEMV: one block of MOE_MAX_ROWS warps.  logits [M, ld] (ld = E, or E + 1 with the shared
 // expert's gate logit last); x [M, H] the residual stream (H % 4 == 0, 16-byte rows); norm_w bf16 [H] (8-byte
-// aligned).  Writes idx [M, k], wts [M, k], sgate [M] (has_shared), h [M, H] = norm_w * (x * rsqrt(mean(x^2) +
-// eps)), and the union (moe_union_out) of the experts [e_lo, e_hi) this engine holds (a tensor-parallel rank's;
+// aligned).  Writes idx [M, k], wts [M, k], sgate [M] (has_shared), h [M, H] = (norm_w + norm_offset) *
+// (x * rsqrt(mean(x^2) + eps)), and the union (moe_union_out) of the experts [e_lo, e_hi) this engine holds (a tensor-parallel rank's;
 // 0, E otherwise): every row is routed over all E experts, and the others' share of the sum comes from the other
 // ranks (the all-reduce).  The rows' logits are staged in shared memory beside the sums of squares' loads; then
 // warp m routes row m while the warps without a row write h.
 extern "C" __global__ void __launch_bounds__(MOE_MAX_ROWS * 32)
 moe_route_kernel(const float* __restrict__ logits, int ld, const float* __restrict__ x,
-                 const unsigned short* __restrict__ norm_w, float eps, int M, int H, int E, int k, int norm_topk,
+                 const unsigned short* __restrict__ norm_w, float norm_offset, float eps, int M, int H, int E, int k,
+                 int norm_topk,
                  int has_shared, int* __restrict__ idx, float* __restrict__ wts, float* __restrict__ sgate,
                  float* __restrict__ h, int* __restrict__ n_union, int* __restrict__ union_e,
                  unsigned int* __restrict__ union_mask, int* __restrict__ union_slot, int e_lo, int e_hi) {
@@ -250,7 +251,7 @@ moe_route_kernel(const float* __restrict__ logits, int ld, const float* __restri
     __syncthreads();
     if (warp < M) moe_route_row(s_logit[warp], warp, E, k, norm_topk, has_shared, slot_of, idx, wts, sgate);
     const int hw0 = M < MOE_MAX_ROWS ? M : 0;  // warps [hw0, 16) write h (with 16 rows: every warp, after its row)
-    if (warp >= hw0) moe_write_h(x, norm_w, s_ss, eps, M, H, threadIdx.x - 32 * hw0, 32 * (MOE_MAX_ROWS - hw0), h);
+    if (warp >= hw0) moe_write_h(x, norm_w, norm_offset, s_ss, eps, M, H, threadIdx.x - 32 * hw0, 32 * (MOE_MAX_ROWS - hw0), h);
     __syncthreads();
     if (warp == 0) moe_union_out(slot_of, M, e_lo, e_hi, n_union, union_e, union_mask, union_slot);
 }

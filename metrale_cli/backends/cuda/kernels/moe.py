@@ -133,8 +133,10 @@ class MoeKernels:
 
     # ------------------------------------------------------------------ launches
     def route(self, logits: Any, x: Any, norm_w: Any, eps: float, experts: int, top_k: int, norm_topk: bool,
-              has_shared: bool, b: RouteBuffers, *, held: range | None = None, stream: Any = None) -> None:
-        """Top-k, shared gate, h = rmsnorm(x) and the union of the rows' experts (one block).
+              has_shared: bool, b: RouteBuffers, *, held: range | None = None, norm_offset: float = 0.0,
+              stream: Any = None) -> None:
+        """Top-k, shared gate, h = rmsnorm(x) (scaled by norm_offset + norm_w) and the union of the rows' experts
+        (one block).
         logits f32 [M, E (+1)], x f32 [M, H], norm_w bf16 [H]; M <= 16.  `held`: the experts this engine
         holds (a tensor-parallel rank's range; None: all): the union lists only those, so gate_up / down
         compute this rank's share of every row's sum; the routing itself is over all E experts."""
@@ -157,7 +159,7 @@ class MoeKernels:
         held = range(experts) if held is None else held
         if not 0 <= held.start < held.stop <= experts:
             raise ValueError(f"moe route: held experts {held.start}..{held.stop - 1} outside 0..{experts - 1}")
-        args = (logits, np.int32(ld), x, norm_w, np.float32(eps), np.int32(m), np.int32(hidden), np.int32(experts),
+        args = (logits, np.int32(ld), x, norm_w, np.float32(norm_offset), np.float32(eps), np.int32(m), np.int32(hidden), np.int32(experts),
                 np.int32(top_k), np.int32(1 if norm_topk else 0), np.int32(1 if has_shared else 0),
                 b.idx, b.wts, b.sgate, b.h, b.n_union, b.union_e, b.union_mask, b.union_slot,
                 np.int32(held.start), np.int32(held.stop))

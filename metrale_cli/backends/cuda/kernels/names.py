@@ -125,6 +125,8 @@ PLAIN_KERNELS = (
     "bf16_to_f32_kernel",
     "swiglu_kernel",
     "kv_append_kernel",
+    "gate_split_kernel",
+    "output_gate_kernel",
     "rmsnorm_kernel",
     "rmsnorm_add_kernel",
     "softcap_kernel",
