@@ -175,12 +175,8 @@ def test_defaults_and_null_q_lora():
 # -- the CUDA engine ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name,features", [
-    ("deepseek_v3", ["layer kind mla", "sigmoid_biased_grouped routing", "routed_scaling_factor 2.5",
-                     "ungated shared experts"]),
-    ("deepseek_v2", ["layer kind mla", "softmax_group_limited routing", "routed_scaling_factor 1.5",
-                     "ungated shared experts"]),
-    ("glm4_moe", ["sigmoid_biased_grouped routing", "routed_scaling_factor 2.5", "ungated shared experts",
-                  "weight router_correction"]),
+    ("deepseek_v3", ["layer kind mla"]),
+    ("deepseek_v2", ["layer kind mla"]),
 ])
 def test_the_cuda_engine_refuses_what_it_lacks_by_name(name, features):
     """Before CuPy is looked for: on any machine."""

@@ -24,7 +24,11 @@ from .paths import BASE_PATH, PATH_ENV, check_path, default_path
 # post-norm), a sparse layer's MoE kernels (no sandwich post-norm there).  A layer's mixer weights are its mixer
 # kind's (its CUDA module's WEIGHT_KEYS).
 DENSE_MLP_KEYS = frozenset({"mlp_norm", "gate_up", "down", "mlp_out_norm"})
-MOE_MLP_KEYS = frozenset({"mlp_norm", "router", "experts_gate_up", "experts_down", "shared_gate_up", "shared_down"})
+MOE_MLP_KEYS = frozenset({"mlp_norm", "router", "router_correction", "experts_gate_up", "experts_down",
+                          "shared_gate_up", "shared_down"})
+# Weights kept in fp32 on the device: the router's choice correction (e_score_correction_bias, fp32 in the
+# checkpoints; its bf16 rounding would move choices the NumPy engine makes on the fp32 values).
+FP32_KEYS = frozenset({"router_correction"})
 
 
 def _cupy():
@@ -50,11 +54,19 @@ def upload_weights(cfg: ModelConfig, source: WeightSource, kern, progress: Calla
                 f"the weights need {need / 2**30:.1f} GiB in bf16 and the GPU has {free / 2**30:.1f} GiB free "
                 f"of {total / 2**30:.1f} GiB: use a GPU with more memory, or split the model with --tp N")
 
+    fp32 = {t.name for layer in cfg.definition.layers for p in layer.params if p.key in FP32_KEYS for t in p.parts}
+
     def get(name: str):
         info = source.info(name)
         nbytes = int(np.prod(info.shape)) * 2
         try:
-            if source.draws_on_device:
+            if name in fp32:
+                out = (source.device_array(name, cp) if source.draws_on_device
+                       else cp.asarray(np.asarray(source.array(name), dtype=np.float32)))
+                out = cp.ascontiguousarray(out, dtype=cp.float32) if out.dtype != cp.float32 else out
+                if not source.draws_on_device:
+                    source.release(name)
+            elif source.draws_on_device:
                 f32 = source.device_array(name, cp)
                 out = cp.empty(f32.shape, cp.uint16)
                 kern.f32_to_bf16(f32, out)
@@ -121,9 +133,9 @@ def unsupported_features(definition: ModelDefinition) -> list[str]:
     longrope and yarn scaling (the rope's inv_freq and attention factor from the spec), gelu_tanh, sandwich
     norms) run in the kernels; what remains is a mixer kind with no CUDA implementation (latent attention), a
     weight the passes do not know (attention sinks, say), a gate activation the fused MLP lacks, and what the
-    MoE kernels do not take (a router kind other than softmax_topk, a routed_scaling_factor, ungated shared
-    experts)."""
-    from .kernels.tuning import ACTIVATIONS  # no CuPy needed
+    MoE kernels do not take (a router kind without a device function in routers.cu, a router bias)."""
+    from .kernels.moe import ROUTER_KINDS  # no CuPy needed
+    from .kernels.tuning import ACTIVATIONS
 
     found: list[str] = []
     for p in definition.params():
@@ -139,12 +151,8 @@ def unsupported_features(definition: ModelDefinition) -> list[str]:
             found.append(f"layer kind {layer.mixer.kind}")
         if getattr(layer.mixer, "output_gate", False):  # qwen3_next's sigmoid gate on the attention output
             found.append("attention output gate")
-        if isinstance(layer.mlp, MoeSpec):  # kernels/moe.cu: softmax top-k routing, SwiGLU experts after a plain RMSNorm
-            found += [f"{layer.mlp.router.kind} routing"] if layer.mlp.router.kind != "softmax_topk" else []
-            scaling = layer.mlp.router.routed_scaling_factor
-            found += [f"routed_scaling_factor {scaling:g}"] if scaling != 1.0 else []
-            ungated = layer.mlp.shared_expert_size and not layer.mlp.shared_expert_gated
-            found += ["ungated shared experts"] if ungated else []
+        if isinstance(layer.mlp, MoeSpec):  # kernels/moe.cu: routers.cu's kinds, SwiGLU experts after a plain RMSNorm
+            found += [f"{layer.mlp.router.kind} routing"] if layer.mlp.router.kind not in ROUTER_KINDS else []
             found += [f"mixture-of-experts activation {layer.mlp.activation}"] if layer.mlp.activation != "silu" else []
             found += ["(1 + w) RMSNorm in a mixture-of-experts layer"] if layer.norm.offset else []
             mlp = MOE_MLP_KEYS
@@ -198,7 +206,8 @@ def load_cuda_engine(cfg: ModelConfig, source, max_context: int, fp32_logits: bo
         from .kernels.moe import MoeKernels
 
         s = cfg.moe.spec
-        why = MoeKernels.check_sizes(s.num_experts, s.top_k, s.intermediate_size, s.shared_expert_size or 8)
+        why = MoeKernels.check_sizes(s.num_experts, s.top_k, s.intermediate_size, s.shared_expert_size or 8,
+                                     n_group=s.router.n_group)
         if why is not None:
             raise DeviceError(f"{cfg.model_type}: the CUDA MoE kernels do not take {why}; use --device cpu")
     check_sizes(cfg)
