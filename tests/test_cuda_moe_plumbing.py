@@ -150,14 +150,14 @@ def first_flip(a: np.ndarray, b: np.ndarray) -> int:
     return int(differ[0]) if len(differ) else a.shape[1]
 
 
-def run_both(name, plen, steps=8):
-    """(prefill rel err over the rows before the first routing flip, decode rel err likewise, the MoE calls)
+def run_both(name, plen, steps=8, fakes=fake_moe):
+    """(prefill rel err over the rows before the first routing flip, decode rel err likewise, the MoE and MLA calls)
     of the CUDA engine's Python side against the NumPy engine; a prompt whose first row flips is redrawn."""
     rng = np.random.default_rng()
     for _ in range(6):
         prompt = [int(t) for t in rng.integers(0, 300, plen)]
         cpu = cpu_engine(name)
-        with fake_moe(), fake_engine(name) as gpu:
+        with fakes(), fake_engine(name) as gpu:
             ra = routing(gpu, lambda: gpu.prefill(prompt, all_logits=True))
             rb = routing(cpu, lambda: cpu.prefill(prompt, all_logits=True))
             n = first_flip(ra, rb)
@@ -172,7 +172,8 @@ def run_both(name, plen, steps=8):
                     break
                 a.append(rows(cpu, cpu.decode_logits_ptr(), 1)[0])
                 b.append(rows(gpu, gpu.decode_logits_ptr(), 1)[0])
-            calls = gpu.moe.kern.calls
+            calls = list(gpu.moe.kern.calls) + list(getattr(gpu.states.get("mla"), "kern", gpu.moe.kern).calls
+                                                    if "mla" in gpu.states else [])
         return err, (rel(np.stack(b), np.stack(a)) if a else 0.0), calls
     raise AssertionError("six prompts in a row routed differently from their first row")
 

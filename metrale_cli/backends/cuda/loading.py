@@ -9,7 +9,7 @@ from typing import Callable
 import numpy as np
 
 from ...config import ModelConfig
-from ...engine.mixers import mixer_kind
+from ...engine.mixers import kinds_of, mixer_kind
 from ...engine_base import check_context
 from ...errors import DeviceError, UsageError
 from ...models.spec import ModelDefinition, MoeSpec
@@ -131,7 +131,7 @@ def unsupported_features(definition: ModelDefinition) -> list[str]:
     DeviceError naming it, never run with wrong numbers (the NumPy engine runs them all). The family
     features (embedding scale, softcaps, (1 + w) norms, sliding windows, partial rotary, linear and
     longrope and yarn scaling (the rope's inv_freq and attention factor from the spec), gelu_tanh, sandwich
-    norms) run in the kernels; what remains is a mixer kind with no CUDA implementation (latent attention), a
+    norms) and latent attention run in the kernels; what remains is a mixer kind with no CUDA implementation, a
     weight the passes do not know (attention sinks, say), a gate activation the fused MLP lacks, and what the
     MoE kernels do not take (a router kind without a device function in routers.cu, a router bias)."""
     from .kernels.moe import ROUTER_KINDS  # no CuPy needed
@@ -165,18 +165,25 @@ def unsupported_features(definition: ModelDefinition) -> list[str]:
 
 
 def check_sizes(cfg: ModelConfig) -> None:
-    """DeviceError unless the kernels take the model's sizes: head_dim (the attention kernels' instances) and
-    hidden / intermediate sizes that are multiples of 8 (16-byte loads). Needs no CuPy."""
+    """DeviceError unless the kernels take the model's sizes: head_dim (the attention kernels' instances, when the
+    model has attention layers), hidden / intermediate sizes that are multiples of 8 (16-byte loads), and each
+    mixer kind's own limits. Needs no CuPy."""
     from .kernels.tuning import DECODE_HEAD_DIMS, PREFILL_HEAD_DIMS
 
     dims = sorted(set(DECODE_HEAD_DIMS) & set(PREFILL_HEAD_DIMS))
-    if cfg.head_dim not in dims:
+    attention = any(layer.mixer.kind == "attention" for layer in cfg.definition.layers)
+    if attention and cfg.head_dim not in dims:
         raise DeviceError(f"head_dim {cfg.head_dim} is not supported by the CUDA kernels "
                           f"(supported: {', '.join(map(str, dims))}); use --device cpu")
     odd = [n for n, v in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size))
            if v % 8]
     if odd:
         raise DeviceError(f"{odd[0]} must be a multiple of 8 for the CUDA kernels; use --device cpu")
+    for kind in kinds_of(cfg.definition.layers):  # a mixer kind's own size limits (its CUDA module's sizes_refused)
+        why = getattr(mixer_kind(kind).backend("cuda"), "sizes_refused", None)
+        why = why(cfg) if why is not None else None
+        if why is not None:
+            raise DeviceError(f"{cfg.model_type}: the CUDA {kind} kernels do not take {why}; use --device cpu")
 
 
 def load_cuda_engine(cfg: ModelConfig, source, max_context: int, fp32_logits: bool = False,
