@@ -188,3 +188,19 @@ def test_the_first_layers_taps_match_the_numpy_engine(name, plen):
         err = rel(got[("gpu", tap)], got[("cpu", tap)])
         print(f"{name} T={plen} {tap}: {err:.2e}")
         assert err < 1e-2, tap
+
+
+@pytest.mark.parametrize("name,params,latent_bytes", [("deepseek-v2-lite", 15.71, 27 * 576 * 2),
+                                                      ("moonlight-16b-a3b", 15.96, 27 * 576 * 2)])
+def test_the_presets_parse_to_their_published_sizes_and_run_on_cuda(name, params, latent_bytes):
+    """configs/deepseek-v2-lite.json and moonlight-16b-a3b.json (`metrale bench`): the real configs' shapes, nothing
+    the CUDA engine refuses, the latent cache's bf16 bytes per token the bench's floor counts."""
+    from metrale_cli.backends.cuda.loading import check_sizes, unsupported_features
+    from metrale_cli.bench import kv_bytes_read, preset_path
+    from metrale_cli.config import load_config
+
+    cfg = load_config(preset_path(name))
+    assert round(cfg.parameter_count() / 1e9, 2) == params
+    assert unsupported_features(cfg.definition) == []
+    check_sizes(cfg)
+    assert kv_bytes_read(cfg, 1, 2) == latent_bytes
