@@ -115,14 +115,16 @@ def test_latent_attention_matches_the_numpy_engine(name, plen):
     print(f"{name} T={plen}: prefill {err:.2e}, decode {derr:.2e}")
     assert err < TOL and derr < TOL
     names = {n for n, _ in calls}
-    assert {"append", "absorb_q", "attend", "out", "route", "gate_up", "down"} <= names
+    assert "append" in names
+    if plen <= 16:  # the rows path: the absorbed kernels
+        assert {"absorb_q", "attend", "out", "route", "gate_up", "down"} <= names
+    else:  # the prefill: the naive form through the flash prefill kernel (head dims 24 and 12 padded to 32)
+        assert "attention_prefill" in names and "topk_rows" in names
     spec = cpu_engine(name).cfg.definition.layers[0].mixer
     appends = [a for n, a in calls if n == "append"]
     assert all(a["interleave"] == spec.rope_interleave and a["attention_scaling"] == spec.rope.attention_scaling
                for a in appends)
     assert all(a["scale"] == spec.scale for n, a in calls if n == "attend")
-    if plen > 16:
-        assert any(a["splits"] == 1 and len(a["positions"]) == plen for n, a in calls if n == "attend")
 
 
 @pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2"])
@@ -204,3 +206,15 @@ def test_the_presets_parse_to_their_published_sizes_and_run_on_cuda(name, params
     assert unsupported_features(cfg.definition) == []
     check_sizes(cfg)
     assert kv_bytes_read(cfg, 1, 2) == latent_bytes
+
+
+def test_the_absorbed_prefill_for_head_dims_the_flash_kernel_lacks(monkeypatch):
+    """Where no flash prefill head_dim holds a head's key and value, the prefill runs the absorbed kernels over the
+    chunk's rows: one key split per row, every row in one launch at 20 rows."""
+    monkeypatch.setattr(cuda_mla, "naive_head_dim", lambda d: None)
+    err, _, calls = run_both("deepseek_v3", 20, fakes=fake_mla)
+    assert err < TOL
+    assert any(a["splits"] == 1 and len(a["positions"]) == 20 for n, a in calls if n == "attend")
+    assert "attention_prefill" not in {n for n, _ in calls}
+    assert cuda_mla.naive_head_dim(mla_kernels.MlaDims(16, 128, 64, 128, 512)) == 256
+    assert cuda_mla.naive_head_dim(mla_kernels.MlaDims(16, 256, 64, 128, 512)) is None

@@ -151,7 +151,8 @@ def first_flip(a: np.ndarray, b: np.ndarray) -> int:
 
 
 def run_both(name, plen, steps=8, fakes=fake_moe):
-    """(prefill rel err over the rows before the first routing flip, decode rel err likewise, the MoE and MLA calls)
+    """(prefill rel err over the rows before the first routing flip, decode rel err likewise, the calls of the MoE,
+    MLA and other kernels)
     of the CUDA engine's Python side against the NumPy engine; a prompt whose first row flips is redrawn."""
     rng = np.random.default_rng()
     for _ in range(6):
@@ -172,8 +173,8 @@ def run_both(name, plen, steps=8, fakes=fake_moe):
                     break
                 a.append(rows(cpu, cpu.decode_logits_ptr(), 1)[0])
                 b.append(rows(gpu, gpu.decode_logits_ptr(), 1)[0])
-            calls = list(gpu.moe.kern.calls) + list(getattr(gpu.states.get("mla"), "kern", gpu.moe.kern).calls
-                                                    if "mla" in gpu.states else [])
+            calls = (list(gpu.moe.kern.calls) + (list(gpu.states["mla"].kern.calls) if "mla" in gpu.states else [])
+                     + [(n, {}) for n in gpu.kern.calls])
         return err, (rel(np.stack(b), np.stack(a)) if a else 0.0), calls
     raise AssertionError("six prompts in a row routed differently from their first row")
 

@@ -6,8 +6,10 @@ themselves, each cached row read once per group of MLA_HG heads):
 - `RowsMla` (RowsPass and FusedRowsPass: decode, verify, short prefills; graph-capturable): append (norm + rope
   of the latent, written to the cache), absorb_q, attend (key splits fixed per row count), out; every buffer
   preallocated here, the projections' outputs (q_a, q, kv_a) given to the pass (`rows_buffers`);
-- `PrefillMla` (PrefillPass: long prompts, eager): the same four launches over the chunk's rows, the attention in
-  groups of PREFILL_ROWS rows (its workspace bounded), one key split per row.
+- `PrefillMla` (PrefillPass: long prompts, eager): the naive form (kv_b decompressing the cached latents by one
+  cuBLAS GEMM, the keys and values zero-padded to a head_dim of the flash prefill kernel), or, for head dims it
+  lacks, the rows path's four launches over the chunk's rows (the attention in groups of PREFILL_ROWS rows, one key
+  split per row).
 
 The NumPy engine's default is the naive form (transformers' algebra); both are the same sums in another order, and
 the latent cache is bf16 here as the KV cache is for attention (tests/gpu/test_mla_cuda.py measures the
@@ -131,14 +133,79 @@ class RowsMla(_MlaOps):
         return c.attn[:n]
 
 
+def naive_head_dim(d: MlaDims) -> int | None:
+    """The flash prefill kernel's head_dim that holds a head's key [k_nope; k_pe] and its value zero-padded (the
+    smallest of PREFILL_HEAD_DIMS that takes both), or None (the prefill then runs the absorbed kernels)."""
+    from .kernels.tuning import PREFILL_HEAD_DIMS
+
+    return next((h for h in sorted(PREFILL_HEAD_DIMS) if h >= max(d.nope + d.rope, d.v)), None)
+
+
 class PrefillMla(_MlaOps):
-    """The prefill path's latent attention for the pass `p` (p.t rows from p.start), eager: its own buffers."""
+    """The prefill path's latent attention for the pass `p` (p.t rows from p.start), eager: its own buffers.
+
+    The naive form, as transformers computes it, where the flash prefill kernel takes the head dims (naive_head_dim):
+    kv_b decompresses the cached latents of positions 0..start+t-1 (one cuBLAS GEMM) into per-head keys [k_nope; k_pe]
+    and values, zero-padded to one head_dim (the zeros add nothing to a score or an output), in groups of
+    NAIVE_HEADS heads, and flash_prefill.cu attends (tensor cores; q and P rounded to bf16 there).  Else the absorbed
+    kernels of the rows path over the chunk's rows."""
+
+    NAIVE_HEADS = 16  # heads per flash launch (bounds the decompressed keys and values)
 
     def append_latent(self, kv, layer: int, m: MlaSpec, kv_norm):
         cp = self.e.cp
         return self._append(cp.ascontiguousarray(kv), layer, m, kv_norm, cp.empty((self.p.t, self.d.rank), cp.float32))
 
     def attention(self, q, layer: int, m: MlaSpec, kv_b):
+        hd = naive_head_dim(self.d)
+        if hd is not None:
+            try:
+                return self._naive(q, layer, m, kv_b, hd)
+            except self.e.cp.cuda.memory.OutOfMemoryError:
+                raise self.e.oom(f"prefilling {self.p.t} tokens' latent attention (naive form)", 0) from None
+        return self._absorbed(q, layer, m, kv_b)
+
+    def _rotated_q_pe(self, q_pe, m: MlaSpec):
+        """q_pe [t, H, P] rotated at the pass's positions (mla.cu's mla_rope_pair, in CuPy)."""
+        cp = self.e.cp
+        ang = self.p.pos.astype(cp.float32)[:, None] * self.e.inv_freq(m.rope)[None, :]
+        c = (cp.cos(ang) * cp.float32(m.rope.attention_scaling))[:, None, :]
+        s = (cp.sin(ang) * cp.float32(m.rope.attention_scaling))[:, None, :]
+        half = q_pe.shape[-1] // 2
+        x0, x1 = (q_pe[..., 0::2], q_pe[..., 1::2]) if m.rope_interleave else (q_pe[..., :half], q_pe[..., half:])
+        return x0 * c - x1 * s, x1 * c + x0 * s
+
+    def _naive(self, q, layer: int, m: MlaSpec, kv_b, hd: int):
+        cp, d, t, k, s = self.e.cp, self.d, self.p.t, self.e.kern, self.s
+        end = self.p.start + t
+        rows = cp.empty((end, d.latent), cp.float32)
+        k.bf16_to_f32(self.cache.layer(layer)[:end], rows, stream=s)
+        kv = self.e.proj.gemm(cp.ascontiguousarray(rows[:, :d.rank]), kv_b).reshape(end, d.heads, d.nope + d.v)
+        q = q.reshape(t, d.heads, d.nope + d.rope)
+        a, b = self._rotated_q_pe(q[..., d.nope:], m)
+        out = cp.empty((t, d.heads, d.v), cp.float32)
+        for h0 in range(0, d.heads, self.NAIVE_HEADS):
+            h1 = min(d.heads, h0 + self.NAIVE_HEADS)
+            n = h1 - h0
+            keys = cp.zeros((n, end, hd), cp.float32)
+            keys[:, :, :d.nope] = kv[:, h0:h1, :d.nope].transpose(1, 0, 2)
+            keys[:, :, d.nope:d.nope + d.rope] = rows[None, :, d.rank:]
+            values = cp.zeros((n, end, hd), cp.float32)
+            values[:, :, :d.v] = kv[:, h0:h1, d.nope:].transpose(1, 0, 2)
+            kb, vb = cp.empty(keys.shape, cp.uint16), cp.empty(values.shape, cp.uint16)
+            k.f32_to_bf16(keys, kb, stream=s)
+            k.f32_to_bf16(values, vb, stream=s)
+            del keys, values
+            qh = cp.zeros((t, n, hd), cp.float32)
+            qh[:, :, :d.nope] = q[:, h0:h1, :d.nope]
+            qh[:, :, d.nope:d.nope + d.rope // 2] = a[:, h0:h1]
+            qh[:, :, d.nope + d.rope // 2:d.nope + d.rope] = b[:, h0:h1]
+            oh = cp.empty((t, n, hd), cp.float32)
+            k.attention_prefill(qh, kb, vb, self.p.start, t, oh, m.scale, stream=s)
+            out[:, h0:h1] = oh[:, :, :d.v]
+        return out.reshape(t, d.heads * d.v)
+
+    def _absorbed(self, q, layer: int, m: MlaSpec, kv_b):
         cp, d, t = self.e.cp, self.d, self.p.t
         try:
             q_cat = cp.empty((t, d.heads, d.latent), cp.float32)
