@@ -211,10 +211,10 @@ def test_the_presets_parse_to_their_published_sizes_and_run_on_cuda(name, params
 def test_the_absorbed_prefill_for_head_dims_the_flash_kernel_lacks(monkeypatch):
     """Where no flash prefill head_dim holds a head's key and value, the prefill runs the absorbed kernels over the
     chunk's rows: one key split per row, every row in one launch at 20 rows."""
+    assert cuda_mla.naive_head_dim(mla_kernels.MlaDims(16, 128, 64, 128, 512)) == 256  # DeepSeek's 192 / 128
+    assert cuda_mla.naive_head_dim(mla_kernels.MlaDims(16, 256, 64, 128, 512)) is None
     monkeypatch.setattr(cuda_mla, "naive_head_dim", lambda d: None)
     err, _, calls = run_both("deepseek_v3", 20, fakes=fake_mla)
     assert err < TOL
     assert any(a["splits"] == 1 and len(a["positions"]) == 20 for n, a in calls if n == "attend")
     assert "attention_prefill" not in {n for n, _ in calls}
-    assert cuda_mla.naive_head_dim(mla_kernels.MlaDims(16, 128, 64, 128, 512)) == 256
-    assert cuda_mla.naive_head_dim(mla_kernels.MlaDims(16, 256, 64, 128, 512)) is None
