@@ -95,13 +95,12 @@ class MlaKernels:
         else:
             self._fn[name](grid, block, args, stream=stream, shared_mem=shared_mem)
 
-    def _rows(self, a: Any, name: str, m: int, width: int) -> None:
+    def _rows(self, a: Any, name: str, m: int, width: int, exact: bool = True) -> None:
+        """a f32 [m, width] (contiguous; wider rows too when not `exact`: the kernel takes their stride)."""
         k = self.k
         k._f32(a, name, 2)
-        if a.shape[0] != m or a.shape[1] < width:
-            raise ValueError(f"mla: {name} {tuple(a.shape)}, want [{m}, >= {width}]")
-        if a.strides[1] != 4:
-            raise ValueError(f"mla: {name} rows must be contiguous")
+        if a.shape[0] != m or a.shape[1] < width or (exact and a.shape[1] != width):
+            raise ValueError(f"mla: {name} {tuple(a.shape)}, want [{m}, {'' if exact else '>= '}{width}]")
 
     def _positions(self, positions: Any) -> int:
         self.k._i32(positions, "positions", 1)
@@ -119,7 +118,7 @@ class MlaKernels:
         kv f32 [M, >= D] (contiguous rows), norm_w bf16 [R], inv_freq f32 [P/2], cache bf16 [max_context, D]."""
         np = self._np
         m = self._positions(positions)
-        self._rows(kv, "kv", m, d.latent)
+        self._rows(kv, "kv", m, d.latent, exact=False)
         self._rows(latent, "latent", m, d.rank)
         self.k._bf16(norm_w, "norm_w", 1)
         self.k._shape(norm_w, "norm_w", (d.rank,))
@@ -128,7 +127,7 @@ class MlaKernels:
         self._cache(cache, d)
         if m == 0:
             return
-        args = (kv, np.int32(kv.strides[0] // 4), positions, norm_w, np.float32(eps), inv_freq,
+        args = (kv, np.int32(kv.shape[1]), positions, norm_w, np.float32(eps), inv_freq,
                 np.float32(attention_scaling), np.int32(interleave), np.int32(d.rank), np.int32(d.rope), cache, latent)
         self._launch("mla_append_kernel", (m,), (256,), args, stream)
 
