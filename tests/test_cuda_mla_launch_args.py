@@ -6,13 +6,27 @@ memory the kernels assume.  It checks no numbers: tests/gpu/test_mla_cuda.py and
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
 from metrale_cli.backends.cuda.kernels import mla, moe, nvrtc
 from metrale_cli.models.spec import RouterSpec
 
-from test_cuda_launch_args import KIND_OK, SIGNATURE, FakeArray, Recorder, _param_kinds, bf16, f32, i32, kern  # noqa: F401
+from metrale_cli.backends.cuda.kernels.launch import Kernels
+from test_cuda_launch_args import KIND_OK, SIGNATURE, FakeArray, Recorder, _param_kinds, bf16, f32, i32
+
+
+@pytest.fixture
+def kern():
+    """A `Kernels` with no CUDA behind it (its checks only): the wrappers' launches are recorded in kern.calls."""
+    k = object.__new__(Kernels)
+    k._np, k._bf16_dtype, k.pdl, k._pdl_launcher, k.device_id = np, None, False, None, 0
+    k._cp = SimpleNamespace(ndarray=FakeArray, float32=np.float32)
+    k._dummy = FakeArray((8,), np.uint16)
+    k.calls = []
+    return k
 
 
 def params(*files: str) -> dict[str, list[str]]:
@@ -57,8 +71,8 @@ def test_mla_launches(kern, m):
     grid, block, kw = mk._fn["mla_attend_kernel"].last
     assert grid == (splits, 3, m) and block == (mla.MLA_HG * 32,) and kw["shared_mem"] == D.attend_smem() <= 48 * 1024
     mk.out(ws_o, ws_ml, bf16(D.heads * (D.nope + D.v), D.rank), D, splits, f32(m, D.heads * D.v))
-    assert mk._fn["mla_out_kernel"].last[0] == (D.heads, m)
-    assert mk._fn["mla_q_kernel"].last[0] == (D.rank // mla.MLA_Q_THREADS, D.heads)
+    assert mk._fn["mla_out_kernel"].last[0] == (D.heads, D.v // mla.MLA_OUT_V, m)
+    assert mk._fn["mla_q_kernel"].last[0] == (D.rank // mla.MLA_Q_COLS, D.heads)
     check(kern.calls, params("mla.cu"), 4)
 
 

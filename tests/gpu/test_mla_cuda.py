@@ -70,7 +70,8 @@ def test_mla_kernels_match_numpy(cp, mla_kernels, rng, seed, heads, nope, rope, 
     nw_b, nw = rand_bf16(rng, (rank,), 0.5)
     q = rng.standard_normal((m, heads * (nope + rope))).astype(np.float32)
     kvb_b, kvb = rand_bf16(rng, (heads * (nope + v), rank), rank ** -0.5)
-    g = {n: cp.asarray(a) for n, a in dict(cache=cache_bits, pos=pos, kv=kv, nw=nw_b, q=q, kvb=kvb_b, inv=inv).items()}
+    host = dict(cache=cache_bits, pos=pos, kv=kv, nw=nw_b, q=q, kvb=kvb_b, inv=inv)
+    g = {n: cp.asarray(a) for n, a in host.items()}
     latent = cp.zeros((m, rank), cp.float32)
     q_cat = cp.zeros((m, heads, d.latent), cp.float32)
     ws_o = cp.zeros((m * splits * heads * rank,), cp.float32)
@@ -97,9 +98,8 @@ def test_mla_kernels_match_numpy(cp, mla_kernels, rng, seed, heads, nope, rope, 
     # 2. the folded query
     q64 = q.astype(np.float64).reshape(m, heads, nope + rope)
     w = kvb.astype(np.float64).reshape(heads, nope + v, rank)
-    want_q = np.concatenate([np.einsum("mhn,hnr->mhr", q64[..., :nope], w[:, :nope], optimize=True),
-                             np.stack([_rope(q64[j, :, nope:], p, inv, scaling, interleave) for j, p in enumerate(pos)])],
-                            -1)
+    q_pe = np.stack([_rope(q64[j, :, nope:], p, inv, scaling, interleave) for j, p in enumerate(pos)])
+    want_q = np.concatenate([np.einsum("mhn,hnr->mhr", q64[..., :nope], w[:, :nope], optimize=True), q_pe], -1)
     np.testing.assert_allclose(q_cat.get(), want_q, rtol=1e-4, atol=1e-4, err_msg=f"seed={seed}")
     # 3 + 4. the attention against the naive form: keys and values decompressed per head from the same cache
     y = np.zeros((m, heads, v))

@@ -1,7 +1,7 @@
 // Latent attention (the "mla" mixer kind, engine/mla.py) in the absorbed form, for every pass of the CUDA engine
 // (decode, verify, short and long prefills): four launches per layer, all graph-capturable (every length is read
 // on the device from the rows' positions).  Shapes: H heads, NOPE + P query/key dims per head (P rotated), V
-// value dims, R = kv_lora_rank, D = R + P floats per cached position.
+// value dims, R = kv_lora_rank, D = R + P floats per cached position (a multiple of 8, at most 768).
 //   1. mla_append_kernel: per row, c = RMSNorm(kv[:R]) (bf16 weight) and k_pe = rope(kv[R:]), written to the bf16
 //      latent cache at the row's position (and c in fp32 for the kv_a_layernorm tap);
 //   2. mla_q_kernel: per row and head, q_cat = [q_nope W_k; rope(q_pe)] (D floats): the nope part folded through
@@ -9,7 +9,8 @@
 //   3. mla_attend_kernel: grid (splits, head groups of MLA_HG, rows): the block's warps are its heads; each tile of
 //      MLA_TK cached rows is loaded once into shared memory for all of them; scores q_cat . [c; k_pe] * scale over
 //      the positions 0..pos of the row (split into `splits` equal parts of the row's own length), an online softmax
-//      and o_lat = sum p c per head: partials (max, sum, o_lat [R]) per split;
+//      and o_lat = sum p c per head: partials (max, sum, o_lat [R]) per split; the next tile's 16-byte loads are in
+//      flight while the block computes on the current one;
 //   4. mla_out_kernel: per (row, head), the splits combined, o_lat normalised and mapped through kv_b's value rows
 //      W_v [V, R]: y [H * V], o_proj's input.
 // The rope pairs: rotate_half (i, i + P/2), or interleaved (2i, 2i + 1) written as the rotated evens then the odd
@@ -19,11 +20,14 @@
 
 #define MLA_HG 8        // heads per attention block: one warp each
 #define MLA_TK 8        // cached rows per shared-memory tile
+#define MLA_LOADS 3     // 16-byte chunks of a tile per thread: MLA_TK rows of <= 768 values over MLA_HG * 32 threads
 #define MLA_MAX_R 512   // kv_lora_rank at most (16 accumulators per lane)
 #define MLA_MAX_NOPE 256
 #define MLA_Q_ROWS 16   // rows per pass of mla_q_kernel
-#define MLA_Q_THREADS 128
+#define MLA_Q_COLS 64   // columns of q_cat per mla_q_kernel block (2 per lane)
+#define MLA_Q_WARPS 4   // warps of an mla_q_kernel block, each a part of the NOPE dims
 #define MLA_OUT_THREADS 128
+#define MLA_OUT_V 32    // value dims per mla_out_kernel block (8 per warp)
 
 // Rope pair i of the P-dim vector src, at position pos: (a, b) for output dims i and i + P/2.
 __device__ __forceinline__ void mla_rope_pair(const float* src, int i, int P, int interleave, float pos,
@@ -71,34 +75,57 @@ extern "C" __global__ void mla_append_kernel(const float* __restrict__ kv, int l
     }
 }
 
-// grid (ceil(R / MLA_Q_THREADS), H), MLA_Q_THREADS threads: thread column c of head h.  q f32 [M, H * (NOPE + P)];
-// kv_b bf16 [H * (NOPE + V), R]; q_cat f32 [M, H, D].  Each row's sum runs over d in order (not over the rows).
-extern "C" __global__ void __launch_bounds__(MLA_Q_THREADS)
+// grid (ceil(R / MLA_Q_COLS), H), MLA_Q_WARPS warps: the block's columns [c0, c0 + MLA_Q_COLS) of head h, lane l
+// holding columns c0 + 2l, c0 + 2l + 1 (one 4-byte load of W_k per d), warp w the w-th part of the NOPE dims.
+// q f32 [M, H * (NOPE + P)]; kv_b bf16 [H * (NOPE + V), R] (R even); q_cat f32 [M, H, D].  A row's sum runs over
+// d in order within each part, then the parts in order: it never depends on the other rows.
+extern "C" __global__ void __launch_bounds__(MLA_Q_WARPS * 32)
 mla_q_kernel(const float* __restrict__ q, int M, int H, int NOPE, int P, int V, int R,
              const unsigned short* __restrict__ kv_b, const int* __restrict__ positions,
              const float* __restrict__ inv_freq, float attn_scaling, int interleave, float* __restrict__ q_cat) {
     __shared__ float qs[MLA_Q_ROWS][MLA_MAX_NOPE];
-    const int h = blockIdx.y, c = blockIdx.x * MLA_Q_THREADS + threadIdx.x;
+    __shared__ float part[MLA_Q_WARPS][MLA_Q_ROWS][MLA_Q_COLS];
+    const int h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int c0 = blockIdx.x * MLA_Q_COLS, c = c0 + 2 * lane;
     const int QD = NOPE + P, D = R + P;
+    const int per = (NOPE + MLA_Q_WARPS - 1) / MLA_Q_WARPS, d0 = warp * per, d1 = min(NOPE, d0 + per);
     const unsigned short* wk = kv_b + (u64)h * (NOPE + V) * R;  // W_k of head h: rows 0..NOPE-1
     pdl_wait();
     pdl_trigger();
     for (int m0 = 0; m0 < M; m0 += MLA_Q_ROWS) {
         const int rows = min(MLA_Q_ROWS, M - m0);
-        __syncthreads();
+        __syncthreads();  // the previous rows' qs and part are no longer read
         for (int t = threadIdx.x; t < rows * NOPE; t += blockDim.x)
             qs[t / NOPE][t % NOPE] = q[(u64)(m0 + t / NOPE) * H * QD + (u64)h * QD + t % NOPE];
         __syncthreads();
+        float acc[MLA_Q_ROWS][2];
+#pragma unroll
+        for (int r = 0; r < MLA_Q_ROWS; ++r) acc[r][0] = acc[r][1] = 0.0f;
         if (c < R) {
-            float acc[MLA_Q_ROWS];
+#pragma unroll 8
+            for (int d = d0; d < d1; ++d) {
+                const unsigned int w = *reinterpret_cast<const unsigned int*>(wk + (u64)d * R + c);
+                const float w0 = bf16_lo(w), w1 = bf16_hi(w);
 #pragma unroll
-            for (int r = 0; r < MLA_Q_ROWS; ++r) acc[r] = 0.0f;
-            for (int d = 0; d < NOPE; ++d) {
-                const float w = bf16_to_f32_bits(wk[(u64)d * R + c]);
-#pragma unroll
-                for (int r = 0; r < MLA_Q_ROWS; ++r) acc[r] = fmaf(qs[r][d], w, acc[r]);
+                for (int r = 0; r < MLA_Q_ROWS; ++r) {
+                    acc[r][0] = fmaf(qs[r][d], w0, acc[r][0]);
+                    acc[r][1] = fmaf(qs[r][d], w1, acc[r][1]);
+                }
             }
-            for (int r = 0; r < rows; ++r) q_cat[((u64)(m0 + r) * H + h) * D + c] = acc[r];
+        }
+#pragma unroll
+        for (int r = 0; r < MLA_Q_ROWS; ++r) {
+            part[warp][r][2 * lane] = acc[r][0];
+            part[warp][r][2 * lane + 1] = acc[r][1];
+        }
+        __syncthreads();
+        for (int t = threadIdx.x; t < rows * MLA_Q_COLS; t += blockDim.x) {
+            const int r = t / MLA_Q_COLS, cc = t % MLA_Q_COLS;
+            if (c0 + cc >= R) continue;
+            float sum = 0.0f;
+#pragma unroll
+            for (int w = 0; w < MLA_Q_WARPS; ++w) sum += part[w][r][cc];
+            q_cat[((u64)(m0 + r) * H + h) * D + c0 + cc] = sum;
         }
         if (blockIdx.x == 0)
             for (int t = threadIdx.x; t < rows * (P >> 1); t += blockDim.x) {
@@ -141,13 +168,39 @@ mla_attend_kernel(const float* __restrict__ q_cat, const unsigned short* __restr
 #pragma unroll
     for (int i = 0; i < MLA_MAX_R / 32; ++i) acc[i] = 0.0f;
     const float* qh = qsm + warp * D;
+    // A tile is MLA_TK rows of D / 8 16-byte chunks; thread t holds chunks t, t + blockDim.x, ... in registers: the
+    // next tile's loads are in flight while the block computes on this one.
+    const int D8 = D >> 3, n8 = MLA_TK * D8;
+    uint4 pre[MLA_LOADS];
+    auto fetch = [&](int t0) {
+#pragma unroll
+        for (int i = 0; i < MLA_LOADS; ++i) {
+            const int t = threadIdx.x + i * MLA_HG * 32, key = t0 + t / D8;
+            pre[i] = t < n8 && key < k1 ? *reinterpret_cast<const uint4*>(cache + (u64)key * D + (t % D8) * 8)
+                                        : make_uint4(0u, 0u, 0u, 0u);
+        }
+    };
+    if (k0 < k1) fetch(k0);
     for (int t0 = k0; t0 < k1; t0 += MLA_TK) {
         __syncthreads();  // the previous tile is no longer read (and qsm is written, the first time)
-        for (int t = threadIdx.x; t < MLA_TK * D; t += blockDim.x) {
-            const int key = t0 + t / D;
-            lat[t] = key < k1 ? bf16_to_f32_bits(cache[(u64)key * D + t % D]) : 0.0f;
+#pragma unroll
+        for (int i = 0; i < MLA_LOADS; ++i) {
+            const int t = threadIdx.x + i * MLA_HG * 32;
+            if (t < n8) {
+                float* dst = lat + (t / D8) * D + (t % D8) * 8;
+                const uint4 w = pre[i];
+                dst[0] = bf16_lo(w.x);
+                dst[1] = bf16_hi(w.x);
+                dst[2] = bf16_lo(w.y);
+                dst[3] = bf16_hi(w.y);
+                dst[4] = bf16_lo(w.z);
+                dst[5] = bf16_hi(w.z);
+                dst[6] = bf16_lo(w.w);
+                dst[7] = bf16_hi(w.w);
+            }
         }
         __syncthreads();
+        if (t0 + MLA_TK < k1) fetch(t0 + MLA_TK);
         float sc[MLA_TK];
         float tmax = -METRALE_INF;
 #pragma unroll
@@ -191,13 +244,17 @@ mla_attend_kernel(const float* __restrict__ q_cat, const unsigned short* __restr
     }
 }
 
-// grid (H, M), MLA_OUT_THREADS threads.  out f32 [M, H * V]: row m, head h = W_v o_lat / sum, the splits combined
-// in order; W_v of head h: kv_b rows h (NOPE + V) + NOPE .. + V - 1.
+// grid (H, ceil(V / MLA_OUT_V), M), MLA_OUT_THREADS threads.  out f32 [M, H * V]: row m, head h, value dims
+// [v0, v0 + MLA_OUT_V) = W_v o_lat / sum, the splits combined in order (each block of the head combines them);
+// W_v of head h: kv_b rows h (NOPE + V) + NOPE .. + V - 1 (R a multiple of 8: 16-byte chunks); warp w computes
+// MLA_OUT_V / 4 outputs together, every chunk of their rows in flight at once.
 extern "C" __global__ void __launch_bounds__(MLA_OUT_THREADS)
 mla_out_kernel(const float* __restrict__ ws_o, const float* __restrict__ ws_ml, int H, int R, int NOPE, int V,
                int splits, const unsigned short* __restrict__ kv_b, float* __restrict__ out) {
-    __shared__ float o_lat[MLA_MAX_R];
-    const int h = blockIdx.x, m = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __shared__ __align__(16) float o_lat[MLA_MAX_R];
+    constexpr int PER = MLA_OUT_V / (MLA_OUT_THREADS / 32);
+    const int h = blockIdx.x, m = blockIdx.z, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int vw = blockIdx.y * MLA_OUT_V + warp * PER;  // this warp's first output
     pdl_wait();
     pdl_trigger();
     const u64 base = (u64)m * splits * H + h;  // split s: base + s * H
@@ -218,10 +275,23 @@ mla_out_kernel(const float* __restrict__ ws_o, const float* __restrict__ ws_ml, 
     }
     __syncthreads();
     const unsigned short* wv = kv_b + ((u64)h * (NOPE + V) + NOPE) * R;
-    for (int v = warp; v < V; v += MLA_OUT_THREADS / 32) {
-        float d = 0.0f;
-        for (int c = lane; c < R; c += 32) d = fmaf(o_lat[c], bf16_to_f32_bits(wv[(u64)v * R + c]), d);
-        d = warp_sum(d);
-        if (lane == 0) out[(u64)m * H * V + (u64)h * V + v] = d;
+    const float4* o4 = reinterpret_cast<const float4*>(o_lat);
+    float acc[PER];
+#pragma unroll
+    for (int j = 0; j < PER; ++j) acc[j] = 0.0f;
+    for (int c8 = lane; c8 < (R >> 3); c8 += 32) {
+        const float4 xa = o4[2 * c8], xb = o4[2 * c8 + 1];
+        uint4 w[PER];
+#pragma unroll
+        for (int j = 0; j < PER; ++j)
+            w[j] = vw + j < V ? *reinterpret_cast<const uint4*>(wv + (u64)(vw + j) * R + c8 * 8)
+                              : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+        for (int j = 0; j < PER; ++j) acc[j] = dot8_bf16(w[j], xa, xb, acc[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const float d = warp_sum(acc[j]);
+        if (lane == 0 && vw + j < V) out[(u64)m * H * V + (u64)h * V + vw + j] = d;
     }
 }

@@ -15,10 +15,13 @@ from typing import Any
 _CUDA_DIR = Path(__file__).resolve().parent
 MLA_HG = 8  # heads per attention block: must match mla.cu
 MLA_TK = 8  # cached rows per tile
+MLA_LOADS = 3  # a tile's 16-byte chunks per thread: MLA_TK * 768 / 8 / (MLA_HG * 32)
 MLA_MAX_R = 512
 MLA_MAX_NOPE = 256
-MLA_Q_THREADS = 128
+MLA_Q_COLS = 64  # q_cat columns per mla_q_kernel block
+MLA_Q_WARPS = 4
 MLA_OUT_THREADS = 128
+MLA_OUT_V = 32  # value dims per mla_out_kernel block
 SMEM_LIMIT = 48 * 1024  # dynamic shared memory without an opt-in
 PLAIN = ("mla_append_kernel", "mla_q_kernel", "mla_attend_kernel", "mla_out_kernel")
 
@@ -50,6 +53,9 @@ def check_sizes(d: MlaDims) -> str | None:
         return f"kv_lora_rank {d.rank} (the latent-attention kernels take at most {MLA_MAX_R})"
     if d.nope > MLA_MAX_NOPE:
         return f"qk_nope_head_dim {d.nope} (at most {MLA_MAX_NOPE})"
+    if d.rank % 8 or d.rope % 8:
+        return (f"kv_lora_rank {d.rank} and qk_rope_head_dim {d.rope} (the kernels read 16-byte chunks: multiples "
+                "of 8)")
     if d.attend_smem() > SMEM_LIMIT:
         return f"a latent row of {d.latent} floats (its tiles need {d.attend_smem()} bytes of shared memory)"
     return None
@@ -108,6 +114,7 @@ class MlaKernels:
 
     def _cache(self, cache: Any, d: MlaDims) -> None:
         self.k._bf16(cache, "cache", 2)
+        self.k._aligned(cache, "cache")  # 16-byte chunks of its rows
         if cache.shape[1] != d.latent:
             raise ValueError(f"mla: cache rows of {cache.shape[1]}, want {d.latent}")
 
@@ -147,7 +154,7 @@ class MlaKernels:
         args = (q, np.int32(m), np.int32(d.heads), np.int32(d.nope), np.int32(d.rope), np.int32(d.v),
                 np.int32(d.rank), kv_b, positions, inv_freq, np.float32(attention_scaling), np.int32(interleave),
                 q_cat)
-        self._launch("mla_q_kernel", (-(-d.rank // MLA_Q_THREADS), d.heads), (MLA_Q_THREADS,), args, stream)
+        self._launch("mla_q_kernel", (-(-d.rank // MLA_Q_COLS), d.heads), (MLA_Q_WARPS * 32,), args, stream)
 
     def attend(self, q_cat: Any, cache: Any, positions: Any, d: MlaDims, scale: float, splits: int, ws_o: Any,
                ws_ml: Any, *, stream: Any = None) -> None:
@@ -178,7 +185,7 @@ class MlaKernels:
             return
         args = (ws_o, ws_ml, np.int32(d.heads), np.int32(d.rank), np.int32(d.nope), np.int32(d.v), np.int32(splits),
                 kv_b, out)
-        self._launch("mla_out_kernel", (d.heads, m), (MLA_OUT_THREADS,), args, stream)
+        self._launch("mla_out_kernel", (d.heads, -(-d.v // MLA_OUT_V), m), (MLA_OUT_THREADS,), args, stream)
 
     def _kv_b(self, kv_b: Any, d: MlaDims) -> None:
         self.k._bf16(kv_b, "kv_b", 2)
