@@ -148,7 +148,7 @@ extern "C" __global__ void __launch_bounds__(MLA_HG * 32)
 mla_attend_kernel(const float* __restrict__ q_cat, const unsigned short* __restrict__ cache,
                   const int* __restrict__ positions, int H, int R, int P, int splits, float scale,
                   float* __restrict__ ws_o, float* __restrict__ ws_ml) {
-    extern __shared__ float mla_smem[];
+    extern __shared__ __align__(16) float mla_smem[];
     const int D = R + P, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int s = blockIdx.x, m = blockIdx.z, h = blockIdx.y * MLA_HG + warp;
     float* qsm = mla_smem;                // [MLA_HG][D]
@@ -187,16 +187,10 @@ mla_attend_kernel(const float* __restrict__ q_cat, const unsigned short* __restr
         for (int i = 0; i < MLA_LOADS; ++i) {
             const int t = threadIdx.x + i * MLA_HG * 32;
             if (t < n8) {
-                float* dst = lat + (t / D8) * D + (t % D8) * 8;
+                float4* dst = reinterpret_cast<float4*>(lat + (t / D8) * D + (t % D8) * 8);  // 32-byte aligned
                 const uint4 w = pre[i];
-                dst[0] = bf16_lo(w.x);
-                dst[1] = bf16_hi(w.x);
-                dst[2] = bf16_lo(w.y);
-                dst[3] = bf16_hi(w.y);
-                dst[4] = bf16_lo(w.z);
-                dst[5] = bf16_hi(w.z);
-                dst[6] = bf16_lo(w.w);
-                dst[7] = bf16_hi(w.w);
+                dst[0] = make_float4(bf16_lo(w.x), bf16_hi(w.x), bf16_lo(w.y), bf16_hi(w.y));
+                dst[1] = make_float4(bf16_lo(w.z), bf16_hi(w.z), bf16_lo(w.w), bf16_hi(w.w));
             }
         }
         __syncthreads();
