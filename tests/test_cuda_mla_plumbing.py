@@ -218,3 +218,28 @@ def test_the_absorbed_prefill_for_head_dims_the_flash_kernel_lacks(monkeypatch):
     assert err < TOL
     assert any(a["splits"] == 1 and len(a["positions"]) == 20 for n, a in calls if n == "attend")
     assert "attention_prefill" not in {n for n, _ in calls}
+
+
+def test_mla_absorbed_runs_the_absorbed_prefill_and_naive_is_refused_on_cuda():
+    """`--mla absorbed --device cuda`: the prefill takes the absorbed kernels too; `--mla naive` is refused by name
+    for a latent-attention model (before CuPy is looked for) and ignored for another."""
+    from metrale_cli.backends.cuda.loading import load_cuda_engine
+    from metrale_cli.config import load_config
+    from metrale_cli.errors import DeviceError, UsageError
+    from metrale_cli.random_weights import RandomTensors
+    from test_cuda_plumbing import FIXTURES
+
+    rng = np.random.default_rng()
+    prompt = [int(t) for t in rng.integers(0, 300, 20)]
+    with fake_mla(), fake_engine("deepseek_v2") as gpu:
+        gpu.mla = "absorbed"
+        gpu.prefill(prompt, all_logits=True)
+        calls = gpu.states["mla"].kern.calls
+        assert any(n == "attend" and len(a["positions"]) == 20 for n, a in calls)
+        assert "attention_prefill" not in gpu.kern.calls
+    cfg = load_config(FIXTURES / "deepseek_v2")
+    with pytest.raises(UsageError, match="--mla naive: the CUDA engine decodes latent attention in the absorbed form"):
+        load_cuda_engine(cfg, RandomTensors(cfg), 32, mla="naive")
+    llama = load_config(FIXTURES / "llama")  # past the --mla check, to the next refusal (its head_dim 16)
+    with pytest.raises(DeviceError, match="head_dim 16 is not supported"):
+        load_cuda_engine(llama, RandomTensors(llama), 32, mla="naive")

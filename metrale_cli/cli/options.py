@@ -55,7 +55,8 @@ MlaOpt = Annotated[Optional[str], typer.Option(
     help="The CPU engine's algebra for latent-attention (DeepSeek MLA) layers: naive (default, as transformers: "
          "every cached latent decompressed into per-head keys and values) or absorbed (kv_b_proj folded into the "
          "query and the output, attention over the cached latents, as inference engines compute it). Both read "
-         "the same latent cache; other layers ignore it.")]
+         "the same latent cache; other layers ignore it. --device cuda decodes in the absorbed form (its default: "
+         "naive long prefills; absorbed: absorbed throughout; naive is refused there).")]
 FormatOpt = Annotated[Optional[str], typer.Option(
     "--format", "-f", metavar="rich|plain|json", help="Output format (default: rich on a terminal, else plain).")]
 DumpLogitsOpt = Annotated[Optional[str], typer.Option(

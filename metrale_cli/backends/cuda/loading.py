@@ -188,12 +188,18 @@ def check_sizes(cfg: ModelConfig) -> None:
 
 def load_cuda_engine(cfg: ModelConfig, source, max_context: int, fp32_logits: bool = False,
                      progress: Callable[[int], None] | None = None, use_graphs: bool = True, tp=None,
-                     path: str | None = None) -> CudaEngine:
+                     path: str | None = None, mla: str | None = None) -> CudaEngine:
     """Check the tensors, upload them once, and build the engine (CuPy is imported here, not before).
     With `tp` (parallel/comm.ParallelRank, its device current) only that rank's shard is uploaded, and the
     engine is that rank's. `path`: the rows path (ROWS_PATHS; None: default_path(), i.e.
     $METRALE_CUDA_PATH or DEFAULT_PATH); a tensor-parallel rank runs BASE_PATH only (the fused path is not
-    verified under --tp)."""
+    verified under --tp). `mla` (latent-attention models, `--mla`): None, the absorbed form on the rows paths and
+    the naive one in long prefills (backends/cuda/mla.py), or "absorbed" everywhere; "naive" is the CPU engine's
+    only (refused here)."""
+    if mla not in (None, "absorbed") and any(layer.mixer.kind == "mla" for layer in cfg.definition.layers):
+        raise UsageError(f"--mla {mla}: the CUDA engine decodes latent attention in the absorbed form only "
+                         "(--mla absorbed, or leave it out: long prefills then run the naive form); "
+                         "use --device cpu for the naive form throughout")
     path = check_path(path) if path is not None else default_path(tp is not None)
     if tp is not None and path != BASE_PATH:
         raise UsageError(f"the CUDA '{path}' path does not run under --tp yet (unset {PATH_ENV} or choose {BASE_PATH})")
@@ -229,6 +235,7 @@ def load_cuda_engine(cfg: ModelConfig, source, max_context: int, fp32_logits: bo
         raise DeviceError(f"cannot compile the CUDA kernels ({type(e).__name__}: {str(e).splitlines()[0]})") from None
     weights = upload_weights(full, source, kern, progress, None if tp is None else (tp.rank, tp.size))
     engine = CudaEngine(cfg, weights, kern, max_context, fp32_logits, use_graphs, tp)
+    engine.mla = mla  # read by the latent-attention prefill (backends/cuda/mla.PrefillMla)
     if path != engine.path:
         engine.set_path(path)
     return engine

@@ -147,8 +147,8 @@ class PrefillMla(_MlaOps):
     The naive form, as transformers computes it, where the flash prefill kernel takes the head dims (naive_head_dim):
     kv_b decompresses the cached latents of positions 0..start+t-1 (one cuBLAS GEMM) into per-head keys [k_nope; k_pe]
     and values, zero-padded to one head_dim (the zeros add nothing to a score or an output), in groups of
-    NAIVE_HEADS heads, and flash_prefill.cu attends (tensor cores; q and P rounded to bf16 there).  Else the absorbed
-    kernels of the rows path over the chunk's rows."""
+    NAIVE_HEADS heads, and flash_prefill.cu attends (tensor cores; q and P rounded to bf16 there).  Else, and with
+    the engine's `mla` "absorbed" (`--mla absorbed`), the absorbed kernels of the rows path over the chunk's rows."""
 
     NAIVE_HEADS = 16  # heads per flash launch (bounds the decompressed keys and values)
 
@@ -158,7 +158,7 @@ class PrefillMla(_MlaOps):
 
     def attention(self, q, layer: int, m: MlaSpec, kv_b):
         hd = naive_head_dim(self.d)
-        if hd is not None:
+        if hd is not None and getattr(self.e, "mla", None) != "absorbed":  # --mla absorbed: the absorbed kernels
             try:
                 return self._naive(q, layer, m, kv_b, hd)
             except self.e.cp.cuda.memory.OutOfMemoryError:
