@@ -69,7 +69,7 @@ def test_mla_launches(kern, m):
     ws_o, ws_ml = f32(m * splits * D.heads * D.rank), f32(m * splits * D.heads * 2)
     mk.attend(f32(m, D.heads, D.latent), bf16(ctx, D.latent), pos, D, 0.1, splits, ws_o, ws_ml)
     grid, block, kw = mk._fn["mla_attend_kernel"].last
-    assert grid == (splits, 3, m) and block == (mla.MLA_HG * 32,) and kw["shared_mem"] == D.attend_smem() <= 48 * 1024
+    assert grid == (splits, 2, m) and block == (mla.MLA_HG * 32,) and kw["shared_mem"] == D.attend_smem() <= 48 * 1024
     mk.out(ws_o, ws_ml, bf16(D.heads * (D.nope + D.v), D.rank), D, splits, f32(m, D.heads * D.v))
     assert mk._fn["mla_out_kernel"].last[0] == (D.heads, D.v // mla.MLA_OUT_V, m)
     assert mk._fn["mla_q_kernel"].last[0] == (D.rank // mla.MLA_Q_COLS, D.heads)

@@ -51,7 +51,7 @@ def test_the_mla_module_compiles_with_every_kernel(nvcc, tmp_path):
 
 def test_the_constants_match_the_sources():
     src = mla.module_source()
-    for name in ("MLA_HG", "MLA_TK", "MLA_LOADS", "MLA_MAX_R", "MLA_MAX_NOPE", "MLA_Q_COLS", "MLA_Q_WARPS",
+    for name in ("MLA_HG", "MLA_TK", "MLA_MAX_D", "MLA_LOADS", "MLA_MAX_R", "MLA_MAX_NOPE", "MLA_Q_COLS", "MLA_Q_WARPS",
                  "MLA_OUT_THREADS", "MLA_OUT_V"):
         assert int(re.search(rf"#define {name} (\d+)", src).group(1)) == getattr(mla, name), name
     routers = (nvrtc._CUDA_DIR / "routers.cu").read_text()

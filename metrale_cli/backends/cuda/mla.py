@@ -1,7 +1,7 @@
 """The "mla" mixer kind (engine/mla.py) on the CUDA engine: its state, the bf16 latent cache of the engine's
 latent-attention layers, and its ops for each pass type, the launches of kernels/mla.cu in the absorbed form
 (kv_b_proj's key rows folded into the query, its value rows into the output, the attention over the cached latents
-themselves, each cached row read once per group of MLA_HG heads):
+themselves, each cached row read once per group of MLA_HG = 16 heads):
 
 - `RowsMla` (RowsPass and FusedRowsPass: decode, verify, short prefills; graph-capturable): append (norm + rope
   of the latent, written to the cache), absorb_q, attend (key splits fixed per row count), out; every buffer

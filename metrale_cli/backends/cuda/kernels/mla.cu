@@ -6,8 +6,8 @@
 //      latent cache at the row's position (and c in fp32 for the kv_a_layernorm tap);
 //   2. mla_q_kernel: per row and head, q_cat = [q_nope W_k; rope(q_pe)] (D floats): the nope part folded through
 //      kv_b's key rows W_k [NOPE, R] of the head, each weight read once for up to 16 rows;
-//   3. mla_attend_kernel: grid (splits, head groups of MLA_HG, rows): the block's warps are its heads; each tile of
-//      MLA_TK cached rows is loaded once into shared memory for all of them; scores q_cat . [c; k_pe] * scale over
+//   3. mla_attend_kernel: grid (splits, head groups of MLA_HG, rows): the block's warps are its heads (their q_cat
+//      in registers); each tile of MLA_TK cached rows is loaded once into shared memory for all of them; scores q_cat . [c; k_pe] * scale over
 //      the positions 0..pos of the row (split into `splits` equal parts of the row's own length), an online softmax
 //      and o_lat = sum p c per head: partials (max, sum, o_lat [R]) per split; the next tile's 16-byte loads are in
 //      flight while the block computes on the current one;
@@ -18,9 +18,10 @@
 // A row's numbers never depend on the other rows of the launch (verify rows equal decode rows).
 #include "common.cu"
 
-#define MLA_HG 8        // heads per attention block: one warp each
-#define MLA_TK 8        // cached rows per shared-memory tile
-#define MLA_LOADS 3     // 16-byte chunks of a tile per thread: MLA_TK rows of <= 768 values over MLA_HG * 32 threads
+#define MLA_HG 16       // heads per attention block: one warp each
+#define MLA_TK 16       // cached rows per shared-memory tile
+#define MLA_MAX_D 768   // kv_lora_rank + qk_rope_head_dim at most (a tile of MLA_TK rows in 48 KiB)
+#define MLA_LOADS 3     // 16-byte chunks of a tile per thread: MLA_TK rows of <= MLA_MAX_D values over MLA_HG * 32
 #define MLA_MAX_R 512   // kv_lora_rank at most (16 accumulators per lane)
 #define MLA_MAX_NOPE 256
 #define MLA_Q_ROWS 16   // rows per pass of mla_q_kernel
@@ -140,7 +141,7 @@ mla_q_kernel(const float* __restrict__ q, int M, int H, int NOPE, int P, int V, 
     }
 }
 
-// grid (splits, ceil(H / MLA_HG), M), MLA_HG warps, dynamic shared memory (MLA_HG + MLA_TK) * D floats.
+// grid (splits, ceil(H / MLA_HG), M), MLA_HG warps, dynamic shared memory MLA_TK * D floats (the tile).
 // q_cat f32 [M, H, D]; cache bf16 [max_context, D]; ws_o f32 [M, splits, H, R]; ws_ml f32 [M, splits, H, 2].
 // Split s of a row at position pos takes the keys [s * chunk, min(pos + 1, (s + 1) * chunk)), chunk = the row's
 // length over the splits rounded up to MLA_TK; a split without keys writes (-inf, 0, 0).
@@ -148,26 +149,25 @@ extern "C" __global__ void __launch_bounds__(MLA_HG * 32)
 mla_attend_kernel(const float* __restrict__ q_cat, const unsigned short* __restrict__ cache,
                   const int* __restrict__ positions, int H, int R, int P, int splits, float scale,
                   float* __restrict__ ws_o, float* __restrict__ ws_ml) {
-    extern __shared__ __align__(16) float mla_smem[];
+    extern __shared__ __align__(16) float lat[];  // [MLA_TK][D]
     const int D = R + P, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int s = blockIdx.x, m = blockIdx.z, h = blockIdx.y * MLA_HG + warp;
-    float* qsm = mla_smem;                // [MLA_HG][D]
-    float* lat = mla_smem + MLA_HG * D;   // [MLA_TK][D]
     pdl_wait();
     pdl_trigger();
     const int len = positions[m] + 1;
     int chunk = (len + splits - 1) / splits;
     chunk = (chunk + MLA_TK - 1) / MLA_TK * MLA_TK;
     const int k0 = s * chunk, k1 = min(len, k0 + chunk);
-    for (int t = threadIdx.x; t < MLA_HG * D; t += blockDim.x) {
-        const int hh = blockIdx.y * MLA_HG + t / D;
-        qsm[t] = hh < H ? q_cat[((u64)m * H + hh) * D + t % D] : 0.0f;
+    float qr[MLA_MAX_D / 32];  // the warp's head: lane l holds q_cat dims l, l + 32, ...
+#pragma unroll
+    for (int i = 0; i < MLA_MAX_D / 32; ++i) {
+        const int c = lane + 32 * i;
+        qr[i] = h < H && c < D ? q_cat[((u64)m * H + h) * D + c] : 0.0f;
     }
     float mx = -METRALE_INF, l = 0.0f;
     float acc[MLA_MAX_R / 32];
 #pragma unroll
     for (int i = 0; i < MLA_MAX_R / 32; ++i) acc[i] = 0.0f;
-    const float* qh = qsm + warp * D;
     // A tile is MLA_TK rows of D / 8 16-byte chunks; thread t holds chunks t, t + blockDim.x, ... in registers: the
     // next tile's loads are in flight while the block computes on this one.
     const int D8 = D >> 3, n8 = MLA_TK * D8;
@@ -182,7 +182,7 @@ mla_attend_kernel(const float* __restrict__ q_cat, const unsigned short* __restr
     };
     if (k0 < k1) fetch(k0);
     for (int t0 = k0; t0 < k1; t0 += MLA_TK) {
-        __syncthreads();  // the previous tile is no longer read (and qsm is written, the first time)
+        __syncthreads();  // the previous tile is no longer read
 #pragma unroll
         for (int i = 0; i < MLA_LOADS; ++i) {
             const int t = threadIdx.x + i * MLA_HG * 32;
@@ -200,7 +200,12 @@ mla_attend_kernel(const float* __restrict__ q_cat, const unsigned short* __restr
 #pragma unroll
         for (int j = 0; j < MLA_TK; ++j) {
             float d = 0.0f;
-            for (int c = lane; c < D; c += 32) d = fmaf(qh[c], lat[j * D + c], d);
+#pragma unroll
+            for (int i = 0; i < MLA_MAX_D / 32; ++i) {
+                const int c = lane + 32 * i;
+                if (c >= D) break;
+                d = fmaf(qr[i], lat[j * D + c], d);
+            }
             d = warp_sum(d) * scale;
             sc[j] = t0 + j < k1 ? d : -METRALE_INF;
             tmax = fmaxf(tmax, sc[j]);

@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 _CUDA_DIR = Path(__file__).resolve().parent
-MLA_HG = 8  # heads per attention block: must match mla.cu
-MLA_TK = 8  # cached rows per tile
-MLA_LOADS = 3  # a tile's 16-byte chunks per thread: MLA_TK * 768 / 8 / (MLA_HG * 32)
+MLA_HG = 16  # heads per attention block (one warp each): must match mla.cu
+MLA_TK = 16  # cached rows per tile
+MLA_MAX_D = 768  # kv_lora_rank + qk_rope_head_dim at most
+MLA_LOADS = 3  # a tile's 16-byte chunks per thread: MLA_TK * MLA_MAX_D / 8 / (MLA_HG * 32)
 MLA_MAX_R = 512
 MLA_MAX_NOPE = 256
 MLA_Q_COLS = 64  # q_cat columns per mla_q_kernel block
@@ -44,7 +45,8 @@ class MlaDims:
         return self.rank + self.rope
 
     def attend_smem(self) -> int:
-        return (MLA_HG + MLA_TK) * self.latent * 4
+        """mla_attend_kernel's dynamic shared memory: one tile of MLA_TK cached rows in fp32."""
+        return MLA_TK * self.latent * 4
 
 
 def check_sizes(d: MlaDims) -> str | None:
@@ -56,8 +58,8 @@ def check_sizes(d: MlaDims) -> str | None:
     if d.rank % 8 or d.rope % 8:
         return (f"kv_lora_rank {d.rank} and qk_rope_head_dim {d.rope} (the kernels read 16-byte chunks: multiples "
                 "of 8)")
-    if d.attend_smem() > SMEM_LIMIT:
-        return f"a latent row of {d.latent} floats (its tiles need {d.attend_smem()} bytes of shared memory)"
+    if d.latent > MLA_MAX_D:
+        return f"a latent row of {d.latent} values (kv_lora_rank + qk_rope_head_dim; at most {MLA_MAX_D})"
     return None
 
 
