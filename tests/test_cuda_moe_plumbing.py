@@ -187,7 +187,9 @@ def test_glm4_moe_routing_reaches_the_kernels_and_matches_the_numpy_engine(plen)
     routes = [a for n, a in calls if n in ("route", "topk_rows")]
     assert routes and all(a["router"].kind == "sigmoid_biased_grouped" and a["correction"] is not None
                           and a["shared_gated"] is False for a in routes)
-    assert {n for n, _ in calls} >= ({"route", "gate_up", "down"} | ({"topk_rows"} if plen > 16 else set()))
+    # the rows path's route kernel and experts, or the prefill's top-k (decode steps may follow it, after a routing
+    # flip they are not run)
+    assert {n for n, _ in calls} >= ({"topk_rows"} if plen > 16 else {"route", "gate_up", "down"})
 
 
 def test_the_correction_stays_fp32_on_the_device():
