@@ -169,7 +169,7 @@ def open_model(path: str | Path | None = None, *, device: str = "auto", max_cont
         elif chosen == "cuda":
             from .backends.cuda.loading import load_cuda_engine
 
-            engine = load_cuda_engine(cfg, ckpt, ctx, fp32_logits, step)
+            engine = load_cuda_engine(cfg, ckpt, ctx, fp32_logits, step, mla=mla)
         else:
             from .backends.numpy.engine import load_numpy_engine
 

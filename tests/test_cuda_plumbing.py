@@ -71,7 +71,8 @@ def fake_cupy():
         cuda=cuda, float32=np.float32, uint16=np.uint16, int32=np.int32,
         zeros=wrap(np.zeros), empty=wrap(np.zeros), empty_like=wrap(np.zeros_like), full=wrap(np.full),
         asarray=wrap(np.asarray), concatenate=wrap(np.concatenate), arange=wrap(np.arange),
-        ascontiguousarray=wrap(np.ascontiguousarray), repeat=wrap(np.repeat), uint8=np.uint8,
+        ascontiguousarray=wrap(np.ascontiguousarray), repeat=wrap(np.repeat), uint8=np.uint8, uint32=np.uint32,
+        zeros_like=wrap(np.zeros_like), where=wrap(np.where), cos=wrap(np.cos), sin=wrap(np.sin),
     )
 
 

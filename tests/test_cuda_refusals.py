@@ -20,7 +20,7 @@ FIXTURES = "tests/fixtures/models"
 
 GPU_READY = ["llama", "llama3_rope", "llama_tied", "llama_bf16", "mistral", "qwen2", "qwen3", "qwen3_moe",
              "qwen2_moe", "mixtral", "gemma2", "gemma3_text", "gemma3_text_4x", "gemma3_mm", "phi3",
-             "phi3_longrope", "phi4_mini", "mistral_window", "qwen3_window"]
+             "phi3_longrope", "phi4_mini", "mistral_window", "qwen3_window", "glm4_moe"]
 
 
 def _cfg(helpers, name):

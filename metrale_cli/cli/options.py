@@ -55,7 +55,8 @@ MlaOpt = Annotated[Optional[str], typer.Option(
     help="The CPU engine's algebra for latent-attention (DeepSeek MLA) layers: naive (default, as transformers: "
          "every cached latent decompressed into per-head keys and values) or absorbed (kv_b_proj folded into the "
          "query and the output, attention over the cached latents, as inference engines compute it). Both read "
-         "the same latent cache; other layers ignore it.")]
+         "the same latent cache; other layers ignore it. --device cuda decodes in the absorbed form (its default: "
+         "naive long prefills; absorbed: absorbed throughout; naive is refused there).")]
 ActivationQuantOpt = Annotated[Optional[str], typer.Option(
     "--activation-quant", metavar="none|emulate",
     help="A quantized checkpoint's activations on the CPU engine: none (default: fp32, the ideal reference of the "

@@ -13,8 +13,8 @@ kv_b_proj's key part into the query and its value part into the output, and atte
 themselves (as inference engines do). A backend picks one (the NumPy engine: `--mla naive|absorbed`).
 
 Taps: `model.layers.{i}.self_attn.kv_a_layernorm` (the normed latent [T, kv_lora_rank]) and
-`model.layers.{i}.self_attn` (after o_proj). Backends: `backends/numpy/mla.py`; the CUDA engine has none yet
-(it refuses the kind by name).
+`model.layers.{i}.self_attn` (after o_proj). Backends: `backends/numpy/mla.py` (both forms) and
+`backends/cuda/mla.py` (the absorbed form over a bf16 latent cache).
 """
 
 from __future__ import annotations
@@ -62,4 +62,5 @@ def tap_names(p: str, layer: LayerSpec) -> list[str]:
     return [f"{p}.self_attn.kv_a_layernorm", f"{p}.self_attn"]
 
 
-MLA = register_mixer(MixerKind("mla", forward, tap_names, backends={"numpy": "metrale_cli.backends.numpy.mla"}))
+MLA = register_mixer(MixerKind("mla", forward, tap_names, backends={"numpy": "metrale_cli.backends.numpy.mla",
+                                                                    "cuda": "metrale_cli.backends.cuda.mla"}))

@@ -51,8 +51,11 @@ class Buffers:
                         for m in range(1, R + 1)}
         # attention splits per row count (fixed in each captured graph; the length is read on the device), and
         # f32 [the largest decode_workspace_size]: the split kernel's partials
-        self.splits = {m: kern.decode_splits(max_context, nkv, m, nh, d) for m in range(1, R + 1)}
-        self.ws = cp.zeros(max(kern.decode_workspace_size(m, nh, d, s) for m, s in self.splits.items()), cp.float32)
+        # (a model without attention layers, latent attention's say, has one split of a one-float workspace)
+        attention = any(layer.mixer.kind == "attention" for layer in cfg.definition.layers)
+        self.splits = {m: kern.decode_splits(max_context, nkv, m, nh, d) if attention else 1 for m in range(1, R + 1)}
+        self.ws = cp.zeros(max(kern.decode_workspace_size(m, nh, d, s) for m, s in self.splits.items())
+                           if attention else 1, cp.float32)
         self.io_host = cp.cuda.alloc_pinned_memory(2 * R * 4)  # pinned host memory behind io's async copy
         self.io_np = np.frombuffer(self.io_host, np.int32, 2 * R).reshape(2, R)  # int32 [2, R] view of it
         self.qkv_counters = None  # int32 [max heads + 2 kv heads]: the fused qkv GEMV's last-block counters

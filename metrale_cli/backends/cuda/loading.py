@@ -9,7 +9,7 @@ from typing import Callable
 import numpy as np
 
 from ...config import ModelConfig
-from ...engine.mixers import mixer_kind
+from ...engine.mixers import kinds_of, mixer_kind
 from ...engine_base import check_context
 from ...errors import DeviceError, UsageError
 from ...models.spec import ModelDefinition, MoeSpec
@@ -24,7 +24,11 @@ from .paths import BASE_PATH, PATH_ENV, check_path, default_path
 # post-norm), a sparse layer's MoE kernels (no sandwich post-norm there).  A layer's mixer weights are its mixer
 # kind's (its CUDA module's WEIGHT_KEYS).
 DENSE_MLP_KEYS = frozenset({"mlp_norm", "gate_up", "down", "mlp_out_norm"})
-MOE_MLP_KEYS = frozenset({"mlp_norm", "router", "experts_gate_up", "experts_down", "shared_gate_up", "shared_down"})
+MOE_MLP_KEYS = frozenset({"mlp_norm", "router", "router_correction", "experts_gate_up", "experts_down",
+                          "shared_gate_up", "shared_down"})
+# Weights kept in fp32 on the device: the router's choice correction (e_score_correction_bias, fp32 in the
+# checkpoints; its bf16 rounding would move choices the NumPy engine makes on the fp32 values).
+FP32_KEYS = frozenset({"router_correction"})
 
 
 def _cupy():
@@ -50,11 +54,19 @@ def upload_weights(cfg: ModelConfig, source: WeightSource, kern, progress: Calla
                 f"the weights need {need / 2**30:.1f} GiB in bf16 and the GPU has {free / 2**30:.1f} GiB free "
                 f"of {total / 2**30:.1f} GiB: use a GPU with more memory, or split the model with --tp N")
 
+    fp32 = {t.name for layer in cfg.definition.layers for p in layer.params if p.key in FP32_KEYS for t in p.parts}
+
     def get(name: str):
         info = source.info(name)
         nbytes = int(np.prod(info.shape)) * 2
         try:
-            if source.draws_on_device:
+            if name in fp32:
+                out = (source.device_array(name, cp) if source.draws_on_device
+                       else cp.asarray(np.asarray(source.array(name), dtype=np.float32)))
+                out = cp.ascontiguousarray(out, dtype=cp.float32) if out.dtype != cp.float32 else out
+                if not source.draws_on_device:
+                    source.release(name)
+            elif source.draws_on_device:
                 f32 = source.device_array(name, cp)
                 out = cp.empty(f32.shape, cp.uint16)
                 kern.f32_to_bf16(f32, out)
@@ -119,12 +131,12 @@ def unsupported_features(definition: ModelDefinition) -> list[str]:
     DeviceError naming it, never run with wrong numbers (the NumPy engine runs them all). The family
     features (embedding scale, softcaps, (1 + w) norms, sliding windows, partial rotary, linear and
     longrope and yarn scaling (the rope's inv_freq and attention factor from the spec), gelu_tanh, sandwich
-    norms, in MoE layers too, the attention output gate) run in the kernels; what remains is a mixer kind with no
-    CUDA implementation (latent attention), a weight the passes do not know (attention sinks, say), a gate
-    activation the fused MLP lacks, what the MoE kernels do not take (a router kind other than softmax_topk, a
-    routed_scaling_factor, ungated shared experts), and Gated DeltaNet sizes its kernels lack (key head dims other
-    than 64, 128, 256)."""
-    from .kernels.tuning import ACTIVATIONS  # no CuPy needed
+    norms, in MoE layers too, the attention output gate) and latent attention run in the kernels; what remains is a
+    mixer kind with no CUDA implementation, a weight the passes do not know (attention sinks, say), a gate
+    activation the fused MLP lacks, what the MoE kernels do not take (a router kind without a device function in
+    routers.cu, a router bias), and Gated DeltaNet sizes its kernels lack (key head dims other than 64, 128, 256)."""
+    from .kernels.moe import ROUTER_KINDS  # no CuPy needed
+    from .kernels.tuning import ACTIVATIONS
 
     found: list[str] = []
     for p in definition.params():
@@ -142,12 +154,8 @@ def unsupported_features(definition: ModelDefinition) -> list[str]:
             from .linear_attention import unsupported
 
             found += unsupported(layer.mixer)
-        if isinstance(layer.mlp, MoeSpec):  # kernels/moe.cu: softmax top-k routing, SwiGLU experts after a plain RMSNorm
-            found += [f"{layer.mlp.router.kind} routing"] if layer.mlp.router.kind != "softmax_topk" else []
-            scaling = layer.mlp.router.routed_scaling_factor
-            found += [f"routed_scaling_factor {scaling:g}"] if scaling != 1.0 else []
-            ungated = layer.mlp.shared_expert_size and not layer.mlp.shared_expert_gated
-            found += ["ungated shared experts"] if ungated else []
+        if isinstance(layer.mlp, MoeSpec):  # kernels/moe.cu: routers.cu's kinds, SwiGLU experts after an RMSNorm
+            found += [f"{layer.mlp.router.kind} routing"] if layer.mlp.router.kind not in ROUTER_KINDS else []
             found += [f"mixture-of-experts activation {layer.mlp.activation}"] if layer.mlp.activation != "silu" else []
             mlp = MOE_MLP_KEYS
         else:
@@ -159,28 +167,41 @@ def unsupported_features(definition: ModelDefinition) -> list[str]:
 
 
 def check_sizes(cfg: ModelConfig) -> None:
-    """DeviceError unless the kernels take the model's sizes: head_dim (the attention kernels' instances) and
-    hidden / intermediate sizes that are multiples of 8 (16-byte loads). Needs no CuPy."""
+    """DeviceError unless the kernels take the model's sizes: head_dim (the attention kernels' instances, when the
+    model has attention layers), hidden / intermediate sizes that are multiples of 8 (16-byte loads), and each
+    mixer kind's own limits. Needs no CuPy."""
     from .kernels.tuning import DECODE_HEAD_DIMS, PREFILL_HEAD_DIMS
 
     dims = sorted(set(DECODE_HEAD_DIMS) & set(PREFILL_HEAD_DIMS))
-    if cfg.head_dim not in dims:
+    attention = any(layer.mixer.kind == "attention" for layer in cfg.definition.layers)
+    if attention and cfg.head_dim not in dims:
         raise DeviceError(f"head_dim {cfg.head_dim} is not supported by the CUDA kernels "
                           f"(supported: {', '.join(map(str, dims))}); use --device cpu")
     odd = [n for n, v in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size))
            if v % 8]
     if odd:
         raise DeviceError(f"{odd[0]} must be a multiple of 8 for the CUDA kernels; use --device cpu")
+    for kind in kinds_of(cfg.definition.layers):  # a mixer kind's own size limits (its CUDA module's sizes_refused)
+        why = getattr(mixer_kind(kind).backend("cuda"), "sizes_refused", None)
+        why = why(cfg) if why is not None else None
+        if why is not None:
+            raise DeviceError(f"{cfg.model_type}: the CUDA {kind} kernels do not take {why}; use --device cpu")
 
 
 def load_cuda_engine(cfg: ModelConfig, source, max_context: int, fp32_logits: bool = False,
                      progress: Callable[[int], None] | None = None, use_graphs: bool = True, tp=None,
-                     path: str | None = None) -> CudaEngine:
+                     path: str | None = None, mla: str | None = None) -> CudaEngine:
     """Check the tensors, upload them once, and build the engine (CuPy is imported here, not before).
     With `tp` (parallel/comm.ParallelRank, its device current) only that rank's shard is uploaded, and the
     engine is that rank's. `path`: the rows path (ROWS_PATHS; None: default_path(), i.e.
     $METRALE_CUDA_PATH or DEFAULT_PATH); a tensor-parallel rank runs BASE_PATH only (the fused path is not
-    verified under --tp)."""
+    verified under --tp). `mla` (latent-attention models, `--mla`): None, the absorbed form on the rows paths and
+    the naive one in long prefills (backends/cuda/mla.py), or "absorbed" everywhere; "naive" is the CPU engine's
+    only (refused here)."""
+    if mla not in (None, "absorbed") and any(layer.mixer.kind == "mla" for layer in cfg.definition.layers):
+        raise UsageError(f"--mla {mla}: the CUDA engine decodes latent attention in the absorbed form only "
+                         "(--mla absorbed, or leave it out: long prefills then run the naive form); "
+                         "use --device cpu for the naive form throughout")
     path = check_path(path) if path is not None else default_path(tp is not None)
     if tp is not None and path != BASE_PATH:
         raise UsageError(f"the CUDA '{path}' path does not run under --tp yet (unset {PATH_ENV} or choose {BASE_PATH})")
@@ -200,7 +221,8 @@ def load_cuda_engine(cfg: ModelConfig, source, max_context: int, fp32_logits: bo
         from .kernels.moe import MoeKernels
 
         s = cfg.moe.spec
-        why = MoeKernels.check_sizes(s.num_experts, s.top_k, s.intermediate_size, s.shared_expert_size or 8)
+        why = MoeKernels.check_sizes(s.num_experts, s.top_k, s.intermediate_size, s.shared_expert_size or 8,
+                                     n_group=s.router.n_group)
         if why is not None:
             raise DeviceError(f"{cfg.model_type}: the CUDA MoE kernels do not take {why}; use --device cpu")
     check_sizes(cfg)
@@ -215,6 +237,7 @@ def load_cuda_engine(cfg: ModelConfig, source, max_context: int, fp32_logits: bo
         raise DeviceError(f"cannot compile the CUDA kernels ({type(e).__name__}: {str(e).splitlines()[0]})") from None
     weights = upload_weights(full, source, kern, progress, None if tp is None else (tp.rank, tp.size))
     engine = CudaEngine(cfg, weights, kern, max_context, fp32_logits, use_graphs, tp)
+    engine.mla = mla  # read by the latent-attention prefill (backends/cuda/mla.PrefillMla)
     if path != engine.path:
         engine.set_path(path)
     return engine

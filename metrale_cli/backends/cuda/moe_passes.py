@@ -31,6 +31,12 @@ if TYPE_CHECKING:
     from ...models.spec import MoeSpec
 
 
+def gated_shared(spec: MoeSpec) -> bool:
+    """Whether the block's shared expert is scaled by sigmoid(its gate row of the router) (qwen2_moe); DeepSeek's
+    and GLM's shared experts are ungated (the route kernels write a gate of 1)."""
+    return bool(spec.shared_expert_size) and spec.shared_expert_gated
+
+
 class MoeState:
     """The rows path's preallocated MoE buffers and kernels of one engine (CudaEngine.moe)."""
 
@@ -38,7 +44,7 @@ class MoeState:
         spec = cfg.moe.spec
         self.spec = spec
         self.kern = MoeKernels(kern)  # compiled now: never during a graph capture
-        width = spec.num_experts + (1 if spec.shared_expert_size else 0)
+        width = spec.num_experts + (1 if gated_shared(spec) else 0)  # a gated shared expert's gate logit last
         self.logits = cp.zeros((MOE_MAX_ROWS, width), cp.float32)
         self.buf = RouteBuffers.allocate(cp, spec.num_experts, spec.top_k, cfg.hidden_size)
         self.act = cp.zeros((MOE_MAX_ROWS * spec.top_k, spec.intermediate_size), cp.float32)
@@ -54,10 +60,11 @@ class RowsMoe:
         logits = st.logits[:m]
         self.e.proj.linear(x, w_router, logits, norm_weight=norm[0], eps=norm[1].eps, norm_offset=norm[1].offset)
         st.kern.route(logits, x, norm[0], norm[1].eps, spec.num_experts, spec.top_k, spec.norm_topk_prob,
-                      bool(spec.shared_expert_size), st.buf, held=spec.held, norm_offset=norm[1].offset, stream=self.s)
+                      bool(spec.shared_expert_size), st.buf, held=spec.held, norm_offset=norm[1].offset,
+                      router=spec.router, correction=correction, shared_gated=spec.shared_expert_gated, stream=self.s)
         b = st.buf
         return Route(logits[:, :spec.num_experts], b.idx[:m], b.wts[:m],
-                     b.sgate[:m, None] if spec.shared_expert_size else None)
+                     b.sgate[:m, None] if gated_shared(spec) else None)
 
     def experts(self, x, route, w_gate_up, w_down, spec: MoeSpec, *, norm, shared, tap, bias=None):
         st, m, e = self.e.moe, self.m, self.e
@@ -139,8 +146,9 @@ class PrefillMoe:
         wts = cp.empty((t, spec.top_k), cp.float32)
         sgate = cp.empty((t,), cp.float32)
         self.e.moe.kern.topk_rows(logits, spec.num_experts, spec.top_k, spec.norm_topk_prob,
-                                  bool(spec.shared_expert_size), idx, wts, sgate, stream=self.s)
-        return Route(logits[:, :spec.num_experts], idx, wts, sgate[:, None] if spec.shared_expert_size else None)
+                                  bool(spec.shared_expert_size), idx, wts, sgate, router=spec.router,
+                                  correction=correction, shared_gated=spec.shared_expert_gated, stream=self.s)
+        return Route(logits[:, :spec.num_experts], idx, wts, sgate[:, None] if gated_shared(spec) else None)
 
     def experts(self, x, route, w_gate_up, w_down, spec: MoeSpec, *, norm, shared, tap, bias=None):
         cp, e, h = self.e.cp, self.e, self._moe_h
@@ -178,8 +186,9 @@ class PrefillMoe:
         y = cp.zeros_like(x)
         for j in range(k):  # another rank's pairs add nothing here (their rows of d were never computed)
             y += weights[:, j:j + 1] * cp.where(mine[:, j:j + 1], d[rows_d[:, j]], 0)
-        if shared is not None:
-            y += route.shared_gate * e.proj.gemm(self._swiglu(e.proj.gemm(h, shared[0])), shared[1])
+        if shared is not None:  # gated (qwen2_moe) or added as it is (DeepSeek, GLM)
+            s = e.proj.gemm(self._swiglu(e.proj.gemm(h, shared[0])), shared[1])
+            y += route.shared_gate * s if route.shared_gate is not None else s
         if e.tp is not None:  # the held experts' and shared columns' share, summed over the ranks
             e.tp.comm.all_reduce(y, self.s)
         self.tap(tap, y)

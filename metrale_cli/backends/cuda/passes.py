@@ -132,7 +132,7 @@ class RowsPass(RowsMoe, _Pass):
         self.m = m
         self.ids, self.pos = b.io[0, :m], b.io[1, :m]
         self.buffers = {"x": b.x[:m], "h": b.h[:m], "qkv": b.qkv[:m]}
-        for st in engine.states.values():  # a mixer kind's own projection outputs (linear attention's lin_in)
+        for st in engine.states.values():  # a mixer kind's own projection outputs (linear attention's lin_in, MLA's q)
             self.buffers.update(getattr(st, "rows_buffers", _no_buffers)(m))
 
     def embed(self, table, scale=None):
@@ -308,9 +308,10 @@ class PrefillPass(PrefillMoe, _Pass):
         return self.add_reduced(residual, lambda r: e.proj.gemm(x, w, bias, accumulate_into=r))
 
     def norm(self, x, weight, norm: Norm, *, out, residual=None, tap=None):
-        if residual is None:
-            self.k.rmsnorm(x, weight, norm.eps, self.h, offset=norm.offset, stream=self.s)
-            return self.h
+        if residual is None:  # into h; a norm of another width (the latent attention's q_a_norm): its own buffer
+            y = self.h if x.shape == self.h.shape else self.e.cp.empty(x.shape, self.e.cp.float32)
+            self.k.rmsnorm(x, weight, norm.eps, y, offset=norm.offset, stream=self.s)
+            return y
         if tap is not None and self._tap is not None:  # the normed value before the add, on the side
             self.k.rmsnorm(x, weight, norm.eps, self.h, offset=norm.offset, stream=self.s)
             self.tap(tap, self.h)

@@ -4,8 +4,10 @@
 // the work depends on is read on the device):
 //   1. the router GEMV (gemv.cu / gemv_tc.cu, RMSNorm fused): logits [M, LD] (LD = E, or E + 1 when
 //      the last column is the shared expert's gate logit);
-//   2. moe_route_kernel (one block): per row softmax over the E logits in fp32, top-k (ties to the
-//      lowest expert index), renormalised when norm_topk; sigmoid of the shared gate; h = rmsnorm(x);
+//   2. moe_route_kernel (one block): per row the router kind's choice over the E logits in fp32
+//      (moe_choose_row: softmax top-k here, the grouped kinds in routers.cu; ties to the lowest expert
+//      index), renormalised when norm_topk, times routed_scaling_factor; the shared expert's gate
+//      (sigmoid of its logit, or 1 for an ungated shared expert); h = rmsnorm(x);
 //      and the union of the experts the M rows chose, in increasing expert order, each with the mask
 //      of rows that chose it and the slot j (idx[m, j] == e) each such row gave it;
 //   3. moe_gate_up_kernel: grid (I tiles, union slot u): block (t, u) reads rows t of expert
@@ -27,6 +29,7 @@
 // shuffles to reduce.  Requirements (checked by kernels/moe.py): H, I, S multiples of 8, pointers
 // 16-byte aligned, E <= MOE_MAX_EXPERTS, k <= MOE_MAX_K, M <= MOE_MAX_ROWS.
 #include "common.cu"
+#include "routers.cu"
 
 #define MOE_MAX_EXPERTS 256
 #define MOE_MAX_ROWS 16
@@ -119,6 +122,42 @@ __device__ __forceinline__ void moe_topk_row(const float* __restrict__ logits, i
         moe_topk_lane<MOE_MAX_EXPERTS / 32>(logits, E, k, norm_topk, e_out, w_out);
 }
 
+// Row routing by the router's kind (routers.cu): one warp, lane j < k ends with choice j and its final weight.
+__device__ __forceinline__ void moe_choose_row(const float* __restrict__ logits, const MoeRouter& r, int E, int k,
+                                               int& e_out, float& w_out) {
+    if (r.kind == MOE_ROUTER_SIGMOID_GROUPED) {
+        if (E <= 32)
+            moe_sigmoid_grouped_lane<1>(logits, r, E, k, e_out, w_out);
+        else if (E <= 128)
+            moe_sigmoid_grouped_lane<4>(logits, r, E, k, e_out, w_out);
+        else
+            moe_sigmoid_grouped_lane<MOE_MAX_EXPERTS / 32>(logits, r, E, k, e_out, w_out);
+    } else if (r.kind == MOE_ROUTER_SOFTMAX_GROUPED) {
+        if (E <= 32)
+            moe_softmax_grouped_lane<1>(logits, r, E, k, e_out, w_out);
+        else if (E <= 128)
+            moe_softmax_grouped_lane<4>(logits, r, E, k, e_out, w_out);
+        else
+            moe_softmax_grouped_lane<MOE_MAX_EXPERTS / 32>(logits, r, E, k, e_out, w_out);
+    } else {
+        moe_topk_row(logits, E, k, r.norm_topk, e_out, w_out);
+        w_out *= r.scaling;  // exact for a factor of 1
+    }
+}
+
+// The kernels' router arguments as one MoeRouter.
+__device__ __forceinline__ MoeRouter moe_router(int kind, int norm_topk, int n_group, int topk_group, float scaling,
+                                                const float* correction, int use_correction) {
+    MoeRouter r;
+    r.kind = kind;
+    r.norm_topk = norm_topk;
+    r.n_group = n_group;
+    r.topk_group = topk_group;
+    r.scaling = scaling;
+    r.correction = use_correction ? correction : nullptr;
+    return r;
+}
+
 // ---------------------------------------------------------------------------------------------------
 // The rows path's routing (moe_route_kernel): the router GEMV's logits -> top-k, shared gate, h = rmsnorm(x), the
 // union.
@@ -176,20 +215,21 @@ __device__ __forceinline__ void moe_write_h(const float* x, const unsigned short
 }
 
 // Row m's routing by one warp from its logits lrow [E (+1)]: idx / wts [m, :k], slot_of[e][m] = j for its
-// experts, sgate[m] = sigmoid(lrow[E]) when has_shared.
-__device__ __forceinline__ void moe_route_row(const float* lrow, int m, int E, int k, int norm_topk, int has_shared,
-                                              signed char (*slot_of)[MOE_MAX_ROWS], int* __restrict__ idx,
-                                              float* __restrict__ wts, float* __restrict__ sgate) {
+// experts, sgate[m] = sigmoid(lrow[E]) when has_shared == 1 (a gated shared expert), 1 when 2 (ungated).
+__device__ __forceinline__ void moe_route_row(const float* lrow, int m, int E, int k, const MoeRouter& router,
+                                              int has_shared, signed char (*slot_of)[MOE_MAX_ROWS],
+                                              int* __restrict__ idx, float* __restrict__ wts,
+                                              float* __restrict__ sgate) {
     const int j = threadIdx.x & 31;  // lane j holds choice j
     int e;
     float w;
-    moe_topk_row(lrow, E, k, norm_topk, e, w);
+    moe_choose_row(lrow, router, E, k, e, w);
     if (j < k) {
         idx[m * k + j] = e;
         wts[m * k + j] = w;
         slot_of[e][m] = (signed char)j;
     }
-    if (has_shared && j == 0) sgate[m] = 1.0f / (1.0f + expf(-lrow[E]));
+    if (has_shared && j == 0) sgate[m] = has_shared == 2 ? 1.0f : 1.0f / (1.0f + expf(-lrow[E]));
 }
 
 // One warp: the experts [e_lo, e_hi) some row chose (slot_of[e][m] >= 0), in increasing order: emit(pos, e, mask)
@@ -238,7 +278,9 @@ moe_route_kernel(const float* __restrict__ logits, int ld, const float* __restri
                  int norm_topk,
                  int has_shared, int* __restrict__ idx, float* __restrict__ wts, float* __restrict__ sgate,
                  float* __restrict__ h, int* __restrict__ n_union, int* __restrict__ union_e,
-                 unsigned int* __restrict__ union_mask, int* __restrict__ union_slot, int e_lo, int e_hi) {
+                 unsigned int* __restrict__ union_mask, int* __restrict__ union_slot, int e_lo, int e_hi,
+                 int kind, int n_group, int topk_group, float scaling, const float* __restrict__ correction,
+                 int use_correction) {
     __shared__ signed char slot_of[MOE_MAX_EXPERTS][MOE_MAX_ROWS];
     __shared__ float s_logit[MOE_MAX_ROWS][MOE_MAX_EXPERTS + 1];
     __shared__ float s_ss[MOE_MAX_ROWS][MOE_MAX_ROWS];
@@ -249,7 +291,10 @@ moe_route_kernel(const float* __restrict__ logits, int ld, const float* __restri
     for (int t = threadIdx.x; t < M * ld; t += blockDim.x) s_logit[t / ld][t % ld] = logits[t];
     moe_sumsq_parts<MOE_MAX_ROWS>(x, M, H, s_ss);
     __syncthreads();
-    if (warp < M) moe_route_row(s_logit[warp], warp, E, k, norm_topk, has_shared, slot_of, idx, wts, sgate);
+    if (warp < M) {
+        const MoeRouter router = moe_router(kind, norm_topk, n_group, topk_group, scaling, correction, use_correction);
+        moe_route_row(s_logit[warp], warp, E, k, router, has_shared, slot_of, idx, wts, sgate);
+    }
     const int hw0 = M < MOE_MAX_ROWS ? M : 0;  // warps [hw0, 16) write h (with 16 rows: every warp, after its row)
     if (warp >= hw0) moe_write_h(x, norm_w, norm_offset, s_ss, eps, M, H, threadIdx.x - 32 * hw0, 32 * (MOE_MAX_ROWS - hw0), h);
     __syncthreads();
@@ -260,7 +305,9 @@ moe_route_kernel(const float* __restrict__ logits, int ld, const float* __restri
 #define MOE_TOPK_WARPS 8
 extern "C" __global__ void moe_topk_rows_kernel(const float* __restrict__ logits, int ld, int T, int E, int k,
                                                 int norm_topk, int has_shared, int* __restrict__ idx,
-                                                float* __restrict__ wts, float* __restrict__ sgate) {
+                                                float* __restrict__ wts, float* __restrict__ sgate, int kind,
+                                                int n_group, int topk_group, float scaling,
+                                                const float* __restrict__ correction, int use_correction) {
     pdl_wait();
     pdl_trigger();
     const int lane = threadIdx.x & 31;
@@ -268,12 +315,13 @@ extern "C" __global__ void moe_topk_rows_kernel(const float* __restrict__ logits
     if (row >= T) return;
     int e;
     float w;
-    moe_topk_row(logits + (u64)row * ld, E, k, norm_topk, e, w);
+    moe_choose_row(logits + (u64)row * ld, moe_router(kind, norm_topk, n_group, topk_group, scaling, correction,
+                                                      use_correction), E, k, e, w);
     if (lane < k) {
         idx[(u64)row * k + lane] = e;
         wts[(u64)row * k + lane] = w;
     }
-    if (has_shared && lane == 0) sgate[row] = 1.0f / (1.0f + expf(-logits[(u64)row * ld + E]));
+    if (has_shared && lane == 0) sgate[row] = has_shared == 2 ? 1.0f : 1.0f / (1.0f + expf(-logits[(u64)row * ld + E]));
 }
 
 // One step of a lane over UU chunks (c, c + 32, ...) of RW weight rows, for the rows m of `mask`,

@@ -57,10 +57,17 @@ def down_parts(experts: int, top_k: int, inter: int, shared: int) -> tuple[int, 
     return p, ps
 
 
+_INCLUDES = ('#include "common.cu"', '#include "routers.cu"')
+
+
 def module_source() -> str:
-    text = (_CUDA_DIR / "moe.cu").read_text()
-    body = "\n".join(ln for ln in text.splitlines() if ln.strip() != '#include "common.cu"')
-    return (_CUDA_DIR / "common.cu").read_text() + "\n// ---- moe.cu ----\n" + body + "\n"
+    """common.cu, routers.cu (the router kinds), then moe.cu, their include lines removed."""
+    parts = [(_CUDA_DIR / "common.cu").read_text()]
+    for name in ("routers.cu", "moe.cu"):
+        text = (_CUDA_DIR / name).read_text()
+        body = "\n".join(ln for ln in text.splitlines() if ln.strip() not in _INCLUDES)
+        parts.append(f"// ---- {name} ----\n" + body)
+    return "\n".join(parts) + "\n"
 
 
 def name_expressions() -> tuple[str, ...]:
@@ -68,6 +75,40 @@ def name_expressions() -> tuple[str, ...]:
 
 
 PLAIN = ("moe_route_kernel", "moe_topk_rows_kernel")
+
+# models/spec.RouterSpec kinds with a device function (routers.cu's MOE_ROUTER_*); the others are refused.
+ROUTER_KINDS = {"softmax_topk": 0, "sigmoid_biased_grouped": 1, "softmax_group_limited": 2}
+MOE_MAX_GROUPS = 32  # one lane per group: must match routers.cu
+
+
+def router_args(np: Any, router: Any, experts: int, correction: Any, dummy: Any) -> tuple:
+    """The route kernels' trailing arguments (kind, n_group, topk_group, scaling, correction, use_correction)
+    for `router` (a models/spec.RouterSpec; None: softmax_topk unscaled), checked."""
+    if router is None:
+        return (np.int32(0), np.int32(1), np.int32(1), np.float32(1.0), dummy, np.int32(0))
+    if router.kind not in ROUTER_KINDS:
+        raise ValueError(f"moe route: no device function for router kind {router.kind}")
+    grouped = router.kind != "softmax_topk"
+    n_group, topk_group = (router.n_group, router.topk_group) if grouped else (1, 1)
+    if not 1 <= topk_group <= n_group <= MOE_MAX_GROUPS or experts % n_group:
+        raise ValueError(f"moe route: {n_group} groups (<= {MOE_MAX_GROUPS}, dividing {experts} experts), "
+                         f"top {topk_group}")
+    if router.kind == "sigmoid_biased_grouped" and n_group > 1 and experts // n_group < 2:
+        raise ValueError("moe route: sigmoid_biased_grouped scores each group's best two experts")
+    if correction is not None:
+        if router.kind != "sigmoid_biased_grouped":
+            raise ValueError(f"moe route: a choice correction for router kind {router.kind}")
+        if correction.dtype != np.float32 or correction.shape != (experts,):
+            raise ValueError(f"moe route: correction must be f32 [{experts}], got {correction.dtype} "
+                             f"{tuple(correction.shape)}")
+    return (np.int32(ROUTER_KINDS[router.kind]), np.int32(n_group), np.int32(topk_group),
+            np.float32(router.routed_scaling_factor), dummy if correction is None else correction,
+            np.int32(correction is not None))
+
+
+def shared_mode(has_shared: bool, shared_gated: bool) -> int:
+    """The route kernels' has_shared: 0 no shared expert, 1 gated by sigmoid(its logit), 2 ungated."""
+    return 0 if not has_shared else 1 if shared_gated else 2
 
 
 @dataclass
@@ -120,8 +161,10 @@ class MoeKernels:
             self._fn[name](grid, block, args, stream=stream, shared_mem=shared_mem)
 
     @staticmethod
-    def check_sizes(experts: int, top_k: int, *sizes: int) -> str | None:
+    def check_sizes(experts: int, top_k: int, *sizes: int, n_group: int = 1) -> str | None:
         """Why these MoE sizes cannot run on the kernels (None when they can)."""
+        if n_group > MOE_MAX_GROUPS:
+            return f"n_group {n_group} (the router kernels take at most {MOE_MAX_GROUPS} groups)"
         if experts > MOE_MAX_EXPERTS:
             return f"{experts} experts (the router kernel takes at most {MOE_MAX_EXPERTS})"
         if top_k > MOE_MAX_K:
@@ -134,12 +177,15 @@ class MoeKernels:
     # ------------------------------------------------------------------ launches
     def route(self, logits: Any, x: Any, norm_w: Any, eps: float, experts: int, top_k: int, norm_topk: bool,
               has_shared: bool, b: RouteBuffers, *, held: range | None = None, norm_offset: float = 0.0,
-              stream: Any = None) -> None:
+              router: Any = None, correction: Any = None, shared_gated: bool = True, stream: Any = None) -> None:
         """Top-k, shared gate, h = rmsnorm(x) (scaled by norm_offset + norm_w) and the union of the rows' experts
         (one block).
-        logits f32 [M, E (+1)], x f32 [M, H], norm_w bf16 [H]; M <= 16.  `held`: the experts this engine
-        holds (a tensor-parallel rank's range; None: all): the union lists only those, so gate_up / down
-        compute this rank's share of every row's sum; the routing itself is over all E experts."""
+        logits f32 [M, E (+1: a gated shared expert's gate logit)], x f32 [M, H], norm_w bf16 [H]; M <= 16.
+        `held`: the experts this engine holds (a tensor-parallel rank's range; None: all): the union lists only
+        those, so gate_up / down compute this rank's share of every row's sum; the routing itself is over all E
+        experts.  `router`: the models/spec.RouterSpec whose kind chooses (None: softmax top-k, unscaled);
+        `correction` f32 [E] its choice correction (sigmoid_biased_grouped); `shared_gated` False: the shared
+        expert's gate is 1 (sgate written as 1.0, no gate logit)."""
         np, k = self._np, self.k
         k._f32(logits, "logits", 2)
         k._f32(x, "x", 2)
@@ -148,7 +194,8 @@ class MoeKernels:
         hidden = x.shape[1]
         if not 1 <= m <= MOE_MAX_ROWS or x.shape[0] != m:
             raise ValueError(f"moe route: {m} logits rows and {x.shape[0]} x rows (1..{MOE_MAX_ROWS}, equal)")
-        if ld != experts + (1 if has_shared else 0) or experts > MOE_MAX_EXPERTS or not 1 <= top_k <= min(experts, MOE_MAX_K):
+        gate_col = 1 if has_shared and shared_gated else 0
+        if ld != experts + gate_col or experts > MOE_MAX_EXPERTS or not 1 <= top_k <= min(experts, MOE_MAX_K):
             raise ValueError(f"moe route: logits width {ld} for {experts} experts (shared gate {has_shared}), top-{top_k}")
         k._shape(norm_w, "norm_w", (hidden,))
         if hidden % 4:
@@ -159,19 +206,22 @@ class MoeKernels:
         held = range(experts) if held is None else held
         if not 0 <= held.start < held.stop <= experts:
             raise ValueError(f"moe route: held experts {held.start}..{held.stop - 1} outside 0..{experts - 1}")
-        args = (logits, np.int32(ld), x, norm_w, np.float32(norm_offset), np.float32(eps), np.int32(m), np.int32(hidden), np.int32(experts),
-                np.int32(top_k), np.int32(1 if norm_topk else 0), np.int32(1 if has_shared else 0),
+        args = (logits, np.int32(ld), x, norm_w, np.float32(norm_offset), np.float32(eps), np.int32(m), np.int32(hidden),
+                np.int32(experts), np.int32(top_k), np.int32(1 if norm_topk else 0),
+                np.int32(shared_mode(has_shared, shared_gated)),
                 b.idx, b.wts, b.sgate, b.h, b.n_union, b.union_e, b.union_mask, b.union_slot,
-                np.int32(held.start), np.int32(held.stop))
+                np.int32(held.start), np.int32(held.stop), *router_args(np, router, experts, correction, k._dummy))
         self._launch("moe_route_kernel", (1,), (MOE_MAX_ROWS * 32,), args, stream)
 
     def topk_rows(self, logits: Any, experts: int, top_k: int, norm_topk: bool, has_shared: bool, idx: Any,
-                  wts: Any, sgate: Any, *, stream: Any = None) -> None:
-        """The prefill router: idx int32 [T, k], wts f32 [T, k], sgate f32 [T] from logits f32 [T, E (+1)]."""
+                  wts: Any, sgate: Any, *, router: Any = None, correction: Any = None, shared_gated: bool = True,
+                  stream: Any = None) -> None:
+        """The prefill router: idx int32 [T, k], wts f32 [T, k], sgate f32 [T] from logits f32 [T, E (+1)];
+        `router`, `correction`, `shared_gated` as route's."""
         np, k = self._np, self.k
         k._f32(logits, "logits", 2)
         t, ld = logits.shape
-        if ld != experts + (1 if has_shared else 0) or not 1 <= top_k <= min(experts, MOE_MAX_K):
+        if ld != experts + (1 if has_shared and shared_gated else 0) or not 1 <= top_k <= min(experts, MOE_MAX_K):
             raise ValueError(f"moe topk: logits width {ld} for {experts} experts, top-{top_k}")
         k._i32(idx, "idx", 2)
         k._shape(idx, "idx", (t, top_k))
@@ -181,7 +231,8 @@ class MoeKernels:
         if t == 0:
             return
         args = (logits, np.int32(ld), np.int32(t), np.int32(experts), np.int32(top_k),
-                np.int32(1 if norm_topk else 0), np.int32(1 if has_shared else 0), idx, wts, sgate)
+                np.int32(1 if norm_topk else 0), np.int32(shared_mode(has_shared, shared_gated)), idx, wts, sgate,
+                *router_args(np, router, experts, correction, k._dummy))
         self._launch("moe_topk_rows_kernel", (-(-t // MOE_TOPK_WARPS),), (32 * MOE_TOPK_WARPS,), args, stream)
 
     def gate_up(self, m: int, w_gate_up: Any, b: RouteBuffers, act: Any, *, first: int = 0,
@@ -260,4 +311,5 @@ class MoeKernels:
             k._aligned(a, name)
 
 
-__all__ = ["MoeKernels", "RouteBuffers", "down_parts", "module_source", "name_expressions"]
+__all__ = ["MoeKernels", "ROUTER_KINDS", "RouteBuffers", "down_parts", "module_source", "name_expressions",
+           "router_args"]

@@ -1,0 +1,215 @@
+"""The CUDA engine's sparse layers (backends/cuda/moe_passes.py) on the CPU, with the MoE kernels replaced by
+NumPy implementations of their documented contracts (kernels/moe.py), each call bound against the real
+`MoeKernels` method's signature: the router kind, its groups, choice correction (kept fp32 on the device),
+routed_scaling_factor and the ungated shared expert reach the kernels, on the glm4_moe fixture (and the
+DeepSeek fixtures in tests/test_cuda_mla_plumbing.py) against the NumPy engine.  Not a test of a kernel:
+tests/gpu/test_moe_cuda.py and tests/gpu/test_mla_cuda.py are."""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+
+from test_cuda_plumbing import FIXTURES, TOL, bf16, f32, fake_engine, rel, rows
+
+moe_kernels = pytest.importorskip("metrale_cli.backends.cuda.kernels.moe")
+from metrale_cli.backends.cuda import moe_passes  # noqa: E402
+from metrale_cli.backends.cuda.projections import Projections  # noqa: E402
+from metrale_cli.backends.numpy.routers import ROUTERS  # noqa: E402
+
+
+def _silu(g):
+    return g / (1 + np.exp(-g))
+
+
+class FakeMoeKernels:
+    """kernels/moe.MoeKernels' contracts in NumPy (the union is not kept: gate_up / down read idx and wts)."""
+
+    def __init__(self, kern):
+        self.k = kern
+        self.calls: list[tuple[str, dict]] = []
+
+    def __getattribute__(self, name):
+        real = getattr(moe_kernels.MoeKernels, name, None)
+        attr = object.__getattribute__(self, name)
+        if callable(real) and not name.startswith("_") and callable(attr) and name != "check_sizes":
+            sig = inspect.signature(real)
+
+            def checked(*args, **kwargs):
+                bound = sig.bind(None, *args, **kwargs)
+                object.__getattribute__(self, "calls").append((name, dict(bound.arguments)))
+                return attr(*args, **kwargs)
+            return checked
+        return attr
+
+    @staticmethod
+    def _choose(logits, experts, top_k, norm_topk, router, correction):
+        from metrale_cli.models.spec import MoeSpec, RouterSpec
+
+        router = router or RouterSpec()
+        moe_kernels.router_args(np, router, experts, correction, None)  # the wrapper's checks
+        spec = MoeSpec(experts, top_k, 8, norm_topk, router=router)
+        corr = None if correction is None else np.asarray(correction, np.float32)
+        idx, w = ROUTERS[router.kind](np.asarray(logits[:, :experts], np.float32), spec, corr)
+        if norm_topk:
+            d = w.sum(-1, keepdims=True)
+            w = w / (d + np.float32(1e-20) if router.kind == "sigmoid_biased_grouped" else d)
+        return idx, w * np.float32(router.routed_scaling_factor)
+
+    def _gate(self, logits, experts, has_shared, shared_gated, n):
+        if not has_shared:
+            return np.zeros(n, np.float32)
+        if not shared_gated:
+            return np.ones(n, np.float32)
+        return 1 / (1 + np.exp(-np.asarray(logits[:, experts], np.float32)))
+
+    def route(self, logits, x, norm_w, eps, experts, top_k, norm_topk, has_shared, b, *, held=None, router=None,
+              correction=None, shared_gated=True, stream=None):
+        m = logits.shape[0]
+        assert logits.shape[1] == experts + (1 if has_shared and shared_gated else 0)
+        if correction is not None:
+            assert correction.dtype == np.float32  # kept fp32 on the device (loading.FP32_KEYS)
+        idx, w = self._choose(logits, experts, top_k, norm_topk, router, correction)
+        b.idx[:m], b.wts[:m] = idx, w
+        b.sgate[:m] = self._gate(logits, experts, has_shared, shared_gated, m)
+        b.h[:m] = self.k._normed(x, norm_w, eps, 0.0)
+
+    def topk_rows(self, logits, experts, top_k, norm_topk, has_shared, idx, wts, sgate, *, router=None,
+                  correction=None, shared_gated=True, stream=None):
+        i, w = self._choose(logits, experts, top_k, norm_topk, router, correction)
+        idx[...], wts[...] = i, w
+        sgate[...] = self._gate(logits, experts, has_shared, shared_gated, logits.shape[0])
+
+    def gate_up(self, m, w_gate_up, b, act, *, first=0, stream=None):
+        k = b.idx.shape[1]
+        inter = w_gate_up.shape[1] // 2
+        for r in range(m):
+            for j in range(k):
+                gu = f32(w_gate_up[b.idx[r, j] - first]) @ b.h[r]
+                act[r * k + j] = _silu(gu[:inter]) * gu[inter:]
+
+    def down(self, m, w_down, b, act, out, *, shared=None, accumulate, first=0, stream=None):
+        k = b.idx.shape[1]
+        y = np.zeros((m, w_down.shape[1]), np.float32)
+        for r in range(m):
+            for j in np.argsort(b.idx[r]):  # experts in increasing order
+                y[r] += b.wts[r, j] * (f32(w_down[b.idx[r, j] - first]) @ act[r * k + j])
+            if shared is not None:
+                y[r] += b.sgate[r] * (f32(shared[0]) @ shared[1][r])
+        out[...] = out + y if accumulate else y
+
+
+def _fake_gemm_experts(self, xb, w, rows, out, used=None):
+    for e in range(w.shape[0]) if used is None else [e for e, _ in used]:
+        out[e * rows:(e + 1) * rows] = f32(xb[e * rows:(e + 1) * rows]) @ f32(w[e]).T
+    return out
+
+
+@contextmanager
+def fake_moe():
+    orig = moe_passes.MoeKernels, Projections.gemm_experts
+    moe_passes.MoeKernels = FakeMoeKernels
+    Projections.gemm_experts = _fake_gemm_experts
+    try:
+        yield
+    finally:
+        moe_passes.MoeKernels, Projections.gemm_experts = orig
+
+
+def cpu_engine(name: str, ctx: int = 64):
+    """The NumPy engine on the weights the CUDA engine holds: bf16-rounded, the router's correction kept fp32."""
+    from metrale_cli.backends.numpy.engine import NumpyEngine, read_weights
+    from metrale_cli.checkpoint import Checkpoint
+    from metrale_cli.config import load_config
+
+    cfg = load_config(FIXTURES / name)
+    w = read_weights(cfg, Checkpoint.open(FIXTURES / name))
+    r = lambda a: f32(bf16(a))  # noqa: E731
+    w.embed, w.final_norm, w.lm_head = r(w.embed), r(w.final_norm), r(w.lm_head)
+    w.layers = [{k: v if k == "router_correction" else r(v) for k, v in lw.items()} for lw in w.layers]
+    return NumpyEngine(cfg, w, ctx, fp32_logits=True)
+
+
+def routing(e, fn) -> np.ndarray:
+    """The chosen experts [layers, T, k] (sorted per row) of the sparse layers while fn() runs on engine e."""
+    from metrale_cli.engine.observe import tapping
+
+    got = []
+    with tapping(e, lambda name, x: got.append(np.sort(np.array(x), -1)) if name.endswith("top_k_index") else None):
+        fn()
+    return np.stack(got)
+
+
+def first_flip(a: np.ndarray, b: np.ndarray) -> int:
+    """The first row whose experts differ in some sparse layer (the row count when none): the bf16 KV cache
+    moves the router's inputs by ~1e-3, which flips a near tie, and a flipped row differs by much more."""
+    differ = np.nonzero((a != b).any(axis=(0, 2)))[0]
+    return int(differ[0]) if len(differ) else a.shape[1]
+
+
+def run_both(name, plen, steps=8, fakes=fake_moe):
+    """(prefill rel err over the rows before the first routing flip, decode rel err likewise, the calls of the MoE,
+    MLA and other kernels)
+    of the CUDA engine's Python side against the NumPy engine; a prompt whose first row flips is redrawn."""
+    rng = np.random.default_rng()
+    for _ in range(6):
+        prompt = [int(t) for t in rng.integers(0, 300, plen)]
+        cpu = cpu_engine(name)
+        with fakes(), fake_engine(name) as gpu:
+            ra = routing(gpu, lambda: gpu.prefill(prompt, all_logits=True))
+            rb = routing(cpu, lambda: cpu.prefill(prompt, all_logits=True))
+            n = first_flip(ra, rb)
+            if n == 0:
+                continue
+            err = rel(rows(gpu, gpu.logits_buffer_ptr(), plen)[:n], rows(cpu, cpu.logits_buffer_ptr(), plen)[:n])
+            a, b = [], []
+            for t in [int(t) for t in rng.integers(0, 300, steps)] if n == plen else []:
+                ga = routing(gpu, lambda: gpu.decode(t))
+                ca = routing(cpu, lambda: cpu.decode(t))
+                if first_flip(ga, ca) == 0:
+                    break
+                a.append(rows(cpu, cpu.decode_logits_ptr(), 1)[0])
+                b.append(rows(gpu, gpu.decode_logits_ptr(), 1)[0])
+            calls = (list(gpu.moe.kern.calls) + (list(gpu.states["mla"].kern.calls) if "mla" in gpu.states else [])
+                     + [(n, {}) for n in gpu.kern.calls])
+        return err, (rel(np.stack(b), np.stack(a)) if a else 0.0), calls
+    raise AssertionError("six prompts in a row routed differently from their first row")
+
+
+@pytest.mark.parametrize("plen", [12, 20])  # the rows path (<= 16 rows) and the prefill path
+def test_glm4_moe_routing_reaches_the_kernels_and_matches_the_numpy_engine(plen):
+    err, derr, calls = run_both("glm4_moe", plen)
+    print(f"glm4_moe T={plen}: prefill {err:.2e}, decode {derr:.2e}")
+    assert err < TOL and derr < TOL
+    routes = [a for n, a in calls if n in ("route", "topk_rows")]
+    assert routes and all(a["router"].kind == "sigmoid_biased_grouped" and a["correction"] is not None
+                          and a["shared_gated"] is False for a in routes)
+    # the rows path's route kernel and experts, or the prefill's top-k (decode steps may follow it, after a routing
+    # flip they are not run)
+    assert {n for n, _ in calls} >= ({"topk_rows"} if plen > 16 else {"route", "gate_up", "down"})
+
+
+def test_the_correction_stays_fp32_on_the_device():
+    with fake_moe(), fake_engine("glm4_moe") as gpu:
+        sparse = [lw for lw in gpu.w.layers if "router_correction" in lw]
+        assert sparse and all(lw["router_correction"].dtype == np.float32 for lw in sparse)
+        assert all(lw["router"].dtype == np.uint16 for lw in sparse)  # the rest stays bf16
+
+
+@pytest.mark.parametrize("kind,groups", [("softmax_topk", (1, 1)), ("sigmoid_biased_grouped", (4, 2)),
+                                         ("softmax_group_limited", (8, 3))])
+def test_router_args_follow_the_kind(kind, groups):
+    from metrale_cli.models.spec import RouterSpec
+
+    r = RouterSpec(kind, n_group=groups[0], topk_group=groups[1], routed_scaling_factor=2.5)
+    corr = np.zeros(64, np.float32) if kind == "sigmoid_biased_grouped" else None
+    args = moe_kernels.router_args(np, r, 64, corr, "dummy")
+    assert [int(args[0]), int(args[1]), int(args[2]), float(args[3]), int(args[5])] == [
+        moe_kernels.ROUTER_KINDS[kind], *(groups if kind != "softmax_topk" else (1, 1)), 2.5, corr is not None]
+    if kind != "softmax_topk":
+        with pytest.raises(ValueError, match="groups"):
+            moe_kernels.router_args(np, RouterSpec(kind, n_group=64, topk_group=2), 4096, None, "dummy")
+    assert moe_kernels.MoeKernels.check_sizes(64, 4, 8, n_group=33).startswith("n_group 33")
