@@ -133,13 +133,16 @@ class FakeMoe(Bound):
             sgate[...] = sigmoid(lg[:, experts])
 
     def route(self, logits, x, norm_w, eps, experts, top_k, norm_topk, has_shared, b, *, held=None, norm_offset=0.0,
-              stream=None):
+              router=None, correction=None, shared_gated=True, stream=None):
+        assert (router is None or router.kind == "softmax_topk") and shared_gated  # these families' routing
         m = logits.shape[0]
         self._topk(logits, experts, top_k, norm_topk, has_shared, b.idx[:m], b.wts[:m], b.sgate[:m])
         x = np.asarray(x, np.float32)
         b.h[:m] = (f32(norm_w) + np.float32(norm_offset)) * (x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps))
 
-    def topk_rows(self, logits, experts, top_k, norm_topk, has_shared, idx, wts, sgate, *, stream=None):
+    def topk_rows(self, logits, experts, top_k, norm_topk, has_shared, idx, wts, sgate, *, router=None,
+                  correction=None, shared_gated=True, stream=None):
+        assert (router is None or router.kind == "softmax_topk") and shared_gated
         self._topk(logits, experts, top_k, norm_topk, has_shared, idx, wts, sgate)
 
     def gate_up(self, m, w_gate_up, b, act, *, first=0, stream=None):

@@ -66,8 +66,8 @@ class FakeMoeKernels:
             return np.ones(n, np.float32)
         return 1 / (1 + np.exp(-np.asarray(logits[:, experts], np.float32)))
 
-    def route(self, logits, x, norm_w, eps, experts, top_k, norm_topk, has_shared, b, *, held=None, router=None,
-              correction=None, shared_gated=True, stream=None):
+    def route(self, logits, x, norm_w, eps, experts, top_k, norm_topk, has_shared, b, *, held=None, norm_offset=0.0,
+              router=None, correction=None, shared_gated=True, stream=None):
         m = logits.shape[0]
         assert logits.shape[1] == experts + (1 if has_shared and shared_gated else 0)
         if correction is not None:
@@ -75,7 +75,7 @@ class FakeMoeKernels:
         idx, w = self._choose(logits, experts, top_k, norm_topk, router, correction)
         b.idx[:m], b.wts[:m] = idx, w
         b.sgate[:m] = self._gate(logits, experts, has_shared, shared_gated, m)
-        b.h[:m] = self.k._normed(x, norm_w, eps, 0.0)
+        b.h[:m] = self.k._normed(x, norm_w, eps, norm_offset)
 
     def topk_rows(self, logits, experts, top_k, norm_topk, has_shared, idx, wts, sgate, *, router=None,
                   correction=None, shared_gated=True, stream=None):
