@@ -111,7 +111,7 @@ def test_moe_route_launches_take_the_router_kind(kern, kind, groups, corr, share
         assert int(kind_code) == moe.ROUTER_KINDS[kind] and float(scaling) == 2.5 and int(use) == corr
         assert (int(n_group), int(topk_group)) == (groups if kind != "softmax_topk" else (1, 1))
         assert (ptr is c) if corr else ptr is kern._dummy
-X
+    shared_mode = int(calls[0][1][11])  # route's has_shared (after the norm offset and eps)
     assert shared_mode == (1 if shared_gated else 2)
     with pytest.raises(ValueError, match="logits width"):
         mk.route(f32(m, e + 1 - shared_gated), f32(m, hidden), bf16(hidden), 1e-6, e, k, True, True, b, router=router,
