@@ -41,15 +41,10 @@ class NumpyFp8Kernels:
         s = np.repeat(np.repeat(np.asarray(scale), srow, 0)[:q.shape[0]], bk, 1)[:, :q.shape[1]]
         return q * s
 
-    def gemv(self, x, w, scale, srow, bk, out, bias=None, *, accumulate=False, norm_weight=None, eps=1e-6,
-             norm_offset=0.0, stream=None):
+    def gemv(self, x, w, scale, srow, bk, out, bias=None, *, accumulate=False, stream=None):
         assert 1 <= x.shape[0] <= 16 and w.shape[1] % 16 == 0 and bk % 16 == 0
         self.calls.append(("gemv", srow, bk))
-        x = np.asarray(x, np.float32)
-        if norm_weight is not None:  # the fused RMSNorm prologue
-            nw = (np.asarray(norm_weight).astype(np.uint32) << 16).view(np.float32) + np.float32(norm_offset)
-            x = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps)) * nw
-        y = x @ self._weight(w, scale, srow, bk).T
+        y = np.asarray(x, np.float32) @ self._weight(w, scale, srow, bk).T
         if bias is not None:
             y += (np.asarray(bias).astype(np.uint32) << 16).view(np.float32)
         out[...] = y + out if accumulate else y

@@ -58,21 +58,6 @@ def test_gemv_matches_the_definition(cp, fp8k, rng, m, n, k, srow, bk):
     assert not np.array_equal(out.get(), start)
 
 
-@pytest.mark.parametrize("m", [1, 5])
-def test_gemv_with_the_fused_rmsnorm(cp, fp8k, rng, m):
-    n, k = 384, 1024
-    q = e4m3(rng, (n, k))
-    scale = np.exp(rng.uniform(-12, -6, (3, 8))).astype(np.float32)
-    x = (rng.standard_normal((m, k)) * 4).astype(np.float32)
-    nw = rng.uniform(0.5, 1.5, k).astype(ml_dtypes.bfloat16)
-    xn = x / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True) + 1e-5) * (nw.astype(np.float64) + 1.0)
-    want = xn @ (q.astype(np.float64) * expanded(scale, 128, 128, n, k)).T
-    out = cp.zeros((m, n), cp.float32)
-    fp8k.gemv(cp.asarray(x), cp.asarray(q.view(np.uint8)), cp.asarray(scale), 128, 128, out,
-              norm_weight=cp.asarray(nw.view(np.uint16)), eps=1e-5, norm_offset=1.0)
-    assert rel(out.get(), want) < 1e-5
-
-
 def test_gemv_replays_in_a_cuda_graph(cp, fp8k, rng):
     n, k = 512, 1024
     q, scale = e4m3(rng, (n, k)), np.exp(rng.uniform(-10, -6, (4, 8))).astype(np.float32)

@@ -72,17 +72,20 @@ def _concat(parts: list[Fp8Weight], cp) -> Fp8Weight:
 
 def _linear(proj, x, w: Fp8Weight, out, bias=None, *, accumulate=False, swiglu=False, norm_weight=None, eps=1e-6,
             norm_offset=0.0, activation="silu") -> None:
-    """The rows path: the FP8 GEMV (the RMSNorm of x fused in its prologue when given), and with swiglu the gate
-    activation of its [gate, up] output."""
+    """The rows path: the RMSNorm of x (when given) into a scratch row block, the FP8 GEMV, and with swiglu the
+    gate activation of its [gate, up] output."""
     kern, s = proj.kern, proj.stream
+    if norm_weight is not None:
+        xn = proj.scratch("fp8_norm", x.shape)
+        kern.rmsnorm(x, norm_weight, eps, xn, offset=norm_offset, stream=s)
+        x = xn
     fp8 = _kernels(kern)
-    norm = dict(norm_weight=norm_weight, eps=eps, norm_offset=norm_offset)
     if swiglu:
         y = proj.scratch("fp8_gate_up", (x.shape[0], w.shape[0]))
-        fp8.gemv(x, w.data, w.scale, w.srow, w.bk, y, bias, stream=s, **norm)
+        fp8.gemv(x, w.data, w.scale, w.srow, w.bk, y, bias, stream=s)
         kern.swiglu(y, out, activation=activation, stream=s)
     else:
-        fp8.gemv(x, w.data, w.scale, w.srow, w.bk, out, bias, accumulate=accumulate, stream=s, **norm)
+        fp8.gemv(x, w.data, w.scale, w.srow, w.bk, out, bias, accumulate=accumulate, stream=s)
 
 
 def _gemm(proj, x, w: Fp8Weight, bias=None, accumulate_into=None):

@@ -15,6 +15,7 @@
 #include "common.cu"
 
 #define FP8_WARPS 4
+#define FP8_U 2
 
 // Two e4m3 values (low byte first) as two floats, exactly.
 __device__ __forceinline__ float2 e4m3x2_to_f32(unsigned short v) {
@@ -44,15 +45,11 @@ __device__ __forceinline__ void e4m3x16_scaled(const uint4& q, float s, float (&
 // A warp owns R consecutive output rows; lane l walks the 16-byte chunks l, l + 32, ... of all R rows (FP8_U
 // chunks of each in flight).  Each chunk's weights are widened and scaled once and used for every row of x,
 // and each x chunk is loaded once for the R weight rows.
-// NORM: x is the un-normalised residual stream and the kernel computes rmsnorm(x) @ w^T as gemv.cu's NORM does:
-// x times the bf16 norm weight (+ norm_offset) as it is loaded, the sum of squares of each row accumulated from
-// the same loads (every warp reads all of x), inv_rms applied to the reduced sums.
-template <int M, int R, int U, bool NORM>
+template <int M, int R>
 __global__ void __launch_bounds__(FP8_WARPS * 32)
 gemv_fp8_kernel(const float* __restrict__ x, const uint4* __restrict__ w, const float* __restrict__ scale,
                 const unsigned short* __restrict__ bias, float* __restrict__ out, int N, int K, int srow, int bk,
-                int KB, int accumulate, int has_bias, const unsigned short* __restrict__ norm_w, float eps,
-                float norm_offset) {
+                int KB, int accumulate, int has_bias) {
     const int lane = threadIdx.x & 31;
     const int n0 = (blockIdx.x * FP8_WARPS + (threadIdx.x >> 5)) * R;
     if (n0 >= N) return;  // whole warp; no block barrier below
@@ -69,45 +66,31 @@ gemv_fp8_kernel(const float* __restrict__ x, const uint4* __restrict__ w, const 
     // PDL (common.cu): pull this warp's first weight chunks into L2 while the kernel that wrote x finishes; x and
     // out are touched only after pdl_wait.
 #pragma unroll
-    for (int u = 0; u < U; ++u)
+    for (int u = 0; u < FP8_U; ++u)
 #pragma unroll
         for (int r = 0; r < R; ++r)
             if (lane + 32 * u < C) prefetch_l2(rows[r] + lane + 32 * u);
     pdl_wait();
     pdl_trigger();
     float acc[R][M];
-    float ss[M];
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-        ss[m] = 0.f;
+    for (int r = 0; r < R; ++r)
 #pragma unroll
-        for (int r = 0; r < R; ++r) acc[r][m] = 0.f;
-    }
-    for (int c0 = lane; c0 < C; c0 += 32 * U) {
-        uint4 wv[U][R];
+        for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
+    for (int c0 = lane; c0 < C; c0 += 32 * FP8_U) {
+        uint4 wv[FP8_U][R];
 #pragma unroll
-        for (int u = 0; u < U; ++u)
+        for (int u = 0; u < FP8_U; ++u)
 #pragma unroll
             for (int r = 0; r < R; ++r)
                 if (c0 + 32 * u < C) wv[u][r] = ld_stream_u4(rows[r] + c0 + 32 * u);
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
+        for (int u = 0; u < FP8_U; ++u) {
             const int c = c0 + 32 * u;
             if (c >= C) break;
             float wf[R][16];
 #pragma unroll
             for (int r = 0; r < R; ++r) e4m3x16_scaled(wv[u][r], __ldg(scales[r] + c / chunks_per_block), wf[r]);
-            float nw[16];
-            if constexpr (NORM) {
-                const uint4* np = reinterpret_cast<const uint4*>(norm_w) + 2 * c;
-                const uint4 g0 = __ldg(np), g1 = __ldg(np + 1);
-                const unsigned int gw[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    nw[2 * j] = bf16_lo(gw[j]) + norm_offset;
-                    nw[2 * j + 1] = bf16_hi(gw[j]) + norm_offset;
-                }
-            }
 #pragma unroll
             for (int m = 0; m < M; ++m) {
                 const float4* xp = reinterpret_cast<const float4*>(x + (u64)m * K) + 4 * c;
@@ -120,26 +103,11 @@ gemv_fp8_kernel(const float* __restrict__ x, const uint4* __restrict__ w, const 
                     xv[4 * j + 2] = v.z;
                     xv[4 * j + 3] = v.w;
                 }
-                if constexpr (NORM) {
-#pragma unroll
-                    for (int j = 0; j < 16; ++j) {
-                        ss[m] = fmaf(xv[j], xv[j], ss[m]);
-                        xv[j] *= nw[j];
-                    }
-                }
 #pragma unroll
                 for (int r = 0; r < R; ++r)
 #pragma unroll
                     for (int j = 0; j < 16; ++j) acc[r][m] = fmaf(wf[r][j], xv[j], acc[r][m]);
             }
-        }
-    }
-    if constexpr (NORM) {
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-            const float inv = rsqrtf(warp_sum(ss[m]) / (float)K + eps);
-#pragma unroll
-            for (int r = 0; r < R; ++r) acc[r][m] *= inv;  // a per-row scalar: applied to the partial sums
         }
     }
 #pragma unroll

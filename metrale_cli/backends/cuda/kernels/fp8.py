@@ -15,15 +15,14 @@ FP8_WARPS = 4  # must match fp8.cu
 
 
 
-def config(m: int) -> tuple[int, int]:
-    """(R, U) for M rows of x: weight rows a warp owns and 16-byte chunks of each in flight per lane. x chunks are
-    shared by more weight rows when x has few rows (registers: R x 16 widened weights and R x M sums)."""
-    return (4, 2) if m <= 4 else (2, 2)
+def rows_per_warp(m: int) -> int:
+    """Weight rows a warp owns for M rows of x: x chunks are shared by more rows when they are few (registers:
+    R x 16 widened weights and R x M sums)."""
+    return 4 if m <= 4 else 2
 
 
-def gemv_name(m: int, norm: bool = False, r: int | None = None, u: int | None = None) -> str:
-    dr, du = config(m)
-    return f"gemv_fp8_kernel<{m}, {r or dr}, {u or du}, {'true' if norm else 'false'}>"
+def gemv_name(m: int) -> str:
+    return f"gemv_fp8_kernel<{m}, {rows_per_warp(m)}>"
 
 
 def module_source() -> str:
@@ -33,7 +32,7 @@ def module_source() -> str:
 
 
 def name_expressions() -> tuple[str, ...]:
-    return tuple(gemv_name(m, norm) for m in range(1, 17) for norm in (False, True))
+    return tuple(gemv_name(m) for m in range(1, 17))
 
 
 PLAIN = ("dequant_fp8_bf16_kernel",)
@@ -79,11 +78,9 @@ class Fp8Kernels:
         return n, kk, kb
 
     def gemv(self, x: Any, w: Any, scale: Any, srow: int, bk: int, out: Any, bias: Any = None, *,
-             accumulate: bool = False, norm_weight: Any = None, eps: float = 1e-6, norm_offset: float = 0.0,
-             stream: Any = None) -> None:
+             accumulate: bool = False, stream: Any = None) -> None:
         """out[M, N] (=|+=) x[M, K] @ (w * scale)^T (+ bias): x f32, w e4m3 bytes uint8 [N, K], scale f32
-        [ceil(N / srow), ceil(K / bk)], bias bf16 [N] or None, out f32 [M, N]; 1 <= M <= 16. With norm_weight
-        (bf16 [K]): x is first RMS-normalised with it (eps, norm_offset added to the weight in fp32), fused."""
+        [ceil(N / srow), ceil(K / bk)], bias bf16 [N] or None, out f32 [M, N]; 1 <= M <= 16."""
         k, np = self.k, self._np
         n, kk, kb = self._weight(w, scale, srow, bk)
         k._f32(x, "x", 2)
@@ -97,15 +94,10 @@ class Fp8Kernels:
         if bias is not None:
             k._bf16(bias, "bias", 1)
             k._shape(bias, "bias", (n,))
-        if norm_weight is not None:
-            k._bf16(norm_weight, "norm_weight", 1)
-            k._shape(norm_weight, "norm_weight", (kk,))
-        r, _ = config(m)
-        grid = (-(-n // (FP8_WARPS * r)),)
+        grid = (-(-n // (FP8_WARPS * rows_per_warp(m))),)
         args = (x, w, scale, bias if bias is not None else out, out, np.int32(n), np.int32(kk), np.int32(srow),
-                np.int32(bk), np.int32(kb), np.int32(bool(accumulate)), np.int32(bias is not None),
-                norm_weight if norm_weight is not None else out, np.float32(eps), np.float32(norm_offset))
-        self._launch(gemv_name(m, norm_weight is not None), grid, (FP8_WARPS * 32,), args, stream)
+                np.int32(bk), np.int32(kb), np.int32(bool(accumulate)), np.int32(bias is not None))
+        self._launch(gemv_name(m), grid, (FP8_WARPS * 32,), args, stream)
 
     def dequant_bf16(self, w: Any, scale: Any, srow: int, bk: int, out: Any, *, stream: Any = None) -> None:
         """out = bf16(e4m3(w) * scale of its block) [N, K], round to nearest even (the prefill path's weight)."""
