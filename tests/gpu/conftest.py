@@ -7,6 +7,10 @@ from __future__ import annotations
 import os
 import secrets
 
+# The GPU tests are what verifies the CUDA code that is refused elsewhere until it has run on a GPU
+# (backends/cuda/loading.unverified_features).
+os.environ.setdefault("METRALE_CUDA_UNVERIFIED", "1")
+
 import numpy as np
 import pytest
 
