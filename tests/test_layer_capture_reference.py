@@ -52,10 +52,12 @@ def test_layers_equal_transformers_hidden_states(name):
     assert len(hs) == L + 1
     pairs = [("model.embed_tokens", hs[0])] + [(f"model.layers.{i}", hs[i + 1]) for i in range(L - 1)]
     pairs.append(("model.norm", hs[L]))
+    # Gated DeltaNet layers: both chunked rules' fp32 roundings reach 1.1e-5 on some draws (tests/test_reference_linear.py)
+    bound = 2e-5 if any(layer.mixer.kind == "linear_attention" for layer in m.config.definition.layers) else 1e-5
     for key, ref in pairs:
         ref = ref[0].numpy()
         err = np.abs(got[key] - ref).max() / np.abs(ref).max()
-        assert err < 1e-5, f"{name} {key}: rel err {err:.2e}"
+        assert err < bound, f"{name} {key}: rel err {err:.2e}"
     # what the README says: the last layer's residual stream is not hidden_states[L] (that is after the norm)
     last, after_norm = got[f"model.layers.{L - 1}"], hs[L][0].numpy()
     assert np.abs(last - after_norm).max() / np.abs(after_norm).max() > 1e-2, name
