@@ -16,7 +16,8 @@ import pytest
 
 from metrale_cli.models.quantized.fp8 import quantize_groups
 
-from test_quantized_fp8 import FIXTURES, engine, quantize_llama, rel_err, rows
+from golden_parity import FIXTURES, engine, rel_err, rows
+from test_quantized_fp8 import quantize_llama
 
 
 def reference_groups(x: np.ndarray, group: int, ue8m0: bool = False) -> np.ndarray:

@@ -16,7 +16,7 @@ from metrale_cli.checkpoint import Checkpoint
 from metrale_cli.config import load_config
 from metrale_cli.models import formats
 
-from test_quantized_fp8 import FIXTURES, engine, golden, rel_err, rows
+from golden_parity import FIXTURES, engine, golden, rel_err, rows
 
 MXFP4 = FIXTURES / "models" / "gpt_oss_mxfp4"
 

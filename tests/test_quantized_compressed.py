@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from metrale_cli import decoding
 from metrale_cli.checkpoint import Checkpoint
 from metrale_cli.config import load_config
 from metrale_cli.errors import CheckpointError
 from metrale_cli.model import open_model
+
+from golden_parity import check_greedy, check_prefill, check_verify_and_trim, engine, rel_err, rows
 from metrale_cli.models import formats
 from metrale_cli.models.quantized import compressed_tensors as ct
 
@@ -31,26 +32,8 @@ MODELS = ["llama_ct_fp8_channel", "qwen3_ct_fp8_tensor", "llama_ct_fp8_block", "
           "llama_ct_nvfp4"]
 
 
-def golden(name: str):
-    return np.load(FIXTURES / "golden" / f"{name}.npz")
 
 
-def engine(path: Path | str, ctx: int = 64):
-    path = FIXTURES / "models" / path if isinstance(path, str) else path
-    return open_model(path, device="cpu", max_context=ctx, fp32_logits=True).engine
-
-
-def rel_err(out, ref) -> float:
-    return float(np.max(np.abs(np.asarray(out, np.float64) - ref)) / np.max(np.abs(ref)))
-
-
-def rows(e, ptr, n: int) -> np.ndarray:
-    out = []
-    for i in range(n):
-        buf = bytearray(e.row_nbytes(ptr.row_ptr(i)))
-        e.copy_logits_to_host(ptr.row_ptr(i), buf)
-        out.append(np.frombuffer(buf, np.float32))
-    return np.stack(out)
 
 
 def formats_by_key(name: str) -> dict[tuple[int, str], str | None]:
@@ -79,46 +62,18 @@ def test_fixtures_store_what_their_configs_say():
 
 @pytest.mark.parametrize("name", MODELS)
 def test_prefill_logits_match_transformers(name):
-    g = golden(name)
-    e = engine(name)
-    n = e.prefill(g["prompt"], all_logits=True)
-    err = rel_err(rows(e, e.logits_buffer_ptr(), n), g["prefill_logits"])
-    print(f"{name}: prefill max|diff|/max|ref| = {err:.2e}")
-    assert err <= 1e-5
-    assert rel_err(e.copy_hidden_to_host(), g["hidden_after_norm"]) <= 1e-5
+    check_prefill(name)
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_32_greedy_steps_match_generate(name):
-    g = golden(name)
-    res = decoding.run_decode(engine(name), list(g["prompt"]), 32, keep_rows=True)
-    assert [s.token for s in res.steps] == list(g["greedy_tokens"])
-    assert rel_err(res.rows.array(), g["greedy_logits"]) <= 1e-5
+    check_greedy(name)
 
 
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("k", [1, 5])
 def test_verify_rows_equal_sequential_decode_and_trim(name, k):
-    rng = np.random.default_rng()
-    prompt = list(golden(name)["prompt"])
-    e = engine(name)
-    drafts = [int(t) for t in rng.integers(0, e.vocab_size(), k)]
-    e.prefill(prompt)
-    seq = []
-    for t in drafts:
-        e.decode(t)
-        seq.append(rows(e, e.decode_logits_ptr(), 1)[0])
-    e.reset()
-    e.prefill(prompt)
-    e.verify(drafts)
-    assert rel_err(rows(e, e.logits_buffer_ptr(), k), np.stack(seq)) <= 1e-5
-    keep = int(rng.integers(0, k + 1))
-    e.trim(len(prompt) + keep)
-    e.decode(7)
-    fresh = engine(name)
-    fresh.prefill(prompt + drafts[:keep])
-    fresh.decode(7)
-    assert rel_err(rows(e, e.decode_logits_ptr(), 1)[0], rows(fresh, fresh.decode_logits_ptr(), 1)[0]) <= 1e-5
+    check_verify_and_trim(name, k)
 
 
 def metrale_weights(path: Path) -> dict[str, np.ndarray]:

@@ -1,0 +1,82 @@
+"""Helpers of the goldens-based parity tests (a fixture checkpoint against transformers' outputs saved by a fixture
+script): reading a golden, building the NumPy engine, reading logits rows back through ModelLogits, and the three
+checks every family and format runs (prefill, 32 greedy steps, verify == sequential decode then trim)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from metrale_cli import decoding
+from metrale_cli.model import open_model
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def golden(name: str):
+    return np.load(FIXTURES / "golden" / f"{name}.npz")
+
+
+def engine(path: Path | str, ctx: int = 64):
+    path = FIXTURES / "models" / path if isinstance(path, str) else path
+    return open_model(path, device="cpu", max_context=ctx, fp32_logits=True).engine
+
+
+def rel_err(out, ref) -> float:
+    return float(np.max(np.abs(np.asarray(out, np.float64) - ref)) / np.max(np.abs(ref)))
+
+
+def rows(e, ptr, n: int) -> np.ndarray:
+    """n logits rows read through ModelLogits as fp32."""
+    out = []
+    for i in range(n):
+        buf = bytearray(e.row_nbytes(ptr.row_ptr(i)))
+        e.copy_logits_to_host(ptr.row_ptr(i), buf)
+        out.append(np.frombuffer(buf, np.float32))
+    return np.stack(out)
+
+
+def check_prefill(name: str, tol: float = 1e-5) -> float:
+    """Every prefill row and the post-norm hidden state against the golden; returns the logits' error."""
+    g = golden(name)
+    e = engine(name)
+    n = e.prefill(g["prompt"], all_logits=True)
+    err = rel_err(rows(e, e.logits_buffer_ptr(), n), g["prefill_logits"])
+    print(f"{name}: prefill max|diff|/max|ref| = {err:.2e}")
+    assert err <= tol
+    assert rel_err(e.copy_hidden_to_host(), g["hidden_after_norm"]) <= tol
+    return err
+
+
+def check_greedy(name: str, tol: float = 1e-5) -> None:
+    """32 greedy tokens equal transformers' generate, their rows within tol."""
+    g = golden(name)
+    res = decoding.run_decode(engine(name), list(g["prompt"]), 32, keep_rows=True)
+    assert [s.token for s in res.steps] == list(g["greedy_tokens"])
+    assert rel_err(res.rows.array(), g["greedy_logits"]) <= tol
+
+
+def check_verify_and_trim(name: str, k: int, tol: float = 1e-5) -> None:
+    """k fresh random drafts verified in one pass give the rows of decoding them one by one; a trim to a random
+    kept count then decodes as a fresh run of the kept tokens."""
+    rng = np.random.default_rng()
+    prompt = list(golden(name)["prompt"])
+    e = engine(name)
+    drafts = [int(t) for t in rng.integers(0, e.vocab_size(), k)]
+    e.prefill(prompt)
+    seq = []
+    for t in drafts:
+        e.decode(t)
+        seq.append(rows(e, e.decode_logits_ptr(), 1)[0])
+    e.reset()
+    e.prefill(prompt)
+    e.verify(drafts)
+    assert rel_err(rows(e, e.logits_buffer_ptr(), k), np.stack(seq)) <= tol
+    keep = int(rng.integers(0, k + 1))
+    e.trim(len(prompt) + keep)
+    e.decode(7)
+    fresh = engine(name)
+    fresh.prefill(prompt + drafts[:keep])
+    fresh.decode(7)
+    assert rel_err(rows(e, e.decode_logits_ptr(), 1)[0], rows(fresh, fresh.decode_logits_ptr(), 1)[0]) <= tol
