@@ -20,6 +20,7 @@ from ...engine.ops import Route
 from ...models.spec import MoeSpec
 from .ops import keep, sigmoid
 from .routers import ROUTERS
+from .stored import matmul
 
 
 def route(h: np.ndarray, w_router: np.ndarray, spec: MoeSpec, bias: np.ndarray | None = None,
@@ -27,7 +28,7 @@ def route(h: np.ndarray, w_router: np.ndarray, spec: MoeSpec, bias: np.ndarray |
     """The router on normed rows h [T, H]; w_router [E (+1), H], the extra row the shared expert's gate;
     `bias` [E] the router's bias, `correction` [E] the choice correction of sigmoid_biased_grouped. Under
     bf16 rounding (`r`) the logits are rounded, the routing computed in fp32 and its weights rounded."""
-    logits = r(h @ w_router.T if bias is None else h @ w_router.T + np.concatenate(
+    logits = r(matmul(h, w_router) if bias is None else matmul(h, w_router) + np.concatenate(
         [bias, np.zeros(w_router.shape[0] - len(bias), np.float32)]))  # [T, E (+1)]
     router_logits = logits[:, :spec.num_experts]
     index, weights = ROUTERS[spec.router.kind](router_logits, spec, correction)
@@ -60,7 +61,7 @@ def experts(h: np.ndarray, route: Route, w_gate_up: np.ndarray, w_down: np.ndarr
             continue
         tokens = pairs // k  # distinct: top-k indices of one row are distinct
         b_gu, b_down = (None, None) if bias is None else (bias[0][e], bias[1][e])
-        out = gated(h[tokens], w_gate_up[e], glu, b_gu, r) @ w_down[e].T
+        out = matmul(gated(h[tokens], w_gate_up[e], glu, b_gu, r), w_down[e])
         out = r(out if b_down is None else out + b_down)
         y[tokens] = r(y[tokens] + r(out * route.top_k_weights.reshape(-1)[pairs][:, None]))
     return y
@@ -69,5 +70,5 @@ def experts(h: np.ndarray, route: Route, w_gate_up: np.ndarray, w_down: np.ndarr
 def gated(h: np.ndarray, w_gate_up: np.ndarray, glu: Callable[[np.ndarray], np.ndarray],
           bias: np.ndarray | None = None, r=keep) -> np.ndarray:
     """glu(h @ [gate; up].T (+ bias)) [T, I] with w_gate_up = [gate; up] [2I, H] (ops.glu)."""
-    gu = h @ w_gate_up.T
+    gu = matmul(h, w_gate_up)
     return glu(r(gu if bias is None else gu + bias))

@@ -1,0 +1,135 @@
+"""Weights as the checkpoint stores them, multiplied in fp32: the NumPy engine's projection weights.
+
+A BF16 or F16 checkpoint's projections stay in their 2 bytes an element (`StoredWeight`, BF16 as its uint16
+bit patterns, memory-mapped or fused at load); a product widens a block of rows at a time to fp32 inside the
+projection (kernels.py), so only the stored bytes cross memory and the products and sums are the fp32 ones
+of today's `x @ fp32(w).T`, in another order. F32 weights stay plain fp32 arrays (NumPy's BLAS reads them
+as stored already).
+
+`matmul(x, w)`, `rows(table, ids)` and `dense(w)` take either kind, so the engine's ops and each mixer's
+module never ask which one a weight is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import kernels
+
+# The engine weights multiplied as x @ w.T (or looked up by rows: the embedding): only these are kept as
+# stored; every other weight (norms, biases, convolutions, gates' vectors) is read as fp32.
+PROJECTIONS = frozenset({
+    "qkv", "o", "gate_up", "down", "q", "q_a", "q_b", "kv_a", "kv_b", "lin_in", "lin_out", "router",
+    "shared_gate_up", "shared_down", "experts_gate_up", "experts_down", "embed", "lm_head",
+})
+SMALL_M = 16  # up to this many rows: the fused kernel; more: blocks widened to fp32 for BLAS
+BLOCK_BYTES = 1 << 21  # the fp32 block of weight rows one BLAS product reads (about L2-sized)
+
+
+class StoredWeight:
+    """A weight [..., N, K] kept as stored: `kind` "bf16" (`data` its uint16 bit patterns) or "f16"."""
+
+    def __init__(self, data: np.ndarray, kind: str) -> None:
+        if kind not in ("bf16", "f16"):
+            raise ValueError(f"unknown stored kind {kind!r}")
+        self.data, self.kind = data, kind
+
+    @classmethod
+    def of(cls, a: np.ndarray) -> StoredWeight | np.ndarray:
+        """A stored array as the engine keeps it: uint16 (bf16 bits) and float16 wrapped, fp32 as it is."""
+        if a.dtype == np.uint16:
+            return cls(a, "bf16")
+        if a.dtype == np.float16:
+            return cls(a, "f16")
+        return a
+
+    # -- the array surface the loader, the sharding plan and the tests use ---------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.data.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.data.ndim
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    dtype = np.dtype(np.float32)  # the values it stands for
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index) -> StoredWeight:
+        """Rows, columns or one expert of the weight, still stored (a view where NumPy gives one)."""
+        return StoredWeight(self.data[index], self.kind)
+
+    def reshape(self, *shape) -> StoredWeight:
+        return StoredWeight(self.data.reshape(*shape), self.kind)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = widen(self.data, self.kind)
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+    def __repr__(self) -> str:
+        return f"StoredWeight({self.kind}, shape={self.shape})"
+
+    # -- the products -------------------------------------------------------------------------------
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        """x [M, K] fp32 @ self.T -> [M, N] fp32, the weight widened inside the product."""
+        if self.data.ndim != 2:
+            raise ValueError(f"matmul needs a 2-D weight, this one is {self.shape}")
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        w = self.data
+        n, k = w.shape
+        if self.kind == "bf16" and kernels.AVAILABLE and len(x) <= SMALL_M and w.strides[1] == 2:
+            out = np.empty((len(x), n), np.float32)
+            kernels.gemm_bf16(x, w if w.flags.c_contiguous else np.ascontiguousarray(w), out)
+            return out
+        out = np.empty((len(x), n), np.float32)
+        step = max(16, BLOCK_BYTES // (4 * k)) if len(x) <= SMALL_M else max(64, 4 * BLOCK_BYTES // (4 * k))
+        buf = np.empty((min(step, n), k), np.float32)
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            block = widen(w[lo:hi], self.kind, buf[:hi - lo])
+            out[:, lo:hi] = x @ block.T
+        return out
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """The fp32 rows `ids` (an embedding lookup: only those rows are read)."""
+        return widen(self.data[ids], self.kind)
+
+
+def widen(a: np.ndarray, kind: str, out: np.ndarray | None = None) -> np.ndarray:
+    """The exact fp32 values of stored `a` (bf16 bits or float16), into `out` when given."""
+    if out is None:
+        out = np.empty(a.shape, np.float32)
+    if kind == "bf16":
+        if kernels.AVAILABLE and a.ndim == 2 and a.size >= 1 << 16:
+            kernels.widen_bf16(np.ascontiguousarray(a), out)
+        else:
+            np.left_shift(a, 16, out=out.view(np.uint32), dtype=np.uint32)
+    else:
+        out[...] = a
+    return out
+
+
+def matmul(x: np.ndarray, w: Any) -> np.ndarray:
+    """x [M, K] @ w.T in fp32, for a stored weight or an fp32 array."""
+    return w.matmul(x) if isinstance(w, StoredWeight) else x @ w.T
+
+
+def rows(table: Any, ids: np.ndarray) -> np.ndarray:
+    """Rows `ids` of an embedding table as fp32: a stored weight, a memory-mapped bf16 (uint16) array, or fp32."""
+    if isinstance(table, StoredWeight):
+        return table.rows(ids)
+    out = table[ids]
+    return widen(out, "bf16") if out.dtype == np.uint16 else np.asarray(out, np.float32)
+
+
+def dense(w: Any) -> np.ndarray:
+    """The whole weight as fp32 (for algebra that reshapes it, such as latent attention's kv_b)."""
+    return np.asarray(w, np.float32)
