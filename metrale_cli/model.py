@@ -126,7 +126,8 @@ def hub_hint(path: str | Path | None) -> str:
 
 def open_model(path: str | Path | None = None, *, device: str = "auto", max_context: int | None = None,
                fp32_logits: bool | None = None, progress: Callable[[int, int], None] | None = None,
-               tp: int | None = None, compute: str | None = None, mla: str | None = None) -> LoadedModel:
+               tp: int | None = None, compute: str | None = None, mla: str | None = None,
+               threads: int | None = None) -> LoadedModel:
     """Load config.json, the safetensors tensors and tokenizer.json, and build the engine.
 
     `max_context` sizes the KV cache (default: the model's limit, capped at 4096). `progress(done, total)`
@@ -135,6 +136,7 @@ def open_model(path: str | Path | None = None, *, device: str = "auto", max_cont
     engine's precision, "fp32" (the reference, its default) or "bf16" (every intermediate rounded where a
     bf16 forward rounds it); the CUDA engine is bf16 by nature and refuses "fp32" (check_compute).
     `mla`: the NumPy engine's latent-attention algebra, "naive" (default) or "absorbed" (engine/mla.py).
+    `threads`: the NumPy engine's threads (default: the cores available).
     `fp32_logits`: the rows' dtype, by default the device's (default_logits_dtype: fp32 on the CPU, bf16 on
     the GPU).
     """
@@ -170,7 +172,8 @@ def open_model(path: str | Path | None = None, *, device: str = "auto", max_cont
         else:
             from .backends.numpy.engine import load_numpy_engine
 
-            engine = load_numpy_engine(cfg, ckpt, ctx, fp32_logits, step, compute=compute, mla=mla or "naive")
+            engine = load_numpy_engine(cfg, ckpt, ctx, fp32_logits, step, compute=compute, mla=mla or "naive",
+                                       threads=threads)
     except BaseException:
         ckpt.close()
         raise

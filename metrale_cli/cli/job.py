@@ -148,7 +148,8 @@ def _tap_layer(name: str) -> int | None:
 def load(job: Job, spec: ModelSpec, ctx: int, tp: int | None = None) -> LoadedModel:
     with load_progress(job.state.err, spec.label) as progress:
         return open_model(spec.path, device=job.device, max_context=ctx, fp32_logits=job.fp32,
-                          progress=progress, tp=tp, compute=job.compute, mla=job.common.mla)
+                          progress=progress, tp=tp, compute=job.compute, mla=job.common.mla,
+                          threads=job.common.threads)
 
 
 def write_dumps(job: Job, command: str, rows, hidden_rows, tokens: list[int], positions: list[int],

@@ -56,6 +56,10 @@ MlaOpt = Annotated[Optional[str], typer.Option(
          "every cached latent decompressed into per-head keys and values) or absorbed (kv_b_proj folded into the "
          "query and the output, attention over the cached latents, as inference engines compute it). Both read "
          "the same latent cache; other layers ignore it.")]
+ThreadsOpt = Annotated[Optional[int], typer.Option(
+    "--threads", metavar="N",
+    help="Threads of the CPU engine's projections (default: the cores available to metrale). "
+         "The GPU engine ignores it.")]
 FormatOpt = Annotated[Optional[str], typer.Option(
     "--format", "-f", metavar="rich|plain|json", help="Output format (default: rich on a terminal, else plain).")]
 DumpLogitsOpt = Annotated[Optional[str], typer.Option(
@@ -120,6 +124,7 @@ class Common:
     layers: "LayerOptions | None" = None
     tp: int | None = None  # --tp N: ranks of tensor parallelism (None: the plain one-process engine)
     mla: str | None = None  # --mla naive|absorbed; None: naive
+    threads: int | None = None  # --threads N: the CPU engine's threads (None: the cores available)
 
     @property
     def prompt_format(self) -> PromptFormat:
@@ -145,7 +150,7 @@ def _pass_head(model: ModelOpt = None, prompt: PromptOpt = None, tokens: TokensO
 
 
 def _pass_tail(device: DeviceOpt = "auto", logits_dtype: LogitsDtypeOpt = None, compute: ComputeOpt = None,
-               mla: MlaOpt = None, fmt: FormatOpt = None,
+               mla: MlaOpt = None, threads: ThreadsOpt = None, fmt: FormatOpt = None,
                dump_logits: DumpLogitsOpt = None, hidden: HiddenOpt = False, dump_hidden: DumpHiddenOpt = None,
                dump_layers: DumpLayersOpt = None, layers: LayersOpt = None, dump_stats: DumpStatsOpt = False,
                timings: TimingsOpt = False, max_context: MaxContextOpt = None, tp: TpOpt = None) -> None:

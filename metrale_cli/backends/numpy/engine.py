@@ -26,7 +26,7 @@ from ...errors import UsageError
 from ...logits import DevicePtr, bf16_bits_to_fp32, fp32_to_bf16_bits, host_argmax
 from ...models.spec import MoeSpec, Norm, Rope
 from ...models.weights import WeightSource, Weights, check_checkpoint, load_weights
-from . import moe
+from . import kernels, moe
 from .ops import ROUNDING, as_fp32, glu, rms_norm, softcap
 from .stored import PROJECTIONS, StoredWeight, matmul, rows as table_rows
 
@@ -365,11 +365,16 @@ class NumpyEngine(EngineBase):
 
 
 def load_numpy_engine(cfg: ModelConfig, source: WeightSource, max_context: int, fp32_logits: bool = False,
-                      progress=None, tp=None, compute: str = "fp32", mla: str = "naive") -> NumpyEngine:
+                      progress=None, tp=None, compute: str = "fp32", mla: str = "naive",
+                      threads: int | None = None) -> NumpyEngine:
     """Check and convert the weights, then build the engine (cache sized for max_context positions).
     With `tp` (parallel/comm.ParallelRank) only that rank's shard is kept, and the engine is that rank's.
-    `compute`: "fp32" or "bf16"; `mla`: "naive" or "absorbed" (NumpyEngine)."""
+    `compute`: "fp32" or "bf16"; `mla`: "naive" or "absorbed" (NumpyEngine); `threads`: the threads of the
+    projections (kernels.py; default: the cores available)."""
     check_context(cfg, max_context)  # refuse before converting gigabytes of weights
+    if threads is not None and threads < 1:
+        raise UsageError(f"--threads must be 1 or more, got {threads}")
+    kernels.set_threads(threads or kernels.cores())
     if compute not in ROUNDING:
         raise UsageError(f"unknown compute precision '{compute}' (choose from {', '.join(ROUNDING)})")
     if mla not in MLA_FORMS:
