@@ -1,0 +1,161 @@
+"""The CPU engine's stored weights (backends/numpy/stored.py): products with BF16 / F16 weights read as stored
+equal NumPy's fp32 products on the widened weights up to summation order, with numba's kernels and without."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from metrale_cli.backends.numpy import kernels, stored
+from metrale_cli.backends.numpy.engine import load_numpy_engine, read_weights
+from metrale_cli.backends.numpy.ops import round_bf16
+from metrale_cli.backends.numpy.stored import StoredWeight, matmul, rows, widen
+from metrale_cli.checkpoint import Checkpoint
+from metrale_cli.config import load_config
+from metrale_cli.errors import UsageError
+from metrale_cli.logits import fp32_to_bf16_bits
+
+FIXTURES = Path(__file__).parent / "fixtures" / "models"
+
+
+def draw(rng, n: int, k: int, kind: str) -> tuple[StoredWeight, np.ndarray]:
+    """A random stored weight [n, k] and the exact fp32 values it stands for."""
+    values = rng.standard_normal((n, k), dtype=np.float32) * np.float32(k ** -0.5)
+    data = fp32_to_bf16_bits(values) if kind == "bf16" else values.astype(np.float16)
+    w = StoredWeight(data, kind)
+    exact = (data.astype(np.uint32) << 16).view(np.float32) if kind == "bf16" else data.astype(np.float32)
+    return w, exact
+
+
+def check_product(y: np.ndarray, x: np.ndarray, exact: np.ndarray) -> None:
+    """y equals x @ exact.T in fp32 up to the order of the sums: within a few fp32 roundings of the sum of |terms|."""
+    reference = x.astype(np.float64) @ exact.T.astype(np.float64)
+    scale = np.abs(x).astype(np.float64) @ np.abs(exact).T.astype(np.float64)
+    assert y.dtype == np.float32 and y.shape == reference.shape
+    assert np.all(np.abs(y - reference) <= 4 * x.shape[1] * np.finfo(np.float32).eps * scale + 1e-30)
+    fp32 = x @ exact.T  # NumPy's fp32 product: the same quantity, its own order
+    np.testing.assert_allclose(y, fp32, rtol=0, atol=float(8 * x.shape[1] * np.finfo(np.float32).eps * scale.max()))
+
+
+@pytest.fixture(params=["numba", "numpy"])
+def engine_path(request, monkeypatch):
+    """Each test once with the compiled kernels and once with the NumPy fallback."""
+    if request.param == "numba" and not kernels.AVAILABLE:
+        pytest.skip("numba is not installed")
+    if request.param == "numpy":
+        monkeypatch.setattr(kernels, "AVAILABLE", False)
+    return request.param
+
+
+@pytest.mark.parametrize("kind", ["bf16", "f16"])
+@pytest.mark.parametrize("m", [1, 3, 4, 7, 16, 17, 70])
+def test_matmul_equals_the_fp32_product(engine_path, kind, m):
+    rng = np.random.default_rng([m, len(kind)])
+    for n, k in [(37, 70), (300, 513), (1030, 256)]:
+        w, exact = draw(rng, n, k, kind)
+        x = rng.standard_normal((m, k), dtype=np.float32)
+        check_product(matmul(x, w), x, exact)
+
+
+def test_matmul_of_views_and_experts(engine_path):
+    """A row slice, a column slice and one expert of a stacked weight multiply as their fp32 values."""
+    rng = np.random.default_rng(5)
+    w, exact = draw(rng, 96, 80, "bf16")
+    x = rng.standard_normal((2, 80), dtype=np.float32)
+    check_product(matmul(x, w[10:50]), x, exact[10:50])
+    check_product(matmul(x[:, :33], w[:, 7:40]), x[:, :33], exact[:, 7:40])
+    stacked = w.reshape(4, 24, 80)
+    assert stacked.shape == (4, 24, 80)
+    check_product(matmul(x, stacked[2]), x, exact[48:72])
+
+
+def test_rows_and_array_are_the_exact_values():
+    rng = np.random.default_rng(6)
+    for kind in ("bf16", "f16"):
+        w, exact = draw(rng, 50, 24, kind)
+        ids = rng.integers(0, 50, 9)
+        np.testing.assert_array_equal(rows(w, ids), exact[ids])
+        np.testing.assert_array_equal(np.asarray(w), exact)
+        np.testing.assert_array_equal(widen(w.data, kind), exact)
+    # a plain memory-mapped bf16 table (uint16 bits) and an fp32 one
+    bits = fp32_to_bf16_bits(rng.standard_normal((20, 8), dtype=np.float32))
+    np.testing.assert_array_equal(rows(bits, np.array([3, 3, 0])), widen(bits[[3, 3, 0]], "bf16"))
+    f32 = rng.standard_normal((20, 8), dtype=np.float32)
+    np.testing.assert_array_equal(rows(f32, np.array([1, 19])), f32[[1, 19]])
+    np.testing.assert_array_equal(matmul(f32[:2], f32), f32[:2] @ f32.T)
+
+
+def test_bf16_checkpoint_keeps_its_projections_stored():
+    """llama_bf16: every projection stays BF16 (a single-part one memory-mapped, no copy); norms are fp32."""
+    cfg = load_config(FIXTURES / "llama_bf16")
+    ckpt = Checkpoint.open(FIXTURES / "llama_bf16")
+    w = read_weights(cfg, ckpt)
+    layer = w.layers[0]
+    for key in ("qkv", "o", "gate_up", "down"):
+        assert isinstance(layer[key], StoredWeight) and layer[key].data.dtype == np.uint16, key
+    assert not layer["o"].data.flags.owndata  # a view of the checkpoint's memory map
+    assert isinstance(layer["input_norm"], np.ndarray) and layer["input_norm"].dtype == np.float32
+    o = ckpt.array("model.layers.0.self_attn.o_proj.weight", bf16_bits=True)
+    np.testing.assert_array_equal(np.asarray(layer["o"]), widen(o, "bf16"))
+
+
+def test_bf16_compute_rounds_f32_projections_to_stored_bf16():
+    cfg = load_config(FIXTURES / "llama")
+    ckpt = Checkpoint.open(FIXTURES / "llama")
+    w = read_weights(cfg, ckpt, compute="bf16")
+    down = w.layers[1]["down"]
+    assert isinstance(down, StoredWeight) and down.kind == "bf16"
+    exact = ckpt.array("model.layers.1.mlp.down_proj.weight").astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(down), round_bf16(exact))
+    fp32 = read_weights(cfg, ckpt)  # fp32 compute: F32 projections stay plain fp32 arrays
+    assert type(fp32.layers[1]["down"]) is np.ndarray
+
+
+def test_threads_must_be_positive():
+    cfg = load_config(FIXTURES / "llama")
+    with pytest.raises(UsageError, match="--threads"):
+        load_numpy_engine(cfg, Checkpoint.open(FIXTURES / "llama"), 16, threads=0)
+
+
+def test_threads_on_the_command_line(run_cli):
+    one = run_cli("forward", "--model", str(FIXTURES / "llama_bf16"), "--tokens", "1 5 9", "--threads", "1",
+                  "-f", "json")
+    two = run_cli("forward", "--model", str(FIXTURES / "llama_bf16"), "--tokens", "1 5 9", "--threads", "2",
+                  "-f", "json")
+    assert one.exit_code == 0 and two.exit_code == 0, one.output + two.output
+    assert '"argmax"' in one.stdout and one.stdout == two.stdout  # same rows (the order of each sum is fixed)
+
+
+def test_no_cache_location_compiles_for_the_run(monkeypatch):
+    """A read-only install without a writable cache directory: numba refuses cache=True; the kernel is
+    then compiled for this run only instead of failing."""
+    if not kernels.AVAILABLE:
+        pytest.skip("numba is not installed")
+    calls = []
+
+    def njit(**kw):
+        calls.append(kw.get("cache"))
+        if kw.get("cache"):
+            raise RuntimeError("cannot cache function: no locator available")
+        return lambda fn: fn
+
+    monkeypatch.setattr(kernels.numba, "njit", njit)
+    fn = kernels._jit(parallel=True)(lambda: 3)
+    assert fn() == 3 and calls == [True, None]
+
+
+def test_small_and_large_products_choose_their_path(monkeypatch):
+    """Up to SMALL_M rows the fused kernel runs; more rows widen blocks for BLAS (both tested above)."""
+    if not kernels.AVAILABLE:
+        pytest.skip("numba is not installed")
+    used = []
+    original = kernels.gemm_bf16
+    monkeypatch.setattr(kernels, "gemm_bf16", lambda *a: (used.append(len(a[0])), original(*a)))
+    rng = np.random.default_rng(8)
+    w, exact = draw(rng, 40, 64, "bf16")
+    for m in (1, stored.SMALL_M, stored.SMALL_M + 1):
+        x = rng.standard_normal((m, 64), dtype=np.float32)
+        check_product(matmul(x, w), x, exact)
+    assert used == [1, stored.SMALL_M]
