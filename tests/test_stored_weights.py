@@ -159,3 +159,71 @@ def test_small_and_large_products_choose_their_path(monkeypatch):
         x = rng.standard_normal((m, 64), dtype=np.float32)
         check_product(matmul(x, w), x, exact)
     assert used == [1, stored.SMALL_M]
+
+
+def fp8_weight(rng, n: int, k: int, name: str, scale_shape: tuple[int, ...]):
+    import ml_dtypes
+
+    from metrale_cli.models.formats import weight_format
+
+    bits = rng.integers(0, 256, (n, k), dtype=np.uint8)
+    bits[(bits & 0x7F) == 0x7F] = 0x10  # no NaN codes
+    w = bits.view(ml_dtypes.float8_e4m3fn)
+    scale = rng.uniform(0.5, 2.0, scale_shape).astype(np.float32) * np.float32(k ** -0.5)
+    fmt = weight_format(name)
+    return fmt, (w, scale), fmt.dequantize(w, scale)
+
+
+@pytest.mark.parametrize("m", [1, 5, 40])
+def test_fp8_products_equal_the_dequantized_fp32_product(m):
+    """FP8 with partial edge blocks (37 x 70 in 16 x 16 blocks) and per tensor: as formats.py's dequantization."""
+    from metrale_cli.models.quantized.fp8 import block_format, tensor_format
+
+    rng = np.random.default_rng([m, 8])
+    x = rng.standard_normal((m, 70), dtype=np.float32)
+    for name, scale_shape in [(block_format(16, 16), (3, 5)), (tensor_format(), ())]:
+        fmt, tensors, exact = fp8_weight(rng, 37, 70, name, scale_shape)
+        w = stored.FormattedWeight(fmt, tensors, (37, 70))
+        check_product(matmul(x, w), x, exact)
+        np.testing.assert_array_equal(np.asarray(w), exact)
+        np.testing.assert_array_equal(w.rows_fp32(16, 37), exact[16:])
+
+
+def test_fp8_blocks_of_rows_follow_the_scale_blocks(monkeypatch):
+    """A product in many small row blocks (each a whole number of scale blocks) equals one in a single block."""
+    from metrale_cli.models.quantized.fp8 import block_format
+
+    rng = np.random.default_rng(9)
+    fmt, tensors, exact = fp8_weight(rng, 100, 64, block_format(8, 32), (13, 2))
+    x = rng.standard_normal((3, 64), dtype=np.float32)
+    monkeypatch.setattr(stored, "BLOCK_BYTES", 4 * 64 * 12)  # 12 rows a block -> 8 (a multiple of 8)
+    check_product(matmul(x, stored.FormattedWeight(fmt, tensors, (100, 64))), x, exact)
+
+
+def test_mxfp4_experts_interleaved_and_joined():
+    """MXFP4 stacked experts: one expert, the loader's de-interleaving of its rows, and fused parts joined."""
+    from metrale_cli.models.formats import weight_format
+
+    rng = np.random.default_rng(10)
+    fmt = weight_format("mxfp4")
+    blocks = rng.integers(0, 256, (3, 12, 2, 16), dtype=np.uint8)  # 3 experts, 12 rows, K = 64
+    scales = rng.integers(120, 130, (3, 12, 2), dtype=np.uint8)
+    exact = fmt.dequantize(blocks, scales)  # [3, 12, 64]
+    w = stored.FormattedWeight(fmt, (blocks, scales), (3, 12, 64))
+    order = np.concatenate([np.arange(0, 12, 2), np.arange(1, 12, 2)])
+    w = w[..., order, :]
+    x = rng.standard_normal((2, 64), dtype=np.float32)
+    for e in range(3):
+        check_product(matmul(x, w[e]), x, exact[e][order])
+    np.testing.assert_array_equal(np.asarray(w), exact[:, order])
+    joined = stored.join([w[0], w[2]])
+    check_product(matmul(x, joined), x, np.concatenate([exact[0][order], exact[2][order]]))
+    stacked = stored.join([w[0], w[1], w[2], w[0]]).reshape(2, 24, 64)
+    check_product(matmul(x, stacked[1]), x, np.concatenate([exact[2][order], exact[0][order]]))
+
+
+def test_quantized_checkpoints_keep_their_formats():
+    """The FP8 and MXFP4 fixtures' projections stay as stored (their engines' parity is tested elsewhere)."""
+    for name, key in [("llama_fp8_block", "o"), ("qwen3_moe_fp8_block", "experts_down"), ("gpt_oss_mxfp4", "experts_down")]:
+        w = read_weights(load_config(FIXTURES / name), Checkpoint.open(FIXTURES / name)).layers[0][key]
+        assert isinstance(w, (stored.FormattedWeight, stored.JoinedWeight)), (name, type(w))

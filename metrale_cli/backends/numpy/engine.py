@@ -16,7 +16,7 @@ import numpy as np
 
 from ...config import ModelConfig
 from ...engine.longrope import has_longrope, long_factors
-from ...models.formats import dequantize, stored_tensors
+from ...models.formats import dequantize, stored_tensors, weight_format
 from ...engine.loop import decoder_forward
 from ...engine.ops import Tap
 from ...engine.mixers import kinds_of, mixer_kind
@@ -28,7 +28,7 @@ from ...models.spec import MoeSpec, Norm, Rope
 from ...models.weights import WeightSource, Weights, check_checkpoint, load_weights
 from . import kernels, moe
 from .ops import ROUNDING, as_fp32, glu, rms_norm, softcap
-from .stored import PROJECTIONS, StoredWeight, matmul, rows as table_rows
+from .stored import PROJECTIONS, FormattedWeight, StoredWeight, join, matmul, rows as table_rows
 
 # Queries per prefill chunk: bounds the attention scores to heads x chunk x context floats.
 PREFILL_CHUNK = 256
@@ -75,8 +75,14 @@ def read_weights(cfg: ModelConfig, source: WeightSource, progress: Callable[[int
             source.release(t.name)
         return parts
 
-    w = load_weights(cfg.definition, read, lambda parts: np.concatenate(parts, axis=0), embed=mapped, shard=shard,
-                     read_formatted=dequantized)
+    def kept(p) -> list[FormattedWeight]:  # each part as stored, dequantized a block of rows at a time
+        fmt = weight_format(p.format)
+        return [FormattedWeight(fmt, tuple(stored(s.name) for s in fmt.tensors(t)), t.shape) for t in p.parts]
+
+    # Formatted weights stay as stored for the fp32 reference; a bf16 engine rounds their values and a
+    # tensor-parallel rank slices them, so those read the dequantized fp32 weights.
+    formatted = kept if compute == "fp32" and shard is None else dequantized
+    w = load_weights(cfg.definition, read, join, embed=mapped, shard=shard, read_formatted=formatted)
     keys = {p.key for p in cfg.definition.params() if p.key in PROJECTIONS and p.format is None}
     w.layers = [{k: StoredWeight.of(v) if k in keys else v for k, v in lw.items()} for lw in w.layers]
     if w.lm_head is w.embed:  # tied: one table, looked up and multiplied

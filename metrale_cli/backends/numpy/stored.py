@@ -118,13 +118,13 @@ def widen(a: np.ndarray, kind: str, out: np.ndarray | None = None) -> np.ndarray
 
 
 def matmul(x: np.ndarray, w: Any) -> np.ndarray:
-    """x [M, K] @ w.T in fp32, for a stored weight or an fp32 array."""
-    return w.matmul(x) if isinstance(w, StoredWeight) else x @ w.T
+    """x [M, K] @ w.T in fp32, for a stored weight (dense or formatted) or an fp32 array."""
+    return x @ w.T if isinstance(w, np.ndarray) else w.matmul(x)
 
 
 def rows(table: Any, ids: np.ndarray) -> np.ndarray:
     """Rows `ids` of an embedding table as fp32: a stored weight, a memory-mapped bf16 (uint16) array, or fp32."""
-    if isinstance(table, StoredWeight):
+    if not isinstance(table, np.ndarray):
         return table.rows(ids)
     out = table[ids]
     return widen(out, "bf16") if out.dtype == np.uint16 else np.asarray(out, np.float32)
@@ -133,3 +133,139 @@ def rows(table: Any, ids: np.ndarray) -> np.ndarray:
 def dense(w: Any) -> np.ndarray:
     """The whole weight as fp32 (for algebra that reshapes it, such as latent attention's kv_b)."""
     return np.asarray(w, np.float32)
+
+
+class FormattedWeight:
+    """A weight stored in a registered format (models/formats.py: FP8 with its scales, MXFP4 blocks...), kept as
+    stored: `tensors` are the format's stored tensor and companions as the checkpoint holds them, `shape` the
+    logical [..., N, K]. A product dequantizes a block of rows at a time with the format's own exact
+    dequantization (formats.py stays the one home of that arithmetic) and multiplies it while it is in cache."""
+
+    dtype = np.dtype(np.float32)
+
+    def __init__(self, fmt, tensors: tuple[np.ndarray, ...], shape: tuple[int, ...]) -> None:
+        self.fmt, self.tensors, self.shape = fmt, tensors, tuple(shape)
+        self.block_rows = int(fmt.params.get("block", (1, 1))[0])  # rows one scale row covers (1: per row)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def _lead(self) -> int:
+        return len(self.shape) - 2  # leading (expert) axes before [N, K]
+
+    def __getitem__(self, index) -> FormattedWeight:
+        """One expert of a stacked weight (an int), or the rows `order` of every expert (`[..., order, :]`, the
+        loader's de-interleaving: a per-row format only)."""
+        if isinstance(index, (int, np.integer)) and self._lead():
+            return FormattedWeight(self.fmt, tuple(t[index] if t.ndim > self._lead() else t for t in self.tensors),
+                                   self.shape[1:])
+        if isinstance(index, tuple) and len(index) == 3 and index[0] is Ellipsis and self.block_rows == 1:
+            order, lead = np.asarray(index[1]), self._lead()
+            return FormattedWeight(self.fmt, tuple(np.take(t, order, axis=lead) if t.ndim > lead else t
+                                                   for t in self.tensors), self.shape)
+        raise TypeError(f"a {self.fmt.name} weight cannot be indexed by {index!r}")
+
+    def reshape(self, *shape) -> FormattedWeight:
+        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        if tuple(shape) != self.shape:
+            raise ValueError(f"a {self.fmt.name} weight {self.shape} cannot be reshaped to {shape}")
+        return self
+
+    def rows_fp32(self, lo: int, hi: int) -> np.ndarray:
+        """The exact fp32 values of rows lo..hi-1 (lo a multiple of block_rows) of a 2-D weight."""
+        b = self.block_rows
+        n = self.shape[0]
+        parts = []
+        for t in self.tensors:
+            if t.ndim == 0 or t.shape in ((1,),):
+                parts.append(t)  # one scale for the whole tensor
+            elif t.shape[0] == n:
+                parts.append(t[lo:hi])
+            else:  # one scale row per block_rows rows
+                parts.append(t[lo // b:-(-hi // b)])
+        return np.asarray(self.fmt.dequantize(*parts), np.float32).reshape(hi - lo, self.shape[1])
+
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        if self._lead():
+            raise ValueError(f"matmul needs a 2-D weight, this one is {self.shape}")
+        n, k = self.shape
+        step = max(self.block_rows, BLOCK_BYTES // (4 * k) // self.block_rows * self.block_rows)
+        out = np.empty((len(x), n), np.float32)
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            out[:, lo:hi] = x @ self.rows_fp32(lo, hi).T
+        return out
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        if self._lead():
+            out = np.stack([np.asarray(self[e]) for e in range(self.shape[0])])
+        else:
+            out = self.rows_fp32(0, self.shape[0])
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+    def __repr__(self) -> str:
+        return f"FormattedWeight({self.fmt.name}, shape={self.shape})"
+
+
+class JoinedWeight:
+    """Weights joined along the rows (a fused projection whose parts are formatted: q | k | v), or, after
+    `reshape([E, rows, K])`, a stack of E experts each joining its parts."""
+
+    dtype = np.dtype(np.float32)
+
+    def __init__(self, parts: list, experts: int = 0) -> None:
+        self.parts, self.experts = parts, experts
+        rows = sum(p.shape[0] for p in parts)
+        k = parts[0].shape[-1]
+        self.shape = (experts, rows // experts, k) if experts else (rows, k)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def reshape(self, *shape) -> JoinedWeight:
+        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else tuple(shape)
+        if len(shape) == 3 and not self.experts and len(self.parts) % shape[0] == 0:
+            return JoinedWeight(self.parts, shape[0])
+        if tuple(shape) == self.shape:
+            return self
+        raise ValueError(f"joined weight {self.shape} cannot be reshaped to {shape}")
+
+    def __getitem__(self, e) -> Any:
+        if not self.experts or not isinstance(e, (int, np.integer)):
+            raise TypeError(f"a joined weight is indexed by expert only, not {e!r}")
+        per = len(self.parts) // self.experts
+        group = self.parts[int(e) * per:(int(e) + 1) * per]
+        return group[0] if per == 1 else JoinedWeight(group)
+
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        return np.concatenate([matmul(x, p) for p in self.parts], axis=1)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        if self.experts:
+            out = np.stack([np.asarray(self[e]) for e in range(self.experts)])
+        else:
+            out = np.concatenate([np.asarray(p, np.float32) for p in self.parts], axis=0)
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+
+def join(parts: list) -> Any:
+    """The loader's concatenation along the rows: NumPy arrays joined, formatted weights kept as stored."""
+    if any(isinstance(p, (FormattedWeight, JoinedWeight)) for p in parts):
+        return JoinedWeight(list(parts))
+    return np.concatenate(parts, axis=0)
