@@ -46,6 +46,8 @@ def engine_path(request, monkeypatch):
         pytest.skip("numba is not installed")
     if request.param == "numpy":
         monkeypatch.setattr(kernels, "AVAILABLE", False)
+    else:
+        monkeypatch.setattr(kernels, "FUSED_MIN", 0)  # the small test weights go through the kernels too
     return request.param
 
 
@@ -141,23 +143,30 @@ def test_no_cache_location_compiles_for_the_run(monkeypatch):
             raise RuntimeError("cannot cache function: no locator available")
         return lambda fn: fn
 
-    monkeypatch.setattr(kernels.numba, "njit", njit)
-    fn = kernels._jit(parallel=True)(lambda: 3)
+    compiled = kernels.compiled()
+    monkeypatch.setattr(compiled.numba, "njit", njit)
+    fn = compiled._jit(parallel=True)(lambda: 3)
     assert fn() == 3 and calls == [True, None]
 
 
 def test_small_and_large_products_choose_their_path(monkeypatch):
-    """Up to SMALL_M rows the fused kernel runs; more rows widen blocks for BLAS (both tested above)."""
+    """Up to SMALL_M rows the fused kernel runs; more rows widen blocks for BLAS (both tested above); a weight
+    under FUSED_MIN elements is multiplied by NumPy."""
     if not kernels.AVAILABLE:
         pytest.skip("numba is not installed")
     used = []
-    original = kernels.gemm_bf16
-    monkeypatch.setattr(kernels, "gemm_bf16", lambda *a: (used.append(len(a[0])), original(*a)))
+    compiled = kernels.compiled()
+    original = compiled.gemm_bf16
+    monkeypatch.setattr(compiled, "gemm_bf16", lambda *a: (used.append(len(a[0])), original(*a)))
+    monkeypatch.setattr(kernels, "FUSED_MIN", 0)
     rng = np.random.default_rng(8)
     w, exact = draw(rng, 40, 64, "bf16")
     for m in (1, stored.SMALL_M, stored.SMALL_M + 1):
         x = rng.standard_normal((m, 64), dtype=np.float32)
         check_product(matmul(x, w), x, exact)
+    assert used == [1, stored.SMALL_M]
+    monkeypatch.setattr(kernels, "FUSED_MIN", 40 * 64 + 1)
+    check_product(matmul(x[:1], w), x[:1], exact)
     assert used == [1, stored.SMALL_M]
 
 
@@ -227,3 +236,17 @@ def test_quantized_checkpoints_keep_their_formats():
     for name, key in [("llama_fp8_block", "o"), ("qwen3_moe_fp8_block", "experts_down"), ("gpt_oss_mxfp4", "experts_down")]:
         w = read_weights(load_config(FIXTURES / name), Checkpoint.open(FIXTURES / name)).layers[0][key]
         assert isinstance(w, (stored.FormattedWeight, stored.JoinedWeight)), (name, type(w))
+
+
+def test_a_small_model_never_imports_numba():
+    """numba's import takes about a second: the embedded model's weights are under FUSED_MIN, so a decode on it
+    (and --help) runs without it."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom metrale_cli.cli import main\ntry:\n    main(['decode', '--steps', '2', '-f', 'plain'])\n"
+            "except SystemExit as e:\n    assert e.code == 0, e.code\nprint('numba' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent, capture_output=True, text=True,
+                       timeout=120, env={**__import__("os").environ, "METRALE_DISABLE_CUDA": "1"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "False"

@@ -85,9 +85,9 @@ class StoredWeight:
         x = np.ascontiguousarray(x, dtype=np.float32)
         w = self.data
         n, k = w.shape
-        if self.kind == "bf16" and kernels.AVAILABLE and len(x) <= SMALL_M and w.strides[1] == 2:
+        if self.kind == "bf16" and len(x) <= SMALL_M and fused(w):
             out = np.empty((len(x), n), np.float32)
-            kernels.gemm_bf16(x, w if w.flags.c_contiguous else np.ascontiguousarray(w), out)
+            kernels.compiled().gemm_bf16(x, w if w.flags.c_contiguous else np.ascontiguousarray(w), out)
             return out
         out = np.empty((len(x), n), np.float32)
         step = max(16, BLOCK_BYTES // (4 * k)) if len(x) <= SMALL_M else max(64, 4 * BLOCK_BYTES // (4 * k))
@@ -108,13 +108,18 @@ def widen(a: np.ndarray, kind: str, out: np.ndarray | None = None) -> np.ndarray
     if out is None:
         out = np.empty(a.shape, np.float32)
     if kind == "bf16":
-        if kernels.AVAILABLE and a.ndim == 2 and a.size >= 1 << 16:
-            kernels.widen_bf16(np.ascontiguousarray(a), out)
+        if a.ndim == 2 and fused(a):
+            kernels.compiled().widen_bf16(np.ascontiguousarray(a), out)
         else:
             np.left_shift(a, 16, out=out.view(np.uint32), dtype=np.uint32)
     else:
         out[...] = a
     return out
+
+
+def fused(w: np.ndarray) -> bool:
+    """Whether the compiled kernels take weight w: numba is there and w is large enough for them to matter."""
+    return kernels.AVAILABLE and w.size >= kernels.FUSED_MIN
 
 
 def matmul(x: np.ndarray, w: Any) -> np.ndarray:
