@@ -95,9 +95,15 @@ def test_bf16_checkpoint_keeps_its_projections_stored():
     ckpt = Checkpoint.open(FIXTURES / "llama_bf16")
     w = read_weights(cfg, ckpt)
     layer = w.layers[0]
-    for key in ("qkv", "o", "gate_up", "down"):
+    for key in ("o", "down"):
         assert isinstance(layer[key], StoredWeight) and layer[key].data.dtype == np.uint16, key
-    assert not layer["o"].data.flags.owndata  # a view of the checkpoint's memory map
+        assert not layer[key].data.flags.owndata  # a view of the checkpoint's memory map
+    for key in ("qkv", "gate_up"):  # fused: the parts side by side, each still the mapped tensor
+        assert isinstance(layer[key], stored.JoinedWeight), key
+        assert all(isinstance(p, StoredWeight) and not p.data.flags.owndata for p in layer[key].parts)
+    qkv = np.concatenate([widen(ckpt.array(f"model.layers.0.self_attn.{n}_proj.weight", bf16_bits=True), "bf16")
+                          for n in "qkv"])
+    np.testing.assert_array_equal(np.asarray(layer["qkv"]), qkv)
     assert isinstance(layer["input_norm"], np.ndarray) and layer["input_norm"].dtype == np.float32
     o = ckpt.array("model.layers.0.self_attn.o_proj.weight", bf16_bits=True)
     np.testing.assert_array_equal(np.asarray(layer["o"]), widen(o, "bf16"))

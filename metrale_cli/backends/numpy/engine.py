@@ -36,8 +36,8 @@ PREFILL_CHUNK = 256
 
 def read_weights(cfg: ModelConfig, source: WeightSource, progress: Callable[[int], None] | None = None,
                  shard=None, compute: str = "fp32") -> Weights:
-    """The engine's weights. Projections stored as BF16 or F16 stay so (stored.StoredWeight: memory-mapped
-    where nothing is fused, else fused in their stored dtype); every other weight, and F32 projections, is
+    """The engine's weights. Projections stored as BF16 or F16 stay so (stored.StoredWeight, memory-mapped;
+    a fused one its parts side by side, stored.JoinedWeight); every other weight, and F32 projections, is
     converted to fp32, each tensor read once from the memory map and its pages released right after, so peak
     memory stays near the stored bytes. `shard` (models/weights.Shard) keeps one tensor-parallel rank's
     share. With compute "bf16" every weight is rounded to bf16 (an F32 or F16 checkpoint run by a bf16
@@ -82,7 +82,8 @@ def read_weights(cfg: ModelConfig, source: WeightSource, progress: Callable[[int
     # Formatted weights stay as stored for the fp32 reference; a bf16 engine rounds their values and a
     # tensor-parallel rank slices them, so those read the dequantized fp32 weights.
     formatted = kept if compute == "fp32" and shard is None else dequantized
-    w = load_weights(cfg.definition, read, join, embed=mapped, shard=shard, read_formatted=formatted)
+    concat = join if shard is None else (lambda parts: np.concatenate(parts, axis=0))  # a rank slices its arrays
+    w = load_weights(cfg.definition, read, concat, embed=mapped, shard=shard, read_formatted=formatted)
     keys = {p.key for p in cfg.definition.params() if p.key in PROJECTIONS and p.format is None}
     w.layers = [{k: StoredWeight.of(v) if k in keys else v for k, v in lw.items()} for lw in w.layers]
     if w.lm_head is w.embed:  # tied: one table, looked up and multiplied

@@ -1,7 +1,8 @@
 """Weights as the checkpoint stores them, multiplied in fp32: the NumPy engine's projection weights.
 
 A BF16 or F16 checkpoint's projections stay in their 2 bytes an element (`StoredWeight`, BF16 as its uint16
-bit patterns, memory-mapped or fused at load); a product widens a block of rows at a time to fp32 inside the
+bit patterns, memory-mapped: a fused projection such as q | k | v is its parts side by side, `JoinedWeight`,
+so loading copies nothing and the pages are the file's, which the OS may drop and read again); a product widens a block of rows at a time to fp32 inside the
 projection (kernels.py), so only the stored bytes cross memory and the products and sums are the fp32 ones
 of today's `x @ fp32(w).T`, in another order. F32 weights stay plain fp32 arrays (NumPy's BLAS reads them
 as stored already).
@@ -168,7 +169,7 @@ class FormattedWeight:
 
     def __getitem__(self, index) -> FormattedWeight:
         """One expert of a stacked weight (an int), or the rows `order` of every expert (`[..., order, :]`, the
-        loader's de-interleaving: a per-row format only)."""
+        loader's de-interleaving: a per-row format only), still stored."""
         if isinstance(index, (int, np.integer)) and self._lead():
             return FormattedWeight(self.fmt, tuple(t[index] if t.ndim > self._lead() else t for t in self.tensors),
                                    self.shape[1:])
@@ -176,7 +177,7 @@ class FormattedWeight:
             order, lead = np.asarray(index[1]), self._lead()
             return FormattedWeight(self.fmt, tuple(np.take(t, order, axis=lead) if t.ndim > lead else t
                                                    for t in self.tensors), self.shape)
-        raise TypeError(f"a {self.fmt.name} weight cannot be indexed by {index!r}")
+        return np.asarray(self)[index]  # any other index: of the fp32 values (a simulation's slices)
 
     def reshape(self, *shape) -> FormattedWeight:
         shape = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
@@ -252,8 +253,9 @@ class JoinedWeight:
         raise ValueError(f"joined weight {self.shape} cannot be reshaped to {shape}")
 
     def __getitem__(self, e) -> Any:
+        """One expert (an int, of a stack); any other index: of the fp32 values (a simulation's slices)."""
         if not self.experts or not isinstance(e, (int, np.integer)):
-            raise TypeError(f"a joined weight is indexed by expert only, not {e!r}")
+            return np.asarray(self)[e]
         per = len(self.parts) // self.experts
         group = self.parts[int(e) * per:(int(e) + 1) * per]
         return group[0] if per == 1 else JoinedWeight(group)
@@ -270,7 +272,11 @@ class JoinedWeight:
 
 
 def join(parts: list) -> Any:
-    """The loader's concatenation along the rows: NumPy arrays joined, formatted weights kept as stored."""
-    if any(isinstance(p, (FormattedWeight, JoinedWeight)) for p in parts):
+    """The loader's concatenation along the rows: formatted weights and stored BF16 / F16 parts (uint16 bits,
+    float16) are kept as they are, side by side (memory-mapped parts stay so: nothing is copied); fp32
+    arrays are concatenated."""
+    if any(isinstance(p, (FormattedWeight, JoinedWeight, StoredWeight)) for p in parts):
         return JoinedWeight(list(parts))
+    if all(isinstance(p, np.ndarray) and p.dtype in (np.uint16, np.float16) for p in parts):
+        return JoinedWeight([StoredWeight.of(p) for p in parts])
     return np.concatenate(parts, axis=0)
