@@ -52,10 +52,10 @@ def engine_path(request, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["bf16", "f16"])
-@pytest.mark.parametrize("m", [1, 3, 4, 7, 16, 17, 70])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 16, 17, 70])
 def test_matmul_equals_the_fp32_product(engine_path, kind, m):
     rng = np.random.default_rng([m, len(kind)])
-    for n, k in [(37, 70), (300, 513), (1030, 256)]:
+    for n, k in [(37, 70), (300, 513), (1030, 256), (33, 16)]:
         w, exact = draw(rng, n, k, kind)
         x = rng.standard_normal((m, k), dtype=np.float32)
         check_product(matmul(x, w), x, exact)
@@ -156,14 +156,15 @@ def test_no_cache_location_compiles_for_the_run(monkeypatch):
 
 
 def test_small_and_large_products_choose_their_path(monkeypatch):
-    """Up to SMALL_M rows the fused kernel runs; more rows widen blocks for BLAS (both tested above); a weight
+    """Up to SMALL_M rows the fused kernels run (one row: gemm_bf16, more: gemm_bf16_pairs); more rows widen blocks for BLAS (both tested above); a weight
     under FUSED_MIN elements is multiplied by NumPy."""
     if not kernels.AVAILABLE:
         pytest.skip("numba is not installed")
     used = []
     compiled = kernels.compiled()
-    original = compiled.gemm_bf16
-    monkeypatch.setattr(compiled, "gemm_bf16", lambda *a: (used.append(len(a[0])), original(*a)))
+    for name in ("gemm_bf16", "gemm_bf16_pairs"):
+        original = getattr(compiled, name)
+        monkeypatch.setattr(compiled, name, lambda *a, f=original: (used.append(len(a[0])), f(*a)))
     monkeypatch.setattr(kernels, "FUSED_MIN", 0)
     rng = np.random.default_rng(8)
     w, exact = draw(rng, 40, 64, "bf16")

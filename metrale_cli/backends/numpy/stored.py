@@ -88,7 +88,9 @@ class StoredWeight:
         n, k = w.shape
         if self.kind == "bf16" and len(x) <= SMALL_M and fused(w):
             out = np.empty((len(x), n), np.float32)
-            kernels.compiled().gemm_bf16(x, w if w.flags.c_contiguous else np.ascontiguousarray(w), out)
+            compiled = kernels.compiled()
+            gemm = compiled.gemm_bf16 if len(x) == 1 else compiled.gemm_bf16_pairs
+            gemm(x, w if w.flags.c_contiguous else np.ascontiguousarray(w), out)
             return out
         out = np.empty((len(x), n), np.float32)
         step = max(16, BLOCK_BYTES // (4 * k)) if len(x) <= SMALL_M else max(64, 4 * BLOCK_BYTES // (4 * k))
