@@ -89,8 +89,12 @@ def test_rows_and_array_are_the_exact_values():
     np.testing.assert_array_equal(matmul(f32[:2], f32), f32[:2] @ f32.T)
 
 
-def test_bf16_checkpoint_keeps_its_projections_stored():
-    """llama_bf16: every projection stays BF16 (a single-part one memory-mapped, no copy); norms are fp32."""
+@pytest.mark.parametrize("fused_min", [0, None])
+def test_bf16_checkpoint_keeps_its_projections_stored(monkeypatch, fused_min):
+    """llama_bf16: every projection stays BF16 (a single-part one memory-mapped, no copy; a fused one its mapped
+    parts side by side, or, for weights as small as this test model's, one BF16 array); norms are fp32."""
+    if fused_min is not None:
+        monkeypatch.setattr(kernels, "FUSED_MIN", fused_min)
     cfg = load_config(FIXTURES / "llama_bf16")
     ckpt = Checkpoint.open(FIXTURES / "llama_bf16")
     w = read_weights(cfg, ckpt)
@@ -99,6 +103,9 @@ def test_bf16_checkpoint_keeps_its_projections_stored():
         assert isinstance(layer[key], StoredWeight) and layer[key].data.dtype == np.uint16, key
         assert not layer[key].data.flags.owndata  # a view of the checkpoint's memory map
     for key in ("qkv", "gate_up"):  # fused: the parts side by side, each still the mapped tensor
+        if fused_min is None:  # small: joined into one BF16 array
+            assert isinstance(layer[key], StoredWeight) and layer[key].data.dtype == np.uint16
+            continue
         assert isinstance(layer[key], stored.JoinedWeight), key
         assert all(isinstance(p, StoredWeight) and not p.data.flags.owndata for p in layer[key].parts)
     qkv = np.concatenate([widen(ckpt.array(f"model.layers.0.self_attn.{n}_proj.weight", bf16_bits=True), "bf16")

@@ -279,6 +279,7 @@ def join(parts: list) -> Any:
     arrays are concatenated."""
     if any(isinstance(p, (FormattedWeight, JoinedWeight, StoredWeight)) for p in parts):
         return JoinedWeight(list(parts))
-    if all(isinstance(p, np.ndarray) and p.dtype in (np.uint16, np.float16) for p in parts):
+    small = sum(p.size for p in parts) < kernels.FUSED_MIN  # a small model's: one array, as NumPy multiplies it
+    if not small and all(isinstance(p, np.ndarray) and p.dtype in (np.uint16, np.float16) for p in parts):
         return JoinedWeight([StoredWeight.of(p) for p in parts])
     return np.concatenate(parts, axis=0)
