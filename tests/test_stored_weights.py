@@ -264,3 +264,14 @@ def test_a_small_model_never_imports_numba():
                        timeout=120, env={**__import__("os").environ, "METRALE_DISABLE_CUDA": "1"})
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_threads_on_score_and_bench(run_cli):
+    score = run_cli("score", "--model", str(FIXTURES / "llama_bf16"), "--tokens", "1 5 9 3", "--threads", "1",
+                    "-f", "json")
+    assert score.exit_code == 0 and '"perplexity"' in score.stdout, score.output
+    bench = run_cli("bench", "--device", "cpu", "--preset", "tiny-llama", "--context", 16, "--prefill", 16, "--ks", 1,
+                    "--repeats", 1, "--no-transformers", "--threads", 1, "-f", "plain")
+    assert bench.exit_code == 0 and "decode step" in bench.stdout, bench.output
+    bad = run_cli("score", "--model", str(FIXTURES / "llama_bf16"), "--tokens", "1 5 9 3", "--threads", "0")
+    assert bad.exit_code != 0 and "--threads must be 1 or more" in bad.output
