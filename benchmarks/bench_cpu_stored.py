@@ -5,10 +5,10 @@
 
 Random BF16 weights (RandomTensors, as `metrale bench` draws them) for a preset in configs/, so no
 checkpoint is needed, an 8B one included: drawn into memory, or with `--checkpoint DIR` written once as a
-safetensors checkpoint and memory-mapped from it as a real checkpoint is. Each run is its own process (peak RSS per run, VmHWM); with
-`--tree DIR` the same measurement also runs on other source trees of metrale (for example an older
-commit, `git archive <commit> | tar -x -C DIR`), the trees interleaved round by round so that a busy
-machine weighs on each alike. Prints per tree the medians over rounds: load s, prefill tok/s, decode
+safetensors checkpoint and memory-mapped from it as a real checkpoint is. Each run is its own process (peak
+RSS per run, VmHWM); with `--tree DIR` the same measurement also runs on other source trees of metrale
+(for example an older commit, `git archive <commit> | tar -x -C DIR`), the trees interleaved round by
+round so that a busy machine weighs on each alike. Prints per tree the medians over rounds: load s, prefill tok/s, decode
 tok/s (the median step, argmax included), peak RSS and the stored weight bytes + KV cache it is held to.
 Not a test: timings depend on the machine and its load.
 """

@@ -163,8 +163,8 @@ def test_no_cache_location_compiles_for_the_run(monkeypatch):
 
 
 def test_small_and_large_products_choose_their_path(monkeypatch):
-    """Up to SMALL_M rows the fused kernels run (one row: gemm_bf16, more: gemm_bf16_pairs); more rows widen blocks for BLAS (both tested above); a weight
-    under FUSED_MIN elements is multiplied by NumPy."""
+    """Up to SMALL_M rows the fused kernels run (one row: gemm_bf16, more: gemm_bf16_pairs); more rows widen
+    blocks for BLAS (both tested above); a weight under FUSED_MIN elements is multiplied by NumPy."""
     if not kernels.AVAILABLE:
         pytest.skip("numba is not installed")
     used = []
@@ -247,7 +247,8 @@ def test_mxfp4_experts_interleaved_and_joined():
 
 def test_quantized_checkpoints_keep_their_formats():
     """The FP8 and MXFP4 fixtures' projections stay as stored (their engines' parity is tested elsewhere)."""
-    for name, key in [("llama_fp8_block", "o"), ("qwen3_moe_fp8_block", "experts_down"), ("gpt_oss_mxfp4", "experts_down")]:
+    cases = [("llama_fp8_block", "o"), ("qwen3_moe_fp8_block", "experts_down"), ("gpt_oss_mxfp4", "experts_down")]
+    for name, key in cases:
         w = read_weights(load_config(FIXTURES / name), Checkpoint.open(FIXTURES / name)).layers[0][key]
         assert isinstance(w, (stored.FormattedWeight, stored.JoinedWeight)), (name, type(w))
 

@@ -2,8 +2,9 @@
 
 It is the oracle the CUDA engine is tested against, and the engine users without a GPU run, so it is
 written to be read and to be fast enough: whole heads and rows at once, projections kept as the checkpoint
-stores them and widened to fp32 inside each product (stored.py), a preallocated KV cache written by position. The block order is engine/loop.py's;
-this module implements its ops (`NumpyPass`) plainly, with no fusion.
+stores them and widened to fp32 inside each product (stored.py), a preallocated KV cache written by
+position. The block order is engine/loop.py's; this module implements its ops (`NumpyPass`) plainly, with
+no fusion.
 
 Passes (all start at the current cache length `self.length`): see engine/protocols.py.
 """

@@ -2,12 +2,13 @@
 
 A BF16 or F16 checkpoint's projections stay in their 2 bytes an element (`StoredWeight`, BF16 as its uint16
 bit patterns, memory-mapped: a fused projection such as q | k | v is its parts side by side, `JoinedWeight`,
-so loading copies nothing and the pages are the file's, which the OS may drop and read again); a product widens a block of rows at a time to fp32 inside the
-projection (kernels.py), so only the stored bytes cross memory and the products and sums are the fp32 ones
-of today's `x @ fp32(w).T`, in another order. F32 weights stay plain fp32 arrays (NumPy's BLAS reads them
-as stored already).
+so loading copies nothing and the pages are the file's, which the OS may drop and read again); a product
+widens a block of rows at a time to fp32 inside the projection (kernels.py), so only the stored bytes cross
+memory and the products and sums are the fp32 ones of `x @ fp32(w).T`, in another order. FP8 / MXFP4
+weights (`FormattedWeight`) keep their stored tensors and scales and are dequantized a block of rows at a
+time by their format's own code. F32 weights stay plain fp32 arrays (NumPy's BLAS reads them as stored).
 
-`matmul(x, w)`, `rows(table, ids)` and `dense(w)` take either kind, so the engine's ops and each mixer's
+`matmul(x, w)`, `rows(table, ids)` and `dense(w)` take any of them, so the engine's ops and each mixer's
 module never ask which one a weight is.
 """
 
