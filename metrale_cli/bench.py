@@ -232,7 +232,7 @@ def linear_state_bytes(cfg: ModelConfig, rows: int = 1) -> int:
     return per * (1 + rows)
 
 
-def build_engine(cfg: ModelConfig, device: str, context: int, tp: int | None = None):
+def build_engine(cfg: ModelConfig, device: str, context: int, tp: int | None = None, threads: int | None = None):
     """The engine of the bench's random weights; with `tp`, rank 0's engine of that many ranks, each of
     which draws the same weights (by name and seed) and keeps its shard."""
     if tp is not None:
@@ -246,7 +246,7 @@ def build_engine(cfg: ModelConfig, device: str, context: int, tp: int | None = N
         return load_cuda_engine(cfg, source, context)
     from .backends.numpy.engine import load_numpy_engine
 
-    return load_numpy_engine(cfg, source, context)
+    return load_numpy_engine(cfg, source, context, threads=threads)
 
 
 def check_paths(paths: tuple[str, ...] | None, device: str) -> tuple[str, ...] | None:
@@ -262,7 +262,7 @@ def check_paths(paths: tuple[str, ...] | None, device: str) -> tuple[str, ...] |
 def run_bench(preset: str, *, device: str = "cpu", context: int = 1024, ks: tuple[int, ...] = (1, 2, 4, 8),
               prefill_tokens: int = 2048, repeats: int = 50, transformers_steps: int = 20,
               with_transformers: bool = True, progress=None, tp: int | None = None,
-              paths: tuple[str, ...] | None = None) -> BenchResult:
+              paths: tuple[str, ...] | None = None, threads: int | None = None) -> BenchResult:
     paths = check_paths(paths, device)
     if paths and tp is not None:
         raise UsageError("--path times the single-GPU engine's rows paths: it does not take --tp")
@@ -272,7 +272,7 @@ def run_bench(preset: str, *, device: str = "cpu", context: int = 1024, ks: tupl
     max_k = max(ks) if ks else 1
     ctx_alloc = max(context + max_k + 1, prefill_tokens)
     say(f"building {path.stem} with random weights on {device}" + (f", --tp {tp}" if tp else ""))
-    eng = build_engine(cfg, device, ctx_alloc, tp)
+    eng = build_engine(cfg, device, ctx_alloc, tp, threads)
     try:
         return _run_bench(eng, path.stem, cfg, device, context, ks, prefill_tokens, repeats, transformers_steps,
                           with_transformers and tp is None, say, tp, paths)

@@ -127,7 +127,7 @@ def hub_hint(path: str | Path | None) -> str:
 def open_model(path: str | Path | None = None, *, device: str = "auto", max_context: int | None = None,
                fp32_logits: bool | None = None, progress: Callable[[int, int], None] | None = None,
                tp: int | None = None, compute: str | None = None, mla: str | None = None,
-               activation_quant: str | None = None) -> LoadedModel:
+               activation_quant: str | None = None, threads: int | None = None) -> LoadedModel:
     """Load config.json, the safetensors tensors and tokenizer.json, and build the engine.
 
     `max_context` sizes the KV cache (default: the model's limit, capped at 4096). `progress(done, total)`
@@ -138,6 +138,7 @@ def open_model(path: str | Path | None = None, *, device: str = "auto", max_cont
     `mla`: the NumPy engine's latent-attention algebra, "naive" (default) or "absorbed" (engine/mla.py).
     `activation_quant`: the NumPy engine's "none" (default) or "emulate" (quantized weights' inputs quantized as
     their checkpoint's scheme says: models/formats.WeightFormat.input_quant).
+    `threads`: the NumPy engine's threads (default: the cores available).
     `fp32_logits`: the rows' dtype, by default the device's (default_logits_dtype: fp32 on the CPU, bf16 on
     the GPU).
     """
@@ -174,7 +175,7 @@ def open_model(path: str | Path | None = None, *, device: str = "auto", max_cont
             from .backends.numpy.engine import load_numpy_engine
 
             engine = load_numpy_engine(cfg, ckpt, ctx, fp32_logits, step, compute=compute, mla=mla or "naive",
-                                       activation_quant=activation_quant or "none")
+                                       activation_quant=activation_quant or "none", threads=threads)
     except BaseException:
         ckpt.close()
         raise

@@ -19,6 +19,9 @@ from .models.weights import expected_tensors
 from .safetensors_file import DTYPES, TensorInfo
 
 
+DRAW_ELEMENTS = 1 << 22  # values drawn at once (16 MiB of fp32): a weight's bf16 bits are filled block by block
+
+
 class RandomTensors:
     """A WeightSource (models/weights.py) whose tensors are made from the model definition."""
 
@@ -65,6 +68,13 @@ class RandomTensors:
         if name in self.formatted:
             return self._formatted(rng, shape, *self.formatted[name])
         mean, std = self._moments(name, shape, self.norm_mean)
+        if bf16_bits and len(shape) > 1:  # drawn a block of rows at a time: no fp32 copy of a large tensor
+            out = np.empty(shape, np.uint16)
+            step = max(1, DRAW_ELEMENTS // max(1, int(np.prod(shape[1:]))))
+            for lo in range(0, shape[0], step):  # the same stream as one draw: the same numbers
+                rows = (min(shape[0], lo + step) - lo,) + tuple(shape[1:])
+                out[lo:lo + rows[0]] = fp32_to_bf16_bits(rng.standard_normal(rows, dtype=np.float32) * std + mean)
+            return out
         values = rng.standard_normal(shape, dtype=np.float32) * std + mean
         return fp32_to_bf16_bits(values) if bf16_bits else fp32_to_bf16(values)
 

@@ -15,7 +15,7 @@ from ..render.common import choose_format, note
 from .entry import State, app
 from .help_format import MetraleCommand
 from .job import check_tensor_parallel
-from .options import DeviceOpt, FormatOpt, TpOpt
+from .options import DeviceOpt, FormatOpt, ThreadsOpt, TpOpt
 
 
 @app.command(cls=MetraleCommand)
@@ -48,6 +48,7 @@ def bench(
         show_default=False)] = None,
     fmt: FormatOpt = None,
     tp: TpOpt = None,
+    threads: ThreadsOpt = None,
 ) -> None:
     """Measure decode, verify and prefill speed against the hardware's own limits, in one run.
 
@@ -86,7 +87,8 @@ def bench(
         check_tensor_parallel(tp, chosen, load_config(bench_mod.preset_path(name)))
     result = bench_mod.run_bench(name, device=chosen, context=context, ks=k_list, prefill_tokens=prefill,
                                  repeats=repeats, with_transformers=not no_transformers,
-                                 progress=lambda m: note(state.err, m), tp=tp, paths=path_list)
+                                 progress=lambda m: note(state.err, m), tp=tp, paths=path_list,
+                                 threads=threads)
     render_bench(state.out, fmt_, result)
     if target is not None:
         commit([(target.path, [json.dumps(result.to_json(), indent=2).encode() + b"\n"])])

@@ -160,7 +160,7 @@ def load(job: Job, spec: ModelSpec, ctx: int, tp: int | None = None) -> LoadedMo
     with load_progress(job.state.err, spec.label) as progress:
         return open_model(spec.path, device=job.device, max_context=ctx, fp32_logits=job.fp32,
                           progress=progress, tp=tp, compute=job.compute, mla=job.common.mla,
-                          activation_quant=job.common.activation_quant)
+                          activation_quant=job.common.activation_quant, threads=job.common.threads)
 
 
 def engine_settings(job: Job) -> dict[str, str]:

@@ -63,6 +63,10 @@ ActivationQuantOpt = Annotated[Optional[str], typer.Option(
          "stored weights) or emulate (each quantized weight's input quantized as the checkpoint's scheme says an "
          "engine does, e.g. FP8 W8A8's dynamic e4m3 scales per token and 128 columns), so a difference splits "
          "into activation quantization and the rest. Recorded in every dump's metadata.")]
+ThreadsOpt = Annotated[Optional[int], typer.Option(
+    "--threads", metavar="N",
+    help="Threads of the CPU engine's projections (default: the cores available to metrale). "
+         "The GPU engine ignores it.")]
 FormatOpt = Annotated[Optional[str], typer.Option(
     "--format", "-f", metavar="rich|plain|json", help="Output format (default: rich on a terminal, else plain).")]
 DumpLogitsOpt = Annotated[Optional[str], typer.Option(
@@ -134,6 +138,7 @@ class Common:
     tp: int | None = None  # --tp N: ranks of tensor parallelism (None: the plain one-process engine)
     mla: str | None = None  # --mla naive|absorbed; None: naive
     activation_quant: str | None = None  # --activation-quant none|emulate; None: none
+    threads: int | None = None  # --threads N: the CPU engine's threads (None: the cores available)
 
     @property
     def prompt_format(self) -> PromptFormat:
@@ -160,7 +165,8 @@ def _pass_head(model: ModelOpt = None, prompt: PromptOpt = None, tokens: TokensO
 
 
 def _pass_tail(device: DeviceOpt = "auto", logits_dtype: LogitsDtypeOpt = None, compute: ComputeOpt = None,
-               mla: MlaOpt = None, activation_quant: ActivationQuantOpt = None, fmt: FormatOpt = None,
+               mla: MlaOpt = None, activation_quant: ActivationQuantOpt = None, threads: ThreadsOpt = None,
+               fmt: FormatOpt = None,
                dump_logits: DumpLogitsOpt = None, hidden: HiddenOpt = False, dump_hidden: DumpHiddenOpt = None,
                dump_layers: DumpLayersOpt = None, layers: LayersOpt = None, dump_stats: DumpStatsOpt = False,
                taps: TapsOpt = None,

@@ -11,7 +11,7 @@ from .entry import app
 from .help_format import MetraleCommand
 from .job import load, prepare, text_file_prompt, token_text
 from .options import (ChatOpt, Common, ComputeOpt, DeviceOpt, FormatOpt, MaxContextOpt, ModelOpt, NoSpecialTokensOpt,
-                      PromptOpt, SystemOpt, TextFileOpt, TimingsOpt, TokensOpt)
+                      PromptOpt, SystemOpt, TextFileOpt, ThreadsOpt, TimingsOpt, TokensOpt)
 
 
 @app.command(cls=MetraleCommand)
@@ -33,6 +33,7 @@ def score(
     logits_dtype: Annotated[str, typer.Option(
         "--logits-dtype", metavar="bf16|fp32", help="Dtype of the logits rows scored (fp32: exact).")] = "fp32",
     compute: ComputeOpt = None,
+    threads: ThreadsOpt = None,
     fmt: FormatOpt = None,
     timings: TimingsOpt = False,
     max_context: MaxContextOpt = None,
@@ -56,7 +57,7 @@ def score(
         raise UsageError(f"--top-k must be 0 or more, got {top_k}")
     prompt = text_file_prompt(text_file, prompt, tokens)
     c = Common(model, prompt, tokens, device, logits_dtype, fmt, None, False, None, timings, max_context,
-               chat, system, no_special_tokens, compute)
+               chat, system, no_special_tokens, compute, threads=threads)
     job = prepare(ctx.obj, c)
     n_chunk, n_stride, kv = choose_chunk(job.spec.config, job.spec.label, len(job.ids), chunk, stride, max_context)
     target = load(job, job.spec, kv)

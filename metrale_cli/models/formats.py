@@ -47,6 +47,10 @@ class WeightFormat:
     # fp32 values; None: the scheme keeps activations unquantized (weight-only). `--activation-quant emulate`.
     input_quant: Callable[..., np.ndarray] | None = None
     input_quant_doc: str = ""  # what input_quant does, in a few words (inspect, dumps' metadata)
+    # row_slices: dequantize also takes the stored tensors cut to a range of weight rows (companions with a row per
+    # weight row cut alike, one per params["block"][0] rows cut to their blocks, 0-d / [1] ones whole), so the
+    # NumPy engine can keep the stored bytes and dequantize a block of rows inside each product
+    row_slices: bool = False
     kind: str = ""  # the family of formats this one belongs to ("fp8_block": every block size); "": none
     params: dict[str, Any] = field(default_factory=dict, compare=False)  # the family's parameters (block size)
 

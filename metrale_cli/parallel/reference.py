@@ -19,7 +19,8 @@ import numpy as np
 
 from ..backends.numpy.attention import KVCache
 from ..backends.numpy.engine import NumpyPass
-from ..backends.numpy.ops import as_fp32, rms_norm, softcap
+from ..backends.numpy.ops import rms_norm, softcap
+from ..backends.numpy.stored import matmul, rows as table_rows
 from ..engine.longrope import long_factors
 from ..engine.loop import decoder_forward
 from ..models.spec import AttentionSpec, ModelDefinition, MoeSpec
@@ -68,16 +69,16 @@ class _LockstepPass:
         for r, part in enumerate(table.parts):  # each rank looks up the ids in its range; all-reduce
             rows = vocab_range(vocab, r, self.sim.n)
             mine = (self.ids >= rows.start) & (self.ids < rows.stop)
-            total[mine] += as_fp32(part[self.ids[mine] - rows.start])
+            total[mine] += table_rows(part, self.ids[mine] - rows.start)
         return total if scale is None else total * np.float32(scale)
 
     def linear(self, x, w: Sharded, bias=None, *, out, norm=None, residual=None, tap=None, reduce=False):
         if norm is not None:
             x = rms_norm(x, norm[0].parts[0], norm[1].eps, norm[1].offset)
         if w.kind == COLUMN:
-            return PerRank(x @ wr.T + (0 if bias is None else bias.parts[r]) for r, wr in enumerate(w.parts))
+            return PerRank(matmul(x, wr) + (0 if bias is None else bias.parts[r]) for r, wr in enumerate(w.parts))
         assert w.kind == ROW, w.kind
-        y = sum(xr @ wr.T for xr, wr in zip(x, w.parts))  # the all-reduce
+        y = sum(matmul(xr, wr) for xr, wr in zip(x, w.parts))  # the all-reduce
         if bias is not None:
             y = y + bias.parts[0]  # replicated: added once, after the sum
         if tap is not None:
@@ -152,6 +153,6 @@ class SimulatedTensorParallel:
         h = decoder_forward(_LockstepPass(self, ids), self.definition, self.weights)
         for state in self.states:
             state.length += len(ids)
-        logits = np.concatenate([h @ part.T for part in self.weights.lm_head.parts], axis=1)
+        logits = np.concatenate([matmul(h, part) for part in self.weights.lm_head.parts], axis=1)
         cap = self.definition.final_logit_softcap
         return logits if cap is None else softcap(logits, cap)

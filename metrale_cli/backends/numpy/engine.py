@@ -1,9 +1,10 @@
 """The reference engine: every family's decoder in fp32 NumPy.
 
 It is the oracle the CUDA engine is tested against, and the engine users without a GPU run, so it is
-written to be read and to be fast enough: whole heads and rows at once, weights fused and converted to
-fp32 once at load, a preallocated KV cache written by position. The block order is engine/loop.py's;
-this module implements its ops (`NumpyPass`) plainly, with no fusion.
+written to be read and to be fast enough: whole heads and rows at once, projections kept as the checkpoint
+stores them and widened to fp32 inside each product (stored.py), a preallocated KV cache written by
+position. The block order is engine/loop.py's; this module implements its ops (`NumpyPass`) plainly, with
+no fusion.
 
 Passes (all start at the current cache length `self.length`): see engine/protocols.py.
 """
@@ -26,8 +27,9 @@ from ...errors import UsageError
 from ...logits import DevicePtr, bf16_bits_to_fp32, fp32_to_bf16_bits, host_argmax
 from ...models.spec import MoeSpec, Norm, Rope
 from ...models.weights import WeightSource, Weights, check_checkpoint, load_weights
-from . import moe
+from . import kernels, moe
 from .ops import ROUNDING, InputQuantized, as_fp32, glu, rms_norm, softcap
+from .stored import PROJECTIONS, FormattedWeight, StoredWeight, join, matmul, rows as table_rows
 
 # Queries per prefill chunk: bounds the attention scores to heads x chunk x context floats.
 PREFILL_CHUNK = 256
@@ -35,21 +37,29 @@ PREFILL_CHUNK = 256
 
 def read_weights(cfg: ModelConfig, source: WeightSource, progress: Callable[[int], None] | None = None,
                  shard=None, compute: str = "fp32", activation_quant: str = "none") -> Weights:
-    """Convert the checkpoint to fp32, fusing multi-part params. Each tensor is read once from the memory
-    map and its pages released right after, so peak memory stays near the fp32 weights. `shard`
-    (models/weights.Shard) keeps one tensor-parallel rank's share. With compute "bf16" every weight is
-    rounded to bf16 (an F32 or F16 checkpoint run by a bf16 engine). With activation_quant "emulate" each
-    weight whose format quantizes its input (WeightFormat.input_quant) carries that quantization
-    (ops.InputQuantized)."""
+    """The engine's weights. Projections stored as BF16 or F16 stay so (stored.StoredWeight, memory-mapped;
+    a fused one its parts side by side, stored.JoinedWeight); every other weight, and F32 projections, is
+    converted to fp32, each tensor read once from the memory map and its pages released right after, so peak
+    memory stays near the stored bytes. `shard` (models/weights.Shard) keeps one tensor-parallel rank's
+    share. With compute "bf16" every weight is rounded to bf16 (an F32 or F16 checkpoint run by a bf16
+    engine; its projections are then kept as bf16). With activation_quant "emulate" each weight whose format
+    quantizes its input (WeightFormat.input_quant) carries that quantization (ops.InputQuantized)."""
     if not source.made_from_definition:
         check_checkpoint(cfg, source)
     r = ROUNDING[compute]
+    as_stored = _stored_names(cfg, source, compute)
 
-    def f32(name: str) -> np.ndarray:
-        out = r(as_fp32(source.array(name, bf16_bits=True)))
-        source.release(name)
+    def read(name: str) -> np.ndarray:
+        a = source.array(name, bf16_bits=True)
+        if name in as_stored:  # BF16 bits / F16 as they are; F32 or F16 under bf16 compute: rounded to bf16 bits
+            out = a if as_stored[name] else fp32_to_bf16_bits(as_fp32(a))
+            if out is not a:
+                source.release(name)
+        else:
+            out = r(as_fp32(a))
+            source.release(name)
         if progress is not None:
-            progress(out.nbytes // 2 if source.info(name).dtype != "F32" else out.nbytes)
+            progress(a.nbytes)
         return out
 
     def mapped(name: str) -> np.ndarray:
@@ -67,15 +77,30 @@ def read_weights(cfg: ModelConfig, source: WeightSource, progress: Callable[[int
             source.release(t.name)
         return parts
 
-    weights = load_weights(cfg.definition, f32, lambda parts: np.concatenate(parts, axis=0), embed=mapped,
-                           shard=shard, read_formatted=dequantized)
+    def kept(p) -> list:  # each part as stored, dequantized a block of rows at a time (a format that says so)
+        fmt = weight_format(p.format)
+        if not fmt.row_slices:  # its dequantize takes whole tensors only: the exact fp32 weight, as before
+            return dequantized(p)
+        return [FormattedWeight(fmt, tuple(stored(s.name) for s in fmt.tensors(t)), t.shape) for t in p.parts]
+
+    # Formatted weights stay as stored for the fp32 reference; a bf16 engine rounds their values and a
+    # tensor-parallel rank slices them, so those read the dequantized fp32 weights.
+    formatted = kept if compute == "fp32" and shard is None else dequantized
+    concat = join if shard is None else (lambda parts: np.concatenate(parts, axis=0))  # a rank slices its arrays
+    w = load_weights(cfg.definition, read, concat, embed=mapped, shard=shard, read_formatted=formatted)
+    keys = {p.key for p in cfg.definition.params() if p.key in PROJECTIONS and p.format is None}
+    w.layers = [{k: StoredWeight.of(v) if k in keys else v for k, v in lw.items()} for lw in w.layers]
+    if w.lm_head is w.embed:  # tied: one table, looked up and multiplied
+        w.embed = w.lm_head = StoredWeight.of(w.embed)
+    else:
+        w.lm_head = StoredWeight.of(w.lm_head)
     if activation_quant == "emulate":
         for i, layer in enumerate(cfg.definition.layers):
             for p in layer.params:
                 quant = input_quant(p, source)
                 if quant is not None:
-                    weights.layers[i][p.key] = InputQuantized.of(weights.layers[i][p.key], quant)
-    return weights
+                    w.layers[i][p.key] = InputQuantized(w.layers[i][p.key], quant)
+    return w
 
 
 def input_quant(p, source: WeightSource):
@@ -90,6 +115,24 @@ def input_quant(p, source: WeightSource):
     else:
         merged = companions[0]
     return lambda x: fmt.input_quant(x, *merged)
+
+
+def _stored_names(cfg: ModelConfig, source: WeightSource, compute: str) -> dict[str, bool]:
+    """The tensors read as stored: every part of a dense projection whose parts are all BF16 (or F16 under fp32
+    compute) -> True (kept as it is), or, under bf16 compute, F32 / F16 -> False (rounded to bf16 bits)."""
+    out: dict[str, bool] = {}
+    for p in cfg.definition.params():
+        if p.key not in PROJECTIONS or p.format is not None:
+            continue
+        dtypes = {source.info(t.name).dtype for t in p.parts}
+        if len(dtypes) != 1:
+            continue
+        dtype = dtypes.pop()
+        if dtype == "BF16" or (dtype == "F16" and compute == "fp32"):
+            out.update((t.name, True) for t in p.parts)
+        elif compute == "bf16":
+            out.update((t.name, False) for t in p.parts)
+    return out
 
 
 ACTIVATION_QUANT = ("none", "emulate")  # --activation-quant: fp32 activations, or as the checkpoint's scheme
@@ -112,14 +155,14 @@ class NumpyPass:
 
     def embed(self, table, scale=None) -> np.ndarray:
         if self.tp is not None:  # vocabulary-parallel: the rows of this rank's range, zeros elsewhere, summed
-            rows = self.tp.vocab
-            mine = (self.ids >= rows.start) & (self.ids < rows.stop)
+            vocab = self.tp.vocab
+            mine = (self.ids >= vocab.start) & (self.ids < vocab.stop)
             x = np.zeros((self.t, table.shape[1]), np.float32)
-            x[mine] = as_fp32(table[self.ids[mine] - rows.start])
+            x[mine] = table_rows(table, self.ids[mine] - vocab.start)
             x = x if scale is None else x * np.float32(scale)
             self.tp.comm.all_reduce(x)
             return x
-        x = self.r(as_fp32(table[self.ids]))  # [T, H]
+        x = self.r(table_rows(table, self.ids))  # [T, H]
         # Gemma: times sqrt(hidden) as an fp32 value, as transformers computes in fp32; in bf16 it rounds the
         # normalizer to bf16 first (sqrt(3584) = 59.87 -> 60.0), as a bf16 forward does.
         return x if scale is None else self.r(x * self.r(np.float32(scale)))
@@ -127,7 +170,7 @@ class NumpyPass:
     def linear(self, x, w, bias=None, *, out, norm=None, residual=None, tap=None, reduce=False):
         if norm is not None:
             x = rms_norm(x, norm[0], norm[1].eps, norm[1].offset, self.r)
-        y = moe.matmul(x, w)
+        y = matmul(x, w)
         sharded = reduce and self.tp is not None  # a row-parallel partial sum: bias on rank 0 only, then summed
         if bias is not None and not (sharded and self.tp.rank != 0):
             y += bias
@@ -169,7 +212,7 @@ class NumpyPass:
         y = moe.experts(h, route, w_gate_up, w_down, glu(spec.activation, spec.swiglu_limit, spec.swiglu_alpha, r),
                         spec.first_expert, bias, r)
         if shared is not None:  # qwen2_moe: + sigmoid(shared_expert_gate(h)) * shared_expert(h); DeepSeek: ungated
-            s = r(moe.gated(h, shared[0], glu(spec.activation, r=r), r=r) @ shared[1].T)
+            s = r(matmul(moe.gated(h, shared[0], glu(spec.activation, r=r), r=r), shared[1]))
             y = r(y + (r(route.shared_gate * s) if spec.shared_expert_gated else s))
         return y
 
@@ -307,7 +350,7 @@ class NumpyEngine(EngineBase):
 
     def _lm_head(self, h: np.ndarray) -> np.ndarray:
         r = ROUNDING[self.compute]
-        logits = r(h @ self.w.lm_head.T)  # [rows, V]
+        logits = r(matmul(h, self.w.lm_head))  # [rows, V]
         cap = self.cfg.definition.final_logit_softcap
         return logits if cap is None else softcap(logits, cap, r)
 
@@ -360,11 +403,15 @@ class NumpyEngine(EngineBase):
 
 def load_numpy_engine(cfg: ModelConfig, source: WeightSource, max_context: int, fp32_logits: bool = False,
                       progress=None, tp=None, compute: str = "fp32", mla: str = "naive",
-                      activation_quant: str = "none") -> NumpyEngine:
+                      activation_quant: str = "none", threads: int | None = None) -> NumpyEngine:
     """Check and convert the weights, then build the engine (cache sized for max_context positions).
     With `tp` (parallel/comm.ParallelRank) only that rank's shard is kept, and the engine is that rank's.
-    `compute`: "fp32" or "bf16"; `mla`: "naive" or "absorbed" (NumpyEngine)."""
+    `compute`: "fp32" or "bf16"; `mla`: "naive" or "absorbed" (NumpyEngine); `threads`: the threads of the
+    projections (kernels.py; default: the cores available)."""
     check_context(cfg, max_context)  # refuse before converting gigabytes of weights
+    if threads is not None and threads < 1:
+        raise UsageError(f"--threads must be 1 or more, got {threads}")
+    kernels.set_threads(threads or kernels.cores())
     if compute not in ROUNDING:
         raise UsageError(f"unknown compute precision '{compute}' (choose from {', '.join(ROUNDING)})")
     if mla not in MLA_FORMS:

@@ -23,6 +23,7 @@ import numpy as np
 from ...engine.mla import FORMS
 from ...errors import UsageError
 from .ops import apply_rope, rms_norm
+from .stored import dense, matmul
 
 if TYPE_CHECKING:
     from ...models.spec import MlaSpec
@@ -93,14 +94,14 @@ class MlaOps:
         end = self.p.start + t
         rows = self.cache.read(layer, end)  # (L, kv_lora + rope)
         c, k_pe = rows[:, :m.kv_lora_rank], rows[:, m.kv_lora_rank:]
-        w = kv_b.reshape(h, nope + m.v_head_dim, m.kv_lora_rank)  # per head: [W_k; W_v]
         if self.form == "naive":
-            kv = r(c @ kv_b.T).reshape(end, h, nope + m.v_head_dim).transpose(1, 0, 2)  # (h, L, nope + v)
+            kv = r(matmul(c, kv_b)).reshape(end, h, nope + m.v_head_dim).transpose(1, 0, 2)  # (h, L, nope + v)
             keys = np.concatenate([kv[..., :nope], np.broadcast_to(k_pe, (h,) + k_pe.shape)], axis=-1)
             scores = r(np.concatenate([q_nope, q_pe], axis=-1) @ keys.transpose(0, 2, 1))  # (h, T, L)
             probs = self._softmax(r(scores * np.float32(m.scale)), t, end)
             y = r(probs @ kv[..., nope:])  # (h, T, v)
         else:
+            w = dense(kv_b).reshape(h, nope + m.v_head_dim, m.kv_lora_rank)  # per head: [W_k; W_v]
             q_lat = r(q_nope @ w[:, :nope])  # (h, T, kv_lora): q_nope folded through W_k
             scores = r(r(q_lat @ c.T) + r(q_pe @ k_pe.T))  # (h, T, L)
             probs = self._softmax(r(scores * np.float32(m.scale)), t, end)

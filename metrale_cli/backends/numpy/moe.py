@@ -20,6 +20,7 @@ from ...engine.ops import Route
 from ...models.spec import MoeSpec
 from .ops import keep, sigmoid
 from .routers import ROUTERS
+from .stored import matmul
 
 
 def route(h: np.ndarray, w_router: np.ndarray, spec: MoeSpec, bias: np.ndarray | None = None,
@@ -27,7 +28,7 @@ def route(h: np.ndarray, w_router: np.ndarray, spec: MoeSpec, bias: np.ndarray |
     """The router on normed rows h [T, H]; w_router [E (+1), H], the extra row the shared expert's gate;
     `bias` [E] the router's bias, `correction` [E] the choice correction of sigmoid_biased_grouped. Under
     bf16 rounding (`r`) the logits are rounded, the routing computed in fp32 and its weights rounded."""
-    logits = r(h @ w_router.T if bias is None else h @ w_router.T + np.concatenate(
+    logits = r(matmul(h, w_router) if bias is None else matmul(h, w_router) + np.concatenate(
         [bias, np.zeros(w_router.shape[0] - len(bias), np.float32)]))  # [T, E (+1)]
     router_logits = logits[:, :spec.num_experts]
     index, weights = ROUTERS[spec.router.kind](router_logits, spec, correction)
@@ -71,9 +72,3 @@ def gated(h: np.ndarray, w_gate_up: np.ndarray, glu: Callable[[np.ndarray], np.n
     """glu(h @ [gate; up].T (+ bias)) [T, I] with w_gate_up = [gate; up] [2I, H] (ops.glu)."""
     gu = matmul(h, w_gate_up)
     return glu(r(gu if bias is None else gu + bias))
-
-
-def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """x @ w.T, the input first quantized as w's checkpoint scheme says when w carries one (ops.InputQuantized)."""
-    q = getattr(w, "input_quant", None)
-    return (x if q is None else q(x)) @ w.T

@@ -101,17 +101,29 @@ def glu(kind: str, limit: float | None = None, alpha: float = 1.702, r=keep):
     return gated
 
 
-class InputQuantized(np.ndarray):
-    """A weight whose matmul input is quantized first, as the checkpoint's scheme says an engine does
-    (`--activation-quant emulate`: models/formats.WeightFormat.input_quant). Views (w.T, w[e]) keep it."""
+class InputQuantized:
+    """A weight whose products quantize their input first, as the checkpoint's scheme says an engine does
+    (`--activation-quant emulate`: models/formats.WeightFormat.input_quant). It wraps any weight the products
+    take (an fp32 array, a stored weight); one expert of a stack (`w[e]`) keeps the quantization."""
 
-    input_quant = None
+    def __init__(self, w, input_quant) -> None:
+        self.w, self.input_quant = w, input_quant
 
-    def __array_finalize__(self, obj) -> None:
-        self.input_quant = getattr(obj, "input_quant", None)
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.w.shape
 
-    @staticmethod
-    def of(w: np.ndarray, quant) -> "InputQuantized":
-        out = np.asarray(w).view(InputQuantized)
-        out.input_quant = quant
-        return out
+    @property
+    def dtype(self):
+        return getattr(self.w, "dtype", np.dtype(np.float32))
+
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        from .stored import matmul
+
+        return matmul(self.input_quant(x), self.w)
+
+    def __getitem__(self, index) -> "InputQuantized":
+        return InputQuantized(self.w[index], self.input_quant)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:  # the values, for algebra that reshapes a weight
+        return np.asarray(self.w, dtype)

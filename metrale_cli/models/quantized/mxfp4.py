@@ -46,7 +46,7 @@ def dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 
 MXFP4 = register_format(WeightFormat("mxfp4", companions=_scales, dtypes=(("U8",), ("U8",)), dequantize=dequantize,
-                                     stored=_packed))
+                                     stored=_packed, row_slices=True))
 
 
 def _format_of(qc: dict[str, Any], p) -> str | None:

@@ -1,0 +1,286 @@
+"""Weights as the checkpoint stores them, multiplied in fp32: the NumPy engine's projection weights.
+
+A BF16 or F16 checkpoint's projections stay in their 2 bytes an element (`StoredWeight`, BF16 as its uint16
+bit patterns, memory-mapped: a fused projection such as q | k | v is its parts side by side, `JoinedWeight`,
+so loading copies nothing and the pages are the file's, which the OS may drop and read again); a product
+widens a block of rows at a time to fp32 inside the projection (kernels.py), so only the stored bytes cross
+memory and the products and sums are the fp32 ones of `x @ fp32(w).T`, in another order. FP8 / MXFP4
+weights (`FormattedWeight`) keep their stored tensors and scales and are dequantized a block of rows at a
+time by their format's own code. F32 weights stay plain fp32 arrays (NumPy's BLAS reads them as stored).
+
+`matmul(x, w)`, `rows(table, ids)` and `dense(w)` take any of them, so the engine's ops and each mixer's
+module never ask which one a weight is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import kernels
+
+# The engine weights multiplied as x @ w.T (or looked up by rows: the embedding): only these are kept as
+# stored; every other weight (norms, biases, convolutions, gates' vectors) is read as fp32.
+PROJECTIONS = frozenset({
+    "qkv", "o", "gate_up", "down", "q", "q_a", "q_b", "kv_a", "kv_b", "lin_in", "lin_out", "router",
+    "shared_gate_up", "shared_down", "experts_gate_up", "experts_down", "embed", "lm_head",
+})
+SMALL_M = 16  # up to this many rows: the fused kernel; more: blocks widened to fp32 for BLAS
+BLOCK_BYTES = 1 << 21  # the fp32 block of weight rows one BLAS product reads (about L2-sized)
+
+
+class StoredWeight:
+    """A weight [..., N, K] kept as stored: `kind` "bf16" (`data` its uint16 bit patterns) or "f16"."""
+
+    def __init__(self, data: np.ndarray, kind: str) -> None:
+        if kind not in ("bf16", "f16"):
+            raise ValueError(f"unknown stored kind {kind!r}")
+        self.data, self.kind = data, kind
+
+    @classmethod
+    def of(cls, a: np.ndarray) -> StoredWeight | np.ndarray:
+        """A stored array as the engine keeps it: uint16 (bf16 bits) and float16 wrapped, fp32 as it is."""
+        if a.dtype == np.uint16:
+            return cls(a, "bf16")
+        if a.dtype == np.float16:
+            return cls(a, "f16")
+        return a
+
+    # -- the array surface the loader, the sharding plan and the tests use ---------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.data.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.data.ndim
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    dtype = np.dtype(np.float32)  # the values it stands for
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index) -> StoredWeight:
+        """Rows, columns or one expert of the weight, still stored (a view where NumPy gives one)."""
+        return StoredWeight(self.data[index], self.kind)
+
+    def reshape(self, *shape) -> StoredWeight:
+        return StoredWeight(self.data.reshape(*shape), self.kind)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = widen(self.data, self.kind)
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+    def __repr__(self) -> str:
+        return f"StoredWeight({self.kind}, shape={self.shape})"
+
+    # -- the products -------------------------------------------------------------------------------
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        """x [M, K] fp32 @ self.T -> [M, N] fp32, the weight widened inside the product."""
+        if self.data.ndim != 2:
+            raise ValueError(f"matmul needs a 2-D weight, this one is {self.shape}")
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        w = self.data
+        n, k = w.shape
+        if self.kind == "bf16" and len(x) <= SMALL_M and fused(w):
+            out = np.empty((len(x), n), np.float32)
+            compiled = kernels.compiled()
+            gemm = compiled.gemm_bf16 if len(x) == 1 else compiled.gemm_bf16_pairs
+            gemm(x, w if w.flags.c_contiguous else np.ascontiguousarray(w), out)
+            return out
+        out = np.empty((len(x), n), np.float32)
+        step = max(16, BLOCK_BYTES // (4 * k)) if len(x) <= SMALL_M else max(64, 4 * BLOCK_BYTES // (4 * k))
+        buf = np.empty((min(step, n), k), np.float32)
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            block = widen(w[lo:hi], self.kind, buf[:hi - lo])
+            out[:, lo:hi] = x @ block.T
+        return out
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """The fp32 rows `ids` (an embedding lookup: only those rows are read)."""
+        return widen(self.data[ids], self.kind)
+
+
+def widen(a: np.ndarray, kind: str, out: np.ndarray | None = None) -> np.ndarray:
+    """The exact fp32 values of stored `a` (bf16 bits or float16), into `out` when given."""
+    if out is None:
+        out = np.empty(a.shape, np.float32)
+    if kind == "bf16":
+        if a.ndim == 2 and fused(a):
+            kernels.compiled().widen_bf16(np.ascontiguousarray(a), out)
+        else:
+            np.left_shift(a, 16, out=out.view(np.uint32), dtype=np.uint32)
+    else:
+        out[...] = a
+    return out
+
+
+def fused(w: np.ndarray) -> bool:
+    """Whether the compiled kernels take weight w: numba is there and w is large enough for them to matter."""
+    return kernels.AVAILABLE and w.size >= kernels.FUSED_MIN
+
+
+def matmul(x: np.ndarray, w: Any) -> np.ndarray:
+    """x [M, K] @ w.T in fp32, for a stored weight (dense or formatted) or an fp32 array."""
+    return x @ w.T if isinstance(w, np.ndarray) else w.matmul(x)
+
+
+def rows(table: Any, ids: np.ndarray) -> np.ndarray:
+    """Rows `ids` of an embedding table as fp32: a stored weight, a memory-mapped bf16 (uint16) array, or fp32."""
+    if not isinstance(table, np.ndarray):
+        return table.rows(ids)
+    out = table[ids]
+    return widen(out, "bf16") if out.dtype == np.uint16 else np.asarray(out, np.float32)
+
+
+def dense(w: Any) -> np.ndarray:
+    """The whole weight as fp32 (for algebra that reshapes it, such as latent attention's kv_b)."""
+    return np.asarray(w, np.float32)
+
+
+class FormattedWeight:
+    """A weight stored in a registered format (models/formats.py: FP8 with its scales, MXFP4 blocks...), kept as
+    stored: `tensors` are the format's stored tensor and companions as the checkpoint holds them, `shape` the
+    logical [..., N, K]. A product dequantizes a block of rows at a time with the format's own exact
+    dequantization (formats.py stays the one home of that arithmetic) and multiplies it while it is in cache."""
+
+    dtype = np.dtype(np.float32)
+
+    def __init__(self, fmt, tensors: tuple[np.ndarray, ...], shape: tuple[int, ...]) -> None:
+        self.fmt, self.tensors, self.shape = fmt, tensors, tuple(shape)
+        self.block_rows = int(fmt.params.get("block", (1, 1))[0])  # rows one scale row covers (1: per row)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def _lead(self) -> int:
+        return len(self.shape) - 2  # leading (expert) axes before [N, K]
+
+    def __getitem__(self, index) -> FormattedWeight:
+        """One expert of a stacked weight (an int), or the rows `order` of every expert (`[..., order, :]`, the
+        loader's de-interleaving: a per-row format only), still stored."""
+        if isinstance(index, (int, np.integer)) and self._lead():
+            return FormattedWeight(self.fmt, tuple(t[index] if t.ndim > self._lead() else t for t in self.tensors),
+                                   self.shape[1:])
+        if isinstance(index, tuple) and len(index) == 3 and index[0] is Ellipsis and self.block_rows == 1:
+            order, lead = np.asarray(index[1]), self._lead()
+            return FormattedWeight(self.fmt, tuple(np.take(t, order, axis=lead) if t.ndim > lead else t
+                                                   for t in self.tensors), self.shape)
+        return np.asarray(self)[index]  # any other index: of the fp32 values (a simulation's slices)
+
+    def reshape(self, *shape) -> FormattedWeight:
+        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        if tuple(shape) != self.shape:
+            raise ValueError(f"a {self.fmt.name} weight {self.shape} cannot be reshaped to {shape}")
+        return self
+
+    def rows_fp32(self, lo: int, hi: int) -> np.ndarray:
+        """The exact fp32 values of rows lo..hi-1 (lo a multiple of block_rows) of a 2-D weight."""
+        b = self.block_rows
+        n = self.shape[0]
+        parts = []
+        for t in self.tensors:
+            if t.ndim == 0 or t.shape in ((1,),):
+                parts.append(t)  # one scale for the whole tensor
+            elif t.shape[0] == n:
+                parts.append(t[lo:hi])
+            else:  # one scale row per block_rows rows
+                parts.append(t[lo // b:-(-hi // b)])
+        return np.asarray(self.fmt.dequantize(*parts), np.float32).reshape(hi - lo, self.shape[1])
+
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        if self._lead():
+            raise ValueError(f"matmul needs a 2-D weight, this one is {self.shape}")
+        n, k = self.shape
+        step = max(self.block_rows, BLOCK_BYTES // (4 * k) // self.block_rows * self.block_rows)
+        out = np.empty((len(x), n), np.float32)
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            out[:, lo:hi] = x @ self.rows_fp32(lo, hi).T
+        return out
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        if self._lead():
+            out = np.stack([np.asarray(self[e]) for e in range(self.shape[0])])
+        else:
+            out = self.rows_fp32(0, self.shape[0])
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+    def __repr__(self) -> str:
+        return f"FormattedWeight({self.fmt.name}, shape={self.shape})"
+
+
+class JoinedWeight:
+    """Weights joined along the rows (a fused projection whose parts are formatted: q | k | v), or, after
+    `reshape([E, rows, K])`, a stack of E experts each joining its parts."""
+
+    dtype = np.dtype(np.float32)
+
+    def __init__(self, parts: list, experts: int = 0) -> None:
+        self.parts, self.experts = parts, experts
+        rows = sum(p.shape[0] for p in parts)
+        k = parts[0].shape[-1]
+        self.shape = (experts, rows // experts, k) if experts else (rows, k)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def reshape(self, *shape) -> JoinedWeight:
+        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else tuple(shape)
+        if len(shape) == 3 and not self.experts and len(self.parts) % shape[0] == 0:
+            return JoinedWeight(self.parts, shape[0])
+        if tuple(shape) == self.shape:
+            return self
+        raise ValueError(f"joined weight {self.shape} cannot be reshaped to {shape}")
+
+    def __getitem__(self, e) -> Any:
+        """One expert (an int, of a stack); any other index: of the fp32 values (a simulation's slices)."""
+        if not self.experts or not isinstance(e, (int, np.integer)):
+            return np.asarray(self)[e]
+        per = len(self.parts) // self.experts
+        group = self.parts[int(e) * per:(int(e) + 1) * per]
+        return group[0] if per == 1 else JoinedWeight(group)
+
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        return np.concatenate([matmul(x, p) for p in self.parts], axis=1)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        if self.experts:
+            out = np.stack([np.asarray(self[e]) for e in range(self.experts)])
+        else:
+            out = np.concatenate([np.asarray(p, np.float32) for p in self.parts], axis=0)
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+
+def join(parts: list) -> Any:
+    """The loader's concatenation along the rows: formatted weights and stored BF16 / F16 parts (uint16 bits,
+    float16) are kept as they are, side by side (memory-mapped parts stay so: nothing is copied); fp32
+    arrays are concatenated."""
+    if any(isinstance(p, (FormattedWeight, JoinedWeight, StoredWeight)) for p in parts):
+        return JoinedWeight(list(parts))
+    small = sum(p.size for p in parts) < kernels.FUSED_MIN  # a small model's: one array, as NumPy multiplies it
+    if not small and all(isinstance(p, np.ndarray) and p.dtype in (np.uint16, np.float16) for p in parts):
+        return JoinedWeight([StoredWeight.of(p) for p in parts])
+    return np.concatenate(parts, axis=0)
