@@ -73,6 +73,24 @@ def test_matmul_of_views_and_experts(engine_path):
     check_product(matmul(x, stacked[2]), x, exact[48:72])
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 16, 17])
+def test_joined_parts_multiply_as_their_concatenation(engine_path, monkeypatch, m):
+    """A fused projection of bf16 parts (q | k | v: rows of each an odd count, so blocks end inside a pair)
+    is one kernel call over every part, equal to the product with the concatenated fp32 weight."""
+    rng = np.random.default_rng([m, 11])
+    parts = [draw(rng, n, 96, "bf16") for n in (53, 17, 40)]
+    joined = StoredWeight.of(stored.join([w.data for w, _ in parts]))  # as the loader keeps it
+    exact = np.concatenate([e for _, e in parts])
+    calls = []
+    if engine_path == "numba":
+        compiled = kernels.compiled()
+        original = compiled.gemm_bf16
+        monkeypatch.setattr(compiled, "gemm_bf16", lambda *a: (calls.append(len(a[1])), original(*a)))
+    x = rng.standard_normal((m, 96), dtype=np.float32)
+    check_product(matmul(x, joined), x, exact)
+    assert calls == ([3] if engine_path == "numba" and m <= stored.SMALL_M else [])
+
+
 def test_rows_and_array_are_the_exact_values():
     rng = np.random.default_rng(6)
     for kind in ("bf16", "f16"):
@@ -91,23 +109,25 @@ def test_rows_and_array_are_the_exact_values():
 
 @pytest.mark.parametrize("fused_min", [0, None])
 def test_bf16_checkpoint_keeps_its_projections_stored(monkeypatch, fused_min):
-    """llama_bf16: every projection stays BF16 (a single-part one memory-mapped, no copy; a fused one its mapped
-    parts side by side, or, for weights as small as this test model's, one BF16 array); norms are fp32."""
+    """llama_bf16: every projection the kernels take stays BF16 (a single-part one memory-mapped, no copy; a fused
+    one its mapped parts side by side); weights as small as this test model's (under FUSED_MIN elements) are
+    widened to fp32 once at load instead; norms are fp32."""
     if fused_min is not None:
         monkeypatch.setattr(kernels, "FUSED_MIN", fused_min)
     cfg = load_config(FIXTURES / "llama_bf16")
     ckpt = Checkpoint.open(FIXTURES / "llama_bf16")
     w = read_weights(cfg, ckpt)
     layer = w.layers[0]
-    for key in ("o", "down"):
-        assert isinstance(layer[key], StoredWeight) and layer[key].data.dtype == np.uint16, key
-        assert not layer[key].data.flags.owndata  # a view of the checkpoint's memory map
-    for key in ("qkv", "gate_up"):  # fused: the parts side by side, each still the mapped tensor
-        if fused_min is None:  # small: joined into one BF16 array
-            assert isinstance(layer[key], StoredWeight) and layer[key].data.dtype == np.uint16
-            continue
-        assert isinstance(layer[key], stored.JoinedWeight), key
-        assert all(isinstance(p, StoredWeight) and not p.data.flags.owndata for p in layer[key].parts)
+    if fused_min is None:
+        for key in ("o", "down", "qkv", "gate_up"):
+            assert isinstance(layer[key], np.ndarray) and layer[key].dtype == np.float32, key
+    else:
+        for key in ("o", "down"):
+            assert isinstance(layer[key], StoredWeight) and layer[key].data.dtype == np.uint16, key
+            assert not layer[key].data.flags.owndata  # a view of the checkpoint's memory map
+        for key in ("qkv", "gate_up"):  # fused: the parts side by side, each still the mapped tensor
+            assert isinstance(layer[key], stored.JoinedWeight), key
+            assert all(isinstance(p, StoredWeight) and not p.data.flags.owndata for p in layer[key].parts)
     qkv = np.concatenate([widen(ckpt.array(f"model.layers.0.self_attn.{n}_proj.weight", bf16_bits=True), "bf16")
                           for n in "qkv"])
     np.testing.assert_array_equal(np.asarray(layer["qkv"]), qkv)
@@ -116,12 +136,19 @@ def test_bf16_checkpoint_keeps_its_projections_stored(monkeypatch, fused_min):
     np.testing.assert_array_equal(np.asarray(layer["o"]), widen(o, "bf16"))
 
 
-def test_bf16_compute_rounds_f32_projections_to_stored_bf16():
+@pytest.mark.parametrize("fused_min", [0, None])
+def test_bf16_compute_rounds_f32_projections_to_stored_bf16(monkeypatch, fused_min):
+    """Kept as BF16 where the kernels take the weight, widened once to fp32 where it is small: the same values."""
+    if fused_min is not None:
+        monkeypatch.setattr(kernels, "FUSED_MIN", fused_min)
     cfg = load_config(FIXTURES / "llama")
     ckpt = Checkpoint.open(FIXTURES / "llama")
     w = read_weights(cfg, ckpt, compute="bf16")
     down = w.layers[1]["down"]
-    assert isinstance(down, StoredWeight) and down.kind == "bf16"
+    if fused_min is None:
+        assert type(down) is np.ndarray and down.dtype == np.float32
+    else:
+        assert isinstance(down, StoredWeight) and down.kind == "bf16"
     exact = ckpt.array("model.layers.1.mlp.down_proj.weight").astype(np.float32)
     np.testing.assert_array_equal(np.asarray(down), round_bf16(exact))
     fp32 = read_weights(cfg, ckpt)  # fp32 compute: F32 projections stay plain fp32 arrays
@@ -163,15 +190,14 @@ def test_no_cache_location_compiles_for_the_run(monkeypatch):
 
 
 def test_small_and_large_products_choose_their_path(monkeypatch):
-    """Up to SMALL_M rows the fused kernels run (one row: gemm_bf16, more: gemm_bf16_pairs); more rows widen
-    blocks for BLAS (both tested above); a weight under FUSED_MIN elements is multiplied by NumPy."""
+    """Up to SMALL_M rows the compiled kernel runs; more rows widen blocks for BLAS (both tested above); a weight
+    under FUSED_MIN elements is multiplied by NumPy."""
     if not kernels.AVAILABLE:
         pytest.skip("numba is not installed")
     used = []
     compiled = kernels.compiled()
-    for name in ("gemm_bf16", "gemm_bf16_pairs"):
-        original = getattr(compiled, name)
-        monkeypatch.setattr(compiled, name, lambda *a, f=original: (used.append(len(a[0])), f(*a)))
+    original = compiled.gemm_bf16
+    monkeypatch.setattr(compiled, "gemm_bf16", lambda *a: (used.append(len(a[0])), original(*a)))
     monkeypatch.setattr(kernels, "FUSED_MIN", 0)
     rng = np.random.default_rng(8)
     w, exact = draw(rng, 40, 64, "bf16")

@@ -47,78 +47,65 @@ def _bf16(v):
     return _bits_as_f32(np.uint32(v) << np.uint32(16))
 
 
-@_jit(parallel=True, fastmath=True)
-def gemm_bf16(x, w, out):  # pragma: no cover - compiled
+@numba.njit(inline="always")
+def _row_products(x, r0, r1, out, j, two):  # pragma: no cover - compiled
+    """out[:, j] (and out[:, j + 1] when `two`) = x @ bf16(r0) (and r1): four rows of x per pass over the
+    weight rows; two weight rows a pass when x has several rows, so each load of x feeds two products."""
     m_rows, k = x.shape
-    n = w.shape[0]
-    blocks = (n + 15) // 16
-    for b in prange(blocks):
-        for j in range(b * 16, min(n, b * 16 + 16)):
-            row = w[j]
-            m = 0
-            while m + 4 <= m_rows:  # four rows of x per pass over the weight row
-                x0, x1, x2, x3 = x[m], x[m + 1], x[m + 2], x[m + 3]
-                a0 = a1 = a2 = a3 = np.float32(0.0)
-                for i in range(k):
-                    v = _bf16(row[i])
-                    a0 += x0[i] * v
-                    a1 += x1[i] * v
-                    a2 += x2[i] * v
-                    a3 += x3[i] * v
-                out[m, j], out[m + 1, j], out[m + 2, j], out[m + 3, j] = a0, a1, a2, a3
-                m += 4
-            while m < m_rows:
-                xm = x[m]
-                a = np.float32(0.0)
-                for i in range(k):
-                    a += xm[i] * _bf16(row[i])
-                out[m, j] = a
-                m += 1
+    m = 0
+    while m + 4 <= m_rows:
+        x0, x1, x2, x3 = x[m], x[m + 1], x[m + 2], x[m + 3]
+        a0 = a1 = a2 = a3 = c0 = c1 = c2 = c3 = np.float32(0.0)
+        if two:
+            for i in range(k):
+                v = _bf16(r0[i])
+                u = _bf16(r1[i])
+                a0 += x0[i] * v
+                a1 += x1[i] * v
+                a2 += x2[i] * v
+                a3 += x3[i] * v
+                c0 += x0[i] * u
+                c1 += x1[i] * u
+                c2 += x2[i] * u
+                c3 += x3[i] * u
+            out[m, j + 1], out[m + 1, j + 1], out[m + 2, j + 1], out[m + 3, j + 1] = c0, c1, c2, c3
+        else:
+            for i in range(k):
+                v = _bf16(r0[i])
+                a0 += x0[i] * v
+                a1 += x1[i] * v
+                a2 += x2[i] * v
+                a3 += x3[i] * v
+        out[m, j], out[m + 1, j], out[m + 2, j], out[m + 3, j] = a0, a1, a2, a3
+        m += 4
+    while m < m_rows:
+        xm = x[m]
+        a = c = np.float32(0.0)
+        if two:
+            for i in range(k):
+                a += xm[i] * _bf16(r0[i])
+                c += xm[i] * _bf16(r1[i])
+            out[m, j + 1] = c
+        else:
+            for i in range(k):
+                a += xm[i] * _bf16(r0[i])
+        out[m, j] = a
+        m += 1
 
 
 @_jit(parallel=True, fastmath=True)
-def gemm_bf16_pairs(x, w, out):  # pragma: no cover - compiled
-    """gemm_bf16 for 2..16 rows of x: two weight rows a pass, so each load of x feeds two products (at 4 rows
-    of x, 6 loads for 8 FMAs instead of 5 for 4: about twice gemm_bf16's rate there)."""
-    m_rows, k = x.shape
-    n = w.shape[0]
-    blocks = (n + 15) // 16
-    for b in prange(blocks):
-        j = b * 16
-        end = min(n, j + 16)
+def gemm_bf16(x, ws, blocks, out):  # pragma: no cover - compiled
+    """out [M, sum N] = x [M, K] @ bf16(ws[0] | ws[1] | ...).T: `ws` a tuple of weights [N_p, K] (the parts of
+    a fused projection, or one), `blocks` [B, 4] the work items (part, first row, end row, first output
+    column), spread over the threads; one pass over the parts, so a fused projection is one parallel loop."""
+    pairs = x.shape[0] > 1
+    for b in prange(blocks.shape[0]):
+        w = ws[blocks[b, 0]]
+        j, end, col = blocks[b, 1], blocks[b, 2], blocks[b, 3]
         while j < end:
-            r0 = w[j]
-            r1 = w[j + 1] if j + 1 < end else w[j]  # an odd last row: computed twice, stored once
-            m = 0
-            while m + 4 <= m_rows:
-                x0, x1, x2, x3 = x[m], x[m + 1], x[m + 2], x[m + 3]
-                a0 = a1 = a2 = a3 = c0 = c1 = c2 = c3 = np.float32(0.0)
-                for i in range(k):
-                    v = _bf16(r0[i])
-                    u = _bf16(r1[i])
-                    a0 += x0[i] * v
-                    a1 += x1[i] * v
-                    a2 += x2[i] * v
-                    a3 += x3[i] * v
-                    c0 += x0[i] * u
-                    c1 += x1[i] * u
-                    c2 += x2[i] * u
-                    c3 += x3[i] * u
-                out[m, j], out[m + 1, j], out[m + 2, j], out[m + 3, j] = a0, a1, a2, a3
-                if j + 1 < end:
-                    out[m, j + 1], out[m + 1, j + 1], out[m + 2, j + 1], out[m + 3, j + 1] = c0, c1, c2, c3
-                m += 4
-            while m < m_rows:
-                xm = x[m]
-                a = c = np.float32(0.0)
-                for i in range(k):
-                    a += xm[i] * _bf16(r0[i])
-                    c += xm[i] * _bf16(r1[i])
-                out[m, j] = a
-                if j + 1 < end:
-                    out[m, j + 1] = c
-                m += 1
-            j += 2
+            two = pairs and j + 1 < end
+            _row_products(x, w[j], w[j + 1] if two else w[j], out, col + j - blocks[b, 1], two)
+            j += 2 if two else 1
 
 
 @_jit(parallel=True)
