@@ -126,25 +126,37 @@ def write_vllm(root: Path, h: dict, tokens: list[int], tp: int, steps: list[slic
     return root
 
 
-def write_sglang(root: Path, h: dict, tokens: list[int], tp: int, steps: list[slice]) -> list[Path]:
-    """SGLang --debug-tensor-dump-output-folder: root/TP{r}_PP0_Rank{r}_pid{n}/Pass{k:05d}.pt dicts; the
-    model's and logits_processor's outputs of pass k in pass k + 1's file."""
-    dirs = [root / f"TP{r}_PP0_Rank{r}_pid{4000 + r}" for r in range(tp)]
-    late: list[dict] = [{} for _ in range(tp)]
+def write_sglang(root: Path, h: dict, tokens: list[int], tp: int, steps: list[slice], pp: int = 1) -> list[Path]:
+    """SGLang --debug-tensor-dump-output-folder: root/TP{t}_PP{p}_Rank{r}_pid{n}/Pass{k:05d}.pt dicts (rank r =
+    p * tp + t); the model's and logits_processor's outputs of pass k in pass k + 1's file. With pp stages,
+    stage p holds its contiguous share of the layers (the embedding on the first, the norm, model and logits
+    outputs on the last), each with the pass's input ids and positions."""
+    L = h["config"].num_hidden_layers
+    bounds = [round(L * s / pp) for s in range(pp + 1)]
+
+    def on_stage(name: str, stage: int) -> bool:
+        if name.startswith("model.layers."):
+            return bounds[stage] <= int(name.split(".")[2]) < bounds[stage + 1]
+        return stage == (0 if name == "model.embed_tokens" else pp - 1)
+
+    dirs = [root / f"TP{t}_PP{st}_Rank{st * tp + t}_pid{4000 + st * tp + t}" for st in range(pp) for t in range(tp)]
+    late: list[dict] = [{} for _ in dirs]
     for k, rows in enumerate(steps + [None]):
-        for r in range(tp):
-            d = dict(late[r])
+        for i, d_path in enumerate(dirs):
+            st, r = divmod(i, tp)
+            d = dict(late[i])
             if rows is not None:
                 for name, value in engine_outputs(h, tp, rows)[r].items():
-                    if name.endswith(("self_attn", "mlp")) or name.split(".")[-1].isdigit():
-                        continue  # leaf modules only
+                    if name.endswith(("self_attn", "mlp")) or name.split(".")[-1].isdigit() or not on_stage(name, st):
+                        continue  # leaf modules of this stage only
                     d[name] = _listed(value)
                 d["model.forward_batch_info.input_ids"] = torch.tensor(tokens)[rows]
                 d["model.forward_batch_info.positions"] = torch.arange(len(tokens))[rows]
                 d["model.forward_batch_info.seq_lens"] = torch.tensor([rows.stop])
-                late[r] = {"model": h["norm"][rows], "logits_processor": h["logits"][rows][-1:]}
-            dirs[r].mkdir(parents=True, exist_ok=True)
-            torch.save(d, dirs[r] / f"Pass{k:05d}.pt")
+                if st == pp - 1:
+                    late[i] = {"model": h["norm"][rows], "logits_processor": h["logits"][rows][-1:]}
+            d_path.mkdir(parents=True, exist_ok=True)
+            torch.save(d, d_path / f"Pass{k:05d}.pt")
     return dirs
 
 
@@ -191,6 +203,7 @@ def main() -> None:
     ap.add_argument("--tokens", required=True)
     ap.add_argument("--model", default=str(ROOT / "metrale_cli" / "assets" / "models" / "default"))
     ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages (sglang only)")
     ap.add_argument("--prefill", type=int)
     ap.add_argument("--perturb")
     args = ap.parse_args()
@@ -201,11 +214,16 @@ def main() -> None:
         perturb(h, module, int(pos))
     n = len(tokens) - 1 if args.prefill is None else args.prefill
     steps = [slice(0, n)] + [slice(k, k + 1) for k in range(n, len(tokens))]
-    write = write_vllm if args.engine == "vllm" else write_sglang
-    write(Path(args.out), h, tokens, args.tp, steps)
+    if args.engine == "vllm":
+        if args.pp != 1:
+            ap.error("--pp: written for sglang only")
+        write_vllm(Path(args.out), h, tokens, args.tp, steps)
+    else:
+        write_sglang(Path(args.out), h, tokens, args.tp, steps, args.pp)
     what = f", {args.perturb} perturbed" if args.perturb else ""
+    stages = f" x {args.pp} pipeline stages" if args.pp > 1 else ""
     print(f"{args.out}: {args.engine} dump of {len(tokens)} tokens in {len(steps)} steps over {args.tp} TP "
-          f"ranks{what} (transformers, {Path(args.model).name})")
+          f"ranks{stages}{what} (transformers, {Path(args.model).name})")
 
 
 if __name__ == "__main__":

@@ -329,3 +329,38 @@ def test_one_rope_output_under_every_layers_name_is_left_out_with_a_note(run_cli
     assert r.exit_code == 0, r.stderr
     assert "note (b): q_rope/k_rope left out: every layer's name holds the same output" in r.stdout
     assert "q_rope" not in r.stdout.split("only_in_b:")[1].split("\n")[0]
+
+
+def test_sglang_pipeline_stages_join_their_layers(run_cli, tmp_path, hf, metrale_dump):
+    """Two pipeline stages of two TP ranks each (layer 0 and the embedding on PP0, layer 1 and the norm on
+    PP1): every tap is found once, as one stage holding every layer would give it; a planted difference on
+    the second stage is named by layer and position."""
+    tokens, h = hf
+    dirs = write_sglang(tmp_path / "sgl", h, tokens, 2, STEPS, pp=2)
+    assert sorted(d.name.split("_pid")[0] for d in dirs) == ["TP0_PP0_Rank0", "TP0_PP1_Rank2", "TP1_PP0_Rank1",
+                                                             "TP1_PP1_Rank3"]
+    assert not any("model.layers.1" in k for k in torch.load(dirs[0] / "Pass00000.pt"))
+    doc = as_json(run_cli("compare", metrale_dump, tmp_path / "sgl", "--rtol", "1e-4", "-f", "json"))
+    assert {t["name"] for t in doc["tensors"]} == METRALE_TAPS and set(doc["only_in_b"]) == FINE
+    assert doc["passed"] is True and max(float(t["rel_err"]) for t in doc["tensors"]) < 1e-5
+    for d in dirs[2:]:  # PP1's ranks: the row-parallel down_proj output of layer 1
+        obj = torch.load(d / "Pass00001.pt")
+        obj["model.layers.1.mlp.down_proj"][0] += 0.05 * obj["model.layers.1.mlp.down_proj"][0].abs().max()
+        torch.save(obj, d / "Pass00001.pt")
+    doc = as_json(run_cli("compare", metrale_dump, tmp_path / "sgl", "--rtol", "1e-4", "-f", "json"))
+    assert doc["first_divergence"]["name"] == "model.layers.1.mlp" and doc["first_divergence"]["position"] == T - 1
+
+
+def test_sglang_pipeline_stages_that_disagree_are_input_errors(tmp_path, hf):
+    tokens, h = hf
+    dirs = write_sglang(tmp_path / "sgl", h, tokens, 1, STEPS, pp=2)
+    obj = torch.load(dirs[1] / "Pass00000.pt")
+    obj["model.forward_batch_info.input_ids"][1] += 1
+    torch.save(obj, dirs[1] / "Pass00000.pt")
+    with pytest.raises(InputError, match="pipeline stages 0 and 1 ran different token ids in step 0"):
+        read_input(tmp_path / "sgl", "B", ReadOptions(fmt_b="sglang", model=LLAMA))
+    shutil.rmtree(tmp_path / "sgl")
+    dirs = write_sglang(tmp_path / "sgl", h, tokens, 2, STEPS, pp=2)
+    shutil.rmtree(dirs[-1])  # PP1 lost a TP rank
+    with pytest.raises(InputError, match="different numbers of TP ranks"):
+        read_input(tmp_path / "sgl", "B", ReadOptions(fmt_b="sglang", model=LLAMA))

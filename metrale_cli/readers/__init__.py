@@ -14,7 +14,8 @@ llama.cpp's printed statistics stay an `llamacpp.EvalCallback`, for compare_stat
     npy, safetensors, bin   as compare_inputs reads them
 
 Several TP ranks: vLLM's devices (cuda_0, cuda_1) and SGLang's rank folders are found in the folder given;
-`--tp-dirs D0,D1,...` names one folder per rank instead. Shards join as names.py says. Steps (vLLM's
+`--tp-dirs D0,D1,...` names one folder per rank instead. Shards join as names.py says. SGLang's pipeline
+stages (PP0, PP1, ...) each hold their own layers: their tensors are put together per step. Steps (vLLM's
 step_N, SGLang's passes) are concatenated in order: rows of a prefill, then one per decode step, at the
 positions the dump records (else counted from 0: one sequence). Every .pt is read by torch_pickle (no
 torch, no code from the file run).
@@ -119,9 +120,10 @@ def _read_dir(d: Path, fmt: str | None, where: str) -> tuple[str, list[Raw]]:
     if fmt in (None, "vllm") and vllm.is_run(d):
         return "vllm", vllm.read(d, where)
     if fmt in (None, "sglang"):
-        ranks = sglang.rank_dirs(d)
-        if ranks:
-            return "sglang", _merge_ranks([sglang.read_passes(r, where) for r in ranks], where)
+        stages = sglang.stage_dirs(d)
+        if stages:
+            per_stage = [_merge_ranks([sglang.read_passes(r, where) for r in ranks], where) for ranks in stages]
+            return "sglang", per_stage[0] if len(per_stage) == 1 else _merge_stages(per_stage, where)
         if sglang.is_pass_dir(d):
             return "sglang", sglang.read_passes(d, where)
         if sglang.is_dumper_dir(d):
@@ -151,6 +153,30 @@ def _merge_ranks(per_rank: list[list[Raw]], where: str) -> list[Raw]:
         names = [n for n in steps[0].tensors if all(n in s.tensors for s in steps)]
         merged.append(Raw({n: [a for s in steps for a in s.tensors[n]] for n in names},
                           steps[0].positions, steps[0].tokens))
+    return merged
+
+
+def _merge_stages(per_stage: list[list[Raw]], where: str) -> list[Raw]:
+    """Step k of every pipeline stage joined: each stage holds its own layers; a tensor in two stages is
+    ambiguous, and the token ids and positions must agree where stages carry them."""
+    counts = {len(steps) for steps in per_stage}
+    if len(counts) != 1:
+        raise InputError(f"{where}: the pipeline stages hold different numbers of steps ({sorted(counts)})")
+    merged = []
+    for k in range(counts.pop()):
+        tensors: dict[str, list[np.ndarray]] = {}
+        positions = tokens = None
+        for stage, raw in enumerate(s[k] for s in per_stage):
+            twice = sorted(set(tensors) & set(raw.tensors))
+            if twice:
+                raise InputError(f"{where}: {twice[0]} is in two pipeline stages (step {k})")
+            tensors.update(raw.tensors)
+            for seen, now, what in ((positions, raw.positions, "positions"), (tokens, raw.tokens, "token ids")):
+                if seen is not None and now is not None and seen != now:
+                    raise InputError(f"{where}: pipeline stages 0 and {stage} ran different {what} in step {k}")
+            positions = positions if positions is not None else raw.positions
+            tokens = tokens if tokens is not None else raw.tokens
+        merged.append(Raw(tensors, positions, tokens))
     return merged
 
 

@@ -33,14 +33,18 @@ def is_pass_dir(p: Path) -> bool:
     return p.is_dir() and any(_PASS.fullmatch(f.name) for f in p.iterdir())
 
 
-def rank_dirs(p: Path) -> list[Path]:
-    """The TP{t}_PP{p}_Rank{r} folders under p, in TP order (pipeline stage 0)."""
-    found = [(int(m.group(1)), int(m.group(2)), d) for d in p.iterdir()
+def stage_dirs(p: Path) -> list[list[Path]]:
+    """The TP{t}_PP{p}_Rank{r} folders under p: per pipeline stage (in stage order), its TP ranks in TP order."""
+    found = [(int(m.group(2)), int(m.group(1)), d) for d in p.iterdir()
              if d.is_dir() and (m := RANK_DIR.fullmatch(d.name))]
-    stages = {pp for _, pp, _ in found}
-    if len(stages) > 1:
-        raise InputError(f"{p}: pipeline-parallel stages {sorted(stages)}: compare reads one stage's TP ranks")
-    return [d for _, _, d in sorted(found, key=lambda x: x[0])]
+    stages: dict[int, list[Path]] = {}
+    for pp, _, d in sorted(found, key=lambda x: x[:2]):
+        stages.setdefault(pp, []).append(d)
+    widths = {len(ds) for ds in stages.values()}
+    if len(widths) > 1:
+        raise InputError(f"{p}: the pipeline stages hold different numbers of TP ranks "
+                         f"({', '.join(f'PP{s}: {len(ds)}' for s, ds in stages.items())})")
+    return [stages[s] for s in sorted(stages)]
 
 
 def read_passes(d: Path, where: str) -> list[Raw]:
