@@ -49,11 +49,11 @@ def test_fixtures_store_what_their_configs_say():
     by_key = formats_by_key("llama_ct_w4a16")
     assert by_key[(0, "gate_up")] == by_key[(0, "qkv")] == "ct_pack4_group16" and by_key[(1, "gate_up")] is None
     mixed = formats_by_key("qwen3_ct_mixed")  # the regex target wins over the class target for attention
-    assert mixed[(0, "qkv")] == mixed[(1, "o")] == "ct_int8_channel_asym"
+    assert mixed[(0, "qkv")] == mixed[(1, "o")] == "ct_int8_channel_asym_aint8_token"
     assert mixed[(0, "gate_up")] == "ct_pack4_group16_asym"
-    assert formats_by_key("llama_ct_fp8_block")[(0, "down")] == "ct_fp8_block32x32"
+    assert formats_by_key("llama_ct_fp8_block")[(0, "down")] == "ct_fp8_block32x32_afp8_group16"
     assert formats_by_key("qwen3_ct_fp8_tensor")[(0, "qkv")] == "ct_fp8_tensor_input_scale"
-    assert formats_by_key("llama_ct_fp8_channel")[(1, "o")] == "ct_fp8_channel"
+    assert formats_by_key("llama_ct_fp8_channel")[(1, "o")] == "ct_fp8_channel_afp8_token"
     assert formats_by_key("llama_ct_nvfp4")[(0, "qkv")] == "ct_nvfp4_input_global_scale"
     with Checkpoint.open(FIXTURES / "models" / "llama_ct_nvfp4") as ckpt:
         assert ckpt.info("model.layers.0.self_attn.q_proj.weight_scale").dtype == "F8_E4M3"

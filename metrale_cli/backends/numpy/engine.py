@@ -106,9 +106,14 @@ def read_weights(cfg: ModelConfig, source: WeightSource, progress: Callable[[int
 def input_quant(p, source: WeightSource):
     """x -> x' as param p's format quantizes a matmul's input (None: p's input stays fp32). A fused param's
     parts each carry their static input scale; the largest is used for all (as engines fuse them)."""
-    if p.format is None or weight_format(p.format).input_quant is None:
+    if p.format is None:
         return None
     fmt = weight_format(p.format)
+    if fmt.input_quant is None:
+        if fmt.input_quant_doc:  # the scheme quantizes its inputs in a way metrale does not emulate
+            raise UsageError(f"--activation-quant emulate: {p.parts[0].name}'s input activations: "
+                             f"{fmt.input_quant_doc}")
+        return None
     companions = [[source.array(c.name, bf16_bits=True) for c in fmt.companions(t)] for t in p.parts]
     if len(companions) > 1 and companions[0]:  # the largest of each companion over the parts
         merged = [max(parts, key=lambda a: float(np.max(as_fp32(a)))) for parts in zip(*companions)]

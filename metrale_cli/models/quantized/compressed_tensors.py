@@ -25,6 +25,8 @@ Formats, per logical weight `<module>.weight` [out, in] (the value is computed i
     default, which metrale does not);
   - static activation scales beside a weight: `input_scale` [1] (FP8 / int8 tensor-wise) or
     `input_global_scale` [1] (NVFP4 W4A4); read by `--activation-quant emulate`, not by the weight's value.
+`input_activations` (ACTIVATIONS below): FP8 dynamic per token or group, FP8 / int8 static per tensor, int8
+dynamic per token, NVFP4 dynamic local are emulated; any other scheme loads and is refused by emulate.
 Everything else (kv_cache_scheme, transforms, sparsity, output activations, other bit widths and formats) is
 refused by field name.
 """
@@ -65,14 +67,19 @@ class Scheme:
     block: tuple[int, int] = (0, 0)  # block strategy
     asym: bool = False  # a zero point beside the scale
     static_input: str = ""  # the activation scale tensor stored beside the weight ("input_scale", ...)
+    inputs: str = ""  # how the input activations are quantized (ACTIVATIONS' keys; "": they are not)
+    input_group: int = 0  # values per dynamic scale along the input (inputs "fp8_group")
 
     @property
     def name(self) -> str:
         how = {"group": f"group{self.group}", "block": f"block{self.block[0]}x{self.block[1]}"}.get(
             self.strategy, self.strategy)
         kind = f"pack{self.bits}" if self.kind == "pack" else self.kind
+        implied = {"", "nvfp4", "fp8_static" if self.kind == "fp8" else "int8_static"}  # by the weights and scales
+        inputs = [] if self.inputs in implied else [
+            "a" + re.sub(r"\W+", "", self.inputs.replace("_group", f"_group{self.input_group}"))]
         return "_".join(["ct", kind] + ([] if self.kind == "nvfp4" else [how]) + (["asym"] if self.asym else [])
-                        + ([self.static_input] if self.static_input else []))
+                        + ([self.static_input] if self.static_input else []) + inputs)
 
 
 def _scale_shape(s: Scheme, out: int, cols: int) -> tuple[int, ...]:
@@ -199,8 +206,98 @@ def _make_format(s: Scheme) -> WeightFormat:
         dtypes += (("F32",) if s.kind == "nvfp4" else SCALE_DTYPES,)
     params = {"strategy": s.strategy, "bits": s.bits, "group": s.group, "block": s.block, "asym": s.asym,
               "static_input": s.static_input}
+    quant, doc = ACTIVATIONS.get(s.inputs, (None, "not emulated: " + s.inputs.removeprefix("other:")))
+    if not s.inputs:
+        doc = ""
     return WeightFormat(s.name, companions=companions, dtypes=dtypes, dequantize=_dequantizer(s), stored=stored,
-                        kind=f"ct_{s.kind}", params=params)
+                        kind=f"ct_{s.kind}", params=params, input_quant=quant and (lambda x, *c: quant(x, s, *c)),
+                        input_quant_doc=doc.format(group=s.input_group))
+
+
+# ---- the input activations, as the package's forward quantizes them (`--activation-quant emulate`) -------------
+# compressed_tensors.quantization.lifecycle.forward: a dynamic scale is amax / (the type's range / 2): 448 for
+# FP8, 127.5 for int8, 6 for FP4 (then times the global scale and rounded to e4m3 for NVFP4); a zero scale
+# becomes its dtype's eps; x' = round(clamp(x / s, q_min, q_max)) * s, with s / global_scale for NVFP4.
+
+def _amax(g: np.ndarray) -> np.ndarray:
+    return np.maximum(-np.minimum(g.min(-1, keepdims=True), 0), np.maximum(g.max(-1, keepdims=True), 0))
+
+
+def _groups_of(x: np.ndarray, size: int) -> np.ndarray:
+    x = np.asarray(x, np.float32)
+    if x.shape[-1] % size:
+        raise CheckpointError(f"activations of width {x.shape[-1]} do not divide into groups of {size}")
+    return x.reshape(*x.shape[:-1], -1, size)
+
+
+def _fp8_qdq(g: np.ndarray, s: np.ndarray) -> np.ndarray:
+    from .fp8 import E4M3_MAX, _e4m3
+
+    return e4m3_as_fp32(np.clip(g / s, -E4M3_MAX, E4M3_MAX).astype(_e4m3())) * s
+
+
+def _fp8_dynamic(x: np.ndarray, s: Scheme, *_) -> np.ndarray:
+    size = x.shape[-1] if s.inputs == "fp8_token" else s.input_group
+    g = _groups_of(x, size)
+    scale = _amax(g) / np.float32(448)
+    return _fp8_qdq(g, np.where(scale == 0, np.finfo(np.float32).eps, scale)).reshape(x.shape)
+
+
+def _fp8_static(x: np.ndarray, s: Scheme, *companions) -> np.ndarray:
+    return _fp8_qdq(np.asarray(x, np.float32), scale_as_fp32(companions[-1]).reshape(()))
+
+
+def _int8_token(x: np.ndarray, s: Scheme, *_) -> np.ndarray:
+    g = _groups_of(x, x.shape[-1])
+    scale = _amax(g) / np.float32(127.5)
+    scale = np.where(scale == 0, np.finfo(np.float32).eps, scale)
+    return (np.round(np.clip(g / scale, -128, 127)) * scale).reshape(x.shape)
+
+
+def _int8_static(x: np.ndarray, s: Scheme, *companions) -> np.ndarray:
+    scale = scale_as_fp32(companions[-1]).reshape(())
+    return np.round(np.clip(np.asarray(x, np.float32) / scale, -128, 127)) * scale
+
+
+FP4_BOUNDS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)  # between the e2m1 magnitudes
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+
+
+def round_fp4(v: np.ndarray) -> np.ndarray:
+    """The nearest e2m1 value, ties to the even code (the package's cast_to_fp4: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1,
+    1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4); |v| <= 6 here."""
+    a = np.abs(v)
+    i = np.searchsorted(FP4_BOUNDS, a, side="left")  # a == a bound: the lower value ...
+    up = np.isin(a, FP4_BOUNDS[[1, 3, 5]])  # ... except where the even code is the upper one
+    return np.copysign(FP4_VALUES[i + up], v)
+
+
+def _nvfp4(x: np.ndarray, s: Scheme, *companions) -> np.ndarray:
+    return quantize_nvfp4(x, scale_as_fp32(companions[-1]).reshape(()))
+
+
+def quantize_nvfp4(x: np.ndarray, glob: np.ndarray) -> np.ndarray:
+    """NVFP4 activations under global scale `glob` (compressed-tensors' input_global_scale: it divides)."""
+    g = _groups_of(x, NVFP4_GROUP)
+    scale = e4m3_as_fp32(np.clip(glob * (_amax(g) / np.float32(6)), -448, 448).astype(_e4m3_type()))
+    scale = np.where(scale == 0, np.float32(0.125), scale) / glob
+    return (round_fp4(np.clip(g / scale, -6, 6)) * scale).reshape(x.shape)
+
+
+def _e4m3_type():
+    import ml_dtypes
+
+    return ml_dtypes.float8_e4m3fn
+
+
+ACTIVATIONS = {  # Scheme.inputs -> (x, scheme, *companions) -> x', and what inspect says it does
+    "fp8_token": (_fp8_dynamic, "e4m3, dynamic scale per token"),
+    "fp8_group": (_fp8_dynamic, "e4m3, dynamic scale per token and {group} columns"),
+    "fp8_static": (_fp8_static, "e4m3 with the checkpoint's static input_scale"),
+    "int8_token": (_int8_token, "int8, dynamic symmetric scale per token"),
+    "int8_static": (_int8_static, "int8 with the checkpoint's static input_scale"),
+    "nvfp4": (_nvfp4, "NVFP4: e2m1 with an e4m3 scale per 16 columns under the checkpoint's input_global_scale"),
+}
 
 
 # ---- the config ------------------------------------------------------------------------------------------------
@@ -273,34 +370,48 @@ def _scheme(qc: dict[str, Any], name: str) -> Scheme:
         kind = "int8"
     else:
         refuse(field, _brief(w), f"cannot be stored as {fmt}")
+    static, inputs, input_group = _inputs(g.get("input_activations"), kind, where)
     return Scheme(kind, strategy, bits, group if strategy in ("group", "tensor_group") else 0,
-                  block if strategy == "block" else (0, 0), asym, _static_input(g.get("input_activations"), kind, where))
+                  block if strategy == "block" else (0, 0), asym, static, inputs, input_group)
 
 
 def _brief(w: dict[str, Any]) -> str:
     return f"{w.get('type', 'int')} {w.get('num_bits', 8)}-bit {w.get('strategy')}"
 
 
-def _static_input(a: dict[str, Any] | None, kind: str, where: str) -> str:
-    """The activation scale tensor a static input_activations scheme stores beside each weight ("": none)."""
+def _inputs(a: dict[str, Any] | None, kind: str, where: str) -> tuple[str, str, int]:
+    """The input activations' scheme: (the static scale tensor stored beside each weight, "" if none; the
+    ACTIVATIONS key, "" if they are not quantized; the dynamic group size), refusing what metrale does not
+    emulate by field."""
     if a is None:
-        return ""
+        return "", "", 0
     field = f"{where}.input_activations"
     if not isinstance(a, dict):
         refuse(field, a, "must be a scheme")
-    dynamic = a.get("dynamic", False)
+    extra = sorted(set(a) - ARG_FIELDS)
+    if extra:
+        refuse(f"{field}.{extra[0]}", a[extra[0]], "is not a field metrale knows")
+    dynamic, strategy = a.get("dynamic", False), a.get("strategy", "tensor")
+    bits, kind_type = a.get("num_bits", 8), str(a.get("type", "int")).lower()
     if not a.get("symmetric", True):
         refuse(f"{field}.symmetric", False, "is not implemented (asymmetric activations)")
     if kind == "nvfp4":
-        if dynamic != "local" or a.get("strategy") != "tensor_group":
+        if dynamic != "local" or strategy != "tensor_group" or a.get("group_size") != NVFP4_GROUP:
             refuse(field, _brief(a), "is not implemented beside NVFP4 weights (NVFP4 tensor_group, dynamic local)")
-        return "input_global_scale"
-    if dynamic is True:
-        return ""
-    if dynamic is False and a.get("strategy", "tensor") == "tensor":
-        return "input_scale"
-    refuse(field, _brief(a), "is not implemented (dynamic activations, or static per-tensor scales)")
-    return ""
+        return "input_global_scale", "nvfp4", NVFP4_GROUP
+    if (kind_type, bits) == ("float", 8):
+        if dynamic is False and strategy == "tensor":
+            return "input_scale", "fp8_static", 0
+        if dynamic is True and strategy == "token":
+            return "", "fp8_token", 0
+        if dynamic is True and strategy == "group" and int(a.get("group_size") or 0) > 0:
+            return "", "fp8_group", int(a["group_size"])
+    if (kind_type, bits, dynamic, strategy) == ("int", 8, True, "token"):
+        return "", "int8_token", 0
+    if (kind_type, bits, dynamic, strategy) == ("int", 8, False, "tensor"):
+        return "input_scale", "int8_static", 0
+    # loads (the weights do not depend on it), but --activation-quant emulate refuses it by name
+    return "input_scale" if dynamic is False and strategy == "tensor" else "", "other:" + _brief(a), 0
 
 
 def _matches(target: str, module: str) -> bool:

@@ -22,7 +22,7 @@ import numpy as np
 from ..formats import QuantMethod, WeightFormat, register_format, register_quant_method
 from ..spec import Tensor
 from . import linear_weight, module_of, refuse, scale_as_fp32
-from .compressed_tensors import NVFP4_GROUP, nvfp4_values
+from .compressed_tensors import NVFP4_GROUP, nvfp4_values, quantize_nvfp4
 from .fp8 import e4m3_as_fp32
 
 
@@ -47,9 +47,17 @@ def _companions(t: Tensor) -> tuple[Tensor, ...]:
             Tensor(base + "input_scale", ()))
 
 
+def input_quant(x: np.ndarray, *companions) -> np.ndarray:
+    """The activations as an NVFP4 W4A4 kernel quantizes them: compressed-tensors' NVFP4 definition under the
+    global scale 1 / input_scale (vLLM's ModelOpt path: `input_scale_inv`)."""
+    return quantize_nvfp4(x, np.float32(1) / scale_as_fp32(companions[-1]).reshape(()))
+
+
 NVFP4 = register_format(WeightFormat(
     "modelopt_nvfp4", companions=_companions, dtypes=(("U8",), ("F8_E4M3",), ("F32",), ("F32",)),
-    dequantize=dequantize, stored=lambda t: Tensor(t.name, (t.shape[0], t.shape[1] // 2)), kind="modelopt_nvfp4"))
+    dequantize=dequantize, stored=lambda t: Tensor(t.name, (t.shape[0], t.shape[1] // 2)), kind="modelopt_nvfp4",
+    input_quant=input_quant,
+    input_quant_doc="NVFP4: e2m1 with an e4m3 scale per 16 columns under the global scale 1 / input_scale"))
 
 
 def _format_of(qc: dict[str, Any], p) -> str | None:
