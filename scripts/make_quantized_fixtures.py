@@ -53,12 +53,14 @@ SPECS = {
     "llama_fp8_block": ("llama", [16, 16], "F32", None),
     "qwen3_moe_fp8_block": ("qwen3_moe", [8, 8], "BF16", ["model.layers.1.mlp"]),
     "qwen3_fp8_tensor": ("qwen3", None, "F32", None),
+    # DeepSeek-V3 as shipped (F32 scale_inv, every Linear but the router), blocks of 8 that divide its small dims
+    "deepseek_v3_fp8_block": ("deepseek_v3", [8, 8], "F32", None),
 }
 
 
 def is_linear(name: str, a: np.ndarray) -> bool:
-    return (a.ndim == 2 and name.endswith("proj.weight") and "embed" not in name and "lm_head" not in name
-            and not name.endswith("mlp.gate.weight"))
+    return (a.ndim == 2 and name.endswith(("proj.weight", "proj_with_mqa.weight")) and "embed" not in name
+            and "lm_head" not in name and not name.endswith("mlp.gate.weight"))
 
 
 def skipped(name: str, skip: list[str] | None) -> bool:

@@ -26,7 +26,7 @@ from golden_parity import check_greedy, check_prefill, check_verify_and_trim, en
 from metrale_cli.models import formats
 
 FIXTURES = Path(__file__).parent / "fixtures"
-FP8_MODELS = ["llama_fp8_block", "qwen3_moe_fp8_block", "qwen3_fp8_tensor"]
+FP8_MODELS = ["llama_fp8_block", "qwen3_moe_fp8_block", "qwen3_fp8_tensor", "deepseek_v3_fp8_block"]
 MODELS = FP8_MODELS + ["gpt_oss", "gpt_oss_mxfp4"]  # gpt-oss: its bf16 export and its shipped MXFP4 experts
 
 
@@ -37,7 +37,7 @@ MODELS = FP8_MODELS + ["gpt_oss", "gpt_oss_mxfp4"]  # gpt-oss: its bf16 export a
 def test_fixtures_store_fp8_weights_with_scales():
     """The fixtures are what they claim: e4m3 Linear weights, a scale grid beside each, dense the rest."""
     for name, scale_dtype in (("llama_fp8_block", "F32"), ("qwen3_moe_fp8_block", "BF16"),
-                              ("qwen3_fp8_tensor", "F32")):
+                              ("qwen3_fp8_tensor", "F32"), ("deepseek_v3_fp8_block", "F32")):
         with Checkpoint.open(FIXTURES / "models" / name) as ckpt:
             dtypes = {n: ckpt.info(n).dtype for n in ckpt.tensor_names()}
         fp8 = [n for n, d in dtypes.items() if d == "F8_E4M3"]
@@ -48,6 +48,12 @@ def test_fixtures_store_fp8_weights_with_scales():
     assert by_key[(0, "experts_gate_up")] == "fp8_block8x8" and by_key[(0, "qkv")] == "fp8_block8x8"
     assert by_key[(1, "gate_up")] is None  # modules_to_not_convert: model.layers.1.mlp stays dense
     assert by_key[(0, "router")] is None and by_key[(0, "input_norm")] is None
+    cfg = load_config(FIXTURES / "models" / "deepseek_v3_fp8_block")  # MLA: every projection, the latent's too
+    by_key = {(i, p.key): p.format for i, layer in enumerate(cfg.definition.layers) for p in layer.params}
+    for key in ("q_a", "q_b", "kv_a", "kv_b", "o"):
+        assert by_key[(1, key)] == "fp8_block8x8", key
+    assert by_key[(0, "gate_up")] == by_key[(1, "experts_gate_up")] == by_key[(1, "shared_gate_up")] == "fp8_block8x8"
+    assert by_key[(1, "router")] is None
 
 
 @pytest.mark.parametrize("name", MODELS)

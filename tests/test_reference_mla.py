@@ -25,8 +25,8 @@ from metrale_cli.engine.observe import tapping
 from metrale_cli.models.spec import MlpSpec, MoeSpec
 
 FIXTURES = Path(__file__).parent / "fixtures"
-MODELS = ["deepseek_v3", "deepseek_v3_noq", "deepseek_v2", "glm4_moe"]
-MLA_MODELS = ["deepseek_v3", "deepseek_v3_noq", "deepseek_v2"]
+MODELS = ["deepseek_v3", "deepseek_v3_noq", "deepseek_v2", "glm4_moe", "deepseek_v3_fp8_block"]
+MLA_MODELS = ["deepseek_v3", "deepseek_v3_noq", "deepseek_v2", "deepseek_v3_fp8_block"]
 # naive vs absorbed: the same sums in another order; over these fixtures the logits differ by ~1e-6 relative
 # (measured over fresh prompts: 6e-7 to 1.2e-6 on prefill and decode rows)
 FORMS_TOL = 1e-5
