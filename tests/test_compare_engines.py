@@ -364,3 +364,41 @@ def test_sglang_pipeline_stages_that_disagree_are_input_errors(tmp_path, hf):
     shutil.rmtree(dirs[-1])  # PP1 lost a TP rank
     with pytest.raises(InputError, match="different numbers of TP ranks"):
         read_input(tmp_path / "sgl", "B", ReadOptions(fmt_b="sglang", model=LLAMA))
+
+
+@pytest.mark.parametrize("block", ["mlp", "block_sparse_moe"])
+def test_moe_router_logits_and_block_outputs_from_engine_names(run_cli, tmp_path, block):
+    """A MoE model's router (`mlp.gate`: vLLM's ReplicatedLinear, a (logits, None) output; Mixtral's
+    `block_sparse_moe.gate` in vLLM) and its block output map to metrale's router-logits tap and MLP output:
+    values from transformers' qwen3_moe (the router logits: the gate's own output, captured by a hook)."""
+    name = "tests/fixtures/models/qwen3_moe"
+    tokens = fresh_tokens(6, 300)
+    a = tmp_path / "a.safetensors"
+    r = run_cli("forward", "-m", name, "-t", " ".join(map(str, tokens)), "--rows", "all", "--device", "cpu",
+                "--dump-layers", a)
+    assert r.exit_code == 0, r.stderr
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="eager", experts_implementation="eager")
+    model = model.float().eval()
+    captured = {}
+    sparse = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")]
+    assert sparse, "the fixture has sparse layers"
+    for i in sparse:
+        def keep(module, args, out, i=i):
+            captured[i] = args[0].reshape(-1, args[0].shape[-1]) @ module.gate.weight.T, out
+        model.model.layers[i].mlp.register_forward_hook(keep)
+    with torch.no_grad():
+        model(torch.tensor([tokens]))
+    step = tmp_path / "vllm" / "step_0"
+    for i, (logits, out) in captured.items():
+        out = out[0] if isinstance(out, tuple) else out
+        for module, file, value in ((f"{block}.gate", "outputs_0_cuda_0.pt", logits),
+                                    (block, "outputs_cuda_0.pt", out.reshape(len(tokens), -1))):
+            d = step / f"model.layers.{i}.{module}"
+            d.mkdir(parents=True)
+            torch.save(value.detach().clone(), d / file)
+    doc = as_json(run_cli("compare", a, tmp_path / "vllm", "--from", "vllm", "--rtol", "1e-4", "-f", "json"))
+    compared = {t["name"]: float(t["rel_err"]) for t in doc["tensors"]}
+    assert set(compared) == {f"model.layers.{i}.mlp{s}" for i in sparse for s in ("", ".gate")}, compared
+    assert max(compared.values()) < 1e-5 and doc["passed"] is True

@@ -18,6 +18,8 @@ Built-in map (vLLM and SGLang name modules by the Hugging Face paths, so one map
     model.layers.{i}.mlp.gate_up_proj         .mlp.gate_proj, up_proj              column, fused: split per rank
     model.layers.{i}.mlp.act_fn               .mlp.down_proj.input                 column
     model.layers.{i}.mlp (or down_proj)       .mlp                                 replicated
+    model.layers.{i}.mlp.gate#0 (MoE router)  .mlp.gate (the router logits)       replicated
+      (vLLM's Mixtral names its MoE block block_sparse_moe: read as mlp)
     model.layers.{i}#0 + #1                   model.layers.{i}  (output + residual; else the residual
                                               the next layer's input_layernorm#1 or model.norm#1 carries)
     model.norm#0                              model.norm                           replicated
@@ -117,7 +119,8 @@ BUILTIN: list[Rule] = [
          ["model.layers.{1}.mlp.gate_proj", "model.layers.{1}.mlp.up_proj"], split=[], tp="column"),
     Rule(re.compile(_L + r"\.mlp\.(gate|up)_proj(?:#0)?"), ["model.layers.{1}.mlp.{2}_proj"], tp="column"),
     Rule(re.compile(_L + r"\.mlp\.act_fn(?:#0)?"), ["model.layers.{1}.mlp.down_proj.input"], tp="column"),
-    Rule(re.compile(_L + r"\.mlp(?:#0)?"), ["model.layers.{1}.mlp"]),
+    Rule(re.compile(_L + r"\.(?:mlp|block_sparse_moe)\.gate(?:#0)?"), ["model.layers.{1}.mlp.gate"]),
+    Rule(re.compile(_L + r"\.(?:mlp|block_sparse_moe)(?:#0)?"), ["model.layers.{1}.mlp"]),
     Rule(re.compile(_L + r"\.mlp\.down_proj(?:#0)?"), ["model.layers.{1}.mlp"], fallback=True),
     Rule(re.compile(r"model\.norm(?:#0)?"), ["model.norm"]),
     Rule(re.compile(r"model(?:#0)?"), ["model.norm"], fallback=True),  # SGLang: the model's output, normed
