@@ -80,3 +80,23 @@ def check_verify_and_trim(name: str, k: int, tol: float = 1e-5) -> None:
     fresh.prefill(prompt + drafts[:keep])
     fresh.decode(7)
     assert rel_err(rows(e, e.decode_logits_ptr(), 1)[0], rows(fresh, fresh.decode_logits_ptr(), 1)[0]) <= tol
+
+
+def emulated_errors(name: str, reference, count: int, length: int) -> list[float]:
+    """Relative errors of the `--activation-quant emulate` engine's prefill logits against `reference(prompt)` on
+    `count` fresh prompts of `length` tokens; on every one the plain engine (unquantized inputs) must be far off,
+    so that each prompt tests the emulation. Quantizing is a step function, so callers ask for a majority."""
+    e = open_model(FIXTURES / "models" / name, device="cpu", max_context=32, fp32_logits=True,
+                   activation_quant="emulate").engine
+    plain = engine(name)
+    errs = []
+    for _ in range(count):
+        prompt = [int(t) for t in np.random.default_rng().integers(0, 300, length)]
+        want = reference(prompt)
+        for which in (e, plain):
+            which.trim(0)
+            which.prefill(prompt, all_logits=True)
+        errs.append(rel_err(rows(e, e.logits_buffer_ptr(), length), want))
+        assert rel_err(rows(plain, plain.logits_buffer_ptr(), length), want) > 1e-4  # the emulation matters
+    print(f"{name}: emulate vs reference, {count} prompts:", ", ".join(f"{x:.1e}" for x in errs))
+    return errs

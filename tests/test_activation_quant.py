@@ -16,7 +16,7 @@ import pytest
 
 from metrale_cli.models.quantized.fp8 import quantize_groups
 
-from golden_parity import FIXTURES, engine, rel_err, rows
+from golden_parity import FIXTURES, emulated_errors, rel_err, rows
 from test_quantized_fp8 import quantize_llama
 
 
@@ -82,21 +82,8 @@ def test_emulated_w8a8_matches_transformers_with_quantized_inputs(name, group):
     (measured 2026-12-07). So the end-to-end check is a majority over fresh prompts, each one where the plain
     (unquantized-input) engine is far off; the quantizers themselves are checked exactly above."""
     path = FIXTURES / "models" / name
-    from metrale_cli.model import open_model
-
-    e = open_model(path, device="cpu", max_context=32, fp32_logits=True, activation_quant="emulate").engine
-    plain = engine(name)
-    errs = []
-    for _ in range(9):
-        prompt = [int(t) for t in np.random.default_rng().integers(0, 300, 10)]
-        want = torch_reference(path, prompt, lambda x, _: torch_groups(x, group or x.shape[-1]))
-        e.trim(0)
-        e.prefill(prompt, all_logits=True)
-        errs.append(rel_err(rows(e, e.logits_buffer_ptr(), len(prompt)), want))
-        plain.trim(0)
-        plain.prefill(prompt, all_logits=True)
-        assert rel_err(rows(plain, plain.logits_buffer_ptr(), len(prompt)), want) > 1e-4  # the emulation matters
-    print(f"{name}: emulated W8A8 vs transformers + quantizing hooks, 9 prompts: {', '.join(f'{x:.1e}' for x in errs)}")
+    errs = emulated_errors(name, lambda prompt: torch_reference(
+        path, prompt, lambda x, _: torch_groups(x, group or x.shape[-1])), count=9, length=10)
     assert sum(x <= 1e-5 for x in errs) >= 5
 
 

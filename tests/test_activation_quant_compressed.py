@@ -20,7 +20,7 @@ from safetensors import safe_open
 from metrale_cli.models.formats import weight_format
 from metrale_cli.models.quantized import compressed_tensors as ct
 
-from golden_parity import engine, rel_err, rows
+from golden_parity import emulated_errors
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -140,23 +140,7 @@ def test_emulated_inputs_match_the_package_end_to_end(name):
     of 16 nine-token prompts, and metrale against the package on 7 of 40 four-token ones (measured 2026-12-07).
     So: at least a third of 12 fresh four-token prompts within 1e-5 (a wrong scheme, scale or module is off on
     every prompt), and on each the unquantized-input engine far off."""
-    from metrale_cli.model import open_model
-
-    path = FIXTURES / "models" / name
-    e = open_model(path, device="cpu", max_context=32, fp32_logits=True, activation_quant="emulate").engine
-    plain = engine(name)
-    errs = []
-    for _ in range(12):
-        prompt = [int(t) for t in np.random.default_rng().integers(0, 300, 4)]
-        want = reference_with_quantized_inputs(name, prompt)
-        e.trim(0)
-        e.prefill(prompt, all_logits=True)
-        errs.append(rel_err(rows(e, e.logits_buffer_ptr(), len(prompt)), want))
-        plain.trim(0)
-        plain.prefill(prompt, all_logits=True)
-        assert rel_err(rows(plain, plain.logits_buffer_ptr(), len(prompt)), want) > 1e-4
-    print(f"{name}: emulated inputs vs the package's forward_quantize, 12 prompts:",
-          ", ".join(f"{x:.1e}" for x in errs))
+    errs = emulated_errors(name, lambda prompt: reference_with_quantized_inputs(name, prompt), count=12, length=4)
     assert sum(x <= 1e-5 for x in errs) >= 4
 
 
