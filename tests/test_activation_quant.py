@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from metrale_cli.models.quantized.fp8 import quantize_groups
+from metrale_cli.models.quantized.activations import e4m3_groups as quantize_groups
 
 from golden_parity import FIXTURES, emulated_errors, rel_err, rows
 from test_quantized_fp8 import quantize_llama

@@ -18,7 +18,7 @@ import pytest
 from safetensors import safe_open
 
 from metrale_cli.models.formats import weight_format
-from metrale_cli.models.quantized import compressed_tensors as ct
+from metrale_cli.models.quantized import activations, compressed_tensors as ct
 
 from golden_parity import emulated_errors
 
@@ -71,9 +71,9 @@ def test_each_scheme_quantizes_as_the_package_does(inputs):
 def test_fp4_rounding_ties_and_bounds_follow_the_package():
     from compressed_tensors.quantization.utils.fp4_utils import cast_to_fp4
 
-    v = np.concatenate([ct.FP4_BOUNDS, -ct.FP4_BOUNDS, ct.FP4_VALUES, np.nextafter(ct.FP4_BOUNDS, 0),
-                        np.nextafter(ct.FP4_BOUNDS, 7), np.random.default_rng().uniform(-6, 6, 200)]).astype(np.float32)
-    np.testing.assert_array_equal(ct.round_fp4(v), cast_to_fp4(torch.from_numpy(v.copy())).numpy())
+    v = np.concatenate([activations.FP4_BOUNDS, -activations.FP4_BOUNDS, activations.FP4_VALUES, np.nextafter(activations.FP4_BOUNDS, 0),
+                        np.nextafter(activations.FP4_BOUNDS, 7), np.random.default_rng().uniform(-6, 6, 200)]).astype(np.float32)
+    np.testing.assert_array_equal(activations.round_fp4(v), cast_to_fp4(torch.from_numpy(v.copy())).numpy())
 
 
 def _script():

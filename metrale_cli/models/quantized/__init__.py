@@ -3,7 +3,8 @@ is): one module per `quantization_config.quant_method`. formats.py imports this 
 format or a quant method is looked up, so a checkpoint without a quantization_config never loads them.
 
 Shared here: which params a quant method may quantize (`linear_weight`), transformers' matching of
-`modules_to_not_convert` / `ignore` lists (`skipped_by`), and reading a stored scale as fp32.
+`modules_to_not_convert` / `ignore` lists (`skipped_by`), and reading stored scales and e4m3 values as fp32.
+activations.py holds how engines quantize a matmul's input (`--activation-quant emulate`), for every format.
 """
 
 from __future__ import annotations
@@ -73,7 +74,23 @@ def scale_as_fp32(s: np.ndarray) -> np.ndarray:
     return s.astype(np.float32)
 
 
+E4M3_MAX = 448.0
+
+
+def e4m3_as_fp32(w: np.ndarray) -> np.ndarray:
+    """An F8_E4M3 array (ml_dtypes float8_e4m3fn, or its raw bytes as uint8) as fp32, exactly."""
+    return np.asarray(w).view(e4m3()).astype(np.float32)
+
+
+def e4m3():
+    """The e4m3 numpy dtype (ml_dtypes', imported where first used: the CPU path of a bf16 model never needs it)."""
+    import ml_dtypes
+
+    return ml_dtypes.float8_e4m3fn
+
+
 from . import fp8, mxfp4  # noqa: E402  (registers their formats; they need the helpers above)
 from . import compressed_tensors, modelopt  # noqa: E402  (after fp8 and mxfp4, whose helpers they use)
 
-__all__ = ["compressed_tensors", "fp8", "modelopt", "mxfp4", "linear_weight", "matches", "refuse", "scale_as_fp32", "skipped_by"]
+__all__ = ["compressed_tensors", "fp8", "modelopt", "mxfp4", "E4M3_MAX", "e4m3", "e4m3_as_fp32", "linear_weight", "matches",
+           "refuse", "scale_as_fp32", "skipped_by"]

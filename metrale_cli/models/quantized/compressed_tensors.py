@@ -42,8 +42,7 @@ import numpy as np
 from ...errors import CheckpointError
 from ..formats import QuantMethod, WeightFormat, register_format, register_quant_method, weight_format
 from ..spec import Tensor
-from . import linear_weight, module_of, refuse, scale_as_fp32
-from .fp8 import e4m3_as_fp32
+from . import activations, e4m3_as_fp32, linear_weight, module_of, refuse, scale_as_fp32
 from .mxfp4 import E2M1
 
 SCALE_DTYPES = ("F32", "BF16", "F16")
@@ -51,7 +50,7 @@ FLOAT_FORMATS = ("float-quantized", "naive-quantized")
 INT_FORMATS = ("int-quantized", "naive-quantized")
 FORMATS = FLOAT_FORMATS + INT_FORMATS + ("pack-quantized", "nvfp4-pack-quantized", "mixed-precision")
 PACK_BITS = (4, 8)
-NVFP4_GROUP = 16
+NVFP4_GROUP = activations.NVFP4_GROUP
 ARG_FIELDS = {"num_bits", "type", "symmetric", "group_size", "strategy", "block_structure", "dynamic", "actorder",
               "scale_dtype", "zp_dtype", "observer", "observer_kwargs"}
 
@@ -214,89 +213,23 @@ def _make_format(s: Scheme) -> WeightFormat:
                         input_quant_doc=doc.format(group=s.input_group))
 
 
-# ---- the input activations, as the package's forward quantizes them (`--activation-quant emulate`) -------------
-# compressed_tensors.quantization.lifecycle.forward: a dynamic scale is amax / (the type's range / 2): 448 for
-# FP8, 127.5 for int8, 6 for FP4 (then times the global scale and rounded to e4m3 for NVFP4); a zero scale
-# becomes its dtype's eps; x' = round(clamp(x / s, q_min, q_max)) * s, with s / global_scale for NVFP4.
+# ---- the input activations (activations.py), as the package's forward_quantize computes them -----------------
 
-def _amax(g: np.ndarray) -> np.ndarray:
-    return np.maximum(-np.minimum(g.min(-1, keepdims=True), 0), np.maximum(g.max(-1, keepdims=True), 0))
-
-
-def _groups_of(x: np.ndarray, size: int) -> np.ndarray:
-    x = np.asarray(x, np.float32)
-    if x.shape[-1] % size:
-        raise CheckpointError(f"activations of width {x.shape[-1]} do not divide into groups of {size}")
-    return x.reshape(*x.shape[:-1], -1, size)
-
-
-def _fp8_qdq(g: np.ndarray, s: np.ndarray) -> np.ndarray:
-    from .fp8 import E4M3_MAX, _e4m3
-
-    return e4m3_as_fp32(np.clip(g / s, -E4M3_MAX, E4M3_MAX).astype(_e4m3())) * s
-
-
-def _fp8_dynamic(x: np.ndarray, s: Scheme, *_) -> np.ndarray:
-    size = x.shape[-1] if s.inputs == "fp8_token" else s.input_group
-    g = _groups_of(x, size)
-    scale = _amax(g) / np.float32(448)
-    return _fp8_qdq(g, np.where(scale == 0, np.finfo(np.float32).eps, scale)).reshape(x.shape)
-
-
-def _fp8_static(x: np.ndarray, s: Scheme, *companions) -> np.ndarray:
-    return _fp8_qdq(np.asarray(x, np.float32), scale_as_fp32(companions[-1]).reshape(()))
-
-
-def _int8_token(x: np.ndarray, s: Scheme, *_) -> np.ndarray:
-    g = _groups_of(x, x.shape[-1])
-    scale = _amax(g) / np.float32(127.5)
-    scale = np.where(scale == 0, np.finfo(np.float32).eps, scale)
-    return (np.round(np.clip(g / scale, -128, 127)) * scale).reshape(x.shape)
-
-
-def _int8_static(x: np.ndarray, s: Scheme, *companions) -> np.ndarray:
-    scale = scale_as_fp32(companions[-1]).reshape(())
-    return np.round(np.clip(np.asarray(x, np.float32) / scale, -128, 127)) * scale
-
-
-FP4_BOUNDS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)  # between the e2m1 magnitudes
-FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
-
-
-def round_fp4(v: np.ndarray) -> np.ndarray:
-    """The nearest e2m1 value, ties to the even code (the package's cast_to_fp4: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1,
-    1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4); |v| <= 6 here."""
-    a = np.abs(v)
-    i = np.searchsorted(FP4_BOUNDS, a, side="left")  # a == a bound: the lower value ...
-    up = np.isin(a, FP4_BOUNDS[[1, 3, 5]])  # ... except where the even code is the upper one
-    return np.copysign(FP4_VALUES[i + up], v)
-
-
-def _nvfp4(x: np.ndarray, s: Scheme, *companions) -> np.ndarray:
-    return quantize_nvfp4(x, scale_as_fp32(companions[-1]).reshape(()))
-
-
-def quantize_nvfp4(x: np.ndarray, glob: np.ndarray) -> np.ndarray:
-    """NVFP4 activations under global scale `glob` (compressed-tensors' input_global_scale: it divides)."""
-    g = _groups_of(x, NVFP4_GROUP)
-    scale = e4m3_as_fp32(np.clip(glob * (_amax(g) / np.float32(6)), -448, 448).astype(_e4m3_type()))
-    scale = np.where(scale == 0, np.float32(0.125), scale) / glob
-    return (round_fp4(np.clip(g / scale, -6, 6)) * scale).reshape(x.shape)
-
-
-def _e4m3_type():
-    import ml_dtypes
-
-    return ml_dtypes.float8_e4m3fn
+def _static(x: np.ndarray, quant, companions) -> np.ndarray:
+    return quant(x, scale_as_fp32(companions[-1]).reshape(()))
 
 
 ACTIVATIONS = {  # Scheme.inputs -> (x, scheme, *companions) -> x', and what inspect says it does
-    "fp8_token": (_fp8_dynamic, "e4m3, dynamic scale per token"),
-    "fp8_group": (_fp8_dynamic, "e4m3, dynamic scale per token and {group} columns"),
-    "fp8_static": (_fp8_static, "e4m3 with the checkpoint's static input_scale"),
-    "int8_token": (_int8_token, "int8, dynamic symmetric scale per token"),
-    "int8_static": (_int8_static, "int8 with the checkpoint's static input_scale"),
-    "nvfp4": (_nvfp4, "NVFP4: e2m1 with an e4m3 scale per 16 columns under the checkpoint's input_global_scale"),
+    "fp8_token": (lambda x, s, *c: activations.e4m3_groups(x, x.shape[-1]), "e4m3, dynamic scale per token"),
+    "fp8_group": (lambda x, s, *c: activations.e4m3_groups(x, s.input_group),
+                  "e4m3, dynamic scale per token and {group} columns"),
+    "fp8_static": (lambda x, s, *c: _static(x, activations.e4m3_static, c),
+                   "e4m3 with the checkpoint's static input_scale"),
+    "int8_token": (lambda x, s, *c: activations.int8_per_token(x), "int8, dynamic symmetric scale per token"),
+    "int8_static": (lambda x, s, *c: _static(x, activations.int8_static, c),
+                    "int8 with the checkpoint's static input_scale"),
+    "nvfp4": (lambda x, s, *c: _static(x, activations.nvfp4, c),
+              "NVFP4: e2m1 with an e4m3 scale per 16 columns under the checkpoint's input_global_scale"),
 }
 
 

@@ -24,10 +24,9 @@ import numpy as np
 
 from ..formats import QuantMethod, WeightFormat, register_format, register_quant_method, weight_format
 from ..spec import Tensor
-from . import linear_weight, refuse, scale_as_fp32, skipped_by
+from . import activations, e4m3_as_fp32, linear_weight, refuse, scale_as_fp32, skipped_by
 
 SCALE_DTYPES = ("F32", "BF16", "F8_E8M0")
-E4M3_MAX = 448.0
 
 
 def block_format(block_n: int, block_k: int, *, static: bool = False, ue8m0: bool = False) -> str:
@@ -45,7 +44,7 @@ def block_format(block_n: int, block_k: int, *, static: bool = False, ue8m0: boo
         register_format(WeightFormat(
             name, companions=companions, dtypes=(("F8_E4M3",), SCALE_DTYPES) + ((("F32", "BF16"),) if static else ()),
             dequantize=lambda w, scale, *_: dequantize_block(w, scale, block_n, block_k),
-            input_quant=_static_input if static else lambda x, *_: quantize_groups(x, block_k, ue8m0),
+            input_quant=_static_input if static else lambda x, *_: activations.e4m3_groups(x, block_k, ue8m0),
             input_quant_doc=("e4m3 with the checkpoint's static activation_scale" if static else
                              f"e4m3, dynamic scale per token and {block_k} columns" + (", power of two" if ue8m0 else "")),
             kind="fp8_block", params={"block": (block_n, block_k), "static": static}, row_slices=True))
@@ -62,50 +61,20 @@ def tensor_format(*, static: bool = False) -> str:
             name, companions=lambda t: (Tensor(t.name + "_scale_inv", ()),) + _activation_scale(t, static),
             dtypes=(("F8_E4M3",), SCALE_DTYPES) + ((("F32", "BF16"),) if static else ()),
             dequantize=lambda w, scale, *_: e4m3_as_fp32(w) * scale_as_fp32(scale).reshape(()),
-            input_quant=_static_input if static else lambda x, *_: quantize_groups(x, x.shape[-1], False),
+            input_quant=_static_input if static else lambda x, *_: activations.e4m3_groups(x, x.shape[-1]),
             input_quant_doc="e4m3 with the checkpoint's static activation_scale" if static else
             "e4m3, dynamic scale per token",
             kind="fp8_tensor", params={"static": static}, row_slices=True))
     return name
 
 
-def quantize_groups(x: np.ndarray, group: int, ue8m0: bool) -> np.ndarray:
-    """x [..., K] as W8A8 FP8 kernels quantize it (DeepSeek's act_quant, transformers' FineGrainedFP8 matmul): per
-    row and `group` consecutive columns (the last group partial), s = amax / 448 (ue8m0: rounded up to a power
-    of two), x' = e4m3(x / s) * s in fp32; an all-zero group stays zero."""
-    x = np.asarray(x, np.float32)
-    k = x.shape[-1]
-    pad = -k % group
-    g = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]).reshape(*x.shape[:-1], -1, group)
-    s = np.abs(g).max(-1, keepdims=True) / np.float32(E4M3_MAX)
-    if ue8m0:
-        s = np.exp2(np.ceil(np.log2(np.maximum(s, np.finfo(np.float32).tiny)))).astype(np.float32)
-    safe = np.where(s > 0, s, np.float32(1))
-    q = e4m3_as_fp32(np.clip(g / safe, -E4M3_MAX, E4M3_MAX).astype(_e4m3()))
-    return (q * safe).reshape(*x.shape[:-1], -1)[..., :k]
-
-
 def _static_input(x: np.ndarray, _scale, activation_scale) -> np.ndarray:
-    """x' = e4m3(clip(x / s, -448, 448)) * s with the checkpoint's static activation_scale s."""
-    s = scale_as_fp32(activation_scale).reshape(())
-    return e4m3_as_fp32(np.clip(np.asarray(x, np.float32) / s, -E4M3_MAX, E4M3_MAX).astype(_e4m3())) * s
-
-
-def _e4m3():
-    import ml_dtypes
-
-    return ml_dtypes.float8_e4m3fn
+    """The checkpoint's static activation_scale s: x' = e4m3(clip(x / s, -448, 448)) * s."""
+    return activations.e4m3_static(x, scale_as_fp32(activation_scale).reshape(()))
 
 
 def _activation_scale(t: Tensor, static: bool) -> tuple[Tensor, ...]:
     return (Tensor(t.name.removesuffix("weight") + "activation_scale", ()),) if static else ()
-
-
-def e4m3_as_fp32(w: np.ndarray) -> np.ndarray:
-    """An F8_E4M3 array (ml_dtypes float8_e4m3fn, or its raw bytes as uint8) as fp32, exactly."""
-    import ml_dtypes
-
-    return np.asarray(w).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
 
 
 def dequantize_block(w: np.ndarray, scale: np.ndarray, block_n: int, block_k: int) -> np.ndarray:

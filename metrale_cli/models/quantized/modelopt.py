@@ -21,9 +21,8 @@ import numpy as np
 
 from ..formats import QuantMethod, WeightFormat, register_format, register_quant_method
 from ..spec import Tensor
-from . import linear_weight, module_of, refuse, scale_as_fp32
-from .compressed_tensors import NVFP4_GROUP, nvfp4_values, quantize_nvfp4
-from .fp8 import e4m3_as_fp32
+from . import activations, e4m3_as_fp32, linear_weight, module_of, refuse, scale_as_fp32
+from .compressed_tensors import NVFP4_GROUP, nvfp4_values
 
 
 def _fields(qc: dict[str, Any]) -> dict[str, Any]:
@@ -50,7 +49,7 @@ def _companions(t: Tensor) -> tuple[Tensor, ...]:
 def input_quant(x: np.ndarray, *companions) -> np.ndarray:
     """The activations as an NVFP4 W4A4 kernel quantizes them: compressed-tensors' NVFP4 definition under the
     global scale 1 / input_scale (vLLM's ModelOpt path: `input_scale_inv`)."""
-    return quantize_nvfp4(x, np.float32(1) / scale_as_fp32(companions[-1]).reshape(()))
+    return activations.nvfp4(x, np.float32(1) / scale_as_fp32(companions[-1]).reshape(()))
 
 
 NVFP4 = register_format(WeightFormat(
