@@ -233,6 +233,11 @@ def test_modelopt_nvfp4_end_to_end_equals_the_dense_values(tmp_path):
     nvfp4, dense = modelopt_llama(tmp_path, np.random.default_rng())
     by_key = formats_by_key(str(nvfp4))
     assert by_key[(0, "gate_up")] == "modelopt_nvfp4" and by_key[(1, "gate_up")] is None
+    from metrale_cli.backends.numpy import stored
+    from metrale_cli.backends.numpy.engine import read_weights
+
+    kept = read_weights(load_config(nvfp4), Checkpoint.open(nvfp4)).layers[0]["gate_up"]
+    assert isinstance(kept, stored.JoinedWeight) and all(isinstance(q, stored.FormattedWeight) for q in kept.parts)
     prompt = list(np.random.default_rng().integers(0, 300, 9))
     a, b = engine(nvfp4), engine(dense)
     for e in (a, b):

@@ -279,6 +279,37 @@ def test_quantized_checkpoints_keep_their_formats():
         assert isinstance(w, (stored.FormattedWeight, stored.JoinedWeight)), (name, type(w))
 
 
+@pytest.mark.parametrize("name", ["llama_ct_fp8_channel", "qwen3_ct_fp8_tensor", "llama_ct_fp8_block", "llama_ct_nvfp4",
+                                  "qwen3_ct_mixed"])
+def test_compressed_tensors_weights_stay_stored_and_multiply_by_row_blocks(monkeypatch, name):
+    """compressed-tensors FP8 / int8 / NVFP4 weights stay as stored (pack-quantized ones, whose zero points and
+    weight_shape are packed down the rows, are dequantized at load); a product in row blocks of a few rows each
+    (whole scale blocks for the 32 x 32 block fixture) equals the product with the whole dequantized weight."""
+    from metrale_cli.models import formats
+
+    cfg = load_config(FIXTURES / name)
+    ckpt = Checkpoint.open(FIXTURES / name)
+    w = read_weights(cfg, ckpt)
+    monkeypatch.setattr(stored, "BLOCK_BYTES", 4 * 80 * 8)  # 8 rows of 80 a block (32 for the block fixture)
+    rng = np.random.default_rng()
+    kept = 0
+    for i, layer in enumerate(cfg.definition.layers):
+        for p in layer.params:
+            if p.format is None:
+                continue
+            fmt = formats.weight_format(p.format)
+            weight = w.layers[i][p.key]
+            if fmt.kind == "ct_pack":
+                assert type(weight) is np.ndarray, (p.format, type(weight))
+                continue
+            assert isinstance(weight, (stored.FormattedWeight, stored.JoinedWeight)), (p.format, type(weight))
+            exact = np.concatenate(formats.dequantize(p, lambda n: ckpt.array(n, bf16_bits=True)))
+            x = rng.standard_normal((3, exact.shape[-1]), dtype=np.float32)
+            check_product(matmul(x, weight), x, exact.reshape(-1, exact.shape[-1]))
+            kept += 1
+    assert kept >= 2
+
+
 def test_a_small_model_never_imports_numba():
     """numba's import takes about a second: the embedded model's weights are under FUSED_MIN, so a decode on it
     (and --help) runs without it."""

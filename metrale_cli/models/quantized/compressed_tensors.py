@@ -203,13 +203,15 @@ def _make_format(s: Scheme) -> WeightFormat:
         dtypes += (("I32",),) if s.kind == "pack" else (("I8",),)
     if s.static_input:
         dtypes += (("F32",) if s.kind == "nvfp4" else SCALE_DTYPES,)
-    params = {"strategy": s.strategy, "bits": s.bits, "group": s.group, "block": s.block, "asym": s.asym,
-              "static_input": s.static_input}
+    params = {"strategy": s.strategy, "bits": s.bits, "group": s.group, "asym": s.asym, "static_input": s.static_input}
+    if s.strategy == "block":
+        params["block"] = s.block
     quant, doc = ACTIVATIONS.get(s.inputs, (None, "not emulated: " + s.inputs.removeprefix("other:")))
     if not s.inputs:
         doc = ""
     return WeightFormat(s.name, companions=companions, dtypes=dtypes, dequantize=_dequantizer(s), stored=stored,
                         kind=f"ct_{s.kind}", params=params, input_quant=quant and (lambda x, *c: quant(x, s, *c)),
+                        row_slices=s.kind != "pack",  # packed: weight_shape and zero points packed down the rows
                         input_quant_doc=doc.format(group=s.input_group))
 
 

@@ -55,6 +55,7 @@ def input_quant(x: np.ndarray, *companions) -> np.ndarray:
 NVFP4 = register_format(WeightFormat(
     "modelopt_nvfp4", companions=_companions, dtypes=(("U8",), ("F8_E4M3",), ("F32",), ("F32",)),
     dequantize=dequantize, stored=lambda t: Tensor(t.name, (t.shape[0], t.shape[1] // 2)), kind="modelopt_nvfp4",
+    row_slices=True,
     input_quant=input_quant,
     input_quant_doc="NVFP4: e2m1 with an e4m3 scale per 16 columns under the global scale 1 / input_scale"))
 
