@@ -8,6 +8,7 @@ timings run on realistic numbers, never on zeros. On the GPU the weights are dra
 from __future__ import annotations
 
 import zlib
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -32,15 +33,16 @@ class RandomTensors:
         self.cfg = cfg
         self.seed = seed
         self.shapes = expected_tensors(cfg.definition)
-        # Params stored in a weight format: their stored tensors in the format's first dtype (e4m3 weights, fp32
-        # scales), drawn as such (_formatted): name -> (dtype, the logical weight's input width)
-        self.formatted: dict[str, tuple[str, int]] = {}
+        # Params stored in a weight format: their stored tensors in the format's first dtype, drawn by the format
+        # (WeightFormat.draw) or, without one, as e4m3 weights and float scales (_formatted):
+        # name -> (dtype, the logical weight's input width, the format, the tensor's index among the stored ones)
+        self.formatted: dict[str, tuple[str, int, Any, int]] = {}
         for p in cfg.definition.params():
             if p.format is not None:
                 fmt = weight_format(p.format)
                 for t in p.parts:
-                    for s, dtypes in zip(fmt.tensors(t), fmt.dtypes):
-                        self.formatted[s.name] = (dtypes[0], t.shape[-1])
+                    for i, (s, dtypes) in enumerate(zip(fmt.tensors(t), fmt.dtypes)):
+                        self.formatted[s.name] = (dtypes[0], t.shape[-1], fmt, i)
         # (1 + w) norms (Gemma) store w: drawn around 0, so the scale is near 1 as for the other families
         self.norm_mean = 1.0 - cfg.definition.norm.offset
         self.directory = Path(f"<random {cfg.model_type} weights, seed {seed}>")
@@ -53,7 +55,7 @@ class RandomTensors:
 
     def info(self, name: str) -> TensorInfo:
         shape = self.shapes[name]
-        dtype = self.formatted.get(name, ("BF16", 0))[0]
+        dtype = self.formatted[name][0] if name in self.formatted else "BF16"
         return TensorInfo(name, dtype, shape, 0, int(np.prod(shape)) * DTYPES[dtype][0] // 8)
 
     @property
@@ -66,7 +68,10 @@ class RandomTensors:
         rng = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
         shape = self.shapes[name]
         if name in self.formatted:
-            return self._formatted(rng, shape, *self.formatted[name])
+            dtype, fan_in, fmt, i = self.formatted[name]
+            if fmt.draw is not None:
+                return fmt.draw(rng, i, shape, fan_in)
+            return self._formatted(rng, shape, dtype, fan_in)
         mean, std = self._moments(name, shape, self.norm_mean)
         if bf16_bits and len(shape) > 1:  # drawn a block of rows at a time: no fp32 copy of a large tensor
             out = np.empty(shape, np.uint16)

@@ -123,3 +123,39 @@ def test_bench_paths_table_fits(width):
     text = buf.getvalue()
     assert "rows paths side by side" in text and "fused" in text
     assert all(cell_len(line) <= width for line in text.splitlines())
+
+
+@pytest.mark.parametrize("preset", ["gpt-oss-20b", "gpt-oss-120b", "llama-3.1-8b-nvfp4", "qwen3-8b-fp8"])
+def test_quantized_presets_draw_weights_of_the_linear_size(preset, tmp_path):
+    """The quantized presets' random weights, drawn by their formats (MXFP4 experts, ModelOpt NVFP4) at a small
+    size with the preset's config: every value finite and the weights' spread near fan_in^-0.5 (the size the
+    dense presets draw), so a bench or a CPU run computes on realistic numbers."""
+    import json
+
+    import numpy as np
+
+    from metrale_cli.config import load_config
+    from metrale_cli.models import formats
+    from metrale_cli.random_weights import RandomTensors
+
+    cfg = json.loads(preset_path(preset).read_text())
+    small = {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 256, "vocab_size": 512,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "num_local_experts": 4,
+             "layer_types": ["sliding_attention", "full_attention"]}
+    cfg.update({k: v for k, v in small.items() if k in cfg or k == "head_dim"})
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    config = load_config(tmp_path)
+    source = RandomTensors(config, seed=3)
+    drawn, ratios = 0, []
+    for p in config.definition.params():
+        if p.format is None:
+            continue
+        fmt = formats.weight_format(p.format)
+        for t, value in zip(p.parts, formats.dequantize(p, source.array)):
+            assert np.isfinite(value).all()
+            ratio = float(value.std()) * t.shape[-1] ** 0.5
+            assert 0.4 < ratio < 2.5, (fmt.name, t.name, ratio)
+            ratios.append(ratio)
+            drawn += 1
+    assert drawn >= 2
+    print(f"{preset}: std x fan_in^0.5 of the drawn weights {min(ratios):.2f}..{max(ratios):.2f}")

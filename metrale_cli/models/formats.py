@@ -51,6 +51,10 @@ class WeightFormat:
     # weight row cut alike, one per params["block"][0] rows cut to their blocks, 0-d / [1] ones whole), so the
     # NumPy engine can keep the stored bytes and dequantize a block of rows inside each product
     row_slices: bool = False
+    # draw(rng, i, shape, fan_in) -> stored tensor i (0: the stored weight, then the companions) of a random weight
+    # with input width fan_in whose values are about N(0, 1 / fan_in) (presets' random weights); None: e4m3 or
+    # float scales by dtype (random_weights.py)
+    draw: Callable[[Any, int, tuple[int, ...], int], np.ndarray] | None = None
     kind: str = ""  # the family of formats this one belongs to ("fp8_block": every block size); "": none
     params: dict[str, Any] = field(default_factory=dict, compare=False)  # the family's parameters (block size)
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..formats import QuantMethod, WeightFormat, register_format, register_quant_method
 from ..spec import Tensor
-from . import activations, e4m3_as_fp32, linear_weight, module_of, refuse, scale_as_fp32
+from . import activations, e4m3, e4m3_as_fp32, linear_weight, module_of, refuse, scale_as_fp32
 from .compressed_tensors import NVFP4_GROUP, nvfp4_values
 
 
@@ -52,10 +52,26 @@ def input_quant(x: np.ndarray, *companions) -> np.ndarray:
     return activations.nvfp4(x, np.float32(1) / scale_as_fp32(companions[-1]).reshape(()))
 
 
+SCALE_2 = 2.0 ** -6  # a random weight's second-level scale: its e4m3 block scales then sit near 1
+
+
+def draw(rng, i: int, shape: tuple[int, ...], fan_in: int) -> np.ndarray:
+    """Random e2m1 pairs, positive e4m3 block scales and scalars such that the weights are about N(0, 1 / fan_in)
+    in size; input_scale covers activations up to 8."""
+    from .mxfp4 import E2M1_RMS
+
+    if i == 0:
+        return rng.integers(0, 256, shape, dtype=np.uint8)
+    if i == 1:
+        block = fan_in ** -0.5 / E2M1_RMS / SCALE_2 * rng.uniform(0.8, 1.2, shape)
+        return block.astype(np.float32).astype(e4m3())
+    return np.full(shape, SCALE_2 if i == 2 else 8.0 / (448 * 6), np.float32)
+
+
 NVFP4 = register_format(WeightFormat(
     "modelopt_nvfp4", companions=_companions, dtypes=(("U8",), ("F8_E4M3",), ("F32",), ("F32",)),
     dequantize=dequantize, stored=lambda t: Tensor(t.name, (t.shape[0], t.shape[1] // 2)), kind="modelopt_nvfp4",
-    row_slices=True,
+    row_slices=True, draw=draw,
     input_quant=input_quant,
     input_quant_doc="NVFP4: e2m1 with an e4m3 scale per 16 columns under the global scale 1 / input_scale"))
 

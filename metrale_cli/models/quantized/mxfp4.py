@@ -45,8 +45,20 @@ def dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return values.reshape(*b.shape[:-2], -1)
 
 
+E2M1_RMS = float(np.sqrt(np.mean(E2M1 ** 2)))  # of a random code: 2.93
+
+
+def draw(rng, i: int, shape: tuple[int, ...], fan_in: int) -> np.ndarray:
+    """Random blocks (any byte is two valid codes) and E8M0 scales near fan_in^-0.5 / E2M1_RMS (within a factor
+    of two either way), so the weights are about N(0, 1 / fan_in) in size."""
+    if i == 0:
+        return rng.integers(0, 256, shape, dtype=np.uint8)
+    exponent = 127 + round(float(np.log2(fan_in ** -0.5 / E2M1_RMS)))
+    return (exponent + rng.integers(-1, 2, shape)).astype(np.uint8)
+
+
 MXFP4 = register_format(WeightFormat("mxfp4", companions=_scales, dtypes=(("U8",), ("U8",)), dequantize=dequantize,
-                                     stored=_packed, row_slices=True))
+                                     stored=_packed, row_slices=True, draw=draw))
 
 
 def _format_of(qc: dict[str, Any], p) -> str | None:
