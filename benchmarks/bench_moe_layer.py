@@ -48,7 +48,8 @@ def main() -> None:
     bw = bench.read_bandwidth_gpu(eng.cp)
     one, total = bench._expert_params(cfg)  # a decode step reads top_k experts per sparse layer
     unread = total - one * cfg.moe.spec.top_k * len(cfg.moe.sparse_layers)
-    floor = ((bench._streamed_bytes(cfg, 2) - 2 * unread) + bench.kv_bytes_read(cfg, a.context, 2)) / bw
+    streamed, xb = bench._weight_bytes(eng, cfg, 2)
+    floor = ((streamed - xb * unread) + bench.kv_bytes_read(cfg, a.context, 2)) / bw
     rng = np.random.default_rng(0)
     eng.prefill([int(t) for t in rng.integers(0, cfg.vocab_size, a.context)])
     timer = bench._Timer(eng)

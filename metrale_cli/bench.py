@@ -285,8 +285,8 @@ def run_bench(preset: str, *, device: str = "cpu", context: int = 1024, ks: tupl
 def _run_bench(eng, name: str, cfg: ModelConfig, device: str, context: int, ks: tuple[int, ...],
                prefill_tokens: int, repeats: int, transformers_steps: int, with_transformers: bool, say,
                tp: int | None, paths: tuple[str, ...] | None = None) -> BenchResult:
-    elem = 2 if device == "cuda" else 4
-    streamed = _streamed_bytes(cfg, elem)
+    elem = 2 if device == "cuda" else 4  # an activation's (and the KV cache's) bytes
+    streamed, xb = _weight_bytes(eng, cfg, elem)  # xb: bytes an expert parameter takes as the engine holds it
     kv_read = kv_bytes_read(cfg, context, elem) + linear_state_bytes(cfg)  # a recurrent state counts as read
     res = BenchResult(name, device, context, cfg.parameter_count(), streamed, kv_read)
     if linear_state_bytes(cfg):
@@ -314,7 +314,7 @@ def _run_bench(eng, name: str, cfg: ModelConfig, device: str, context: int, ks: 
     eng.prefill([int(t) for t in rng.integers(0, cfg.vocab_size, context)])
     eng.synchronize()
     # A mixture of experts reads the experts its router chose, not all of them: the floor counts those.
-    step_bytes = streamed if cfg.moe is None else _moe_step_bytes(eng, cfg, [5], context, elem, streamed)
+    step_bytes = streamed if cfg.moe is None else _moe_step_bytes(eng, cfg, [5], context, xb, streamed)
     floor = (step_bytes + kv_read) / bw
     res.figures += [
         Figure("read bandwidth", bw / 1e9, "GB/s", "measured ceiling"),
@@ -323,7 +323,7 @@ def _run_bench(eng, name: str, cfg: ModelConfig, device: str, context: int, ks: 
         Figure("GEMM rate", gemm / 1e12, "TFLOP/s", "measured ceiling (bf16 on GPU, fp32 on CPU)"),
     ]
     if cfg.moe is not None:
-        res.figures.append(_experts_figure("decode step", cfg, step_bytes, streamed, elem))
+        res.figures.append(_experts_figure("decode step", cfg, step_bytes, streamed, xb))
 
     if paths:
         eng.set_path(paths[0])
@@ -370,11 +370,11 @@ def _run_bench(eng, name: str, cfg: ModelConfig, device: str, context: int, ks: 
         res.figures.append(Figure(f"verify k={k}", v * 1e3, "ms", f"<= {limit} x decode step" if k in (4, 8) else "",
                                   v / decode_s, (v <= limit * decode_s) if k in (4, 8) else None))
         if cfg.moe is not None:  # against its own floor: the union of the experts its k rows chose
-            vb = _moe_step_bytes(eng, cfg, drafts, context, elem, streamed)
+            vb = _moe_step_bytes(eng, cfg, drafts, context, xb, streamed)
             vfloor = (vb + kv_read + linear_state_bytes(cfg, k) - linear_state_bytes(cfg)) / bw  # k rows' states
             res.figures.append(Figure(f"verify k={k} floor", vfloor * 1e3, "ms", "weights (its experts) + KV / bw",
                                       v / vfloor))
-            res.figures.append(_experts_figure(f"verify k={k}", cfg, vb, streamed, elem))
+            res.figures.append(_experts_figure(f"verify k={k}", cfg, vb, streamed, xb))
 
     if paths:
         res.paths = _time_paths(eng, paths, timer, decode_once, floor, ks, context, repeats, rng, cfg.vocab_size, say)
@@ -451,20 +451,29 @@ def _decode_logits(eng) -> np.ndarray:
     return (np.frombuffer(buf, np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
-def _streamed_bytes(cfg: ModelConfig, elem: int) -> int:
-    """Weight bytes one decode step reads: all but the embedding table (which a tied lm_head reads whole). A
-    weight stored in a weight format counts its stored bytes on the GPU (which keeps them: e4m3 and its scales),
-    `elem` an element on the CPU (which dequantizes it)."""
+def _weight_bytes(eng, cfg: ModelConfig, elem: int) -> tuple[int, float]:
+    """(the weight bytes one decode step reads, every expert counted; the bytes of one expert parameter). The
+    embedding table is left out (a step reads one row of it) unless the lm_head is that table. On the GPU a
+    weight takes `elem` bytes an element, one stored in a weight format its stored bytes (e4m3 and scales). The
+    CPU engine holds each weight as it keeps it (bf16 bits, a format's stored bytes, or fp32: backends/numpy/
+    stored.py): its arrays' bytes are counted."""
     from math import prod
 
     from .models.formats import stored_nbytes
 
+    one, total = _expert_params(cfg)
+    w = getattr(eng, "w", None)
+    if w is not None and not hasattr(eng, "cp"):  # the NumPy engine's weights
+        def held(a) -> int:
+            return int(getattr(a, "nbytes", 0))
+
+        experts = sum(held(a) for lw in w.layers for k, a in lw.items() if k.startswith("experts_"))
+        streamed = sum(held(a) for lw in w.layers for a in lw.values()) + held(w.lm_head) + held(w.final_norm)
+        return streamed, (experts / total if total else float(elem))
     embed = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
-    dense = (cfg.parameter_count() - embed) * elem
-    if elem != 2:
-        return dense
     formatted = [p for p in cfg.definition.params() if p.format is not None]
-    return dense - sum(prod(p.shape) for p in formatted) * elem + sum(stored_nbytes(p) for p in formatted)
+    streamed = (cfg.parameter_count() - embed) * elem
+    return streamed - sum(prod(p.shape) for p in formatted) * elem + sum(stored_nbytes(p) for p in formatted), elem
 
 
 def weight_formats_note(cfg: ModelConfig) -> str | None:
@@ -472,8 +481,9 @@ def weight_formats_note(cfg: ModelConfig) -> str | None:
     names = sorted({p.format for p in cfg.definition.params() if p.format is not None})
     if not names:
         return None
-    return (f"weights: quant_method {cfg.quantization['quant_method']} ({', '.join(names)}); the GPU floor counts "
-            "their stored bytes (weights and scales)")
+    return (f"weights: quant_method {cfg.quantization['quant_method']} ({', '.join(names)}); the floor counts "
+            "the bytes the engine holds them in (as stored: weights and scales; the CPU engine's fp32 copies where "
+            "it dequantizes at load)")
 
 
 def _expert_params(cfg: ModelConfig) -> tuple[int, int]:
@@ -485,7 +495,7 @@ def _expert_params(cfg: ModelConfig) -> tuple[int, int]:
     return one, one * s.num_experts * len(cfg.moe.sparse_layers)
 
 
-def _moe_step_bytes(eng, cfg: ModelConfig, tokens: list[int], context: int, elem: int, streamed: int) -> int:
+def _moe_step_bytes(eng, cfg: ModelConfig, tokens: list[int], context: int, xb: float, streamed: int) -> int:
     """Weight bytes a pass over `tokens` at position `context` reads: `streamed` with only the experts its
     router chose (per sparse layer the union over its rows), taken from the router's top-k taps of the
     same pass run once more with the taps on (a verify pass of `tokens`: the rows kernels), then trimmed back."""
@@ -502,14 +512,14 @@ def _moe_step_bytes(eng, cfg: ModelConfig, tokens: list[int], context: int, elem
         eng.verify(list(tokens))
     eng.trim(context)
     one, total = _expert_params(cfg)
-    return streamed - total * elem + sum(chosen.values()) * one * elem
+    return int(streamed - total * xb + sum(chosen.values()) * one * xb)
 
 
-def _experts_figure(what: str, cfg: ModelConfig, step_bytes: int, streamed: int, elem: int) -> Figure:
+def _experts_figure(what: str, cfg: ModelConfig, step_bytes: int, streamed: int, xb: float) -> Figure:
     one, total = _expert_params(cfg)
-    read = step_bytes - (streamed - total * elem)
-    return Figure(f"experts read by the {what}", 100 * read / (total * elem), "%",
-                  f"of the expert bytes ({read / one / elem / len(cfg.moe.sparse_layers):.1f} experts per layer)")
+    read = step_bytes - (streamed - total * xb)
+    return Figure(f"experts read by the {what}", 100 * read / (total * xb), "%",
+                  f"of the expert bytes ({read / one / xb / len(cfg.moe.sparse_layers):.1f} experts per layer)")
 
 
 def _prefill_flops(cfg: ModelConfig, t: int) -> float:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from metrale_cli.bench import preset_path, run_bench
@@ -130,10 +132,6 @@ def test_quantized_presets_draw_weights_of_the_linear_size(preset, tmp_path):
     """The quantized presets' random weights, drawn by their formats (MXFP4 experts, ModelOpt NVFP4) at a small
     size with the preset's config: every value finite and the weights' spread near fan_in^-0.5 (the size the
     dense presets draw), so a bench or a CPU run computes on realistic numbers."""
-    import json
-
-    import numpy as np
-
     from metrale_cli.config import load_config
     from metrale_cli.models import formats
     from metrale_cli.random_weights import RandomTensors
@@ -159,3 +157,29 @@ def test_quantized_presets_draw_weights_of_the_linear_size(preset, tmp_path):
             drawn += 1
     assert drawn >= 2
     print(f"{preset}: std x fan_in^0.5 of the drawn weights {min(ratios):.2f}..{max(ratios):.2f}")
+
+
+@pytest.mark.parametrize("fused_min", [0, None])
+def test_the_cpu_floor_counts_the_bytes_the_engine_holds(monkeypatch, fused_min):
+    """The CPU engine keeps BF16 projections as stored (2 bytes) where its kernels take them and widens the rest
+    to fp32 (4 bytes), norms in fp32: the floor's weight bytes are those, the embedding table left out."""
+    from metrale_cli.backends.numpy import kernels
+    from metrale_cli.backends.numpy.engine import load_numpy_engine
+    from metrale_cli.bench import _weight_bytes
+    from metrale_cli.checkpoint import Checkpoint
+    from metrale_cli.config import load_config
+
+    if fused_min is not None:
+        monkeypatch.setattr(kernels, "FUSED_MIN", fused_min)
+    path = Path(__file__).parent / "fixtures" / "models" / "llama_bf16"
+    cfg, ckpt = load_config(path), Checkpoint.open(path)
+    eng = load_numpy_engine(cfg, ckpt, 16)
+    streamed, _ = _weight_bytes(eng, cfg, 4)
+    want = 0
+    for name in ckpt.tensor_names():
+        info = ckpt.info(name)
+        if name == "model.embed_tokens.weight" and not cfg.tie_word_embeddings:
+            continue
+        n = int(np.prod(info.shape))
+        want += 2 * n if (info.dtype == "BF16" and len(info.shape) == 2 and fused_min == 0) else 4 * n
+    assert streamed == want
