@@ -333,3 +333,40 @@ def test_threads_on_score_and_bench(run_cli):
     assert bench.exit_code == 0 and "decode step" in bench.stdout, bench.output
     bad = run_cli("score", "--model", str(FIXTURES / "llama_bf16"), "--tokens", "1 5 9 3", "--threads", "0")
     assert bad.exit_code != 0 and "--threads must be 1 or more" in bad.output
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_compiled_fp8_and_mxfp4_products_equal_the_dequantized_product(monkeypatch, m):
+    """Up to SMALL_M rows, FP8 (block with partial edges, ue8m0-free F32 and BF16 scales, per tensor) and MXFP4
+    weights go through the compiled kernels, which form each weight value as the dequantization does: the
+    product equals x @ dequantized.T up to the order of the sums."""
+    if not kernels.AVAILABLE:
+        pytest.skip("numba is not installed")
+    from metrale_cli.models.formats import weight_format
+    from metrale_cli.models.quantized.fp8 import block_format, tensor_format
+
+    monkeypatch.setattr(kernels, "FUSED_MIN", 0)
+    used = []
+    compiled = kernels.compiled()
+    for name in ("gemm_fp8", "gemm_mxfp4"):
+        original = getattr(compiled, name)
+        monkeypatch.setattr(compiled, name, lambda *a, f=original, n=name: (used.append(n), f(*a)))
+    rng = np.random.default_rng([m, 12])
+    x = rng.standard_normal((m, 70), dtype=np.float32)
+    for fmt_name, scale_shape in [(block_format(16, 16), (3, 5)), (tensor_format(), ())]:
+        fmt, tensors, exact = fp8_weight(rng, 37, 70, fmt_name, scale_shape)
+        check_product(matmul(x, stored.FormattedWeight(fmt, tensors, (37, 70))), x, exact)
+        bf16_scale = fp32_to_bf16_bits(tensors[1])  # a BF16 scale, as Qwen3-FP8 stores it
+        exact = fmt.dequantize(tensors[0], bf16_scale)
+        check_product(matmul(x, stored.FormattedWeight(fmt, (tensors[0], bf16_scale), (37, 70))), x, exact)
+    fmt = weight_format("mxfp4")
+    blocks = rng.integers(0, 256, (2, 21, 2, 16), dtype=np.uint8)  # 2 experts, 21 rows, K = 64
+    scales = rng.integers(118, 132, (2, 21, 2), dtype=np.uint8)
+    w = stored.FormattedWeight(fmt, (blocks, scales), (2, 21, 64))
+    x = rng.standard_normal((m, 64), dtype=np.float32)
+    for e in range(2):
+        check_product(matmul(x, w[e]), x, fmt.dequantize(blocks[e], scales[e]))
+    assert used == ["gemm_fp8"] * 4 + ["gemm_mxfp4"] * 2
+    monkeypatch.setattr(kernels, "FUSED_MIN", 10 ** 9)  # too small for the kernels: the row-block path
+    check_product(matmul(x, w[1]), x, fmt.dequantize(blocks[1], scales[1]))
+    assert len(used) == 6

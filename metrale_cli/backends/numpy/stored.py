@@ -207,6 +207,8 @@ class FormattedWeight:
     def matmul(self, x: np.ndarray) -> np.ndarray:
         if self._lead():
             raise ValueError(f"matmul needs a 2-D weight, this one is {self.shape}")
+        if len(x) <= SMALL_M and fused(int(np.prod(self.shape))) and self.fmt.family in COMPILED:
+            return COMPILED[self.fmt.family](self, np.ascontiguousarray(x, dtype=np.float32))
         n, k = self.shape
         step = max(self.block_rows, BLOCK_BYTES // (4 * k) // self.block_rows * self.block_rows)
         out = np.empty((len(x), n), np.float32)
@@ -260,6 +262,37 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     v = (a if a.flags.c_contiguous else np.ascontiguousarray(a)).view()
     v.flags.writeable = False
     return v
+
+
+def _fp8_product(w: FormattedWeight, x: np.ndarray) -> np.ndarray:
+    """FP8 (block or per-tensor scales) through the compiled kernel: the e4m3 bytes as stored."""
+    from ...models.quantized import e4m3_as_fp32, scale_as_fp32
+
+    q, scale = w.tensors[0], w.tensors[1]
+    n, k = w.shape
+    bn, bk = w.fmt.params.get("block", (n, k))
+    grid = np.ascontiguousarray(scale_as_fp32(scale).reshape(-(-n // bn), -(-k // bk)), dtype=np.float32)
+    out = np.empty((len(x), n), np.float32)
+    lut = e4m3_as_fp32(np.arange(256, dtype=np.uint8))
+    kernels.compiled().gemm_fp8(x, np.ascontiguousarray(q).view(np.uint8), grid, bn, bk, lut, out)
+    return out
+
+
+def _mxfp4_product(w: FormattedWeight, x: np.ndarray) -> np.ndarray:
+    """MXFP4 through the compiled kernel: the blocks and E8M0 scales as stored."""
+    from ...models.quantized.mxfp4 import E2M1
+
+    blocks, scales = (np.ascontiguousarray(t, dtype=np.uint8) for t in w.tensors)
+    with np.errstate(over="ignore"):  # 255: 2^128, inf in fp32, as the dequantization's ldexp gives it
+        e8m0 = np.ldexp(np.float32(1), np.arange(256) - 127).astype(np.float32)
+    out = np.empty((len(x), w.shape[0]), np.float32)
+    kernels.compiled().gemm_mxfp4(x, blocks, scales, E2M1, e8m0, out)
+    return out
+
+
+# formats whose few-row products run compiled (WeightFormat.family -> the product); the others dequantize a
+# block of rows at a time and multiply it with NumPy
+COMPILED = {"fp8_block": _fp8_product, "fp8_tensor": _fp8_product, "mxfp4": _mxfp4_product}
 
 
 class JoinedWeight:
