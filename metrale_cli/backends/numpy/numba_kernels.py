@@ -120,20 +120,25 @@ def widen_bf16(w, out):  # pragma: no cover - compiled
 @_jit(parallel=True, fastmath=True)
 def gemm_fp8(x, q, scale, block_n, block_k, lut, out):  # pragma: no cover - compiled
     """out [M, N] = x [M, K] @ (e4m3(q) * scale).T: q [N, K] the e4m3 bytes, scale [ceil(N / block_n),
-    ceil(K / block_k)] fp32, lut the 256 e4m3 values; each weight value is formed in a register, exactly as the
-    dequantization forms it, then multiplied (the products are those of the dequantized weight)."""
+    ceil(K / block_k)] fp32, lut the 256 e4m3 values. Each weight row's values are formed once, exactly as the
+    dequantization forms them (e4m3 value times its block's scale), into a row buffer that every row of x then
+    multiplies (the products are those of the dequantized weight)."""
     m_rows, k = x.shape
     n = q.shape[0]
+    blocks = (k + block_k - 1) // block_k
     for j in prange(n):
         srow = scale[j // block_n]
         row = q[j]
+        w = np.empty(k, np.float32)
+        for b in range(blocks):
+            s = srow[b]
+            for i in range(b * block_k, min(k, b * block_k + block_k)):
+                w[i] = lut[row[i]] * s
         for m in range(m_rows):
             xm = x[m]
             a = np.float32(0.0)
-            for lo in range(0, k, block_k):
-                s = srow[lo // block_k]
-                for i in range(lo, min(k, lo + block_k)):
-                    a += xm[i] * (lut[row[i]] * s)
+            for i in range(k):
+                a += xm[i] * w[i]
             out[m, j] = a
 
 
@@ -141,17 +146,21 @@ def gemm_fp8(x, q, scale, block_n, block_k, lut, out):  # pragma: no cover - com
 def gemm_mxfp4(x, blocks, scales, e2m1, e8m0, out):  # pragma: no cover - compiled
     """out [M, N] = x [M, K] @ mxfp4(blocks, scales).T: blocks [N, K / 32, 16] (two e2m1 codes a byte, the low
     nibble first), scales [N, K / 32] E8M0 bytes; e2m1 the 16 code values, e8m0 the 256 scale values. Each
-    weight value (code value times its power-of-two scale, exact) is formed in a register, then multiplied."""
+    weight row's values (code value times its power-of-two scale, exact) are formed once into a row buffer that
+    every row of x then multiplies."""
     m_rows, k = x.shape
     n, groups = scales.shape
     for j in prange(n):
+        w = np.empty(k, np.float32)
+        for g in range(groups):
+            s = e8m0[scales[j, g]]
+            for b in range(16):
+                byte = blocks[j, g, b]
+                w[g * 32 + 2 * b] = e2m1[byte & 15] * s
+                w[g * 32 + 2 * b + 1] = e2m1[byte >> 4] * s
         for m in range(m_rows):
             xm = x[m]
             a = np.float32(0.0)
-            for g in range(groups):
-                s = e8m0[scales[j, g]]
-                base = g * 32
-                for b in range(16):
-                    byte = blocks[j, g, b]
-                    a += xm[base + 2 * b] * (e2m1[byte & 15] * s) + xm[base + 2 * b + 1] * (e2m1[byte >> 4] * s)
+            for i in range(k):
+                a += xm[i] * w[i]
             out[m, j] = a
