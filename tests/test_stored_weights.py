@@ -370,3 +370,30 @@ def test_compiled_fp8_and_mxfp4_products_equal_the_dequantized_product(monkeypat
     monkeypatch.setattr(kernels, "FUSED_MIN", 10 ** 9)  # too small for the kernels: the row-block path
     check_product(matmul(x, w[1]), x, fmt.dequantize(blocks[1], scales[1]))
     assert len(used) == 6
+
+
+def test_compiled_rows_for_many_rows_of_x(monkeypatch):
+    """More than SMALL_M rows: the compiled kernels dequantize blocks of weight rows (FP8 in 16-row scale blocks,
+    partial at the edge; MXFP4) for BLAS, the values the dequantization gives."""
+    if not kernels.AVAILABLE:
+        pytest.skip("numba is not installed")
+    from metrale_cli.models.formats import weight_format
+    from metrale_cli.models.quantized.fp8 import block_format
+
+    monkeypatch.setattr(kernels, "FUSED_MIN", 0)
+    monkeypatch.setattr(stored, "BLOCK_BYTES", 4 * 70 * 16)  # 16 rows a block: 37 rows in 3 blocks
+    used = []
+    compiled = kernels.compiled()
+    for name in ("rows_fp8", "rows_mxfp4"):
+        original = getattr(compiled, name)
+        monkeypatch.setattr(compiled, name, lambda *a, f=original, n=name: (used.append(n), f(*a)))
+    rng = np.random.default_rng(13)
+    fmt, tensors, exact = fp8_weight(rng, 37, 70, block_format(16, 16), (3, 5))
+    x = rng.standard_normal((stored.SMALL_M + 9, 70), dtype=np.float32)
+    check_product(matmul(x, stored.FormattedWeight(fmt, tensors, (37, 70))), x, exact)
+    mx = weight_format("mxfp4")
+    blocks = rng.integers(0, 256, (37, 2, 16), dtype=np.uint8)
+    scales = rng.integers(118, 132, (37, 2), dtype=np.uint8)
+    x = rng.standard_normal((stored.SMALL_M + 9, 64), dtype=np.float32)
+    check_product(matmul(x, stored.FormattedWeight(mx, (blocks, scales), (37, 64))), x, mx.dequantize(blocks, scales))
+    assert used.count("rows_fp8") == 3 and used.count("rows_mxfp4") >= 2

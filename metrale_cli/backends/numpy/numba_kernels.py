@@ -164,3 +164,29 @@ def gemm_mxfp4(x, blocks, scales, e2m1, e8m0, out):  # pragma: no cover - compil
             for i in range(k):
                 a += xm[i] * w[i]
             out[m, j] = a
+
+
+@_jit(parallel=True)
+def rows_fp8(q, scale, block_n, block_k, lut, lo, out):  # pragma: no cover - compiled
+    """out [R, K] = the dequantized rows lo .. lo + R of an FP8 weight (see gemm_fp8), for BLAS."""
+    k = q.shape[1]
+    for r in prange(out.shape[0]):
+        j = lo + r
+        srow = scale[j // block_n]
+        row = q[j]
+        for i in range(k):
+            out[r, i] = lut[row[i]] * srow[i // block_k]
+
+
+@_jit(parallel=True)
+def rows_mxfp4(blocks, scales, e2m1, e8m0, lo, out):  # pragma: no cover - compiled
+    """out [R, K] = the dequantized rows lo .. lo + R of an MXFP4 weight (see gemm_mxfp4), for BLAS."""
+    groups = scales.shape[1]
+    for r in prange(out.shape[0]):
+        j = lo + r
+        for g in range(groups):
+            s = e8m0[scales[j, g]]
+            for b in range(16):
+                byte = blocks[j, g, b]
+                out[r, g * 32 + 2 * b] = e2m1[byte & 15] * s
+                out[r, g * 32 + 2 * b + 1] = e2m1[byte >> 4] * s

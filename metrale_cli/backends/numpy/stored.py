@@ -207,14 +207,17 @@ class FormattedWeight:
     def matmul(self, x: np.ndarray) -> np.ndarray:
         if self._lead():
             raise ValueError(f"matmul needs a 2-D weight, this one is {self.shape}")
-        if len(x) <= SMALL_M and fused(int(np.prod(self.shape))) and self.fmt.family in COMPILED:
-            return COMPILED[self.fmt.family](self, np.ascontiguousarray(x, dtype=np.float32))
+        compiled = fused(int(np.prod(self.shape))) and self.fmt.family in COMPILED
+        if compiled and len(x) <= SMALL_M:
+            return COMPILED[self.fmt.family].product(self, np.ascontiguousarray(x, dtype=np.float32))
         n, k = self.shape
         step = max(self.block_rows, BLOCK_BYTES // (4 * k) // self.block_rows * self.block_rows)
         out = np.empty((len(x), n), np.float32)
+        buf = np.empty((min(step, n), k), np.float32) if compiled else None
         for lo in range(0, n, step):
             hi = min(n, lo + step)
-            out[:, lo:hi] = x @ self.rows_fp32(lo, hi).T
+            rows = COMPILED[self.fmt.family].rows(self, lo, buf[:hi - lo]) if compiled else self.rows_fp32(lo, hi)
+            out[:, lo:hi] = x @ rows.T
         return out
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
@@ -264,35 +267,58 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     return v
 
 
-def _fp8_product(w: FormattedWeight, x: np.ndarray) -> np.ndarray:
-    """FP8 (block or per-tensor scales) through the compiled kernel: the e4m3 bytes as stored."""
-    from ...models.quantized import e4m3_as_fp32, scale_as_fp32
+class _Fp8:
+    """FP8 (block or per-tensor scales) through the compiled kernels: the e4m3 bytes as stored."""
 
-    q, scale = w.tensors[0], w.tensors[1]
-    n, k = w.shape
-    bn, bk = w.fmt.params.get("block", (n, k))
-    grid = np.ascontiguousarray(scale_as_fp32(scale).reshape(-(-n // bn), -(-k // bk)), dtype=np.float32)
-    out = np.empty((len(x), n), np.float32)
-    lut = e4m3_as_fp32(np.arange(256, dtype=np.uint8))
-    kernels.compiled().gemm_fp8(x, np.ascontiguousarray(q).view(np.uint8), grid, bn, bk, lut, out)
-    return out
+    @staticmethod
+    def operands(w: FormattedWeight) -> tuple:
+        from ...models.quantized import e4m3_as_fp32, scale_as_fp32
+
+        q, scale = w.tensors[0], w.tensors[1]
+        n, k = w.shape
+        bn, bk = w.fmt.params.get("block", (n, k))
+        grid = np.ascontiguousarray(scale_as_fp32(scale).reshape(-(-n // bn), -(-k // bk)), dtype=np.float32)
+        return np.ascontiguousarray(q).view(np.uint8), grid, bn, bk, e4m3_as_fp32(np.arange(256, dtype=np.uint8))
+
+    @classmethod
+    def product(cls, w: FormattedWeight, x: np.ndarray) -> np.ndarray:
+        out = np.empty((len(x), w.shape[0]), np.float32)
+        kernels.compiled().gemm_fp8(x, *cls.operands(w), out)
+        return out
+
+    @classmethod
+    def rows(cls, w: FormattedWeight, lo: int, out: np.ndarray) -> np.ndarray:
+        kernels.compiled().rows_fp8(*cls.operands(w), lo, out)
+        return out
 
 
-def _mxfp4_product(w: FormattedWeight, x: np.ndarray) -> np.ndarray:
-    """MXFP4 through the compiled kernel: the blocks and E8M0 scales as stored."""
-    from ...models.quantized.mxfp4 import E2M1
+class _Mxfp4:
+    """MXFP4 through the compiled kernels: the blocks and E8M0 scales as stored."""
 
-    blocks, scales = (np.ascontiguousarray(t, dtype=np.uint8) for t in w.tensors)
-    with np.errstate(over="ignore"):  # 255: 2^128, inf in fp32, as the dequantization's ldexp gives it
-        e8m0 = np.ldexp(np.float32(1), np.arange(256) - 127).astype(np.float32)
-    out = np.empty((len(x), w.shape[0]), np.float32)
-    kernels.compiled().gemm_mxfp4(x, blocks, scales, E2M1, e8m0, out)
-    return out
+    @staticmethod
+    def operands(w: FormattedWeight) -> tuple:
+        from ...models.quantized.mxfp4 import E2M1
+
+        blocks, scales = (np.ascontiguousarray(t, dtype=np.uint8) for t in w.tensors)
+        with np.errstate(over="ignore"):  # 255: 2^128, inf in fp32, as the dequantization's ldexp gives it
+            e8m0 = np.ldexp(np.float32(1), np.arange(256) - 127).astype(np.float32)
+        return blocks, scales, E2M1, e8m0
+
+    @classmethod
+    def product(cls, w: FormattedWeight, x: np.ndarray) -> np.ndarray:
+        out = np.empty((len(x), w.shape[0]), np.float32)
+        kernels.compiled().gemm_mxfp4(x, *cls.operands(w), out)
+        return out
+
+    @classmethod
+    def rows(cls, w: FormattedWeight, lo: int, out: np.ndarray) -> np.ndarray:
+        kernels.compiled().rows_mxfp4(*cls.operands(w), lo, out)
+        return out
 
 
-# formats whose few-row products run compiled (WeightFormat.family -> the product); the others dequantize a
-# block of rows at a time and multiply it with NumPy
-COMPILED = {"fp8_block": _fp8_product, "fp8_tensor": _fp8_product, "mxfp4": _mxfp4_product}
+# formats whose products run compiled (WeightFormat.family -> its kernels: `product` for up to SMALL_M rows of x,
+# `rows` for the dequantized rows a BLAS product takes); the others dequantize a block of rows with NumPy
+COMPILED = {"fp8_block": _Fp8, "fp8_tensor": _Fp8, "mxfp4": _Mxfp4}
 
 
 class JoinedWeight:
