@@ -117,6 +117,17 @@ def widen_bf16(w, out):  # pragma: no cover - compiled
             bits[j, i] = np.uint32(w[j, i]) << np.uint32(16)
 
 
+@numba.njit(inline="always", fastmath=True)
+def _times_rows(x, w, out, j):  # pragma: no cover - compiled
+    """out[:, j] = x @ w, w one weight row formed in fp32."""
+    for m in range(x.shape[0]):
+        xm = x[m]
+        a = np.float32(0.0)
+        for i in range(w.shape[0]):
+            a += xm[i] * w[i]
+        out[m, j] = a
+
+
 @_jit(parallel=True, fastmath=True)
 def gemm_fp8(x, q, scale, block_n, block_k, lut, out):  # pragma: no cover - compiled
     """out [M, N] = x [M, K] @ (e4m3(q) * scale).T: q [N, K] the e4m3 bytes, scale [ceil(N / block_n),
@@ -134,12 +145,7 @@ def gemm_fp8(x, q, scale, block_n, block_k, lut, out):  # pragma: no cover - com
             s = srow[b]
             for i in range(b * block_k, min(k, b * block_k + block_k)):
                 w[i] = lut[row[i]] * s
-        for m in range(m_rows):
-            xm = x[m]
-            a = np.float32(0.0)
-            for i in range(k):
-                a += xm[i] * w[i]
-            out[m, j] = a
+        _times_rows(x, w, out, j)
 
 
 @_jit(parallel=True, fastmath=True)
@@ -158,12 +164,7 @@ def gemm_mxfp4(x, blocks, scales, e2m1, e8m0, out):  # pragma: no cover - compil
                 byte = blocks[j, g, b]
                 w[g * 32 + 2 * b] = e2m1[byte & 15] * s
                 w[g * 32 + 2 * b + 1] = e2m1[byte >> 4] * s
-        for m in range(m_rows):
-            xm = x[m]
-            a = np.float32(0.0)
-            for i in range(k):
-                a += xm[i] * w[i]
-            out[m, j] = a
+        _times_rows(x, w, out, j)
 
 
 @_jit(parallel=True)

@@ -267,8 +267,32 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     return v
 
 
-class _Fp8:
-    """FP8 (block or per-tensor scales) through the compiled kernels: the e4m3 bytes as stored."""
+class _Compiled:
+    """A format's compiled kernels over its stored tensors (`operands`): `product` for up to SMALL_M rows of x,
+    `rows` for a block of dequantized weight rows that BLAS multiplies."""
+
+    product_kernel = rows_kernel = ""
+
+    @staticmethod
+    def operands(w: FormattedWeight) -> tuple:
+        raise NotImplementedError
+
+    @classmethod
+    def product(cls, w: FormattedWeight, x: np.ndarray) -> np.ndarray:
+        out = np.empty((len(x), w.shape[0]), np.float32)
+        getattr(kernels.compiled(), cls.product_kernel)(x, *cls.operands(w), out)
+        return out
+
+    @classmethod
+    def rows(cls, w: FormattedWeight, lo: int, out: np.ndarray) -> np.ndarray:
+        getattr(kernels.compiled(), cls.rows_kernel)(*cls.operands(w), lo, out)
+        return out
+
+
+class _Fp8(_Compiled):
+    """FP8 (block or per-tensor scales): the e4m3 bytes as stored, the scales as an fp32 grid."""
+
+    product_kernel, rows_kernel = "gemm_fp8", "rows_fp8"
 
     @staticmethod
     def operands(w: FormattedWeight) -> tuple:
@@ -280,20 +304,11 @@ class _Fp8:
         grid = np.ascontiguousarray(scale_as_fp32(scale).reshape(-(-n // bn), -(-k // bk)), dtype=np.float32)
         return np.ascontiguousarray(q).view(np.uint8), grid, bn, bk, e4m3_as_fp32(np.arange(256, dtype=np.uint8))
 
-    @classmethod
-    def product(cls, w: FormattedWeight, x: np.ndarray) -> np.ndarray:
-        out = np.empty((len(x), w.shape[0]), np.float32)
-        kernels.compiled().gemm_fp8(x, *cls.operands(w), out)
-        return out
 
-    @classmethod
-    def rows(cls, w: FormattedWeight, lo: int, out: np.ndarray) -> np.ndarray:
-        kernels.compiled().rows_fp8(*cls.operands(w), lo, out)
-        return out
+class _Mxfp4(_Compiled):
+    """MXFP4: the blocks and E8M0 scales as stored."""
 
-
-class _Mxfp4:
-    """MXFP4 through the compiled kernels: the blocks and E8M0 scales as stored."""
+    product_kernel, rows_kernel = "gemm_mxfp4", "rows_mxfp4"
 
     @staticmethod
     def operands(w: FormattedWeight) -> tuple:
@@ -303,17 +318,6 @@ class _Mxfp4:
         with np.errstate(over="ignore"):  # 255: 2^128, inf in fp32, as the dequantization's ldexp gives it
             e8m0 = np.ldexp(np.float32(1), np.arange(256) - 127).astype(np.float32)
         return blocks, scales, E2M1, e8m0
-
-    @classmethod
-    def product(cls, w: FormattedWeight, x: np.ndarray) -> np.ndarray:
-        out = np.empty((len(x), w.shape[0]), np.float32)
-        kernels.compiled().gemm_mxfp4(x, *cls.operands(w), out)
-        return out
-
-    @classmethod
-    def rows(cls, w: FormattedWeight, lo: int, out: np.ndarray) -> np.ndarray:
-        kernels.compiled().rows_mxfp4(*cls.operands(w), lo, out)
-        return out
 
 
 # formats whose products run compiled (WeightFormat.family -> its kernels: `product` for up to SMALL_M rows of x,
