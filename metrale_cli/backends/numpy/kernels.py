@@ -1,15 +1,18 @@
-"""Compiled CPU kernels of the NumPy engine: products with bf16 weights read as stored, accumulated in fp32.
+"""Compiled CPU kernels of the NumPy engine: products with weights read as stored (bf16, FP8, MXFP4), in fp32.
 
 NumPy cannot fuse a dtype conversion into a matrix product: `x @ w.astype(np.float32).T` writes the whole
 fp32 copy to memory and reads it back, three times the bytes of the bf16 weight, and a decode step is bound
 by those bytes. numba compiles these loops with LLVM at run time (no compiler at install time: numba and
 llvmlite ship as wheels), vectorised (AVX2 / AVX-512 here) and spread over threads:
 
-- `gemm_bf16(x, w, out)`: out [M, N] = x [M, K] @ bf16(w [N, K]).T, for a few rows (decode, verify): each
-  weight row is widened in registers (bf16 -> fp32 is a 16-bit shift, exact) and multiplied with every
-  row of x while it is in cache, so the weight crosses memory once, as stored;
+- `gemm_bf16(x, ws, blocks, out)`: out [M, N] = x [M, K] @ bf16(ws[0] | ws[1] | ...).T for a few rows (decode,
+  verify): the parts of a fused projection in one parallel loop; each weight row is widened in registers
+  (bf16 -> fp32 is a 16-bit shift, exact) and multiplied with every row of x while it is in cache, so the weight
+  crosses memory once, as stored;
 - `widen_bf16(w, out)`: the fp32 values of a block of weight rows (many rows: prefill multiplies such a
-  block with BLAS while it is in cache).
+  block with BLAS while it is in cache);
+- `gemm_fp8`, `gemm_mxfp4` and `rows_fp8`, `rows_mxfp4`: the same two for FP8 (e4m3 with block or tensor
+  scales) and MXFP4 weights, each value formed as the format's dequantization forms it (stored.COMPILED).
 
 The products and sums are the fp32 ones of `x @ fp32(w).T`; only their order differs (fastmath lets LLVM
 reassociate the sum into vector lanes, as BLAS does).
