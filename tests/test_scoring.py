@@ -123,7 +123,9 @@ def test_chunked_score_equals_transformers_windows(helpers, chunk, stride):
     assert len(r.scored) == len(ids) - 1 and len(r.windows) > 1
     assert r.total_logprob == pytest.approx(total, rel=1e-5)
     whole = score_with_metrale(path, ids)
-    assert whole.total_logprob != pytest.approx(r.total_logprob, rel=1e-4)  # the windows do change the context
+    # the windows do change the context: beyond fp32 rounding (45 fresh draws differed by 1.7e-3 to 8e-2 relative;
+    # CI once drew one at 2.2e-5: a random token's log-probability in this small model barely depends on context)
+    assert abs(whole.total_logprob - r.total_logprob) > 1e-6 * abs(whole.total_logprob)
 
 
 # -- the command ---------------------------------------------------------------------------------------------------
