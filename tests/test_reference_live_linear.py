@@ -163,14 +163,15 @@ def test_live_hybrid_against_transformers(variant, tmp_path):
                                 cache.layers[i].conv_states[0][0, :, 1:].numpy())) for i in linear)
         print(f"{variant} seed={seed} T={n}: logits {err:.1e}, linear_attn taps {tap_err:.1e}, state {state_err:.1e}")
         # Fresh draws: the chunked rule's fp32 roundings (metrale's and transformers' sum in different orders;
-        # transformers' own chunked and recurrent rules differ by ~1e-5 at strong decays) reached, in CI runs,
-        # 1.9e-5 on the logits and 5.0e-5 on a linear_attn tap (relative to that layer's own largest value; qwen3_5
-        # seed 1499664838, T=63), and 2.1e-5 / 2.2e-5 on a state (qwen3_next seed 789053027, T=65; qwen3_5_moe_text
-        # seed 1590196192, T=1; over 12 runs of all five variants the others stayed under 8.4e-6). The fixtures'
-        # goldens hold 1e-5 (tests/test_reference_linear.py).
-        assert err <= 3e-5 and tap_err <= 1e-4 and state_err <= 1e-4, f"seed {seed}, T={n}"
+        # transformers' own chunked and recurrent rules differ by ~1e-5 at strong decays). Measured maxima over CI
+        # runs and 15 local runs of all six variants (2026-12-07): logits 4.4e-5 (qwen3_next_dense seed 1381173352,
+        # T=192), a linear_attn tap 2.5e-4 (relative to that layer's own largest value; qwen3_next_dense seed
+        # 624600909, T=1, whose logits agreed to 6.3e-7), a state 2.2e-5 (qwen3_5_moe_text seed 1590196192, T=1).
+        # The bounds sit above those with room; a wrong rule is off by 1e-2 or more, and the fixtures' goldens hold
+        # 1e-5 (tests/test_reference_linear.py).
+        assert err <= 1e-4 and tap_err <= 1e-3 and state_err <= 1e-4, f"seed {seed}, T={n}"
     out = decoding.run_decode(eng(), list(prompt[:20]), STEPS, keep_rows=True)
     ref_tokens = gen.sequences[0, 20:].tolist()
     ref_rows = torch.stack(gen.logits, 0)[:, 0].numpy()
     assert [s.token for s in out.steps] == ref_tokens, f"seed {seed}"
-    assert rel(out.rows.array(), ref_rows) <= 3e-5, f"seed {seed}"  # as the prefill bound above
+    assert rel(out.rows.array(), ref_rows) <= 1e-4, f"seed {seed}"  # as the prefill bound above
