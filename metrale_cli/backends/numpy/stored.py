@@ -14,6 +14,7 @@ module never ask which one a weight is.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -207,16 +208,17 @@ class FormattedWeight:
     def matmul(self, x: np.ndarray) -> np.ndarray:
         if self._lead():
             raise ValueError(f"matmul needs a 2-D weight, this one is {self.shape}")
-        compiled = fused(int(np.prod(self.shape))) and self.fmt.family in COMPILED
+        compiled = COMPILED.get(self.fmt.family) if fused(int(np.prod(self.shape))) else None
+        ops = compiled.operands(self) if compiled else ()  # once per product, for every block of rows
         if compiled and len(x) <= SMALL_M:
-            return COMPILED[self.fmt.family].product(self, np.ascontiguousarray(x, dtype=np.float32))
+            return compiled.product(ops, np.ascontiguousarray(x, dtype=np.float32), self.shape[0])
         n, k = self.shape
         step = max(self.block_rows, BLOCK_BYTES // (4 * k) // self.block_rows * self.block_rows)
         out = np.empty((len(x), n), np.float32)
         buf = np.empty((min(step, n), k), np.float32) if compiled else None
         for lo in range(0, n, step):
             hi = min(n, lo + step)
-            rows = COMPILED[self.fmt.family].rows(self, lo, buf[:hi - lo]) if compiled else self.rows_fp32(lo, hi)
+            rows = compiled.rows(ops, lo, buf[:hi - lo]) if compiled else self.rows_fp32(lo, hi)
             out[:, lo:hi] = x @ rows.T
         return out
 
@@ -268,8 +270,8 @@ def _readonly(a: np.ndarray) -> np.ndarray:
 
 
 class _Compiled:
-    """A format's compiled kernels over its stored tensors (`operands`): `product` for up to SMALL_M rows of x,
-    `rows` for a block of dequantized weight rows that BLAS multiplies."""
+    """A format's compiled kernels over its stored tensors (`operands`, made once per product): `product` for up
+    to SMALL_M rows of x, `rows` for a block of dequantized weight rows that BLAS multiplies."""
 
     product_kernel = rows_kernel = ""
 
@@ -278,15 +280,26 @@ class _Compiled:
         raise NotImplementedError
 
     @classmethod
-    def product(cls, w: FormattedWeight, x: np.ndarray) -> np.ndarray:
-        out = np.empty((len(x), w.shape[0]), np.float32)
-        getattr(kernels.compiled(), cls.product_kernel)(x, *cls.operands(w), out)
+    def product(cls, ops: tuple, x: np.ndarray, n: int) -> np.ndarray:
+        out = np.empty((len(x), n), np.float32)
+        getattr(kernels.compiled(), cls.product_kernel)(x, *ops, out)
         return out
 
     @classmethod
-    def rows(cls, w: FormattedWeight, lo: int, out: np.ndarray) -> np.ndarray:
-        getattr(kernels.compiled(), cls.rows_kernel)(*cls.operands(w), lo, out)
+    def rows(cls, ops: tuple, lo: int, out: np.ndarray) -> np.ndarray:
+        getattr(kernels.compiled(), cls.rows_kernel)(*ops, lo, out)
         return out
+
+
+@functools.cache
+def _value_tables() -> tuple[np.ndarray, np.ndarray]:
+    """The fp32 value of each e4m3 byte and of each E8M0 scale byte (255: 2^128, inf in fp32, as the MXFP4
+    dequantization's ldexp gives it)."""
+    from ...models.quantized import e4m3_as_fp32
+
+    with np.errstate(over="ignore"):
+        e8m0 = np.ldexp(np.float32(1), np.arange(256) - 127).astype(np.float32)
+    return e4m3_as_fp32(np.arange(256, dtype=np.uint8)), e8m0
 
 
 class _Fp8(_Compiled):
@@ -296,13 +309,13 @@ class _Fp8(_Compiled):
 
     @staticmethod
     def operands(w: FormattedWeight) -> tuple:
-        from ...models.quantized import e4m3_as_fp32, scale_as_fp32
+        from ...models.quantized import scale_as_fp32
 
         q, scale = w.tensors[0], w.tensors[1]
         n, k = w.shape
         bn, bk = w.fmt.params.get("block", (n, k))
         grid = np.ascontiguousarray(scale_as_fp32(scale).reshape(-(-n // bn), -(-k // bk)), dtype=np.float32)
-        return np.ascontiguousarray(q).view(np.uint8), grid, bn, bk, e4m3_as_fp32(np.arange(256, dtype=np.uint8))
+        return np.ascontiguousarray(q).view(np.uint8), grid, bn, bk, _value_tables()[0]
 
 
 class _Mxfp4(_Compiled):
@@ -315,9 +328,7 @@ class _Mxfp4(_Compiled):
         from ...models.quantized.mxfp4 import E2M1
 
         blocks, scales = (np.ascontiguousarray(t, dtype=np.uint8) for t in w.tensors)
-        with np.errstate(over="ignore"):  # 255: 2^128, inf in fp32, as the dequantization's ldexp gives it
-            e8m0 = np.ldexp(np.float32(1), np.arange(256) - 127).astype(np.float32)
-        return blocks, scales, E2M1, e8m0
+        return blocks, scales, E2M1, _value_tables()[1]
 
 
 # formats whose products run compiled (WeightFormat.family -> its kernels: `product` for up to SMALL_M rows of x,

@@ -206,9 +206,8 @@ def _make_format(s: Scheme) -> WeightFormat:
     params = {"strategy": s.strategy, "bits": s.bits, "group": s.group, "asym": s.asym, "static_input": s.static_input}
     if s.strategy == "block":
         params["block"] = s.block
-    quant, doc = ACTIVATIONS.get(s.inputs, (None, "not emulated: " + s.inputs.removeprefix("other:")))
-    if not s.inputs:
-        doc = ""
+    quant, doc = (ACTIVATIONS.get(s.inputs, (None, "not emulated: " + s.inputs.removeprefix("other:")))
+                  if s.inputs else (None, ""))
     return WeightFormat(s.name, companions=companions, dtypes=dtypes, dequantize=_dequantizer(s), stored=stored,
                         kind=f"ct_{s.kind}", params=params, input_quant=quant and (lambda x, *c: quant(x, s, *c)),
                         row_slices=s.kind != "pack",  # packed: weight_shape and zero points packed down the rows
