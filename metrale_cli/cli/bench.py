@@ -22,9 +22,9 @@ from .options import DeviceOpt, FormatOpt, ThreadsOpt, TpOpt
 def bench(
     ctx: typer.Context,
     preset: Annotated[Optional[str], typer.Option(
-        "--preset", metavar="NAME|PATH", help="A preset in configs/ (llama-3.1-8b, llama-3.2-1b, qwen3-8b, mistral-7b, "
-                         "gemma-2-9b, gemma-3-12b, phi-3-mini, phi-4-mini, qwen3-30b-a3b, mixtral-8x7b, tiny-llama) "
-                         "or a config.json path (or a directory holding one). Default: llama-3.1-8b on cuda, tiny-llama on cpu.",
+        "--preset", metavar="NAME|PATH", help="A preset in configs/ (e.g. llama-3.1-8b, qwen3-8b-fp8, qwen3-30b-a3b, deepseek-v2-lite, "
+                         "qwen3.5-27b, gpt-oss-20b; an unknown name lists them all) or a config.json path (or a "
+                         "directory holding one). Default: llama-3.1-8b on cuda, tiny-llama on cpu.",
         show_default=False)] = None,
     device: DeviceOpt = "auto",
     context: Annotated[int, typer.Option("--context", metavar="N",
