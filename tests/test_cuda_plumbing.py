@@ -509,6 +509,21 @@ def test_projection_kernel_per_rows(path, m, k, n, norm, want):
         assert [c for c in gpu.kern.calls if c.startswith("gemv")] == [want, gated]
 
 
+def test_fp8_weights_are_counted_as_stored_and_the_refusal_names_the_tp_that_fits():
+    """The size check counts what the CUDA engine holds (e4m3 and scales for FP8 weights, not bf16): the FP8
+    qwen3-next-80b preset fits a 141 GB card, not an 80 GB one, and the refusal names the --tp whose shares fit."""
+    from metrale_cli.bench import preset_path
+    from metrale_cli.errors import DeviceError
+
+    cfg = load_config(preset_path("qwen3-next-80b-a3b-fp8"))
+    held = cuda_loading.device_weight_bytes(cfg.definition)
+    bf16 = cfg.definition.parameter_count() * 2
+    assert 0.5 * bf16 < held < 0.55 * bf16  # nearly every weight is FP8: 1 byte an element and its block scales
+    cuda_loading.check_fits(cfg, 140 << 30, 141 << 30)
+    with pytest.raises(DeviceError, match=r"the weights need 7\d\.\d GiB .* or split the model with --tp 2 "):
+        cuda_loading.check_fits(cfg, 60 << 30, 80 << 30)
+
+
 def test_weights_too_big_for_the_gpu_are_refused_before_loading():
     """A model whose bf16 weights exceed the free GPU memory fails at once with a DeviceError naming both sizes
     (mixtral-8x7b on an 80 GB card was an internal error after 83 GB of allocations), and an out-of-memory while
@@ -520,8 +535,9 @@ def test_weights_too_big_for_the_gpu_are_refused_before_loading():
     kern = FakeKernels()
     with Checkpoint.open(FIXTURES / name) as ckpt:
         need = cfg.definition.parameter_count() * 2  # bf16 bytes of what the definition reads
+        assert cuda_loading.device_weight_bytes(cfg.definition) == need
         kern._cp.cuda.runtime.memGetInfo = lambda: (need - 1, 80 << 30)
-        with pytest.raises(DeviceError, match=r"the weights need .* GiB in bf16 and the GPU has .* GiB free"):
+        with pytest.raises(DeviceError, match=r"the weights need .* GiB and the GPU has .* GiB free"):
             cuda_loading.upload_weights(cfg, ckpt, kern)
         kern._cp.cuda.runtime.memGetInfo = lambda: (need, 80 << 30)
 

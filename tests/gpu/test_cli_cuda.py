@@ -63,7 +63,7 @@ def test_out_of_memory_names_the_bytes(cp):
     huge = parse_config({"model_type": "llama", "vocab_size": 2**24, "hidden_size": 16384,
                          "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 128,
                          "num_key_value_heads": 8})
-    with pytest.raises(DeviceError, match=r"the weights need 1025\.1 GiB in bf16 and the GPU has .* GiB free"):
+    with pytest.raises(DeviceError, match=r"the weights need 1025\.1 GiB and the GPU has .* GiB free"):
         load_cuda_engine(huge, RandomTensors(huge), 16)  # refused before a tensor is read
     small = parse_config({"model_type": "llama", "vocab_size": 256, "hidden_size": 256, "intermediate_size": 64,
                           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,

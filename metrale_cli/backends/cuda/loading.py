@@ -47,13 +47,9 @@ def upload_weights(cfg: ModelConfig, source: WeightSource, kern, progress: Calla
     `rank` = (r, n): keep tensor-parallel rank r's shard (parallel/sharding.RankShard), each layer cut on
     the device as soon as it is uploaded."""
     cp = kern.cp
-    if rank is None:  # refuse before reading anything when the bf16 weights cannot fit (a tp rank holds a share)
-        need = cfg.definition.parameter_count() * 2  # what is read: not a checkpoint's vision tower, say
+    if rank is None:  # refuse before reading anything when the weights cannot fit (a tp rank holds a share)
         free, total = cp.cuda.runtime.memGetInfo()
-        if need > free:
-            raise DeviceError(
-                f"the weights need {need / 2**30:.1f} GiB in bf16 and the GPU has {free / 2**30:.1f} GiB free "
-                f"of {total / 2**30:.1f} GiB: use a GPU with more memory, or split the model with --tp N")
+        check_fits(cfg, free, total)
 
     fp32 = {t.name for layer in cfg.definition.layers for p in layer.params if p.key in FP32_KEYS for t in p.parts}
 
@@ -114,6 +110,35 @@ def upload_weights(cfg: ModelConfig, source: WeightSource, kern, progress: Calla
         return load_weights(cfg.definition, get, concat, shard=shard, read_formatted=formatted)
     except cp.cuda.memory.OutOfMemoryError:  # fusing parts (q/k/v, gate/up) or stacking experts: a copy's peak
         raise oom_error(cp, "fusing the weights' parts on the device", 0) from None
+
+
+def device_weight_bytes(definition: ModelDefinition) -> int:
+    """The bytes the CUDA engine holds the weights in: bf16, fp32 for FP32_KEYS, a weight format's stored bytes
+    (e4m3 and scales) where the format runs as stored. What is read: not a checkpoint's vision tower, say."""
+    from math import prod
+
+    from ...models.formats import stored_nbytes
+
+    def held(p) -> int:
+        if p.format is not None:
+            return stored_nbytes(p)
+        return (4 if p.key in FP32_KEYS else 2) * sum(prod(t.shape) for t in p.parts)
+
+    return sum(held(p) for p in definition.params())
+
+
+def check_fits(cfg: ModelConfig, free: int, total: int) -> None:
+    """DeviceError when the weights cannot fit in `free` bytes of the GPU, naming the smallest --tp whose ranks'
+    shares would fit a GPU of this size (the degrees parallel/sharding takes: powers of two dividing the heads)."""
+    need = device_weight_bytes(cfg.definition)
+    if need <= free:
+        return
+    kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
+    degrees = [n for n in (2, 4, 8, 16, 32, 64) if cfg.num_attention_heads % n == 0 and kv_heads % n == 0]
+    fits = next((n for n in degrees if need / n <= 0.9 * total), None)
+    split = f"split the model with --tp {fits} (one GPU of this size each)" if fits else "split the model with --tp N"
+    raise DeviceError(f"the weights need {need / 2**30:.1f} GiB and the GPU has {free / 2**30:.1f} GiB free of "
+                      f"{total / 2**30:.1f} GiB: use a GPU with more memory, or {split}")
 
 
 def mixer_weight_keys(kind: str, layer_keys: frozenset[str]) -> frozenset[str] | None:
