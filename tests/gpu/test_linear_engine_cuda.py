@@ -135,6 +135,58 @@ def test_verify_equals_sequential_and_trim(cp, checkpoints, name, k, path, graph
         assert serr[worst] <= 1e-3 and err <= 1e-3, f"trim to {keep} of {k}"
 
 
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_text_64"])
+def test_verify_keeps_the_state_after_every_row(cp, checkpoints, name, rng):
+    """After a verify of k rows, the ring slot of each position the verify passed holds the state the NumPy engine
+    has after decoding the drafts to there (each layer's conv and recurrent state); and the slots as the layer's own
+    kernels left them (read from a tap right after the layer's mixer, eagerly) are the slots at the end of the pass."""
+    from metrale_cli.backends.cuda.linear_attention import RING
+    from metrale_cli.engine.observe import tapping
+
+    cpu, gpu = pair(checkpoints[name])
+    prompt, drafts = _tokens(rng, cpu, 70), _tokens(rng, cpu, 6)
+    cpu.prefill(prompt)
+    want = []
+    for t in drafts:
+        cpu.decode(t)
+        want.append({n: np.array(v) for n, v in cpu.states["linear_attention"].tensors().items()})
+    st = gpu.states["linear_attention"]
+    snap = {}
+
+    def tap(tname, x):
+        if tname.endswith(".linear_attn"):
+            i = int(tname.split(".")[2])
+            st.stream.synchronize()
+            snap[i] = (st.conv[i].get(), st.recurrent[i].get())
+
+    for mode in ("graphs", "tapped"):
+        gpu.reset()
+        gpu.prefill(prompt)
+        if mode == "tapped":
+            with tapping(gpu, tap):
+                gpu.verify(drafts)
+        else:
+            gpu.verify(drafts)
+        st.stream.synchronize()
+        worst = []
+        for j in range(1, len(drafts) + 1):
+            s = (len(prompt) + j) % RING
+            errs = {}
+            for i in st.layers:
+                errs[f"{i}.conv"] = rel(st.conv[i][s].get(), want[j - 1][f"model.layers.{i}.linear_attn.conv_state"])
+                errs[f"{i}.rec"] = rel(st.recurrent[i][s].get(),
+                                       want[j - 1][f"model.layers.{i}.linear_attn.recurrent_state"])
+                if mode == "tapped":
+                    errs[f"{i}.conv@tap"] = rel(snap[i][0][s], want[j - 1][f"model.layers.{i}.linear_attn.conv_state"])
+                    errs[f"{i}.rec@tap"] = rel(snap[i][1][s],
+                                               want[j - 1][f"model.layers.{i}.linear_attn.recurrent_state"])
+            w = max(errs, key=errs.get)
+            worst.append(errs[w])
+            print(f"{name} {mode} verify 6, row {j} (slot {s}): state rel err max {errs[w]:.1e} ({w}); "
+                  + " ".join(f"{k} {v:.0e}" for k, v in errs.items()))
+        assert max(worst) <= TOL
+
+
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_text"])
 @pytest.mark.parametrize("path", ["rows", "fused"])
 def test_graph_replay_equals_eager(cp, checkpoints, name, path, rng):
