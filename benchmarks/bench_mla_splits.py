@@ -49,8 +49,10 @@ def main() -> None:
             ref = None
             line = []
             for s in [shipped[m]] + [int(x) for x in a.splits.split(",") if int(x) != shipped[m]]:
-                if m * s > max(k * v for k, v in shipped.items()):  # the partials' workspace is sized for shipped
-                    continue
+                d = cache.dims
+                if m * s * d.heads * d.rank > cache.ws_o.size:  # the partials' workspace is sized for shipped
+                    cache.ws_o = eng.cp.zeros((m * s * d.heads * d.rank,), eng.cp.float32)
+                    cache.ws_ml = eng.cp.zeros((m * s * d.heads * 2,), eng.cp.float32)
                 cache.splits[m] = s
                 eng.graphs.clear()
                 ms = timer.time(step, a.repeats) * 1e3

@@ -167,8 +167,8 @@ def test_the_kinds_weights_and_sizes_are_checked():
     d = mla_kernels.MlaDims(128, 128, 64, 128, 512)  # DeepSeek-V3's
     assert mla_kernels.check_sizes(d) is None and d.attend_smem() <= mla_kernels.SMEM_LIMIT
     assert "kv_lora_rank 1024" in mla_kernels.check_sizes(mla_kernels.MlaDims(16, 128, 64, 128, 1024))
-    assert [mla_kernels.splits_for(m, 16, 132) for m in (1, 4, 16)] == [64, 64, 17]
-    assert [mla_kernels.splits_for(m, 128, 132) for m in (1, 16)] == [33, 3]  # DeepSeek-V3's 8 head groups
+    assert [mla_kernels.splits_for(m, 16, 132) for m in (1, 4, 16)] == [64, 33, 9]
+    assert [mla_kernels.splits_for(m, 128, 132) for m in (1, 16)] == [33, 2]  # DeepSeek-V3's 8 head groups
 
 
 @pytest.mark.parametrize("name", MODELS)
