@@ -16,6 +16,7 @@ from metrale_cli.checkpoint import Checkpoint
 from metrale_cli.config import load_config
 from metrale_cli.errors import UsageError
 from metrale_cli.logits import fp32_to_bf16_bits
+from metrale_cli.models.spec import Tensor
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
 
@@ -397,3 +398,42 @@ def test_compiled_rows_for_many_rows_of_x(monkeypatch):
     x = rng.standard_normal((stored.SMALL_M + 9, 64), dtype=np.float32)
     check_product(matmul(x, stored.FormattedWeight(mx, (blocks, scales), (37, 64))), x, mx.dequantize(blocks, scales))
     assert used.count("rows_fp8") == 3 and used.count("rows_mxfp4") >= 2
+
+
+@pytest.mark.parametrize("m", [1, 3, 25])
+def test_compiled_nvfp4_products_equal_the_dequantized_product(monkeypatch, m):
+    """NVFP4 weights (compressed-tensors' from the fixture checkpoint, ModelOpt's drawn by its format) go through
+    the compiled kernels, which form each value as the format's dequantization does (the rows kernel's values equal
+    it bit for bit): up to SMALL_M rows of x the fused product, more the rows kernel and BLAS; both equal
+    x @ dequantized.T up to the order of the sums."""
+    if not kernels.AVAILABLE:
+        pytest.skip("numba is not installed")
+    from metrale_cli.models.formats import weight_format
+    from metrale_cli.models.quantized import modelopt
+
+    monkeypatch.setattr(kernels, "FUSED_MIN", 0)
+    monkeypatch.setattr(stored, "BLOCK_BYTES", 4 * 80 * 8)  # more than SMALL_M rows of x: blocks of 8 weight rows
+    used = []
+    compiled = kernels.compiled()
+    for name in ("gemm_nvfp4", "rows_nvfp4"):
+        original = getattr(compiled, name)
+        monkeypatch.setattr(compiled, name, lambda *a, f=original, n=name: (used.append(n), f(*a)))
+    rng = np.random.default_rng([m, 14])
+    cfg = load_config(FIXTURES / "llama_ct_nvfp4")
+    layer = read_weights(cfg, Checkpoint.open(FIXTURES / "llama_ct_nvfp4")).layers[0]
+    weights = [layer["o"], layer["down"]]
+    assert all(isinstance(w, stored.FormattedWeight) and w.fmt.family == "ct_nvfp4" for w in weights)
+    mo = weight_format("modelopt_nvfp4")
+    shape = (37, 64)
+    tensors = tuple(modelopt.draw(rng, i, t.shape, 64) for i, t in enumerate(mo.tensors(Tensor("w.weight", shape))))
+    weights.append(stored.FormattedWeight(mo, tensors, shape))
+    for w in weights:
+        exact = w.fmt.dequantize(*w.tensors)
+        ops = stored.COMPILED[w.fmt.family].operands(w)
+        rows = np.empty(w.shape, np.float32)
+        compiled.rows_nvfp4(*ops, 0, rows)
+        np.testing.assert_array_equal(rows, exact)
+        x = rng.standard_normal((m, w.shape[1]), dtype=np.float32)
+        check_product(matmul(x, w), x, exact)
+    fused = m <= stored.SMALL_M
+    assert used.count("gemm_nvfp4") == (3 if fused else 0) and used.count("rows_nvfp4") >= (3 if fused else 6)

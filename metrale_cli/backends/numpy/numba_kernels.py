@@ -167,6 +167,25 @@ def gemm_mxfp4(x, blocks, scales, e2m1, e8m0, out):  # pragma: no cover - compil
         _times_rows(x, w, out, j)
 
 
+@_jit(parallel=True, fastmath=True)
+def gemm_nvfp4(x, packed, blocks, e2m1, out):  # pragma: no cover - compiled
+    """out [M, N] = x [M, K] @ nvfp4(packed, blocks).T: packed [N, K / 2] (two e2m1 codes a byte, the low nibble
+    first), blocks [N, K / 16] each block's fp32 scale (the format's own rule: stored.COMPILED); e2m1 the 16 code
+    values. Each weight row's values (code value times its block's scale, as the dequantization forms them) are
+    formed once into a row buffer that every row of x then multiplies."""
+    m_rows, k = x.shape
+    n, groups = blocks.shape
+    for j in prange(n):
+        w = np.empty(k, np.float32)
+        for g in range(groups):
+            s = blocks[j, g]
+            for b in range(8):
+                byte = packed[j, g * 8 + b]
+                w[g * 16 + 2 * b] = e2m1[byte & 15] * s
+                w[g * 16 + 2 * b + 1] = e2m1[byte >> 4] * s
+        _times_rows(x, w, out, j)
+
+
 @_jit(parallel=True)
 def rows_fp8(q, scale, block_n, block_k, lut, lo, out):  # pragma: no cover - compiled
     """out [R, K] = the dequantized rows lo .. lo + R of an FP8 weight (see gemm_fp8), for BLAS."""
@@ -191,3 +210,17 @@ def rows_mxfp4(blocks, scales, e2m1, e8m0, lo, out):  # pragma: no cover - compi
                 byte = blocks[j, g, b]
                 out[r, g * 32 + 2 * b] = e2m1[byte & 15] * s
                 out[r, g * 32 + 2 * b + 1] = e2m1[byte >> 4] * s
+
+
+@_jit(parallel=True)
+def rows_nvfp4(packed, blocks, e2m1, lo, out):  # pragma: no cover - compiled
+    """out [R, K] = the dequantized rows lo .. lo + R of an NVFP4 weight (see gemm_nvfp4), for BLAS."""
+    groups = blocks.shape[1]
+    for r in prange(out.shape[0]):
+        j = lo + r
+        for g in range(groups):
+            s = blocks[j, g]
+            for b in range(8):
+                byte = packed[j, g * 8 + b]
+                out[r, g * 16 + 2 * b] = e2m1[byte & 15] * s
+                out[r, g * 16 + 2 * b + 1] = e2m1[byte >> 4] * s

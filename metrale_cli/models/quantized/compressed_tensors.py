@@ -120,6 +120,11 @@ def nvfp4_values(packed: np.ndarray) -> np.ndarray:
     return out
 
 
+def nvfp4_block_scales(scale: np.ndarray, global_scale: np.ndarray) -> np.ndarray:
+    """fp32 [out, in / 16]: each NVFP4 block's scale, fp32(weight_scale) / weight_global_scale."""
+    return e4m3_as_fp32(scale) / scale_as_fp32(global_scale).reshape(())
+
+
 def _dequantizer(s: Scheme):
     def fp8(w, scale, *_):
         return e4m3_as_fp32(w) * _expand(scale_as_fp32(scale), s, w.shape)
@@ -139,8 +144,7 @@ def _dequantizer(s: Scheme):
         return q * _expand(scale_as_fp32(scale), s, q.shape)
 
     def nvfp4(packed, scale, global_scale, *_):
-        block = e4m3_as_fp32(scale) / scale_as_fp32(global_scale).reshape(())
-        return nvfp4_values(packed) * np.repeat(block, NVFP4_GROUP, axis=1)
+        return nvfp4_values(packed) * np.repeat(nvfp4_block_scales(scale, global_scale), NVFP4_GROUP, axis=1)
 
     return {"fp8": fp8, "int8": int8, "pack": pack, "nvfp4": nvfp4}[s.kind]
 

@@ -34,9 +34,13 @@ def _excluded(patterns: list[str], module: str) -> bool:
     return any(module == p or module.startswith(p + ".") or fnmatchcase(module, p) for p in patterns)
 
 
+def block_scales(scale: np.ndarray, scale_2: np.ndarray) -> np.ndarray:
+    """fp32 [out, in / 16]: each block's scale, fp32(weight_scale) * weight_scale_2."""
+    return e4m3_as_fp32(scale) * scale_as_fp32(scale_2).reshape(())
+
+
 def dequantize(packed: np.ndarray, scale: np.ndarray, scale_2: np.ndarray, *_) -> np.ndarray:
-    block = e4m3_as_fp32(scale) * scale_as_fp32(scale_2).reshape(())
-    return nvfp4_values(packed) * np.repeat(block, NVFP4_GROUP, axis=1)
+    return nvfp4_values(packed) * np.repeat(block_scales(scale, scale_2), NVFP4_GROUP, axis=1)
 
 
 def _companions(t: Tensor) -> tuple[Tensor, ...]:
