@@ -281,10 +281,10 @@ def test_quantized_checkpoints_keep_their_formats():
 
 
 @pytest.mark.parametrize("name", ["llama_ct_fp8_channel", "qwen3_ct_fp8_tensor", "llama_ct_fp8_block", "llama_ct_nvfp4",
-                                  "qwen3_ct_mixed"])
+                                  "qwen3_ct_mixed", "llama_ct_w4a16"])
 def test_compressed_tensors_weights_stay_stored_and_multiply_by_row_blocks(monkeypatch, name):
-    """compressed-tensors FP8 / int8 / NVFP4 weights stay as stored (pack-quantized ones, whose zero points and
-    weight_shape are packed down the rows, are dequantized at load); a product in row blocks of a few rows each
+    """compressed-tensors FP8 / int8 / NVFP4 / symmetric pack-quantized weights stay as stored (asymmetric
+    pack-quantized ones, whose zero points are packed down the rows, are dequantized at load); a product in row blocks of a few rows each
     (whole scale blocks for the 32 x 32 block fixture) equals the product with the whole dequantized weight."""
     from metrale_cli.models import formats
 
@@ -300,7 +300,7 @@ def test_compressed_tensors_weights_stay_stored_and_multiply_by_row_blocks(monke
                 continue
             fmt = formats.weight_format(p.format)
             weight = w.layers[i][p.key]
-            if fmt.kind == "ct_pack":
+            if fmt.kind == "ct_pack" and fmt.params["asym"]:  # zero points packed down the rows: dequantized
                 assert type(weight) is np.ndarray, (p.format, type(weight))
                 continue
             assert isinstance(weight, (stored.FormattedWeight, stored.JoinedWeight)), (p.format, type(weight))
@@ -437,3 +437,43 @@ def test_compiled_nvfp4_products_equal_the_dequantized_product(monkeypatch, m):
         check_product(matmul(x, w), x, exact)
     fused = m <= stored.SMALL_M
     assert used.count("gemm_nvfp4") == (3 if fused else 0) and used.count("rows_nvfp4") >= (3 if fused else 6)
+
+
+@pytest.mark.parametrize("m", [1, 3, 25])
+def test_compiled_packed_int_products_equal_the_dequantized_product(monkeypatch, m):
+    """Symmetric pack-quantized weights (the W4A16 fixture's int4 groups of 16; int8 per channel and int4 per tensor
+    packed here, with a partial last word) go through the compiled kernels, whose values equal the package's
+    dequantization bit for bit; the products equal x @ dequantized.T up to the order of the sums."""
+    if not kernels.AVAILABLE:
+        pytest.skip("numba is not installed")
+    from metrale_cli.models.formats import weight_format
+    from metrale_cli.models.quantized import compressed_tensors as ct
+
+    monkeypatch.setattr(kernels, "FUSED_MIN", 0)
+    monkeypatch.setattr(stored, "BLOCK_BYTES", 4 * 80 * 8)
+    used = []
+    compiled = kernels.compiled()
+    for name in ("gemm_packed", "rows_packed"):
+        original = getattr(compiled, name)
+        monkeypatch.setattr(compiled, name, lambda *a, f=original, n=name: (used.append(n), f(*a)))
+    rng = np.random.default_rng([m, 15])
+    cfg = load_config(FIXTURES / "llama_ct_w4a16")
+    layer = read_weights(cfg, Checkpoint.open(FIXTURES / "llama_ct_w4a16")).layers[0]
+    weights = [layer["o"], layer["down"]]
+    assert all(isinstance(w, stored.FormattedWeight) and w.fmt.family == "ct_pack" for w in weights)
+    for scheme, n, k in ((ct.Scheme("pack", "channel", 8), 19, 44), (ct.Scheme("pack", "tensor", 4), 21, 60)):
+        fmt = weight_format(ct.scheme_format(scheme))
+        words = rng.integers(-2**31, 2**31, (n, -(-k * scheme.bits // 32)), dtype=np.int64).astype(np.int32)
+        scale = rng.uniform(0.01, 0.1, (n, 1) if scheme.strategy == "channel" else (1,)).astype(np.float32)
+        weights.append(stored.FormattedWeight(fmt, (words, scale, np.array([n, k], np.int64)), (n, k)))
+    for w in weights:
+        exact = w.fmt.dequantize(*w.tensors)
+        assert exact.shape == w.shape
+        ops = stored.COMPILED["ct_pack"].operands(w)
+        rows = np.empty(w.shape, np.float32)
+        compiled.rows_packed(*ops, 0, rows)
+        np.testing.assert_array_equal(rows, exact)
+        x = rng.standard_normal((m, w.shape[1]), dtype=np.float32)
+        check_product(matmul(x, w), x, exact)
+    fused = m <= stored.SMALL_M
+    assert used.count("gemm_packed") == (4 if fused else 0) and used.count("rows_packed") >= (4 if fused else 8)

@@ -51,6 +51,9 @@ class WeightFormat:
     # weight row cut alike, one per params["block"][0] rows cut to their blocks, 0-d / [1] ones whole), so the
     # NumPy engine can keep the stored bytes and dequantize a block of rows inside each product
     row_slices: bool = False
+    # check(*stored tensors): raise CheckpointError when the tensors' values contradict each other (a packed
+    # weight's weight_shape); run once on the whole tensors by a backend that keeps them (dequantize checks too)
+    check: Callable[..., None] | None = None
     # draw(rng, i, shape, fan_in) -> stored tensor i (0: the stored weight, then the companions) of a random weight
     # with input width fan_in whose values are about N(0, 1 / fan_in) (presets' random weights); None: e4m3 or
     # float scales by dtype (random_weights.py)
@@ -165,6 +168,20 @@ def apply(definition: ModelDefinition, quantization: dict[str, Any] | None) -> M
     layers = tuple(replace(layer, params=formatted(layer.params)) for layer in definition.layers)
     lm_head = None if definition.lm_head is None else formatted((definition.lm_head,))[0]
     return replace(definition, layers=layers, lm_head=lm_head)
+
+
+def check_stored(p: Param, read: Callable[[str], Any]) -> None:
+    """The format's check of each part's stored tensors (a backend keeping them as stored calls it at load)."""
+    from ..errors import CheckpointError
+
+    fmt = weight_format(p.format)
+    if fmt.check is None:
+        return
+    for t in p.parts:
+        try:
+            fmt.check(*(read(s.name) for s in fmt.tensors(t)))
+        except CheckpointError as e:
+            raise CheckpointError(f"{t.name} ({p.format}): {e}") from None
 
 
 def dequantize(p: Param, read: Callable[[str], Any]) -> list[np.ndarray]:

@@ -17,7 +17,7 @@ import numpy as np
 
 from ...config import ModelConfig
 from ...engine.longrope import has_longrope, long_factors
-from ...models.formats import dequantize, stored_tensors, weight_format
+from ...models.formats import check_stored, dequantize, stored_tensors, weight_format
 from ...engine.loop import decoder_forward
 from ...engine.ops import Tap
 from ...engine.mixers import kinds_of, mixer_kind
@@ -81,6 +81,7 @@ def read_weights(cfg: ModelConfig, source: WeightSource, progress: Callable[[int
         fmt = weight_format(p.format)
         if not fmt.row_slices:  # its dequantize takes whole tensors only: the exact fp32 weight, as before
             return dequantized(p)
+        check_stored(p, stored)
         return [FormattedWeight(fmt, tuple(stored(s.name) for s in fmt.tensors(t)), t.shape) for t in p.parts]
 
     # Formatted weights stay as stored for the fp32 reference; a bf16 engine rounds their values and a

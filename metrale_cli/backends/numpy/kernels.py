@@ -11,8 +11,8 @@ llvmlite ship as wheels), vectorised (AVX2 / AVX-512 here) and spread over threa
   crosses memory once, as stored;
 - `widen_bf16(w, out)`: the fp32 values of a block of weight rows (many rows: prefill multiplies such a
   block with BLAS while it is in cache);
-- `gemm_fp8`, `gemm_mxfp4`, `gemm_nvfp4` and `rows_fp8`, `rows_mxfp4`, `rows_nvfp4`: the same two for FP8 (e4m3
-  with block or tensor scales), MXFP4 and NVFP4 weights, each value formed as the format's dequantization forms it (stored.COMPILED).
+- `gemm_fp8`, `gemm_mxfp4`, `gemm_nvfp4`, `gemm_packed` and `rows_fp8`, `rows_mxfp4`, `rows_nvfp4`, `rows_packed`:
+  the same two for FP8 (e4m3 with block or tensor scales), MXFP4, NVFP4 and packed int4 / int8 weights, each value formed as the format's dequantization forms it (stored.COMPILED).
 
 The products and sums are the fp32 ones of `x @ fp32(w).T`; only their order differs (fastmath lets LLVM
 reassociate the sum into vector lanes, as BLAS does).

@@ -186,6 +186,50 @@ def gemm_nvfp4(x, packed, blocks, e2m1, out):  # pragma: no cover - compiled
         _times_rows(x, w, out, j)
 
 
+@_jit(parallel=True, fastmath=True)
+def gemm_packed(x, packed, grid, group, bits, k, out):  # pragma: no cover - compiled
+    """out [M, N] = x [M, K] @ w.T for a symmetric pack-quantized weight: packed int32 [N, ceil(K * bits / 32)]
+    (32 / bits values a word, the low bits first, each offset by 2^(bits - 1)), grid fp32 [N, groups], each scale
+    covering `group` columns. Each weight row's values (the integer times its scale, as the dequantization forms
+    them) are formed once into a row buffer that every row of x then multiplies."""
+    n = packed.shape[0]
+    per = 32 // bits
+    mask = (1 << bits) - 1
+    off = 1 << (bits - 1)
+    for j in prange(n):
+        w = np.empty(k, np.float32)
+        _unpack_row(packed[j], grid[j], group, bits, per, mask, off, k, w)
+        _times_rows(x, w, out, j)
+
+
+@_jit(inline="always")
+def _unpack_row(words, scales, group, bits, per, mask, off, k, w):  # pragma: no cover - compiled
+    if bits == 4 and k % group == 0 and group % 8 == 0:  # int4, whole words a scale group: constant shifts
+        wpg = group // 8
+        for g in range(k // group):
+            s = scales[g]
+            for wi in range(g * wpg, (g + 1) * wpg):
+                word = words[wi]
+                for b in range(8):
+                    w[wi * 8 + b] = np.float32(((word >> (4 * b)) & 15) - 8) * s
+        return
+    if k % group == 0 and group % per == 0:  # whole words in each scale group: no index arithmetic per value
+        wpg = group // per
+        for g in range(k // group):
+            s = scales[g]
+            for wi in range(g * wpg, (g + 1) * wpg):
+                word = words[wi]
+                for b in range(per):
+                    w[wi * per + b] = np.float32(((word >> (b * bits)) & mask) - off) * s
+        return
+    for wi in range(words.shape[0]):
+        word = words[wi]
+        for b in range(per):
+            i = wi * per + b
+            if i < k:
+                w[i] = np.float32(((word >> (b * bits)) & mask) - off) * scales[i // group]
+
+
 @_jit(parallel=True)
 def rows_fp8(q, scale, block_n, block_k, lut, lo, out):  # pragma: no cover - compiled
     """out [R, K] = the dequantized rows lo .. lo + R of an FP8 weight (see gemm_fp8), for BLAS."""
@@ -224,3 +268,13 @@ def rows_nvfp4(packed, blocks, e2m1, lo, out):  # pragma: no cover - compiled
                 byte = packed[j, g * 8 + b]
                 out[r, g * 16 + 2 * b] = e2m1[byte & 15] * s
                 out[r, g * 16 + 2 * b + 1] = e2m1[byte >> 4] * s
+
+
+@_jit(parallel=True)
+def rows_packed(packed, grid, group, bits, k, lo, out):  # pragma: no cover - compiled
+    """out [R, K] = the dequantized rows lo .. lo + R of a symmetric pack-quantized weight (see gemm_packed)."""
+    per = 32 // bits
+    mask = (1 << bits) - 1
+    off = 1 << (bits - 1)
+    for r in prange(out.shape[0]):
+        _unpack_row(packed[lo + r], grid[lo + r], group, bits, per, mask, off, k, out[r])

@@ -5,8 +5,9 @@ bit patterns, memory-mapped: a fused projection such as q | k | v is its parts s
 so loading copies nothing and the pages are the file's, which the OS may drop and read again); a product
 widens a block of rows at a time to fp32 inside the projection (kernels.py), so only the stored bytes cross
 memory and the products and sums are the fp32 ones of `x @ fp32(w).T`, in another order. Weights in a format
-(FP8, MXFP4, NVFP4, int8: `FormattedWeight`) keep their stored tensors and scales and are dequantized a block of
-rows at a time by their format's own code (compiled kernels for FP8, MXFP4 and NVFP4: `COMPILED`). F32 weights
+(FP8, MXFP4, NVFP4, int8, symmetric packed int4: `FormattedWeight`) keep their stored tensors and scales and are
+dequantized a block of rows at a time by their format's own code (compiled kernels for FP8, MXFP4, NVFP4 and
+packed int4 / int8: `COMPILED`). F32 weights
 stay plain fp32 arrays (NumPy's BLAS reads them as stored).
 
 `matmul(x, w)`, `rows(table, ids)` and `dense(w)` take any of them, so the engine's ops and each mixer's
@@ -202,14 +203,17 @@ class FormattedWeight:
                 parts.append(t)  # one scale for the whole tensor
             elif t.shape[0] == n:
                 parts.append(t[lo:hi])
-            else:  # one scale row per block_rows rows
+            elif b > 1 and t.shape[0] == -(-n // b):  # one scale row per block_rows rows
                 parts.append(t[lo // b:-(-hi // b)])
+            else:  # not per row (a packed weight's weight_shape): whole
+                parts.append(t)
         return np.asarray(self.fmt.dequantize(*parts), np.float32).reshape(hi - lo, self.shape[1])
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
         if self._lead():
             raise ValueError(f"matmul needs a 2-D weight, this one is {self.shape}")
         compiled = COMPILED.get(self.fmt.family) if fused(int(np.prod(self.shape))) else None
+        compiled = compiled if compiled and compiled.takes(self) else None
         ops = compiled.operands(self) if compiled else ()  # once per product, for every block of rows
         if compiled and len(x) <= SMALL_M:
             return compiled.product(ops, np.ascontiguousarray(x, dtype=np.float32), self.shape[0])
@@ -275,6 +279,11 @@ class _Compiled:
     to SMALL_M rows of x, `rows` for a block of dequantized weight rows that BLAS multiplies."""
 
     product_kernel = rows_kernel = ""
+
+    @staticmethod
+    def takes(w: FormattedWeight) -> bool:
+        """Whether the kernels take this weight of the family (else NumPy dequantizes its blocks of rows)."""
+        return True
 
     @staticmethod
     def operands(w: FormattedWeight) -> tuple:
@@ -364,10 +373,32 @@ class _ModeloptNvfp4(_Nvfp4):
         return block_scales(scale, scale_2)
 
 
+class _Packed(_Compiled):
+    """compressed-tensors' symmetric pack-quantized weights (int4 / int8 values packed in int32 words, the low bits
+    first, offset by 2^(bits-1)): the words as stored, the scales as an fp32 grid with the columns each covers."""
+
+    product_kernel, rows_kernel = "gemm_packed", "rows_packed"
+
+    @staticmethod
+    def takes(w: FormattedWeight) -> bool:
+        p = w.fmt.params
+        return not p["asym"] and p["strategy"] in ("group", "channel", "tensor") and p["bits"] in (4, 8)
+
+    @staticmethod
+    def operands(w: FormattedWeight) -> tuple:
+        from ...models.quantized.compressed_tensors import pack_scale_grid
+
+        n, k = w.shape
+        grid, group = pack_scale_grid(w.tensors[1], w.fmt.params, k)
+        grid = np.ascontiguousarray(np.broadcast_to(grid, (n, grid.shape[1])), dtype=np.float32)
+        words = np.ascontiguousarray(w.tensors[0], dtype=np.int32).view(np.uint32)  # logical shifts
+        return words, grid, group, w.fmt.params["bits"], k
+
+
 # formats whose products run compiled (WeightFormat.family -> its kernels: `product` for up to SMALL_M rows of x,
 # `rows` for the dequantized rows a BLAS product takes); the others dequantize a block of rows with NumPy
 COMPILED = {"fp8_block": _Fp8, "fp8_tensor": _Fp8, "mxfp4": _Mxfp4, "ct_nvfp4": _CtNvfp4,
-            "modelopt_nvfp4": _ModeloptNvfp4}
+            "modelopt_nvfp4": _ModeloptNvfp4, "ct_pack": _Packed}
 
 
 class JoinedWeight:

@@ -125,6 +125,23 @@ def nvfp4_block_scales(scale: np.ndarray, global_scale: np.ndarray) -> np.ndarra
     return e4m3_as_fp32(scale) / scale_as_fp32(global_scale).reshape(())
 
 
+def _check_shape(shape: np.ndarray, packed: np.ndarray, s: Scheme) -> None:
+    """weight_shape against the whole packed tensor: its rows too."""
+    if int(np.asarray(shape).reshape(-1)[0]) != packed.shape[0]:
+        raise CheckpointError(f"weight_shape {[int(v) for v in np.asarray(shape).reshape(-1)]} does not match its "
+                              f"weight_packed {list(packed.shape)} ({s.bits}-bit values)")
+    _logical_cols(shape, packed, s)
+
+
+def pack_scale_grid(scale: np.ndarray, params: dict, cols: int) -> tuple[np.ndarray, int]:
+    """(fp32 [rows, groups] scales, columns a scale covers) of a symmetric pack-quantized weight (format params:
+    strategy, group): what its dequantization repeats over the columns."""
+    grid = scale_as_fp32(scale)
+    if params["strategy"] == "group":
+        return grid.reshape(grid.shape[0], -1), params["group"]
+    return grid.reshape(-1, 1), cols  # channel: one per row; tensor: one (broadcast over the rows by the caller)
+
+
 def _dequantizer(s: Scheme):
     def fp8(w, scale, *_):
         return e4m3_as_fp32(w) * _expand(scale_as_fp32(scale), s, w.shape)
@@ -150,10 +167,11 @@ def _dequantizer(s: Scheme):
 
 
 def _logical_cols(shape: np.ndarray, packed: np.ndarray, s: Scheme) -> int:
-    """The input width weight_shape names, checked against the packed tensor (whose shape was checked before)."""
+    """The input width weight_shape names, checked against the packed tensor (whose shape was checked before; its
+    rows may be a slice of the weight's: a symmetric scheme's weight is dequantized a block of rows at a time)."""
     stored = [int(v) for v in np.asarray(shape).reshape(-1)]
     words = packed.shape[1]
-    if len(stored) != 2 or stored[0] != packed.shape[0] or -(-stored[1] * s.bits // 32) != words:
+    if len(stored) != 2 or stored[0] < packed.shape[0] or -(-stored[1] * s.bits // 32) != words:
         raise CheckpointError(f"weight_shape {stored} does not match its weight_packed {list(packed.shape)} "
                               f"({s.bits}-bit values)")
     return stored[1]
@@ -214,7 +232,10 @@ def _make_format(s: Scheme) -> WeightFormat:
                   if s.inputs else (None, ""))
     return WeightFormat(s.name, companions=companions, dtypes=dtypes, dequantize=_dequantizer(s), stored=stored,
                         kind=f"ct_{s.kind}", params=params, input_quant=quant and (lambda x, *c: quant(x, s, *c)),
-                        row_slices=s.kind != "pack",  # packed: weight_shape and zero points packed down the rows
+                        # asymmetric packed schemes pack their zero points down the rows: whole tensors only
+                        row_slices=not (s.kind == "pack" and s.asym),
+                        check=(lambda packed, scale, shape, *_: _check_shape(shape, packed, s)) if s.kind == "pack"
+                        else None,
                         input_quant_doc=doc.format(group=s.input_group))
 
 
