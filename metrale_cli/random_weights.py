@@ -35,14 +35,14 @@ class RandomTensors:
         self.shapes = expected_tensors(cfg.definition)
         # Params stored in a weight format: their stored tensors in the format's first dtype, drawn by the format
         # (WeightFormat.draw) or, without one, as e4m3 weights and float scales (_formatted):
-        # name -> (dtype, the logical weight's input width, the format, the tensor's index among the stored ones)
-        self.formatted: dict[str, tuple[str, int, Any, int]] = {}
+        # name -> (dtype, the logical weight's shape, the format, the tensor's index among the stored ones)
+        self.formatted: dict[str, tuple[str, tuple[int, ...], Any, int]] = {}
         for p in cfg.definition.params():
             if p.format is not None:
                 fmt = weight_format(p.format)
                 for t in p.parts:
                     for i, (s, dtypes) in enumerate(zip(fmt.tensors(t), fmt.dtypes)):
-                        self.formatted[s.name] = (dtypes[0], t.shape[-1], fmt, i)
+                        self.formatted[s.name] = (dtypes[0], tuple(t.shape), fmt, i)
         # (1 + w) norms (Gemma) store w: drawn around 0, so the scale is near 1 as for the other families
         self.norm_mean = 1.0 - cfg.definition.norm.offset
         self.directory = Path(f"<random {cfg.model_type} weights, seed {seed}>")
@@ -68,10 +68,10 @@ class RandomTensors:
         rng = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
         shape = self.shapes[name]
         if name in self.formatted:
-            dtype, fan_in, fmt, i = self.formatted[name]
+            dtype, logical, fmt, i = self.formatted[name]
             if fmt.draw is not None:
-                return fmt.draw(rng, i, shape, fan_in)
-            return self._formatted(rng, shape, dtype, fan_in)
+                return fmt.draw(rng, i, shape, logical)
+            return self._formatted(rng, shape, dtype, logical[-1])
         mean, std = self._moments(name, shape, self.norm_mean)
         if bf16_bits and len(shape) > 1:  # drawn a block of rows at a time: no fp32 copy of a large tensor
             out = np.empty(shape, np.uint16)

@@ -127,10 +127,11 @@ def test_bench_paths_table_fits(width):
     assert all(cell_len(line) <= width for line in text.splitlines())
 
 
-@pytest.mark.parametrize("preset", ["gpt-oss-20b", "gpt-oss-120b", "llama-3.1-8b-nvfp4", "qwen3-8b-fp8"])
+@pytest.mark.parametrize("preset", ["gpt-oss-20b", "gpt-oss-120b", "llama-3.1-8b-nvfp4", "qwen3-8b-fp8",
+                                    "llama-3.1-8b-w4a16"])
 def test_quantized_presets_draw_weights_of_the_linear_size(preset, tmp_path):
-    """The quantized presets' random weights, drawn by their formats (MXFP4 experts, ModelOpt NVFP4) at a small
-    size with the preset's config: every value finite and the weights' spread near fan_in^-0.5 (the size the
+    """The quantized presets' random weights, drawn by their formats (MXFP4 experts, ModelOpt NVFP4, packed int4)
+    at a small size with the preset's config: every value finite and the weights' spread near fan_in^-0.5 (the size the
     dense presets draw), so a bench or a CPU run computes on realistic numbers."""
     from metrale_cli.config import load_config
     from metrale_cli.models import formats

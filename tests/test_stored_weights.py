@@ -425,7 +425,7 @@ def test_compiled_nvfp4_products_equal_the_dequantized_product(monkeypatch, m):
     assert all(isinstance(w, stored.FormattedWeight) and w.fmt.family == "ct_nvfp4" for w in weights)
     mo = weight_format("modelopt_nvfp4")
     shape = (37, 64)
-    tensors = tuple(modelopt.draw(rng, i, t.shape, 64) for i, t in enumerate(mo.tensors(Tensor("w.weight", shape))))
+    tensors = tuple(modelopt.draw(rng, i, t.shape, shape) for i, t in enumerate(mo.tensors(Tensor("w.weight", shape))))
     weights.append(stored.FormattedWeight(mo, tensors, shape))
     for w in weights:
         exact = w.fmt.dequantize(*w.tensors)

@@ -54,9 +54,9 @@ class WeightFormat:
     # check(*stored tensors): raise CheckpointError when the tensors' values contradict each other (a packed
     # weight's weight_shape); run once on the whole tensors by a backend that keeps them (dequantize checks too)
     check: Callable[..., None] | None = None
-    # draw(rng, i, shape, fan_in) -> stored tensor i (0: the stored weight, then the companions) of a random weight
-    # with input width fan_in whose values are about N(0, 1 / fan_in) (presets' random weights); None: e4m3 or
-    # float scales by dtype (random_weights.py)
+    # draw(rng, i, shape, logical) -> stored tensor i (shape `shape`; 0: the stored weight, then the companions) of
+    # a random weight of logical shape [..., out, fan_in] whose values are about N(0, 1 / fan_in) (presets' random
+    # weights); None: e4m3 or float scales by dtype (random_weights.py)
     draw: Callable[[Any, int, tuple[int, ...], int], np.ndarray] | None = None
     kind: str = ""  # the family of formats this one belongs to ("fp8_block": every block size); "": none
     params: dict[str, Any] = field(default_factory=dict, compare=False)  # the family's parameters (block size)

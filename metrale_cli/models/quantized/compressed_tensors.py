@@ -230,7 +230,18 @@ def _make_format(s: Scheme) -> WeightFormat:
         params["block"] = s.block
     quant, doc = (ACTIVATIONS.get(s.inputs, (None, "not emulated: " + s.inputs.removeprefix("other:")))
                   if s.inputs else (None, ""))
+    def draw(rng, i: int, shape: tuple[int, ...], logical: tuple[int, ...]) -> np.ndarray:
+        """A symmetric pack-quantized weight: random words (uniform integers in [-2^(bits-1), 2^(bits-1))), float
+        scales of fan_in^-0.5 / the integers' rms (within +-20%), its weight_shape: about N(0, 1 / fan_in)."""
+        if i == 0:
+            return rng.integers(-2**31, 2**31, shape, dtype=np.int64).astype(np.int32)
+        if i == 1:
+            rms = float(np.sqrt(((np.arange(1 << s.bits) - (1 << (s.bits - 1))) ** 2).mean()))
+            return (logical[-1] ** -0.5 / rms * rng.uniform(0.8, 1.2, shape)).astype(np.float32)
+        return np.array(logical[-2:], np.int64)
+
     return WeightFormat(s.name, companions=companions, dtypes=dtypes, dequantize=_dequantizer(s), stored=stored,
+                        draw=draw if s.kind == "pack" and not s.asym and not s.static_input else None,
                         kind=f"ct_{s.kind}", params=params, input_quant=quant and (lambda x, *c: quant(x, s, *c)),
                         # asymmetric packed schemes pack their zero points down the rows: whole tensors only
                         row_slices=not (s.kind == "pack" and s.asym),

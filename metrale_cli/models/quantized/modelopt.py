@@ -59,10 +59,12 @@ def input_quant(x: np.ndarray, *companions) -> np.ndarray:
 SCALE_2 = 2.0 ** -6  # a random weight's second-level scale: its e4m3 block scales then sit near 1
 
 
-def draw(rng, i: int, shape: tuple[int, ...], fan_in: int) -> np.ndarray:
+def draw(rng, i: int, shape: tuple[int, ...], logical: tuple[int, ...]) -> np.ndarray:
     """Random e2m1 pairs, positive e4m3 block scales and scalars such that the weights are about N(0, 1 / fan_in)
     in size; input_scale covers activations up to 8."""
     from .mxfp4 import E2M1_RMS
+
+    fan_in = logical[-1]
 
     if i == 0:
         return rng.integers(0, 256, shape, dtype=np.uint8)

@@ -48,9 +48,10 @@ def dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
 E2M1_RMS = float(np.sqrt(np.mean(E2M1 ** 2)))  # of a random code: 2.93
 
 
-def draw(rng, i: int, shape: tuple[int, ...], fan_in: int) -> np.ndarray:
+def draw(rng, i: int, shape: tuple[int, ...], logical: tuple[int, ...]) -> np.ndarray:
     """Random blocks (any byte is two valid codes) and E8M0 scales near fan_in^-0.5 / E2M1_RMS (within a factor
     of two either way), so the weights are about N(0, 1 / fan_in) in size."""
+    fan_in = logical[-1]
     if i == 0:
         return rng.integers(0, 256, shape, dtype=np.uint8)
     exponent = 127 + round(float(np.log2(fan_in ** -0.5 / E2M1_RMS)))
