@@ -400,41 +400,57 @@ def test_compiled_rows_for_many_rows_of_x(monkeypatch):
     assert used.count("rows_fp8") == 3 and used.count("rows_mxfp4") >= 2
 
 
-@pytest.mark.parametrize("m", [1, 3, 25])
-def test_compiled_nvfp4_products_equal_the_dequantized_product(monkeypatch, m):
-    """NVFP4 weights (compressed-tensors' from the fixture checkpoint, ModelOpt's drawn by its format) go through
-    the compiled kernels, which form each value as the format's dequantization does (the rows kernel's values equal
-    it bit for bit): up to SMALL_M rows of x the fused product, more the rows kernel and BLAS; both equal
-    x @ dequantized.T up to the order of the sums."""
+def _recording_compiled(monkeypatch, names: tuple[str, ...]) -> tuple:
+    """The compiled kernels' module with FUSED_MIN 0 (every weight takes them) and blocks of 8 weight rows of 80
+    for more than SMALL_M rows of x, and the list the kernels `names` append their name to when called."""
     if not kernels.AVAILABLE:
         pytest.skip("numba is not installed")
-    from metrale_cli.models.formats import weight_format
-    from metrale_cli.models.quantized import modelopt
-
     monkeypatch.setattr(kernels, "FUSED_MIN", 0)
-    monkeypatch.setattr(stored, "BLOCK_BYTES", 4 * 80 * 8)  # more than SMALL_M rows of x: blocks of 8 weight rows
-    used = []
+    monkeypatch.setattr(stored, "BLOCK_BYTES", 4 * 80 * 8)
+    used: list[str] = []
     compiled = kernels.compiled()
-    for name in ("gemm_nvfp4", "rows_nvfp4"):
+    for name in names:
         original = getattr(compiled, name)
         monkeypatch.setattr(compiled, name, lambda *a, f=original, n=name: (used.append(n), f(*a)))
-    rng = np.random.default_rng([m, 14])
-    cfg = load_config(FIXTURES / "llama_ct_nvfp4")
-    layer = read_weights(cfg, Checkpoint.open(FIXTURES / "llama_ct_nvfp4")).layers[0]
+    return compiled, used
+
+
+def _fixture_weights(name: str, family: str) -> list:
+    """Layer 0's o and down weights of fixture `name`, kept as stored in `family`."""
+    layer = read_weights(load_config(FIXTURES / name), Checkpoint.open(FIXTURES / name)).layers[0]
     weights = [layer["o"], layer["down"]]
-    assert all(isinstance(w, stored.FormattedWeight) and w.fmt.family == "ct_nvfp4" for w in weights)
-    mo = weight_format("modelopt_nvfp4")
-    shape = (37, 64)
-    tensors = tuple(modelopt.draw(rng, i, t.shape, shape) for i, t in enumerate(mo.tensors(Tensor("w.weight", shape))))
-    weights.append(stored.FormattedWeight(mo, tensors, shape))
+    assert all(isinstance(w, stored.FormattedWeight) and w.fmt.family == family for w in weights)
+    return weights
+
+
+def _check_compiled(compiled, rows_kernel: str, weights: list, rng, m: int) -> None:
+    """Each weight's values from the rows kernel equal its format's dequantization bit for bit, and its product
+    with m fresh rows of x equals x @ dequantized.T up to the order of the sums."""
     for w in weights:
         exact = w.fmt.dequantize(*w.tensors)
-        ops = stored.COMPILED[w.fmt.family].operands(w)
+        assert exact.shape == w.shape
         rows = np.empty(w.shape, np.float32)
-        compiled.rows_nvfp4(*ops, 0, rows)
+        getattr(compiled, rows_kernel)(*stored.COMPILED[w.fmt.family].operands(w), 0, rows)
         np.testing.assert_array_equal(rows, exact)
         x = rng.standard_normal((m, w.shape[1]), dtype=np.float32)
         check_product(matmul(x, w), x, exact)
+
+
+@pytest.mark.parametrize("m", [1, 3, 25])
+def test_compiled_nvfp4_products_equal_the_dequantized_product(monkeypatch, m):
+    """NVFP4 weights (compressed-tensors' from the fixture checkpoint, ModelOpt's drawn by its format) go through
+    the compiled kernels, which form each value as the format's dequantization does: up to SMALL_M rows of x the
+    fused product, more the rows kernel and BLAS."""
+    from metrale_cli.models.formats import weight_format
+    from metrale_cli.models.quantized import modelopt
+
+    compiled, used = _recording_compiled(monkeypatch, ("gemm_nvfp4", "rows_nvfp4"))
+    rng = np.random.default_rng([m, 14])
+    weights = _fixture_weights("llama_ct_nvfp4", "ct_nvfp4")
+    mo, shape = weight_format("modelopt_nvfp4"), (37, 64)
+    tensors = tuple(modelopt.draw(rng, i, t.shape, shape) for i, t in enumerate(mo.tensors(Tensor("w.weight", shape))))
+    weights.append(stored.FormattedWeight(mo, tensors, shape))
+    _check_compiled(compiled, "rows_nvfp4", weights, rng, m)
     fused = m <= stored.SMALL_M
     assert used.count("gemm_nvfp4") == (3 if fused else 0) and used.count("rows_nvfp4") >= (3 if fused else 6)
 
@@ -443,37 +459,18 @@ def test_compiled_nvfp4_products_equal_the_dequantized_product(monkeypatch, m):
 def test_compiled_packed_int_products_equal_the_dequantized_product(monkeypatch, m):
     """Symmetric pack-quantized weights (the W4A16 fixture's int4 groups of 16; int8 per channel and int4 per tensor
     packed here, with a partial last word) go through the compiled kernels, whose values equal the package's
-    dequantization bit for bit; the products equal x @ dequantized.T up to the order of the sums."""
-    if not kernels.AVAILABLE:
-        pytest.skip("numba is not installed")
+    dequantization bit for bit."""
     from metrale_cli.models.formats import weight_format
     from metrale_cli.models.quantized import compressed_tensors as ct
 
-    monkeypatch.setattr(kernels, "FUSED_MIN", 0)
-    monkeypatch.setattr(stored, "BLOCK_BYTES", 4 * 80 * 8)
-    used = []
-    compiled = kernels.compiled()
-    for name in ("gemm_packed", "rows_packed"):
-        original = getattr(compiled, name)
-        monkeypatch.setattr(compiled, name, lambda *a, f=original, n=name: (used.append(n), f(*a)))
+    compiled, used = _recording_compiled(monkeypatch, ("gemm_packed", "rows_packed"))
     rng = np.random.default_rng([m, 15])
-    cfg = load_config(FIXTURES / "llama_ct_w4a16")
-    layer = read_weights(cfg, Checkpoint.open(FIXTURES / "llama_ct_w4a16")).layers[0]
-    weights = [layer["o"], layer["down"]]
-    assert all(isinstance(w, stored.FormattedWeight) and w.fmt.family == "ct_pack" for w in weights)
+    weights = _fixture_weights("llama_ct_w4a16", "ct_pack")
     for scheme, n, k in ((ct.Scheme("pack", "channel", 8), 19, 44), (ct.Scheme("pack", "tensor", 4), 21, 60)):
         fmt = weight_format(ct.scheme_format(scheme))
         words = rng.integers(-2**31, 2**31, (n, -(-k * scheme.bits // 32)), dtype=np.int64).astype(np.int32)
         scale = rng.uniform(0.01, 0.1, (n, 1) if scheme.strategy == "channel" else (1,)).astype(np.float32)
         weights.append(stored.FormattedWeight(fmt, (words, scale, np.array([n, k], np.int64)), (n, k)))
-    for w in weights:
-        exact = w.fmt.dequantize(*w.tensors)
-        assert exact.shape == w.shape
-        ops = stored.COMPILED["ct_pack"].operands(w)
-        rows = np.empty(w.shape, np.float32)
-        compiled.rows_packed(*ops, 0, rows)
-        np.testing.assert_array_equal(rows, exact)
-        x = rng.standard_normal((m, w.shape[1]), dtype=np.float32)
-        check_product(matmul(x, w), x, exact)
+    _check_compiled(compiled, "rows_packed", weights, rng, m)
     fused = m <= stored.SMALL_M
     assert used.count("gemm_packed") == (4 if fused else 0) and used.count("rows_packed") >= (4 if fused else 8)
