@@ -12,7 +12,6 @@ presets=("$@")
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 METRALE_CUDA_UNVERIFIED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader | tee "$out/gpu.txt"
-git log -1 --format='tree of commit %h %s' 2>/dev/null | tee -a "$out/gpu.txt"
 timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rs --tb=short -s \
   tests/gpu/test_moe_routers_cuda.py tests/gpu/test_mla_cuda.py tests/gpu/test_moe_cuda.py \
   tests/gpu/test_gated_delta_cuda.py tests/gpu/test_linear_engine_cuda.py > "$out/mixer_tests.log" 2>&1
