@@ -524,6 +524,21 @@ def test_fp8_weights_are_counted_as_stored_and_the_refusal_names_the_tp_that_fit
         cuda_loading.check_fits(cfg, 60 << 30, 80 << 30)
 
 
+def test_the_deepseek_v3_preset_names_what_one_gpu_lacks():
+    """DeepSeek-V3 (671B, block FP8 as shipped): the CUDA engine names the FP8 weights its kernels do not take yet,
+    and the size check the --tp its 627 GiB of e4m3 and scales need on 80 GB and 141 GB cards."""
+    from metrale_cli.bench import preset_path
+    from metrale_cli.errors import DeviceError
+
+    cfg = load_config(preset_path("deepseek-v3"))
+    assert round(cfg.definition.parameter_count() / 1e9) == 671
+    found = cuda_loading.unsupported_features(cfg.definition)
+    assert "experts_gate_up weights stored as fp8_block128x128" in found
+    for total, tp in ((80, 16), (141, 8)):
+        with pytest.raises(DeviceError, match=rf"the weights need 626\.9 GiB .* --tp {tp} "):
+            cuda_loading.check_fits(cfg, (total - 2) << 30, total << 30)
+
+
 def test_weights_too_big_for_the_gpu_are_refused_before_loading():
     """A model whose bf16 weights exceed the free GPU memory fails at once with a DeviceError naming both sizes
     (mixtral-8x7b on an 80 GB card was an internal error after 83 GB of allocations), and an out-of-memory while
