@@ -107,29 +107,59 @@ def test_fp8_weights_run_through_the_cuda_engine(tmp_path, fake_fp8, block, rows
     assert kinds == {"gemv", "dequant"}  # the rows path's GEMV and the prefill's dequantization both ran
 
 
-def test_what_the_fp8_gemv_cannot_take_is_refused_by_name():
-    from metrale_cli.backends.cuda.loading import unsupported_features
+def test_what_the_fp8_gemv_cannot_take_is_dequantized_to_bf16_and_gated():
+    """A projection in a block width the FP8 GEMV cannot take (8-wide blocks: a 16-byte load would span two scales)
+    is dequantized and rounded to bf16 at load instead, behind the unverified-CUDA gate until a GPU test passes."""
+    from metrale_cli.backends.cuda.loading import unsupported_features, unverified_features
     from metrale_cli.config import load_config
 
-    found = unsupported_features(load_config(FIXTURES / "models" / "qwen3_moe_fp8_block").definition)
-    assert "weight format fp8_block8x8" in found  # 8-wide blocks: a 16-byte load would span two scales
-    assert unsupported_features(load_config(FIXTURES / "models" / "llama_fp8_block").definition) == []
-    assert unsupported_features(load_config(FIXTURES / "models" / "qwen3_fp8_tensor").definition) == []
+    d = load_config(FIXTURES / "models" / "qwen3_moe_fp8_block").definition
+    assert unsupported_features(d) == []
+    assert "qkv weights stored as fp8_block8x8 (dequantized to bf16 at load)" in unverified_features(d)
+    for name in ("llama_fp8_block", "qwen3_fp8_tensor"):  # every projection through the FP8 GEMV: nothing gated
+        d = load_config(FIXTURES / "models" / name).definition
+        assert unsupported_features(d) == [] and unverified_features(d) == []
 
 
-def test_fp8_experts_are_refused_by_the_cuda_engine(tmp_path):
-    """The MoE kernels read bf16 experts: FP8 experts are named, not run wrongly."""
+def test_fp8_experts_are_uploaded_as_their_exact_values_rounded_to_bf16(tmp_path):
+    """The MoE kernels read bf16 experts: FP8 experts are dequantized exactly (formats.py) and rounded to bf16 once
+    at load; the projections stay FP8 for the GEMV."""
     import json
 
-    from metrale_cli.backends.cuda.loading import unsupported_features
+    from metrale_cli.backends.cuda import loading
+    from metrale_cli.checkpoint import Checkpoint
     from metrale_cli.config import load_config
+    from metrale_cli.logits import fp32_to_bf16_bits
+    from metrale_cli.models import formats
 
     src = FIXTURES / "models" / "qwen3_moe_fp8_block"
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"]["weight_block_size"] = [16, 16]
+    for f in src.iterdir():
+        if f.name != "config.json":
+            (tmp_path / f.name).symlink_to(f)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    found = unsupported_features(load_config(tmp_path).definition)
-    assert "experts_gate_up weights stored as fp8_block16x16" in found
+    config = load_config(tmp_path)
+    assert loading.unsupported_features(config.definition) == []
+    gated = loading.unverified_features(config.definition)
+    assert "experts_gate_up weights stored as fp8_block16x16 (dequantized to bf16 at load)" in gated
+    assert not any(g.startswith(("qkv ", "o ")) for g in gated)  # the GEMV takes 16-wide blocks
+    kern = cuda_plumbing().FakeKernels()
+    with Checkpoint.open(tmp_path) as ckpt:
+        w = loading.upload_weights(config, ckpt, kern)
+        checked = 0
+        for i, layer in enumerate(config.definition.layers):
+            for p in layer.params:
+                if p.format is None:
+                    continue
+                got = w.layers[i][p.key]
+                if loading.kept_as_stored(p):
+                    assert isinstance(got, cuda_fp8.Fp8Weight), p.key
+                    continue
+                want = np.stack(formats.dequantize(p, lambda n: ckpt.array(n, bf16_bits=True)))
+                assert np.array_equal(np.asarray(got).reshape(want.shape), fp32_to_bf16_bits(want)), (i, p.key)
+                checked += 1
+    assert checked >= 2
 
 
 @pytest.mark.slow

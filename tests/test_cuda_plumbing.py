@@ -509,33 +509,38 @@ def test_projection_kernel_per_rows(path, m, k, n, norm, want):
         assert [c for c in gpu.kern.calls if c.startswith("gemv")] == [want, gated]
 
 
-def test_fp8_weights_are_counted_as_stored_and_the_refusal_names_the_tp_that_fits():
-    """The size check counts what the CUDA engine holds (e4m3 and scales for FP8 weights, not bf16): the FP8
-    qwen3-next-80b preset fits a 141 GB card, not an 80 GB one, and the refusal names the --tp whose shares fit."""
+def test_fp8_weights_are_counted_as_held_and_the_refusal_names_the_tp_that_fits():
+    """The size check counts what the CUDA engine holds: FP8 projections as stored (e4m3 and scales: qwen3-8b-fp8's
+    are nearly all its bytes), FP8 experts as the bf16 they are dequantized to at load (qwen3-next-80b's); the
+    refusal names the --tp whose shares fit a GPU of this size."""
     from metrale_cli.bench import preset_path
     from metrale_cli.errors import DeviceError
 
-    cfg = load_config(preset_path("qwen3-next-80b-a3b-fp8"))
-    held = cuda_loading.device_weight_bytes(cfg.definition)
-    bf16 = cfg.definition.parameter_count() * 2
-    assert 0.5 * bf16 < held < 0.55 * bf16  # nearly every weight is FP8: 1 byte an element and its block scales
-    cuda_loading.check_fits(cfg, 140 << 30, 141 << 30)
-    with pytest.raises(DeviceError, match=r"the weights need 7\d\.\d GiB .* or split the model with --tp 2 "):
-        cuda_loading.check_fits(cfg, 60 << 30, 80 << 30)
+    dense = load_config(preset_path("qwen3-8b-fp8"))
+    held, bf16 = cuda_loading.device_weight_bytes(dense.definition), dense.definition.parameter_count() * 2
+    assert 0.5 * bf16 < held < 0.65 * bf16  # the embedding table stays bf16
+    sparse = load_config(preset_path("qwen3-next-80b-a3b-fp8"))
+    held, bf16 = cuda_loading.device_weight_bytes(sparse.definition), sparse.definition.parameter_count() * 2
+    assert 0.95 * bf16 < held <= bf16
+    with pytest.raises(DeviceError, match=r"the weights need 14\d\.\d GiB .* or split the model with --tp 2 "):
+        cuda_loading.check_fits(sparse, 139 << 30, 141 << 30)
 
 
 def test_the_deepseek_v3_preset_names_what_one_gpu_lacks():
-    """DeepSeek-V3 (671B, block FP8 as shipped): the CUDA engine names the FP8 weights its kernels do not take yet,
-    and the size check the --tp its 627 GiB of e4m3 and scales need on 80 GB and 141 GB cards."""
+    """DeepSeek-V3 (671B, block FP8 as shipped): the CUDA engine would dequantize its FP8 latent projections and
+    experts to bf16 at load (not yet run on a GPU: gated), and the size check names the --tp its 1240 GiB would
+    need on 80 GB and 141 GB cards."""
     from metrale_cli.bench import preset_path
     from metrale_cli.errors import DeviceError
 
     cfg = load_config(preset_path("deepseek-v3"))
     assert round(cfg.definition.parameter_count() / 1e9) == 671
-    found = cuda_loading.unsupported_features(cfg.definition)
-    assert "experts_gate_up weights stored as fp8_block128x128" in found
-    for total, tp in ((80, 16), (141, 8)):
-        with pytest.raises(DeviceError, match=rf"the weights need 626\.9 GiB .* --tp {tp} "):
+    assert cuda_loading.unsupported_features(cfg.definition) == []
+    gated = cuda_loading.unverified_features(cfg.definition)
+    assert "experts_gate_up weights stored as fp8_block128x128 (dequantized to bf16 at load)" in gated
+    assert "kv_b weights stored as fp8_block128x128 (dequantized to bf16 at load)" in gated
+    for total, tp in ((80, 32), (141, 16)):
+        with pytest.raises(DeviceError, match=rf"the weights need 1239\.7 GiB .* --tp {tp} "):
             cuda_loading.check_fits(cfg, (total - 2) << 30, total << 30)
 
 

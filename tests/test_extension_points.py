@@ -444,15 +444,26 @@ def test_the_toy_weight_format_runs_through_the_cuda_engine(tmp_path, fake_gemm,
     assert rel(host_rows(e, e.decode_logits_ptr()), host_rows(cpu, cpu.decode_logits_ptr())) < TOL
 
 
-def test_a_format_without_a_cuda_implementation_is_refused(tmp_path):
-    from metrale_cli.backends.cuda.loading import unsupported_features
+def test_a_format_without_a_cuda_implementation_runs_dequantized_to_bf16(tmp_path, fake_gemm):
+    """A format with no CUDA entry needs nothing of the CUDA engine: its weights are dequantized exactly and rounded
+    to bf16 at load (what the kernels read), behind the unverified-CUDA gate until a GPU test has run that path;
+    the engine's logits are the NumPy engine's within bf16."""
+    from metrale_cli.backends.cuda.loading import unsupported_features, unverified_features
 
     formats.register_format(replace(ROW_SCALED, name="row_scaled_cpu_only_test"))
     formats.register_quant_method(formats.QuantMethod(
         "row_scaled_cpu_only_test", lambda qc, p: "row_scaled_cpu_only_test" if p.key in PROJECTIONS else None))
-    src = Path(__file__).parent / "fixtures" / "models" / "llama"
-    config = json.loads((src / "config.json").read_text())
-    path = tmp_path / "q"
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "row_scaled_cpu_only_test"}}))
-    assert unsupported_features(load_config(path).definition) == ["weight format row_scaled_cpu_only_test"]
+    rng = np.random.default_rng(14)
+    path, _ = row_scaled_checkpoints(tmp_path, rng)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method":
+                                                                                  "row_scaled_cpu_only_test"}}))
+    definition = load_config(path).definition
+    assert unsupported_features(definition) == []
+    assert "qkv weights stored as row_scaled_cpu_only_test (dequantized to bf16 at load)" in unverified_features(definition)
+    ids = rng.integers(0, 100, 20).tolist()
+    cpu = open_model(path, device="cpu", max_context=40, fp32_logits=True).engine
+    e = fake_cuda_engine(fake_gemm, path, 40)
+    assert getattr(e.w.layers[0]["qkv"], "format", None) is None  # bf16 bits, as a dense checkpoint's
+    cpu.prefill(ids, all_logits=True), e.prefill(ids, all_logits=True)
+    assert rel(host_rows(e, e.logits_buffer_ptr()), host_rows(cpu, cpu.logits_buffer_ptr())) < TOL

@@ -74,7 +74,7 @@ def test_the_cuda_engine_refuses_gpt_oss_by_name():
 
     found = unsupported_features(load_config(MXFP4).definition)
     assert "topk_softmax routing" in found and "mixture-of-experts activation swiglu_oai" in found
-    assert "experts_gate_up weights stored as mxfp4" in found or "weight format mxfp4" in found
+    assert "weight sinks" in found  # the MXFP4 experts themselves would be dequantized to bf16 at load
 
 
 def test_inspect_names_the_format_sinks_and_windows():

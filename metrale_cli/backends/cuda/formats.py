@@ -1,8 +1,8 @@
 """Weight formats on the GPU (models/formats.py says what each format stores and its exact value): per format,
 how the CUDA engine keeps such a weight on the device (`upload`, `concat`) and multiplies by it (`linear` on the
 rows path, capturable; `gemm` on the prefill path). `projections.weight_format` sends every weight that is not a
-plain bf16 array here; a format without an entry is refused by `--device cuda` before anything loads
-(loading.unsupported_features). The built-in entries come with the formats' kernels; `register_cuda_format` adds
+plain bf16 array here; a weight whose format has no entry, or whose key is not a projection, is dequantized and
+rounded to bf16 at load instead (loading.kept_as_stored). The built-in entries come with the formats' kernels; `register_cuda_format` adds
 one (a test's toy format, say)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
-# Param keys whose weights reach the projections (loading.unsupported_features refuses a formatted weight of any
-# other key: the MoE kernels and the embedding gather read bf16 weights directly).
+# Param keys whose weights reach the projections (a formatted weight of any other key is dequantized to bf16 at
+# load: the MoE kernels, latent attention's kernels and the embedding gather read bf16 weights directly).
 PROJECTION_KEYS = frozenset({"qkv", "o", "gate_up", "down", "router", "shared_gate_up", "shared_down", "lm_head",
                              "lin_in", "lin_out"})
 

@@ -15,7 +15,7 @@ from ...engine_base import check_context
 from ...errors import DeviceError, UsageError
 from ...models.spec import ModelDefinition, MoeSpec
 from ...models.weights import WeightSource, Weights, check_checkpoint, load_weights
-from ...models.formats import stored_tensors
+from ...models.formats import dequantize, stored_tensors
 from .buffers import oom_error
 from .formats import PROJECTION_KEYS, cuda_format
 from .engine import CudaEngine
@@ -89,14 +89,23 @@ def upload_weights(cfg: ModelConfig, source: WeightSource, kern, progress: Calla
             return cuda_format(parts[0].format).concat(parts, cp)
         return parts[0].copy() if len(parts) == 1 else cp.concatenate(parts, axis=0)
 
-    def formatted(p) -> list:  # a param stored in a weight format: that format's device weights
-        def read(name: str):
-            host = source.array(name)
+    def formatted(p) -> list:  # a param stored in a weight format: that format's device weights, or bf16
+        def read(name: str, bf16_bits: bool = False):
+            host = source.array(name, bf16_bits=bf16_bits)
             if progress is not None:
                 progress(int(host.nbytes))
             return host
 
-        parts = cuda_format(p.format).upload(p, read, kern)
+        if kept_as_stored(p):
+            parts = cuda_format(p.format).upload(p, read, kern)
+        else:  # kernels that read bf16 (experts, latent attention's own weights): the exact values rounded once
+            parts = []
+            for value in dequantize(p, lambda name: read(name, bf16_bits=True)):  # formats.py reads BF16 as bits
+                f32 = cp.asarray(np.ascontiguousarray(value, dtype=np.float32))
+                out = cp.empty(f32.shape, cp.uint16)
+                kern.f32_to_bf16(f32.reshape(f32.shape[0], -1), out.reshape(out.shape[0], -1))
+                parts.append(out)
+                del f32
         for t in stored_tensors(p):
             source.release(t.name)
         return parts
@@ -112,6 +121,14 @@ def upload_weights(cfg: ModelConfig, source: WeightSource, kern, progress: Calla
         raise oom_error(cp, "fusing the weights' parts on the device", 0) from None
 
 
+def kept_as_stored(p) -> bool:
+    """Whether the CUDA engine keeps formatted param p as stored (a projection whose format has a CUDA entry: FP8's
+    GEMV; unsupported_features refuses one whose sizes the entry does not take); any other formatted weight (MoE
+    experts, latent attention's own weights, formats without a CUDA entry) is dequantized and rounded to bf16 at
+    load, for the kernels that read bf16."""
+    return p.format is not None and p.key in PROJECTION_KEYS and cuda_format(p.format) is not None
+
+
 def device_weight_bytes(definition: ModelDefinition) -> int:
     """The bytes the CUDA engine holds the weights in: bf16, fp32 for FP32_KEYS, a weight format's stored bytes
     (e4m3 and scales) where the format runs as stored. What is read: not a checkpoint's vision tower, say."""
@@ -120,7 +137,7 @@ def device_weight_bytes(definition: ModelDefinition) -> int:
     from ...models.formats import stored_nbytes
 
     def held(p) -> int:
-        if p.format is not None:
+        if kept_as_stored(p):
             return stored_nbytes(p)
         return (4 if p.key in FP32_KEYS else 2) * sum(prod(t.shape) for t in p.parts)
 
@@ -166,12 +183,9 @@ def unsupported_features(definition: ModelDefinition) -> list[str]:
 
     found: list[str] = []
     for p in definition.params():
-        if p.format is not None and cuda_format(p.format) is None:
-            found.append(f"weight format {p.format}")
-        elif p.format is not None and p.key not in PROJECTION_KEYS:
-            found.append(f"{p.key} weights stored as {p.format}")
-        elif p.format is not None and cuda_format(p.format).refuses(p):
-            found.append(cuda_format(p.format).refuses(p))
+        if p.format is not None and p.key in PROJECTION_KEYS and cuda_format(p.format) is not None:
+            why = cuda_format(p.format).refuses(p)
+            found += [why] if why else []
     for layer in definition.layers:
         mixer = mixer_weight_keys(layer.mixer.kind, frozenset(layer.keys()))
         if mixer is None:
@@ -201,9 +215,13 @@ UNVERIFIED_ENV = "METRALE_CUDA_UNVERIFIED"
 
 
 def unverified_features(definition: ModelDefinition) -> list[str]:
-    """What the model runs through CUDA code that has not passed its GPU tests (Gated DeltaNet)."""
+    """What the model runs through CUDA code that has not passed its GPU tests (Gated DeltaNet; weights in a format
+    dequantized to bf16 at load)."""
     kinds = {layer.mixer.kind for layer in definition.layers}
-    return ["layer kind linear_attention"] if "linear_attention" in kinds else []
+    found = ["layer kind linear_attention"] if "linear_attention" in kinds else []
+    dequantized = sorted({f"{p.key} weights stored as {p.format} (dequantized to bf16 at load)"
+                          for p in definition.params() if p.format is not None and not kept_as_stored(p)})
+    return found + dequantized
 
 
 def check_sizes(cfg: ModelConfig) -> None:

@@ -114,7 +114,7 @@ class Projections:
         [E, N, K]), xb bf16 bits [E*rows, K], out f32 [E*rows, N]: one cuBLAS strided batched GEMM (the
         mixture-of-experts prefill's per-expert GEMMs).  With used = [(expert, n)], one GEMM per listed
         expert over its first n rows instead (the rest of out is left unwritten)."""
-        if weight_format(w) != "bf16":  # loading.unsupported_features refuses formatted experts before this
+        if weight_format(w) != "bf16":  # loading dequantizes formatted experts to bf16 (kept_as_stored)
             raise DeviceError("the CUDA MoE prefill takes bf16 expert weights only")
         cp = self.cp
         from cupy_backends.cuda.libs import cublas
