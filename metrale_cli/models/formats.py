@@ -57,7 +57,7 @@ class WeightFormat:
     # draw(rng, i, shape, logical) -> stored tensor i (shape `shape`; 0: the stored weight, then the companions) of
     # a random weight of logical shape [..., out, fan_in] whose values are about N(0, 1 / fan_in) (presets' random
     # weights); None: e4m3 or float scales by dtype (random_weights.py)
-    draw: Callable[[Any, int, tuple[int, ...], int], np.ndarray] | None = None
+    draw: Callable[[Any, int, tuple[int, ...], tuple[int, ...]], np.ndarray] | None = None
     kind: str = ""  # the family of formats this one belongs to ("fp8_block": every block size); "": none
     params: dict[str, Any] = field(default_factory=dict, compare=False)  # the family's parameters (block size)
 

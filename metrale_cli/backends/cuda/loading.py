@@ -53,6 +53,11 @@ def upload_weights(cfg: ModelConfig, source: WeightSource, kern, progress: Calla
 
     fp32 = {t.name for layer in cfg.definition.layers for p in layer.params if p.key in FP32_KEYS for t in p.parts}
 
+    def to_bf16(f32):  # a device f32 array rounded to bf16 bits on the device, bit-identical to torch's rounding
+        out = cp.empty(f32.shape, cp.uint16)
+        kern.f32_to_bf16(f32, out)
+        return out
+
     def get(name: str):
         info = source.info(name)
         nbytes = int(np.prod(info.shape)) * 2
@@ -64,19 +69,13 @@ def upload_weights(cfg: ModelConfig, source: WeightSource, kern, progress: Calla
                 if not source.draws_on_device:
                     source.release(name)
             elif source.draws_on_device:
-                f32 = source.device_array(name, cp)
-                out = cp.empty(f32.shape, cp.uint16)
-                kern.f32_to_bf16(f32, out)
-                del f32
+                out = to_bf16(source.device_array(name, cp))
             else:
                 host = source.array(name)
                 if info.dtype == "BF16":
                     out = cp.asarray(np.ascontiguousarray(host).view(np.uint16))
-                else:  # F32/F16: round on the device, bit-identical to torch's rounding
-                    f32 = cp.asarray(np.asarray(host, dtype=np.float32))
-                    out = cp.empty(f32.shape, cp.uint16)
-                    kern.f32_to_bf16(f32, out)
-                    del f32
+                else:  # F32/F16: rounded on the device
+                    out = to_bf16(cp.asarray(np.asarray(host, dtype=np.float32)))
                 source.release(name)
         except cp.cuda.memory.OutOfMemoryError:
             raise oom_error(cp, f"loading {name}", nbytes) from None
@@ -99,13 +98,8 @@ def upload_weights(cfg: ModelConfig, source: WeightSource, kern, progress: Calla
         if kept_as_stored(p):
             parts = cuda_format(p.format).upload(p, read, kern)
         else:  # kernels that read bf16 (experts, latent attention's own weights): the exact values rounded once
-            parts = []
-            for value in dequantize(p, lambda name: read(name, bf16_bits=True)):  # formats.py reads BF16 as bits
-                f32 = cp.asarray(np.ascontiguousarray(value, dtype=np.float32))
-                out = cp.empty(f32.shape, cp.uint16)
-                kern.f32_to_bf16(f32.reshape(f32.shape[0], -1), out.reshape(out.shape[0], -1))
-                parts.append(out)
-                del f32
+            parts = [to_bf16(cp.asarray(np.asarray(value, dtype=np.float32)))  # formats.py reads BF16 as bits
+                     for value in dequantize(p, lambda name: read(name, bf16_bits=True))]
         for t in stored_tensors(p):
             source.release(t.name)
         return parts
@@ -183,7 +177,7 @@ def unsupported_features(definition: ModelDefinition) -> list[str]:
 
     found: list[str] = []
     for p in definition.params():
-        if p.format is not None and p.key in PROJECTION_KEYS and cuda_format(p.format) is not None:
+        if kept_as_stored(p):
             why = cuda_format(p.format).refuses(p)
             found += [why] if why else []
     for layer in definition.layers:

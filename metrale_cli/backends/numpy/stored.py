@@ -7,8 +7,7 @@ widens a block of rows at a time to fp32 inside the projection (kernels.py), so 
 memory and the products and sums are the fp32 ones of `x @ fp32(w).T`, in another order. Weights in a format
 (FP8, MXFP4, NVFP4, int8, symmetric packed int4: `FormattedWeight`) keep their stored tensors and scales and are
 dequantized a block of rows at a time by their format's own code (compiled kernels for FP8, MXFP4, NVFP4 and
-packed int4 / int8: `COMPILED`). F32 weights
-stay plain fp32 arrays (NumPy's BLAS reads them as stored).
+packed int4 / int8: `COMPILED`). F32 weights stay plain fp32 arrays (NumPy's BLAS reads them as stored).
 
 `matmul(x, w)`, `rows(table, ids)` and `dense(w)` take any of them, so the engine's ops and each mixer's
 module never ask which one a weight is.
@@ -343,34 +342,21 @@ class _Mxfp4(_Compiled):
 
 class _Nvfp4(_Compiled):
     """NVFP4 (compressed-tensors' and ModelOpt's): the packed codes as stored, each block's fp32 scale made once by
-    the format's own rule (`block_scales`: the per-16 e4m3 scale and the tensor's second-level scale)."""
+    the format's own rule (the per-16 e4m3 scale with the tensor's second-level scale, which ModelOpt multiplies
+    and compressed-tensors divides by)."""
 
     product_kernel, rows_kernel = "gemm_nvfp4", "rows_nvfp4"
-    block_scales: Any = None
 
-    @classmethod
-    def operands(cls, w: FormattedWeight) -> tuple:
+    @staticmethod
+    def operands(w: FormattedWeight) -> tuple:
+        from ...models.quantized.compressed_tensors import nvfp4_block_scales
+        from ...models.quantized.modelopt import block_scales
         from ...models.quantized.mxfp4 import E2M1
 
+        rule = block_scales if w.fmt.family == "modelopt_nvfp4" else nvfp4_block_scales
         packed, scale, second = w.tensors[:3]
-        blocks = np.ascontiguousarray(cls.block_scales(scale, second), dtype=np.float32)
+        blocks = np.ascontiguousarray(rule(scale, second), dtype=np.float32)
         return np.ascontiguousarray(packed, dtype=np.uint8), blocks, E2M1
-
-
-class _CtNvfp4(_Nvfp4):
-    @staticmethod
-    def block_scales(scale, global_scale):
-        from ...models.quantized.compressed_tensors import nvfp4_block_scales
-
-        return nvfp4_block_scales(scale, global_scale)
-
-
-class _ModeloptNvfp4(_Nvfp4):
-    @staticmethod
-    def block_scales(scale, scale_2):
-        from ...models.quantized.modelopt import block_scales
-
-        return block_scales(scale, scale_2)
 
 
 class _Packed(_Compiled):
@@ -397,8 +383,8 @@ class _Packed(_Compiled):
 
 # formats whose products run compiled (WeightFormat.family -> its kernels: `product` for up to SMALL_M rows of x,
 # `rows` for the dequantized rows a BLAS product takes); the others dequantize a block of rows with NumPy
-COMPILED = {"fp8_block": _Fp8, "fp8_tensor": _Fp8, "mxfp4": _Mxfp4, "ct_nvfp4": _CtNvfp4,
-            "modelopt_nvfp4": _ModeloptNvfp4, "ct_pack": _Packed}
+COMPILED = {"fp8_block": _Fp8, "fp8_tensor": _Fp8, "mxfp4": _Mxfp4, "ct_nvfp4": _Nvfp4,
+            "modelopt_nvfp4": _Nvfp4, "ct_pack": _Packed}
 
 
 class JoinedWeight:

@@ -230,6 +230,7 @@ def _make_format(s: Scheme) -> WeightFormat:
         params["block"] = s.block
     quant, doc = (ACTIVATIONS.get(s.inputs, (None, "not emulated: " + s.inputs.removeprefix("other:")))
                   if s.inputs else (None, ""))
+
     def draw(rng, i: int, shape: tuple[int, ...], logical: tuple[int, ...]) -> np.ndarray:
         """A symmetric pack-quantized weight: random words (uniform integers in [-2^(bits-1), 2^(bits-1))), float
         scales of fan_in^-0.5 / the integers' rms (within +-20%), its weight_shape: about N(0, 1 / fan_in)."""
