@@ -58,9 +58,21 @@ class FakeStream:
         pass
 
 
+class FakeEvent:
+    def __init__(self, disable_timing=False):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+
 def fake_cupy():
     cuda = SimpleNamespace(
         Stream=lambda non_blocking=True: FakeStream(),
+        Event=FakeEvent,
         alloc_pinned_memory=lambda n: bytearray(n),
         Device=lambda *a: SimpleNamespace(synchronize=lambda: None),
         memory=SimpleNamespace(OutOfMemoryError=MemoryError),
@@ -567,3 +579,61 @@ def test_weights_too_big_for_the_gpu_are_refused_before_loading():
         kern._cp.concatenate = no_memory
         with pytest.raises(DeviceError, match="CUDA out of memory fusing the weights' parts"):
             cuda_loading.upload_weights(cfg, ckpt, kern)
+
+
+def test_staged_rows_reach_the_device_as_staged_when_the_stream_runs_behind():
+    """Buffers.stage_rows against a stream that runs its work only when waited on, as a GPU behind the host does:
+    the copy of each staged pass still reads that pass's ids and positions, however many passes the host queued
+    before (one pinned buffer rewritten by every pass sent the last pass's token to all of them); and the host
+    waits on a slot's copy only when it reuses the slot."""
+    from metrale_cli.backends.cuda.buffers import IO_SLOTS, Buffers
+
+    class Lagging:  # a stream: queued work runs when an event recorded after it is waited on
+        def __init__(self):
+            self.queue, self.done = [], 0
+
+        def run_to(self, n):
+            while self.done < n:
+                self.queue[self.done]()
+                self.done += 1
+
+    class Event:
+        def __init__(self, disable_timing=False):
+            self.stream, self.mark = None, 0
+
+        def record(self, stream):
+            self.stream, self.mark = stream, len(stream.queue)
+
+        def synchronize(self):
+            if self.stream is not None:
+                waits.append(self.mark)
+                self.stream.run_to(self.mark)
+
+    class Device:  # the io buffer: set() queues a copy that reads the host array when it runs
+        def __init__(self):
+            self.seen = []
+
+        def set(self, host, stream):
+            stream.queue.append(lambda: self.seen.append(host.copy()))
+
+    waits = []
+    b = Buffers.__new__(Buffers)
+    b.io, R = Device(), 16
+    b.io_np = np.zeros((IO_SLOTS, 2, R), np.int32)
+    b.io_copied, b._io_slot = [Event() for _ in range(IO_SLOTS)], 0
+    s, rng = Lagging(), np.random.default_rng()
+    steps = [rng.integers(0, 1000, size=int(rng.integers(1, R + 1))) for _ in range(3 * IO_SLOTS + 1)]
+    start = 0
+    for ids in steps:
+        b.stage_rows(ids, start, s)
+        start += len(ids)
+    s.run_to(len(s.queue))
+    assert len(b.io.seen) == len(steps)
+    start = 0
+    for ids, got in zip(steps, b.io.seen):
+        m = len(ids)
+        assert got[0, :m].tolist() == ids.tolist()
+        assert got[1, :m].tolist() == list(range(start, start + m))
+        start += m
+    assert waits == [i + 1 for i in range(len(steps) - IO_SLOTS)]  # each reuse waits for its slot's last copy only
+

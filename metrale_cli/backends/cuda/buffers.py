@@ -11,6 +11,7 @@ import numpy as np
 from ...errors import DeviceError
 
 MAX_ROWS = 16  # rows the rows path takes (decode, verify k <= 15 plus one, short prefills): the GEMV kernels' M
+IO_SLOTS = 4  # pinned host slots the token ids and positions are staged in (Buffers.stage_rows)
 
 
 def oom_error(cp: Any, what: str, nbytes: int) -> DeviceError:
@@ -56,9 +57,27 @@ class Buffers:
         self.splits = {m: kern.decode_splits(max_context, nkv, m, nh, d) if attention else 1 for m in range(1, R + 1)}
         self.ws = cp.zeros(max(kern.decode_workspace_size(m, nh, d, s) for m, s in self.splits.items())
                            if attention else 1, cp.float32)
-        self.io_host = cp.cuda.alloc_pinned_memory(2 * R * 4)  # pinned host memory behind io's async copy
-        self.io_np = np.frombuffer(self.io_host, np.int32, 2 * R).reshape(2, R)  # int32 [2, R] view of it
+        # pinned host memory behind io's async copies: IO_SLOTS int32 [2, R] slots, each with the event recorded
+        # after the last copy that reads it (stage_rows)
+        self.io_host = cp.cuda.alloc_pinned_memory(IO_SLOTS * 2 * R * 4)
+        self.io_np = np.frombuffer(self.io_host, np.int32, IO_SLOTS * 2 * R).reshape(IO_SLOTS, 2, R)
+        self.io_copied = [cp.cuda.Event(disable_timing=True) for _ in range(IO_SLOTS)]
+        self._io_slot = 0
         self.qkv_counters = None  # int32 [max heads + 2 kv heads]: the fused qkv GEMV's last-block counters
+
+    def stage_rows(self, ids: Any, start: int, stream: Any) -> None:
+        """Queue the copy of m rows' token ids and positions start..start + m - 1 into `io` on `stream`, from the
+        next pinned slot. A copy from pinned memory reads it when the stream reaches it, so the host waits (on that
+        slot's event, usually long since passed) until the copy that last read the slot has run before writing it:
+        back-to-back decode steps that nobody reads between would otherwise each send the last step's token."""
+        i, m = self._io_slot, len(ids)
+        self._io_slot = (i + 1) % len(self.io_copied)
+        self.io_copied[i].synchronize()
+        host = self.io_np[i]
+        host[0, :m] = ids
+        host[1, :m] = np.arange(start, start + m)
+        self.io.set(host, stream=stream)
+        self.io_copied[i].record(stream)
 
     @staticmethod
     def nbytes_estimate(cfg: Any, max_context: int, vocab_rows: int) -> int:

@@ -241,9 +241,7 @@ class CudaEngine(EngineBase):
     def _run_rows(self, ids: Sequence[int], kind: str) -> None:
         m, b = len(ids), self.buffers
         self._advance_states(m, True)
-        b.io_np[0, :m] = ids
-        b.io_np[1, :m] = np.arange(self.length, self.length + m)
-        b.io.set(b.io_np, stream=self.stream)  # async from pinned memory
+        b.stage_rows(ids, self.length, self.stream)
         if self.tap is not None:  # observed: the same launches eagerly, the taps computed beside them
             with self.stream:
                 self._rows_body(m, kind, self.tap)
