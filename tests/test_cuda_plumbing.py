@@ -556,6 +556,24 @@ def test_the_deepseek_v3_preset_names_what_one_gpu_lacks():
             cuda_loading.check_fits(cfg, (total - 2) << 30, total << 30)
 
 
+def test_the_glm_4_5_air_fp8_preset_needs_its_fp8_experts_kept_as_stored_to_fit_one_h200():
+    """GLM-4.5-Air in block FP8 (106.9B without its next-token layer): its experts are 95 % of it, and the CUDA engine
+    dequantizes FP8 experts to bf16 at load (gated, not yet run on a GPU), so the 193.5 GiB it would hold take --tp 2
+    on a 141 GB card (4 on 80 GB) until the MoE kernels read FP8 experts as stored."""
+    from metrale_cli.bench import preset_path
+    from metrale_cli.errors import DeviceError
+
+    cfg = load_config(preset_path("glm-4.5-air-fp8"))
+    assert round(cfg.definition.parameter_count() / 1e8) == 1069
+    assert cuda_loading.unsupported_features(cfg.definition) == []
+    assert cuda_loading.unverified_features(cfg.definition) == [
+        "experts_down weights stored as fp8_block128x128 (dequantized to bf16 at load)",
+        "experts_gate_up weights stored as fp8_block128x128 (dequantized to bf16 at load)"]
+    for total, tp in ((80, 4), (141, 2)):
+        with pytest.raises(DeviceError, match=rf"the weights need 193\.5 GiB .* --tp {tp} "):
+            cuda_loading.check_fits(cfg, (total - 2) << 30, total << 30)
+
+
 def test_weights_too_big_for_the_gpu_are_refused_before_loading():
     """A model whose bf16 weights exceed the free GPU memory fails at once with a DeviceError naming both sizes
     (mixtral-8x7b on an 80 GB card was an internal error after 83 GB of allocations), and an out-of-memory while
