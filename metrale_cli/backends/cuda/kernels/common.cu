@@ -98,6 +98,18 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return warp_sum(v);
 }
 
+// Max over the whole block (as block_sum).
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int nwarps = (blockDim.x + 31) >> 5;
+    v = warp_max(v);
+    __syncthreads();  // scratch may still be read by an earlier call
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = (lane < nwarps) ? scratch[lane] : -METRALE_INF;
+    return warp_max(v);
+}
+
 // 16-byte streaming load of read-only data (weights): skip L1, keep L2 default.
 __device__ __forceinline__ uint4 ld_stream_u4(const void* p) {
     uint4 r;

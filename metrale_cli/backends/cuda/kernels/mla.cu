@@ -29,6 +29,7 @@
 #define MLA_Q_WARPS 4   // warps of an mla_q_kernel block, each a part of the NOPE dims
 #define MLA_OUT_THREADS 128
 #define MLA_OUT_V 32    // value dims per mla_out_kernel block (8 per warp)
+#define MLA_MAX_SPLITS 64  // key splits of mla_attend_kernel at most (<= MLA_OUT_THREADS: one thread each in mla_out)
 
 // Rope pair i of the P-dim vector src, at position pos: (a, b) for output dims i and i + P/2.
 __device__ __forceinline__ void mla_rope_pair(const float* src, int i, int P, int interleave, float pos,
@@ -244,7 +245,8 @@ mla_attend_kernel(const float* __restrict__ q_cat, const unsigned short* __restr
 }
 
 // grid (H, ceil(V / MLA_OUT_V), M), MLA_OUT_THREADS threads.  out f32 [M, H * V]: row m, head h, value dims
-// [v0, v0 + MLA_OUT_V) = W_v o_lat / sum, the splits combined in order (each block of the head combines them);
+// [v0, v0 + MLA_OUT_V) = W_v o_lat / sum, the splits combined in order (each block of the head combines them: the
+// splits' weights once, then per latent dim one pass over the splits' partials);
 // W_v of head h: kv_b rows h (NOPE + V) + NOPE .. + V - 1 (R a multiple of 8: 16-byte chunks); warp w computes
 // MLA_OUT_V / 4 outputs together, every chunk of their rows in flight at once.
 extern "C" __global__ void __launch_bounds__(MLA_OUT_THREADS)
@@ -257,20 +259,20 @@ mla_out_kernel(const float* __restrict__ ws_o, const float* __restrict__ ws_ml, 
     pdl_wait();
     pdl_trigger();
     const u64 base = (u64)m * splits * H + h;  // split s: base + s * H
-    float gmax = -METRALE_INF;
-    for (int s = 0; s < splits; ++s) gmax = fmaxf(gmax, ws_ml[(base + (u64)s * H) * 2]);
-    float total = 0.0f;
-    for (int s = 0; s < splits; ++s) {
-        const float ms = ws_ml[(base + (u64)s * H) * 2];
-        if (ms != -METRALE_INF) total += expf(ms - gmax) * ws_ml[(base + (u64)s * H) * 2 + 1];
-    }
+    // split s's weight exp(max_s - max) / sum_s' exp(max_s' - max) sum_s', once per block (thread s: split s)
+    __shared__ float weight[MLA_MAX_SPLITS], scratch[32];
+    const int s0 = threadIdx.x;
+    const float ms = s0 < splits ? ws_ml[(base + (u64)s0 * H) * 2] : -METRALE_INF;
+    const float gmax = block_max(ms, scratch);
+    const float e = ms == -METRALE_INF ? 0.0f : expf(ms - gmax);  // a split without keys weighs 0
+    const float total = block_sum(s0 < splits ? e * ws_ml[(base + (u64)s0 * H) * 2 + 1] : 0.0f, scratch);
+    if (s0 < splits) weight[s0] = e / total;
+    __syncthreads();
     for (int c = threadIdx.x; c < R; c += blockDim.x) {
         float o = 0.0f;
-        for (int s = 0; s < splits; ++s) {
-            const float ms = ws_ml[(base + (u64)s * H) * 2];
-            if (ms != -METRALE_INF) o = fmaf(expf(ms - gmax), ws_o[(base + (u64)s * H) * R + c], o);
-        }
-        o_lat[c] = o / total;
+#pragma unroll 8
+        for (int s = 0; s < splits; ++s) o = fmaf(weight[s], ws_o[(base + (u64)s * H) * R + c], o);
+        o_lat[c] = o;
     }
     __syncthreads();
     const unsigned short* wv = kv_b + ((u64)h * (NOPE + V) + NOPE) * R;

@@ -23,6 +23,7 @@ MLA_Q_COLS = 64  # q_cat columns per mla_q_kernel block
 MLA_Q_WARPS = 4
 MLA_OUT_THREADS = 128
 MLA_OUT_V = 32  # value dims per mla_out_kernel block
+MLA_MAX_SPLITS = 64  # key splits at most (mla_out_kernel weighs each with one of its threads)
 SMEM_LIMIT = 48 * 1024  # dynamic shared memory without an opt-in
 PLAIN = ("mla_append_kernel", "mla_q_kernel", "mla_attend_kernel", "mla_out_kernel")
 
@@ -71,7 +72,7 @@ def splits_for(rows: int, heads: int, num_sms: int) -> int:
     against 13.9 at 8192 positions)."""
     blocks = rows * -(-heads // MLA_HG)
     per_sm = 2 if rows == 1 else 1
-    return max(1, min(64, -(-per_sm * num_sms // blocks)))
+    return max(1, min(MLA_MAX_SPLITS, -(-per_sm * num_sms // blocks)))
 
 
 def module_source() -> str:
@@ -201,7 +202,9 @@ class MlaKernels:
         k = self.k
         k._f32(ws_o, "ws_o", 1)
         k._f32(ws_ml, "ws_ml", 1)
-        if not 1 <= splits or ws_o.size < m * splits * d.heads * d.rank or ws_ml.size < m * splits * d.heads * 2:
+        if not 1 <= splits <= MLA_MAX_SPLITS:
+            raise ValueError(f"mla: {splits} key splits (1..{MLA_MAX_SPLITS})")
+        if ws_o.size < m * splits * d.heads * d.rank or ws_ml.size < m * splits * d.heads * 2:
             raise ValueError(f"mla: workspace of {ws_o.size} / {ws_ml.size} floats for {m} rows x {splits} splits")
 
 
