@@ -136,8 +136,8 @@ def open_model(path: str | Path | None = None, *, device: str = "auto", max_cont
     engine's precision, "fp32" (the reference, its default) or "bf16" (every intermediate rounded where a
     bf16 forward rounds it); the CUDA engine is bf16 by nature and refuses "fp32" (check_compute).
     `mla`: the NumPy engine's latent-attention algebra, "naive" (default) or "absorbed" (engine/mla.py).
-    `activation_quant`: the NumPy engine's "none" (default) or "emulate" (quantized weights' inputs quantized as
-    their checkpoint's scheme says: models/formats.WeightFormat.input_quant).
+    `activation_quant`: "none" (default) or "emulate" (quantized weights' inputs quantized as their checkpoint's
+    scheme says: models/formats.WeightFormat.input_quant; on the CUDA engine FP8 weights' only).
     `threads`: the NumPy engine's threads (default: the cores available).
     `fp32_logits`: the rows' dtype, by default the device's (default_logits_dtype: fp32 on the CPU, bf16 on
     the GPU).
@@ -162,6 +162,8 @@ def open_model(path: str | Path | None = None, *, device: str = "auto", max_cont
                 progress(min(done[0], total), total)
 
         if tp is not None:
+            if (activation_quant or "none") != "none":
+                raise UsageError("--activation-quant emulate does not run under --tp yet (use --tp 1)")
             from .parallel.launcher import LoadSpec, start
 
             spec = LoadSpec(chosen, ctx, fp32_logits, path=str(target if target.is_file() else directory),
@@ -170,7 +172,8 @@ def open_model(path: str | Path | None = None, *, device: str = "auto", max_cont
         elif chosen == "cuda":
             from .backends.cuda.loading import load_cuda_engine
 
-            engine = load_cuda_engine(cfg, ckpt, ctx, fp32_logits, step, mla=mla)
+            engine = load_cuda_engine(cfg, ckpt, ctx, fp32_logits, step, mla=mla,
+                                      activation_quant=activation_quant or "none")
         else:
             from .backends.numpy.engine import load_numpy_engine
 

@@ -34,6 +34,7 @@ class NumpyFp8Kernels:
     """fp8.cu's contracts in NumPy (the same signatures as kernels/fp8.Fp8Kernels)."""
 
     calls: list[tuple[str, int, int]] = []
+    quantized: list = []  # act_quant's outputs, in order
 
     @staticmethod
     def _weight(w, scale, srow, bk) -> np.ndarray:
@@ -43,7 +44,7 @@ class NumpyFp8Kernels:
 
     def gemv(self, x, w, scale, srow, bk, out, bias=None, *, accumulate=False, stream=None):
         assert 1 <= x.shape[0] <= 16 and w.shape[1] % 16 == 0 and bk % 16 == 0
-        self.calls.append(("gemv", srow, bk))
+        self.calls.append(("gemv", srow, bk, any(x is q for q in self.quantized[-1:])))
         y = np.asarray(x, np.float32) @ self._weight(w, scale, srow, bk).T
         if bias is not None:
             y += (np.asarray(bias).astype(np.uint32) << 16).view(np.float32)
@@ -53,18 +54,27 @@ class NumpyFp8Kernels:
         self.calls.append(("dequant", srow, bk))
         out[...] = np.asarray(self._weight(w, scale, srow, bk).astype(ml_dtypes.bfloat16)).view(np.uint16)
 
+    def act_quant(self, x, group, ue8m0, static_scale, out, *, stream=None):
+        from metrale_cli.models.quantized import activations
+
+        self.calls.append(("act_quant", group, ue8m0 if static_scale is None else float(np.asarray(static_scale)[0])))
+        x = np.asarray(x, np.float32)
+        out[...] = (activations.e4m3_groups(x, group, ue8m0) if static_scale is None
+                    else activations.e4m3_static(x, np.asarray(static_scale, np.float32)[0]))
+        self.quantized.append(out)
+
 
 def test_the_stand_ins_take_the_real_signatures():
     def shape(f):  # names, kinds and defaults; annotations aside
         return [(p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()]
 
-    for name in ("gemv", "dequant_bf16"):
+    for name in ("gemv", "dequant_bf16", "act_quant"):
         assert shape(getattr(NumpyFp8Kernels, name)) == shape(getattr(fp8_kernels.Fp8Kernels, name)), name
 
 
 @pytest.fixture
 def fake_fp8(monkeypatch):
-    NumpyFp8Kernels.calls = []
+    NumpyFp8Kernels.calls, NumpyFp8Kernels.quantized = [], []
     monkeypatch.setattr(cuda_fp8, "_kernels", lambda kern: NumpyFp8Kernels())
     return NumpyFp8Kernels
 
@@ -189,3 +199,77 @@ def test_an_fp8_input_width_the_gemv_cannot_take_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     found = unsupported_features(load_config(tmp_path).definition)
     assert found == ["down in FP8 with an input width of 88 (the FP8 GEMV takes multiples of 16)"]
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "ue8m0", "static"])
+def test_activation_quant_emulate_runs_on_the_cuda_engine(tmp_path, fake_fp8, monkeypatch, scheme):
+    """`--activation-quant emulate` on the CUDA engine: each FP8 weight's input is quantized as its scheme says (per
+    token and 16 columns, rounded up to powers of two under ue8m0, or the checkpoint's static activation_scale: the
+    largest of a fused weight's parts), and what the rows path's GEMV and the prefill's GEMM multiply is that
+    quantized input. The logits are checked only loosely against the NumPy engine's emulation: quantizing is a
+    step function, so the stand-ins' bf16 roundings upstream move some values across an e4m3 rounding boundary
+    (measured 5-6e-2 relative on these models, against 1e-2 without emulation; the wiring errors this catches
+    are O(1)); the kernel's values are tested exactly on a GPU (tests/gpu/test_fp8.py)."""
+    plumbing = cuda_plumbing()
+    from metrale_cli.backends.cuda.projections import Projections
+
+    gemm_inputs = []
+
+    def gemm(proj, x, w, bias=None, accumulate_into=None):
+        gemm_inputs.append(any(x is q for q in NumpyFp8Kernels.quantized[-1:]))
+        return plumbing._fake_gemm(proj, x, w, bias, accumulate_into)
+
+    monkeypatch.setattr(Projections, "gemm_bf16", gemm)
+    rng = np.random.default_rng()
+    scales = {}
+
+    def edit(tensors, config):
+        if scheme == "ue8m0":
+            config["quantization_config"]["scale_fmt"] = "ue8m0"
+        if scheme == "static":
+            config["quantization_config"]["activation_scheme"] = "static"
+            for name in [n for n in tensors if n.endswith("proj.weight")]:
+                scales[name] = np.float32(rng.uniform(0.005, 0.02))
+                tensors[name.removesuffix("weight") + "activation_scale"] = np.array(scales[name], np.float32)
+
+    path, _ = quantize_llama(tmp_path, (16, 16), rng, edit)
+    ids = rng.integers(0, 300, 24).tolist()
+    cpu = open_model(path, device="cpu", max_context=40, fp32_logits=True, activation_quant="emulate").engine
+    e = fake_cuda_engine(plumbing, path, 40, "rows", activation_quant="emulate")
+    for run in (lambda x: x.prefill(ids[:20], all_logits=True), lambda x: x.verify(ids[20:24])):
+        run(cpu), run(e)
+        assert rel(host_rows(e, e.logits_buffer_ptr()), host_rows(cpu, cpu.logits_buffer_ptr())) < 0.2
+    quant = [c for c in fake_fp8.calls if c[0] == "act_quant"]
+    gemvs = [c for c in fake_fp8.calls if c[0] == "gemv"]
+    dequants = [c for c in fake_fp8.calls if c[0] == "dequant"]
+    assert len(quant) == len(gemvs) + len(dequants) and gemvs and dequants  # every FP8 product, both paths
+    assert all(c[3] for c in gemvs)  # each GEMV multiplies the quantized input ...
+    assert sum(gemm_inputs) == len(dequants)  # ... and so does each FP8 GEMM (the bf16 lm_head's input is not)
+    if scheme == "static":
+        qkv = max(scales[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
+        assert ("act_quant", 64, qkv) in quant  # hidden 64: one group, the fused parts' largest scale
+    else:
+        assert {c[1:] for c in quant} == {(16, scheme == "ue8m0")}
+    none = fake_cuda_engine(plumbing, path, 40, "rows")
+    fake_fp8.calls.clear()
+    none.prefill(ids[:20])
+    assert not any(c[0] == "act_quant" for c in fake_fp8.calls)
+
+
+def test_activation_quant_emulate_on_cuda_refuses_what_it_cannot_quantize():
+    """Weights the CUDA engine dequantizes to bf16 at load (here compressed-tensors FP8 per channel; FP8 experts)
+    lose their scheme: `--activation-quant emulate` on cuda names the first one (exit 2) instead of running them
+    unquantized; formats without an input scheme (weight-only) need nothing."""
+    from metrale_cli.backends.cuda.loading import check_activation_quant
+    from metrale_cli.config import load_config
+    from metrale_cli.errors import UsageError
+
+    for name, tensor in (("llama_ct_fp8_channel", "model.layers.0.self_attn.q_proj.weight"),
+                         ("qwen3_moe_fp8_block", "model.layers.0.self_attn.q_proj.weight")):
+        with pytest.raises(UsageError, match=rf"--activation-quant emulate: {tensor} \(.*\) is dequantized to bf16"):
+            check_activation_quant(load_config(FIXTURES / "models" / name).definition)
+    for name in ("llama_fp8_block", "qwen3_fp8_tensor"):
+        check_activation_quant(load_config(FIXTURES / "models" / name).definition)
+    with pytest.raises(UsageError, match="does not run under --tp"):
+        open_model(FIXTURES / "models" / "llama_fp8_block", device="cpu", tp=2, activation_quant="emulate")
+

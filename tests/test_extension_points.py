@@ -347,7 +347,7 @@ def cuda_plumbing():
     return pytest.importorskip("test_cuda_plumbing")
 
 
-def fake_cuda_engine(plumbing, path: Path, ctx: int, rows_path: str = "rows"):
+def fake_cuda_engine(plumbing, path: Path, ctx: int, rows_path: str = "rows", activation_quant: str = "none"):
     """The CUDA engine over `path` with the stand-in kernels (graphs off), on rows path `rows_path`."""
     from metrale_cli.backends.cuda import loading
     from metrale_cli.backends.cuda.engine import CudaEngine
@@ -359,7 +359,7 @@ def fake_cuda_engine(plumbing, path: Path, ctx: int, rows_path: str = "rows"):
     assert loading.unsupported_features(cfg.definition) == []
     kern = plumbing.FakeKernels()
     with Checkpoint.open(path) as ckpt:
-        weights = loading.upload_weights(cfg, ckpt, kern)
+        weights = loading.upload_weights(cfg, ckpt, kern, activation_quant=activation_quant)
     engine = CudaEngine(cfg, weights, kern, ctx, fp32_logits=True, use_graphs=False)
     if rows_path != engine.path:
         engine.set_path(rows_path)

@@ -85,8 +85,6 @@ def prepare(state: State, c: Common) -> Job:
         raise UsageError(f"--activation-quant must be none or emulate, got {c.activation_quant!r}")
     if c.layers is not None and c.layers.taps == "fine" and device == "cuda":
         raise UsageError("--taps fine runs on the CPU engine only yet (use --device cpu)")
-    if c.activation_quant == "emulate" and device == "cuda":
-        raise UsageError("--activation-quant emulate runs on the CPU engine only yet (use --device cpu)")
     dtype = c.logits_dtype or default_logits_dtype(device)
     spec = read_model_spec(c.model)
     if c.tp is not None:

@@ -59,10 +59,11 @@ MlaOpt = Annotated[Optional[str], typer.Option(
          "naive long prefills; absorbed: absorbed throughout; naive is refused there).")]
 ActivationQuantOpt = Annotated[Optional[str], typer.Option(
     "--activation-quant", metavar="none|emulate",
-    help="A quantized checkpoint's activations on the CPU engine: none (default: fp32, the ideal reference of the "
+    help="A quantized checkpoint's activations: none (default: fp32 on the CPU engine, the ideal reference of the "
          "stored weights) or emulate (each quantized weight's input quantized as the checkpoint's scheme says an "
          "engine does, e.g. FP8 W8A8's dynamic e4m3 scales per token and 128 columns), so a difference splits "
-         "into activation quantization and the rest. Recorded in every dump's metadata.")]
+         "into activation quantization and the rest. The CUDA engine emulates FP8 weights' schemes. Recorded in "
+         "every dump's metadata.")]
 ThreadsOpt = Annotated[Optional[int], typer.Option(
     "--threads", metavar="N",
     help="Threads of the CPU engine's projections (default: the cores available to metrale). "

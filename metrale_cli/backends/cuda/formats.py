@@ -28,6 +28,9 @@ class CudaFormat:
     gemm: Callable[..., Any]  # gemm(proj, x, w, bias, accumulate_into) -> f32 [T, N]
     accepts: Callable[[dict], bool] = lambda params: True  # which of the kind's formats (WeightFormat.params) it runs
     refuses: Callable[[Any], str | None] = lambda param: None  # why it cannot run this param (its sizes), or None
+    # input_quant(param, read, kern) -> how the weight's inputs are quantized under `--activation-quant emulate`
+    # (set as the device weight's `input_quant`, which `linear` and `gemm` apply to x first); None: not emulated
+    input_quant: Callable[[Any, Callable[..., Any], Any], Any] | None = None
 
 
 _FORMATS: dict[str, CudaFormat] = {}

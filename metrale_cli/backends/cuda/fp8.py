@@ -19,15 +19,32 @@ from .formats import CudaFormat, register_cuda_format
 
 
 class Fp8Weight:
-    """An FP8 weight on the device: e4m3 bytes [N, K] (uint8), fp32 scales [ceil(N / srow), ceil(K / bk)]."""
+    """An FP8 weight on the device: e4m3 bytes [N, K] (uint8), fp32 scales [ceil(N / srow), ceil(K / bk)]; and
+    under `--activation-quant emulate`, how its inputs are quantized (`input_quant`, an Fp8Input)."""
 
     def __init__(self, fmt: str, data: Any, scale: Any, srow: int, bk: int) -> None:
         self.format, self.data, self.scale, self.srow, self.bk = fmt, data, scale, srow, bk
         self.shape = data.shape
+        self.input_quant: Fp8Input | None = None
 
     def per_row(self, cp) -> Any:
         """The scales expanded to one row per weight row."""
         return self.scale if self.srow == 1 else cp.ascontiguousarray(cp.repeat(self.scale, self.srow, axis=0)[:self.shape[0]])
+
+
+class Fp8Input:
+    """How an FP8 W8A8 engine quantizes this weight's input (models/quantized/activations.py): e4m3 with a dynamic
+    scale per token and `group` columns (a power of two with ue8m0), or the checkpoint's static activation scale
+    (`static`, f32 [1] on the device: the largest of a fused weight's parts, as the NumPy engine and vLLM take)."""
+
+    def __init__(self, group: int, ue8m0: bool = False, static: Any = None) -> None:
+        self.group, self.ue8m0, self.static = group, ue8m0, static
+
+    def apply(self, proj, x, tag: str):
+        """x's quantized values in a scratch buffer (rows path) or a fresh array (prefill)."""
+        out = proj.scratch(tag, x.shape) if tag else proj.cp.empty(x.shape, proj.cp.float32)
+        _kernels(proj.kern).act_quant(x, self.group, self.ue8m0, self.static, out, stream=proj.stream)
+        return out
 
 
 def _kernels(kern: Any):
@@ -64,21 +81,26 @@ def _concat(parts: list[Fp8Weight], cp) -> Fp8Weight:
     aligned = (all(p.srow == first.srow and p.bk == first.bk for p in parts)
                and all(p.shape[0] % p.srow == 0 for p in parts[:-1]))
     if aligned:
-        return Fp8Weight(first.format, data, cp.concatenate([p.scale for p in parts], axis=0), first.srow, first.bk)
-    if len({p.bk for p in parts}) != 1:  # per-tensor parts of different widths cannot happen (fused parts share K)
+        fused = Fp8Weight(first.format, data, cp.concatenate([p.scale for p in parts], axis=0), first.srow, first.bk)
+    elif len({p.bk for p in parts}) != 1:  # per-tensor parts of different widths cannot happen (fused parts share K)
         raise ValueError("fused FP8 parts with different scale block widths")
-    return Fp8Weight(first.format, data, cp.concatenate([p.per_row(cp) for p in parts], axis=0), 1, first.bk)
+    else:
+        fused = Fp8Weight(first.format, data, cp.concatenate([p.per_row(cp) for p in parts], axis=0), 1, first.bk)
+    fused.input_quant = first.input_quant  # the param's (loading sets it on every part)
+    return fused
 
 
 def _linear(proj, x, w: Fp8Weight, out, bias=None, *, accumulate=False, swiglu=False, norm_weight=None, eps=1e-6,
             norm_offset=0.0, activation="silu") -> None:
-    """The rows path: the RMSNorm of x (when given) into a scratch row block, the FP8 GEMV, and with swiglu the
-    gate activation of its [gate, up] output."""
+    """The rows path: the RMSNorm of x (when given) into a scratch row block, its quantized values there under
+    `--activation-quant emulate`, the FP8 GEMV, and with swiglu the gate activation of its [gate, up] output."""
     kern, s = proj.kern, proj.stream
     if norm_weight is not None:
         xn = proj.scratch("fp8_norm", x.shape)
         kern.rmsnorm(x, norm_weight, eps, xn, offset=norm_offset, stream=s)
         x = xn
+    if w.input_quant is not None:
+        x = w.input_quant.apply(proj, x, "fp8_input")
     fp8 = _kernels(kern)
     if swiglu:
         y = proj.scratch("fp8_gate_up", (x.shape[0], w.shape[0]))
@@ -89,11 +111,29 @@ def _linear(proj, x, w: Fp8Weight, out, bias=None, *, accumulate=False, swiglu=F
 
 
 def _gemm(proj, x, w: Fp8Weight, bias=None, accumulate_into=None):
-    """The prefill path: the weight dequantized to bf16 (a temporary), then the bf16 cuBLAS GEMM."""
+    """The prefill path: the weight dequantized to bf16 (a temporary), then the bf16 cuBLAS GEMM (of x's quantized
+    values under `--activation-quant emulate`)."""
     cp = proj.cp
+    if w.input_quant is not None:
+        x = w.input_quant.apply(proj, x, "")
     wb = cp.empty(w.shape, cp.uint16)
     _kernels(proj.kern).dequant_bf16(w.data, w.scale, w.srow, w.bk, wb, stream=proj.stream)
     return proj.gemm_bf16(x, wb, bias, accumulate_into)
+
+
+def _input_quant(p: Any, read, kern: Any) -> Fp8Input:
+    """How param p's inputs are quantized (`--activation-quant emulate`), from its format and, for a static scheme,
+    its parts' activation_scale tensors."""
+    from ...models.formats import weight_format
+
+    wf = weight_format(p.format)
+    k = p.parts[0].shape[-1]
+    if not wf.params.get("static"):
+        group = wf.params["block"][1] if wf.kind == "fp8_block" else k
+        return Fp8Input(group, bool(wf.params.get("ue8m0")))
+    scales = [float(np.max(scale_as_fp32(read(t.name.removesuffix("weight") + "activation_scale", bf16_bits=True))))
+              for t in p.parts]
+    return Fp8Input(k, static=kern.cp.asarray(np.array([max(scales)], np.float32)))
 
 
 def _accepts(params: dict) -> bool:
@@ -106,4 +146,5 @@ def _refuses(p) -> str | None:
 
 
 for _kind in ("fp8_block", "fp8_tensor"):
-    register_cuda_format(CudaFormat(_kind, _upload, _concat, _linear, _gemm, accepts=_accepts, refuses=_refuses))
+    register_cuda_format(CudaFormat(_kind, _upload, _concat, _linear, _gemm, accepts=_accepts, refuses=_refuses,
+                                    input_quant=_input_quant))

@@ -41,11 +41,12 @@ def _cupy():
 
 
 def upload_weights(cfg: ModelConfig, source: WeightSource, kern, progress: Callable[[int], None] | None = None,
-                   rank: tuple[int, int] | None = None) -> Weights:
+                   rank: tuple[int, int] | None = None, activation_quant: str = "none") -> Weights:
     """Read each tensor once from `source`, round it to bf16 and place it on the device, fusing
     multi-part params (q/k/v, gate/up) on the device. RandomTensors draw on the device directly.
     `rank` = (r, n): keep tensor-parallel rank r's shard (parallel/sharding.RankShard), each layer cut on
-    the device as soon as it is uploaded."""
+    the device as soon as it is uploaded. `activation_quant` "emulate": each weight kept as stored carries how its
+    inputs are quantized (formats.CudaFormat.input_quant; check_activation_quant has refused what cannot)."""
     cp = kern.cp
     if rank is None:  # refuse before reading anything when the weights cannot fit (a tp rank holds a share)
         free, total = cp.cuda.runtime.memGetInfo()
@@ -96,7 +97,12 @@ def upload_weights(cfg: ModelConfig, source: WeightSource, kern, progress: Calla
             return host
 
         if kept_as_stored(p):
-            parts = cuda_format(p.format).upload(p, read, kern)
+            entry = cuda_format(p.format)
+            parts = entry.upload(p, read, kern)
+            if activation_quant == "emulate" and entry.input_quant is not None:
+                how = entry.input_quant(p, read, kern)
+                for part in parts:
+                    part.input_quant = how
         else:  # kernels that read bf16 (experts, latent attention's own weights): the exact values rounded once
             parts = [to_bf16(cp.asarray(np.asarray(value, dtype=np.float32)))  # formats.py reads BF16 as bits
                      for value in dequantize(p, lambda name: read(name, bf16_bits=True))]
@@ -218,6 +224,25 @@ def unverified_features(definition: ModelDefinition) -> list[str]:
     return found + dequantized
 
 
+def check_activation_quant(definition: ModelDefinition) -> None:
+    """UsageError unless the CUDA engine can quantize every quantized weight's inputs as its scheme says
+    (`--activation-quant emulate`): the formats kept as stored whose CUDA entry emulates the scheme (FP8); a weight
+    dequantized to bf16 at load, or a scheme the NumPy engine refuses too, is named."""
+    from ...models.formats import weight_format
+
+    for p in definition.params():
+        if p.format is None:
+            continue
+        wf = weight_format(p.format)
+        if wf.input_quant is None and not wf.input_quant_doc:
+            continue  # weight-only: its inputs stay unquantized
+        entry = cuda_format(p.format) if kept_as_stored(p) else None
+        if entry is None or entry.input_quant is None or wf.input_quant is None:
+            how = ("is dequantized to bf16 at load" if not kept_as_stored(p) else "has no CUDA input quantization")
+            raise UsageError(f"--activation-quant emulate: {p.parts[0].name} ({p.format}) {how} on the CUDA engine; "
+                             "use --device cpu")
+
+
 def check_sizes(cfg: ModelConfig) -> None:
     """DeviceError unless the kernels take the model's sizes: head_dim (the attention kernels' instances, when the
     model has attention layers), hidden / intermediate sizes that are multiples of 8 (16-byte loads), and each
@@ -242,14 +267,15 @@ def check_sizes(cfg: ModelConfig) -> None:
 
 def load_cuda_engine(cfg: ModelConfig, source, max_context: int, fp32_logits: bool = False,
                      progress: Callable[[int], None] | None = None, use_graphs: bool = True, tp=None,
-                     path: str | None = None, mla: str | None = None) -> CudaEngine:
+                     path: str | None = None, mla: str | None = None, activation_quant: str = "none") -> CudaEngine:
     """Check the tensors, upload them once, and build the engine (CuPy is imported here, not before).
     With `tp` (parallel/comm.ParallelRank, its device current) only that rank's shard is uploaded, and the
     engine is that rank's. `path`: the rows path (ROWS_PATHS; None: default_path(), i.e.
     $METRALE_CUDA_PATH or DEFAULT_PATH); a tensor-parallel rank runs BASE_PATH only (the fused path is not
     verified under --tp). `mla` (latent-attention models, `--mla`): None, the absorbed form on the rows paths and
     the naive one in long prefills (backends/cuda/mla.py), or "absorbed" everywhere; "naive" is the CPU engine's
-    only (refused here)."""
+    only (refused here). `activation_quant`: "none" or "emulate" (FP8 weights' inputs quantized as their scheme
+    says, check_activation_quant)."""
     if mla not in (None, "absorbed") and any(layer.mixer.kind == "mla" for layer in cfg.definition.layers):
         raise UsageError(f"--mla {mla}: the CUDA engine decodes latent attention in the absorbed form only "
                          "(--mla absorbed, or leave it out: long prefills then run the naive form); "
@@ -258,6 +284,12 @@ def load_cuda_engine(cfg: ModelConfig, source, max_context: int, fp32_logits: bo
     if tp is not None and path != BASE_PATH:
         raise UsageError(f"the CUDA '{path}' path does not run under --tp yet (unset {PATH_ENV} or choose {BASE_PATH})")
     check_context(cfg, max_context)
+    if activation_quant not in ("none", "emulate"):
+        raise UsageError(f"--activation-quant must be none or emulate, got {activation_quant!r}")
+    if activation_quant == "emulate":
+        if tp is not None:
+            raise UsageError("--activation-quant emulate does not run under --tp yet (use --tp 1)")
+        check_activation_quant(cfg.definition)
     full = cfg
     if tp is not None:
         from ...parallel.sharding import rank_config
@@ -291,7 +323,8 @@ def load_cuda_engine(cfg: ModelConfig, source, max_context: int, fp32_logits: bo
         kern = Kernels()
     except Exception as e:
         raise DeviceError(f"cannot compile the CUDA kernels ({type(e).__name__}: {str(e).splitlines()[0]})") from None
-    weights = upload_weights(full, source, kern, progress, None if tp is None else (tp.rank, tp.size))
+    weights = upload_weights(full, source, kern, progress, None if tp is None else (tp.rank, tp.size),
+                             activation_quant=activation_quant)
     engine = CudaEngine(cfg, weights, kern, max_context, fp32_logits, use_graphs, tp)
     engine.mla = mla  # read by the latent-attention prefill (backends/cuda/mla.PrefillMla)
     if path != engine.path:
@@ -299,4 +332,4 @@ def load_cuda_engine(cfg: ModelConfig, source, max_context: int, fp32_logits: bo
     return engine
 
 
-__all__ = ["load_cuda_engine", "unsupported_features", "upload_weights"]
+__all__ = ["check_activation_quant", "load_cuda_engine", "unsupported_features", "upload_weights"]

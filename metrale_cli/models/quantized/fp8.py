@@ -47,7 +47,7 @@ def block_format(block_n: int, block_k: int, *, static: bool = False, ue8m0: boo
             input_quant=_static_input if static else lambda x, *_: activations.e4m3_groups(x, block_k, ue8m0),
             input_quant_doc=("e4m3 with the checkpoint's static activation_scale" if static else
                              f"e4m3, dynamic scale per token and {block_k} columns" + (", power of two" if ue8m0 else "")),
-            kind="fp8_block", params={"block": (block_n, block_k), "static": static}, row_slices=True))
+            kind="fp8_block", params={"block": (block_n, block_k), "static": static, "ue8m0": ue8m0}, row_slices=True))
     return name
 
 

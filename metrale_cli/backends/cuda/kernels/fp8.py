@@ -35,7 +35,7 @@ def name_expressions() -> tuple[str, ...]:
     return tuple(gemv_name(m) for m in range(1, 17))
 
 
-PLAIN = ("dequant_fp8_bf16_kernel",)
+PLAIN = ("dequant_fp8_bf16_kernel", "fp8_act_quant_kernel")
 
 
 class Fp8Kernels:
@@ -110,3 +110,24 @@ class Fp8Kernels:
             return
         args = (w, scale, out, np.int32(n), np.int32(kk), np.int32(srow), np.int32(bk), np.int32(kb))
         self._launch("dequant_fp8_bf16_kernel", (-(-chunks // 256),), (256,), args, stream)
+
+    def act_quant(self, x: Any, group: int, ue8m0: bool, static_scale: Any, out: Any, *, stream: Any = None) -> None:
+        """out = x quantized to e4m3 and back, as an FP8 W8A8 engine quantizes a weight's input: per row and
+        `group` columns with a dynamic scale (amax / 448, a power of two with ue8m0), or the static scale
+        `static_scale` (f32 [1] on the device) when given; x, out f32 [M, K] (out may be x)."""
+        k, np = self.k, self._np
+        k._f32(x, "x", 2)
+        k._f32(out, "out", 2)
+        k._shape(out, "out", x.shape)
+        if static_scale is not None:
+            k._f32(static_scale, "static_scale", 1)
+            k._shape(static_scale, "static_scale", (1,))
+        m, kk = x.shape
+        if group <= 0:
+            raise ValueError(f"fp8: activation group width {group}")
+        if m == 0 or kk == 0:
+            return
+        args = (x, np.int32(kk), np.int32(group), np.int32(bool(ue8m0)),
+                static_scale if static_scale is not None else x, np.int32(static_scale is not None), out)
+        self._launch("fp8_act_quant_kernel", (-(-kk // group), m), (128,), args, stream)
+
