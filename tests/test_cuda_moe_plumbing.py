@@ -280,3 +280,23 @@ def test_gpt_oss_router_bias_and_sinks_are_used():
     assert (idx != idx_nb).any()
     assert rel(no_sinks, base) > 1e-2
 
+
+def test_gpt_oss_prefill_overflow_rows_take_their_experts_biases(monkeypatch):
+    """The prefill's experts past the main block (ExpertGroups' overflow: one GEMM pair each) add their own gate/up and
+    down biases and activation too: with the main block cut to 8 rows per expert most experts overflow."""
+    from types import SimpleNamespace
+
+    small = SimpleNamespace(**{**vars(np), "quantile": lambda a, q: 1})  # ExpertGroups' rows: 8
+    monkeypatch.setattr(moe_passes, "np", small)
+    seen = []
+    init = moe_passes.ExpertGroups.__init__
+
+    def counting(self, idx, experts):
+        init(self, idx, experts)
+        seen.append(len(self.overflow))
+
+    monkeypatch.setattr(moe_passes.ExpertGroups, "__init__", counting)
+    err, _, _ = run_both("gpt_oss", 40, steps=0)
+    print(f"gpt_oss T=40 with overflow rows in {sum(1 for n in seen if n)} of {len(seen)} layers: prefill {err:.2e}")
+    assert any(seen) and err < TOL
+

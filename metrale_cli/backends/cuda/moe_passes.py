@@ -175,17 +175,15 @@ class PrefillMoe:
         used = plan.used(len(held)) if plan.rows >= PER_EXPERT_ROWS else None
         gu = e.proj.gemm_experts(hb, w_gate_up, plan.rows, cp.zeros((main, w_gate_up.shape[1]), cp.float32), used)
         b_gu, b_down = (None, None) if bias is None else bias
-        # the main block's row r holds expert r // rows (the extra "expert" of other ranks' pairs: never read)
-        row_expert = cp.asarray(np.minimum(np.arange(main) // plan.rows, len(held) - 1))
-        if b_gu is not None:
-            gu += self._f32(b_gu)[row_expert]
+        if b_gu is not None:  # expert e's rows of the main block: its gate/up bias (other ranks' "expert": none)
+            gu.reshape(plan.experts, plan.rows, -1)[:len(held)] += self._f32(b_gu)[:, None, :]
         act = self._glu(gu, spec)
         del gu
         actb = cp.empty(act.shape, cp.uint16)
         self.k.f32_to_bf16(act, actb, stream=self.s)
         e.proj.gemm_experts(actb, w_down, plan.rows, d[:main], used)
         if b_down is not None:  # each expert's down bias, before its routing weight (as the reference adds it)
-            d[:main] += self._f32(b_down)[row_expert]
+            d[:main].reshape(plan.experts, plan.rows, -1)[:len(held)] += self._f32(b_down)[:, None, :]
         for first, n, ex in plan.overflow:  # the most-chosen experts' pairs past the main block
             if ex >= len(held):  # another rank's experts: no weights here, weight 0 below
                 d[first:first + n] = 0
