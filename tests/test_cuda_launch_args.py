@@ -260,6 +260,35 @@ def test_attention_launches(kern, hd, window, softcap):
     check(kern, 3)
 
 
+@pytest.mark.parametrize("window", [None, 24])
+def test_sinks_launches(kern, window):
+    """Attention sinks (gpt-oss) reach the decode combine kernel (the split kernel unchanged) and flash prefill's
+    EXT instance (with or without a window), as an fp32 [n_heads] operand."""
+    m, nh, nkv, ctx, hd = 5, 8, 2, 256, 64
+    kern.attention_decode(f32(m, nh, hd), bf16(nkv, ctx, hd), bf16(nkv, ctx, hd), i32(m), f32(m, nh, hd), 0.1,
+                          window=window, sinks=f32(nh))
+    assert kern.calls[0][0] == names.decode_name(hd, split_qb(kern.calls[0][0]), ext=window is not None)
+    assert kern.calls[1][1][-1] == np.int32(1)  # use_sinks
+    kern.attention_prefill(f32(40, nh, hd), bf16(nkv, ctx, hd), bf16(nkv, ctx, hd), 7, 40, f32(40, nh, hd), 0.1,
+                           window=window, sinks=f32(nh))
+    assert kern.calls[2][0] == names.prefill_name(hd, ext=True) and kern.calls[2][1][-1] == np.int32(1)
+    check(kern, 3)
+    with pytest.raises(ValueError, match="sinks"):
+        kern.attention_decode(f32(m, nh, hd), bf16(nkv, ctx, hd), bf16(nkv, ctx, hd), i32(m), f32(m, nh, hd), 0.1,
+                              sinks=bf16(nh))
+    with pytest.raises(ValueError, match="sinks"):
+        kern.attention_prefill(f32(40, nh, hd), bf16(nkv, ctx, hd), bf16(nkv, ctx, hd), 7, 40, f32(40, nh, hd), 0.1,
+                               sinks=f32(nkv))
+
+
+def test_swiglu_oai_launch(kern):
+    kern.swiglu(f32(3, 2 * N), f32(3, N), activation="swiglu_oai", limit=7.0, alpha=1.702)
+    assert int(kern.calls[0][1][4]) == 2 and float(kern.calls[0][1][5]) == 7.0  # ACT_SWIGLU_OAI, its limit
+    check(kern, 1)
+    with pytest.raises(ValueError, match="limit"):
+        kern.swiglu(f32(3, 2 * N), f32(3, N), activation="swiglu_oai")
+
+
 def test_decode_splits(kern):
     """The tensor-core head dims keep ~2 blocks per SM and 64-key splits; the SIMT ones 32-key splits, ~4 blocks
     per SM at head_dim 96 (phi-3-mini: 32 KV heads, G = 1) and ~2 at 256 (gemma-2-9b: 8 KV heads, G = 2)."""

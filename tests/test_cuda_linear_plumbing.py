@@ -145,7 +145,9 @@ class FakeMoe(Bound):
         assert (router is None or router.kind == "softmax_topk") and shared_gated
         self._topk(logits, experts, top_k, norm_topk, has_shared, idx, wts, sgate)
 
-    def gate_up(self, m, w_gate_up, b, act, *, first=0, stream=None):
+    def gate_up(self, m, w_gate_up, b, act, *, first=0, bias=None, activation="silu", limit=None, alpha=1.702,
+                stream=None):
+        assert bias is None and activation == "silu"  # these families' experts
         k = b.idx.shape[1]
         for r in range(m):
             for j in range(k):
@@ -153,7 +155,8 @@ class FakeMoe(Bound):
                 n = gu.shape[0] // 2
                 act[r * k + j] = plumbing.ACT["silu"](gu[:n]) * gu[n:]
 
-    def down(self, m, w_down, b, act, out, *, shared=None, accumulate, first=0, stream=None):
+    def down(self, m, w_down, b, act, out, *, shared=None, accumulate, first=0, bias=None, stream=None):
+        assert bias is None
         k = b.idx.shape[1]
         y = np.zeros((m, w_down.shape[1]), np.float32)
         for r in range(m):

@@ -2,7 +2,8 @@
 NumPy implementations of their documented contracts (kernels/moe.py), each call bound against the real
 `MoeKernels` method's signature: the router kind, its groups, choice correction (kept fp32 on the device),
 routed_scaling_factor and the ungated shared expert reach the kernels, on the glm4_moe fixture (and the
-DeepSeek fixtures in tests/test_cuda_mla_plumbing.py) against the NumPy engine.  Not a test of a kernel:
+DeepSeek fixtures in tests/test_cuda_mla_plumbing.py) against the NumPy engine; gpt-oss's router bias, topk_softmax
+routing, clamped-SwiGLU experts with biases and attention sinks on its two fixtures (bf16 and MXFP4 experts).  Not a test of a kernel:
 tests/gpu/test_moe_cuda.py and tests/gpu/test_mla_cuda.py are."""
 
 from __future__ import annotations
@@ -13,16 +14,12 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-from test_cuda_plumbing import FIXTURES, TOL, bf16, f32, fake_engine, rel, rows
+from test_cuda_plumbing import FIXTURES, TOL, bf16, f32, fake_engine, glu, rel, rows
 
 moe_kernels = pytest.importorskip("metrale_cli.backends.cuda.kernels.moe")
 from metrale_cli.backends.cuda import moe_passes  # noqa: E402
 from metrale_cli.backends.cuda.projections import Projections  # noqa: E402
 from metrale_cli.backends.numpy.routers import ROUTERS  # noqa: E402
-
-
-def _silu(g):
-    return g / (1 + np.exp(-g))
 
 
 class FakeMoeKernels:
@@ -83,20 +80,23 @@ class FakeMoeKernels:
         idx[...], wts[...] = i, w
         sgate[...] = self._gate(logits, experts, has_shared, shared_gated, logits.shape[0])
 
-    def gate_up(self, m, w_gate_up, b, act, *, first=0, stream=None):
+    def gate_up(self, m, w_gate_up, b, act, *, first=0, bias=None, activation="silu", limit=None, alpha=1.702,
+                stream=None):
         k = b.idx.shape[1]
-        inter = w_gate_up.shape[1] // 2
+        moe_kernels._activation(activation, limit)  # the wrapper's checks
         for r in range(m):
             for j in range(k):
-                gu = f32(w_gate_up[b.idx[r, j] - first]) @ b.h[r]
-                act[r * k + j] = _silu(gu[:inter]) * gu[inter:]
+                e = b.idx[r, j] - first
+                gu = f32(w_gate_up[e]) @ b.h[r] + (0 if bias is None else f32(bias[e]))
+                act[r * k + j] = glu(gu[None], activation, limit, alpha)[0]
 
-    def down(self, m, w_down, b, act, out, *, shared=None, accumulate, first=0, stream=None):
+    def down(self, m, w_down, b, act, out, *, shared=None, accumulate, first=0, bias=None, stream=None):
         k = b.idx.shape[1]
         y = np.zeros((m, w_down.shape[1]), np.float32)
         for r in range(m):
-            for j in np.argsort(b.idx[r]):  # experts in increasing order
-                y[r] += b.wts[r, j] * (f32(w_down[b.idx[r, j] - first]) @ act[r * k + j])
+            for j in np.argsort(b.idx[r]):  # experts in increasing order, each with its bias before its weight
+                e = b.idx[r, j] - first
+                y[r] += b.wts[r, j] * (f32(w_down[e]) @ act[r * k + j] + (0 if bias is None else f32(bias[e])))
             if shared is not None:
                 y[r] += b.sgate[r] * (f32(shared[0]) @ shared[1][r])
         out[...] = out + y if accumulate else y
@@ -120,16 +120,19 @@ def fake_moe():
 
 
 def cpu_engine(name: str, ctx: int = 64):
-    """The NumPy engine on the weights the CUDA engine holds: bf16-rounded, the router's correction kept fp32."""
+    """The NumPy engine on the weights the CUDA engine holds: bf16-rounded, the router's correction and the attention
+    sinks kept fp32 (loading.FP32_KEYS)."""
+    from metrale_cli.backends.cuda.loading import FP32_KEYS
     from metrale_cli.backends.numpy.engine import NumpyEngine, read_weights
     from metrale_cli.checkpoint import Checkpoint
     from metrale_cli.config import load_config
 
     cfg = load_config(FIXTURES / name)
     w = read_weights(cfg, Checkpoint.open(FIXTURES / name))
-    r = lambda a: f32(bf16(a))  # noqa: E731
+    # fp32 tensors rounded; bf16 ones (read as their bits) and stored formats (dequantized exactly) as they are
+    r = lambda a: f32(bf16(a)) if getattr(a, "dtype", None) == np.float32 else a  # noqa: E731
     w.embed, w.final_norm, w.lm_head = r(w.embed), r(w.final_norm), r(w.lm_head)
-    w.layers = [{k: v if k == "router_correction" else r(v) for k, v in lw.items()} for lw in w.layers]
+    w.layers = [{k: v if k in FP32_KEYS else r(v) for k, v in lw.items()} for lw in w.layers]
     return NumpyEngine(cfg, w, ctx, fp32_logits=True)
 
 
@@ -213,3 +216,87 @@ def test_router_args_follow_the_kind(kind, groups):
         with pytest.raises(ValueError, match="groups"):
             moe_kernels.router_args(np, RouterSpec(kind, n_group=64, topk_group=2), 4096, None, "dummy")
     assert moe_kernels.MoeKernels.check_sizes(64, 4, 8, n_group=33).startswith("n_group 33")
+
+
+def _record_sinks(monkeypatch):
+    """The sinks each fake attention call received (FakeKernels._attend, which decode and prefill both call)."""
+    import test_cuda_plumbing
+
+    seen = []
+    attend = test_cuda_plumbing.FakeKernels._attend
+
+    def recording(self, q, k_cache, v_cache, positions, scale, window, softcap, sinks=None):
+        seen.append((window, None if sinks is None else np.array(sinks)))
+        return attend(self, q, k_cache, v_cache, positions, scale, window, softcap, sinks)
+
+    monkeypatch.setattr(test_cuda_plumbing.FakeKernels, "_attend", recording)
+    return seen
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "gpt_oss_mxfp4"])  # bf16 experts; MXFP4 experts dequantized at load
+@pytest.mark.parametrize("plen", [12, 20])  # the rows path (<= 16 rows) and the prefill path
+def test_gpt_oss_reaches_the_kernels_and_matches_the_numpy_engine(name, plen, monkeypatch):
+    """The router bias (in the logits both paths route on), topk_softmax, the experts' biases and swiglu_oai with
+    the spec's limit and alpha, and every layer's sinks (fp32 [heads]) with its window: the logits match the NumPy
+    engine's over prefill and decode rows."""
+    from metrale_cli.config import load_config
+
+    sinks = _record_sinks(monkeypatch)
+    err, derr, calls = run_both(name, plen)
+    print(f"{name} T={plen}: prefill {err:.2e}, decode {derr:.2e}")
+    assert err < TOL and derr < TOL
+    spec = load_config(FIXTURES / name).moe.spec
+    routes = [a for n, a in calls if n in ("route", "topk_rows")]
+    assert routes and all(a["router"].kind == "topk_softmax" and a["norm_topk"] is False for a in routes)
+    if plen <= 16:
+        gate_up = [a for n, a in calls if n == "gate_up"]
+        down = [a for n, a in calls if n == "down"]
+        assert gate_up and all(a["bias"] is not None and a["activation"] == "swiglu_oai"
+                               and a["limit"] == spec.swiglu_limit and a["alpha"] == spec.swiglu_alpha
+                               for a in gate_up)
+        assert down and all(a["bias"] is not None for a in down)
+    else:
+        assert "swiglu" in {n for n, _ in calls}  # the prefill's activation (the fake checks its arguments)
+    assert sinks and all(s is not None and s.dtype == np.float32 for _, s in sinks)
+    assert {w for w, _ in sinks} == {4, None}  # sliding and full layers
+
+
+def test_gpt_oss_router_bias_and_sinks_are_used():
+    """With the router bias zeroed the routing moves, with the sinks far below every score the logits move: both
+    reach the GPU engine's computation (not merely its arguments)."""
+    prompt = list(range(3, 23))
+
+    def logits(change=None):
+        with fake_moe(), fake_engine("gpt_oss") as gpu:
+            if change is not None:
+                for lw in gpu.w.layers:
+                    change(lw)
+            idx = routing(gpu, lambda: gpu.prefill(prompt, all_logits=True))
+            return idx, rows(gpu, gpu.logits_buffer_ptr(), len(prompt))
+
+    idx, base = logits()
+    idx_nb, _ = logits(lambda lw: lw.update(router_bias=np.zeros_like(lw["router_bias"])))
+    _, no_sinks = logits(lambda lw: lw.update(sinks=np.full_like(lw["sinks"], -1e4)))
+    assert (idx != idx_nb).any()
+    assert rel(no_sinks, base) > 1e-2
+
+
+def test_gpt_oss_prefill_overflow_rows_take_their_experts_biases(monkeypatch):
+    """The prefill's experts past the main block (ExpertGroups' overflow: one GEMM pair each) add their own gate/up and
+    down biases and activation too: with the main block cut to 8 rows per expert most experts overflow."""
+    from types import SimpleNamespace
+
+    small = SimpleNamespace(**{**vars(np), "quantile": lambda a, q: 1})  # ExpertGroups' rows: 8
+    monkeypatch.setattr(moe_passes, "np", small)
+    seen = []
+    init = moe_passes.ExpertGroups.__init__
+
+    def counting(self, idx, experts):
+        init(self, idx, experts)
+        seen.append(len(self.overflow))
+
+    monkeypatch.setattr(moe_passes.ExpertGroups, "__init__", counting)
+    err, _, _ = run_both("gpt_oss", 40, steps=0)
+    print(f"gpt_oss T=40 with overflow rows in {sum(1 for n in seen if n)} of {len(seen)} layers: prefill {err:.2e}")
+    assert any(seen) and err < TOL
+

@@ -100,6 +100,17 @@ ACT = {"silu": lambda g: g / (1 + np.exp(-g)),
        "gelu_tanh": lambda g: 0.5 * g * (1 + np.tanh(np.float32(np.sqrt(2 / np.pi)) * (g + 0.044715 * g ** 3)))}
 
 
+def glu(gate_up, activation="silu", limit=None, alpha=1.702):
+    """act(gate) * up of gate_up [R, 2I], or gpt-oss's clamped SwiGLU (common.cu's glu_oai) for "swiglu_oai"."""
+    n = gate_up.shape[1] // 2
+    g, u = gate_up[:, :n], gate_up[:, n:]
+    if activation == "swiglu_oai":
+        assert limit is not None
+        g, u = np.minimum(g, np.float32(limit)), np.clip(u, -np.float32(limit), np.float32(limit))
+        return g / (1 + np.exp(-np.float32(alpha) * g)) * (u + 1)
+    return ACT[activation](g) * u
+
+
 class FakeKernels:
     """Each method: the real Kernels method's signature (bound, so an unknown keyword fails), then its
     documented result in NumPy."""
@@ -200,9 +211,8 @@ class FakeKernels:
     def softcap(self, x, cap, *, stream=None):
         x[...] = np.tanh(x / np.float32(cap)) * np.float32(cap)
 
-    def swiglu(self, gate_up, out, *, activation="silu", stream=None):
-        n = gate_up.shape[1] // 2
-        out[...] = ACT[activation](gate_up[:, :n]) * gate_up[:, n:]
+    def swiglu(self, gate_up, out, *, activation="silu", limit=None, alpha=1.702, stream=None):
+        out[...] = glu(gate_up, activation, limit, alpha)
 
     def rope_kv_append(self, qkv, positions, inv_freq, q_out, k_cache, v_cache, q_norm=None, k_norm=None,
                        eps=1e-6, *, attention_scaling=1.0, norm_offset=0.0, rotary_dim=None, stream=None):
@@ -226,7 +236,7 @@ class FakeKernels:
             k_cache[:, p] = bf16(rot(k)[m])
             v_cache[:, p] = bf16(v[m])
 
-    def _attend(self, q, k_cache, v_cache, positions, scale, window, softcap):
+    def _attend(self, q, k_cache, v_cache, positions, scale, window, softcap, sinks=None):
         M, nh, d = q.shape
         nkv = k_cache.shape[0]
         out = np.zeros((M, nh, d), np.float32)
@@ -237,12 +247,18 @@ class FakeKernels:
             sc = np.einsum("kgd,kld->kgl", qq, K) * np.float32(scale)
             if softcap is not None:
                 sc = np.tanh(sc / np.float32(softcap)) * np.float32(softcap)
-            e = np.exp(sc - sc.max(axis=-1, keepdims=True))
-            out[m] = (np.einsum("kgl,kld->kgd", e, V) / e.sum(axis=-1, keepdims=True)).reshape(nh, d)
+            top = sc.max(axis=-1, keepdims=True)
+            if sinks is not None:  # a logit per head in the denominator only
+                assert sinks.dtype == np.float32 and sinks.shape == (nh,)
+                s = np.asarray(sinks).reshape(nkv, nh // nkv, 1)
+                top = np.maximum(top, s)
+            e = np.exp(sc - top)
+            den = e.sum(axis=-1, keepdims=True) + (0 if sinks is None else np.exp(s - top))
+            out[m] = (np.einsum("kgl,kld->kgd", e, V) / den).reshape(nh, d)
         return out
 
     def attention_decode(self, q, k_cache, v_cache, positions, out, scale, *, n_splits=None, workspace=None,
-                         window=None, softcap=None, rope=None, stream=None):
+                         window=None, softcap=None, rope=None, sinks=None, stream=None):
         if rope is not None:  # q: the unrotated qkv row; rope + KV append first, as the split kernel's prologue
             assert q.shape[0] == 1 and window is None and softcap is None
             nkv, d = k_cache.shape[0], k_cache.shape[2]
@@ -253,7 +269,7 @@ class FakeKernels:
                                        attention_scaling=rope["attention_scaling"], norm_offset=rope["norm_offset"],
                                        rotary_dim=rope["rotary_dim"])
             q = q_rot
-        out[...] = self._attend(q, k_cache, v_cache, positions, scale, window, softcap)
+        out[...] = self._attend(q, k_cache, v_cache, positions, scale, window, softcap, sinks)
 
     def rope_fits(self, head_dim, n_heads, n_kv, window=None, softcap=None):
         from metrale_cli.backends.cuda.kernels.tuning import DECODE_TC_HEAD_DIMS
@@ -282,8 +298,8 @@ class FakeKernels:
                                    rotary_dim=rotary_dim)
 
     def attention_prefill(self, q, k_cache, v_cache, start_pos, T, out, scale, *, block_q=None, window=None,
-                          softcap=None, stream=None):
-        out[:T] = self._attend(q[:T], k_cache, v_cache, start_pos + np.arange(T), scale, window, softcap)
+                          softcap=None, sinks=None, stream=None):
+        out[:T] = self._attend(q[:T], k_cache, v_cache, start_pos + np.arange(T), scale, window, softcap, sinks)
 
     def argmax_blocks(self, n, V):
         return 0 if V <= 4096 else 2

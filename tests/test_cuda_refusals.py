@@ -128,3 +128,27 @@ def test_linear_attention_is_among_the_unverified_cuda_features():
     assert unverified_features(cfg.definition) == ["layer kind linear_attention"]
     for name in ("deepseek_v3", "deepseek_v2", "glm4_moe"):  # passed their GPU tests
         assert unverified_features(load_config(Path(__file__).parent / "fixtures" / "models" / name).definition) == []
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "gpt_oss_mxfp4"])
+def test_gpt_oss_runs_on_the_kernels_behind_the_unverified_gate(helpers, name, monkeypatch):
+    """Sinks, topk_softmax routing with its bias and the clamped-SwiGLU experts with biases are in the kernels (not
+    refused), but gated until tests/gpu/test_gpt_oss_cuda.py passes; --tp > 1 still refuses the sinks."""
+    from metrale_cli.backends.cuda.loading import UNVERIFIED_ENV, unverified_features
+    from metrale_cli.errors import UsageError
+    from metrale_cli.parallel.sharding import check_tp
+
+    cfg = _cfg(helpers, name)
+    assert unsupported_features(cfg.definition) == []
+    assert unverified_features(cfg.definition)[:5] == [
+        "attention sinks", "topk_softmax routing", "router bias", "swiglu_oai experts", "experts' biases"]
+    monkeypatch.delenv(UNVERIFIED_ENV, raising=False)
+    with pytest.raises(DeviceError, match="attention sinks, topk_softmax routing, .*have not passed their GPU tests"):
+        load_cuda_engine(cfg, RandomTensors(cfg), 32)
+    monkeypatch.setenv(UNVERIFIED_ENV, "1")
+    with pytest.raises(DeviceError) as e:  # past the gate: the fixture's head_dim 16 is what the kernels refuse
+        load_cuda_engine(cfg, RandomTensors(cfg), 32)
+    assert "head_dim 16" in str(e.value)
+    with pytest.raises(UsageError, match="attention sinks have no tensor-parallel split"):
+        check_tp(cfg.definition, 2)
+

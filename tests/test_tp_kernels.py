@@ -67,3 +67,27 @@ def test_moe_launches_pass_the_declared_parameters(kern):  # noqa: F811
         assert all(KIND_OK[kd](a) for a, kd in zip(args, kinds)), name
     with pytest.raises(ValueError, match="held experts"):
         m.route(f32(3, E), f32(3, H), bf16(H), 1e-6, E, k, True, False, b, held=range(12, 20))
+    # gpt-oss: topk_softmax routing, the experts' biases and the clamped SwiGLU
+    from metrale_cli.models.spec import RouterSpec
+
+    kern.calls.clear()
+    router = RouterSpec("topk_softmax", bias=True)
+    m.route(f32(3, E), f32(3, H), bf16(H), 1e-6, E, k, False, False, b, router=router)
+    m.topk_rows(f32(5, E), E, k, False, False, i32(5, k), f32(5, k), f32(5), router=router)
+    m.gate_up(3, bf16(E, 2 * inter, H), b, f32(rows * k, inter), bias=bf16(E, 2 * inter), activation="swiglu_oai",
+              limit=7.0, alpha=1.702)
+    m.down(3, bf16(E, H, inter), b, f32(rows * k, inter), f32(3, H), accumulate=True, bias=bf16(E, H))
+    assert len(kern.calls) == 4
+    assert int(kern.calls[0][1][-6]) == moe.ROUTER_KINDS["topk_softmax"]
+    assert [int(a) for a in kern.calls[2][1][-4:-2]] == [1, 2]  # use_bias, ACT_SWIGLU_OAI
+    assert int(kern.calls[3][1][-1]) == 1  # use_bias
+    for name, args in kern.calls:
+        kinds = params[name.split("<")[0].strip()]
+        assert len(args) == len(kinds), f"{name}: {len(args)} arguments, the kernel takes {len(kinds)}"
+        assert all(KIND_OK[kd](a) for a, kd in zip(args, kinds)), name
+    with pytest.raises(ValueError, match="gate_up bias"):
+        m.gate_up(3, bf16(E, 2 * inter, H), b, f32(rows * k, inter), bias=bf16(E, inter))
+    with pytest.raises(ValueError, match="limit"):
+        m.gate_up(3, bf16(E, 2 * inter, H), b, f32(rows * k, inter), activation="swiglu_oai")
+    with pytest.raises(ValueError, match="activation"):
+        m.gate_up(3, bf16(E, 2 * inter, H), b, f32(rows * k, inter), activation="gelu_tanh")

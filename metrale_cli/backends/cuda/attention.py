@@ -14,8 +14,8 @@ An output-gated layer (qwen3_next, qwen3_5: AttentionSpec.output_gate) projects 
 the gates aside first (`gate_split` into the q | k | v layout the rope kernels read; the fused path takes the
 rows path's launches there) and multiply the attention output by their sigmoid (`output_gate`) before o_proj.
 
-The kernels take no attention sinks: a layer with a `sinks` weight is refused before any pass runs
-(WEIGHT_KEYS, loading.unsupported_features).  Sliding layers keep a full-length cache (the NumPy engine's ring
+Attention sinks (gpt-oss: a `sinks` weight, one logit per head, kept fp32 on the device: loading.FP32_KEYS) join
+the softmax in the decode combine kernel and at the end of flash prefill.  Sliding layers keep a full-length cache (the NumPy engine's ring
 buffer is not on the GPU); their attention kernels read only the window."""
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ if TYPE_CHECKING:
     from ...models.spec import AttentionSpec, Norm
 
 # The weights of an attention sublayer the CUDA kernels compute with (engine/attention.py's keys): a family adding
-# another (sinks, say) is refused until the kernels take it.
-WEIGHT_KEYS = frozenset({"input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "attn_out_norm"})
+# another is refused until the kernels take it.
+WEIGHT_KEYS = frozenset({"input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "attn_out_norm",
+                         "sinks"})
 
 
 class KVCache:
@@ -119,7 +120,7 @@ class RowsAttention:
         attn = b.attn[:m]
         self.k.attention_decode(q, self.cache.k(layer), self.cache.v(layer), self.p.pos, attn, a.scale,
                                 n_splits=b.splits[m], workspace=b.ws, window=window(a, self.e.max_context),
-                                softcap=a.softcap, stream=self.s)
+                                softcap=a.softcap, sinks=sinks, stream=self.s)
         return attn.reshape(m, a.q_size)
 
 
@@ -163,7 +164,8 @@ class FusedRowsAttention(RowsAttention):
         attn = b.attn[:m]
         rope, self._rope = self._rope, None  # q: the unrotated qkv row
         self.k.attention_decode(q.reshape(1, -1, a.head_dim), self.cache.k(layer), self.cache.v(layer), self.p.pos,
-                                attn, a.scale, n_splits=b.splits[m], workspace=b.ws, rope=rope, stream=self.s)
+                                attn, a.scale, n_splits=b.splits[m], workspace=b.ws, rope=rope, sinks=sinks,
+                                stream=self.s)
         return attn.reshape(m, a.q_size)
 
 
@@ -190,7 +192,7 @@ class PrefillAttention:
     def attention(self, q, layer: int, a: AttentionSpec, *, sinks=None):
         p = self.p
         self.k.attention_prefill(q, self.cache.k(layer), self.cache.v(layer), p.start, p.t, p.attn, a.scale,
-                                 window=window(a, self.e.max_context), softcap=a.softcap, stream=self.s)
+                                 window=window(a, self.e.max_context), softcap=a.softcap, sinks=sinks, stream=self.s)
         return p.attn.reshape(p.t, a.q_size)
 
     def output_gate(self, y, qkv, a: AttentionSpec):

@@ -25,11 +25,12 @@ from .paths import BASE_PATH, PATH_ENV, check_path, default_path
 # post-norm), a sparse layer's MoE kernels (no sandwich post-norm there).  A layer's mixer weights are its mixer
 # kind's (its CUDA module's WEIGHT_KEYS).
 DENSE_MLP_KEYS = frozenset({"mlp_norm", "gate_up", "down", "mlp_out_norm"})
-MOE_MLP_KEYS = frozenset({"mlp_norm", "router", "router_correction", "experts_gate_up", "experts_down",
-                          "shared_gate_up", "shared_down"})
+MOE_MLP_KEYS = frozenset({"mlp_norm", "router", "router_bias", "router_correction", "experts_gate_up",
+                          "experts_gate_up_bias", "experts_down", "experts_down_bias", "shared_gate_up", "shared_down"})
 # Weights kept in fp32 on the device: the router's choice correction (e_score_correction_bias, fp32 in the
-# checkpoints; its bf16 rounding would move choices the NumPy engine makes on the fp32 values).
-FP32_KEYS = frozenset({"router_correction"})
+# checkpoints; its bf16 rounding would move choices the NumPy engine makes on the fp32 values), and the attention
+# sinks (one logit per head: the kernels read them as fp32, whatever the checkpoint stores).
+FP32_KEYS = frozenset({"router_correction", "sinks"})
 
 
 def _cupy():
@@ -174,11 +175,12 @@ def unsupported_features(definition: ModelDefinition) -> list[str]:
     DeviceError naming it, never run with wrong numbers (the NumPy engine runs them all). The family
     features (embedding scale, softcaps, (1 + w) norms, sliding windows, partial rotary, linear and
     longrope and yarn scaling (the rope's inv_freq and attention factor from the spec), gelu_tanh, sandwich
-    norms, in MoE layers too, the attention output gate) and latent attention run in the kernels; what remains is a
-    mixer kind with no CUDA implementation, a weight the passes do not know (attention sinks, say), a gate
-    activation the fused MLP lacks, what the MoE kernels do not take (a router kind without a device function in
-    routers.cu, a router bias), and Gated DeltaNet sizes its kernels lack (key head dims other than 64, 128, 256)."""
-    from .kernels.moe import ROUTER_KINDS  # no CuPy needed
+    norms, in MoE layers too, the attention output gate, attention sinks) and latent attention run in the kernels;
+    what remains is a mixer kind with no CUDA implementation, a weight the passes do not know, a gate activation the
+    fused MLP lacks, what the MoE kernels do not take (a router kind without a device function in routers.cu, an
+    experts activation other than MOE_ACTIVATIONS'), and Gated DeltaNet sizes its kernels lack (key head dims other
+    than 64, 128, 256)."""
+    from .kernels.moe import MOE_ACTIVATIONS, ROUTER_KINDS  # no CuPy needed
     from .kernels.tuning import ACTIVATIONS
 
     found: list[str] = []
@@ -194,9 +196,10 @@ def unsupported_features(definition: ModelDefinition) -> list[str]:
             from .linear_attention import unsupported
 
             found += unsupported(layer.mixer)
-        if isinstance(layer.mlp, MoeSpec):  # kernels/moe.cu: routers.cu's kinds, SwiGLU experts after an RMSNorm
+        if isinstance(layer.mlp, MoeSpec):  # kernels/moe.cu: routers.cu's kinds, (clamped) SwiGLU experts after an RMSNorm
             found += [f"{layer.mlp.router.kind} routing"] if layer.mlp.router.kind not in ROUTER_KINDS else []
-            found += [f"mixture-of-experts activation {layer.mlp.activation}"] if layer.mlp.activation != "silu" else []
+            act = layer.mlp.activation
+            found += [f"mixture-of-experts activation {act}"] if act not in MOE_ACTIVATIONS else []
             mlp = MOE_MLP_KEYS
         else:
             found += [f"activation {layer.mlp.activation}"] if layer.mlp.activation not in ACTIVATIONS else []
@@ -210,18 +213,27 @@ def unsupported_features(definition: ModelDefinition) -> list[str]:
 # unless METRALE_CUDA_UNVERIFIED=1 (the GPU tests set it: they are what verifies it), so no one gets its numbers
 # unknowingly. Latent attention, the DeepSeek / GLM router kinds and scaling, ungated shared experts, (1 + w) norms in
 # MoE layers and the attention output gate passed theirs on an H100 (docs/measurements/2026-12-07-session17); Gated
-# DeltaNet's prefill and decode did, its verify followed by a trim to a verify row did not.
+# DeltaNet's prefill and decode did, its verify followed by a trim to a verify row did not.  gpt-oss's kernels
+# (attention sinks, topk_softmax routing with a router bias, clamped-SwiGLU experts with biases) await
+# tests/gpu/test_gpt_oss_cuda.py.
 UNVERIFIED_ENV = "METRALE_CUDA_UNVERIFIED"
 
 
 def unverified_features(definition: ModelDefinition) -> list[str]:
-    """What the model runs through CUDA code that has not passed its GPU tests (Gated DeltaNet; weights in a format
-    dequantized to bf16 at load)."""
+    """What the model runs through CUDA code that has not passed its GPU tests (Gated DeltaNet; gpt-oss's sinks,
+    router and experts; weights in a format dequantized to bf16 at load)."""
     kinds = {layer.mixer.kind for layer in definition.layers}
     found = ["layer kind linear_attention"] if "linear_attention" in kinds else []
+    for layer in definition.layers:
+        found += ["attention sinks"] if getattr(layer.mixer, "sinks", False) else []
+        if isinstance(layer.mlp, MoeSpec):
+            found += ["topk_softmax routing"] if layer.mlp.router.kind == "topk_softmax" else []
+            found += ["router bias"] if "router_bias" in layer.keys() else []
+            found += ["swiglu_oai experts"] if layer.mlp.activation == "swiglu_oai" else []
+            found += ["experts' biases"] if layer.mlp.expert_bias else []
     dequantized = sorted({f"{p.key} weights stored as {p.format} (dequantized to bf16 at load)"
                           for p in definition.params() if p.format is not None and not kept_as_stored(p)})
-    return found + dequantized
+    return list(dict.fromkeys(found)) + dequantized
 
 
 def check_activation_quant(definition: ModelDefinition) -> None:

@@ -2,19 +2,21 @@
 
 Every norm of a sparse layer takes the (1 + w) offset of the family's norms (qwen3_next).
 
-Rows path (decode, verify, short prefills; graph-captured): the router GEMV with the RMSNorm fused
-(the engine's projections, projections.py), then kernels.moe's route (top-k, shared gate, h, the union of the rows'
-experts), gate_up (reads only the union's experts, each once) and down (the weighted sum over each row's
-experts, plus the shared expert, added into the residual stream in its epilogue). No host reads.
+Rows path (decode, verify, short prefills; graph-captured): the router GEMV with the RMSNorm fused and the router's
+bias in its epilogue (the engine's projections, projections.py), then kernels.moe's route (top-k, shared gate, h, the union of the rows'
+experts), gate_up (reads only the union's experts, each once; the experts' gate/up bias and the spec's activation,
+SwiGLU or gpt-oss's clamped one) and down (the weighted sum over each row's experts, each with its down bias, plus
+the shared expert, added into the residual stream in its epilogue). No host reads.
 
 The fused rows path runs a sparse layer as the rows path does.
 
 Prefill path (eager): the router in fp32 (cuBLAS SGEMM on an fp32 copy of the router, so the expert
-choice is made on fp32 logits as on the rows path), top-k on the device, then one host sync to group the
+choice is made on fp32 logits as on the rows path; its bias added in fp32), top-k on the device, then one host sync to group the
 (token, expert) pairs by expert (`ExpertGroups`) and one cuBLAS strided batched GEMM over every expert
 for gate_up and one for down (bf16 operands, fp32 output), plus a GEMM pair for each of the few most-chosen
-experts' overflow rows; each token's experts are then weighted and added in increasing expert order, as
-the NumPy reference sums them.
+experts' overflow rows (each row's expert's gate/up bias added before the activation, its down bias after the
+down GEMM); each token's experts are then weighted and added in increasing expert order, as the NumPy
+reference sums them.
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ class RowsMoe:
     def route(self, x, w_router, spec: MoeSpec, *, norm, bias=None, correction=None):
         st, m = self.e.moe, self.m
         logits = st.logits[:m]
-        self.e.proj.linear(x, w_router, logits, norm_weight=norm[0], eps=norm[1].eps, norm_offset=norm[1].offset)
+        self.e.proj.linear(x, w_router, logits, bias, norm_weight=norm[0], eps=norm[1].eps,
+                           norm_offset=norm[1].offset)  # a bias [E]: no router with one has a shared gate row
         st.kern.route(logits, x, norm[0], norm[1].eps, spec.num_experts, spec.top_k, spec.norm_topk_prob,
                       bool(spec.shared_expert_size), st.buf, held=spec.held, norm_offset=norm[1].offset,
                       router=spec.router, correction=correction, shared_gated=spec.shared_expert_gated, stream=self.s)
@@ -75,17 +78,20 @@ class RowsMoe:
             e.proj.linear(x, shared[0], act_s, swiglu=True, norm_weight=norm[0], eps=norm[1].eps,
                           norm_offset=norm[1].offset)
             with_shared = (shared[1], act_s)
-        st.kern.gate_up(m, w_gate_up, st.buf, st.act, first=first, stream=self.s)
+        b_gu, b_down = (None, None) if bias is None else bias
+        st.kern.gate_up(m, w_gate_up, st.buf, st.act, first=first, bias=b_gu, activation=spec.activation,
+                        limit=spec.swiglu_limit, alpha=spec.swiglu_alpha, stream=self.s)
         if tap is not None and self._tap is not None:  # the block's output before the residual add, beside
             y = e.cp.empty((m, x.shape[1]), e.cp.float32)
             st.kern.down(m, w_down, st.buf, st.act, y, shared=with_shared, accumulate=False, first=first,
-                         stream=self.s)
+                         bias=b_down, stream=self.s)
             if e.tp is not None:  # a rank's held experts and shared columns: summed over the ranks
                 e.tp.comm.all_reduce(y, self.s)
             self.tap(tap, y)
         # under --tp a rank's experts give a partial sum (the experts' inputs, h and act, were taken from x above)
         return self.add_reduced(x, lambda r: st.kern.down(m, w_down, st.buf, st.act, r, shared=with_shared,
-                                                          accumulate=True, first=first, stream=self.s))
+                                                          accumulate=True, first=first, bias=b_down,
+                                                          stream=self.s))
 
 
 # From this many rows per expert, the prefill runs one GEMM per chosen expert instead of the strided batched
@@ -142,6 +148,8 @@ class PrefillMoe:
         router = cp.empty(w_router.shape, cp.float32)
         self.k.bf16_to_f32(w_router, router, stream=self.s)
         logits = cp.ascontiguousarray(h @ router.T)  # fp32 [T, E (+1)]
+        if bias is not None:  # the router's bias [E], as the reference adds it to the fp32 logits
+            logits[:, :spec.num_experts] += self._f32(bias)
         idx = cp.empty((t, spec.top_k), cp.int32)
         wts = cp.empty((t, spec.top_k), cp.float32)
         sgate = cp.empty((t,), cp.float32)
@@ -166,17 +174,23 @@ class PrefillMoe:
         self.k.f32_to_bf16(h[src[:main]], hb, stream=self.s)
         used = plan.used(len(held)) if plan.rows >= PER_EXPERT_ROWS else None
         gu = e.proj.gemm_experts(hb, w_gate_up, plan.rows, cp.zeros((main, w_gate_up.shape[1]), cp.float32), used)
-        act = self._swiglu(gu)
+        b_gu, b_down = (None, None) if bias is None else bias
+        if b_gu is not None:  # expert e's rows of the main block: its gate/up bias (other ranks' "expert": none)
+            gu.reshape(plan.experts, plan.rows, -1)[:len(held)] += self._f32(b_gu)[:, None, :]
+        act = self._glu(gu, spec)
         del gu
         actb = cp.empty(act.shape, cp.uint16)
         self.k.f32_to_bf16(act, actb, stream=self.s)
         e.proj.gemm_experts(actb, w_down, plan.rows, d[:main], used)
+        if b_down is not None:  # each expert's down bias, before its routing weight (as the reference adds it)
+            d[:main].reshape(plan.experts, plan.rows, -1)[:len(held)] += self._f32(b_down)[:, None, :]
         for first, n, ex in plan.overflow:  # the most-chosen experts' pairs past the main block
             if ex >= len(held):  # another rank's experts: no weights here, weight 0 below
                 d[first:first + n] = 0
                 continue
             rows = h[src[first:first + n]]
-            d[first:first + n] = e.proj.gemm(self._swiglu(e.proj.gemm(rows, w_gate_up[ex])), w_down[ex])
+            gu_ex = e.proj.gemm(rows, w_gate_up[ex], None if b_gu is None else b_gu[ex])
+            d[first:first + n] = e.proj.gemm(self._glu(gu_ex, spec), w_down[ex], None if b_down is None else b_down[ex])
         # y[t] = sum over t's experts in increasing order (as the reference sums) of weight * its row of d
         order = np.argsort(idx, axis=1)
         rows_d = cp.asarray(np.take_along_axis(plan.row_of_pair.reshape(t, k), order, 1))
@@ -187,7 +201,7 @@ class PrefillMoe:
         for j in range(k):  # another rank's pairs add nothing here (their rows of d were never computed)
             y += weights[:, j:j + 1] * cp.where(mine[:, j:j + 1], d[rows_d[:, j]], 0)
         if shared is not None:  # gated (qwen2_moe) or added as it is (DeepSeek, GLM)
-            s = e.proj.gemm(self._swiglu(e.proj.gemm(h, shared[0])), shared[1])
+            s = e.proj.gemm(self._glu(e.proj.gemm(h, shared[0])), shared[1])
             y += route.shared_gate * s if route.shared_gate is not None else s
         if e.tp is not None:  # the held experts' and shared columns' share, summed over the ranks
             e.tp.comm.all_reduce(y, self.s)
@@ -195,7 +209,19 @@ class PrefillMoe:
         x += y
         return x
 
-    def _swiglu(self, gu):
+    def _glu(self, gu, spec: MoeSpec | None = None):
+        """The experts' activation of gate/up rows gu f32 [R, 2I] (spec's: SwiGLU or gpt-oss's clamped one; None:
+        SwiGLU, the shared expert's)."""
         act = self.e.cp.empty((gu.shape[0], gu.shape[1] // 2), self.e.cp.float32)
-        self.k.swiglu(gu, act, stream=self.s)
+        if spec is None:
+            self.k.swiglu(gu, act, stream=self.s)
+        else:
+            self.k.swiglu(gu, act, activation=spec.activation, limit=spec.swiglu_limit, alpha=spec.swiglu_alpha,
+                          stream=self.s)
         return act
+
+    def _f32(self, w):
+        """An fp32 copy of bf16 device bits w (the experts' biases)."""
+        out = self.e.cp.empty(w.shape, self.e.cp.float32)
+        self.k.bf16_to_f32(w, out, stream=self.s)
+        return out

@@ -719,10 +719,15 @@ attn_decode_split_kernel(const float* __restrict__ q, const unsigned short* __re
 // marker, or a query vector that sees no key of the split) get weight 0 and their acc is
 // not used (it may be stale); a NaN sum still counts, so NaN propagates.  A row with no
 // key at all (position < 0) gives 0 / 0 = NaN.
+// Attention sinks (use_sinks, gpt-oss): sinks f32 [n_heads] holds one learned logit s_h per head (natural-log
+// scale, as the scores before the base-2 factor), which joins every row's softmax denominator and no numerator:
+// out = acc / (sum + exp(s_h - max)) with the max taken over the keys' scores and s_h.  Added here, once the
+// splits are merged, so the split kernels do not change.
 extern "C" __global__ void __launch_bounds__(256)
 attn_decode_combine_kernel(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
                            const int* __restrict__ positions, float* __restrict__ out, int M, int n_heads,
-                           int HD, int max_ctx, int n_splits, int window) {
+                           int HD, int max_ctx, int n_splits, int window, const float* __restrict__ sinks,
+                           int use_sinks) {
     constexpr int B = ATTN_COMBINE_BATCH;
     const int qt = blockIdx.x;
     const int QT = M * n_heads;
@@ -770,5 +775,12 @@ attn_decode_combine_kernel(const float* __restrict__ part_acc, const float* __re
     const int chunk = decode_chunk(L - lo, n_splits, ATTN_SIMT_ALIGN);  // >= either split kernel's count
     const int nact = (L - lo + chunk - 1) / chunk;  // splits that hold keys (<= n_splits)
     for (int s0 = B; s0 < nact; s0 += B) batch(s0);
+    if (use_sinks && lsum != 0.0f) {  // a row with no key keeps its NaN
+        const float s2 = sinks[qt % n_heads] * 1.4426950408889634f;  // base 2, as the scores
+        const float cm = fmaxf(gm, s2);
+        const float c = exp2f(gm - cm);
+        a *= c;
+        lsum = fmaf(lsum, c, exp2f(s2 - cm));
+    }
     if (active) out[(u64)qt * HD + d] = a / lsum;
 }

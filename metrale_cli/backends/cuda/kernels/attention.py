@@ -74,6 +74,7 @@ class AttentionKernels:
         window: int | None = None,
         softcap: float | None = None,
         rope: dict | None = None,
+        sinks: Any = None,
         stream: Any = None,
     ) -> None:
         """Causal attention of M query rows (decode M=1, verify M=k) against the cache:
@@ -95,7 +96,9 @@ class AttentionKernels:
         `rope` (the fused rows path, one row): rope_kv_append's arguments (inv_freq, q_norm, k_norm, eps,
         attention_scaling, norm_offset, rotary_dim) and `q` the unrotated qkv projection viewed as
         [1, n_heads + 2 n_kv, head_dim]: the split kernel rotates q itself and the split holding the position
-        appends k and v to the cache (rope_fits says where it can: no rope_kv_append launch)."""
+        appends k and v to the cache (rope_fits says where it can: no rope_kv_append launch).
+        `sinks` f32 [n_heads] (gpt-oss): one learned logit per head joining every row's softmax denominator
+        (the combine kernel adds it)."""
         np = self._np
         self._f32(q, "q", 3)
         self._f32(out, "out", 3)
@@ -162,8 +165,17 @@ class AttentionKernels:
         args2 = (
             part_acc, part_ml, positions, out,
             np.int32(M), np.int32(nh), np.int32(hd), np.int32(max_ctx), np.int32(n_splits), win,
+            *self._sinks(sinks, nh),
         )
         self._launch("attn_decode_combine_kernel", (M * nh,), (hd,), args2, stream)
+
+    def _sinks(self, sinks: Any, n_heads: int) -> tuple:
+        """The attention kernels' (sinks, use_sinks) arguments: f32 [n_heads] checked, or a stand-in."""
+        if sinks is None:
+            return self._dummy, self._np.int32(0)
+        self._f32(sinks, "sinks", 1)
+        self._shape(sinks, "sinks", (n_heads,))
+        return sinks, self._np.int32(1)
 
     def rope_fits(self, head_dim: int, n_heads: int, n_kv: int, window: int | None = None,
                   softcap: float | None = None) -> str | None:

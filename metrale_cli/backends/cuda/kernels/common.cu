@@ -149,6 +149,20 @@ __device__ __forceinline__ float gate_act(float g, int act) {
     return g / (1.0f + expf(-g));
 }
 
+// gpt-oss's clamped SwiGLU (the MoE kernels' ACT_SWIGLU_OAI; backends/numpy/ops.glu "swiglu_oai"), in the
+// reference's order: g' = min(g, limit), u' = clip(u, -limit, limit), (g' * sigmoid(alpha g')) * (u' + 1).
+#define ACT_SWIGLU_OAI 2
+__device__ __forceinline__ float glu_oai(float g, float u, float limit, float alpha) {
+    g = g > limit ? limit : g;  // comparisons, not fminf / fmaxf: a NaN stays NaN, as np.minimum / np.clip keep it
+    u = u > limit ? limit : u < -limit ? -limit : u;
+    return (g * (1.0f / (1.0f + expf(-(alpha * g))))) * (u + 1.0f);
+}
+
+// act(gate) * up for ACT_SILU / ACT_GELU_TANH, glu_oai for ACT_SWIGLU_OAI (limit, alpha: its clamp and slope).
+__device__ __forceinline__ float glu_act(float g, float u, int act, float limit, float alpha) {
+    return act == ACT_SWIGLU_OAI ? glu_oai(g, u, limit, alpha) : gate_act(g, act) * u;
+}
+
 // Prefetch the 128-byte line holding p into L2 (no register result, never faults on a valid address).
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 

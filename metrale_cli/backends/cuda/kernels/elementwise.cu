@@ -49,9 +49,10 @@ extern "C" __global__ void bf16_to_f32_kernel(const unsigned short* __restrict__
 }
 
 // out[m, i] = act(gate_up[m, i]) * gate_up[m, I + i]: act = silu (g * sigmoid(g)) or gelu_tanh
-// (gate_act, common.cu).
+// (gate_act, common.cu); act = ACT_SWIGLU_OAI: glu_oai(gate, up, limit, alpha) (gpt-oss's experts).
 extern "C" __global__ void swiglu_kernel(const float* __restrict__ gate_up,
-                                         float* __restrict__ out, int M, int I, int act) {
+                                         float* __restrict__ out, int M, int I, int act, float limit,
+                                         float alpha) {
     pdl_wait();
     pdl_trigger();
     const long long n = (long long)M * I;
@@ -61,7 +62,7 @@ extern "C" __global__ void swiglu_kernel(const float* __restrict__ gate_up,
         const long long i = idx - m * I;
         const float g = gate_up[m * 2 * I + i];
         const float u = gate_up[m * 2 * I + I + i];
-        out[idx] = gate_act(g, act) * u;
+        out[idx] = glu_act(g, u, act, limit, alpha);
     }
 }
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .tuning import GLU_OAI
 
 
 class ElementwiseKernels:
@@ -35,9 +36,11 @@ class ElementwiseKernels:
         args = (x, np.int64(x.size), np.float32(cap))
         self._launch("softcap_kernel", (self._grid1d(x.size),), (256,), args, stream)
 
-    def swiglu(self, gate_up: Any, out: Any, *, activation: str = "silu", stream: Any = None) -> None:
-        """out = act(gate_up[:, :I]) * gate_up[:, I:], act "silu" or "gelu_tanh".  gate_up f32[M, 2I],
-        out f32[M, I]."""
+    def swiglu(self, gate_up: Any, out: Any, *, activation: str = "silu", limit: float | None = None,
+               alpha: float = 1.702, stream: Any = None) -> None:
+        """out = act(gate_up[:, :I]) * gate_up[:, I:], act "silu" or "gelu_tanh"; activation "swiglu_oai" (the
+        mixture-of-experts prefill of gpt-oss, kernels/moe.MOE_ACTIVATIONS): min(g, limit) * sigmoid(alpha
+        min(g, limit)) * (clip(u, -limit, limit) + 1), `limit` required.  gate_up f32[M, 2I], out f32[M, I]."""
         np = self._np
         self._f32(gate_up, "gate_up", 2)
         self._f32(out, "out", 2)
@@ -49,7 +52,13 @@ class ElementwiseKernels:
         n = M * (I2 // 2)
         if n == 0:
             return
-        args = (gate_up, out, np.int32(M), np.int32(I2 // 2), self._act(activation))
+        if activation == "swiglu_oai":
+            if limit is None or not float(limit) > 0:
+                raise ValueError(f"swiglu: swiglu_oai needs a positive limit, got {limit}")
+            act = np.int32(GLU_OAI)
+        else:
+            act = self._act(activation)
+        args = (gate_up, out, np.int32(M), np.int32(I2 // 2), act, np.float32(limit or 0.0), np.float32(alpha))
         self._launch("swiglu_kernel", (self._grid1d(n),), (256,), args, stream)
 
     def f32_to_bf16(self, x: Any, out: Any, *, stream: Any = None) -> None:

@@ -34,6 +34,9 @@
 // would take registers from the plain ones (168 -> 204 at head_dim 128: 3 -> 2 blocks per SM), which
 // every full-attention family runs.  BK: keys per tile (FP_BK; 32 at head_dim 256, whose Q and O
 // fragments already take 192 registers a thread).
+// Attention sinks (EXT instances, use_sinks; gpt-oss): sinks f32 [n_heads], one logit s_h per head in natural-log
+// units, joins each row's softmax denominator at the end: out = O' / (l' + exp2(s2 - m')) with s2 = s_h log2(e),
+// m' = max(m, s2), O' and l' rescaled by exp2(m - m') (attention.cu's combine kernel does the same for decode).
 #include "common.cu"
 
 #define FP_BK 64
@@ -93,7 +96,7 @@ __global__ void __launch_bounds__(NW * 32)
 flash_prefill_kernel(const float* __restrict__ q, const unsigned short* __restrict__ k_cache,
                      const unsigned short* __restrict__ v_cache, float* __restrict__ out, int T,
                      int start_pos, int n_heads, int n_kv, int max_ctx, float qscale, int window,
-                     float softcap_l2) {
+                     float softcap_l2, const float* __restrict__ sinks, int use_sinks) {
     constexpr int NTH = NW * 32;
     constexpr int LD = HD + 8;         // shared row stride in bf16 elements
     constexpr int KS = HD / 16;        // k16 steps of S = Q K^T
@@ -288,7 +291,13 @@ flash_prefill_kernel(const float* __restrict__ q, const unsigned short* __restri
     l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
     if (!active) return;
     // l > 0 for every valid row: its own key is visible to it.
-    const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
+    float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
+    if (EXT && use_sinks) {  // m0 / m1: the rows' running maxima (uniform over the quad)
+        const float s2 = sinks[h] * 1.4426950408889634f;
+        const float c0 = exp2f(m0 - fmaxf(m0, s2)), c1 = exp2f(m1 - fmaxf(m1, s2));
+        inv0 = c0 / fmaf(l0, c0, exp2f(s2 - fmaxf(m0, s2)));
+        inv1 = c1 / fmaf(l1, c1, exp2f(s2 - fmaxf(m1, s2)));
+    }
     if (r0 < T) {
         float* op = out + ((u64)r0 * n_heads + h) * HD + 2 * c;
 #pragma unroll

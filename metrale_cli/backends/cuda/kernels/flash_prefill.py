@@ -23,11 +23,13 @@ class FlashPrefillKernels:
         block_q: int | None = None,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: Any = None,
         stream: Any = None,
     ) -> None:
         """Causal attention of a prompt chunk: query row t (position start_pos + t) attends to
         cache rows 0..start_pos+t (with `window`: only the last `window` of them; tiles before every
-        row's window are skipped), whose K/V were appended before.  `softcap` as in attention_decode.
+        row's window are skipped), whose K/V were appended before.  `softcap` and `sinks` (f32 [n_heads])
+        as in attention_decode.
         q, out f32[>=T, n_heads, head_dim] (rows T.. untouched); head_dim in PREFILL_HEAD_DIMS;
         start_pos + T <= max_ctx.
         Tensor cores (flash_prefill.cu): q and the softmax weights P are rounded to bf16 for the
@@ -57,7 +59,8 @@ class FlashPrefillKernels:
         for a, an, nbytes in ((q, "q", 8), (out, "out", 8), (k_cache, "k_cache", 16), (v_cache, "v_cache", 16)):
             self._aligned(a, an, nbytes)
         win, cap2 = self._window_softcap(window, softcap)
-        name = prefill_name(hd, bq, ext=bool(win or cap2))  # the instance with the window / softcap code
+        sink_args = self._sinks(sinks, nh)
+        name = prefill_name(hd, bq, ext=bool(win or cap2 or sinks is not None))  # the window / softcap / sinks code
         fn = self._fn[name]
         smem = prefill_smem_bytes(hd)
         done = self.__dict__.setdefault("_prefill_smem_set", set())
@@ -67,6 +70,6 @@ class FlashPrefillKernels:
         grid = (nh, _ceil_div(T, bq))  # heads vary fastest; the kernel starts the longest blocks first
         args = (
             q, k_cache, v_cache, out, np.int32(T), np.int32(start_pos), np.int32(nh),
-            np.int32(n_kv), np.int32(max_ctx), np.float32(float(scale) * LOG2E), win, cap2,
+            np.int32(n_kv), np.int32(max_ctx), np.float32(float(scale) * LOG2E), win, cap2, *sink_args,
         )
         fn(grid, (bq // 16 * 32,), args, shared_mem=smem, stream=stream)

@@ -5,19 +5,22 @@
 //   1. the router GEMV (gemv.cu / gemv_tc.cu, RMSNorm fused): logits [M, LD] (LD = E, or E + 1 when
 //      the last column is the shared expert's gate logit);
 //   2. moe_route_kernel (one block): per row the router kind's choice over the E logits in fp32
-//      (moe_choose_row: softmax top-k here, the grouped kinds in routers.cu; ties to the lowest expert
-//      index), renormalised when norm_topk, times routed_scaling_factor; the shared expert's gate
+//      (moe_choose_row: softmax top-k here, the other kinds in routers.cu; ties to the lowest expert
+//      index; a router bias is already in the logits, added by the GEMV), renormalised when norm_topk, times routed_scaling_factor; the shared expert's gate
 //      (sigmoid of its logit, or 1 for an ungated shared expert); h = rmsnorm(x);
 //      and the union of the experts the M rows chose, in increasing expert order, each with the mask
 //      of rows that chose it and the slot j (idx[m, j] == e) each such row gave it;
 //   3. moe_gate_up_kernel: grid (I tiles, union slot u): block (t, u) reads rows t of expert
-//      union_e[u]'s gate and up weights once and computes act[m * k + j] = silu(g) * u for every row m
-//      of the mask: each chosen expert's weights are read once, whatever the number of rows;
+//      union_e[u]'s gate and up weights once and computes act[m * k + j] = silu(g) * u (or gpt-oss's
+//      glu_oai, common.cu; with the expert's gate/up bias added to g and u first) for every row m of the
+//      mask: each chosen expert's weights are read once, whatever the number of rows;
 //   4. moe_down_kernel: grid (H / R tiles) of 8-warp blocks: the block's warps share its R output rows'
 //      work as items (one chosen expert, or one K part of it when the model has few experts per token;
 //      K parts of the shared expert), each item's dots land in shared memory, and one thread per
 //      (row, output) sums  w[m, j] * down_e[n] . act[m * k + j]  over the row's experts in increasing
-//      order, adds the shared expert  sigmoid(g[m]) * shared_down[n] . act_shared[m]  when given, and
+//      order (with a down bias: w[m, j] * (down_e[n] . act[m * k + j] + b_e[n]), as the reference adds it
+//      per expert before the routing weight), adds the shared expert  sigmoid(g[m]) * shared_down[n] .
+//      act_shared[m]  when given, and
 //      writes or adds (the residual stream) the sum once.  No atomics: the result does not depend on
 //      the launch.
 // A row's numbers depend on its own inputs only (not on M or on which other rows share an expert):
@@ -139,6 +142,13 @@ __device__ __forceinline__ void moe_choose_row(const float* __restrict__ logits,
             moe_softmax_grouped_lane<4>(logits, r, E, k, e_out, w_out);
         else
             moe_softmax_grouped_lane<MOE_MAX_EXPERTS / 32>(logits, r, E, k, e_out, w_out);
+    } else if (r.kind == MOE_ROUTER_TOPK_SOFTMAX) {
+        if (E <= 32)
+            moe_topk_softmax_lane<1>(logits, r, E, k, e_out, w_out);
+        else if (E <= 128)
+            moe_topk_softmax_lane<4>(logits, r, E, k, e_out, w_out);
+        else
+            moe_topk_softmax_lane<MOE_MAX_EXPERTS / 32>(logits, r, E, k, e_out, w_out);
     } else {
         moe_topk_row(logits, E, k, r.norm_topk, e_out, w_out);
         w_out *= r.scaling;  // exact for a factor of 1
@@ -377,15 +387,18 @@ __device__ __forceinline__ void moe_dots(const uint4* const (&wrow)[RW], const f
     if (c < c1) moe_step<MT, RW, U, true>(wrow, x, ri, K, mask, c, c1, acc);
 }
 
-// act[(m * k + j), n] = silu(gate_e[n] . h[m]) * (up_e[n] . h[m]) for the rows m that chose expert
-// e = union_e[blockIdx.y] (slot j), n in this warp's R rows.  w_gate_up [E, 2I, H]: experts e_lo .. (a
-// tensor-parallel rank's, e_lo its first), expert e at index e - e_lo.  MT >= M.
+// act[(m * k + j), n] = silu(g) * u, g = gate_e[n] . h[m] (+ bias[e, n]), u = up_e[n] . h[m] (+ bias[e, I + n])
+// for the rows m that chose expert e = union_e[blockIdx.y] (slot j), n in this warp's R rows; act == ACT_SWIGLU_OAI:
+// glu_oai(g, u, limit, alpha) instead.  w_gate_up [E, 2I, H], bias bf16 [E, 2I] (gate rows, then up rows, as the
+// weights; read when use_bias): experts e_lo .. (a tensor-parallel rank's, e_lo its first), expert e at index e - e_lo.
+// MT >= M.
 template <int MT, int R, int U>
 __global__ void __launch_bounds__(MOE_WARPS * 32)
 moe_gate_up_kernel(const float* __restrict__ h, const unsigned short* __restrict__ w,
                    const int* __restrict__ n_union, const int* __restrict__ union_e,
                    const unsigned int* __restrict__ union_mask, const int* __restrict__ union_slot,
-                   float* __restrict__ act, int I, int H, int k, int e_lo) {
+                   float* __restrict__ act, int I, int H, int k, int e_lo,
+                   const unsigned short* __restrict__ bias, int use_bias, int act_kind, float limit, float alpha) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int u = blockIdx.y;
     const int n0 = (blockIdx.x * MOE_WARPS + warp) * R;
@@ -421,8 +434,14 @@ moe_gate_up_kernel(const float* __restrict__ h, const unsigned short* __restrict
             const int n = n0 + r;
             if (((mask >> m) & 1u) && n < I && lane == ((r * MT + m) & 31)) {
                 const int j = union_slot[u * MOE_MAX_ROWS + m];
-                const float g = acc[r][m], up = acc[R + r][m];
-                act[((u64)m * k + j) * I + n] = g / (1.0f + expf(-g)) * up;
+                float g = acc[r][m], up = acc[R + r][m];
+                if (use_bias) {
+                    const unsigned short* b = bias + (u64)(e - e_lo) * 2 * I;
+                    g += bf16_to_f32_bits(b[n]);
+                    up += bf16_to_f32_bits(b[I + n]);
+                }
+                act[((u64)m * k + j) * I + n] =
+                    act_kind == ACT_SWIGLU_OAI ? glu_oai(g, up, limit, alpha) : g / (1.0f + expf(-g)) * up;
             }
         }
     }
@@ -431,7 +450,8 @@ moe_gate_up_kernel(const float* __restrict__ h, const unsigned short* __restrict
 // out[m, n] (=|+=) sum over the union's experts e chosen by row m (slot j) of wts[m, j] *
 // (down_e[n] . act[m * k + j])  [+ sgate[m] * (shared_down[n] . act_shared[m]) when S > 0], for the
 // block's R output rows n.  w_down [E, H, I] (experts e_lo .., as w_gate_up); w_shared [H, S]; act_shared
-// [M, S]; out [M, H].
+// [M, S]; out [M, H]; bias bf16 [E, H] (experts e_lo .., as w_down; read when use_bias): expert e's bias[e, n] is added to its
+// dot before the routing weight scales it.
 // The block's MOE_DOWN_WARPS warps share the work as items: item u * P + p is part p of P of union
 // expert u's K (chunks [p C / P, (p + 1) C / P)), then PS items split the shared expert's K the same way;
 // warp w takes items w, w + MOE_DOWN_WARPS, ...  Each item's warp-reduced dots go to shared memory, and
@@ -445,10 +465,12 @@ moe_down_kernel(const float* __restrict__ act, const unsigned short* __restrict_
                 const unsigned int* __restrict__ union_mask, const int* __restrict__ union_slot,
                 const float* __restrict__ act_s, const unsigned short* __restrict__ w_s,
                 const float* __restrict__ sgate, int S, float* __restrict__ out, int M, int H, int I, int k,
-                int P, int PS, int accumulate, int e_lo) {
+                int P, int PS, int accumulate, int e_lo, const unsigned short* __restrict__ bias,
+                int use_bias) {
     __shared__ float part[MOE_DOWN_ITEMS][R][MT];
     __shared__ float wsm[MOE_MAX_EXPERTS][MT];  // row m's weight for union expert u (read by the item warps)
     __shared__ unsigned int msk[MOE_MAX_EXPERTS];
+    __shared__ float bsm[MOE_MAX_EXPERTS][R];  // union expert u's down bias at the block's rows (0 without one)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int n0 = blockIdx.x * R;
     // The routing was written two launches back (route -> gate_up -> down; every launch of the chain waits
@@ -486,6 +508,11 @@ moe_down_kernel(const float* __restrict__ act, const unsigned short* __restrict_
             if (lane < MT && lane < M && ((mask >> lane) & 1u))
                 wsm[u][lane] = wts[lane * k + union_slot[u * MOE_MAX_ROWS + lane]];
             if (lane == 0) msk[u] = mask;
+            if (lane < R) {
+                const int e = first ? e_first : union_e[u];
+                bsm[u][lane] = use_bias && n0 + lane < H
+                                   ? bf16_to_f32_bits(bias[(u64)(e - e_lo) * H + n0 + lane]) : 0.0f;
+            }
         }
         float acc[R][MT];
 #pragma unroll
@@ -511,6 +538,7 @@ moe_down_kernel(const float* __restrict__ act, const unsigned short* __restrict_
         if (!((msk[u] >> m) & 1u)) continue;
         float d = 0.0f;
         for (int p = 0; p < P; ++p) d += part[u * P + p][r][m];
+        if (use_bias) d += bsm[u][r];
         y = fmaf(wsm[u][m], d, y);
     }
     if (S > 0) {  // the shared expert, scaled by its sigmoid gate, added after the routed experts
@@ -528,12 +556,13 @@ moe_down_kernel(const float* __restrict__ act, const unsigned short* __restrict_
 #define MOE_INSTANCES(MT, DR)                                                                              \
     template __global__ void moe_gate_up_kernel<MT, 1, 4>(const float*, const unsigned short*, const int*, \
                                                           const int*, const unsigned int*, const int*,     \
-                                                          float*, int, int, int, int);                     \
+                                                          float*, int, int, int, int,                      \
+                                                          const unsigned short*, int, int, float, float);  \
     template __global__ void moe_down_kernel<MT, DR, 4>(const float*, const unsigned short*, const float*, \
                                                         const int*, const int*, const unsigned int*,       \
                                                         const int*, const float*, const unsigned short*,   \
                                                         const float*, int, float*, int, int, int, int,     \
-                                                        int, int, int, int);
+                                                        int, int, int, int, const unsigned short*, int);
 MOE_INSTANCES(1, 4)
 MOE_INSTANCES(2, 4)
 MOE_INSTANCES(4, 4)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .tuning import ACTIVATIONS, GLU_OAI
+
 _CUDA_DIR = Path(__file__).resolve().parent  # moe.cu and common.cu sit beside this module
 MOE_MAX_EXPERTS = 256  # must match moe.cu
 MOE_MAX_ROWS = 16
@@ -77,7 +79,10 @@ def name_expressions() -> tuple[str, ...]:
 PLAIN = ("moe_route_kernel", "moe_topk_rows_kernel")
 
 # models/spec.RouterSpec kinds with a device function (routers.cu's MOE_ROUTER_*); the others are refused.
-ROUTER_KINDS = {"softmax_topk": 0, "sigmoid_biased_grouped": 1, "softmax_group_limited": 2}
+ROUTER_KINDS = {"softmax_topk": 0, "sigmoid_biased_grouped": 1, "softmax_group_limited": 2, "topk_softmax": 3}
+GROUPED_KINDS = ("sigmoid_biased_grouped", "softmax_group_limited")  # the kinds that read n_group / topk_group
+# models/spec.MoeSpec activations the experts kernels compute (common.cu's codes: SwiGLU, gpt-oss's clamped SwiGLU).
+MOE_ACTIVATIONS = {"silu": ACTIVATIONS["silu"], "swiglu_oai": GLU_OAI}
 MOE_MAX_GROUPS = 32  # one lane per group: must match routers.cu
 
 
@@ -88,7 +93,7 @@ def router_args(np: Any, router: Any, experts: int, correction: Any, dummy: Any)
         return (np.int32(0), np.int32(1), np.int32(1), np.float32(1.0), dummy, np.int32(0))
     if router.kind not in ROUTER_KINDS:
         raise ValueError(f"moe route: no device function for router kind {router.kind}")
-    grouped = router.kind != "softmax_topk"
+    grouped = router.kind in GROUPED_KINDS
     n_group, topk_group = (router.n_group, router.topk_group) if grouped else (1, 1)
     if not 1 <= topk_group <= n_group <= MOE_MAX_GROUPS or experts % n_group:
         raise ValueError(f"moe route: {n_group} groups (<= {MOE_MAX_GROUPS}, dividing {experts} experts), "
@@ -104,6 +109,15 @@ def router_args(np: Any, router: Any, experts: int, correction: Any, dummy: Any)
     return (np.int32(ROUTER_KINDS[router.kind]), np.int32(n_group), np.int32(topk_group),
             np.float32(router.routed_scaling_factor), dummy if correction is None else correction,
             np.int32(correction is not None))
+
+
+def _activation(activation: str, limit: float | None) -> int:
+    """The experts kernels' act code of a MoeSpec activation (MOE_ACTIVATIONS), checked."""
+    if activation not in MOE_ACTIVATIONS:
+        raise ValueError(f"moe experts: activation {activation!r} (the kernels compute {', '.join(MOE_ACTIVATIONS)})")
+    if activation == "swiglu_oai" and (limit is None or not float(limit) > 0):
+        raise ValueError(f"moe experts: swiglu_oai needs a positive limit, got {limit}")
+    return MOE_ACTIVATIONS[activation]
 
 
 def shared_mode(has_shared: bool, shared_gated: bool) -> int:
@@ -235,10 +249,14 @@ class MoeKernels:
                 *router_args(np, router, experts, correction, k._dummy))
         self._launch("moe_topk_rows_kernel", (-(-t // MOE_TOPK_WARPS),), (32 * MOE_TOPK_WARPS,), args, stream)
 
-    def gate_up(self, m: int, w_gate_up: Any, b: RouteBuffers, act: Any, *, first: int = 0,
+    def gate_up(self, m: int, w_gate_up: Any, b: RouteBuffers, act: Any, *, first: int = 0, bias: Any = None,
+                activation: str = "silu", limit: float | None = None, alpha: float = 1.702,
                 stream: Any = None) -> None:
         """act f32 [16 k, I] rows m k + j = silu(gate) * up of the expert row m chose at slot j, from b.h;
-        w_gate_up bf16 [E, 2I, H] holding experts first .. (route's `held`). Reads each chosen expert once."""
+        w_gate_up bf16 [E, 2I, H] holding experts first .. (route's `held`). Reads each chosen expert once.
+        `bias` bf16 [E, 2I] (gate, then up, as the weights' rows): added to gate and up first.  `activation`
+        (MOE_ACTIVATIONS): "swiglu_oai" computes min(g, limit) * sigmoid(alpha min(g, limit)) *
+        (clip(u, -limit, limit) + 1) instead (gpt-oss; `limit` required)."""
         np, k = self._np, self.k
         k._bf16(w_gate_up, "w_gate_up", 3)
         k._f32(act, "act", 2)
@@ -247,17 +265,21 @@ class MoeKernels:
         top_k = b.idx.shape[1]
         k._shape(act, "act", (MOE_MAX_ROWS * top_k, inter))
         self._common(m, hidden, inter, w_gate_up, act, b)
+        self._bias(bias, (e, i2), "gate_up bias")
+        code = _activation(activation, limit)
         rows = MOE_WARPS * GATE_UP_R
         grid = (-(-inter // rows), min(e, m * top_k))
         args = (b.h, w_gate_up, b.n_union, b.union_e, b.union_mask, b.union_slot, act,
-                np.int32(inter), np.int32(hidden), np.int32(top_k), np.int32(first))
+                np.int32(inter), np.int32(hidden), np.int32(top_k), np.int32(first),
+                k._dummy if bias is None else bias, np.int32(bias is not None), np.int32(code), np.float32(limit or 0.0), np.float32(alpha))
         self._launch(gate_up_name(_mt(m)), grid, (MOE_WARPS * 32,), args, stream)
 
     def down(self, m: int, w_down: Any, b: RouteBuffers, act: Any, out: Any, *, shared: tuple[Any, Any] | None = None,
-             accumulate: bool, first: int = 0, stream: Any = None) -> None:
+             accumulate: bool, first: int = 0, bias: Any = None, stream: Any = None) -> None:
         """out f32 [M, H] (=|+=) the weighted sum of the chosen experts' down projections of act, plus
         sigmoid-gated shared = (w_shared bf16 [H, S], act_shared f32 [M, S]) when given.  w_down bf16
-        [E, H, I] holding experts first .. (route's `held`)."""
+        [E, H, I] holding experts first .. (route's `held`); `bias` bf16 [E, H]: each expert's, added to its
+        projection before the routing weight scales it."""
         np, k = self._np, self.k
         k._bf16(w_down, "w_down", 3)
         k._f32(out, "out", 2)
@@ -268,11 +290,19 @@ class MoeKernels:
         self._common(m, hidden, inter, w_down, act, b)
         w_s, act_s, s = self._shared(shared, m, hidden, b, "down")
         k._disjoint(out, "out", act, "act")
+        self._bias(bias, (e, hidden), "down bias")
         parts, shared_parts = down_parts(e, top_k, inter, s)
         args = (act, w_down, b.wts, b.n_union, b.union_e, b.union_mask, b.union_slot, act_s, w_s, b.sgate,
                 np.int32(s), out, np.int32(m), np.int32(hidden), np.int32(inter), np.int32(top_k),
-                np.int32(parts), np.int32(shared_parts), np.int32(1 if accumulate else 0), np.int32(first))
+                np.int32(parts), np.int32(shared_parts), np.int32(1 if accumulate else 0), np.int32(first),
+                k._dummy if bias is None else bias, np.int32(bias is not None))
         self._launch(down_name(_mt(m)), (-(-hidden // down_rows(_mt(m))),), (MOE_DOWN_WARPS * 32,), args, stream)
+
+    def _bias(self, bias: Any, shape: tuple[int, int], what: str) -> None:
+        """An experts kernel's optional bias: bf16 of `shape` ([E, N], the held experts'), checked."""
+        if bias is not None:
+            self.k._bf16(bias, what, 2)
+            self.k._shape(bias, what, shape)
 
     def _shared(self, shared: tuple[Any, Any] | None, m: int, hidden: int, b: RouteBuffers,
                 what: str) -> tuple[Any, Any, int]:
@@ -311,5 +341,5 @@ class MoeKernels:
             k._aligned(a, name)
 
 
-__all__ = ["MoeKernels", "ROUTER_KINDS", "RouteBuffers", "down_parts", "module_source", "name_expressions",
+__all__ = ["MOE_ACTIVATIONS", "MoeKernels", "ROUTER_KINDS", "RouteBuffers", "down_parts", "module_source", "name_expressions",
            "router_args"]

@@ -8,12 +8,16 @@
 //                           their sum + 1e-20 when norm_topk;
 //   softmax_group_limited   p = softmax(logits), the k largest p within the topk_group groups whose largest p are
 //                           highest (the other experts' p taken as 0, as transformers does).
+//   topk_softmax            the k largest logits (the router bias already in them: the router GEMV adds it), then
+//                           the softmax over those k alone (gpt-oss): w_j = exp(l_j - l_0) / sum_i exp(l_i - l_0),
+//                           the sum over the choices in order; a NaN logit is chosen after every real one.
 // Every kind's weights are then multiplied by routed_scaling_factor.  At most 32 groups (one lane each).
 #include "common.cu"
 
 #define MOE_ROUTER_SOFTMAX_TOPK 0
 #define MOE_ROUTER_SIGMOID_GROUPED 1
 #define MOE_ROUTER_SOFTMAX_GROUPED 2
+#define MOE_ROUTER_TOPK_SOFTMAX 3
 #define MOE_MAX_GROUPS 32
 
 struct MoeRouter {
@@ -169,4 +173,26 @@ __device__ __forceinline__ void moe_softmax_grouped_lane(const float* __restrict
     }
     moe_pick<NS>(key, p, k, e_out, w_out);
     w_out = moe_finish_weight(w_out, k, r.norm_topk, 0.0f, r.scaling);
+}
+
+template <int NS>
+__device__ __forceinline__ void moe_topk_softmax_lane(const float* __restrict__ logits, const MoeRouter& r, int E,
+                                                      int k, int& e_out, float& w_out) {
+    const int lane = threadIdx.x & 31;
+    float l[NS];
+    unsigned int key[NS];
+#pragma unroll
+    for (int i = 0; i < NS; ++i) {
+        const int e = lane + 32 * i;
+        l[i] = e < E ? logits[e] : 0.0f;
+        key[i] = e >= E ? 0u : l[i] != l[i] ? 1u : moe_order_key(l[i]);
+    }
+    float chosen = 0.0f;  // lane j < k: the j-th largest logit
+    moe_pick<NS>(key, l, k, e_out, chosen);
+    const float top = __shfl_sync(0xffffffffu, chosen, 0);  // the largest: softmax's max
+    const float z = lane < k ? expf(chosen - top) : 0.0f;
+    float sum = 0.0f;
+#pragma unroll 1
+    for (int j = 0; j < k; ++j) sum += __shfl_sync(0xffffffffu, z, j);
+    w_out = moe_finish_weight(z / sum, k, r.norm_topk, 0.0f, r.scaling);
 }

@@ -60,6 +60,7 @@ DECODE_HEAD_DIMS = (32, 64, 96, 128, 256)
 PREFILL_HEAD_DIMS = (32, 64, 96, 128, 256)
 # Gate activations of the fused gated MLP (gate_act in common.cu, its ACT_* codes).
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+GLU_OAI = 2  # common.cu's ACT_SWIGLU_OAI: gpt-oss's clamped SwiGLU (the MoE kernels and the prefill's swiglu only)
 # flash_prefill.cu (tensor cores): a block takes PREFILL_BQ query rows of one head, 16 rows per warp,
 # and walks key tiles of PREFILL_BK keys (must match FP_BK there).  PREFILL_BQS are compiled.
 PREFILL_BQ = 64
