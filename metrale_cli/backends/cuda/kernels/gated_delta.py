@@ -238,8 +238,10 @@ class GatedDeltaKernels:
         self._launch(f"gdn_chunk_prep_{dk}_kernel", (chunks, hv), (CHUNK_THREADS,), args, stream)
         name, smem = f"gdn_chunk_state_{dk}_kernel", chunk_state_smem(dk)
         fn = self._fn[name]
-        if fn.max_dynamic_shared_size_bytes < smem:  # opt in to more than 48 KiB of dynamic shared memory, once
+        done = self.__dict__.setdefault("_smem_set", set())
+        if name not in done:  # opt in to more than 48 KiB of dynamic shared memory, once
             fn.max_dynamic_shared_size_bytes = smem
+            done.add(name)
         args = (conv, np.int32(spec.conv_dim), w, u, intra, cum, ring, np.int32(ring.shape[0]), positions, out,
                 np.int32(t), np.int32(hk), np.int32(hv), np.int32(dv))
         fn((hv, -(-dv // CHUNK_BV)), (CHUNK_THREADS,), args, stream=stream, shared_mem=smem)
