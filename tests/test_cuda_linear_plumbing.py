@@ -19,7 +19,7 @@ import pytest
 plumbing = pytest.importorskip("test_cuda_plumbing")
 from metrale_cli.backends.cuda import linear_attention as cuda_linear  # noqa: E402
 from metrale_cli.backends.cuda import moe_passes  # noqa: E402
-from metrale_cli.backends.cuda.kernels.gated_delta import GatedDeltaKernels  # noqa: E402
+from metrale_cli.backends.cuda.kernels.gated_delta import CHUNK, GatedDeltaKernels, chunk_work_shapes  # noqa: E402
 from metrale_cli.backends.cuda.kernels.moe import MoeKernels  # noqa: E402
 from metrale_cli.backends.cuda.projections import Projections  # noqa: E402
 from metrale_cli.backends.numpy import gated_delta as ref  # noqa: E402
@@ -105,10 +105,74 @@ class FakeGatedDelta(Bound):
             if every or j == t:
                 ring[(p0 + j) % R] = s
 
+    def recurrent_chunked(self, conv, beta, g, ring, positions, out, spec, work, *, stream=None):
+        t, R, p0 = conv.shape[0], ring.shape[0], int(positions[0])
+        assert list(np.asarray(positions)) == list(range(p0, p0 + t))
+        assert {n: tuple(a.shape) for n, a in work.items()} == chunk_work_shapes(t, spec)
+        conv, beta, g = np.asarray(conv), np.asarray(beta), np.asarray(g)
+        chunk_prep(conv, beta, g, spec, work)
+        ring[(p0 + t) % R] = chunk_state(conv, spec, work, out, np.asarray(ring[p0 % R]))
+
     def gated_norm(self, o, proj, z_col, weight, eps, y, *, stream=None):
         t, hv, dv = o.shape
         z = np.asarray(proj)[:, np.asarray(z_col)].reshape(t, hv, dv)
         y[...] = ref.gated_rms_norm(np.asarray(o), z, f32(weight), eps).reshape(t, hv * dv)
+
+
+def _heads(conv, spec):
+    """q, k [T, v_heads, dk] (value head h reads key head h // (Hv / Hk)) and v [T, v_heads, dv] of a conv output."""
+    t, kd, rep = conv.shape[0], spec.k_dim, spec.num_v_heads // spec.num_k_heads
+    q = np.repeat(conv[:, :kd].reshape(t, spec.num_k_heads, -1), rep, axis=1)
+    k = np.repeat(conv[:, kd:2 * kd].reshape(t, spec.num_k_heads, -1), rep, axis=1)
+    return q, k, conv[:, 2 * kd:].reshape(t, spec.num_v_heads, -1)
+
+
+def chunk_prep(conv, beta, g, spec, work):
+    """gdn_chunk_prep_kernel in NumPy, block by block (chunk n, value head h): the work area from conv (q and k
+    normalised), beta, g [T, Hv]; rows past T are zeros. G in row order, A and intra masked, then the forward
+    substitution x_i -= A[i, :i] x[:i] of beta exp(G) k (W) and beta v (U)."""
+    L, (t, hv) = CHUNK, beta.shape
+    q, k, v = _heads(conv, spec)
+    lower, diag = np.tril(np.ones((L, L), bool), -1), np.tril(np.ones((L, L), bool))
+    for n in range(work["cum"].shape[1] // L):
+        rows = slice(n * L, min(n * L + L, t))
+        m = rows.stop - rows.start
+        for h in range(hv):
+            def pad(x):
+                return np.concatenate([x, np.zeros((L - m,) + x.shape[1:], np.float32)])
+
+            qc, kc, vc = pad(q[rows, h]), pad(k[rows, h]), pad(v[rows, h])
+            bet, cum = pad(beta[rows, h]), np.cumsum(pad(g[rows, h]))
+            decay = np.where(diag, np.exp(cum[:, None] - cum[None, :]), np.float32(0))
+            a = np.where(lower, bet[:, None] * (kc @ kc.T) * decay, np.float32(0))
+            x = np.concatenate([kc * bet[:, None] * np.exp(cum)[:, None], vc * bet[:, None]], axis=1)
+            for i in range(1, L):
+                x[i] -= a[i, :i] @ x[:i]
+            at = slice(n * L, n * L + L)
+            work["w"][h, at], work["u"][h, at] = x[:, :spec.k_head_dim], x[:, spec.k_head_dim:]
+            work["intra"][h, at] = np.where(diag, (qc @ kc.T) * decay, np.float32(0))
+            work["cum"][h, at] = cum
+
+
+def chunk_state(conv, spec, work, out, state):
+    """gdn_chunk_state_kernel in NumPy (every column of a head at once: the kernel's slices of CHUNK_BV columns
+    are independent): per head, the chunks in order from `state` [Hv, dk, dv], reading the work area; out
+    [T, Hv, dv] written, the final state returned."""
+    L, t = CHUNK, conv.shape[0]
+    q, k, _ = _heads(conv, spec)
+    s = np.array(state, np.float32)
+    for n in range(work["cum"].shape[1] // L):
+        rows, at = slice(n * L, min(n * L + L, t)), slice(n * L, n * L + L)
+        m = rows.stop - rows.start
+        for h in range(spec.num_v_heads):
+            cum, pad = work["cum"][h, at], np.zeros((L - m, spec.k_head_dim), np.float32)
+            qd = np.concatenate([q[rows, h], pad]) * np.exp(cum)[:, None]
+            kd = np.concatenate([k[rows, h], pad]) * np.exp(cum[-1] - cum)[:, None]
+            v_new = work["u"][h, at] - work["w"][h, at] @ s[h]
+            o = qd @ s[h] + work["intra"][h, at] @ v_new
+            out[rows, h] = o[:m]
+            s[h] = s[h] * np.exp(cum[-1]) + kd.T @ v_new
+    return s
 
 
 class FakeMoe(Bound):
@@ -248,12 +312,12 @@ def _tokens(n):
 
 
 @pytest.mark.parametrize("name", MODELS)
-@pytest.mark.parametrize("plen", [12, 20])  # the rows path (<= 16 rows) and the prefill path
+@pytest.mark.parametrize("plen", [12, 20, 65, 130])  # the rows path (<= 16 rows), the prefill path: sequential, chunked
 def test_prefill_and_decode_match_the_numpy_engine(name, plen, monkeypatch):
     every_expert(monkeypatch)
     prompt, steps = _tokens(plen), _tokens(8)
-    cpu = plumbing.cpu_engine(name)
-    with fake_engine(name, monkeypatch) as gpu:
+    cpu = plumbing.cpu_engine(name, ctx=256)
+    with fake_engine(name, monkeypatch, ctx=256) as gpu:
         assert gpu.prefill(prompt, all_logits=True) == cpu.prefill(prompt, all_logits=True) == plen
         err = rel(rows(gpu, gpu.logits_buffer_ptr(), plen), rows(cpu, cpu.logits_buffer_ptr(), plen))
         a, b = [], []
@@ -268,7 +332,8 @@ def test_prefill_and_decode_match_the_numpy_engine(name, plen, monkeypatch):
         dumped = st.tensors()
     print(f"{name} T={plen}: prefill rel err {err:.2e}, decode rows {derr:.2e}")
     assert err < plumbing.TOL and derr < plumbing.TOL
-    assert calls == ({"conv", "gates", "recurrent", "gated_norm"} | ({"conv_rows", "qk_norm"} if plen > 16 else set()))
+    assert calls == ({"conv", "gates", "recurrent", "gated_norm"} | ({"conv_rows", "qk_norm"} if plen > 16 else set())
+                     | ({"recurrent_chunked"} if plen >= cuda_linear.CHUNKED_MIN_ROWS else set()))
     if any(getattr(x.mixer, "output_gate", False) for x in cpu.cfg.definition.layers):
         assert {"gate_split", "output_gate"} <= set(gpu.kern.calls)
     want = cpu.states["linear_attention"].tensors()  # --dump-state's tensors, at the same position
@@ -422,3 +487,37 @@ def test_the_linear_attention_taps_match_the_numpy_engine(plen, monkeypatch):
     linear = [n for n in want if n.endswith(".linear_attn")]
     assert set(got) == set(want) and len(linear) == 3
     assert max(rel(got[n], want[n]) for n in linear) < plumbing.TOL
+
+
+@pytest.mark.parametrize("t", [1, 17, 63, 64, 65, 130, 200])
+def test_the_chunked_kernels_blocked_algorithm_gives_the_rule(t):
+    """The NumPy mirror of gdn_chunk_prep + gdn_chunk_state (chunks of CHUNK rows, the last one padded; the work
+    area's layout) against the recurrent rule and the NumPy engine's chunked rule, from a nonzero state, GQA
+    (Hv = 2 Hk), T below, at and across chunk boundaries; the work area's padded rows are zeros."""
+    from metrale_cli.models.spec import LinearAttentionSpec
+
+    rng = np.random.default_rng()
+    hk, hv, dk, dv = 2, 4, 64, 80
+    spec = LinearAttentionSpec(hk, hv, dk, dv, 4, 1e-6, grouped=False)
+    conv = rng.normal(size=(t, spec.conv_dim)).astype(np.float32)
+    kd = spec.k_dim
+    q, k = ref.prepare(conv[:, :kd].reshape(t, hk, dk), conv[:, kd:2 * kd].reshape(t, hk, dk), 1)
+    conv[:, :kd], conv[:, kd:2 * kd] = q.reshape(t, kd), k.reshape(t, kd)  # as qk_norm leaves them
+    beta = rng.uniform(0.05, 0.95, (t, hv)).astype(np.float32)
+    g = -rng.uniform(0.01, 1.0, (t, hv)).astype(np.float32)
+    state = rng.normal(size=(hv, dk, dv)).astype(np.float32) * 0.1
+    work = {n: np.full(shape, np.nan, np.float32) for n, shape in chunk_work_shapes(t, spec).items()}
+    out = np.full((t, hv, dv), np.nan, np.float32)
+    chunk_prep(conv, beta, g, spec, work)
+    s = chunk_state(conv, spec, work, out, state)
+    qq, kk, v = _heads(conv, spec)
+    o_rec, s_rec = ref.recurrent(qq, kk, v, g, beta, state)
+    o_chk, s_chk = ref.chunked(qq, kk, v, g, beta, state)
+    errs = [rel(out, o_rec), rel(s, s_rec), rel(out, o_chk), rel(s, s_chk)]
+    print(f"T={t}: vs recurrent {errs[0]:.1e} / {errs[1]:.1e}, vs chunked {errs[2]:.1e} / {errs[3]:.1e}")
+    assert max(errs) <= 2e-5
+    rows = work["cum"].shape[1]
+    assert rows == -(-t // CHUNK) * CHUNK and not any(np.isnan(a).any() for a in work.values())
+    for name in ("w", "u", "intra"):
+        assert not work[name][:, t:].any()  # padded rows: zero q, k, v, beta
+    np.testing.assert_array_equal(work["cum"][:, t:], np.repeat(work["cum"][:, t - 1:t], rows - t, axis=1))

@@ -45,3 +45,19 @@ def test_the_kernels_compile_with_nvcc(tmp_path):
     ptx = (tmp_path / "m.ptx").read_text()
     for name in gdk.PLAIN:
         assert f".entry {name}(" in ptx, name
+
+
+def test_the_chunked_rule_constants_and_shared_memory():
+    """The chunked rule's Python constants are gated_delta.cu's, gdn_chunk_state's dynamic shared memory fits an
+    H100 / H200 block's opt-in limit (227 KiB) at every key head dim, and the work area pads the rows to chunks."""
+    import re
+
+    src = (Path(gdk.__file__).parent / "gated_delta.cu").read_text()
+    for name, value in (("GDN_CHUNK", gdk.CHUNK), ("GDN_CHUNK_THREADS", gdk.CHUNK_THREADS),
+                        ("GDN_CHUNK_BV", gdk.CHUNK_BV)):
+        assert re.search(rf"#define {name} (\d+)", src).group(1) == str(value), name
+    assert [gdk.chunk_state_smem(dk) for dk in gdk.KEY_HEAD_DIMS] == [65536, 106496, 188416]
+    assert max(gdk.chunk_state_smem(dk) for dk in gdk.KEY_HEAD_DIMS) <= 227 * 1024
+    spec = LinearAttentionSpec(16, 48, 128, 128, 4, 1e-6, grouped=False)
+    assert gdk.chunk_work_shapes(65, spec) == {"w": (48, 128, 128), "u": (48, 128, 128), "intra": (48, 128, 64),
+                                               "cum": (48, 128)}

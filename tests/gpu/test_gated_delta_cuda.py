@@ -138,3 +138,63 @@ def test_the_prefill_kernels_give_the_rows_kernels_numbers(cp, kernels, rng, dk,
                                      ring_rec[p0 % R])
     assert _rel(out[True][1], o_ref) <= 1e-5 and _rel(out[True][3], rec_after) <= 1e-5
     np.testing.assert_array_equal(out[True][2], conv_after)
+
+
+def _rule_f64(q, k, v, g, beta, state):
+    """The recurrent rule in float64 (q, k prepared and repeated to the value heads): o [T, H, dv], the final state."""
+    s = np.array(state, np.float64)
+    out = np.empty(v.shape, np.float64)
+    for t in range(q.shape[0]):
+        s *= np.exp(g[t].astype(np.float64))[:, None, None]
+        mem = np.einsum("hk,hkv->hv", k[t], s)
+        s += k[t][:, :, None] * ((v[t] - mem) * beta[t][:, None])[:, None, :]
+        out[t] = np.einsum("hk,hkv->hv", q[t], s)
+    return out, s
+
+
+@pytest.mark.parametrize("dk,dv", [(128, 128), (64, 80)])  # dv 80: a partial slice of the state's 32 columns
+@pytest.mark.parametrize("rows", [17, 63, 64, 65, 200, 513])
+def test_the_chunked_rule_against_the_sequential_kernel(cp, kernels, rng, dk, dv, rows):
+    """recurrent_chunked (gdn_chunk_prep + gdn_chunk_state) against recurrent(prenormed=True) (the sequential
+    kernel) and the rule in float64, from a nonzero state in a ring slot (Hv = 2 Hk): the outputs and the state
+    written to the slot of p0 + T; no other slot written."""
+    from metrale_cli.backends.cuda.kernels.gated_delta import GatedDeltaKernels, chunk_work_shapes
+
+    hk, hv = 2, 4
+    spec = LinearAttentionSpec(hk, hv, dk, dv, 4, 1e-6, grouped=False)
+    gk = GatedDeltaKernels(kernels)
+    conv = cp.asarray(rng.normal(size=(rows, spec.conv_dim)).astype(np.float32))
+    gk.qk_norm(conv, spec)
+    beta = rng.uniform(0.05, 0.95, (rows, hv)).astype(np.float32)
+    g = -rng.uniform(0.01, 1.0, (rows, hv)).astype(np.float32)
+    R, p0 = 17, int(rng.integers(0, 60))
+    ring = np.full((R, hv, dk, dv), np.nan, np.float32)
+    ring[p0 % R] = rng.normal(size=(hv, dk, dv)).astype(np.float32) * 0.1
+    pos = cp.asarray(np.arange(p0, p0 + rows, dtype=np.int32))
+    d_beta, d_g = cp.asarray(beta), cp.asarray(g)
+    results = {}
+    for chunked in (False, True):
+        rr, o = cp.asarray(ring), cp.full((rows, hv, dv), np.nan, cp.float32)
+        if chunked:
+            work = {n: cp.full(s, np.nan, cp.float32) for n, s in chunk_work_shapes(rows, spec).items()}
+            gk.recurrent_chunked(conv, d_beta, d_g, rr, pos, o, spec, work)
+        else:
+            gk.recurrent(conv, d_beta, d_g, rr, pos, o, spec, every=False, prenormed=True)
+        cp.cuda.runtime.deviceSynchronize()
+        results[chunked] = (o.get(), rr.get())
+    x, kd = conv.get(), spec.k_dim
+    q = np.repeat(x[:, :kd].reshape(rows, hk, dk), hv // hk, axis=1)
+    k = np.repeat(x[:, kd:2 * kd].reshape(rows, hk, dk), hv // hk, axis=1)
+    o64, s64 = _rule_f64(q, k, x[:, 2 * kd:].reshape(rows, hv, dv), g, beta, ring[p0 % R])
+    (o_seq, ring_seq), (o_chk, ring_chk) = results[False], results[True]
+    last = (p0 + rows) % R
+    errs = {"o chunked/sequential": _rel(o_chk, o_seq),
+            "state chunked/sequential": _rel(ring_chk[last], ring_seq[last]),
+            "o chunked/f64": _rel(o_chk, o64), "state chunked/f64": _rel(ring_chk[last], s64),
+            "o sequential/f64": _rel(o_seq, o64), "state sequential/f64": _rel(ring_seq[last], s64)}
+    print(f"dk={dk} dv={dv} T={rows}: " + ", ".join(f"{n} {e:.1e}" for n, e in errs.items()))
+    assert max(errs.values()) <= 1e-4
+    for s in set(range(R)) - {last, p0 % R}:
+        assert np.isnan(ring_chk[s]).all()  # nothing written there
+    if last != p0 % R:
+        np.testing.assert_array_equal(ring_chk[p0 % R], ring[p0 % R])  # the slot read is left as it was

@@ -1,11 +1,11 @@
 """The hybrid Gated DeltaNet families (qwen3_next, qwen3_5) on the CUDA engine against the NumPy engine, on fresh
 random bf16 checkpoints with GPU-sized heads (linear key head dims 128 and 64, full-attention head_dim 256 with the
 output gate and partial rotary, (1 + w) norms, a sparse MLP with the sigmoid-gated shared expert): prefill on the
-rows path and the prefill path (the recurrent kernel over 40 and 130 tokens), 32 greedy steps, verify == sequential
-decode for k = 1, 4, 15 and trim to every accepted count then decode == a fresh run, graph replay == eager bit for
-bit, and the dumped states against the NumPy engine's. The sparse checkpoints route every expert (top_k = the
-expert count) so that a near tie of the router cannot swap an expert between fp32 and bf16: the routing near ties
-are tests/gpu/test_moe_cuda.py's."""
+rows path and the prefill path (the sequential rule over 40 tokens, the chunked one over 65, 130 and 300), 32
+greedy steps, verify == sequential decode for k = 1, 4, 15 and trim to every accepted count then decode == a fresh
+run, graph replay == eager bit for bit, and the dumped states against the NumPy engine's. The sparse checkpoints
+route every expert (top_k = the expert count) so that a near tie of the router cannot swap an expert between fp32
+and bf16: the routing near ties are tests/gpu/test_moe_cuda.py's."""
 
 from __future__ import annotations
 
@@ -56,17 +56,25 @@ def _tokens(rng, engine, n):
 
 
 @pytest.mark.parametrize("name", MODELS)
-@pytest.mark.parametrize("plen", [5, 40, 130])  # the rows (graph) path, the prefill path over 1 and 3 chunks of 64
-def test_prefill_parity_and_state(cp, checkpoints, name, plen, rng):
-    cpu, gpu = pair(checkpoints[name])
+@pytest.mark.parametrize("plen", [5, 40, 65, 130, 300])  # the rows (graph) path, the prefill path's sequential rule
+def test_prefill_parity_and_state(cp, checkpoints, name, plen, rng):  # (40), its chunked rule (2, 3 and 5 chunks)
+    from metrale_cli.backends.cuda.linear_attention import CHUNKED_MIN_ROWS
+
+    cpu, gpu = pair(checkpoints[name], ctx=512)
+    kernels, chunked = gpu.states["linear_attention"].kernels, []
+    real = kernels.recurrent_chunked
+    kernels.recurrent_chunked = lambda *a, **kw: (chunked.append(a[0].shape[0]), real(*a, **kw))
     prompt = _tokens(rng, cpu, plen)
     assert cpu.prefill(prompt, all_logits=True) == gpu.prefill(prompt, all_logits=True) == plen
     err = rel(rows(gpu, gpu.logits_buffer_ptr(), plen), rows(cpu, cpu.logits_buffer_ptr(), plen))
     want = cpu.states["linear_attention"].tensors()
     got = gpu.states["linear_attention"].tensors()
     serr = max(rel(got[n], want[n]) for n in want)
-    print(f"{name} prefill T={plen}: logits rel err {err:.2e}, states {serr:.2e}")
+    print(f"{name} prefill T={plen} ({'chunked' if chunked else 'sequential'} rule): logits rel err {err:.2e}, "
+          f"states {serr:.2e}")
     assert err <= TOL and serr <= TOL
+    layers = sum(1 for layer in gpu.cfg.definition.layers if layer.mixer.kind == "linear_attention")
+    assert chunked == ([plen] * layers if plen >= CHUNKED_MIN_ROWS else [])
 
 
 @pytest.mark.parametrize("name", MODELS)

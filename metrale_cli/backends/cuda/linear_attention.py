@@ -19,13 +19,17 @@ Ops, the same four launches on every pass type (conv + SiLU, gates, the recurren
 - `RowsLinear` (RowsPass and FusedRowsPass: decode, verify, short prompts; graph-capturable: no host reads, no
   allocations, the positions read on the device) writes into the state's preallocated row buffers;
 - `PrefillLinear` (PrefillPass: long prompts, eager) runs the conv and the q / k l2 norms parallel over the
-  chunk's tokens, then the recurrent rule over them in one launch (`recurrent(prenormed=True)`: each thread reads
-  its q and k itself, the next token's while it computes the current one: no shared memory, no barrier): exact,
-  and equal to the rows path's numbers, but sequential in the tokens, so its cost grows with T where a chunked
-  kernel's would be a few GEMMs per 64 tokens; the NumPy engine's chunked rule gives the same values to fp32
-  rounding (tests/test_gated_delta.py). Not measured: the per-token chain is ~100 dependent FMAs and two short
-  shuffle reductions per thread (estimated 0.1-0.3 us a token and layer: 10-30 ms for 2048 tokens through
-  qwen3.5-27b's 48 linear layers, against ~0.15 s of its GEMMs).
+  prompt's tokens, then the rule. From CHUNKED_MIN_ROWS tokens on, by chunks of 64 (`recurrent_chunked`: the form
+  of the NumPy engine's chunked rule, backends/numpy/gated_delta.chunked): gdn_chunk_prep solves each chunk's
+  unit lower-triangular system, one block per (chunk, value head), all in parallel, into a work area allocated per
+  layer (4 (dk + dv + 65) bytes per token and value head); then gdn_chunk_state carries each (value head, 32 state
+  columns) slice of the state through the chunks in order, each chunk a few 64-row fp32 products in shared
+  memory instead of 64 dependent steps. Its numbers are the rule's to fp32 rounding, not the rows path's bit for
+  bit (tests/gpu/test_gated_delta_cuda.py prints the differences). A shorter prefill runs the sequential kernel
+  (`recurrent(prenormed=True)`: each thread reads its q and k itself, the next token's while it computes the
+  current one), exact and equal to the rows path's numbers, its cost linear in the tokens: on an H100, 115 ms of
+  qwen3.5-27b's 302 ms prefill of 2048 tokens (48 linear layers) before the chunked rule.
+  benchmarks/bench_gated_delta.py times the two on that model's layer shape.
 """
 
 from __future__ import annotations
@@ -36,11 +40,12 @@ import numpy as np
 
 from ...errors import DeviceError, InputError
 from .buffers import MAX_ROWS
-from .kernels.gated_delta import KEY_HEAD_DIMS, MAX_KERNEL, GatedDeltaKernels, column_maps
+from .kernels.gated_delta import KEY_HEAD_DIMS, MAX_KERNEL, GatedDeltaKernels, chunk_work_shapes, column_maps
 
 # The weights of a linear-attention sublayer the CUDA kernels compute with (engine/linear_attention.py's keys).
 WEIGHT_KEYS = frozenset({"input_norm", "lin_in", "conv", "dt_bias", "A_log", "lin_norm", "lin_out", "attn_out_norm"})
 RING = MAX_ROWS + 1  # slots per layer: a pass of MAX_ROWS rows keeps the state it started from
+CHUNKED_MIN_ROWS = 64  # a prefill of at least this many tokens runs the chunked rule, a shorter one the sequential
 
 
 def unsupported(spec: Any) -> list[str]:
@@ -191,8 +196,9 @@ class RowsLinear(_Linear):
 
 class PrefillLinear(_Linear):
     """The prefill path's ops (PrefillPass: p.t > MAX_ROWS tokens from p.start): fresh buffers, the last row's state
-    kept; the conv and the q / k norms parallel over the rows, then the rule reading the normalised q and k (the
-    rows path's numbers: the same operations in the same order)."""
+    kept; the conv and the q / k norms parallel over the rows, then the rule reading the normalised q and k: by
+    chunks (recurrent_chunked, its work area allocated per layer) from CHUNKED_MIN_ROWS tokens, else the
+    sequential kernel (the rows path's numbers: the same operations in the same order)."""
 
     every = False
 
@@ -204,9 +210,21 @@ class PrefillLinear(_Linear):
                     conv, stream=s)
         k.qk_norm(conv, spec, stream=s)
         k.gates(proj, maps["b"], maps["a"], st.a_log[layer], st.dt_bias[layer], beta, g, stream=s)
-        k.recurrent(conv, beta, g, st.recurrent[layer], pos, o, spec, every=False, prenormed=True, stream=s)
+        t = proj.shape[0]
+        if t >= CHUNKED_MIN_ROWS:
+            k.recurrent_chunked(conv, beta, g, st.recurrent[layer], pos, o, spec, self._work(t), stream=s)
+        else:
+            k.recurrent(conv, beta, g, st.recurrent[layer], pos, o, spec, every=False, prenormed=True, stream=s)
         k.gated_norm(o, proj, maps["z"], lw["lin_norm"], spec.eps, y, stream=s)
         return y
+
+    def _work(self, t: int) -> dict:
+        cp, shapes = self.st.cp, chunk_work_shapes(t, self.st.spec)
+        try:
+            return {n: cp.empty(shape, cp.float32) for n, shape in shapes.items()}
+        except cp.cuda.memory.OutOfMemoryError:
+            raise self.p.e.oom(f"prefilling {t} tokens through a linear-attention layer's chunked rule",
+                               sum(4 * int(np.prod(shape)) for shape in shapes.values())) from None
 
     def _buffers(self, t: int):
         cp, sp, f = self.st.cp, self.st.spec, self.st.cp.float32

@@ -302,6 +302,228 @@ GDN_RECURRENT_PRE(64)
 GDN_RECURRENT_PRE(128)
 GDN_RECURRENT_PRE(256)
 
+// ---- the chunked rule (the prefill path's long passes): the rule of gdn_recurrent_pre by chunks of L = 64 rows,
+// backends/numpy/gated_delta.chunked's form and order (a chunk's rows padded with zero q, k, v, beta and g).
+// Within a chunk, with G_i the cumulative sum of g from the chunk's start to row i:
+//   A     [L, L]  strictly lower: beta_i (k_i . k_j) exp(G_i - G_j)
+//   W     [L, DK] (I + A)^-1 (beta_i exp(G_i) k_i)   (forward substitution)
+//   U     [L, dv] (I + A)^-1 (beta_i v_i)
+//   intra [L, L]  lower with the diagonal: (q_i . k_j) exp(G_i - G_j)
+// (gdn_chunk_prep_kernel: independent across the chunks and heads), then per chunk in sequence, S the state at
+// the chunk's start (gdn_chunk_state_kernel):
+//   v' = U - W S;  o = (exp(G) q) S + intra v';  S = exp(G_{L-1}) S + (exp(G_{L-1} - G) k)^T v'.
+// Both read q and k after gdn_qk_norm_kernel. The intermediates go through a work area of [Hv, N L, ...] arrays
+// (N = ceil(T / L) chunks; row n L + i of head h is chunk n's row i): w [.., DK], u [.., dv], intra [.., L],
+// cum [Hv, N L] (G).
+#define GDN_CHUNK 64
+#define GDN_CHUNK_THREADS 256
+#define GDN_CHUNK_BV 32  // the state's columns per gdn_chunk_state block
+
+// Block (chunk n, value head h) of GDN_CHUNK_THREADS threads, 33 KiB of static shared memory: G by one thread in
+// row order (np.cumsum's), then A and intra from 32-wide slices of k and q in shared memory (each thread 4 x 4 of
+// both), then the substitution with one thread per column of W (DK of them) and of U (dv), the column in registers.
+template <int DK>
+__device__ void gdn_chunk_prep(const float* __restrict__ conv, int C, const float* __restrict__ beta,
+                               const float* __restrict__ g, float* __restrict__ w_out, float* __restrict__ u_out,
+                               float* __restrict__ intra_out, float* __restrict__ cum_out, int T, int Hk, int Hv,
+                               int dv) {
+    constexpr int L = GDN_CHUNK, TD = 32;
+    __shared__ float ks[L][TD + 1], qs[L][TD + 1], cum[L], bet[L];
+    __shared__ __align__(16) float A[L][L];
+    const int n = blockIdx.x, h = blockIdx.y, N = gridDim.x, hk = h / (Hv / Hk), tid = threadIdx.x;
+    const int t0 = n * L;
+    const size_t base = ((size_t)h * N + n) * L;  // the chunk's row 0 in the work arrays
+    const size_t qo = (size_t)hk * DK, ko = (size_t)Hk * DK + hk * DK, vo = (size_t)2 * Hk * DK + h * dv;
+    if (tid == 0) {
+        float c = 0.0f;
+        for (int i = 0; i < L; ++i) {
+            c += t0 + i < T ? g[(size_t)(t0 + i) * Hv + h] : 0.0f;
+            cum[i] = c;
+        }
+    }
+    if (tid < L) bet[tid] = t0 + tid < T ? beta[(size_t)(t0 + tid) * Hv + h] : 0.0f;
+    const int ty = tid / 16, tx = tid % 16;  // rows ty + 16 r, columns tx + 16 s
+    float sa[4][4] = {}, sq[4][4] = {};
+    for (int d0 = 0; d0 < DK; d0 += TD) {
+        for (int e = tid; e < L * TD; e += blockDim.x) {
+            const int i = e / TD, d = e % TD, t = t0 + i;
+            ks[i][d] = t < T ? conv[(size_t)t * C + ko + d0 + d] : 0.0f;
+            qs[i][d] = t < T ? conv[(size_t)t * C + qo + d0 + d] : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll 4
+        for (int d = 0; d < TD; ++d) {
+            float kj[4];
+#pragma unroll
+            for (int s = 0; s < 4; ++s) kj[s] = ks[tx + 16 * s][d];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const float ki = ks[ty + 16 * r][d], qi = qs[ty + 16 * r][d];
+#pragma unroll
+                for (int s = 0; s < 4; ++s) {
+                    sa[r][s] += ki * kj[s];
+                    sq[r][s] += qi * kj[s];
+                }
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const int i = ty + 16 * r;
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            const int j = tx + 16 * s;
+            const float decay = j <= i ? expf(cum[i] - cum[j]) : 0.0f;
+            A[i][j] = j < i ? bet[i] * sa[r][s] * decay : 0.0f;
+            intra_out[(base + i) * L + j] = j <= i ? sq[r][s] * decay : 0.0f;
+        }
+    }
+    __syncthreads();
+    for (int col = tid; col < DK + dv; col += blockDim.x) {
+        const bool key = col < DK;
+        float x[L];
+#pragma unroll
+        for (int i = 0; i < L; ++i) {
+            const size_t at = (size_t)(t0 + i) * C + (key ? ko + col : vo + col - DK);
+            x[i] = t0 + i >= T ? 0.0f : key ? conv[at] * bet[i] * expf(cum[i]) : conv[at] * bet[i];
+        }
+#pragma unroll
+        for (int i = 1; i < L; ++i) {
+            float acc = 0.0f;
+#pragma unroll
+            for (int j = 0; j < i; ++j) acc += A[i][j] * x[j];
+            x[i] -= acc;
+            asm volatile("" ::: "memory");  // A's rows loaded row by row (not all ahead, which spills)
+        }
+        float* dst = key ? w_out + base * DK + col : u_out + base * dv + (col - DK);
+        const int stride = key ? DK : dv;
+#pragma unroll
+        for (int i = 0; i < L; ++i) dst[(size_t)i * stride] = x[i];
+    }
+    if (tid < L) cum_out[base + tid] = cum[tid];
+}
+
+// Block (value head h, GDN_CHUNK_BV columns of its state) of GDN_CHUNK_THREADS threads (8 warps, lane = column),
+// gdn_chunk_state_smem(DK) bytes of dynamic shared memory: the state slice S [DK, BV], W then the decayed k
+// [L, DK], the decayed q [L, DK], intra [L, L], v' [L, BV]. The slice is read from the slot of pos[0] of `ring`
+// [R, Hv, DK, dv] once and written to the slot of pos[0] + T once (the same block's elements: safe when the
+// slots are one). Per chunk: warp w computes rows 8 w .. 8 w + 7 of W S and (exp(G) q) S (the sums over DK in
+// order), v' and o; then the DK / 8 rows of S from 8 w on (the sum over the chunk's rows in order).
+template <int DK>
+__device__ void gdn_chunk_state(const float* __restrict__ conv, int C, const float* __restrict__ w_in,
+                                const float* __restrict__ u_in, const float* __restrict__ intra_in,
+                                const float* __restrict__ cum_in, float* __restrict__ ring, int R,
+                                const int* __restrict__ pos, float* __restrict__ out, int T, int Hk, int Hv, int dv) {
+    constexpr int L = GDN_CHUNK, BV = GDN_CHUNK_BV, WARPS = GDN_CHUNK_THREADS / 32, RW = L / WARPS, DW = DK / WARPS;
+    extern __shared__ __align__(16) float gdn_smem[];
+    float* S = gdn_smem;      // [DK][BV]
+    float* Kb = S + DK * BV;  // [L][DK]: W, then k exp(G_{L-1} - G)
+    float* Qb = Kb + L * DK;  // [L][DK]: q exp(G)
+    float* Ib = Qb + L * DK;  // [L][L]
+    float* Vn = Ib + L * L;   // [L][BV]
+    const int h = blockIdx.x, hk = h / (Hv / Hk), tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int j = blockIdx.y * BV + lane, N = (T + L - 1) / L;
+    const bool mine = j < dv;
+    const size_t slot = (size_t)Hv * DK * dv, qo = (size_t)hk * DK, ko = (size_t)Hk * DK + hk * DK;
+    const int p0 = pos[0];
+    const float* state = ring + (size_t)(p0 % R) * slot + (size_t)h * DK * dv;
+    for (int d = warp; d < DK; d += WARPS) S[d * BV + lane] = mine ? state[(size_t)d * dv + j] : 0.0f;
+    for (int n = 0; n < N; ++n) {
+        const size_t base = ((size_t)h * N + n) * L;
+        const float* cum = cum_in + base;
+        const float4* w4 = reinterpret_cast<const float4*>(w_in + base * DK);
+        const float4* i4 = reinterpret_cast<const float4*>(intra_in + base * L);
+        for (int e = tid; e < L * DK / 4; e += blockDim.x) reinterpret_cast<float4*>(Kb)[e] = w4[e];
+        for (int e = tid; e < L * L / 4; e += blockDim.x) reinterpret_cast<float4*>(Ib)[e] = i4[e];
+        for (int e = tid; e < L * DK; e += blockDim.x) {
+            const int i = e / DK, t = n * L + i;
+            Qb[e] = t < T ? conv[(size_t)t * C + qo + e % DK] * expf(cum[i]) : 0.0f;
+        }
+        __syncthreads();  // the chunk's operands, and the state after the last chunk
+        const int r0 = warp * RW;
+        float aw[RW], aq[RW];
+#pragma unroll
+        for (int r = 0; r < RW; ++r) aw[r] = aq[r] = 0.0f;
+        for (int d = 0; d < DK; d += 4) {
+            const float s0 = S[d * BV + lane], s1 = S[(d + 1) * BV + lane], s2 = S[(d + 2) * BV + lane],
+                        s3 = S[(d + 3) * BV + lane];
+#pragma unroll
+            for (int r = 0; r < RW; ++r) {
+                const float4 w = *reinterpret_cast<const float4*>(Kb + (r0 + r) * DK + d);
+                const float4 q = *reinterpret_cast<const float4*>(Qb + (r0 + r) * DK + d);
+                aw[r] += w.x * s0;
+                aw[r] += w.y * s1;
+                aw[r] += w.z * s2;
+                aw[r] += w.w * s3;
+                aq[r] += q.x * s0;
+                aq[r] += q.y * s1;
+                aq[r] += q.z * s2;
+                aq[r] += q.w * s3;
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < RW; ++r) Vn[(r0 + r) * BV + lane] = (mine ? u_in[(base + r0 + r) * dv + j] : 0.0f) - aw[r];
+        __syncthreads();  // v' complete, W no longer read
+        const float last = cum[L - 1];
+        for (int e = tid; e < L * DK; e += blockDim.x) {
+            const int i = e / DK, t = n * L + i;
+            Kb[e] = t < T ? conv[(size_t)t * C + ko + e % DK] * expf(last - cum[i]) : 0.0f;
+        }
+#pragma unroll
+        for (int r = 0; r < RW; ++r) {
+            const int i = r0 + r, t = n * L + i;
+            float acc = 0.0f;
+            for (int c = 0; c < L; c += 4) {
+                const float4 a = *reinterpret_cast<const float4*>(Ib + i * L + c);
+                acc += a.x * Vn[c * BV + lane];
+                acc += a.y * Vn[(c + 1) * BV + lane];
+                acc += a.z * Vn[(c + 2) * BV + lane];
+                acc += a.w * Vn[(c + 3) * BV + lane];
+            }
+            if (mine && t < T) out[((size_t)t * Hv + h) * dv + j] = aq[r] + acc;
+        }
+        __syncthreads();  // the decayed k
+        const float decay = expf(last);
+        const int d0 = warp * DW;
+        float acc[DW];
+#pragma unroll
+        for (int dd = 0; dd < DW; ++dd) acc[dd] = 0.0f;
+        for (int c = 0; c < L; ++c) {
+            const float v = Vn[c * BV + lane];
+#pragma unroll
+            for (int dd = 0; dd < DW; dd += 4) {
+                const float4 k = *reinterpret_cast<const float4*>(Kb + c * DK + d0 + dd);
+                acc[dd] += k.x * v;
+                acc[dd + 1] += k.y * v;
+                acc[dd + 2] += k.z * v;
+                acc[dd + 3] += k.w * v;
+            }
+        }
+#pragma unroll
+        for (int dd = 0; dd < DW; ++dd) S[(d0 + dd) * BV + lane] = S[(d0 + dd) * BV + lane] * decay + acc[dd];
+        __syncthreads();  // the next chunk's operands overwrite Kb, Qb, Ib
+    }
+    float* next = ring + (size_t)((p0 + T) % R) * slot + (size_t)h * DK * dv;
+    if (mine)
+        for (int d = warp; d < DK; d += WARPS) next[(size_t)d * dv + j] = S[d * BV + lane];
+}
+
+#define GDN_CHUNKED(DK)                                                                                              \
+    extern "C" __global__ void __launch_bounds__(GDN_CHUNK_THREADS) gdn_chunk_prep_##DK##_kernel(                    \
+        const float* conv, int C, const float* beta, const float* g, float* w, float* u, float* intra, float* cum,    \
+        int T, int Hk, int Hv, int dv) {                                                                             \
+        gdn_chunk_prep<DK>(conv, C, beta, g, w, u, intra, cum, T, Hk, Hv, dv);                                       \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(GDN_CHUNK_THREADS, 2) gdn_chunk_state_##DK##_kernel(                \
+        const float* conv, int C, const float* w, const float* u, const float* intra, const float* cum, float* ring, \
+        int R, const int* pos, float* out, int T, int Hk, int Hv, int dv) {                                          \
+        gdn_chunk_state<DK>(conv, C, w, u, intra, cum, ring, R, pos, out, T, Hk, Hv, dv);                            \
+    }
+GDN_CHUNKED(64)
+GDN_CHUNKED(128)
+GDN_CHUNKED(256)
+
 // Block per (row, value head), RMSNormGated: y = w * o / sqrt(mean(o^2) + eps) * silu(z), over dv.
 extern "C" __global__ void gdn_gated_norm_kernel(const float* __restrict__ o, const float* __restrict__ proj,
                                                  int in_size, const int* __restrict__ z_col,

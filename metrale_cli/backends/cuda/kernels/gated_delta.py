@@ -8,6 +8,8 @@ the linear_attention kind over T rows (decode, verify) in fp32, the order of bac
 and for the prefill path (many rows, eager), the same numbers with less of the rows' chain in sequence:
     conv_rows(proj, ...)   the conv parallel over the rows, then the state after the last row
     qk_norm(conv, ...)     q and k l2-normalised in place (recurrent(..., prenormed=True) reads them)
+    recurrent_chunked(conv, ..., work)  the rule by chunks of CHUNK rows (backends/numpy/gated_delta.chunked):
+                           the chunks' triangular solves in parallel, then one pass over the chunks per state slice
 
 The states are rings of R slots (gated_delta.cu's header): slot p % R holds the state at position p; a pass at
 positions pos (int32, on the device) reads the slot of pos[0] and writes the slot of each next position (every
@@ -28,10 +30,30 @@ _CUDA_DIR = Path(__file__).resolve().parent
 PLAIN = ("gdn_conv_kernel", "gdn_gates_kernel", "gdn_gated_norm_kernel", "gdn_recurrent_64_kernel",
          "gdn_recurrent_128_kernel", "gdn_recurrent_256_kernel", "gdn_conv_rows_kernel", "gdn_conv_tail_kernel",
          "gdn_qk_norm_kernel", "gdn_recurrent_pre_64_kernel", "gdn_recurrent_pre_128_kernel",
-         "gdn_recurrent_pre_256_kernel")
+         "gdn_recurrent_pre_256_kernel", "gdn_chunk_prep_64_kernel", "gdn_chunk_prep_128_kernel",
+         "gdn_chunk_prep_256_kernel", "gdn_chunk_state_64_kernel", "gdn_chunk_state_128_kernel",
+         "gdn_chunk_state_256_kernel")
 KEY_HEAD_DIMS = (64, 128, 256)
 MAX_KERNEL = 8  # GDN_MAX_KERNEL
 THREADS = 128
+CHUNK = 64  # GDN_CHUNK: rows per chunk of recurrent_chunked
+CHUNK_THREADS = 256  # GDN_CHUNK_THREADS
+CHUNK_BV = 32  # GDN_CHUNK_BV: state columns per block of gdn_chunk_state
+
+
+def chunk_state_smem(dk: int) -> int:
+    """Dynamic shared memory of a gdn_chunk_state block: S [dk, BV], two [CHUNK, dk], intra [CHUNK, CHUNK] and
+    v' [CHUNK, BV] in fp32 (104 KiB at dk = 128)."""
+    return 4 * (dk * CHUNK_BV + 2 * CHUNK * dk + CHUNK * CHUNK + CHUNK * CHUNK_BV)
+
+
+def chunk_work_shapes(t: int, spec: Any) -> dict[str, tuple[int, ...]]:
+    """The shapes of recurrent_chunked's work area for t rows (fp32 each, rows padded to whole chunks): W
+    [v_heads, N CHUNK, dk], U [.., dv], intra [.., CHUNK] and the cumulative decays cum [v_heads, N CHUNK]."""
+    rows = -(-t // CHUNK) * CHUNK
+    hv = spec.num_v_heads
+    return {"w": (hv, rows, spec.k_head_dim), "u": (hv, rows, spec.v_head_dim), "intra": (hv, rows, CHUNK),
+            "cum": (hv, rows)}
 
 
 def module_source() -> str:
@@ -181,6 +203,48 @@ class GatedDeltaKernels:
                 np.int32(bool(every)), out, np.int32(t), np.int32(hk), np.int32(hv), np.int32(dv))
         name = f"gdn_recurrent_pre_{dk}_kernel" if prenormed else f"gdn_recurrent_{dk}_kernel"
         self._launch(name, (hv, -(-dv // columns)), (THREADS,), args, stream)
+
+    def recurrent_chunked(self, conv: Any, beta: Any, g: Any, ring: Any, positions: Any, out: Any, spec: Any,
+                          work: dict[str, Any], *, stream: Any = None) -> None:
+        """recurrent(conv, ..., every=False, prenormed=True) by chunks of CHUNK rows (the numbers of
+        backends/numpy/gated_delta.chunked, not those of the sequential rule bit for bit): the same arguments, and
+        `work`, f32 arrays of chunk_work_shapes(T, spec) by name (16-byte aligned, overwritten). Two launches:
+        gdn_chunk_prep (grid chunks x v_heads) fills the work area, gdn_chunk_state (grid v_heads x dv / BV)
+        reads the slot of positions[0], runs the chunks in order and writes the slot of positions[0] + T."""
+        k = self.k
+        dk, dv, hk, hv = spec.k_head_dim, spec.v_head_dim, spec.num_k_heads, spec.num_v_heads
+        if dk not in KEY_HEAD_DIMS:
+            raise ValueError(f"recurrent_chunked: key head dim {dk} not in {KEY_HEAD_DIMS}")
+        t = conv.shape[0]
+        k._f32(conv, "conv", 2)
+        k._f32(ring, "ring", 4)
+        k._i32(positions, "positions", 1)
+        k._shape(conv, "conv", (t, spec.conv_dim))
+        k._shape(beta, "beta", (t, hv))
+        k._shape(g, "g", (t, hv))
+        k._shape(ring, "ring", (ring.shape[0], hv, dk, dv))
+        k._shape(positions, "positions", (t,))
+        k._shape(out, "out", (t, hv, dv))
+        if ring.shape[0] < 2 or t == 0:
+            raise ValueError(f"recurrent_chunked: {ring.shape[0]} ring slots for {t} rows (at least 2 slots, 1 row)")
+        for name, shape in chunk_work_shapes(t, spec).items():
+            k._f32(work[name], name, len(shape))
+            k._shape(work[name], name, shape)
+            k._aligned(work[name], name)
+        w, u, intra, cum = work["w"], work["u"], work["intra"], work["cum"]
+        chunks = w.shape[1] // CHUNK
+        args = (conv, np.int32(spec.conv_dim), beta, g, w, u, intra, cum, np.int32(t), np.int32(hk), np.int32(hv),
+                np.int32(dv))
+        self._launch(f"gdn_chunk_prep_{dk}_kernel", (chunks, hv), (CHUNK_THREADS,), args, stream)
+        name, smem = f"gdn_chunk_state_{dk}_kernel", chunk_state_smem(dk)
+        fn = self._fn[name]
+        done = self.__dict__.setdefault("_smem_set", set())
+        if name not in done:  # opt in to more than 48 KiB of dynamic shared memory, once
+            fn.max_dynamic_shared_size_bytes = smem
+            done.add(name)
+        args = (conv, np.int32(spec.conv_dim), w, u, intra, cum, ring, np.int32(ring.shape[0]), positions, out,
+                np.int32(t), np.int32(hk), np.int32(hv), np.int32(dv))
+        fn((hv, -(-dv // CHUNK_BV)), (CHUNK_THREADS,), args, stream=stream, shared_mem=smem)
 
     def gated_norm(self, o: Any, proj: Any, z_col: Any, weight: Any, eps: float, y: Any, *,
                    stream: Any = None) -> None:
