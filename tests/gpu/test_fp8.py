@@ -130,6 +130,21 @@ def write_fp8(path: Path, arch: dict, block, rng) -> Path:
     return path
 
 
+def verify_against_decode(gpu, prompt: list[int], drafts: list[int]) -> float:
+    """The relative difference between a verify of `drafts` after `prompt` and the same tokens decoded one by one
+    (rows path, graphs on), on a reset engine."""
+    gpu.reset()
+    gpu.prefill(prompt)
+    gpu.verify(drafts)
+    v = rows(gpu, gpu.logits_buffer_ptr(), len(drafts))
+    gpu.trim(len(prompt))
+    seq = []
+    for t in drafts:
+        gpu.decode(t)
+        seq.append(rows(gpu, gpu.decode_logits_ptr(), 1)[0])
+    return rel(v, np.stack(seq))
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_the_cuda_engine_on_fp8_checkpoints_matches_the_numpy_engine(cp, tmp_path, rng, name):
     arch, block = MODELS[name]
@@ -149,17 +164,7 @@ def test_the_cuda_engine_on_fp8_checkpoints_matches_the_numpy_engine(cp, tmp_pat
     n = tokens_agree([s.token for s in a.steps], [s.token for s in b.steps], a.rows.array())
     assert rel(b.rows.array()[:n], a.rows.array()[:n]) < 2e-2  # past a near-tie split the rows differ
     # verify == the same tokens decoded one by one, on the GPU (rows path, graphs on)
-    gpu.reset()
-    gpu.prefill(prompt[:8])
-    drafts = [s.token for s in b.steps[:6]]
-    gpu.verify(drafts)
-    v = rows(gpu, gpu.logits_buffer_ptr(), 6)
-    gpu.trim(8)
-    seq = []
-    for t in drafts:
-        gpu.decode(t)
-        seq.append(rows(gpu, gpu.decode_logits_ptr(), 1)[0])
-    assert rel(v, np.stack(seq)) < 1e-3
+    assert verify_against_decode(gpu, prompt[:8], [s.token for s in b.steps[:6]]) < 1e-3
 
 
 def test_fp8_weights_the_gemv_cannot_take_run_dequantized_to_bf16(cp, tmp_path, rng):
@@ -241,17 +246,7 @@ def test_activation_quant_emulate_on_the_gpu(cp, tmp_path, rng):
     print(f"emulation changes the logits by {cpu:.2e} on the CPU, {gpu:.2e} on the GPU; emulated GPU vs emulated "
           f"CPU {rel(got['cuda', 'emulate'], got['cpu', 'emulate']):.2e}")
     assert cpu / 3 < gpu < cpu * 3
-    gpu_e = engines["cuda", "emulate"]
-    gpu_e.reset()
-    gpu_e.prefill(prompt[:8])
     drafts = [int(t) for t in rng.integers(0, BASE["vocab_size"], 6)]
-    gpu_e.verify(drafts)
-    v = rows(gpu_e, gpu_e.logits_buffer_ptr(), 6)
-    gpu_e.trim(8)
-    seq = []
-    for t in drafts:
-        gpu_e.decode(t)
-        seq.append(rows(gpu_e, gpu_e.decode_logits_ptr(), 1)[0])
-    err = rel(v, np.stack(seq))
+    err = verify_against_decode(engines["cuda", "emulate"], prompt[:8], drafts)
     print(f"emulated verify of 6 rows vs 6 decode steps: {err:.2e}")
     assert err < 1e-2  # a shared scale would move rows by about the emulation's effect; 1e-6 noise flips rarely
