@@ -556,17 +556,15 @@ def test_fp8_weights_are_counted_as_held_and_the_refusal_names_the_tp_that_fits(
 
 def test_the_deepseek_v3_preset_names_what_one_gpu_lacks():
     """DeepSeek-V3 (671B, block FP8 as shipped): the CUDA engine would dequantize its FP8 latent projections and
-    experts to bf16 at load (not yet run on a GPU: gated), and the size check names the --tp its 1240 GiB would
-    need on 80 GB and 141 GB cards."""
+    experts to bf16 at load, and the size check names the --tp its 1240 GiB would need on 80 GB and 141 GB cards."""
     from metrale_cli.bench import preset_path
     from metrale_cli.errors import DeviceError
 
     cfg = load_config(preset_path("deepseek-v3"))
     assert round(cfg.definition.parameter_count() / 1e9) == 671
     assert cuda_loading.unsupported_features(cfg.definition) == []
-    gated = cuda_loading.unverified_features(cfg.definition)
-    assert "experts_gate_up weights stored as fp8_block128x128 (dequantized to bf16 at load)" in gated
-    assert "kv_b weights stored as fp8_block128x128 (dequantized to bf16 at load)" in gated
+    dequantized = {p.key for p in cfg.definition.params() if p.format and not cuda_loading.kept_as_stored(p)}
+    assert {"experts_gate_up", "experts_down", "kv_b"} <= dequantized
     for total, tp in ((80, 32), (141, 16)):
         with pytest.raises(DeviceError, match=rf"the weights need 1239\.7 GiB .* --tp {tp} "):
             cuda_loading.check_fits(cfg, (total - 2) << 30, total << 30)
@@ -574,17 +572,16 @@ def test_the_deepseek_v3_preset_names_what_one_gpu_lacks():
 
 def test_the_glm_4_5_air_fp8_preset_needs_its_fp8_experts_kept_as_stored_to_fit_one_h200():
     """GLM-4.5-Air in block FP8 (106.9B without its next-token layer): its experts are 95 % of it, and the CUDA engine
-    dequantizes FP8 experts to bf16 at load (gated, not yet run on a GPU), so the 193.5 GiB it would hold take --tp 2
-    on a 141 GB card (4 on 80 GB) until the MoE kernels read FP8 experts as stored."""
+    dequantizes FP8 experts to bf16 at load, so the 193.5 GiB it would hold take --tp 2 on a 141 GB card (4 on 80 GB)
+    until the MoE kernels read FP8 experts as stored."""
     from metrale_cli.bench import preset_path
     from metrale_cli.errors import DeviceError
 
     cfg = load_config(preset_path("glm-4.5-air-fp8"))
     assert round(cfg.definition.parameter_count() / 1e8) == 1069
     assert cuda_loading.unsupported_features(cfg.definition) == []
-    assert cuda_loading.unverified_features(cfg.definition) == [
-        "experts_down weights stored as fp8_block128x128 (dequantized to bf16 at load)",
-        "experts_gate_up weights stored as fp8_block128x128 (dequantized to bf16 at load)"]
+    dequantized = {p.key for p in cfg.definition.params() if p.format and not cuda_loading.kept_as_stored(p)}
+    assert dequantized == {"experts_gate_up", "experts_down"}
     for total, tp in ((80, 4), (141, 2)):
         with pytest.raises(DeviceError, match=rf"the weights need 193\.5 GiB .* --tp {tp} "):
             cuda_loading.check_fits(cfg, (total - 2) << 30, total << 30)

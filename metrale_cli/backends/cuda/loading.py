@@ -211,29 +211,18 @@ def unsupported_features(definition: ModelDefinition) -> list[str]:
 
 # CUDA code that is tested on the CPU against stand-in kernels but has not yet passed its GPU tests: refused by name
 # unless METRALE_CUDA_UNVERIFIED=1 (the GPU tests set it: they are what verifies it), so no one gets its numbers
-# unknowingly. Latent attention, the DeepSeek / GLM router kinds and scaling, ungated shared experts, (1 + w) norms in
-# MoE layers and the attention output gate passed theirs on an H100 (docs/measurements/2026-12-07-session17); Gated
-# DeltaNet's prefill and decode did, its verify followed by a trim to a verify row did not.  gpt-oss's kernels
-# (attention sinks, topk_softmax routing with a router bias, clamped-SwiGLU experts with biases) await
-# tests/gpu/test_gpt_oss_cuda.py.
+# unknowingly. New CUDA code adds an entry (what it is called, which definitions use it) and removes it once its GPU
+# tests pass. Empty since session 18's H100 run (docs/measurements/2026-12-07-session18): latent attention and the
+# DeepSeek / GLM routers passed in session 17; Gated DeltaNet (its verify-then-trim included), gpt-oss (attention
+# sinks, topk_softmax routing with a router bias, clamped-SwiGLU experts with biases) and weights dequantized to bf16
+# at load (FP8 in 8-wide blocks, MXFP4 experts) in session 18.
 UNVERIFIED_ENV = "METRALE_CUDA_UNVERIFIED"
+UNVERIFIED: tuple[tuple[str, Callable[[ModelDefinition], bool]], ...] = ()
 
 
 def unverified_features(definition: ModelDefinition) -> list[str]:
-    """What the model runs through CUDA code that has not passed its GPU tests (Gated DeltaNet; gpt-oss's sinks,
-    router and experts; weights in a format dequantized to bf16 at load)."""
-    kinds = {layer.mixer.kind for layer in definition.layers}
-    found = ["layer kind linear_attention"] if "linear_attention" in kinds else []
-    for layer in definition.layers:
-        found += ["attention sinks"] if getattr(layer.mixer, "sinks", False) else []
-        if isinstance(layer.mlp, MoeSpec):
-            found += ["topk_softmax routing"] if layer.mlp.router.kind == "topk_softmax" else []
-            found += ["router bias"] if "router_bias" in layer.keys() else []
-            found += ["swiglu_oai experts"] if layer.mlp.activation == "swiglu_oai" else []
-            found += ["experts' biases"] if layer.mlp.expert_bias else []
-    dequantized = sorted({f"{p.key} weights stored as {p.format} (dequantized to bf16 at load)"
-                          for p in definition.params() if p.format is not None and not kept_as_stored(p)})
-    return list(dict.fromkeys(found)) + dequantized
+    """What the model runs through CUDA code that has not passed its GPU tests (UNVERIFIED's entries it uses)."""
+    return [name for name, uses in UNVERIFIED if uses(definition)]
 
 
 def check_activation_quant(definition: ModelDefinition) -> None:
