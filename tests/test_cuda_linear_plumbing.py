@@ -3,10 +3,12 @@ linear_attention kind's CUDA module (backends/cuda/linear_attention.py: the stat
 ops), the attention output gate and the sparse layers' (1 + w) norms, with the kernels replaced by NumPy
 implementations of their documented contracts (every call bound against the real wrapper's signature, as in
 tests/test_cuda_plumbing.py: the Gated DeltaNet kernels against GatedDeltaKernels, the MoE kernels against
-MoeKernels), against the NumPy engine on the fixtures: prefill (rows path and prefill path), decode, verify ==
-sequential decode, trim to a verify row then decode == a fresh run, the refusal of a trim the slots cannot serve,
-the dumped state, and that the rows path allocates nothing and reads nothing back (what a graph capture needs).
-No CUDA kernel runs here: tests/gpu/test_gated_delta_cuda.py and test_linear_engine_cuda.py do that."""
+MoeKernels), against the NumPy engine on the fixtures: prefill (rows path, and prefill path with the sequential and
+the chunked rule), decode, verify == sequential decode, trim to a verify row then decode == a fresh run, the refusal
+of a trim the slots cannot serve, the dumped state, and that the rows path allocates nothing and reads nothing back
+(what a graph capture needs). The chunked rule's stand-in is a NumPy mirror of its two kernels (chunk_prep,
+chunk_state: the same chunks, padding, work area and order), itself checked against the NumPy rules. No CUDA kernel
+runs here: tests/gpu/test_gated_delta_cuda.py and test_linear_engine_cuda.py do that."""
 
 from __future__ import annotations
 

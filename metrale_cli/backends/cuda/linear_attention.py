@@ -29,7 +29,7 @@ Ops, the same four launches on every pass type (conv + SiLU, gates, the recurren
   (`recurrent(prenormed=True)`: each thread reads its q and k itself, the next token's while it computes the
   current one), exact and equal to the rows path's numbers, its cost linear in the tokens: on an H100, 115 ms of
   qwen3.5-27b's 302 ms prefill of 2048 tokens (48 linear layers) before the chunked rule.
-  benchmarks/bench_gated_delta.py times the two on that model's layer shape.
+  benchmarks/bench_gated_delta.py times the two on that model's layer shape (docs/CUDA_ENGINE.md 4b: the figures).
 """
 
 from __future__ import annotations

@@ -312,9 +312,12 @@ GDN_RECURRENT_PRE(256)
 // (gdn_chunk_prep_kernel: independent across the chunks and heads), then per chunk in sequence, S the state at
 // the chunk's start (gdn_chunk_state_kernel):
 //   v' = U - W S;  o = (exp(G) q) S + intra v';  S = exp(G_{L-1}) S + (exp(G_{L-1} - G) k)^T v'.
-// Both read q and k after gdn_qk_norm_kernel. The intermediates go through a work area of [Hv, N L, ...] arrays
-// (N = ceil(T / L) chunks; row n L + i of head h is chunk n's row i): w [.., DK], u [.., dv], intra [.., L],
-// cum [Hv, N L] (G).
+// Both read the conv output [T, C] after gdn_qk_norm_kernel (q of key head hk at hk DK, k at Hk DK + hk DK, v of
+// value head h at 2 Hk DK + h dv; hk = h / (Hv / Hk)) and beta, g [T, Hv]. The intermediates go through a work
+// area of [Hv, N L, ...] fp32 arrays (N = ceil(T / L) chunks; row n L + i of head h is chunk n's row i): w [.., DK],
+// u [.., dv], intra [.., L], cum [Hv, N L] (G); w and intra 16-byte aligned (read as float4). Launches: prep on a
+// grid (N, Hv), then state on (Hv, ceil(dv / GDN_CHUNK_BV)), both of GDN_CHUNK_THREADS threads, on one stream.
+// The state's slot rules are the prefill's (the header): read at pos[0], written at pos[0] + T only.
 #define GDN_CHUNK 64
 #define GDN_CHUNK_THREADS 256
 #define GDN_CHUNK_BV 32  // the state's columns per gdn_chunk_state block
