@@ -147,15 +147,15 @@ def test_biased_router_and_topk_softmax_match_numpy(cp, kernels, moe_kernels, rn
     """The router GEMV adds the bias (the logits the NumPy engine routes on); the route kernel (rows path) and the
     prefill top-k choose the k largest logits in order and softmax over them."""
     from metrale_cli.backends.cuda.kernels.moe import RouteBuffers
-    from metrale_cli.backends.cuda.kernels.tuning import uses_tc
 
     hidden = 512
     h = rng.standard_normal((m, hidden)).astype(np.float32)
     wb, w = rand_bf16(rng, (experts, hidden), hidden ** -0.5)
     bb, b = rand_bf16(rng, (experts,), 1.0)
     logits = cp.empty((m, experts), cp.float32)
-    gemv = kernels.gemv_tc if uses_tc(m) else kernels.gemv  # the rows path's GEMVs (projections.Projections.linear)
-    gemv(cp.asarray(h), cp.asarray(wb), logits, cp.asarray(bb))
+    dh, dw, db = cp.asarray(h), cp.asarray(wb), cp.asarray(bb)
+    for r in range(m):  # the fp32-FMA GEMV one row at a time (it is compiled for 1 and 2 rows)
+        kernels.gemv(dh[r:r + 1], dw, logits[r:r + 1], db)
     got_logits = logits.get()
     np.testing.assert_allclose(got_logits, h @ w.T + b, rtol=1e-5, atol=1e-5, err_msg=f"seed={seed}")
     idx, wts = _np_topk_softmax(got_logits, k)  # on the GPU's logits: the choice itself is compared
