@@ -300,3 +300,31 @@ def test_gpt_oss_prefill_overflow_rows_take_their_experts_biases(monkeypatch):
     print(f"gpt_oss T=40 with overflow rows in {sum(1 for n in seen if n)} of {len(seen)} layers: prefill {err:.2e}")
     assert any(seen) and err < TOL
 
+
+def test_gpt_oss_fused_path_equals_the_rows_path(monkeypatch):
+    """The "fused" rows path (the default on one GPU; the stand-in engine starts on "rows") hands the sinks to the
+    attention kernels too and gives the rows path's logits over decode and verify rows."""
+    from test_cuda_plumbing import SAME_TOL
+
+    sinks = _record_sinks(monkeypatch)
+    rng = np.random.default_rng()
+    prompt = [int(t) for t in rng.integers(0, 300, 8)]
+    steps = [int(t) for t in rng.integers(0, 300, 6)]
+    out = {}
+    for path in ("rows", "fused"):
+        with fake_moe(), fake_engine("gpt_oss") as gpu:
+            gpu.set_path(path)
+            gpu.prefill(prompt)
+            sinks.clear()
+            got = []
+            for t in steps:
+                gpu.decode(t)
+                got.append(rows(gpu, gpu.decode_logits_ptr(), 1)[0])
+            assert len(sinks) == 4 * len(steps) and all(s is not None for _, s in sinks)
+            gpu.check_fused()
+            gpu.reset()
+            gpu.prefill(prompt)
+            gpu.verify(steps)
+            out[path] = (np.stack(got), rows(gpu, gpu.logits_buffer_ptr(), len(steps)))
+    assert rel(out["fused"][0], out["rows"][0]) < SAME_TOL and rel(out["fused"][1], out["rows"][1]) < SAME_TOL
+

@@ -342,8 +342,13 @@ def test_gpt_oss_prefill_parity(cp, checkpoints, name, plen, rng, seed):
 
 
 @pytest.mark.parametrize("name", list(ARCHS))
-def test_gpt_oss_greedy_24_steps(cp, checkpoints, name, rng, seed):
+@pytest.mark.parametrize("path", ["fused", "rows"])  # the rows paths (backends/cuda/paths.py): the default, the base
+def test_gpt_oss_greedy_24_steps(cp, checkpoints, name, path, rng, seed, monkeypatch):
+    from metrale_cli.backends.cuda.paths import PATH_ENV
+
+    monkeypatch.setenv(PATH_ENV, path)
     cpu, gpu = pair(checkpoints[name])
+    assert gpu.path == path
     prompt = [int(t) for t in rng.integers(0, cpu.vocab_size(), 12)]
     a = decoding.run_decode(cpu, prompt, 24, keep_rows=True)
     b = decoding.run_decode(gpu, prompt, 24, keep_rows=True)
@@ -355,7 +360,7 @@ def test_gpt_oss_greedy_24_steps(cp, checkpoints, name, rng, seed):
     if same < len(ta) and n == same + 1:  # token `same` differs with the same routing: a logits near tie only
         assert_near_tie(a.rows.array()[same], f"seed={seed}: token {same}")
     err = rel(b.rows.array()[:n], a.rows.array()[:n]) if n else 0.0
-    print(f"gpt-oss {name}: {same} greedy tokens equal of 24 (positions 12..35: past the window), "
+    print(f"gpt-oss {name} ({path} path): {same} greedy tokens equal of 24 (positions 12..35: past the window), "
           f"rel err over {n} rows {err:.2e}")
     assert err <= TOL, f"seed={seed}"
 
