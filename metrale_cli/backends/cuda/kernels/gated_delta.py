@@ -182,10 +182,20 @@ class GatedDeltaKernels:
         and k already through qk_norm), beta, g f32 [T, v_heads], out f32 [T, v_heads, dv]; ring f32
         [R, v_heads, dk, dv] (R > 1): read at the slot of positions[0], written at the next position's slot after
         every row (every) or the last; positions int32 [T], consecutive."""
-        k = self.k
         dk, dv, hk, hv = spec.k_head_dim, spec.v_head_dim, spec.num_k_heads, spec.num_v_heads
+        t = self._check_rule("recurrent", conv, beta, g, ring, positions, out, spec)
+        columns = THREADS // (dk // 32)
+        args = (conv, np.int32(spec.conv_dim), beta, g, ring, np.int32(ring.shape[0]), positions,
+                np.int32(bool(every)), out, np.int32(t), np.int32(hk), np.int32(hv), np.int32(dv))
+        name = f"gdn_recurrent_pre_{dk}_kernel" if prenormed else f"gdn_recurrent_{dk}_kernel"
+        self._launch(name, (hv, -(-dv // columns)), (THREADS,), args, stream)
+
+    def _check_rule(self, op: str, conv, beta, g, ring, positions, out, spec) -> int:
+        """The operands of the gated delta rule's kernels (recurrent, recurrent_chunked); returns T."""
+        k = self.k
+        dk, dv, hv = spec.k_head_dim, spec.v_head_dim, spec.num_v_heads
         if dk not in KEY_HEAD_DIMS:
-            raise ValueError(f"recurrent: key head dim {dk} not in {KEY_HEAD_DIMS}")
+            raise ValueError(f"{op}: key head dim {dk} not in {KEY_HEAD_DIMS}")
         t = conv.shape[0]
         k._f32(conv, "conv", 2)
         k._f32(ring, "ring", 4)
@@ -197,12 +207,8 @@ class GatedDeltaKernels:
         k._shape(positions, "positions", (t,))
         k._shape(out, "out", (t, hv, dv))
         if ring.shape[0] < 2 or t == 0:
-            raise ValueError(f"recurrent: {ring.shape[0]} ring slots for {t} rows (at least 2 slots, 1 row)")
-        columns = THREADS // (dk // 32)
-        args = (conv, np.int32(spec.conv_dim), beta, g, ring, np.int32(ring.shape[0]), positions,
-                np.int32(bool(every)), out, np.int32(t), np.int32(hk), np.int32(hv), np.int32(dv))
-        name = f"gdn_recurrent_pre_{dk}_kernel" if prenormed else f"gdn_recurrent_{dk}_kernel"
-        self._launch(name, (hv, -(-dv // columns)), (THREADS,), args, stream)
+            raise ValueError(f"{op}: {ring.shape[0]} ring slots for {t} rows (at least 2 slots, 1 row)")
+        return t
 
     def recurrent_chunked(self, conv: Any, beta: Any, g: Any, ring: Any, positions: Any, out: Any, spec: Any,
                           work: dict[str, Any], *, stream: Any = None) -> None:
@@ -213,20 +219,7 @@ class GatedDeltaKernels:
         reads the slot of positions[0], runs the chunks in order and writes the slot of positions[0] + T."""
         k = self.k
         dk, dv, hk, hv = spec.k_head_dim, spec.v_head_dim, spec.num_k_heads, spec.num_v_heads
-        if dk not in KEY_HEAD_DIMS:
-            raise ValueError(f"recurrent_chunked: key head dim {dk} not in {KEY_HEAD_DIMS}")
-        t = conv.shape[0]
-        k._f32(conv, "conv", 2)
-        k._f32(ring, "ring", 4)
-        k._i32(positions, "positions", 1)
-        k._shape(conv, "conv", (t, spec.conv_dim))
-        k._shape(beta, "beta", (t, hv))
-        k._shape(g, "g", (t, hv))
-        k._shape(ring, "ring", (ring.shape[0], hv, dk, dv))
-        k._shape(positions, "positions", (t,))
-        k._shape(out, "out", (t, hv, dv))
-        if ring.shape[0] < 2 or t == 0:
-            raise ValueError(f"recurrent_chunked: {ring.shape[0]} ring slots for {t} rows (at least 2 slots, 1 row)")
+        t = self._check_rule("recurrent_chunked", conv, beta, g, ring, positions, out, spec)
         for name, shape in chunk_work_shapes(t, spec).items():
             k._f32(work[name], name, len(shape))
             k._shape(work[name], name, shape)
