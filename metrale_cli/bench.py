@@ -292,8 +292,9 @@ def _run_bench(eng, name: str, cfg: ModelConfig, device: str, context: int, ks: 
     if linear_state_bytes(cfg):
         res.notes.append(f"linear-attention layers: their recurrent and conv states ({linear_state_bytes(cfg) / 2**20:.0f}"
                          " MiB read and written a step) count in the floor with the KV cache")
-    if weight_formats_note(cfg):
-        res.notes.append(weight_formats_note(cfg))
+    note = weight_formats_note(cfg, device)
+    if note:
+        res.notes.append(note)
     if tp is not None:  # the floor of one rank: its share of the weights and its KV heads
         from .parallel.sharding import rank_config
 
@@ -478,14 +479,22 @@ def _weight_bytes(eng, cfg: ModelConfig, elem: int) -> tuple[int, float]:
     return streamed - sum(prod(p.shape) for p in formatted) * elem + sum(stored_nbytes(p) for p in formatted), elem
 
 
-def weight_formats_note(cfg: ModelConfig) -> str | None:
-    """The bench's line on how the weights are stored, for a quantized model."""
-    names = sorted({p.format for p in cfg.definition.params() if p.format is not None})
-    if not names:
+def weight_formats_note(cfg: ModelConfig, device: str) -> str | None:
+    """The bench's line on how the weights are stored, for a quantized model, and what the floor counts of them on
+    `device`: the CUDA engine holds the params it keeps as stored in their format and the rest dequantized to bf16."""
+    params = [p for p in cfg.definition.params() if p.format is not None]
+    if not params:
         return None
-    return (f"weights: quant_method {cfg.quantization['quant_method']} ({', '.join(names)}); the floor counts "
-            "the bytes the engine holds them in (as stored: weights and scales; the CPU engine's fp32 copies where "
-            "it dequantizes at load)")
+    names = ", ".join(sorted({p.format for p in params}))
+    held = "the bytes the engine holds them in (as stored: weights and scales; fp32 copies where it dequantizes at load)"
+    if device == "cuda":
+        from .backends.cuda.loading import kept_as_stored
+
+        bf16 = sorted({p.key for p in params if not kept_as_stored(p)})
+        stored = any(kept_as_stored(p) for p in params)
+        held = ("their stored bytes (weights and scales)" if not bf16 else
+                f"bf16 for {', '.join(bf16)} (dequantized at load)" + (", the stored bytes of the rest" if stored else ""))
+    return f"weights: quant_method {cfg.quantization['quant_method']} ({names}); the floor counts {held}"
 
 
 def _expert_params(cfg: ModelConfig) -> tuple[int, int]:

@@ -184,3 +184,16 @@ def test_the_cpu_floor_counts_the_bytes_the_engine_holds(monkeypatch, fused_min)
         n = int(np.prod(info.shape))
         want += 2 * n if (info.dtype == "BF16" and len(info.shape) == 2 and fused_min == 0) else 4 * n
     assert streamed == want
+
+
+def test_the_formats_note_says_what_the_floor_counts_on_each_engine():
+    """On the GPU the floor counts an MXFP4 expert as the bf16 it is dequantized to at load and an FP8 projection as
+    its stored bytes; on the CPU the engine's own arrays (stored, or fp32 where it dequantizes)."""
+    from metrale_cli.bench import preset_path, weight_formats_note
+    from metrale_cli.config import load_config
+
+    oss, fp8 = load_config(preset_path("gpt-oss-20b")), load_config(preset_path("qwen3-8b-fp8"))
+    assert weight_formats_note(oss, "cuda").endswith("bf16 for experts_down, experts_gate_up (dequantized at load)")
+    assert weight_formats_note(fp8, "cuda").endswith("their stored bytes (weights and scales)")
+    assert "fp32 copies where it dequantizes at load" in weight_formats_note(oss, "cpu")
+    assert weight_formats_note(load_config(preset_path("llama-3.1-8b")), "cuda") is None
