@@ -455,12 +455,11 @@ def _decode_logits(eng) -> np.ndarray:
 def _weight_bytes(eng, cfg: ModelConfig, elem: int) -> tuple[int, float]:
     """(the weight bytes one decode step reads, every expert counted; the bytes of one expert parameter). The
     embedding table is left out (a step reads one row of it) unless the lm_head is that table. On the GPU a
-    weight takes `elem` bytes an element, one kept in its weight format its stored bytes (e4m3 and scales). The
+    weight takes `elem` bytes an element, one kept in its weight format the bytes the device holds it in (e4m3 and
+    scales; 4-bit codes and fp32 scales: loading.stored_param_bytes). The
     CPU engine holds each weight as it keeps it (bf16 bits, a format's stored bytes, or fp32: backends/numpy/
     stored.py): its arrays' bytes are counted."""
     from math import prod
-
-    from .models.formats import stored_nbytes
 
     one, total = _expert_params(cfg)
     w = getattr(eng, "w", None)
@@ -471,12 +470,12 @@ def _weight_bytes(eng, cfg: ModelConfig, elem: int) -> tuple[int, float]:
         experts = sum(held(a) for lw in w.layers for k, a in lw.items() if k.startswith("experts_"))
         streamed = sum(held(a) for lw in w.layers for a in lw.values()) + held(w.lm_head) + held(w.final_norm)
         return streamed, (experts / total if total else float(elem))
-    from .backends.cuda.loading import kept_as_stored  # the others are held in bf16 (dequantized at load)
+    from .backends.cuda.loading import kept_as_stored, stored_param_bytes  # the others: bf16 (dequantized at load)
 
     embed = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
     formatted = [p for p in cfg.definition.params() if kept_as_stored(p)]
     streamed = (cfg.parameter_count() - embed) * elem
-    return streamed - sum(prod(p.shape) for p in formatted) * elem + sum(stored_nbytes(p) for p in formatted), elem
+    return streamed - sum(prod(p.shape) for p in formatted) * elem + sum(stored_param_bytes(p) for p in formatted), elem
 
 
 def weight_formats_note(cfg: ModelConfig, device: str) -> str | None:

@@ -31,10 +31,14 @@ class CudaFormat:
     # input_quant(param, read, kern) -> how the weight's inputs are quantized under `--activation-quant emulate`
     # (set as the device weight's `input_quant`, which `linear` and `gemm` apply to x first); None: not emulated
     input_quant: Callable[[Any, Callable[..., Any], Any], Any] | None = None
+    # nbytes(param) -> the bytes its device weights hold, where they differ from the stored bytes (4-bit codes
+    # with fp32 scales for their e4m3 or bf16 ones); None: the checkpoint's stored bytes (formats.stored_nbytes)
+    nbytes: Callable[[Any], int] | None = None
 
 
 _FORMATS: dict[str, CudaFormat] = {}
-BUILTIN = ("metrale_cli.backends.cuda.fp8",)  # the built-in entries, imported on the first lookup (no CuPy needed)
+# the built-in entries, imported on the first lookup (no CuPy needed)
+BUILTIN = ("metrale_cli.backends.cuda.fp8", "metrale_cli.backends.cuda.w4")
 
 
 def register_cuda_format(fmt: CudaFormat) -> CudaFormat:

@@ -130,16 +130,24 @@ def kept_as_stored(p) -> bool:
     return p.format is not None and p.key in PROJECTION_KEYS and cuda_format(p.format) is not None
 
 
-def device_weight_bytes(definition: ModelDefinition) -> int:
-    """The bytes the CUDA engine holds the weights in: bf16, fp32 for FP32_KEYS, a weight format's stored bytes
-    (e4m3 and scales) where the format runs as stored. What is read: not a checkpoint's vision tower, say."""
-    from math import prod
-
+def stored_param_bytes(p) -> int:
+    """The device bytes of a param kept as stored (kept_as_stored): its CUDA format's `nbytes` (4-bit codes with
+    fp32 scales), else the checkpoint's stored bytes (e4m3 and fp32 scales)."""
     from ...models.formats import stored_nbytes
+
+    nbytes = cuda_format(p.format).nbytes
+    return nbytes(p) if nbytes is not None else stored_nbytes(p)
+
+
+def device_weight_bytes(definition: ModelDefinition) -> int:
+    """The bytes the CUDA engine holds the weights in: bf16, fp32 for FP32_KEYS, a weight format's bytes where the
+    format runs as stored (its CudaFormat.nbytes, else the stored bytes: e4m3 and scales). What is read: not a
+    checkpoint's vision tower, say."""
+    from math import prod
 
     def held(p) -> int:
         if kept_as_stored(p):
-            return stored_nbytes(p)
+            return stored_param_bytes(p)
         return (4 if p.key in FP32_KEYS else 2) * sum(prod(t.shape) for t in p.parts)
 
     return sum(held(p) for p in definition.params())
@@ -212,12 +220,24 @@ def unsupported_features(definition: ModelDefinition) -> list[str]:
 # CUDA code that is tested on the CPU against stand-in kernels but has not yet passed its GPU tests: refused by name
 # unless METRALE_CUDA_UNVERIFIED=1 (the GPU tests set it: they are what verifies it), so no one gets its numbers
 # unknowingly. New CUDA code adds an entry (what it is called, which definitions use it) and removes it once its GPU
-# tests pass. Empty since session 18's H100 run (docs/measurements/2026-12-07-session18): latent attention and the
-# DeepSeek / GLM routers passed in session 17; Gated DeltaNet (its verify-then-trim included), gpt-oss (attention
-# sinks, topk_softmax routing with a router bias, clamped-SwiGLU experts with biases) and weights dequantized to bf16
-# at load (FP8 in 8-wide blocks, MXFP4 experts) in session 18.
+# tests pass. Latent attention and the DeepSeek / GLM routers passed in session 17; Gated DeltaNet (its
+# verify-then-trim included), gpt-oss (attention sinks, topk_softmax routing with a router bias, clamped-SwiGLU experts
+# with biases) and weights dequantized to bf16 at load (FP8 in 8-wide blocks, MXFP4 experts) in session 18
+# (docs/measurements/2026-12-07-session18). Gated now: the 4-bit projections kept as stored (backends/cuda/w4.py,
+# kernels/w4.cu: NVFP4 and symmetric int4), until tests/gpu/test_w4.py passes.
 UNVERIFIED_ENV = "METRALE_CUDA_UNVERIFIED"
-UNVERIFIED: tuple[tuple[str, Callable[[ModelDefinition], bool]], ...] = ()
+
+
+def _uses_w4(definition: ModelDefinition) -> bool:
+    from .w4 import W4_FAMILIES
+    from ...models.formats import weight_format
+
+    return any(kept_as_stored(p) and weight_format(p.format).family in W4_FAMILIES for p in definition.params())
+
+
+UNVERIFIED: tuple[tuple[str, Callable[[ModelDefinition], bool]], ...] = (
+    ("NVFP4 / int4 projections read as stored", _uses_w4),
+)
 
 
 def unverified_features(definition: ModelDefinition) -> list[str]:
