@@ -491,8 +491,8 @@ def weight_formats_note(cfg: ModelConfig, device: str) -> str | None:
 
         bf16 = sorted({p.key for p in params if not kept_as_stored(p)})
         stored = any(kept_as_stored(p) for p in params)
-        held = ("their stored bytes (weights and scales)" if not bf16 else
-                f"bf16 for {', '.join(bf16)} (dequantized at load)" + (", the stored bytes of the rest" if stored else ""))
+        held = ("the bytes the engine holds them in (packed weights and their scales)" if not bf16 else
+                f"bf16 for {', '.join(bf16)} (dequantized at load)" + (", the packed weights and scales of the rest" if stored else ""))
     return f"weights: quant_method {cfg.quantization['quant_method']} ({names}); the floor counts {held}"
 
 

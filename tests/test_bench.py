@@ -188,12 +188,13 @@ def test_the_cpu_floor_counts_the_bytes_the_engine_holds(monkeypatch, fused_min)
 
 def test_the_formats_note_says_what_the_floor_counts_on_each_engine():
     """On the GPU the floor counts an MXFP4 expert as the bf16 it is dequantized to at load and an FP8 projection as
-    its stored bytes; on the CPU the engine's own arrays (stored, or fp32 where it dequantizes)."""
+    the bytes the engine holds (e4m3 and fp32 scales); on the CPU the engine's own arrays (stored, or fp32 where it
+    dequantizes)."""
     from metrale_cli.bench import preset_path, weight_formats_note
     from metrale_cli.config import load_config
 
     oss, fp8 = load_config(preset_path("gpt-oss-20b")), load_config(preset_path("qwen3-8b-fp8"))
     assert weight_formats_note(oss, "cuda").endswith("bf16 for experts_down, experts_gate_up (dequantized at load)")
-    assert weight_formats_note(fp8, "cuda").endswith("their stored bytes (weights and scales)")
+    assert weight_formats_note(fp8, "cuda").endswith("the bytes the engine holds them in (packed weights and their scales)")
     assert "fp32 copies where it dequantizes at load" in weight_formats_note(oss, "cpu")
     assert weight_formats_note(load_config(preset_path("llama-3.1-8b")), "cuda") is None
