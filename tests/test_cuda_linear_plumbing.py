@@ -450,10 +450,10 @@ def test_the_bench_floor_counts_the_state_a_step_moves(name):
     assert linear_state_bytes(plumbing.load_config(plumbing.FIXTURES / "llama")) == 0
 
 
-def test_the_presets_shapes_and_what_the_cuda_engine_still_refuses():
+def test_the_presets_shapes_and_what_the_cuda_engine_still_refuses(monkeypatch):
     """qwen3.5-27b (Qwen3.5-27B's text model: 64 layers, 48 of them Gated DeltaNet) runs on the CUDA engine's kernels
     and fits one 80 GB card in bf16; qwen3-next-80b-a3b-fp8 (FP8 block weights) is refused by name before anything
-    loads: its 512 experts are not in the MoE kernels yet (its FP8 experts would be dequantized to bf16 at load)."""
+    loads: its 512 experts are not in the MoE kernels yet (its FP8 experts would be read as stored, unverified)."""
     from metrale_cli.backends.cuda.loading import load_cuda_engine, unsupported_features, unverified_features
     from metrale_cli.bench import preset_path
     from metrale_cli.errors import DeviceError
@@ -466,8 +466,12 @@ def test_the_presets_shapes_and_what_the_cuda_engine_still_refuses():
     assert 26.5e9 < dense.definition.parameter_count() < 27.5e9  # 54 GB in bf16
     sparse = plumbing.load_config(preset_path("qwen3-next-80b-a3b-fp8"))
     assert sparse.quantization["quant_method"] == "fp8" and 79e9 < sparse.definition.parameter_count() < 81e9
-    assert unsupported_features(sparse.definition) == []  # its FP8 experts would be dequantized to bf16 at load
-    assert unverified_features(sparse.definition) == []
+    assert unsupported_features(sparse.definition) == []
+    assert unverified_features(sparse.definition) == ["FP8 experts read as stored by the MoE kernels"]
+    monkeypatch.delenv("METRALE_CUDA_UNVERIFIED", raising=False)
+    with pytest.raises(DeviceError, match="FP8 experts read as stored by the MoE kernels have not passed"):
+        load_cuda_engine(sparse, RandomTensors(sparse), 64)
+    monkeypatch.setenv("METRALE_CUDA_UNVERIFIED", "1")
     with pytest.raises(DeviceError, match="do not take 512 experts"):
         load_cuda_engine(sparse, RandomTensors(sparse), 64)
     assert "512 experts" in MoeKernels.check_sizes(512, 10, 512, 512)

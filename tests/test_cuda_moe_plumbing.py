@@ -22,8 +22,25 @@ from metrale_cli.backends.cuda.projections import Projections  # noqa: E402
 from metrale_cli.backends.numpy.routers import ROUTERS  # noqa: E402
 
 
+def expert_f32(w, e: int | None = None) -> np.ndarray:
+    """Weight w (expert e of stacked experts) as the kernels read it, in fp32: bf16 bits widened, or FP8 experts /
+    an FP8 shared weight (kernels/moe.is_fp8) as each e4m3 value times its block's fp32 scale, the checks of the
+    wrapper's kept (K and the block width multiples of 16)."""
+    if not moe_kernels.is_fp8(w):
+        return f32(w if e is None else w[e])
+    import ml_dtypes
+
+    data, scale = (w.data, w.scale) if e is None else (w.data[e], w.scale[e])
+    n, k = data.shape
+    assert data.dtype == np.uint8 and k % 16 == 0 and w.bk % 16 == 0
+    assert scale.shape == (-(-n // w.srow), -(-k // w.bk)) and scale.dtype == np.float32
+    q = np.asarray(data).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return q * np.repeat(np.repeat(np.asarray(scale), w.srow, 0)[:n], w.bk, 1)[:, :k]
+
+
 class FakeMoeKernels:
-    """kernels/moe.MoeKernels' contracts in NumPy (the union is not kept: gate_up / down read idx and wts)."""
+    """kernels/moe.MoeKernels' contracts in NumPy (the union is not kept: gate_up / down read idx and wts); bf16 or
+    FP8 experts (expert_f32), an FP8 shared expert with FP8 experts only."""
 
     def __init__(self, kern):
         self.k = kern
@@ -87,18 +104,20 @@ class FakeMoeKernels:
         for r in range(m):
             for j in range(k):
                 e = b.idx[r, j] - first
-                gu = f32(w_gate_up[e]) @ b.h[r] + (0 if bias is None else f32(bias[e]))
+                gu = expert_f32(w_gate_up, e) @ b.h[r] + (0 if bias is None else f32(bias[e]))
                 act[r * k + j] = glu(gu[None], activation, limit, alpha)[0]
 
     def down(self, m, w_down, b, act, out, *, shared=None, accumulate, first=0, bias=None, stream=None):
         k = b.idx.shape[1]
+        if shared is not None and moe_kernels.is_fp8(shared[0]):
+            assert moe_kernels.is_fp8(w_down), "an FP8 shared expert with bf16 experts (the wrapper refuses it)"
         y = np.zeros((m, w_down.shape[1]), np.float32)
         for r in range(m):
             for j in np.argsort(b.idx[r]):  # experts in increasing order, each with its bias before its weight
                 e = b.idx[r, j] - first
-                y[r] += b.wts[r, j] * (f32(w_down[e]) @ act[r * k + j] + (0 if bias is None else f32(bias[e])))
+                y[r] += b.wts[r, j] * (expert_f32(w_down, e) @ act[r * k + j] + (0 if bias is None else f32(bias[e])))
             if shared is not None:
-                y[r] += b.sgate[r] * (f32(shared[0]) @ shared[1][r])
+                y[r] += b.sgate[r] * (expert_f32(shared[0]) @ shared[1][r])
         out[...] = out + y if accumulate else y
 
 

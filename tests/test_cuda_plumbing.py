@@ -82,7 +82,7 @@ def fake_cupy():
     return SimpleNamespace(
         cuda=cuda, float32=np.float32, uint16=np.uint16, int32=np.int32,
         zeros=wrap(np.zeros), empty=wrap(np.zeros), empty_like=wrap(np.zeros_like), full=wrap(np.full),
-        asarray=wrap(np.asarray), concatenate=wrap(np.concatenate), arange=wrap(np.arange),
+        asarray=wrap(np.asarray), concatenate=wrap(np.concatenate), stack=wrap(np.stack), arange=wrap(np.arange),
         ascontiguousarray=wrap(np.ascontiguousarray), repeat=wrap(np.repeat), uint8=np.uint8, uint32=np.uint32,
         zeros_like=wrap(np.zeros_like), where=wrap(np.where), cos=wrap(np.cos), sin=wrap(np.sin),
     )
@@ -538,9 +538,9 @@ def test_projection_kernel_per_rows(path, m, k, n, norm, want):
 
 
 def test_fp8_weights_are_counted_as_held_and_the_refusal_names_the_tp_that_fits():
-    """The size check counts what the CUDA engine holds: FP8 projections as stored (e4m3 and scales: qwen3-8b-fp8's
-    are nearly all its bytes), FP8 experts as the bf16 they are dequantized to at load (qwen3-next-80b's); the
-    refusal names the --tp whose shares fit a GPU of this size."""
+    """The size check counts what the CUDA engine holds: FP8 projections and experts as stored (e4m3 and scales:
+    qwen3-8b-fp8's projections and qwen3-next-80b's experts are nearly all their bytes); the refusal names the --tp
+    whose shares fit a GPU of this size."""
     from metrale_cli.bench import preset_path
     from metrale_cli.errors import DeviceError
 
@@ -549,14 +549,15 @@ def test_fp8_weights_are_counted_as_held_and_the_refusal_names_the_tp_that_fits(
     assert 0.5 * bf16 < held < 0.65 * bf16  # the embedding table stays bf16
     sparse = load_config(preset_path("qwen3-next-80b-a3b-fp8"))
     held, bf16 = cuda_loading.device_weight_bytes(sparse.definition), sparse.definition.parameter_count() * 2
-    assert 0.95 * bf16 < held <= bf16
-    with pytest.raises(DeviceError, match=r"the weights need 14\d\.\d GiB .* or split the model with --tp 2 "):
-        cuda_loading.check_fits(sparse, 139 << 30, 141 << 30)
+    assert 0.5 * bf16 < held < 0.52 * bf16
+    with pytest.raises(DeviceError, match=r"the weights need 74\.8 GiB .* or split the model with --tp 2 "):
+        cuda_loading.check_fits(sparse, 46 << 30, 48 << 30)  # a 48 GB card
 
 
 def test_the_deepseek_v3_preset_names_what_one_gpu_lacks():
-    """DeepSeek-V3 (671B, block FP8 as shipped): the CUDA engine would dequantize its FP8 latent projections and
-    experts to bf16 at load, and the size check names the --tp its 1240 GiB would need on 80 GB and 141 GB cards."""
+    """DeepSeek-V3 (671B, block FP8 as shipped): the CUDA engine keeps its FP8 experts and projections as stored and
+    dequantizes its FP8 latent projections (q_a, q_b, kv_a, kv_b) to bf16 at load, so the 630.9 GiB it would hold take --tp 8 on
+    141 GB cards (16 on 80 GB)."""
     from metrale_cli.bench import preset_path
     from metrale_cli.errors import DeviceError
 
@@ -564,27 +565,26 @@ def test_the_deepseek_v3_preset_names_what_one_gpu_lacks():
     assert round(cfg.definition.parameter_count() / 1e9) == 671
     assert cuda_loading.unsupported_features(cfg.definition) == []
     dequantized = {p.key for p in cfg.definition.params() if p.format and not cuda_loading.kept_as_stored(p)}
-    assert {"experts_gate_up", "experts_down", "kv_b"} <= dequantized
-    for total, tp in ((80, 32), (141, 16)):
-        with pytest.raises(DeviceError, match=rf"the weights need 1239\.7 GiB .* --tp {tp} "):
+    assert dequantized == {"q_a", "q_b", "kv_a", "kv_b"}
+    for total, tp in ((80, 16), (141, 8)):
+        with pytest.raises(DeviceError, match=rf"the weights need 630\.9 GiB .* --tp {tp} "):
             cuda_loading.check_fits(cfg, (total - 2) << 30, total << 30)
 
 
-def test_the_glm_4_5_air_fp8_preset_needs_its_fp8_experts_kept_as_stored_to_fit_one_h200():
-    """GLM-4.5-Air in block FP8 (106.9B without its next-token layer): its experts are 95 % of it, and the CUDA engine
-    dequantizes FP8 experts to bf16 at load, so the 193.5 GiB it would hold take --tp 2 on a 141 GB card (4 on 80 GB)
-    until the MoE kernels read FP8 experts as stored."""
+def test_the_glm_4_5_air_fp8_preset_fits_one_h200_with_its_fp8_experts_kept_as_stored():
+    """GLM-4.5-Air in block FP8 (106.9B without its next-token layer): its experts are 95 % of it and the MoE kernels
+    read them as stored (e4m3 and 128 x 128 scales), so it holds 100.7 GiB: one 141 GB card, --tp 2 on 80 GB (193.5
+    GiB and --tp 2 on 141 GB while FP8 experts were dequantized to bf16 at load)."""
     from metrale_cli.bench import preset_path
     from metrale_cli.errors import DeviceError
 
     cfg = load_config(preset_path("glm-4.5-air-fp8"))
     assert round(cfg.definition.parameter_count() / 1e8) == 1069
     assert cuda_loading.unsupported_features(cfg.definition) == []
-    dequantized = {p.key for p in cfg.definition.params() if p.format and not cuda_loading.kept_as_stored(p)}
-    assert dequantized == {"experts_gate_up", "experts_down"}
-    for total, tp in ((80, 4), (141, 2)):
-        with pytest.raises(DeviceError, match=rf"the weights need 193\.5 GiB .* --tp {tp} "):
-            cuda_loading.check_fits(cfg, (total - 2) << 30, total << 30)
+    assert not {p.key for p in cfg.definition.params() if p.format and not cuda_loading.kept_as_stored(p)}
+    cuda_loading.check_fits(cfg, 139 << 30, 141 << 30)
+    with pytest.raises(DeviceError, match=r"the weights need 100\.7 GiB .* --tp 2 "):
+        cuda_loading.check_fits(cfg, 78 << 30, 80 << 30)
 
 
 def test_weights_too_big_for_the_gpu_are_refused_before_loading():

@@ -319,10 +319,12 @@ def test_moe_kernel_source_is_common_cu_then_moe_cu():
 
     src = module_source()
     assert src.index("METRALE_COMMON_CU") < src.index("moe_route_kernel")
-    assert '#include "common.cu"' not in [ln.strip() for ln in src.splitlines()] and "#ifndef METRALE_NVRTC" in src
+    lines = [ln.strip() for ln in src.splitlines()]
+    assert not any(ln.startswith("#include \"") for ln in lines) and "#ifndef METRALE_NVRTC" in src
+    assert src.index("METRALE_E4M3_CU") < src.index("moe_gate_up_fp8_kernel")  # e4m3.cu's conversions, then moe.cu
     for name in PLAIN + name_expressions():
         assert name.split("<")[0] in src
-    assert len(set(name_expressions())) == 10  # gate_up and down, 5 row bounds each
+    assert len(set(name_expressions())) == 20  # gate_up and down, bf16 and FP8 experts, 5 row bounds each
 
 
 def test_moe_py_constants_match_moe_cu():

@@ -1,8 +1,8 @@
 """Weight formats on the GPU (models/formats.py says what each format stores and its exact value): per format,
 how the CUDA engine keeps such a weight on the device (`upload`, `concat`) and multiplies by it (`linear` on the
 rows path, capturable; `gemm` on the prefill path). `projections.weight_format` sends every weight that is not a
-plain bf16 array here; a weight whose format has no entry, or whose key is not a projection, is dequantized and
-rounded to bf16 at load instead (loading.kept_as_stored). The built-in entries come with the formats' kernels; `register_cuda_format` adds
+plain bf16 array here; a weight whose format has no entry, or whose key is neither a projection nor stacked experts
+the entry can `stack`, is dequantized and rounded to bf16 at load instead (loading.kept_as_stored). The built-in entries come with the formats' kernels; `register_cuda_format` adds
 one (a test's toy format, say)."""
 
 from __future__ import annotations
@@ -11,10 +11,12 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
-# Param keys whose weights reach the projections (a formatted weight of any other key is dequantized to bf16 at
-# load: the MoE kernels, latent attention's kernels and the embedding gather read bf16 weights directly).
+# Param keys whose weights reach the projections (a formatted weight of any other key but EXPERT_KEYS is dequantized
+# to bf16 at load: latent attention's kernels and the embedding gather read bf16 weights directly).
 PROJECTION_KEYS = frozenset({"qkv", "o", "gate_up", "down", "router", "shared_gate_up", "shared_down", "lm_head",
                              "lin_in", "lin_out"})
+# Stacked MoE experts: kept as stored where the format's entry has `stack` (the MoE kernels' FP8 variants read them).
+EXPERT_KEYS = frozenset({"experts_gate_up", "experts_down"})
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,12 @@ class CudaFormat:
     # nbytes(param) -> the bytes its device weights hold, where they differ from the stored bytes (4-bit codes
     # with fp32 scales for their e4m3 or bf16 ones); None: the checkpoint's stored bytes (formats.stored_nbytes)
     nbytes: Callable[[Any], int] | None = None
+    # stack(experts, cp): stacked MoE experts (`Param.experts`) kept as stored, from each expert's fused weight (concat
+    # of its parts), for the MoE kernels; None: the format's experts are dequantized to bf16 at load
+    stack: Callable[[list[Any], Any], Any] | None = None
+    # experts_bf16(proj, w, experts) -> bf16 bits [E, N, K] of stacked experts w, the listed ones dequantized (the
+    # MoE prefill's batched cuBLAS GEMMs; required with `stack`)
+    experts_bf16: Callable[[Any, Any, list[int]], Any] | None = None
 
 
 _FORMATS: dict[str, CudaFormat] = {}

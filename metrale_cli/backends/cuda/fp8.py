@@ -6,7 +6,12 @@ to bf16 into a temporary buffer for cuBLAS (the bf16 path rounds the activations
 A fused weight (q, k, v -> qkv) keeps its parts' block scales when every part but the last has a multiple of the
 block height in rows; otherwise (and for per-tensor scales, one per part) its scales are expanded to one row each.
 The GEMV needs the block width to be a multiple of 16 (a 16-byte load never spans two scale blocks): other block
-widths are refused by --device cuda (`accepts`)."""
+widths are refused by --device cuda (`accepts`).
+
+Stacked MoE experts in FP8 stay FP8 too (`Fp8Experts`: e4m3 bytes [E, N, K], fp32 scales [E, SB, KB]; each expert's
+parts fused as a projection's are, so gate and up share one scale layout), read as stored by the MoE kernels on the
+rows path (kernels/moe.cu's FP8 variants); the prefill dequantizes the experts a chunk chose to a bf16 scratch for
+the batched cuBLAS GEMMs (`_experts_bf16`)."""
 
 from __future__ import annotations
 
@@ -30,6 +35,25 @@ class Fp8Weight:
     def per_row(self, cp) -> Any:
         """The scales expanded to one row per weight row."""
         return self.scale if self.srow == 1 else cp.ascontiguousarray(cp.repeat(self.scale, self.srow, axis=0)[:self.shape[0]])
+
+
+class Fp8Experts:
+    """Stacked FP8 experts on the device: e4m3 bytes `data` uint8 [E, N, K], fp32 `scale` [E, ceil(N / srow),
+    ceil(K / bk)] (every expert's scales laid out alike); `experts[e]` is expert e as an Fp8Weight (views)."""
+
+    def __init__(self, fmt: str, data: Any, scale: Any, srow: int, bk: int) -> None:
+        self.format, self.data, self.scale, self.srow, self.bk = fmt, data, scale, srow, bk
+        self.shape = data.shape
+        self.input_quant: Fp8Input | None = None
+
+    def __getitem__(self, e: int) -> Fp8Weight:
+        return Fp8Weight(self.format, self.data[e], self.scale[e], self.srow, self.bk)
+
+    def reshape(self, shape: tuple[int, ...]) -> Fp8Experts:
+        """Itself: the loader's reshape of a stacked param to its [E, N, K] (already its shape)."""
+        if tuple(shape) != tuple(self.shape):
+            raise ValueError(f"FP8 experts of shape {tuple(self.shape)} cannot be reshaped to {tuple(shape)}")
+        return self
 
 
 class Fp8Input:
@@ -90,6 +114,27 @@ def _concat(parts: list[Fp8Weight], cp) -> Fp8Weight:
     return fused
 
 
+def _stack(experts: list[Fp8Weight], cp) -> Fp8Experts:
+    """Each expert's (fused) weight stacked: [E, N, K] bytes and [E, SB, KB] scales (the experts' parts have the
+    same shapes, so their fused scales have one layout)."""
+    first = experts[0]
+    if any(w.srow != first.srow or w.bk != first.bk or w.scale.shape != first.scale.shape for w in experts):
+        raise ValueError("FP8 experts with different scale layouts")
+    return Fp8Experts(first.format, cp.stack([w.data for w in experts]), cp.stack([w.scale for w in experts]),
+                      first.srow, first.bk)
+
+
+def _experts_bf16(proj, w: Fp8Experts, experts: list[int]) -> Any:
+    """The prefill's bf16 experts: experts `experts` of w dequantized (bf16(e4m3 * scale), fp8.cu's
+    dequant_fp8_bf16_kernel, one launch each) into a fresh [E, N, K] array whose other experts are zeros (the
+    batched GEMM's rows for them are never read)."""
+    out = proj.cp.zeros(w.shape, proj.cp.uint16)
+    fp8 = _kernels(proj.kern)
+    for e in experts:
+        fp8.dequant_bf16(w.data[e], w.scale[e], w.srow, w.bk, out[e], stream=proj.stream)
+    return out
+
+
 def _linear(proj, x, w: Fp8Weight, out, bias=None, *, accumulate=False, swiglu=False, norm_weight=None, eps=1e-6,
             norm_offset=0.0, activation="silu") -> None:
     """The rows path: the RMSNorm of x (when given) into a scratch row block, its quantized values there under
@@ -147,4 +192,4 @@ def _refuses(p) -> str | None:
 
 for _kind in ("fp8_block", "fp8_tensor"):
     register_cuda_format(CudaFormat(_kind, _upload, _concat, _linear, _gemm, accepts=_accepts, refuses=_refuses,
-                                    input_quant=_input_quant))
+                                    input_quant=_input_quant, stack=_stack, experts_bf16=_experts_bf16))

@@ -17,7 +17,7 @@ from ...models.spec import ModelDefinition, MoeSpec
 from ...models.weights import WeightSource, Weights, check_checkpoint, load_weights
 from ...models.formats import dequantize, stored_tensors
 from .buffers import oom_error
-from .formats import PROJECTION_KEYS, cuda_format
+from .formats import EXPERT_KEYS, PROJECTION_KEYS, cuda_format
 from .engine import CudaEngine
 from .paths import BASE_PATH, PATH_ENV, check_path, default_path
 
@@ -97,7 +97,16 @@ def upload_weights(cfg: ModelConfig, source: WeightSource, kern, progress: Calla
                 progress(int(host.nbytes))
             return host
 
-        if kept_as_stored(p):
+        if kept_as_stored(p) and p.experts:  # stacked experts: each expert's parts fused, then stacked [E, N, K]
+            entry = cuda_format(p.format)
+            parts = entry.upload(p, read, kern)
+            n = len(parts) // p.experts
+            fused = []
+            for i in range(p.experts):  # each expert's parts dropped once fused (the peak: one layer's experts twice)
+                fused.append(entry.concat(parts[i * n:(i + 1) * n], cp))
+                parts[i * n:(i + 1) * n] = [None] * n
+            parts = [entry.stack(fused, cp)]
+        elif kept_as_stored(p):
             entry = cuda_format(p.format)
             parts = entry.upload(p, read, kern)
             if activation_quant == "emulate" and entry.input_quant is not None:
@@ -123,11 +132,26 @@ def upload_weights(cfg: ModelConfig, source: WeightSource, kern, progress: Calla
 
 
 def kept_as_stored(p) -> bool:
-    """Whether the CUDA engine keeps formatted param p as stored (a projection whose format has a CUDA entry: FP8's
-    GEMV; unsupported_features refuses one whose sizes the entry does not take); any other formatted weight (MoE
-    experts, latent attention's own weights, formats without a CUDA entry) is dequantized and rounded to bf16 at
-    load, for the kernels that read bf16."""
-    return p.format is not None and p.key in PROJECTION_KEYS and cuda_format(p.format) is not None
+    """Whether the CUDA engine keeps formatted param p as stored: a projection whose format has a CUDA entry (FP8's
+    GEMV; unsupported_features refuses one whose sizes the entry does not take), or stacked MoE experts whose entry
+    can `stack` them and takes their sizes (FP8 experts, read by the MoE kernels' FP8 variants; experts it does not
+    take, an input width not a multiple of 16 say, fall back to bf16); any other formatted weight (latent attention's
+    own weights, formats without a CUDA entry) is dequantized and rounded to bf16 at load, for the kernels that read
+    bf16."""
+    if p.format is None:
+        return False
+    entry = cuda_format(p.format)
+    if entry is None:
+        return False
+    if p.key in PROJECTION_KEYS:
+        return True
+    return (p.key in EXPERT_KEYS and bool(p.experts) and entry.stack is not None and not p.transposed
+            and not p.interleaved and entry.refuses(p) is None)
+
+
+def fp8_experts_kept(definition: ModelDefinition) -> bool:
+    """Whether the model has stacked experts kept as stored (read as stored by the MoE kernels' FP8 variants)."""
+    return any(p.key in EXPERT_KEYS and kept_as_stored(p) for p in definition.params())
 
 
 def stored_param_bytes(p) -> int:
@@ -208,6 +232,10 @@ def unsupported_features(definition: ModelDefinition) -> list[str]:
             found += [f"{layer.mlp.router.kind} routing"] if layer.mlp.router.kind not in ROUTER_KINDS else []
             act = layer.mlp.activation
             found += [f"mixture-of-experts activation {act}"] if act not in MOE_ACTIVATIONS else []
+            by_key = {p.key: p for p in layer.params}
+            if ("shared_down" in by_key and kept_as_stored(by_key["shared_down"])
+                    and not kept_as_stored(by_key["experts_down"])):  # the down kernels' shared operand
+                found.append("a shared expert in FP8 with experts in bf16")
             mlp = MOE_MLP_KEYS
         else:
             found += [f"activation {layer.mlp.activation}"] if layer.mlp.activation not in ACTIVATIONS else []
@@ -223,8 +251,10 @@ def unsupported_features(definition: ModelDefinition) -> list[str]:
 # tests pass. Latent attention and the DeepSeek / GLM routers passed in session 17; Gated DeltaNet (its
 # verify-then-trim included), gpt-oss (attention sinks, topk_softmax routing with a router bias, clamped-SwiGLU experts
 # with biases) and weights dequantized to bf16 at load (FP8 in 8-wide blocks, MXFP4 experts) in session 18
-# (docs/measurements/2026-12-07-session18). Gated now: the 4-bit projections kept as stored (backends/cuda/w4.py,
-# kernels/w4.cu: NVFP4 and symmetric int4), until tests/gpu/test_w4.py passes.
+# (docs/measurements/2026-12-07-session18). Gated now, written in session 18 without a GPU (issue 41): the 4-bit
+# projections kept as stored (backends/cuda/w4.py, kernels/w4.cu: NVFP4 and symmetric int4), until
+# tests/gpu/test_w4.py passes; FP8 experts read as stored by the MoE kernels (moe.cu's FP8 variants, the prefill's
+# per-expert dequantization), until tests/gpu/test_moe_fp8_cuda.py passes.
 UNVERIFIED_ENV = "METRALE_CUDA_UNVERIFIED"
 
 
@@ -237,6 +267,7 @@ def _uses_w4(definition: ModelDefinition) -> bool:
 
 UNVERIFIED: tuple[tuple[str, Callable[[ModelDefinition], bool]], ...] = (
     ("NVFP4 / int4 projections read as stored", _uses_w4),
+    ("FP8 experts read as stored by the MoE kernels", fp8_experts_kept),
 )
 
 
@@ -257,9 +288,11 @@ def check_activation_quant(definition: ModelDefinition) -> None:
         wf = weight_format(p.format)
         if wf.input_quant is None and not wf.input_quant_doc:
             continue  # weight-only: its inputs stay unquantized
-        entry = cuda_format(p.format) if kept_as_stored(p) else None
+        entry = cuda_format(p.format) if kept_as_stored(p) and p.key in PROJECTION_KEYS else None
         if entry is None or entry.input_quant is None or wf.input_quant is None:
-            how = ("is dequantized to bf16 at load" if not kept_as_stored(p) else "has no CUDA input quantization")
+            how = ("is dequantized to bf16 at load" if not kept_as_stored(p)
+                   else "is read by the MoE kernels, which do not quantize their inputs" if p.key in EXPERT_KEYS
+                   else "has no CUDA input quantization")
             raise UsageError(f"--activation-quant emulate: {p.parts[0].name} ({p.format}) {how} on the CUDA engine; "
                              "use --device cpu")
 

@@ -2,7 +2,8 @@
 
 Every norm of a sparse layer takes the (1 + w) offset of the family's norms (qwen3_next).
 
-Rows path (decode, verify, short prefills; graph-captured): the router GEMV with the RMSNorm fused and the router's
+Rows path (decode, verify, short prefills; graph-captured; FP8 experts read as stored by the kernels' FP8 variants,
+with an FP8 shared expert's down weight in the down kernel too): the router GEMV with the RMSNorm fused and the router's
 bias in its epilogue (the engine's projections, projections.py), then kernels.moe's route (top-k, shared gate, h, the union of the rows'
 experts), gate_up (reads only the union's experts, each once; the experts' gate/up bias and the spec's activation,
 SwiGLU or gpt-oss's clamped one) and down (the weighted sum over each row's experts, each with its down bias, plus
@@ -10,7 +11,8 @@ the shared expert, added into the residual stream in its epilogue). No host read
 
 The fused rows path runs a sparse layer as the rows path does.
 
-Prefill path (eager): the router in fp32 (cuBLAS SGEMM on an fp32 copy of the router, so the expert
+Prefill path (eager; FP8 experts kept as stored are first dequantized to bf16 scratch, the experts the chunk chose
+only, Projections.experts_bf16): the router in fp32 (cuBLAS SGEMM on an fp32 copy of the router, so the expert
 choice is made on fp32 logits as on the rows path; its bias added in fp32), top-k on the device, then one host sync to group the
 (token, expert) pairs by expert (`ExpertGroups`) and one cuBLAS strided batched GEMM over every expert
 for gate_up and one for down (bf16 operands, fp32 output), plus a GEMM pair for each of the few most-chosen
@@ -172,6 +174,8 @@ class PrefillMoe:
         d = cp.empty((plan.total, x.shape[1]), cp.float32)  # each (token, expert) pair's down projection
         hb = cp.empty((main, h.shape[1]), cp.uint16)  # h's rows in expert order: the main block
         self.k.f32_to_bf16(h[src[:main]], hb, stream=self.s)
+        chosen = [ex for ex, _ in plan.used(len(held))]  # experts kept as stored (FP8): these dequantized to bf16
+        w_gate_up, w_down = e.proj.experts_bf16(w_gate_up, chosen), e.proj.experts_bf16(w_down, chosen)
         used = plan.used(len(held)) if plan.rows >= PER_EXPERT_ROWS else None
         gu = e.proj.gemm_experts(hb, w_gate_up, plan.rows, cp.zeros((main, w_gate_up.shape[1]), cp.float32), used)
         b_gu, b_down = (None, None) if bias is None else bias

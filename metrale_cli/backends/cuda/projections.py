@@ -114,8 +114,8 @@ class Projections:
         [E, N, K]), xb bf16 bits [E*rows, K], out f32 [E*rows, N]: one cuBLAS strided batched GEMM (the
         mixture-of-experts prefill's per-expert GEMMs).  With used = [(expert, n)], one GEMM per listed
         expert over its first n rows instead (the rest of out is left unwritten)."""
-        if weight_format(w) != "bf16":  # loading dequantizes formatted experts to bf16 (kept_as_stored)
-            raise DeviceError("the CUDA MoE prefill takes bf16 expert weights only")
+        if weight_format(w) != "bf16":  # experts kept as stored come through experts_bf16 first
+            raise DeviceError("the CUDA MoE prefill's GEMMs take bf16 expert weights only")
         cp = self.cp
         from cupy_backends.cuda.libs import cublas
 
@@ -137,6 +137,13 @@ class Projections:
                                     zero.ctypes.data, out.data.ptr, CUDA_R_32F, n, rows * n,
                                     experts, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
         return out
+
+    def experts_bf16(self, w, experts: list[int]):
+        """Stacked experts w as bf16 bits [E, N, K] for gemm_experts: w itself when bf16; experts kept as stored in a
+        format (FP8) dequantized by the format's entry, the listed experts only (the others zeros: the GEMMs' rows
+        for an expert no pair chose are never read)."""
+        fmt = weight_format(w)
+        return w if fmt == "bf16" else cuda_format(fmt).experts_bf16(self, w, experts)
 
     def lm_head_rows(self, h):
         """The softcapped fp32 logits [T, V] of post-final-norm rows h [T, H] (a fresh array)."""

@@ -25,10 +25,17 @@ def gemv_name(m: int) -> str:
     return f"gemv_fp8_kernel<{m}, {rows_per_warp(m)}>"
 
 
+_INCLUDES = ('#include "common.cu"', '#include "e4m3.cu"')
+
+
 def module_source() -> str:
-    text = (_CUDA_DIR / "fp8.cu").read_text()
-    body = "\n".join(ln for ln in text.splitlines() if ln.strip() != '#include "common.cu"')
-    return (_CUDA_DIR / "common.cu").read_text() + "\n// ---- fp8.cu ----\n" + body + "\n"
+    """common.cu, e4m3.cu (the e4m3 conversions), then fp8.cu, their include lines removed."""
+    parts = [(_CUDA_DIR / "common.cu").read_text()]
+    for name in ("e4m3.cu", "fp8.cu"):
+        text = (_CUDA_DIR / name).read_text()
+        body = "\n".join(ln for ln in text.splitlines() if ln.strip() not in _INCLUDES)
+        parts.append(f"// ---- {name} ----\n" + body)
+    return "\n".join(parts) + "\n"
 
 
 def name_expressions() -> tuple[str, ...]:

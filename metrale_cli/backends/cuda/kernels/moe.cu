@@ -31,7 +31,10 @@
 // weight row (8 bf16), U chunks in flight, fp32 FMA with the fp32 activations read through L1, warp
 // shuffles to reduce.  Requirements (checked by kernels/moe.py): H, I, S multiples of 8, pointers
 // 16-byte aligned, E <= MOE_MAX_EXPERTS, k <= MOE_MAX_K, M <= MOE_MAX_ROWS.
+// FP8 experts (block e4m3, kept as stored) take steps 3 and 4 as moe_gate_up_fp8_kernel and moe_down_fp8_kernel (their
+// section below: 16 e4m3 weights a chunk, dequantized in registers with their block's fp32 scale; K % 16 == 0).
 #include "common.cu"
+#include "e4m3.cu"
 #include "routers.cu"
 
 #define MOE_MAX_EXPERTS 256
@@ -550,8 +553,251 @@ moe_down_kernel(const float* __restrict__ act, const unsigned short* __restrict_
     *o = accumulate ? *o + y : y;
 }
 
+// ---------------------------------------------------------------------------------------------------
+// FP8 experts (block e4m3, models/quantized/fp8.py), read as stored: moe_gate_up_fp8_kernel and moe_down_fp8_kernel
+// are moe_gate_up_kernel and moe_down_kernel (the same grids, union, items, parts and summation order; no atomics)
+// with each 16-byte chunk holding 16 e4m3 weights instead of 8 bf16, widened exactly (e4m3.cu) and multiplied by
+// their block's fp32 scale in registers: each weight is the fp32 product the NumPy engine's dequantization gives.
+// Layout: w uint8 [E, N, K] (experts e_lo .., as the bf16 kernels' weights), ws f32 [E, SB, KB]: the scale of
+// expert e's weight (n, k) at [e - e_lo, n / srow, k / bk], SB = ceil(N / srow), KB = ceil(K / bk); srow the
+// block height, or 1 where the engine expanded a fused gate/up's scales to one row each (backends/cuda/fp8.py).
+// Requirements (checked by kernels/moe.py): K % 16 == 0, bk % 16 == 0 (a chunk never spans two scale blocks),
+// w 16-byte aligned.
+
+// moe_step over 16-byte chunks of e4m3 weights: srp[r] is weight row r's scale row (KB floats), cpb = bk / 16 the
+// chunks of a scale block.  All chunks must be < K / 16.
+template <int MT, int RW, int UU, bool TAIL>
+__device__ __forceinline__ void moe_step_fp8(const uint4* const (&wrow)[RW], const float* const (&srp)[RW], int cpb,
+                                             const float* __restrict__ x, const int (&ri)[MT], int K,
+                                             unsigned int mask, int c, int end, float (&acc)[RW][MT]) {
+    uint4 wv[UU][RW];
+    float sv[UU][RW];
+#pragma unroll
+    for (int u = 0; u < UU; ++u)
+#pragma unroll
+        for (int r = 0; r < RW; ++r) {
+            const bool in = !TAIL || c + 32 * u < end;
+            wv[u][r] = in ? ld_stream_u4(wrow[r] + c + 32 * u) : make_uint4(0u, 0u, 0u, 0u);
+            sv[u][r] = in ? __ldg(srp[r] + (c + 32 * u) / cpb) : 0.0f;
+        }
+#pragma unroll
+    for (int u = 0; u < UU; ++u) {
+        if (TAIL && c + 32 * u >= end) break;
+        float wf[RW][16];
+#pragma unroll
+        for (int r = 0; r < RW; ++r) e4m3x16_scaled(wv[u][r], sv[u][r], wf[r]);
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+            if (!((mask >> m) & 1u)) continue;  // uniform over the warp
+            const float4* xp = reinterpret_cast<const float4*>(x + (u64)ri[m] * K) + 4 * (c + 32 * u);
+            float xv[16];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float4 v = __ldg(xp + j);
+                xv[4 * j] = v.x;
+                xv[4 * j + 1] = v.y;
+                xv[4 * j + 2] = v.z;
+                xv[4 * j + 3] = v.w;
+            }
+#pragma unroll
+            for (int r = 0; r < RW; ++r) {
+                float s = acc[r][m];
+#pragma unroll
+                for (int j = 0; j < 16; ++j) s = fmaf(wf[r][j], xv[j], s);
+                acc[r][m] = s;
+            }
+        }
+    }
+}
+
+// moe_dots over the 16-byte e4m3 chunks [c0, c1) of K (K / 16 chunks a row), the same order: a lane adds its chunks
+// in increasing order, the last partial step predicated.
+template <int MT, int RW, int U>
+__device__ __forceinline__ void moe_dots_fp8(const uint4* const (&wrow)[RW], const float* const (&srp)[RW], int cpb,
+                                             const float* __restrict__ x, const int (&ri)[MT], unsigned int mask,
+                                             int K, int c0, int c1, float (&acc)[RW][MT]) {
+    int c = c0 + (threadIdx.x & 31);
+    for (; c + 32 * (U - 1) < c1; c += 32 * U) moe_step_fp8<MT, RW, U, false>(wrow, srp, cpb, x, ri, K, mask, c, c1, acc);
+    if (c < c1) moe_step_fp8<MT, RW, U, true>(wrow, srp, cpb, x, ri, K, mask, c, c1, acc);
+}
+
+// moe_gate_up_kernel's contract with FP8 experts: w_gate_up uint8 [E, 2I, H] (gate rows, then up rows, as the bf16
+// weights), ws f32 [E, SB, KB] (SB = ceil(2I / srow), KB = ceil(H / bk)).  H % 16 == 0.
+template <int MT, int R, int U>
+__global__ void __launch_bounds__(MOE_WARPS * 32)
+moe_gate_up_fp8_kernel(const float* __restrict__ h, const unsigned char* __restrict__ w, const float* __restrict__ ws,
+                       int SB, int srow, int bk, int KB, const int* __restrict__ n_union, const int* __restrict__ union_e,
+                       const unsigned int* __restrict__ union_mask, const int* __restrict__ union_slot,
+                       float* __restrict__ act, int I, int H, int k, int e_lo,
+                       const unsigned short* __restrict__ bias, int use_bias, int act_kind, float limit, float alpha) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int u = blockIdx.y;
+    const int n0 = (blockIdx.x * MOE_WARPS + warp) * R;
+    pdl_wait();
+    pdl_trigger();
+    const int nu = *n_union, e = union_e[u];
+    const unsigned int mask = union_mask[u];
+    if (u >= nu || n0 >= I) return;  // whole warps; no block barrier
+    const uint4* wrow[2 * R];
+    const float* srp[2 * R];
+#pragma unroll
+    for (int r = 0; r < 2 * R; ++r) {
+        const int n = min(n0 + (r % R), I - 1);  // rows past I - 1 are read, never stored
+        const int row = r < R ? n : I + n;
+        wrow[r] = reinterpret_cast<const uint4*>(w + ((u64)(e - e_lo) * 2 * I + row) * H);
+        srp[r] = ws + ((u64)(e - e_lo) * SB + row / srow) * KB;
+    }
+    int ri[MT];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) ri[m] = m;
+    float acc[2 * R][MT];
+#pragma unroll
+    for (int r = 0; r < 2 * R; ++r)
+#pragma unroll
+        for (int m = 0; m < MT; ++m) acc[r][m] = 0.0f;
+    moe_dots_fp8<MT, 2 * R, U>(wrow, srp, bk >> 4, h, ri, mask, H, 0, H >> 4, acc);
+#pragma unroll
+    for (int r = 0; r < 2 * R; ++r)
+#pragma unroll
+        for (int m = 0; m < MT; ++m) acc[r][m] = warp_sum(acc[r][m]);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+            const int n = n0 + r;
+            if (((mask >> m) & 1u) && n < I && lane == ((r * MT + m) & 31)) {
+                const int j = union_slot[u * MOE_MAX_ROWS + m];
+                float g = acc[r][m], up = acc[R + r][m];
+                if (use_bias) {
+                    const unsigned short* b = bias + (u64)(e - e_lo) * 2 * I;
+                    g += bf16_to_f32_bits(b[n]);
+                    up += bf16_to_f32_bits(b[I + n]);
+                }
+                act[((u64)m * k + j) * I + n] =
+                    act_kind == ACT_SWIGLU_OAI ? glu_oai(g, up, limit, alpha) : g / (1.0f + expf(-g)) * up;
+            }
+        }
+    }
+}
+
+// moe_down_kernel's contract with FP8 experts: w_down uint8 [E, H, I], ws f32 [E, SB, KB] (SB = ceil(H / srow),
+// KB = ceil(I / bk)); I % 16 == 0.  The shared expert's down weight is FP8 too when s_fp8 (w_s8 uint8 [H, S],
+// ws_s f32 [ceil(H / s_srow), s_KB], S % 16 == 0; a projection's Fp8Weight), else bf16 w_s [H, S] as moe_down_kernel
+// reads it (S % 8 == 0).  Items, parts (P, PS over each weight's own chunks: K / 16 for e4m3, S / 8 for bf16) and the
+// final sum in moe_down_kernel's order.
+template <int MT, int R, int U>
+__global__ void __launch_bounds__(MOE_DOWN_WARPS * 32)
+moe_down_fp8_kernel(const float* __restrict__ act, const unsigned char* __restrict__ w, const float* __restrict__ ws,
+                    int SB, int srow, int bk, int KB, const float* __restrict__ wts,
+                    const int* __restrict__ n_union, const int* __restrict__ union_e,
+                    const unsigned int* __restrict__ union_mask, const int* __restrict__ union_slot,
+                    const float* __restrict__ act_s, const unsigned short* __restrict__ w_s,
+                    const unsigned char* __restrict__ w_s8, const float* __restrict__ ws_s, int s_srow, int s_bk,
+                    int s_KB, int s_fp8, const float* __restrict__ sgate, int S, float* __restrict__ out, int M,
+                    int H, int I, int k, int P, int PS, int accumulate, int e_lo,
+                    const unsigned short* __restrict__ bias, int use_bias) {
+    __shared__ float part[MOE_DOWN_ITEMS][R][MT];
+    __shared__ float wsm[MOE_MAX_EXPERTS][MT];
+    __shared__ unsigned int msk[MOE_MAX_EXPERTS];
+    __shared__ float bsm[MOE_MAX_EXPERTS][R];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int n0 = blockIdx.x * R;
+    // the routing is complete before this launch's pdl_wait (moe_down_kernel says why); act needs the wait
+    const int u_first = min(warp / P, k - 1);
+    const int e_first = union_e[u_first];
+    const unsigned int mask_first = union_mask[u_first];
+    const int nu = *n_union;
+    pdl_wait();
+    pdl_trigger();
+    const int routed = nu * P, items = routed + (S > 0 ? PS : 0);
+    for (int it = warp; it < items; it += MOE_DOWN_WARPS) {
+        const bool sh = it >= routed;
+        const int u = sh ? 0 : it / P, p = sh ? it - routed : it % P, np = sh ? PS : P;
+        const bool first = u == u_first;
+        const unsigned int mask = sh ? (M >= 32 ? 0xffffffffu : ((1u << M) - 1u)) : first ? mask_first : union_mask[u];
+        int ri[MT];
+        float acc[R][MT];
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int m = 0; m < MT; ++m) acc[r][m] = 0.0f;
+        if (sh) {  // the shared expert: row m's activations are row m of act_s
+#pragma unroll
+            for (int m = 0; m < MT; ++m) ri[m] = min(m, M - 1);
+            if (s_fp8) {
+                const int C = S >> 4;
+                const uint4* wrow[R];
+                const float* srp[R];
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    const int n = min(n0 + r, H - 1);
+                    wrow[r] = reinterpret_cast<const uint4*>(w_s8 + (u64)n * S);
+                    srp[r] = ws_s + (u64)(n / s_srow) * s_KB;
+                }
+                moe_dots_fp8<MT, R, U>(wrow, srp, s_bk >> 4, act_s, ri, mask, S, p * C / np, (p + 1) * C / np, acc);
+            } else {
+                const int C = S >> 3;
+                const uint4* wrow[R];
+#pragma unroll
+                for (int r = 0; r < R; ++r) wrow[r] = reinterpret_cast<const uint4*>(w_s + (u64)min(n0 + r, H - 1) * S);
+                moe_dots<MT, R, 2 * U>(wrow, act_s, ri, mask, S, p * C / np, (p + 1) * C / np, acc);
+            }
+        } else {  // row m's activations for expert u: row m * k + j of act
+            const int e = first ? e_first : union_e[u];
+            const int C = I >> 4;
+            const uint4* wrow[R];
+            const float* srp[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const int n = min(n0 + r, H - 1);
+                wrow[r] = reinterpret_cast<const uint4*>(w + ((u64)(e - e_lo) * H + n) * I);
+                srp[r] = ws + ((u64)(e - e_lo) * SB + n / srow) * KB;
+            }
+#pragma unroll
+            for (int m = 0; m < MT; ++m) ri[m] = m * k + (((mask >> m) & 1u) ? union_slot[u * MOE_MAX_ROWS + m] : 0);
+            if (p == 0) {  // the weights the final sum needs, read here in parallel (not in its loop)
+                if (lane < MT && lane < M && ((mask >> lane) & 1u))
+                    wsm[u][lane] = wts[lane * k + union_slot[u * MOE_MAX_ROWS + lane]];
+                if (lane == 0) msk[u] = mask;
+                if (lane < R)
+                    bsm[u][lane] = use_bias && n0 + lane < H
+                                       ? bf16_to_f32_bits(bias[(u64)(e - e_lo) * H + n0 + lane]) : 0.0f;
+            }
+            moe_dots_fp8<MT, R, U>(wrow, srp, bk >> 4, act, ri, mask, I, p * C / np, (p + 1) * C / np, acc);
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                const float v = warp_sum(acc[r][m]);  // uniform: every lane holds the sum
+                if (lane == 0) part[it][r][m] = v;
+            }
+    }
+    __syncthreads();
+    const int t = threadIdx.x;
+    if (t >= R * MT) return;
+    const int r = t / MT, m = t % MT, n = n0 + r;
+    if (m >= M || n >= H) return;
+    float y = 0.0f;
+    for (int u = 0; u < nu; ++u) {  // experts in increasing order, as the reference sums them
+        if (!((msk[u] >> m) & 1u)) continue;
+        float d = 0.0f;
+        for (int p = 0; p < P; ++p) d += part[u * P + p][r][m];
+        if (use_bias) d += bsm[u][r];
+        y = fmaf(wsm[u][m], d, y);
+    }
+    if (S > 0) {  // the shared expert, scaled by its gate, added after the routed experts
+        float d = 0.0f;
+        for (int p = 0; p < PS; ++p) d += part[routed + p][r][m];
+        y = fmaf(sgate[m], d, y);
+    }
+    float* o = out + (u64)m * H + n;
+    *o = accumulate ? *o + y : y;
+}
+
 // Instances (kernels/moe.py names them): MT in {1, 2, 4, 8, 16}; gate_up R = 1; down R = 4, 4, 4, 2, 1
-// (its shared memory holds items x R x MT floats: 16.5 KB for each); U = 4.
+// (its shared memory holds items x R x MT floats: 16.5 KB for each); U = 4 for bf16 weights, 2 for e4m3 (the same
+// 64 bytes of a weight row in flight per lane: 16-byte chunks of 16 weights).
 #ifndef METRALE_NVRTC  // a standalone `nvcc -ptx moe.cu` compiles every instance the engine uses
 #define MOE_INSTANCES(MT, DR)                                                                              \
     template __global__ void moe_gate_up_kernel<MT, 1, 4>(const float*, const unsigned short*, const int*, \
@@ -563,9 +809,24 @@ moe_down_kernel(const float* __restrict__ act, const unsigned short* __restrict_
                                                         const int*, const float*, const unsigned short*,   \
                                                         const float*, int, float*, int, int, int, int,     \
                                                         int, int, int, int, const unsigned short*, int);
+#define MOE_FP8_INSTANCES(MT, DR)                                                                          \
+    template __global__ void moe_gate_up_fp8_kernel<MT, 1, 2>(                                             \
+        const float*, const unsigned char*, const float*, int, int, int, int, const int*, const int*,      \
+        const unsigned int*, const int*, float*, int, int, int, int, const unsigned short*, int, int, float, \
+        float);                                                                                            \
+    template __global__ void moe_down_fp8_kernel<MT, DR, 2>(                                               \
+        const float*, const unsigned char*, const float*, int, int, int, int, const float*, const int*,    \
+        const int*, const unsigned int*, const int*, const float*, const unsigned short*,                  \
+        const unsigned char*, const float*, int, int, int, int, const float*, int, float*, int, int, int,  \
+        int, int, int, int, int, const unsigned short*, int);
 MOE_INSTANCES(1, 4)
 MOE_INSTANCES(2, 4)
 MOE_INSTANCES(4, 4)
 MOE_INSTANCES(8, 2)
 MOE_INSTANCES(16, 1)
+MOE_FP8_INSTANCES(1, 4)
+MOE_FP8_INSTANCES(2, 4)
+MOE_FP8_INSTANCES(4, 4)
+MOE_FP8_INSTANCES(8, 2)
+MOE_FP8_INSTANCES(16, 1)
 #endif

@@ -27,6 +27,7 @@ MOE_DOWN_WARPS = 8  # warps of a down block (they share its output rows' experts
 MOE_TOPK_WARPS = 8  # warps (rows) of a prefill top-k block: must match moe.cu
 MOE_DOWN_ITEMS = 264  # a down block's items at most: union experts x K parts (<= 256) + shared parts (<= 8)
 GATE_UP_R, MOE_U = 1, 4  # output rows per gate_up warp, chunks in flight per lane
+MOE_FP8_U = 2  # chunks in flight per lane of the FP8 experts kernels (16 e4m3 weights a chunk)
 
 
 def down_rows(mt: int) -> int:
@@ -48,6 +49,20 @@ def down_name(mt: int) -> str:
     return f"moe_down_kernel<{mt}, {down_rows(mt)}, {MOE_U}>"
 
 
+def gate_up_fp8_name(mt: int) -> str:
+    return f"moe_gate_up_fp8_kernel<{mt}, {GATE_UP_R}, {MOE_FP8_U}>"
+
+
+def down_fp8_name(mt: int) -> str:
+    return f"moe_down_fp8_kernel<{mt}, {down_rows(mt)}, {MOE_FP8_U}>"
+
+
+def is_fp8(w: Any) -> bool:
+    """Whether w is an FP8 weight kept as stored (backends/cuda/fp8.py's Fp8Experts or Fp8Weight: e4m3 bytes `data`,
+    fp32 block `scale`, block height `srow` and width `bk`) rather than a bf16 device array."""
+    return all(hasattr(w, a) for a in ("data", "scale", "srow", "bk"))
+
+
 def down_parts(experts: int, top_k: int, inter: int, shared: int) -> tuple[int, int]:
     """(P, PS): the K parts each chosen expert's and the shared expert's down rows are split into, so a
     decode step (top_k experts) gives the block's MOE_DOWN_WARPS warps work (Mixtral's 2 experts: 4 parts
@@ -59,13 +74,14 @@ def down_parts(experts: int, top_k: int, inter: int, shared: int) -> tuple[int, 
     return p, ps
 
 
-_INCLUDES = ('#include "common.cu"', '#include "routers.cu"')
+_INCLUDES = ('#include "common.cu"', '#include "routers.cu"', '#include "e4m3.cu"')
 
 
 def module_source() -> str:
-    """common.cu, routers.cu (the router kinds), then moe.cu, their include lines removed."""
+    """common.cu, routers.cu (the router kinds), e4m3.cu (FP8 experts' conversions), then moe.cu, their include lines
+    removed."""
     parts = [(_CUDA_DIR / "common.cu").read_text()]
-    for name in ("routers.cu", "moe.cu"):
+    for name in ("routers.cu", "e4m3.cu", "moe.cu"):
         text = (_CUDA_DIR / name).read_text()
         body = "\n".join(ln for ln in text.splitlines() if ln.strip() not in _INCLUDES)
         parts.append(f"// ---- {name} ----\n" + body)
@@ -73,7 +89,7 @@ def module_source() -> str:
 
 
 def name_expressions() -> tuple[str, ...]:
-    return tuple(n for mt in MOE_MTS for n in (gate_up_name(mt), down_name(mt)))
+    return tuple(n for mt in MOE_MTS for n in (gate_up_name(mt), down_name(mt), gate_up_fp8_name(mt), down_fp8_name(mt)))
 
 
 PLAIN = ("moe_route_kernel", "moe_topk_rows_kernel")
@@ -253,50 +269,112 @@ class MoeKernels:
                 activation: str = "silu", limit: float | None = None, alpha: float = 1.702,
                 stream: Any = None) -> None:
         """act f32 [16 k, I] rows m k + j = silu(gate) * up of the expert row m chose at slot j, from b.h;
-        w_gate_up bf16 [E, 2I, H] holding experts first .. (route's `held`). Reads each chosen expert once.
+        w_gate_up bf16 [E, 2I, H] holding experts first .. (route's `held`), or FP8 experts (is_fp8: e4m3 `data`
+        uint8 [E, 2I, H] and fp32 `scale` [E, ceil(2I / srow), ceil(H / bk)], dequantized in registers; H % 16 == 0).
+        Reads each chosen expert once.
         `bias` bf16 [E, 2I] (gate, then up, as the weights' rows): added to gate and up first.  `activation`
         (MOE_ACTIVATIONS): "swiglu_oai" computes min(g, limit) * sigmoid(alpha min(g, limit)) *
         (clip(u, -limit, limit) + 1) instead (gpt-oss; `limit` required)."""
         np, k = self._np, self.k
-        k._bf16(w_gate_up, "w_gate_up", 3)
+        fp8 = is_fp8(w_gate_up)
+        if fp8:
+            wargs = self._fp8_experts(w_gate_up, "w_gate_up")
+        else:
+            k._bf16(w_gate_up, "w_gate_up", 3)
+            wargs = (w_gate_up,)
         k._f32(act, "act", 2)
         e, i2, hidden = w_gate_up.shape
         inter = i2 // 2
         top_k = b.idx.shape[1]
         k._shape(act, "act", (MOE_MAX_ROWS * top_k, inter))
-        self._common(m, hidden, inter, w_gate_up, act, b)
+        self._common(m, hidden, inter, wargs[0], act, b)
         self._bias(bias, (e, i2), "gate_up bias")
         code = _activation(activation, limit)
         rows = MOE_WARPS * GATE_UP_R
         grid = (-(-inter // rows), min(e, m * top_k))
-        args = (b.h, w_gate_up, b.n_union, b.union_e, b.union_mask, b.union_slot, act,
+        args = (b.h, *wargs, b.n_union, b.union_e, b.union_mask, b.union_slot, act,
                 np.int32(inter), np.int32(hidden), np.int32(top_k), np.int32(first),
                 k._dummy if bias is None else bias, np.int32(bias is not None), np.int32(code), np.float32(limit or 0.0), np.float32(alpha))
-        self._launch(gate_up_name(_mt(m)), grid, (MOE_WARPS * 32,), args, stream)
+        name = gate_up_fp8_name(_mt(m)) if fp8 else gate_up_name(_mt(m))
+        self._launch(name, grid, (MOE_WARPS * 32,), args, stream)
 
     def down(self, m: int, w_down: Any, b: RouteBuffers, act: Any, out: Any, *, shared: tuple[Any, Any] | None = None,
              accumulate: bool, first: int = 0, bias: Any = None, stream: Any = None) -> None:
         """out f32 [M, H] (=|+=) the weighted sum of the chosen experts' down projections of act, plus
         sigmoid-gated shared = (w_shared bf16 [H, S], act_shared f32 [M, S]) when given.  w_down bf16
-        [E, H, I] holding experts first .. (route's `held`); `bias` bf16 [E, H]: each expert's, added to its
-        projection before the routing weight scales it."""
+        [E, H, I] holding experts first .. (route's `held`), or FP8 experts (is_fp8: `data` uint8 [E, H, I], `scale`
+        f32 [E, ceil(H / srow), ceil(I / bk)]; I % 16 == 0), whose kernel takes the shared expert's down weight in
+        bf16 or FP8 (an Fp8Weight: `data` uint8 [H, S], `scale` [ceil(H / srow), ceil(S / bk)], S % 16 == 0); bf16
+        experts take a bf16 shared expert only.  `bias` bf16 [E, H]: each expert's, added to its projection before
+        the routing weight scales it."""
         np, k = self._np, self.k
-        k._bf16(w_down, "w_down", 3)
+        fp8 = is_fp8(w_down)
+        if fp8:
+            wargs = self._fp8_experts(w_down, "w_down")
+        else:
+            k._bf16(w_down, "w_down", 3)
+            wargs = (w_down,)
         k._f32(out, "out", 2)
         e, hidden, inter = w_down.shape
         top_k = b.idx.shape[1]
         k._shape(out, "out", (m, hidden))
         k._shape(act, "act", (MOE_MAX_ROWS * top_k, inter))
-        self._common(m, hidden, inter, w_down, act, b)
-        w_s, act_s, s = self._shared(shared, m, hidden, b, "down")
+        self._common(m, hidden, inter, wargs[0], act, b)
+        if fp8 and shared is not None and is_fp8(shared[0]):
+            s_fp8 = self._fp8_shared(shared, m, hidden)
+            w_s, act_s, s = k._dummy, shared[1], shared[0].shape[1]
+        else:
+            if shared is not None and is_fp8(shared[0]):
+                raise ValueError("moe down: an FP8 shared expert takes FP8 experts (bf16 experts read a bf16 one)")
+            w_s, act_s, s = self._shared(shared, m, hidden, b, "down")
+            s_fp8 = (k._dummy, k._dummy, np.int32(1), np.int32(16), np.int32(1), np.int32(0))
         k._disjoint(out, "out", act, "act")
         self._bias(bias, (e, hidden), "down bias")
         parts, shared_parts = down_parts(e, top_k, inter, s)
-        args = (act, w_down, b.wts, b.n_union, b.union_e, b.union_mask, b.union_slot, act_s, w_s, b.sgate,
+        tail = (b.wts, b.n_union, b.union_e, b.union_mask, b.union_slot, act_s, w_s)
+        if fp8:
+            tail += s_fp8
+        args = (act, *wargs, *tail, b.sgate,
                 np.int32(s), out, np.int32(m), np.int32(hidden), np.int32(inter), np.int32(top_k),
                 np.int32(parts), np.int32(shared_parts), np.int32(1 if accumulate else 0), np.int32(first),
                 k._dummy if bias is None else bias, np.int32(bias is not None))
-        self._launch(down_name(_mt(m)), (-(-hidden // down_rows(_mt(m))),), (MOE_DOWN_WARPS * 32,), args, stream)
+        name = down_fp8_name(_mt(m)) if fp8 else down_name(_mt(m))
+        self._launch(name, (-(-hidden // down_rows(_mt(m))),), (MOE_DOWN_WARPS * 32,), args, stream)
+
+    def _fp8_weight(self, w: Any, what: str, ndim: int) -> tuple[Any, Any, Any, Any, Any, Any]:
+        """(data, scale, SB, srow, bk, KB) of an FP8 weight checked as fp8.Fp8Kernels._weight checks one: e4m3 bytes
+        uint8 [(E,) N, K], fp32 scales [(E,) ceil(N / srow), ceil(K / bk)], K and bk multiples of 16 (a 16-byte
+        chunk never spans two scale blocks), 16-byte aligned."""
+        k, np = self.k, self._np
+        data, scale, srow, bk = w.data, w.scale, int(w.srow), int(w.bk)
+        k._arr(data, what)
+        if data.dtype != np.uint8 or data.ndim != ndim:
+            raise ValueError(f"{what}: expected uint8 e4m3 bytes of {ndim} dims, got {data.dtype} {tuple(data.shape)}")
+        k._f32(scale, f"{what} scale", ndim)
+        n, kk = data.shape[-2:]
+        if kk % 16 or bk % 16 or bk <= 0 or srow <= 0:
+            raise ValueError(f"{what}: K ({kk}) and the scale block width ({bk}) must be multiples of 16")
+        sb, kb = -(-n // srow), -(-kk // bk)
+        k._shape(scale, f"{what} scale", data.shape[:-2] + (sb, kb))
+        k._aligned(data, what)
+        return data, scale, np.int32(sb), np.int32(srow), np.int32(bk), np.int32(kb)
+
+    def _fp8_experts(self, w: Any, what: str) -> tuple[Any, ...]:
+        """The FP8 experts kernels' weight arguments (data, scale, SB, srow, bk, KB) of stacked FP8 experts, checked."""
+        return self._fp8_weight(w, what, 3)
+
+    def _fp8_shared(self, shared: tuple[Any, Any], m: int, hidden: int) -> tuple[Any, ...]:
+        """moe_down_fp8_kernel's shared-expert arguments (w_s8, ws_s, s_srow, s_bk, s_KB, s_fp8) of an FP8 shared down
+        weight [hidden, S] and its activations f32 [m, S], checked."""
+        k, np = self.k, self._np
+        w, a = shared
+        data, scale, _, srow, bk, kb = self._fp8_weight(w, "w_shared", 2)
+        width = data.shape[1]
+        k._shape(data, "w_shared", (hidden, width))
+        k._f32(a, "act_shared", 2)
+        k._shape(a, "act_shared", (m, width))
+        k._aligned(a, "act_shared")
+        return data, scale, srow, bk, kb, np.int32(1)
 
     def _bias(self, bias: Any, shape: tuple[int, int], what: str) -> None:
         """An experts kernel's optional bias: bf16 of `shape` ([E, N], the held experts'), checked."""
@@ -341,5 +419,5 @@ class MoeKernels:
             k._aligned(a, name)
 
 
-__all__ = ["MOE_ACTIVATIONS", "MoeKernels", "ROUTER_KINDS", "RouteBuffers", "down_parts", "module_source", "name_expressions",
-           "router_args"]
+__all__ = ["MOE_ACTIVATIONS", "MoeKernels", "ROUTER_KINDS", "RouteBuffers", "down_parts", "is_fp8", "module_source",
+           "name_expressions", "router_args"]
