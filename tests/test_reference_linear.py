@@ -149,7 +149,10 @@ def test_verify_equals_sequential_decode_with_a_rejection_at_every_position(name
             ref.decode(t)
         after.append(rel_err(decode_row(e, nxt), decode_row(ref, nxt)))
     print(f"{name} k={k}: verify vs sequential, rollback then decode vs sequential: max {max(after):.2e}")
-    assert max(after) <= 1e-5  # the same recurrent steps (the projections of k rows round differently)
+    # the same recurrent steps, but the projections of k rows round differently from one row's, and the recurrent
+    # state carries the difference on: measured over 1,398 rollbacks (qwen3_next, qwen3_5): median 6e-7, p99 2.7e-6,
+    # max 7.6e-6, and 1.07e-5 once in another ~500; a wrong rollback moves the row by O(1)
+    assert max(after) <= 3e-5
 
 
 @pytest.mark.parametrize("name", MODELS)
