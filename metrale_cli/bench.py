@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import ModelConfig, load_config
-from .errors import UsageError
+from .errors import DeviceError, UsageError
 from .random_weights import RandomTensors
 
 # The presets: shipped as metrale_cli.assets.presets when installed; read from the repository's
@@ -246,7 +246,34 @@ def build_engine(cfg: ModelConfig, device: str, context: int, tp: int | None = N
         return load_cuda_engine(cfg, source, context)
     from .backends.numpy.engine import load_numpy_engine
 
+    check_cpu_fits(cfg, available_memory())
     return load_numpy_engine(cfg, source, context, threads=threads)
+
+
+def available_memory() -> int | None:
+    """The bytes of memory this machine can give a new allocation now (Linux MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_cpu_fits(cfg: ModelConfig, available: int | None) -> None:
+    """DeviceError when the preset's random weights cannot fit this machine's memory: the CPU engine draws them into
+    memory and holds at least their stored bytes (a quantized weight's packed bytes and scales, a dense one's bf16;
+    norms and dequantized weights take more), so a preset whose stored bytes exceed what is available is refused
+    before anything is drawn instead of driving the machine out of memory."""
+    from .models.formats import stored_nbytes
+
+    need = sum(stored_nbytes(p) for p in cfg.definition.params())
+    if available is not None and need > available:
+        raise DeviceError(f"the random weights need at least {need / 2**30:.1f} GiB of memory and this machine has "
+                          f"{available / 2**30:.1f} GiB available: use --device cuda (with --tp N) or a smaller "
+                          "preset")
 
 
 def check_paths(paths: tuple[str, ...] | None, device: str) -> tuple[str, ...] | None:

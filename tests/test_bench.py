@@ -198,3 +198,24 @@ def test_the_formats_note_says_what_the_floor_counts_on_each_engine():
     assert weight_formats_note(fp8, "cuda").endswith("the bytes the engine holds them in (packed weights and their scales)")
     assert "fp32 copies where it dequantizes at load" in weight_formats_note(oss, "cpu")
     assert weight_formats_note(load_config(preset_path("llama-3.1-8b")), "cuda") is None
+
+
+def test_a_preset_too_big_for_this_machines_memory_is_refused_before_drawing(monkeypatch, capsys):
+    """The CPU bench draws its random weights into memory: a preset whose stored bytes alone (a lower bound of what
+    the NumPy engine holds) exceed the memory available is refused at once (exit 8, one line), not run out of
+    memory; one that fits, or a machine whose available memory is unknown, goes on."""
+    from metrale_cli import bench
+    from metrale_cli.config import load_config
+    from metrale_cli.errors import DeviceError
+
+    with pytest.raises(DeviceError, match=r"need at least 626\.9 GiB of memory and this machine has 24\.0 GiB"):
+        bench.check_cpu_fits(load_config(preset_path("deepseek-v3")), 24 << 30)
+    bench.check_cpu_fits(load_config(preset_path("llama-3.1-8b-nvfp4")), 24 << 30)  # 5.6 GiB stored
+    bench.check_cpu_fits(load_config(preset_path("deepseek-v3")), None)
+    monkeypatch.setattr(bench, "available_memory", lambda: 1 << 30)
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--device", "cpu", "--preset", "llama-3.1-8b", "--no-transformers"])
+    assert e.value.code == 8
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]  # after the progress line, the error on one line
+    assert last.startswith("metrale: device error: the random weights need at least 15.0 GiB") and "Traceback" not in err
