@@ -7,12 +7,11 @@ capturable in a CUDA graph.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-_CUDA_DIR = Path(__file__).resolve().parent
-FP8_WARPS = 4  # must match fp8.cu
+from .nvrtc import joined_source
 
+FP8_WARPS = 4  # must match fp8.cu
 
 
 def rows_per_warp(m: int) -> int:
@@ -25,17 +24,9 @@ def gemv_name(m: int) -> str:
     return f"gemv_fp8_kernel<{m}, {rows_per_warp(m)}>"
 
 
-_INCLUDES = ('#include "common.cu"', '#include "e4m3.cu"')
-
-
 def module_source() -> str:
-    """common.cu, e4m3.cu (the e4m3 conversions), then fp8.cu, their include lines removed."""
-    parts = [(_CUDA_DIR / "common.cu").read_text()]
-    for name in ("e4m3.cu", "fp8.cu"):
-        text = (_CUDA_DIR / name).read_text()
-        body = "\n".join(ln for ln in text.splitlines() if ln.strip() not in _INCLUDES)
-        parts.append(f"// ---- {name} ----\n" + body)
-    return "\n".join(parts) + "\n"
+    """common.cu, e4m3.cu (the e4m3 conversions), then fp8.cu."""
+    return joined_source('e4m3.cu', 'fp8.cu')
 
 
 def name_expressions() -> tuple[str, ...]:

@@ -21,12 +21,12 @@ reference.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-_CUDA_DIR = Path(__file__).resolve().parent
+from .nvrtc import joined_source
+
 PLAIN = ("gdn_conv_kernel", "gdn_gates_kernel", "gdn_gated_norm_kernel", "gdn_recurrent_64_kernel",
          "gdn_recurrent_128_kernel", "gdn_recurrent_256_kernel", "gdn_conv_rows_kernel", "gdn_conv_tail_kernel",
          "gdn_qk_norm_kernel", "gdn_recurrent_pre_64_kernel", "gdn_recurrent_pre_128_kernel",
@@ -57,9 +57,7 @@ def chunk_work_shapes(t: int, spec: Any) -> dict[str, tuple[int, ...]]:
 
 
 def module_source() -> str:
-    text = (_CUDA_DIR / "gated_delta.cu").read_text()
-    body = "\n".join(ln for ln in text.splitlines() if ln.strip() != '#include "common.cu"')
-    return (_CUDA_DIR / "common.cu").read_text() + "\n// ---- gated_delta.cu ----\n" + body + "\n"
+    return joined_source('gated_delta.cu')
 
 
 def column_maps(spec: Any) -> dict[str, np.ndarray]:

@@ -9,10 +9,10 @@ kv_lora_rank, D = R + P floats per cached position."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-_CUDA_DIR = Path(__file__).resolve().parent
+from .nvrtc import joined_source
+
 MLA_HG = 16  # heads per attention block (one warp each): must match mla.cu
 MLA_TK = 16  # cached rows per tile
 MLA_MAX_D = 768  # kv_lora_rank + qk_rope_head_dim at most
@@ -76,10 +76,8 @@ def splits_for(rows: int, heads: int, num_sms: int) -> int:
 
 
 def module_source() -> str:
-    """common.cu followed by mla.cu, its include line removed."""
-    text = (_CUDA_DIR / "mla.cu").read_text()
-    body = "\n".join(ln for ln in text.splitlines() if ln.strip() != '#include "common.cu"')
-    return (_CUDA_DIR / "common.cu").read_text() + "\n// ---- mla.cu ----\n" + body + "\n"
+    """common.cu followed by mla.cu."""
+    return joined_source('mla.cu')
 
 
 class MlaKernels:

@@ -8,18 +8,16 @@ syncs, so the rows path stays capturable in a CUDA graph.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-_CUDA_DIR = Path(__file__).resolve().parent
+from .nvrtc import joined_source
+
 PLAIN = ("vocab_embedding_kernel", "argmax_pairs_f32_kernel", "argmax_pairs_bf16_kernel")
 MAX_EXACT_INDEX = 1 << 24  # argmax candidates carry their index as a float
 
 
 def module_source() -> str:
-    text = (_CUDA_DIR / "tp.cu").read_text()
-    body = "\n".join(ln for ln in text.splitlines() if ln.strip() != '#include "common.cu"')
-    return (_CUDA_DIR / "common.cu").read_text() + "\n// ---- tp.cu ----\n" + body + "\n"
+    return joined_source('tp.cu')
 
 
 class TpKernels:

@@ -7,12 +7,11 @@ the host, so the GEMV is capturable in a CUDA graph.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from .fp8 import Fp8Kernels, rows_per_warp
+from .nvrtc import joined_source
 
-_CUDA_DIR = Path(__file__).resolve().parent
 W4_WARPS = 4  # must match w4.cu
 CODES = {"e2m1": 0, "int4": 1}  # w4.cu's FMT: what a 4-bit code stands for
 
@@ -31,9 +30,7 @@ def dequant_name(code: str) -> str:
 
 
 def module_source() -> str:
-    text = (_CUDA_DIR / "w4.cu").read_text()
-    body = "\n".join(ln for ln in text.splitlines() if ln.strip() != '#include "common.cu"')
-    return (_CUDA_DIR / "common.cu").read_text() + "\n// ---- w4.cu ----\n" + body + "\n"
+    return joined_source('w4.cu')
 
 
 def name_expressions() -> tuple[str, ...]:
