@@ -72,3 +72,35 @@ def cuda_format(name: str) -> CudaFormat | None:
         return None
     _FORMATS[name] = entry  # resolved once: the projections look a weight's format up on every call
     return entry
+
+
+def rows_linear(proj: Any, x: Any, out: Any, n: int, gemv: Callable[[Any, Any, bool], None], tag: str, *,
+                accumulate: bool, swiglu: bool, norm_weight: Any, eps: float, norm_offset: float, activation: str,
+                prepare: Callable[[Any], Any] | None = None) -> None:
+    """A format's rows-path `linear` around a GEMV that fuses neither the norm nor the gate activation: the RMSNorm of
+    x (when given) into a scratch row block, `prepare(x)` (an input quantization, say), then `gemv(x, y, accumulate)`
+    (n outputs) into out, or with swiglu into a [gate, up] scratch followed by the gate activation. Scratch buffers
+    are named `tag`_norm and `tag`_gate_up."""
+    kern, s = proj.kern, proj.stream
+    if norm_weight is not None:
+        xn = proj.scratch(f"{tag}_norm", x.shape)
+        kern.rmsnorm(x, norm_weight, eps, xn, offset=norm_offset, stream=s)
+        x = xn
+    if prepare is not None:
+        x = prepare(x)
+    if swiglu:
+        y = proj.scratch(f"{tag}_gate_up", (x.shape[0], n))
+        gemv(x, y, False)
+        kern.swiglu(y, out, activation=activation, stream=s)
+    else:
+        gemv(x, out, accumulate)
+
+
+def dequantized_gemm(proj: Any, x: Any, shape: tuple[int, int], dequant: Callable[[Any], None], bias: Any = None,
+                     accumulate_into: Any = None) -> Any:
+    """A format's prefill `gemm`: the weight dequantized by `dequant(out)` into a bf16 temporary of `shape`, then the
+    bf16 cuBLAS GEMM (Projections.gemm_bf16)."""
+    wb = proj.cp.empty(shape, proj.cp.uint16)
+    dequant(wb)
+    return proj.gemm_bf16(x, wb, bias, accumulate_into)
+

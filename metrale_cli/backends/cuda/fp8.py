@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ...models.quantized import scale_as_fp32
-from .formats import CudaFormat, register_cuda_format
+from .formats import CudaFormat, dequantized_gemm, register_cuda_format, rows_linear
 
 
 class Fp8Weight:
@@ -137,33 +137,27 @@ def _experts_bf16(proj, w: Fp8Experts, experts: list[int]) -> Any:
 
 def _linear(proj, x, w: Fp8Weight, out, bias=None, *, accumulate=False, swiglu=False, norm_weight=None, eps=1e-6,
             norm_offset=0.0, activation="silu") -> None:
-    """The rows path: the RMSNorm of x (when given) into a scratch row block, its quantized values there under
-    `--activation-quant emulate`, the FP8 GEMV, and with swiglu the gate activation of its [gate, up] output."""
-    kern, s = proj.kern, proj.stream
-    if norm_weight is not None:
-        xn = proj.scratch("fp8_norm", x.shape)
-        kern.rmsnorm(x, norm_weight, eps, xn, offset=norm_offset, stream=s)
-        x = xn
-    if w.input_quant is not None:
-        x = w.input_quant.apply(proj, x, "fp8_input")
-    fp8 = _kernels(kern)
-    if swiglu:
-        y = proj.scratch("fp8_gate_up", (x.shape[0], w.shape[0]))
-        fp8.gemv(x, w.data, w.scale, w.srow, w.bk, y, bias, stream=s)
-        kern.swiglu(y, out, activation=activation, stream=s)
-    else:
-        fp8.gemv(x, w.data, w.scale, w.srow, w.bk, out, bias, accumulate=accumulate, stream=s)
+    """The rows path (formats.rows_linear): the RMSNorm of x (when given) into a scratch row block, its quantized
+    values there under `--activation-quant emulate`, the FP8 GEMV, and with swiglu the gate activation of its
+    [gate, up] output."""
+    fp8, s = _kernels(proj.kern), proj.stream
+
+    def gemv(x, y, acc):
+        fp8.gemv(x, w.data, w.scale, w.srow, w.bk, y, bias, accumulate=acc, stream=s)
+
+    prepare = None if w.input_quant is None else (lambda x: w.input_quant.apply(proj, x, "fp8_input"))
+    rows_linear(proj, x, out, w.shape[0], gemv, "fp8", accumulate=accumulate, swiglu=swiglu, norm_weight=norm_weight,
+                eps=eps, norm_offset=norm_offset, activation=activation, prepare=prepare)
 
 
 def _gemm(proj, x, w: Fp8Weight, bias=None, accumulate_into=None):
     """The prefill path: the weight dequantized to bf16 (a temporary), then the bf16 cuBLAS GEMM (of x's quantized
     values under `--activation-quant emulate`)."""
-    cp = proj.cp
     if w.input_quant is not None:
         x = w.input_quant.apply(proj, x, "")
-    wb = cp.empty(w.shape, cp.uint16)
-    _kernels(proj.kern).dequant_bf16(w.data, w.scale, w.srow, w.bk, wb, stream=proj.stream)
-    return proj.gemm_bf16(x, wb, bias, accumulate_into)
+    fp8 = _kernels(proj.kern)
+    return dequantized_gemm(proj, x, w.shape, lambda wb: fp8.dequant_bf16(w.data, w.scale, w.srow, w.bk, wb,
+                                                                         stream=proj.stream), bias, accumulate_into)
 
 
 def _input_quant(p: Any, read, kern: Any) -> Fp8Input:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .formats import CudaFormat, register_cuda_format
+from .formats import CudaFormat, dequantized_gemm, register_cuda_format, rows_linear
 
 
 class W4Weight:
@@ -100,28 +100,22 @@ def _concat(parts: list[W4Weight], cp) -> W4Weight:
 
 def _linear(proj, x, w: W4Weight, out, bias=None, *, accumulate=False, swiglu=False, norm_weight=None, eps=1e-6,
             norm_offset=0.0, activation="silu") -> None:
-    """The rows path: the RMSNorm of x (when given) into a scratch row block, the 4-bit GEMV, and with swiglu the
-    gate activation of its [gate, up] output."""
-    kern, s = proj.kern, proj.stream
-    if norm_weight is not None:
-        xn = proj.scratch("w4_norm", x.shape)
-        kern.rmsnorm(x, norm_weight, eps, xn, offset=norm_offset, stream=s)
-        x = xn
-    w4 = _kernels(kern)
-    if swiglu:
-        y = proj.scratch("w4_gate_up", (x.shape[0], w.shape[0]))
-        w4.gemv(x, w.data, w.scale, w.group, w.code, y, bias, stream=s)
-        kern.swiglu(y, out, activation=activation, stream=s)
-    else:
-        w4.gemv(x, w.data, w.scale, w.group, w.code, out, bias, accumulate=accumulate, stream=s)
+    """The rows path (formats.rows_linear): the RMSNorm of x (when given) into a scratch row block, the 4-bit GEMV,
+    and with swiglu the gate activation of its [gate, up] output."""
+    w4, s = _kernels(proj.kern), proj.stream
+
+    def gemv(x, y, acc):
+        w4.gemv(x, w.data, w.scale, w.group, w.code, y, bias, accumulate=acc, stream=s)
+
+    rows_linear(proj, x, out, w.shape[0], gemv, "w4", accumulate=accumulate, swiglu=swiglu, norm_weight=norm_weight,
+                eps=eps, norm_offset=norm_offset, activation=activation)
 
 
 def _gemm(proj, x, w: W4Weight, bias=None, accumulate_into=None):
     """The prefill path: the weight dequantized to bf16 (a temporary), then the bf16 cuBLAS GEMM."""
-    cp = proj.cp
-    wb = cp.empty(w.shape, cp.uint16)
-    _kernels(proj.kern).dequant_bf16(w.data, w.scale, w.group, w.code, wb, stream=proj.stream)
-    return proj.gemm_bf16(x, wb, bias, accumulate_into)
+    w4 = _kernels(proj.kern)
+    return dequantized_gemm(proj, x, w.shape, lambda wb: w4.dequant_bf16(w.data, w.scale, w.group, w.code, wb,
+                                                                        stream=proj.stream), bias, accumulate_into)
 
 
 def _refuses(p) -> str | None:

@@ -13,12 +13,11 @@ Device buffers of one sparse layer's routing (`RouteBuffers`, allocated once by 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from .nvrtc import joined_source
 from .tuning import ACTIVATIONS, GLU_OAI
 
-_CUDA_DIR = Path(__file__).resolve().parent  # moe.cu and common.cu sit beside this module
 MOE_MAX_EXPERTS = 256  # must match moe.cu
 MOE_MAX_ROWS = 16
 MOE_MAX_K = 16
@@ -74,18 +73,9 @@ def down_parts(experts: int, top_k: int, inter: int, shared: int) -> tuple[int, 
     return p, ps
 
 
-_INCLUDES = ('#include "common.cu"', '#include "routers.cu"', '#include "e4m3.cu"')
-
-
 def module_source() -> str:
-    """common.cu, routers.cu (the router kinds), e4m3.cu (FP8 experts' conversions), then moe.cu, their include lines
-    removed."""
-    parts = [(_CUDA_DIR / "common.cu").read_text()]
-    for name in ("routers.cu", "e4m3.cu", "moe.cu"):
-        text = (_CUDA_DIR / name).read_text()
-        body = "\n".join(ln for ln in text.splitlines() if ln.strip() not in _INCLUDES)
-        parts.append(f"// ---- {name} ----\n" + body)
-    return "\n".join(parts) + "\n"
+    """common.cu, routers.cu (the router kinds), e4m3.cu (FP8 experts' conversions), then moe.cu."""
+    return joined_source('routers.cu', 'e4m3.cu', 'moe.cu')
 
 
 def name_expressions() -> tuple[str, ...]:
@@ -276,12 +266,7 @@ class MoeKernels:
         (MOE_ACTIVATIONS): "swiglu_oai" computes min(g, limit) * sigmoid(alpha min(g, limit)) *
         (clip(u, -limit, limit) + 1) instead (gpt-oss; `limit` required)."""
         np, k = self._np, self.k
-        fp8 = is_fp8(w_gate_up)
-        if fp8:
-            wargs = self._fp8_experts(w_gate_up, "w_gate_up")
-        else:
-            k._bf16(w_gate_up, "w_gate_up", 3)
-            wargs = (w_gate_up,)
+        fp8, wargs = is_fp8(w_gate_up), self._experts(w_gate_up, "w_gate_up")
         k._f32(act, "act", 2)
         e, i2, hidden = w_gate_up.shape
         inter = i2 // 2
@@ -308,12 +293,7 @@ class MoeKernels:
         experts take a bf16 shared expert only.  `bias` bf16 [E, H]: each expert's, added to its projection before
         the routing weight scales it."""
         np, k = self._np, self.k
-        fp8 = is_fp8(w_down)
-        if fp8:
-            wargs = self._fp8_experts(w_down, "w_down")
-        else:
-            k._bf16(w_down, "w_down", 3)
-            wargs = (w_down,)
+        fp8, wargs = is_fp8(w_down), self._experts(w_down, "w_down")
         k._f32(out, "out", 2)
         e, hidden, inter = w_down.shape
         top_k = b.idx.shape[1]
@@ -359,9 +339,13 @@ class MoeKernels:
         k._aligned(data, what)
         return data, scale, np.int32(sb), np.int32(srow), np.int32(bk), np.int32(kb)
 
-    def _fp8_experts(self, w: Any, what: str) -> tuple[Any, ...]:
-        """The FP8 experts kernels' weight arguments (data, scale, SB, srow, bk, KB) of stacked FP8 experts, checked."""
-        return self._fp8_weight(w, what, 3)
+    def _experts(self, w: Any, what: str) -> tuple[Any, ...]:
+        """The experts kernels' weight arguments, checked: (w,) of bf16 experts [E, N, K], or (data, scale, SB, srow,
+        bk, KB) of stacked FP8 experts (is_fp8)."""
+        if is_fp8(w):
+            return self._fp8_weight(w, what, 3)
+        self.k._bf16(w, what, 3)
+        return (w,)
 
     def _fp8_shared(self, shared: tuple[Any, Any], m: int, hidden: int) -> tuple[Any, ...]:
         """moe_down_fp8_kernel's shared-expert arguments (w_s8, ws_s, s_srow, s_bk, s_KB, s_fp8) of an FP8 shared down
