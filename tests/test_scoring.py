@@ -123,9 +123,12 @@ def test_chunked_score_equals_transformers_windows(helpers, chunk, stride):
     assert len(r.scored) == len(ids) - 1 and len(r.windows) > 1
     assert r.total_logprob == pytest.approx(total, rel=1e-5)
     whole = score_with_metrale(path, ids)
-    # the windows do change the context: beyond fp32 rounding (45 fresh draws differed by 1.7e-3 to 8e-2 relative;
-    # CI once drew one at 2.2e-5: a random token's log-probability in this small model barely depends on context)
-    assert abs(whole.total_logprob - r.total_logprob) > 1e-6 * abs(whole.total_logprob)
+    # the windows do change the context, far beyond fp32 rounding. Measured per token, not on the total: over 120
+    # fresh draws the largest per-token difference was 3.4 .. 6+ nats, against 6.5e-6 between the same tokens scored
+    # with the same context (the first window's); the totals' differences partly cancel (down to 1.1e-4 relative
+    # there, 5.2e-7 once in CI, which failed the bound this replaces)
+    diff = np.abs(np.array([s.logprob for s in whole.scored]) - np.array([s.logprob for s in r.scored]))
+    assert diff[:chunk - 1].max() <= 1e-4 < 1e-3 < diff.max()
 
 
 # -- the command ---------------------------------------------------------------------------------------------------
