@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from metrale_cli import bench  # noqa: E402
+from metrale_cli import bench, floors  # noqa: E402
 from metrale_cli.config import load_config  # noqa: E402
 
 PATHS = ("fused", "rows")
@@ -46,10 +46,10 @@ def main() -> None:
         raise SystemExit(f"{a.preset} has no sparse layers")
     eng = bench.build_engine(cfg, "cuda", a.context + max(ks, default=0) + 1)
     bw = bench.read_bandwidth_gpu(eng.cp)
-    one, total = bench._expert_params(cfg)  # a decode step reads top_k experts per sparse layer
+    one, total = floors.expert_params(cfg)  # a decode step reads top_k experts per sparse layer
     unread = total - one * cfg.moe.spec.top_k * len(cfg.moe.sparse_layers)
-    streamed, xb = bench._weight_bytes(eng, cfg, 2)
-    floor = ((streamed - xb * unread) + bench.kv_bytes_read(cfg, a.context, 2)) / bw
+    streamed, xb = floors.weight_bytes(eng, cfg, 2)
+    floor = ((streamed - xb * unread) + floors.kv_bytes_read(cfg, a.context, 2)) / bw
     rng = np.random.default_rng(0)
     eng.prefill([int(t) for t in rng.integers(0, cfg.vocab_size, a.context)])
     timer = bench._Timer(eng)

@@ -166,7 +166,7 @@ def test_the_cpu_floor_counts_the_bytes_the_engine_holds(monkeypatch, fused_min)
     to fp32 (4 bytes), norms in fp32: the floor's weight bytes are those, the embedding table left out."""
     from metrale_cli.backends.numpy import kernels
     from metrale_cli.backends.numpy.engine import load_numpy_engine
-    from metrale_cli.bench import _weight_bytes
+    from metrale_cli.floors import weight_bytes
     from metrale_cli.checkpoint import Checkpoint
     from metrale_cli.config import load_config
 
@@ -175,7 +175,7 @@ def test_the_cpu_floor_counts_the_bytes_the_engine_holds(monkeypatch, fused_min)
     path = Path(__file__).parent / "fixtures" / "models" / "llama_bf16"
     cfg, ckpt = load_config(path), Checkpoint.open(path)
     eng = load_numpy_engine(cfg, ckpt, 16)
-    streamed, _ = _weight_bytes(eng, cfg, 4)
+    streamed, _ = weight_bytes(eng, cfg, 4)
     want = 0
     for name in ckpt.tensor_names():
         info = ckpt.info(name)
@@ -190,7 +190,8 @@ def test_the_formats_note_says_what_the_floor_counts_on_each_engine():
     """On the GPU the floor counts an MXFP4 expert as the bf16 it is dequantized to at load and an FP8 projection as
     the bytes the engine holds (e4m3 and fp32 scales); on the CPU the engine's own arrays (stored, or fp32 where it
     dequantizes)."""
-    from metrale_cli.bench import preset_path, weight_formats_note
+    from metrale_cli.bench import preset_path
+    from metrale_cli.floors import weight_formats_note
     from metrale_cli.config import load_config
 
     oss, fp8 = load_config(preset_path("gpt-oss-20b")), load_config(preset_path("qwen3-8b-fp8"))

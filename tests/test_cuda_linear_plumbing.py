@@ -442,7 +442,7 @@ def test_a_gated_qkv_is_not_fused_and_the_gate_kernels_are_bound():
 def test_the_bench_floor_counts_the_state_a_step_moves(name):
     """`metrale bench`'s floor of a hybrid model counts its linear layers' states: read once and written after each
     row, i.e. (1 + rows) x the NumPy engine's state of one sequence; a plain attention model moves none."""
-    from metrale_cli.bench import linear_state_bytes
+    from metrale_cli.floors import linear_state_bytes
 
     cpu = plumbing.cpu_engine(name)
     one = cpu.states["linear_attention"].nbytes

@@ -199,7 +199,8 @@ def test_the_presets_parse_to_their_published_sizes_and_run_on_cuda(name, params
     """configs/deepseek-v2-lite.json and moonlight-16b-a3b.json (`metrale bench`): the real configs' shapes, nothing
     the CUDA engine refuses, the latent cache's bf16 bytes per token the bench's floor counts."""
     from metrale_cli.backends.cuda.loading import check_sizes, unsupported_features
-    from metrale_cli.bench import kv_bytes_read, preset_path
+    from metrale_cli.bench import preset_path
+    from metrale_cli.floors import kv_bytes_read
     from metrale_cli.config import load_config
 
     cfg = load_config(preset_path(name))

@@ -248,7 +248,8 @@ def test_the_4_bit_presets_are_counted_in_the_bytes_the_device_holds(preset, low
     from types import SimpleNamespace
 
     from metrale_cli.backends.cuda import loading
-    from metrale_cli.bench import _weight_bytes, preset_path
+    from metrale_cli.bench import preset_path
+    from metrale_cli.floors import weight_bytes
     from metrale_cli.config import load_config
 
     cfg = load_config(preset_path(preset))
@@ -260,5 +261,5 @@ def test_the_4_bit_presets_are_counted_in_the_bytes_the_device_holds(preset, low
     assert sum(loading.stored_param_bytes(p) for p in stored) == values // 2 + 4 * values // group
     held = loading.device_weight_bytes(d)
     assert low < held / (2 * d.parameter_count()) < high
-    floor, _ = _weight_bytes(SimpleNamespace(), cfg, 2)
+    floor, _ = weight_bytes(SimpleNamespace(), cfg, 2)
     assert held - floor == 2 * cfg.vocab_size * cfg.hidden_size
