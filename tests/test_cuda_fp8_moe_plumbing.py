@@ -28,6 +28,7 @@ from test_cuda_moe_plumbing import expert_f32, fake_moe, first_flip, routing  # 
 from test_extension_points import cuda_plumbing, fake_cuda_engine, host_rows, rel  # noqa: E402
 
 TOL = 3e-2  # test_cuda_plumbing's: the stand-ins' bf16 KV cache and GEMM activations
+PROJECTIONS, EXPERTS = (name for name, _ in loading.UNVERIFIED)  # the gate's entries: qgemv.cu, moe.cu's FP8 experts
 
 BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
@@ -90,7 +91,7 @@ def test_fp8_experts_are_uploaded_as_stored_and_dequantize_to_the_exact_values(t
     path = write_moe_fp8(tmp_path / name, MODELS[name], block, np.random.default_rng())
     cfg = load_config(path)
     assert loading.unsupported_features(cfg.definition) == []
-    assert loading.unverified_features(cfg.definition) == ["FP8 experts read as stored by the MoE kernels"]
+    assert loading.unverified_features(cfg.definition) == [PROJECTIONS, EXPERTS]
     kern = cuda_plumbing().FakeKernels()
     with Checkpoint.open(path) as ckpt:
         w = loading.upload_weights(cfg, ckpt, kern)
@@ -210,11 +211,11 @@ def test_the_size_check_counts_fp8_experts_as_stored():
     loading.check_fits(glm, 139 << 30, 141 << 30)  # one H200
     with pytest.raises(DeviceError, match=r"the weights need 100\.7 GiB .* --tp 2 "):
         loading.check_fits(glm, 78 << 30, 80 << 30)
-    assert loading.unverified_features(glm.definition) == ["FP8 experts read as stored by the MoE kernels"]
+    assert loading.unverified_features(glm.definition) == [PROJECTIONS, EXPERTS]
     nxt = load_config(preset_path("qwen3-next-80b-a3b-fp8"))
     assert round(loading.device_weight_bytes(nxt.definition) / 2**30, 1) == 74.8
     loading.check_fits(nxt, 78 << 30, 80 << 30)
-    assert loading.unverified_features(nxt.definition) == ["FP8 experts read as stored by the MoE kernels"]
+    assert loading.unverified_features(nxt.definition) == [PROJECTIONS, EXPERTS]
 
 
 def test_what_the_moe_kernels_cannot_read_as_stored_falls_back_to_bf16(tmp_path):
@@ -234,7 +235,7 @@ def test_what_the_moe_kernels_cannot_read_as_stored_falls_back_to_bf16(tmp_path)
     kept = {p.key for p in sixteen.params() if loading.kept_as_stored(p)}
     assert {"experts_gate_up", "qkv"} <= kept and "experts_down" not in kept  # down_proj's input: 40 wide
     assert loading.unsupported_features(sixteen) == []
-    assert loading.unverified_features(sixteen) == ["FP8 experts read as stored by the MoE kernels"]
+    assert loading.unverified_features(sixteen) == [PROJECTIONS, EXPERTS]
     with pytest.raises(UsageError, match="experts.0.gate_proj.weight .* is read by the MoE kernels, which do not "
                                          "quantize their inputs"):
         loading.check_activation_quant(sixteen)

@@ -1,7 +1,8 @@
 """FP8 weights through the CUDA engine's Python side on the CPU (backends/cuda/fp8.py: upload, fused parts' scales,
-the rows path with its norm / SwiGLU around the GEMV, the prefill path's dequantization), with fp8.cu's kernels
-replaced by NumPy implementations of their documented contracts and test_cuda_plumbing's stand-ins for the rest.
-The kernels themselves are tested on a GPU (tests/gpu/test_fp8.py); here the e4m3 sources compile (nvcc -ptx).
+the rows path with its norm / SwiGLU fused in the GEMV, the prefill path's dequantization), with the FP8 kernels
+(qgemv.cu, fp8.cu) replaced by NumPy implementations of their documented contracts and test_cuda_plumbing's
+stand-ins for the rest. The kernels themselves are tested on a GPU (tests/gpu/test_fp8.py); here their module
+compiles (nvcc -ptx).
 """
 
 from __future__ import annotations
@@ -30,8 +31,26 @@ from test_quantized_fp8 import FIXTURES, quantize_llama  # noqa: E402
 TOL = 3e-2
 
 
+def quantized_gemv(x, w, out, bias, accumulate, swiglu, norm_weight, eps, norm_offset, activation) -> None:
+    """qgemv.cu's contract in NumPy on the dequantized weight w f32 [N, K]: the RMSNorm of x first (norm_weight
+    bf16 bits, norm_offset added), then x @ w.T (+ bias); with swiglu act(gate) * up of w's two halves."""
+    x = np.asarray(x, np.float32)
+    if norm_weight is not None:
+        nw = (np.asarray(norm_weight).astype(np.uint32) << 16).view(np.float32) + np.float32(norm_offset)
+        x = x / np.sqrt(np.mean(x * x, axis=1, keepdims=True) + np.float32(eps)) * nw
+    y = x @ w.T
+    if bias is not None:
+        y += (np.asarray(bias).astype(np.uint32) << 16).view(np.float32)
+    if swiglu:
+        g, u = np.split(y, 2, axis=1)
+        act = (g / (1 + np.exp(-g)) if activation == "silu"
+               else 0.5 * g * (1 + np.tanh(0.7978845608 * (g + 0.044715 * g ** 3))))
+        y = act * u
+    out[...] = y + out if accumulate else y
+
+
 class NumpyFp8Kernels:
-    """fp8.cu's contracts in NumPy (the same signatures as kernels/fp8.Fp8Kernels)."""
+    """The FP8 kernels' contracts in NumPy (the same signatures as kernels/fp8.Fp8Kernels)."""
 
     calls: list[tuple[str, int, int]] = []
     quantized: list = []  # act_quant's outputs, in order
@@ -42,13 +61,12 @@ class NumpyFp8Kernels:
         s = np.repeat(np.repeat(np.asarray(scale), srow, 0)[:q.shape[0]], bk, 1)[:, :q.shape[1]]
         return q * s
 
-    def gemv(self, x, w, scale, srow, bk, out, bias=None, *, accumulate=False, stream=None):
+    def gemv(self, x, w, scale, srow, bk, out, bias=None, *, accumulate=False, swiglu=False, norm_weight=None,
+             eps=1e-6, norm_offset=0.0, activation="silu", stream=None):
         assert 1 <= x.shape[0] <= 16 and w.shape[1] % 16 == 0 and bk % 16 == 0
         self.calls.append(("gemv", srow, bk, any(x is q for q in self.quantized[-1:])))
-        y = np.asarray(x, np.float32) @ self._weight(w, scale, srow, bk).T
-        if bias is not None:
-            y += (np.asarray(bias).astype(np.uint32) << 16).view(np.float32)
-        out[...] = y + out if accumulate else y
+        quantized_gemv(x, self._weight(w, scale, srow, bk), out, bias, accumulate, swiglu, norm_weight, eps,
+                       norm_offset, activation)
 
     def dequant_bf16(self, w, scale, srow, bk, out, *, stream=None):
         self.calls.append(("dequant", srow, bk))
@@ -179,12 +197,12 @@ def test_fp8_cu_compiles_for_sm90(tmp_path):
         pytest.skip("nvcc not found: fp8.cu is compiled by the GPU tests only")
     src = tmp_path / "fp8_module.cu"
     src.write_text(fp8_kernels.module_source() + "\nvoid* const metrale_instances[] = {\n"
-                   + ",\n".join(f"    (void*)&{n}" for n in fp8_kernels.name_expressions()) + "\n};\n")
+                   + ",\n".join(f"    (void*)&{n}" for n in fp8_kernels.instance_names()) + "\n};\n")
     r = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-ptx", "-o", str(tmp_path / "fp8.ptx"), str(src)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     ptx = (tmp_path / "fp8.ptx").read_text()
-    assert ptx.count(".entry") == len(fp8_kernels.name_expressions()) + len(fp8_kernels.PLAIN)
+    assert ptx.count(".entry") == len(fp8_kernels.instance_names()) + len(fp8_kernels.PLAIN)
     assert "cvt.rn.f16x2.e4m3x2" in ptx
 
 

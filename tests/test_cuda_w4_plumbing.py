@@ -1,13 +1,14 @@
 """4-bit weights (NVFP4: ModelOpt and compressed-tensors; compressed-tensors' symmetric int4) through the CUDA engine's
 Python side on the CPU (backends/cuda/w4.py: upload as padded words and fp32 scales, fused parts, the rows path with
-its norm / SwiGLU around the GEMV, the prefill path's dequantization), with w4.cu's kernels replaced by NumPy
+its norm / SwiGLU fused in the GEMV, the prefill path's dequantization), with the 4-bit kernels (qgemv.cu) replaced by NumPy
 implementations of their documented contracts and test_cuda_plumbing's stand-ins for the rest. The kernels
-themselves are tested on a GPU (tests/gpu/test_w4.py); here w4.cu compiles (nvcc -ptx).
+themselves are tested on a GPU (tests/gpu/test_w4.py); here their module compiles (nvcc -ptx).
 """
 
 from __future__ import annotations
 
 import inspect
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -23,16 +24,17 @@ from metrale_cli.backends.cuda import w4 as cuda_w4  # noqa: E402
 from metrale_cli.backends.cuda.kernels import w4 as w4_kernels  # noqa: E402
 
 from test_extension_points import cuda_plumbing, fake_cuda_engine, host_rows, rel  # noqa: E402
+from test_cuda_fp8_plumbing import quantized_gemv  # noqa: E402
 from test_quantized_compressed import FIXTURES, edited, modelopt_llama  # noqa: E402
 
 # The engine's stand-ins (bf16 activations, KV cache, norms and lm_head) against the fp32 NumPy engine, as in
 # test_cuda_fp8_plumbing; the uploaded weights themselves are checked bit for bit below.
 TOL = 3e-2
-GATE = "NVFP4 / int4 projections read as stored"
+GATE = "projections read as stored by the quantized GEMV (FP8, NVFP4, int4)"
 
 
 class NumpyW4Kernels:
-    """w4.cu's contracts in NumPy (the same signatures as kernels/w4.W4Kernels)."""
+    """The 4-bit kernels' contracts in NumPy (the same signatures as kernels/w4.W4Kernels)."""
 
     calls: list[tuple] = []
 
@@ -50,13 +52,12 @@ class NumpyW4Kernels:
         assert np.asarray(scale).shape == (words.shape[0], -(-k // group))
         return v * np.repeat(np.asarray(scale, np.float32), group, axis=1)[:, :k]
 
-    def gemv(self, x, w, scale, group, code, out, bias=None, *, accumulate=False, stream=None):
+    def gemv(self, x, w, scale, group, code, out, bias=None, *, accumulate=False, swiglu=False, norm_weight=None,
+             eps=1e-6, norm_offset=0.0, activation="silu", stream=None):
         assert 1 <= x.shape[0] <= 16
         self.calls.append(("gemv", code, group))
-        y = np.asarray(x, np.float32) @ self.values(w, scale, group, code, x.shape[1]).T
-        if bias is not None:
-            y += (np.asarray(bias).astype(np.uint32) << 16).view(np.float32)
-        out[...] = y + out if accumulate else y
+        quantized_gemv(x, self.values(w, scale, group, code, x.shape[1]), out, bias, accumulate, swiglu, norm_weight,
+                       eps, norm_offset, activation)
 
     def dequant_bf16(self, w, scale, group, code, out, *, stream=None):
         self.calls.append(("dequant", code, group))
@@ -128,7 +129,7 @@ def test_w4_weights_run_through_the_cuda_engine(tmp_path, fake_w4, kind, code, r
 
 @pytest.mark.parametrize("kind", ["modelopt", "ct_nvfp4", "ct_w4a16"])
 def test_uploaded_w4_weights_are_the_formats_exact_values(tmp_path, kind):
-    """Every weight kept as stored, fused parts included, decodes (w4.cu's contract) to the format's dequantized
+    """Every weight kept as stored, fused parts included, decodes (qgemv.cu's contract) to the format's dequantized
     fp32 values bit for bit (signed zeros too); the size check counts what the device holds: the words, padding
     included, and fp32 scales, the rest bf16."""
     from metrale_cli.backends.cuda import loading
@@ -162,9 +163,10 @@ def test_uploaded_w4_weights_are_the_formats_exact_values(tmp_path, kind):
     assert loading.device_weight_bytes(cfg.definition) == held
 
 
-def test_the_w4_projections_are_gated_until_their_gpu_tests_pass(tmp_path, monkeypatch):
+def test_the_quantized_projections_are_gated_until_their_gpu_tests_pass(tmp_path, monkeypatch):
     """Kept as stored and named by the unverified-CUDA gate (loading.UNVERIFIED): --device cuda refuses them unless
-    METRALE_CUDA_UNVERIFIED=1; 8-bit or asymmetric pack-quantized weights and FP8 checkpoints are not gated."""
+    METRALE_CUDA_UNVERIFIED=1 (the 4-bit and FP8 projections, all read by qgemv.cu); 8-bit or asymmetric
+    pack-quantized weights, dequantized to bf16 at load, are not gated."""
     from metrale_cli.backends.cuda import loading
     from metrale_cli.config import load_config
     from metrale_cli.errors import DeviceError
@@ -175,10 +177,12 @@ def test_the_w4_projections_are_gated_until_their_gpu_tests_pass(tmp_path, monke
         d = load_config(path).definition
         assert loading.unsupported_features(d) == [] and loading.unverified_features(d) == [GATE], path.name
         assert {p.key for p in d.params() if loading.kept_as_stored(p)} >= {"qkv", "o", "gate_up", "down"}
-    for name in ("llama_fp8_block", "llama_ct_fp8_channel", "qwen3_ct_fp8_tensor"):
-        assert loading.unverified_features(load_config(FIXTURES / "models" / name).definition) == [], name
+    for name, stored in (("llama_fp8_block", True), ("qwen3_ct_fp8_tensor", False), ("llama_ct_fp8_channel", False)):
+        d = load_config(FIXTURES / "models" / name).definition  # compressed-tensors FP8: dequantized to bf16 at load
+        assert any(loading.kept_as_stored(p) for p in d.params()) == stored, name
+        assert loading.unverified_features(d) == ([GATE] if stored else []), name
     monkeypatch.delenv(loading.UNVERIFIED_ENV, raising=False)
-    with pytest.raises(DeviceError, match=f"{GATE} have not passed their GPU tests"):
+    with pytest.raises(DeviceError, match=re.escape(f"{GATE} have not passed their GPU tests")):
         loading.load_cuda_engine(load_config(paths[0]), None, 32)
 
 
@@ -229,15 +233,15 @@ def test_words_pad_each_row_to_16_bytes_and_keep_the_nibble_order():
 def test_w4_cu_compiles_for_sm90(tmp_path):
     nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").is_file() else None)
     if nvcc is None:
-        pytest.skip("nvcc not found: w4.cu is compiled by the GPU tests only")
+        pytest.skip("nvcc not found: the 4-bit module is compiled by the GPU tests only")
     src = tmp_path / "w4_module.cu"
     src.write_text(w4_kernels.module_source() + "\nvoid* const metrale_instances[] = {\n"
-                   + ",\n".join(f"    (void*)&{n}" for n in w4_kernels.name_expressions()) + "\n};\n")
+                   + ",\n".join(f"    (void*)&{n}" for n in w4_kernels.instance_names()) + "\n};\n")
     r = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-ptx", "-o", str(tmp_path / "w4.ptx"), str(src)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     ptx = (tmp_path / "w4.ptx").read_text()
-    assert ptx.count(".entry") == len(w4_kernels.name_expressions())
+    assert ptx.count(".entry") == len(w4_kernels.instance_names())
 
 
 @pytest.mark.parametrize("preset,low,high", [("llama-3.1-8b-nvfp4", 0.44, 0.47), ("llama-3.1-8b-w4a16", 0.35, 0.37)])

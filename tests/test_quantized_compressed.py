@@ -379,4 +379,4 @@ def test_which_of_these_formats_the_cuda_engine_keeps_as_stored(tmp_path):
         assert any(p.format for p in d.params()), path.name
         assert all(kept_as_stored(p) == stored for p in d.params() if p.format), path.name
         assert unsupported_features(d) == [], path.name
-        assert unverified_features(d) == (["NVFP4 / int4 projections read as stored"] if stored else []), path.name
+        assert unverified_features(d) == (["projections read as stored by the quantized GEMV (FP8, NVFP4, int4)"] if stored else []), path.name

@@ -102,6 +102,22 @@ def gelu_tanh(g):
     return 0.5 * g * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g ** 3)))
 
 
+def fused_gemv_case(rng, x: np.ndarray, w: np.ndarray, swiglu: bool, norm: bool, activation: str):
+    """(kwargs, want) of a quantized GEMV with its fused options (qgemv.cu) over the dequantized weight w (float64
+    [N, K]): a fresh bf16 norm weight with Gemma's offset and the float64 RMSNorm of x first when `norm`, then x @
+    w.T, with swiglu act(gate) * up of its halves."""
+    kw, xs = {"swiglu": swiglu, "activation": activation}, x.astype(np.float64)
+    if norm:
+        bits, nw = rand_bf16(rng, (x.shape[1],), 0.5)
+        kw.update(norm_weight=bits, eps=1e-5, norm_offset=1.0)  # bits: the caller puts them on the device
+        xs = ref_rmsnorm(x, nw.astype(np.float64) + 1.0, 1e-5)
+    y = xs @ w.T
+    if swiglu:
+        g, u = np.split(y, 2, axis=1)
+        y = (silu(g) if activation == "silu" else gelu_tanh(g)) * u
+    return kw, y
+
+
 def ref_attention(q, kf, vf, positions, scale):
     """q [M, nh, hd]; kf, vf [n_kv, max_ctx, hd]; row m sees keys 0..min(positions[m], max_ctx-1);
     a row with a negative position is NaN."""

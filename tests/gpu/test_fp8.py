@@ -1,5 +1,6 @@
-"""FP8 weights on the GPU: fp8.cu's GEMV and bf16 dequantization against their definitions, and the CUDA engine on
-FP8 checkpoints against the NumPy engine (which dequantizes them exactly and computes in fp32).
+"""FP8 weights on the GPU: the quantized GEMV (qgemv.cu with its e4m3 policy; its fused RMSNorm and gate activation)
+and bf16 dequantization against their definitions, and the CUDA engine on FP8 checkpoints against the NumPy engine
+(which dequantizes them exactly and computes in fp32).
 
 Each test draws fresh weights. The checkpoints use [128, 128] blocks (DeepSeek / Qwen3-FP8's) over sizes that are
 not multiples of 128 (partial edge blocks; a fused qkv whose parts do not align to the blocks) and per-tensor
@@ -18,7 +19,7 @@ from safetensors.numpy import save_file
 from metrale_cli import decoding
 from metrale_cli.model import open_model
 
-from gpu_helpers import rel, rows, tokens_agree
+from gpu_helpers import fused_gemv_case, rel, rows, tokens_agree
 
 pytestmark = pytest.mark.gpu
 
@@ -56,6 +57,25 @@ def test_gemv_matches_the_definition(cp, fp8k, rng, m, n, k, srow, bk):
     fp8k.gemv(dx, dq, ds, srow, bk, out, None, accumulate=True)  # += x @ w.T
     assert rel(out.get(), want + x.astype(np.float64) @ w.T) < 1e-5
     assert not np.array_equal(out.get(), start)
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("swiglu,norm,activation", [(False, True, "silu"), (True, False, "silu"), (True, True, "silu"),
+                                                    (True, True, "gelu_tanh")])
+def test_gemv_fuses_the_norm_and_the_gate_activation(cp, fp8k, rng, m, swiglu, norm, activation):
+    """qgemv.cu's RMSNorm prologue (x un-normalised, Gemma's +1 offset) and SwiGLU / GeGLU epilogue against float64,
+    over [128, 128] blocks with a partial edge (a fused [gate, up] of 2 x 300 rows)."""
+    n, k, srow, bk = 600, 1280, 128, 128
+    q = e4m3(rng, (n, k))
+    scale = np.exp(rng.uniform(-12, -6, (-(-n // srow), -(-k // bk)))).astype(np.float32)
+    w = q.astype(np.float64) * expanded(scale, srow, bk, n, k)
+    x = (rng.standard_normal((m, k)) * 3).astype(np.float32)
+    kw, want = fused_gemv_case(rng, x, w, swiglu, norm, activation)
+    if norm:
+        kw["norm_weight"] = cp.asarray(kw["norm_weight"])
+    out = cp.full((m, n // 2 if swiglu else n), np.nan, cp.float32)
+    fp8k.gemv(cp.asarray(x), cp.asarray(q.view(np.uint8)), cp.asarray(scale), srow, bk, out, **kw)
+    assert rel(out.get(), want) < 1e-5
 
 
 def test_gemv_replays_in_a_cuda_graph(cp, fp8k, rng):

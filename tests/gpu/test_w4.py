@@ -1,4 +1,4 @@
-"""4-bit weights on the GPU (NVFP4: ModelOpt's and compressed-tensors'; compressed-tensors' symmetric int4): w4.cu's
+"""4-bit weights on the GPU (NVFP4: ModelOpt's and compressed-tensors'; compressed-tensors' symmetric int4): qgemv.cu's
 GEMV and bf16 dequantization against their definitions, and the CUDA engine on such checkpoints against the NumPy
 engine (which dequantizes them exactly and computes in fp32).
 
@@ -20,7 +20,7 @@ from metrale_cli import decoding
 from metrale_cli.model import open_model
 from metrale_cli.models.quantized.mxfp4 import E2M1
 
-from gpu_helpers import rel, rows, tokens_agree
+from gpu_helpers import fused_gemv_case, rel, rows, tokens_agree
 
 pytestmark = pytest.mark.gpu
 
@@ -76,6 +76,26 @@ def test_gemv_matches_the_definition(cp, w4k, rng, m, code, n, k, group):
     w4k.gemv(dx, dw, ds, group, code, out, None, accumulate=True)  # += x @ w.T
     assert rel(out.get(), want + x.astype(np.float64) @ w.T) < 1e-5
     assert not np.array_equal(out.get(), start)
+
+
+@pytest.mark.parametrize("code", ["e2m1", "int4"])
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("swiglu,norm,activation", [(False, True, "silu"), (True, False, "silu"), (True, True, "silu"),
+                                                    (True, True, "gelu_tanh")])
+def test_gemv_fuses_the_norm_and_the_gate_activation(cp, w4k, rng, m, swiglu, norm, activation, code):
+    """qgemv.cu's RMSNorm prologue (x un-normalised, Gemma's +1 offset) and SwiGLU / GeGLU epilogue against float64,
+    over a padded row (K = 1000) in groups of 16 (NVFP4's) or 40."""
+    n, k = 2 * 257, 1000
+    group = 16 if code == "e2m1" else 40
+    codes, scale = draw(rng, n, k, group)
+    w = values(codes, code).astype(np.float64) * np.repeat(scale.astype(np.float64), group, axis=1)[:, :k]
+    x = (rng.standard_normal((m, k)) * 3).astype(np.float32)
+    kw, want = fused_gemv_case(rng, x, w, swiglu, norm, activation)
+    if norm:
+        kw["norm_weight"] = cp.asarray(kw["norm_weight"])
+    out = cp.full((m, n // 2 if swiglu else n), np.nan, cp.float32)
+    w4k.gemv(cp.asarray(x), device_words(cp, codes), cp.asarray(scale), group, code, out, **kw)
+    assert rel(out.get(), want) < 1e-5
 
 
 @pytest.mark.parametrize("code,group", [("e2m1", 16), ("int4", 128)])

@@ -74,26 +74,21 @@ def cuda_format(name: str) -> CudaFormat | None:
     return entry
 
 
-def rows_linear(proj: Any, x: Any, out: Any, n: int, gemv: Callable[[Any, Any, bool], None], tag: str, *,
-                accumulate: bool, swiglu: bool, norm_weight: Any, eps: float, norm_offset: float, activation: str,
+def rows_linear(proj: Any, x: Any, out: Any, gemv: Callable[..., None], tag: str, *, accumulate: bool,
+                swiglu: bool, norm_weight: Any, eps: float, norm_offset: float, activation: str,
                 prepare: Callable[[Any], Any] | None = None) -> None:
-    """A format's rows-path `linear` around a GEMV that fuses neither the norm nor the gate activation: the RMSNorm of
-    x (when given) into a scratch row block, `prepare(x)` (an input quantization, say), then `gemv(x, y, accumulate)`
-    (n outputs) into out, or with swiglu into a [gate, up] scratch followed by the gate activation. Scratch buffers
-    are named `tag`_norm and `tag`_gate_up."""
-    kern, s = proj.kern, proj.stream
-    if norm_weight is not None:
-        xn = proj.scratch(f"{tag}_norm", x.shape)
-        kern.rmsnorm(x, norm_weight, eps, xn, offset=norm_offset, stream=s)
-        x = xn
+    """A format's rows-path `linear` through its GEMV (qgemv.cu), which fuses the RMSNorm of x and the gate
+    activation: `gemv(x, out, accumulate=, swiglu=, norm_weight=, eps=, norm_offset=, activation=)`. With
+    `prepare(x)` (an input quantization, which must see the normed values) the RMSNorm runs first, into a scratch
+    row block named `tag`_norm."""
     if prepare is not None:
+        if norm_weight is not None:
+            xn = proj.scratch(f"{tag}_norm", x.shape)
+            proj.kern.rmsnorm(x, norm_weight, eps, xn, offset=norm_offset, stream=proj.stream)
+            x, norm_weight = xn, None
         x = prepare(x)
-    if swiglu:
-        y = proj.scratch(f"{tag}_gate_up", (x.shape[0], n))
-        gemv(x, y, False)
-        kern.swiglu(y, out, activation=activation, stream=s)
-    else:
-        gemv(x, out, accumulate)
+    gemv(x, out, accumulate=accumulate, swiglu=swiglu, norm_weight=norm_weight, eps=eps, norm_offset=norm_offset,
+         activation=activation)
 
 
 def dequantized_gemm(proj: Any, x: Any, shape: tuple[int, int], dequant: Callable[[Any], None], bias: Any = None,

@@ -1,5 +1,5 @@
 """FP8 weights on the GPU (models/quantized/fp8.py: e4m3 with block or per-tensor scales): they stay FP8 on the
-device. The rows path's GEMV (kernels/fp8.cu) reads the e4m3 bytes and their fp32 block scales and dequantizes in
+device. The rows path's GEMV (kernels/qgemv.cu) reads the e4m3 bytes and their fp32 block scales and dequantizes in
 registers, so a decode step reads about half the bytes of bf16; the prefill path dequantizes one weight at a time
 to bf16 into a temporary buffer for cuBLAS (the bf16 path rounds the activations to bf16 there too).
 
@@ -125,8 +125,8 @@ def _stack(experts: list[Fp8Weight], cp) -> Fp8Experts:
 
 
 def _experts_bf16(proj, w: Fp8Experts, experts: list[int]) -> Any:
-    """The prefill's bf16 experts: experts `experts` of w dequantized (bf16(e4m3 * scale), fp8.cu's
-    dequant_fp8_bf16_kernel, one launch each) into a fresh [E, N, K] array whose other experts are zeros (the
+    """The prefill's bf16 experts: experts `experts` of w dequantized (bf16(e4m3 * scale), qgemv.cu's
+    qdequant_bf16_kernel, one launch each) into a fresh [E, N, K] array whose other experts are zeros (the
     batched GEMM's rows for them are never read)."""
     out = proj.cp.zeros(w.shape, proj.cp.uint16)
     fp8 = _kernels(proj.kern)
@@ -137,17 +137,16 @@ def _experts_bf16(proj, w: Fp8Experts, experts: list[int]) -> Any:
 
 def _linear(proj, x, w: Fp8Weight, out, bias=None, *, accumulate=False, swiglu=False, norm_weight=None, eps=1e-6,
             norm_offset=0.0, activation="silu") -> None:
-    """The rows path (formats.rows_linear): the RMSNorm of x (when given) into a scratch row block, its quantized
-    values there under `--activation-quant emulate`, the FP8 GEMV, and with swiglu the gate activation of its
-    [gate, up] output."""
-    fp8, s = _kernels(proj.kern), proj.stream
+    """The rows path (formats.rows_linear): the FP8 GEMV with the RMSNorm and gate activation fused, of x's quantized
+    values under `--activation-quant emulate`."""
+    fp8 = _kernels(proj.kern)
 
-    def gemv(x, y, acc):
-        fp8.gemv(x, w.data, w.scale, w.srow, w.bk, y, bias, accumulate=acc, stream=s)
+    def gemv(x, y, **options):
+        fp8.gemv(x, w.data, w.scale, w.srow, w.bk, y, bias, stream=proj.stream, **options)
 
     prepare = None if w.input_quant is None else (lambda x: w.input_quant.apply(proj, x, "fp8_input"))
-    rows_linear(proj, x, out, w.shape[0], gemv, "fp8", accumulate=accumulate, swiglu=swiglu, norm_weight=norm_weight,
-                eps=eps, norm_offset=norm_offset, activation=activation, prepare=prepare)
+    rows_linear(proj, x, out, gemv, "fp8", accumulate=accumulate, swiglu=swiglu, norm_weight=norm_weight, eps=eps,
+                norm_offset=norm_offset, activation=activation, prepare=prepare)
 
 
 def _gemm(proj, x, w: Fp8Weight, bias=None, accumulate_into=None):

@@ -251,22 +251,21 @@ def unsupported_features(definition: ModelDefinition) -> list[str]:
 # tests pass. Latent attention and the DeepSeek / GLM routers passed in session 17; Gated DeltaNet (its
 # verify-then-trim included), gpt-oss (attention sinks, topk_softmax routing with a router bias, clamped-SwiGLU experts
 # with biases) and weights dequantized to bf16 at load (FP8 in 8-wide blocks, MXFP4 experts) in session 18
-# (docs/measurements/2026-12-07-session18). Gated now, written in session 18 without a GPU (issue 41): the 4-bit
-# projections kept as stored (backends/cuda/w4.py, kernels/w4.cu: NVFP4 and symmetric int4), until
-# tests/gpu/test_w4.py passes; FP8 experts read as stored by the MoE kernels (moe.cu's FP8 variants, the prefill's
-# per-expert dequantization), until tests/gpu/test_moe_fp8_cuda.py passes.
+# (docs/measurements/2026-12-07-session18). Gated now (issue 41): every projection kept as stored (FP8, NVFP4, int4),
+# read by the one quantized GEMV of session 19 (kernels/qgemv.cu, with the RMSNorm and gate activation fused), until
+# tests/gpu/test_fp8.py and test_w4.py pass; FP8 experts read as stored by the MoE kernels (moe.cu's FP8 variants,
+# the prefill's per-expert dequantization), until tests/gpu/test_moe_fp8_cuda.py passes.
 UNVERIFIED_ENV = "METRALE_CUDA_UNVERIFIED"
 
 
-def _uses_w4(definition: ModelDefinition) -> bool:
-    from .w4 import W4_FAMILIES
-    from ...models.formats import weight_format
+def _quantized_projections(definition: ModelDefinition) -> bool:
+    from .formats import PROJECTION_KEYS
 
-    return any(kept_as_stored(p) and weight_format(p.format).family in W4_FAMILIES for p in definition.params())
+    return any(kept_as_stored(p) and p.key in PROJECTION_KEYS for p in definition.params())
 
 
 UNVERIFIED: tuple[tuple[str, Callable[[ModelDefinition], bool]], ...] = (
-    ("NVFP4 / int4 projections read as stored", _uses_w4),
+    ("projections read as stored by the quantized GEMV (FP8, NVFP4, int4)", _quantized_projections),
     ("FP8 experts read as stored by the MoE kernels", fp8_experts_kept),
 )
 

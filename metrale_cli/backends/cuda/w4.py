@@ -1,7 +1,7 @@
 """4-bit weights on the GPU, kept as stored: NVFP4 (models/quantized/modelopt.py, and compressed-tensors'
 nvfp4-pack-quantized: e2m1 codes with an e4m3 scale per 16 values and a tensor's second-level scale) and
 compressed-tensors' symmetric pack-quantized int4 (W4A16: q + 8 in int32 words, a scale per group, row or tensor).
-The rows path's GEMV (kernels/w4.cu) reads the packed codes and their fp32 scales and dequantizes in registers, so
+The rows path's GEMV (kernels/qgemv.cu) reads the packed codes and their fp32 scales and dequantizes in registers, so
 a decode step reads about a quarter of the bytes of bf16 (and 4 bytes a scale); the prefill path dequantizes one
 weight at a time to bf16 into a temporary buffer for cuBLAS, as fp8.py does.
 
@@ -100,15 +100,14 @@ def _concat(parts: list[W4Weight], cp) -> W4Weight:
 
 def _linear(proj, x, w: W4Weight, out, bias=None, *, accumulate=False, swiglu=False, norm_weight=None, eps=1e-6,
             norm_offset=0.0, activation="silu") -> None:
-    """The rows path (formats.rows_linear): the RMSNorm of x (when given) into a scratch row block, the 4-bit GEMV,
-    and with swiglu the gate activation of its [gate, up] output."""
-    w4, s = _kernels(proj.kern), proj.stream
+    """The rows path (formats.rows_linear): the 4-bit GEMV with the RMSNorm and gate activation fused."""
+    w4 = _kernels(proj.kern)
 
-    def gemv(x, y, acc):
-        w4.gemv(x, w.data, w.scale, w.group, w.code, y, bias, accumulate=acc, stream=s)
+    def gemv(x, y, **options):
+        w4.gemv(x, w.data, w.scale, w.group, w.code, y, bias, stream=proj.stream, **options)
 
-    rows_linear(proj, x, out, w.shape[0], gemv, "w4", accumulate=accumulate, swiglu=swiglu, norm_weight=norm_weight,
-                eps=eps, norm_offset=norm_offset, activation=activation)
+    rows_linear(proj, x, out, gemv, "w4", accumulate=accumulate, swiglu=swiglu, norm_weight=norm_weight, eps=eps,
+                norm_offset=norm_offset, activation=activation)
 
 
 def _gemm(proj, x, w: W4Weight, bias=None, accumulate_into=None):
