@@ -255,7 +255,7 @@ def _moe_params() -> dict[str, list[str]]:
 def _moe(kern):  # noqa: F811
     mk = object.__new__(moe_kernels.MoeKernels)
     mk.k, mk._cp, mk._np = kern, kern._cp, np
-    mk._fn = {n: Recorder(n, kern.calls) for n in moe_kernels.name_expressions() + moe_kernels.PLAIN}
+    mk._fn = {n: Recorder(n, kern.calls) for n in moe_kernels.name_expressions()}
     return mk
 
 
