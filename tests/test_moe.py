@@ -262,39 +262,36 @@ def test_decode_runs_from_the_cli(run_cli, name):
     ({**QWEN3_MOE, "moe_intermediate_size": 36}, "expert size 36"),
     ({**QWEN2_MOE, "shared_expert_intermediate_size": 44}, "expert size 44"),
 ])
-def test_cuda_engine_refuses_sizes_its_moe_kernels_do_not_take(raw, why):
-    """No GPU needed: the refusal comes before CuPy is imported."""
-    from metrale_cli.backends.cuda.loading import load_cuda_engine
+def test_cuda_engine_refuses_sizes_its_moe_kernels_do_not_take(raw, why, monkeypatch):
+    """No GPU needed: the refusal comes before CuPy is imported (past the gate of the unverified kernels)."""
+    from metrale_cli.backends.cuda.loading import UNVERIFIED_ENV, load_cuda_engine
     from metrale_cli.errors import DeviceError
     from metrale_cli.random_weights import RandomTensors
 
     cfg = parse_config(raw)
+    monkeypatch.setenv(UNVERIFIED_ENV, "1")
     with pytest.raises(DeviceError, match=f"the CUDA MoE kernels do not take .*{why}"):
         load_cuda_engine(cfg, RandomTensors(cfg), 16)
 
 
 @pytest.mark.parametrize("experts, top_k", [(512, 10), (1024, 16)])
-def test_cuda_engine_takes_up_to_1024_experts(experts, top_k):
-    """Qwen3-Next's 512 experts, top-10, up to the router kernels' bound: past the MoE kernels' checks, the tiny
-    config is refused for its head_dim (the next check), before CuPy is imported."""
-    from metrale_cli.backends.cuda.loading import load_cuda_engine
+def test_cuda_engine_takes_up_to_1024_experts(experts, top_k, monkeypatch):
+    """Qwen3-Next's 512 experts, top-10, up to the router kernels' bound: gated as unverified until their GPU tests
+    pass (loading.UNVERIFIED), then past the MoE kernels' checks the tiny config is refused for its head_dim (the next
+    check), before CuPy is imported."""
+    from metrale_cli.backends.cuda import loading
     from metrale_cli.errors import DeviceError
     from metrale_cli.random_weights import RandomTensors
 
     cfg = parse_config({**QWEN3_MOE, "num_experts": experts, "num_experts_per_tok": top_k})
+    assert loading.unverified_features(cfg.definition) == ["MoE route kernels over more than 256 experts"]
+    assert loading.unverified_features(parse_config({**QWEN3_MOE, "num_experts": 256}).definition) == []
+    monkeypatch.delenv(loading.UNVERIFIED_ENV, raising=False)
+    with pytest.raises(DeviceError, match="more than 256 experts have not passed their GPU tests"):
+        loading.load_cuda_engine(cfg, RandomTensors(cfg), 16)
+    monkeypatch.setenv(loading.UNVERIFIED_ENV, "1")
     with pytest.raises(DeviceError, match="head_dim 16 is not supported"):
-        load_cuda_engine(cfg, RandomTensors(cfg), 16)
-
-
-def test_the_qwen3_next_preset_fits_the_cuda_moe_kernels():
-    from metrale_cli.backends.cuda.kernels.moe import MoeKernels
-    from metrale_cli.bench import preset_path
-    from metrale_cli.config import load_config
-
-    s = load_config(preset_path("qwen3-next-80b-a3b-fp8")).moe.spec
-    assert (s.num_experts, s.top_k) == (512, 10)
-    assert MoeKernels.check_sizes(s.num_experts, s.top_k, s.intermediate_size, s.shared_expert_size,
-                                  n_group=s.router.n_group) is None
+        loading.load_cuda_engine(cfg, RandomTensors(cfg), 16)
 
 
 def test_the_route_kernels_take_the_fewest_slots_that_hold_the_experts():

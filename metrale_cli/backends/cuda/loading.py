@@ -254,7 +254,9 @@ def unsupported_features(definition: ModelDefinition) -> list[str]:
 # (docs/measurements/2026-12-07-session18). Gated now, written in session 18 without a GPU (issue 41): the 4-bit
 # projections kept as stored (backends/cuda/w4.py, kernels/w4.cu: NVFP4 and symmetric int4), until
 # tests/gpu/test_w4.py passes; FP8 experts read as stored by the MoE kernels (moe.cu's FP8 variants, the prefill's
-# per-expert dequantization), until tests/gpu/test_moe_fp8_cuda.py passes.
+# per-expert dequantization), until tests/gpu/test_moe_fp8_cuda.py passes; the route kernels past 256 experts (their
+# 16- and 32-slot instances, Qwen3-Next's 512; issue 38), until tests/gpu/test_moe_routers_cuda.py and
+# tests/gpu/test_moe_cuda.py pass with their 512- and 1024-expert cases.
 UNVERIFIED_ENV = "METRALE_CUDA_UNVERIFIED"
 
 
@@ -265,9 +267,14 @@ def _uses_w4(definition: ModelDefinition) -> bool:
     return any(kept_as_stored(p) and weight_format(p.format).family in W4_FAMILIES for p in definition.params())
 
 
+def _over_256_experts(definition: ModelDefinition) -> bool:
+    return any(isinstance(layer.mlp, MoeSpec) and layer.mlp.num_experts > 256 for layer in definition.layers)
+
+
 UNVERIFIED: tuple[tuple[str, Callable[[ModelDefinition], bool]], ...] = (
     ("NVFP4 / int4 projections read as stored", _uses_w4),
     ("FP8 experts read as stored by the MoE kernels", fp8_experts_kept),
+    ("MoE route kernels over more than 256 experts", _over_256_experts),
 )
 
 

@@ -318,18 +318,10 @@ __global__ void moe_topk_rows_kernel(const float* __restrict__ logits, int ld, i
                                      const float* __restrict__ correction, int use_correction) {
     pdl_wait();
     pdl_trigger();
-    const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * MOE_TOPK_WARPS + (threadIdx.x >> 5);
     if (row >= T) return;
-    int e;
-    float w;
-    moe_choose_row<NS>(logits + (u64)row * ld,
-                       moe_router(kind, norm_topk, n_group, topk_group, scaling, correction, use_correction), E, k, e, w);
-    if (lane < k) {
-        idx[(u64)row * k + lane] = e;
-        wts[(u64)row * k + lane] = w;
-    }
-    if (has_shared && lane == 0) sgate[row] = has_shared == 2 ? 1.0f : 1.0f / (1.0f + expf(-logits[(u64)row * ld + E]));
+    const MoeRouter router = moe_router(kind, norm_topk, n_group, topk_group, scaling, correction, use_correction);
+    moe_route_row<NS>(logits + (u64)row * ld, row, E, k, router, has_shared, idx, wts, sgate);
 }
 
 // One step of a lane over UU chunks (c, c + 32, ...) of RW weight rows, for the rows m of `mask`,
