@@ -368,8 +368,7 @@ def test_moe_py_constants_match_moe_cu():
     from metrale_cli.backends.cuda.kernels import moe
 
     defines = dict(re.findall(r"^#define (MOE_\w+) (\d+)", moe.module_source(), re.M))
-    for name in ("MOE_MAX_EXPERTS", "MOE_MAX_ROWS", "MOE_MAX_K", "MOE_MAX_UNION", "MOE_DOWN_WARPS", "MOE_DOWN_ITEMS",
-                 "MOE_TOPK_WARPS"):
+    for name in ("MOE_MAX_EXPERTS", "MOE_MAX_ROWS", "MOE_MAX_K", "MOE_DOWN_WARPS", "MOE_DOWN_ITEMS", "MOE_TOPK_WARPS"):
         assert int(defines[name]) == getattr(moe, name), name
 
 

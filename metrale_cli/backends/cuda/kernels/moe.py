@@ -25,7 +25,6 @@ MOE_SLOTS = (1, 4, 8, 16, 32)  # the route kernels' instances: NS logits a lane,
 MOE_MAX_EXPERTS = 32 * MOE_SLOTS[-1]  # must match moe.cu
 MOE_MAX_ROWS = 16
 MOE_MAX_K = 16
-MOE_MAX_UNION = MOE_MAX_ROWS * MOE_MAX_K  # the experts one call's rows choose at most: must match moe.cu
 MOE_WARPS = 4  # warps of a gate_up block
 MOE_DOWN_WARPS = 8  # warps of a down block (they share its output rows' experts)
 MOE_TOPK_WARPS = 8  # warps (rows) of a prefill top-k block: must match moe.cu
