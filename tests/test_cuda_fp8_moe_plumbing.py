@@ -28,7 +28,7 @@ from test_cuda_moe_plumbing import expert_f32, fake_moe, first_flip, routing  # 
 from test_extension_points import cuda_plumbing, fake_cuda_engine, host_rows, rel  # noqa: E402
 
 TOL = 3e-2  # test_cuda_plumbing's: the stand-ins' bf16 KV cache and GEMM activations
-PROJECTIONS, EXPERTS = (name for name, _ in loading.UNVERIFIED)  # the gate's entries: qgemv.cu, moe.cu's FP8 experts
+PROJECTIONS, EXPERTS, OVER_256 = (name for name, _ in loading.UNVERIFIED)  # qgemv.cu, FP8 experts, > 256 experts
 
 BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
@@ -113,34 +113,37 @@ def test_fp8_experts_are_uploaded_as_stored_and_dequantize_to_the_exact_values(t
             assert isinstance(w.layers[i]["shared_down"], cuda_fp8.Fp8Weight)
 
 
-def _compare(path: Path, plen: int, steps: int, rows_path: str, monkeypatch) -> tuple[float, float, list]:
-    """(prefill rel err over the rows before the first routing flip, decode rel err likewise, the MoE kernels' calls)
-    of the stand-in CUDA engine against the NumPy engine (exact FP8 values, fp32); a prompt whose first row flips
-    is redrawn."""
+def _compare(path: Path, plen: int, steps: int, rows_path: str, monkeypatch, on_attempt=lambda: None
+             ) -> tuple[float, float, list]:
+    """(prefill rel err, decode rel err over the steps before the first routing flip, the MoE kernels' calls) of the
+    stand-in CUDA engine against the NumPy engine (exact FP8 values, fp32); a prompt is redrawn until one routes
+    alike on every row and in at least its first decode step (the stand-ins' bf16 activations flip a near tie in about
+    one prompt in six); `on_attempt()` runs before each prompt."""
     plumbing = cuda_plumbing()
     monkeypatch.setattr(Projections, "gemm_bf16", plumbing._fake_gemm)
     rng = np.random.default_rng()
-    for _ in range(6):
+    for _ in range(24):
+        on_attempt()
         prompt = [int(t) for t in rng.integers(0, 300, plen)]
         cpu = open_model(path, device="cpu", max_context=64, fp32_logits=True).engine
         with fake_moe():
             gpu = fake_cuda_engine(plumbing, path, 64, rows_path)
             ra = routing(gpu, lambda: gpu.prefill(prompt, all_logits=True))
             rb = routing(cpu, lambda: cpu.prefill(prompt, all_logits=True))
-            n = first_flip(ra, rb)
-            if n == 0:
+            if first_flip(ra, rb) < plen:
                 continue
-            err = rel(host_rows(gpu, gpu.logits_buffer_ptr())[:n], host_rows(cpu, cpu.logits_buffer_ptr())[:n])
+            err = rel(host_rows(gpu, gpu.logits_buffer_ptr()), host_rows(cpu, cpu.logits_buffer_ptr()))
             a, b = [], []
-            for t in [int(t) for t in rng.integers(0, 300, steps)] if n == plen else []:
+            for t in [int(t) for t in rng.integers(0, 300, steps)]:
                 ga = routing(gpu, lambda: gpu.decode(t))
                 ca = routing(cpu, lambda: cpu.decode(t))
                 if first_flip(ga, ca) == 0:
                     break
                 a.append(host_rows(cpu, cpu.decode_logits_ptr())[0])
                 b.append(host_rows(gpu, gpu.decode_logits_ptr())[0])
-            return err, (rel(np.stack(b), np.stack(a)) if a else 0.0), list(gpu.moe.kern.calls)
-    raise AssertionError("six prompts in a row routed differently from their first row")
+            if a:
+                return err, rel(np.stack(b), np.stack(a)), list(gpu.moe.kern.calls)
+    raise AssertionError("24 prompts in a row routed differently on some row or in their first decode step")
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -156,7 +159,7 @@ def test_fp8_experts_run_through_the_cuda_engine(tmp_path, fake_fp8, monkeypatch
         return real(self, w, experts)
 
     monkeypatch.setattr(Projections, "experts_bf16", recording)
-    err, derr, calls = _compare(path, plen, 6, "rows", monkeypatch)
+    err, derr, calls = _compare(path, plen, 6, "rows", monkeypatch, dequantized.clear)
     print(f"{name} T={plen}: prefill {err:.2e}, decode {derr:.2e}")
     assert err < TOL and derr < TOL
     experts = [a for n, a in calls if n in ("gate_up", "down")]
@@ -200,7 +203,7 @@ def test_the_size_check_counts_fp8_experts_as_stored():
     """glm-4.5-air-fp8 and qwen3-next-80b-a3b-fp8 hold their experts as e4m3 with 128 x 128 fp32 scales (about one
     byte a weight; the embedding, lm_head, norms and routers stay bf16): GLM-4.5-Air's 100.7 GiB fit one H200 (141 GB)
     and take --tp 2 on 80 GB (193.5 GiB with its experts in bf16); Qwen3-Next-80B's 74.8 GiB pass the size check of
-    an 80 GB card (its 512 experts are still refused by the MoE kernels, tests/test_cuda_linear_plumbing.py)."""
+    an 80 GB card (its 512 experts gated too, tests/test_cuda_linear_plumbing.py)."""
     from metrale_cli.bench import preset_path
     from metrale_cli.config import load_config
     from metrale_cli.errors import DeviceError
@@ -215,7 +218,7 @@ def test_the_size_check_counts_fp8_experts_as_stored():
     nxt = load_config(preset_path("qwen3-next-80b-a3b-fp8"))
     assert round(loading.device_weight_bytes(nxt.definition) / 2**30, 1) == 74.8
     loading.check_fits(nxt, 78 << 30, 80 << 30)
-    assert loading.unverified_features(nxt.definition) == [PROJECTIONS, EXPERTS]
+    assert loading.unverified_features(nxt.definition) == [PROJECTIONS, EXPERTS, OVER_256]
 
 
 def test_what_the_moe_kernels_cannot_read_as_stored_falls_back_to_bf16(tmp_path):
@@ -256,7 +259,7 @@ def _moe_params() -> dict[str, list[str]]:
 def _moe(kern):  # noqa: F811
     mk = object.__new__(moe_kernels.MoeKernels)
     mk.k, mk._cp, mk._np = kern, kern._cp, np
-    mk._fn = {n: Recorder(n, kern.calls) for n in moe_kernels.name_expressions() + moe_kernels.PLAIN}
+    mk._fn = {n: Recorder(n, kern.calls) for n in moe_kernels.name_expressions()}
     return mk
 
 

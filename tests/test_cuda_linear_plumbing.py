@@ -450,10 +450,11 @@ def test_the_bench_floor_counts_the_state_a_step_moves(name):
     assert linear_state_bytes(plumbing.load_config(plumbing.FIXTURES / "llama")) == 0
 
 
-def test_the_presets_shapes_and_what_the_cuda_engine_still_refuses(monkeypatch):
+def test_the_presets_shapes_and_what_the_cuda_engine_gates(monkeypatch):
     """qwen3.5-27b (Qwen3.5-27B's text model: 64 layers, 48 of them Gated DeltaNet) runs on the CUDA engine's kernels
-    and fits one 80 GB card in bf16; qwen3-next-80b-a3b-fp8 (FP8 block weights) is refused by name before anything
-    loads: its 512 experts are not in the MoE kernels yet (its FP8 experts would be read as stored, unverified)."""
+    and fits one 80 GB card in bf16; qwen3-next-80b-a3b-fp8 (FP8 block weights) is in the kernels' sizes (512 experts,
+    top-10) and refused by name before anything loads until its FP8 experts read as stored and the route kernels past
+    256 experts pass their GPU tests."""
     from metrale_cli.backends.cuda.loading import load_cuda_engine, unsupported_features, unverified_features
     from metrale_cli.bench import preset_path
     from metrale_cli.errors import DeviceError
@@ -469,14 +470,15 @@ def test_the_presets_shapes_and_what_the_cuda_engine_still_refuses(monkeypatch):
     assert unsupported_features(sparse.definition) == []
     from metrale_cli.backends.cuda.loading import UNVERIFIED
 
-    assert unverified_features(sparse.definition) == [name for name, _ in UNVERIFIED]  # FP8 projections and experts
+    assert unverified_features(sparse.definition) == [name for name, _ in UNVERIFIED]  # FP8, > 256 experts
     monkeypatch.delenv("METRALE_CUDA_UNVERIFIED", raising=False)
-    with pytest.raises(DeviceError, match="FP8 experts read as stored by the MoE kernels have not passed"):
+    with pytest.raises(DeviceError, match="MoE route kernels over more than 256 experts have not passed"):
         load_cuda_engine(sparse, RandomTensors(sparse), 64)
-    monkeypatch.setenv("METRALE_CUDA_UNVERIFIED", "1")
-    with pytest.raises(DeviceError, match="do not take 512 experts"):
-        load_cuda_engine(sparse, RandomTensors(sparse), 64)
-    assert "512 experts" in MoeKernels.check_sizes(512, 10, 512, 512)
+    s = sparse.moe.spec
+    assert (s.num_experts, s.top_k) == (512, 10)
+    assert MoeKernels.check_sizes(s.num_experts, s.top_k, s.intermediate_size, s.shared_expert_size,
+                                  n_group=s.router.n_group) is None
+    assert "1100 experts" in MoeKernels.check_sizes(1100, 10, 512, 512)
 
 
 @pytest.mark.parametrize("plen", [5, 20])

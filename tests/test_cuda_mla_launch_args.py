@@ -92,9 +92,10 @@ def test_mla_operands_are_checked(kern):
                                               ("sigmoid_biased_grouped", (1, 1), False),
                                               ("softmax_group_limited", (8, 3), False)])
 @pytest.mark.parametrize("shared_gated", [True, False])
-def test_moe_route_launches_take_the_router_kind(kern, kind, groups, corr, shared_gated):
-    mk = _wrapper(moe.MoeKernels, kern, moe.PLAIN)
-    e, k, hidden, m = 256, 8, 512, 3
+@pytest.mark.parametrize("e, k", [(256, 8), (512, 10)])
+def test_moe_route_launches_take_the_router_kind(kern, kind, groups, corr, shared_gated, e, k):
+    mk = _wrapper(moe.MoeKernels, kern, moe.name_expressions())
+    hidden, m = 512, 3
     router = RouterSpec(kind, n_group=groups[0], topk_group=groups[1], routed_scaling_factor=2.5)
     b = moe.RouteBuffers(i32(16, k), f32(16, k), f32(16), f32(16, hidden), i32(1), i32(e), FakeArray((e,), np.uint32),
                          i32(e, 16))
@@ -106,6 +107,9 @@ def test_moe_route_launches_take_the_router_kind(kern, kind, groups, corr, share
                  shared_gated=shared_gated)
     calls = list(kern.calls)
     check(kern.calls, params("moe.cu"), 2)
+    ns = 8 if e <= 256 else 16  # the instance of the fewest slots (logits a lane) that hold e
+    assert [c[0] for c in calls] == [f"moe_route_kernel<{ns}>", f"moe_topk_rows_kernel<{ns}>"]
+    assert mk._fn[calls[0][0]].last[2]["shared_mem"] == 4 * m * width  # the rows' logits, staged
     for _, args in calls:  # the trailing router arguments: kind, groups, scaling, correction, its flag
         kind_code, n_group, topk_group, scaling, ptr, use = args[-6:]
         assert int(kind_code) == moe.ROUTER_KINDS[kind] and float(scaling) == 2.5 and int(use) == corr

@@ -36,10 +36,9 @@ def nvcc():
 def test_the_moe_module_compiles_with_every_kernel(nvcc, tmp_path):
     tu = tmp_path / "moe_module.cu"
     tu.write_text(moe.module_source())
-    entries = _entries(nvcc, tu, tmp_path, ("-DMETRALE_NVRTC",))
-    assert set(moe.PLAIN) <= entries  # the templates are instantiated by NVRTC's name expressions
+    assert not _entries(nvcc, tu, tmp_path, ("-DMETRALE_NVRTC",))  # every kernel a template: NVRTC's name expressions
     standalone = _entries(nvcc, nvrtc._CUDA_DIR / "moe.cu", tmp_path)  # its instances, includes resolved
-    assert set(moe.PLAIN) <= standalone and len(standalone) == len(moe.PLAIN) + len(moe.name_expressions())
+    assert len(standalone) == len(moe.name_expressions())
 
 
 def test_the_mla_module_compiles_with_every_kernel(nvcc, tmp_path):

@@ -257,20 +257,53 @@ def test_decode_runs_from_the_cli(run_cli, name):
 
 
 @pytest.mark.parametrize("raw, why", [
-    ({**QWEN3_MOE, "num_experts": 300}, "300 experts"),
+    ({**QWEN3_MOE, "num_experts": 1100}, "1100 experts \\(the router kernels take at most 1024\\)"),
     ({**QWEN3_MOE, "num_experts": 64, "num_experts_per_tok": 20}, "num_experts_per_tok 20"),
     ({**QWEN3_MOE, "moe_intermediate_size": 36}, "expert size 36"),
     ({**QWEN2_MOE, "shared_expert_intermediate_size": 44}, "expert size 44"),
 ])
-def test_cuda_engine_refuses_sizes_its_moe_kernels_do_not_take(raw, why):
-    """No GPU needed: the refusal comes before CuPy is imported."""
-    from metrale_cli.backends.cuda.loading import load_cuda_engine
+def test_cuda_engine_refuses_sizes_its_moe_kernels_do_not_take(raw, why, monkeypatch):
+    """No GPU needed: the refusal comes before CuPy is imported (past the gate of the unverified kernels)."""
+    from metrale_cli.backends.cuda.loading import UNVERIFIED_ENV, load_cuda_engine
     from metrale_cli.errors import DeviceError
     from metrale_cli.random_weights import RandomTensors
 
     cfg = parse_config(raw)
+    monkeypatch.setenv(UNVERIFIED_ENV, "1")
     with pytest.raises(DeviceError, match=f"the CUDA MoE kernels do not take .*{why}"):
         load_cuda_engine(cfg, RandomTensors(cfg), 16)
+
+
+@pytest.mark.parametrize("experts, top_k", [(512, 10), (1024, 16)])
+def test_cuda_engine_takes_up_to_1024_experts(experts, top_k, monkeypatch):
+    """Qwen3-Next's 512 experts, top-10, up to the router kernels' bound: gated as unverified until their GPU tests
+    pass (loading.UNVERIFIED), then past the MoE kernels' checks the tiny config is refused for its head_dim (the next
+    check), before CuPy is imported."""
+    from metrale_cli.backends.cuda import loading
+    from metrale_cli.errors import DeviceError
+    from metrale_cli.random_weights import RandomTensors
+
+    cfg = parse_config({**QWEN3_MOE, "num_experts": experts, "num_experts_per_tok": top_k})
+    assert loading.unverified_features(cfg.definition) == ["MoE route kernels over more than 256 experts"]
+    assert loading.unverified_features(parse_config({**QWEN3_MOE, "num_experts": 256}).definition) == []
+    monkeypatch.delenv(loading.UNVERIFIED_ENV, raising=False)
+    with pytest.raises(DeviceError, match="more than 256 experts have not passed their GPU tests"):
+        loading.load_cuda_engine(cfg, RandomTensors(cfg), 16)
+    monkeypatch.setenv(loading.UNVERIFIED_ENV, "1")
+    with pytest.raises(DeviceError, match="head_dim 16 is not supported"):
+        loading.load_cuda_engine(cfg, RandomTensors(cfg), 16)
+
+
+def test_the_route_kernels_take_the_fewest_slots_that_hold_the_experts():
+    """A lane holds NS of a row's logits (moe.cu's moe_choose_row): the instance of a launch is the smallest of
+    MOE_SLOTS with 32 NS >= E, so a model with up to 256 experts keeps the instances it had before 512 fit."""
+    from metrale_cli.backends.cuda.kernels import moe as k
+
+    assert [k.route_name(e) for e in (8, 32, 33, 128, 160, 256, 257, 512, 513, 1024)] == [
+        f"moe_route_kernel<{ns}>" for ns in (1, 1, 4, 4, 8, 8, 16, 16, 32, 32)]
+    assert k.topk_rows_name(512) == "moe_topk_rows_kernel<16>"
+    assert k.MOE_MAX_EXPERTS == 1024 and set(map(k.route_name, range(1, 1025))) <= set(k.name_expressions())
+    assert k.route_smem(16, 1025) == 16 * 1025 * 4  # opted in at load: more than the default 48 KiB
 
 
 def test_nonfinite_search_names_the_router():
@@ -315,16 +348,17 @@ def test_moe_presets_parse_to_their_published_sizes():
 def test_moe_kernel_source_is_common_cu_then_moe_cu():
     """The MoE module's NVRTC source (no GPU needed): the shared helpers, then every MoE kernel, with the
     standalone-nvcc instances left to nvcc (METRALE_NVRTC) and one name per compiled instance."""
-    from metrale_cli.backends.cuda.kernels.moe import PLAIN, module_source, name_expressions
+    from metrale_cli.backends.cuda.kernels.moe import module_source, name_expressions
 
     src = module_source()
     assert src.index("METRALE_COMMON_CU") < src.index("moe_route_kernel")
     lines = [ln.strip() for ln in src.splitlines()]
     assert not any(ln.startswith("#include \"") for ln in lines) and "#ifndef METRALE_NVRTC" in src
     assert src.index("METRALE_E4M3_CU") < src.index("moe_gate_up_fp8_kernel")  # e4m3.cu's conversions, then moe.cu
-    for name in PLAIN + name_expressions():
+    for name in name_expressions():
         assert name.split("<")[0] in src
-    assert len(set(name_expressions())) == 20  # gate_up and down, bf16 and FP8 experts, 5 row bounds each
+    # route and top-k rows for 5 slot counts; gate_up and down, bf16 and FP8 experts, 5 row bounds each
+    assert len(set(name_expressions())) == 10 + 20
 
 
 def test_moe_py_constants_match_moe_cu():
@@ -396,7 +430,7 @@ def test_moe_kernels_compile_with_nvcc(tmp_path):
     import re
     import subprocess
 
-    from metrale_cli.backends.cuda.kernels.moe import PLAIN, module_source, name_expressions
+    from metrale_cli.backends.cuda.kernels.moe import module_source, name_expressions
 
     nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").is_file() else None)
     if nvcc is None:
@@ -408,4 +442,4 @@ def test_moe_kernels_compile_with_nvcc(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-4000:]
     entries = re.findall(r"^\s*(?:\.visible\s+)?\.entry\s+(\w+)", (tmp_path / "m.ptx").read_text(), re.M)
-    assert len(entries) == len(PLAIN) + len(name_expressions()) and "moe_route_kernel" in entries
+    assert len(entries) == len(name_expressions())

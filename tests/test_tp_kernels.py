@@ -50,7 +50,7 @@ def test_moe_launches_pass_the_declared_parameters(kern):  # noqa: F811
 
     m = object.__new__(moe.MoeKernels)
     m.k, m._cp, m._np = kern, kern._cp, np
-    m._fn = {n: Recorder(n, kern.calls) for n in moe.name_expressions() + moe.PLAIN}
+    m._fn = {n: Recorder(n, kern.calls) for n in moe.name_expressions()}
     E, k, H, inter, rows = 16, 4, 64, 32, moe.MOE_MAX_ROWS
     u = min(E, rows * k)
     b = moe.RouteBuffers(i32(rows, k), f32(rows, k), f32(rows), f32(rows, H), i32(1), i32(u), i32(u), i32(u, rows))

@@ -167,6 +167,37 @@ def tokens_agree(ta, tb, ref_rows, what: str = "greedy") -> int:
     return i + 1
 
 
+def untied_logits(rng, m: int, experts: int, k: int, extra: int = 0, corr=None) -> np.ndarray:
+    """Fresh router logits [m, experts + extra] (standard normal times 2; `extra` columns after the experts', a
+    shared expert's gate logit) whose choice scores (the logits, or sigmoid + corr with a choice correction) have no
+    near tie among each row's 2k best: an fp32 rounding (NumPy's and the kernels' exp differ by an ulp) cannot
+    reorder the choice."""
+    for _ in range(100):
+        logits = (rng.standard_normal((m, experts + extra)) * 2).astype(np.float32)
+        score = logits[:, :experts].astype(np.float64)
+        if corr is not None:
+            score = 1 / (1 + np.exp(-score)) + corr
+        top = -np.sort(-score, axis=1)[:, :2 * k]
+        if np.all(top[:, :-1] - top[:, 1:] > 1e-5):
+            return logits
+    raise AssertionError("100 draws of router logits with a near tie")
+
+
+def assert_union(b, idx, seed, held: range | None = None) -> None:
+    """The route kernel's union in RouteBuffers b for the rows' choices idx [M, k]: every chosen expert of `held`
+    (None: all) once, in increasing order, with the mask of the rows that chose it and each row's slot (-1 for the
+    rows that did not, up to the buffers' 16 rows)."""
+    m = len(idx)
+    n = int(b.n_union.get()[0])
+    ue, um, us = b.union_e.get()[:n], b.union_mask.get()[:n], b.union_slot.get()[:n]
+    assert list(ue) == sorted(e for e in set(idx.ravel().tolist()) if held is None or e in held), f"seed={seed}"
+    for e, mask, slots in zip(ue, um, us):
+        for r in range(b.union_slot.shape[1]):
+            chose = r < m and e in idx[r]
+            assert bool((int(mask) >> r) & 1) == chose, f"seed={seed}: expert {e} row {r}"
+            assert slots[r] == (list(idx[r]).index(e) if chose else -1), f"seed={seed}: expert {e} row {r}"
+
+
 def random_checkpoints(root: Path, base: dict, archs: dict, seed: int) -> dict:
     """One fresh random bf16 checkpoint per entry of archs ({name: config fields over base}) under root, drawn
     with metrale's RandomTensors from seed: {name: its folder}."""

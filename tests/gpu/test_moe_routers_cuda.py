@@ -1,7 +1,9 @@
 """The router kinds on the GPU (kernels/routers.cu through MoeKernels.route and .topk_rows) against the NumPy
 reference (backends/numpy/routers.py + moe.route's renormalisation and routed_scaling_factor), on fresh random
 logits every run: the same experts in the same order (ties to the lowest index), the same weights within fp32
-rounding; a correction that changes the choice; an ungated shared expert's gate of 1."""
+rounding; a correction that changes the choice; an ungated shared expert's gate of 1.  Every kind also with 512
+experts, top-10 (Qwen3-Next) and 1024 (the kernels' bound, past 48 KiB of staged logits), each slot count of the
+route kernels' instances (kernels/moe.MOE_SLOTS) once at least."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import pytest
 from metrale_cli.backends.numpy.routers import ROUTERS
 from metrale_cli.models.spec import MoeSpec, RouterSpec
 
-from gpu_helpers import bf16_bits
+from gpu_helpers import assert_union, bf16_bits, untied_logits
 
 pytestmark = pytest.mark.gpu
 
@@ -41,6 +43,18 @@ CASES = [  # kind, experts, top_k, n_group, topk_group, norm, scaling
     ("softmax_group_limited", 8, 3, 4, 2, True, 1.5),
     ("softmax_topk", 64, 6, 1, 1, False, 1.0),  # DeepSeek-V2-Lite (greedy)
     ("softmax_topk", 64, 6, 1, 1, True, 2.0),
+    ("topk_softmax", 32, 4, 1, 1, False, 1.0),  # gpt-oss-20b
+]
+
+
+WIDE = [  # 512 experts, top-10 (Qwen3-Next-80B-A3B's router is softmax_topk) and 1024, every kind
+    ("softmax_topk", 512, 10, 1, 1, True, 1.0),
+    ("sigmoid_biased_grouped", 512, 10, 8, 4, True, 2.5),
+    ("sigmoid_biased_grouped", 512, 10, 1, 1, True, 1.0),
+    ("softmax_group_limited", 512, 10, 16, 4, False, 16.0),
+    ("topk_softmax", 512, 10, 1, 1, False, 1.0),
+    ("softmax_topk", 1024, 16, 1, 1, True, 1.0),
+    ("sigmoid_biased_grouped", 1024, 8, 32, 4, True, 2.5),
 ]
 
 
@@ -48,13 +62,24 @@ CASES = [  # kind, experts, top_k, n_group, topk_group, norm, scaling
 @pytest.mark.parametrize("kind,experts,k,n_group,topk_group,norm,scaling", CASES)
 def test_router_kinds_match_numpy(cp, moe_kernels, rng, seed, m, kind, experts, k, n_group, topk_group, norm,
                                   scaling):
+    _check_router(cp, moe_kernels, rng, seed, m, kind, experts, k, n_group, topk_group, norm, scaling)
+
+
+@pytest.mark.parametrize("m", [1, 2, 7, 10, 16])
+@pytest.mark.parametrize("kind,experts,k,n_group,topk_group,norm,scaling", WIDE)
+def test_router_kinds_match_numpy_with_512_and_1024_experts(cp, moe_kernels, rng, seed, m, kind, experts, k, n_group,
+                                                            topk_group, norm, scaling):
+    _check_router(cp, moe_kernels, rng, seed, m, kind, experts, k, n_group, topk_group, norm, scaling)
+
+
+def _check_router(cp, moe_kernels, rng, seed, m, kind, experts, k, n_group, topk_group, norm, scaling):
     from metrale_cli.backends.cuda.kernels.moe import RouteBuffers
 
     router = RouterSpec(kind, n_group=n_group, topk_group=topk_group, routed_scaling_factor=scaling)
     spec = MoeSpec(experts, k, 64, norm, "silu", 64, router=router, shared_expert_gated=False)
     hidden = 256
-    logits = (rng.standard_normal((m, experts)) * 2).astype(np.float32)
     corr = (rng.standard_normal(experts) * 1.0).astype(np.float32) if kind == "sigmoid_biased_grouped" else None
+    logits = untied_logits(rng, m, experts, k, corr=corr)
     want_idx, want_w = _reference(logits, spec, corr)
     if corr is not None:  # the correction changes the choice somewhere (else the test would not see it)
         plain, _ = _reference(logits, spec, None)
@@ -75,6 +100,7 @@ def test_router_kinds_match_numpy(cp, moe_kernels, rng, seed, m, kind, experts, 
         np.testing.assert_array_equal(got_idx, want_idx, err_msg=f"seed={seed}")
         np.testing.assert_allclose(got_w, want_w, rtol=2e-6, atol=1e-7, err_msg=f"seed={seed}")
         assert np.all(got_g == 1.0)  # the ungated shared expert
+    assert_union(b, want_idx, seed)
 
 
 def test_grouped_ties_go_to_the_lowest_group_and_expert(cp, moe_kernels):

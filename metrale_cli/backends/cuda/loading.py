@@ -254,7 +254,9 @@ def unsupported_features(definition: ModelDefinition) -> list[str]:
 # (docs/measurements/2026-12-07-session18). Gated now (issue 41): every projection kept as stored (FP8, NVFP4, int4),
 # read by the one quantized GEMV of session 19 (kernels/qgemv.cu, with the RMSNorm and gate activation fused), until
 # tests/gpu/test_fp8.py and test_w4.py pass; FP8 experts read as stored by the MoE kernels (moe.cu's FP8 variants,
-# the prefill's per-expert dequantization), until tests/gpu/test_moe_fp8_cuda.py passes.
+# the prefill's per-expert dequantization), until tests/gpu/test_moe_fp8_cuda.py passes; the route kernels past 256
+# experts (their 16- and 32-slot instances, Qwen3-Next's 512; issue 38), until tests/gpu/test_moe_routers_cuda.py and
+# tests/gpu/test_moe_cuda.py pass with their 512- and 1024-expert cases.
 UNVERIFIED_ENV = "METRALE_CUDA_UNVERIFIED"
 
 
@@ -264,9 +266,14 @@ def _quantized_projections(definition: ModelDefinition) -> bool:
     return any(kept_as_stored(p) and p.key in PROJECTION_KEYS for p in definition.params())
 
 
+def _over_256_experts(definition: ModelDefinition) -> bool:
+    return any(isinstance(layer.mlp, MoeSpec) and layer.mlp.num_experts > 256 for layer in definition.layers)
+
+
 UNVERIFIED: tuple[tuple[str, Callable[[ModelDefinition], bool]], ...] = (
     ("projections read as stored by the quantized GEMV (FP8, NVFP4, int4)", _quantized_projections),
     ("FP8 experts read as stored by the MoE kernels", fp8_experts_kept),
+    ("MoE route kernels over more than 256 experts", _over_256_experts),
 )
 
 

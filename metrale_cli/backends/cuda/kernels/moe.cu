@@ -9,7 +9,8 @@
 //      index; a router bias is already in the logits, added by the GEMV), renormalised when norm_topk, times routed_scaling_factor; the shared expert's gate
 //      (sigmoid of its logit, or 1 for an ungated shared expert); h = rmsnorm(x);
 //      and the union of the experts the M rows chose, in increasing expert order, each with the mask
-//      of rows that chose it and the slot j (idx[m, j] == e) each such row gave it;
+//      of rows that chose it and the slot j (idx[m, j] == e) each such row gave it (at most M k experts:
+//      the union's arrays are sized by MOE_MAX_UNION, not by E);
 //   3. moe_gate_up_kernel: grid (I tiles, union slot u): block (t, u) reads rows t of expert
 //      union_e[u]'s gate and up weights once and computes act[m * k + j] = silu(g) * u (or gpt-oss's
 //      glu_oai, common.cu; with the expert's gate/up bias added to g and u first) for every row m of the
@@ -30,16 +31,19 @@
 // Inner loops follow gemv.cu's register variant: a lane takes 16-byte chunks c, c + 32, ... of each
 // weight row (8 bf16), U chunks in flight, fp32 FMA with the fp32 activations read through L1, warp
 // shuffles to reduce.  Requirements (checked by kernels/moe.py): H, I, S multiples of 8, pointers
-// 16-byte aligned, E <= MOE_MAX_EXPERTS, k <= MOE_MAX_K, M <= MOE_MAX_ROWS.
+// 16-byte aligned, E <= MOE_MAX_EXPERTS (the routing's bound only), k <= MOE_MAX_K, M <= MOE_MAX_ROWS.
 // FP8 experts (block e4m3, kept as stored) take steps 3 and 4 as moe_gate_up_fp8_kernel and moe_down_fp8_kernel (their
 // section below: 16 e4m3 weights a chunk, dequantized in registers with their block's fp32 scale; K % 16 == 0).
 #include "common.cu"
 #include "e4m3.cu"
 #include "routers.cu"
 
-#define MOE_MAX_EXPERTS 256
+#define MOE_MAX_EXPERTS 1024  // a router lane holds E / 32 of a row's logits; the union's bitmap is one word a lane
 #define MOE_MAX_ROWS 16
 #define MOE_MAX_K 16
+#define MOE_MAX_UNION 256  // MOE_MAX_ROWS * MOE_MAX_K: the experts a call's rows choose at most
+static_assert(MOE_MAX_UNION == MOE_MAX_ROWS * MOE_MAX_K, "the union holds every row's k choices");
+static_assert(MOE_MAX_EXPERTS <= 32 * 32, "the union's bitmap is one word a lane");
 #define MOE_WARPS 4         // warps of a gate_up block
 #define MOE_DOWN_WARPS 8    // warps of a down block
 #define MOE_DOWN_ITEMS 264  // items of a down block: union experts x K parts (<= 256) + shared parts (<= 8)
@@ -117,43 +121,21 @@ __device__ __forceinline__ void moe_topk_lane(const float* __restrict__ logits, 
     w_out = my_w;
 }
 
-// moe_topk_lane with the fewest slots a lane that E needs (each slot costs the warp's chain 100-150 cycles).
-__device__ __forceinline__ void moe_topk_row(const float* __restrict__ logits, int E, int k, int norm_topk,
-                                             int& e_out, float& w_out) {
-    if (E <= 32)
-        moe_topk_lane<1>(logits, E, k, norm_topk, e_out, w_out);
-    else if (E <= 128)
-        moe_topk_lane<4>(logits, E, k, norm_topk, e_out, w_out);
-    else
-        moe_topk_lane<MOE_MAX_EXPERTS / 32>(logits, E, k, norm_topk, e_out, w_out);
-}
-
-// Row routing by the router's kind (routers.cu): one warp, lane j < k ends with choice j and its final weight.
+// Row routing by the router's kind (routers.cu): one warp, each lane holding NS of the row's logits (32 NS >= E);
+// lane j < k ends with choice j and its final weight.  NS is the launch's: the route kernels are compiled for each
+// of MOE_SLOTS and the host takes the fewest that hold E (each slot costs the warp's chain 100-150 cycles, and each
+// instance has the registers of its own NS).
+template <int NS>
 __device__ __forceinline__ void moe_choose_row(const float* __restrict__ logits, const MoeRouter& r, int E, int k,
                                                int& e_out, float& w_out) {
     if (r.kind == MOE_ROUTER_SIGMOID_GROUPED) {
-        if (E <= 32)
-            moe_sigmoid_grouped_lane<1>(logits, r, E, k, e_out, w_out);
-        else if (E <= 128)
-            moe_sigmoid_grouped_lane<4>(logits, r, E, k, e_out, w_out);
-        else
-            moe_sigmoid_grouped_lane<MOE_MAX_EXPERTS / 32>(logits, r, E, k, e_out, w_out);
+        moe_sigmoid_grouped_lane<NS>(logits, r, E, k, e_out, w_out);
     } else if (r.kind == MOE_ROUTER_SOFTMAX_GROUPED) {
-        if (E <= 32)
-            moe_softmax_grouped_lane<1>(logits, r, E, k, e_out, w_out);
-        else if (E <= 128)
-            moe_softmax_grouped_lane<4>(logits, r, E, k, e_out, w_out);
-        else
-            moe_softmax_grouped_lane<MOE_MAX_EXPERTS / 32>(logits, r, E, k, e_out, w_out);
+        moe_softmax_grouped_lane<NS>(logits, r, E, k, e_out, w_out);
     } else if (r.kind == MOE_ROUTER_TOPK_SOFTMAX) {
-        if (E <= 32)
-            moe_topk_softmax_lane<1>(logits, r, E, k, e_out, w_out);
-        else if (E <= 128)
-            moe_topk_softmax_lane<4>(logits, r, E, k, e_out, w_out);
-        else
-            moe_topk_softmax_lane<MOE_MAX_EXPERTS / 32>(logits, r, E, k, e_out, w_out);
+        moe_topk_softmax_lane<NS>(logits, r, E, k, e_out, w_out);
     } else {
-        moe_topk_row(logits, E, k, r.norm_topk, e_out, w_out);
+        moe_topk_lane<NS>(logits, E, k, r.norm_topk, e_out, w_out);
         w_out *= r.scaling;  // exact for a factor of 1
     }
 }
@@ -227,65 +209,57 @@ __device__ __forceinline__ void moe_write_h(const float* x, const unsigned short
     }
 }
 
-// Row m's routing by one warp from its logits lrow [E (+1)]: idx / wts [m, :k], slot_of[e][m] = j for its
-// experts, sgate[m] = sigmoid(lrow[E]) when has_shared == 1 (a gated shared expert), 1 when 2 (ungated).
-__device__ __forceinline__ void moe_route_row(const float* lrow, int m, int E, int k, const MoeRouter& router,
-                                              int has_shared, signed char (*slot_of)[MOE_MAX_ROWS],
-                                              int* __restrict__ idx, float* __restrict__ wts,
-                                              float* __restrict__ sgate) {
+// Row m's routing by one warp from its logits lrow [E (+1)]: idx / wts [m, :k], sgate[m] = sigmoid(lrow[E]) when
+// has_shared == 1 (a gated shared expert), 1 when 2 (ungated).  Returns lane j's choice j (-1 on the lanes j >= k).
+template <int NS>
+__device__ __forceinline__ int moe_route_row(const float* lrow, int m, int E, int k, const MoeRouter& router,
+                                             int has_shared, int* __restrict__ idx, float* __restrict__ wts,
+                                             float* __restrict__ sgate) {
     const int j = threadIdx.x & 31;  // lane j holds choice j
     int e;
     float w;
-    moe_choose_row(lrow, router, E, k, e, w);
+    moe_choose_row<NS>(lrow, router, E, k, e, w);
     if (j < k) {
         idx[m * k + j] = e;
         wts[m * k + j] = w;
-        slot_of[e][m] = (signed char)j;
     }
     if (has_shared && j == 0) sgate[m] = has_shared == 2 ? 1.0f : 1.0f / (1.0f + expf(-lrow[E]));
+    return j < k ? e : -1;
 }
 
-// One warp: the experts [e_lo, e_hi) some row chose (slot_of[e][m] >= 0), in increasing order: emit(pos, e, mask)
-// for each (bit m of mask: row m chose it) by the lane holding it; returns their count (to every lane).
-template <class Emit>
-__device__ __forceinline__ int moe_union_warp(const signed char (*slot_of)[MOE_MAX_ROWS], int M, int e_lo, int e_hi,
-                                              Emit emit) {
+// The union's positions from chosen [MOE_MAX_EXPERTS / 32], the bitmap of the experts some row chose (one word a
+// lane): expert e's position is the count of chosen experts below it.  Each warp scans the words' counts for itself
+// (no barrier): returns lane w's exclusive prefix (word w's first position) and the total in n.
+__device__ __forceinline__ int moe_union_base(const unsigned int* chosen, int& n) {
     const int lane = threadIdx.x & 31;
-    int base = 0;
-    for (int e0 = e_lo & ~31; e0 < e_hi; e0 += 32) {
-        const int e = e0 + lane;
-        unsigned int mask = 0u;
-        if (e >= e_lo && e < e_hi)
-            for (int r = 0; r < M; ++r)
-                if (slot_of[e][r] >= 0) mask |= 1u << r;
-        const unsigned int used = __ballot_sync(0xffffffffu, mask != 0u);
-        if (mask != 0u) emit(base + __popc(used & ((1u << lane) - 1u)), e, mask);
-        base += __popc(used);
+    const int c = __popc(chosen[lane]);
+    int incl = c;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, incl, d);
+        if (lane >= d) incl += v;
     }
-    return base;
+    n = __shfl_sync(0xffffffffu, incl, 31);
+    return incl - c;
 }
 
-// The route kernels' union: n_union, union_e, union_mask, union_slot [., MOE_MAX_ROWS] (the expert's slot in row
-// m, -1 if none), by one warp.
-__device__ __forceinline__ void moe_union_out(const signed char (*slot_of)[MOE_MAX_ROWS], int M, int e_lo, int e_hi,
-                                              int* __restrict__ n_union, int* __restrict__ union_e,
-                                              unsigned int* __restrict__ union_mask, int* __restrict__ union_slot) {
-    const int n = moe_union_warp(slot_of, M, e_lo, e_hi, [&](int pos, int e, unsigned int mask) {
-        union_e[pos] = e;
-        union_mask[pos] = mask;
-        for (int r = 0; r < MOE_MAX_ROWS; ++r) union_slot[pos * MOE_MAX_ROWS + r] = slot_of[e][r];
-    });
-    if ((threadIdx.x & 31) == 0) *n_union = n;
+// The union position of chosen expert e, by the whole warp (lane w's base from moe_union_base); any value for e < 0.
+__device__ __forceinline__ int moe_union_pos(const unsigned int* chosen, int base, int e) {
+    const int w = (e >> 5) & 31;
+    return __shfl_sync(0xffffffffu, base, w) + __popc(chosen[w] & ((1u << (e & 31)) - 1u));
 }
 
 // After the router GEMV: one block of MOE_MAX_ROWS warps.  logits [M, ld] (ld = E, or E + 1 with the shared
 // expert's gate logit last); x [M, H] the residual stream (H % 4 == 0, 16-byte rows); norm_w bf16 [H] (8-byte
 // aligned).  Writes idx [M, k], wts [M, k], sgate [M] (has_shared), h [M, H] = (norm_w + norm_offset) *
-// (x * rsqrt(mean(x^2) + eps)), and the union (moe_union_out) of the experts [e_lo, e_hi) this engine holds (a tensor-parallel rank's;
-// 0, E otherwise): every row is routed over all E experts, and the others' share of the sum comes from the other
-// ranks (the all-reduce).  The rows' logits are staged in shared memory beside the sums of squares' loads; then
-// warp m routes row m while the warps without a row write h.
-extern "C" __global__ void __launch_bounds__(MOE_MAX_ROWS * 32)
+// (x * rsqrt(mean(x^2) + eps)), and the union of the experts [e_lo, e_hi) this engine holds (a tensor-parallel
+// rank's; 0, E otherwise): n_union, union_e, union_mask and union_slot [., MOE_MAX_ROWS] (the expert's slot in row
+// m, -1 if none).  Every row is routed over all E experts, and the others' share of the sum comes from the other
+// ranks (the all-reduce).  The rows' logits are staged in dynamic shared memory (M ld floats, the launch's) beside
+// the sums of squares' loads; then warp m routes row m while the warps without a row write h; then each choice of a
+// held expert finds its union position in the bitmap of the chosen experts.
+template <int NS>
+__global__ void __launch_bounds__(MOE_MAX_ROWS * 32)
 moe_route_kernel(const float* __restrict__ logits, int ld, const float* __restrict__ x,
                  const unsigned short* __restrict__ norm_w, float norm_offset, float eps, int M, int H, int E, int k,
                  int norm_topk,
@@ -294,47 +268,60 @@ moe_route_kernel(const float* __restrict__ logits, int ld, const float* __restri
                  unsigned int* __restrict__ union_mask, int* __restrict__ union_slot, int e_lo, int e_hi,
                  int kind, int n_group, int topk_group, float scaling, const float* __restrict__ correction,
                  int use_correction) {
-    __shared__ signed char slot_of[MOE_MAX_EXPERTS][MOE_MAX_ROWS];
-    __shared__ float s_logit[MOE_MAX_ROWS][MOE_MAX_EXPERTS + 1];
+    extern __shared__ float s_logit[];                           // [M, ld]
+    __shared__ unsigned int s_chosen[MOE_MAX_EXPERTS / 32];      // bit e: some row chose held expert e
+    __shared__ signed char s_slot[MOE_MAX_UNION][MOE_MAX_ROWS];  // union position u's slot in row m, -1 if none
     __shared__ float s_ss[MOE_MAX_ROWS][MOE_MAX_ROWS];
-    for (int t = threadIdx.x; t < MOE_MAX_EXPERTS * MOE_MAX_ROWS; t += blockDim.x) (&slot_of[0][0])[t] = -1;
+    for (int t = threadIdx.x; t < MOE_MAX_UNION * MOE_MAX_ROWS; t += blockDim.x) (&s_slot[0][0])[t] = -1;
+    if (threadIdx.x < MOE_MAX_EXPERTS / 32) s_chosen[threadIdx.x] = 0u;
     pdl_wait();
     pdl_trigger();
-    const int warp = threadIdx.x >> 5;
-    for (int t = threadIdx.x; t < M * ld; t += blockDim.x) s_logit[t / ld][t % ld] = logits[t];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int t = threadIdx.x; t < M * ld; t += blockDim.x) s_logit[t] = logits[t];
     moe_sumsq_parts<MOE_MAX_ROWS>(x, M, H, s_ss);
     __syncthreads();
+    int e = -1;  // lane j < k of warp m < M: row m's choice j
     if (warp < M) {
         const MoeRouter router = moe_router(kind, norm_topk, n_group, topk_group, scaling, correction, use_correction);
-        moe_route_row(s_logit[warp], warp, E, k, router, has_shared, slot_of, idx, wts, sgate);
+        e = moe_route_row<NS>(s_logit + warp * ld, warp, E, k, router, has_shared, idx, wts, sgate);
+        if (e >= e_lo && e < e_hi) atomicOr(&s_chosen[e >> 5], 1u << (e & 31));
     }
     const int hw0 = M < MOE_MAX_ROWS ? M : 0;  // warps [hw0, 16) write h (with 16 rows: every warp, after its row)
     if (warp >= hw0) moe_write_h(x, norm_w, norm_offset, s_ss, eps, M, H, threadIdx.x - 32 * hw0, 32 * (MOE_MAX_ROWS - hw0), h);
     __syncthreads();
-    if (warp == 0) moe_union_out(slot_of, M, e_lo, e_hi, n_union, union_e, union_mask, union_slot);
+    int n;
+    const int base = moe_union_base(s_chosen, n);
+    const int pos = moe_union_pos(s_chosen, base, e);
+    if (e >= e_lo && e < e_hi) s_slot[pos][warp] = (signed char)lane;
+    for (int w = (e_lo >> 5) + warp; w <= (e_hi - 1) >> 5; w += MOE_MAX_ROWS) {  // expert 32 w + lane, if chosen
+        const int p = moe_union_pos(s_chosen, base, 32 * w + lane);
+        if ((s_chosen[w] >> lane) & 1u) union_e[p] = 32 * w + lane;
+    }
+    __syncthreads();
+    for (int t = threadIdx.x; t < n * MOE_MAX_ROWS; t += blockDim.x)
+        union_slot[t] = s_slot[t / MOE_MAX_ROWS][t % MOE_MAX_ROWS];
+    for (int u = threadIdx.x; u < n; u += blockDim.x) {
+        unsigned int mask = 0u;
+        for (int r = 0; r < M; ++r)
+            if (s_slot[u][r] >= 0) mask |= 1u << r;
+        union_mask[u] = mask;
+    }
+    if (threadIdx.x == 0) *n_union = n;
 }
 
 // The prefill router: top-k only, one warp per row, rows 0..T-1 (no union, no h); blocks of MOE_TOPK_WARPS warps.
 #define MOE_TOPK_WARPS 8
-extern "C" __global__ void moe_topk_rows_kernel(const float* __restrict__ logits, int ld, int T, int E, int k,
-                                                int norm_topk, int has_shared, int* __restrict__ idx,
-                                                float* __restrict__ wts, float* __restrict__ sgate, int kind,
-                                                int n_group, int topk_group, float scaling,
-                                                const float* __restrict__ correction, int use_correction) {
+template <int NS>
+__global__ void moe_topk_rows_kernel(const float* __restrict__ logits, int ld, int T, int E, int k, int norm_topk,
+                                     int has_shared, int* __restrict__ idx, float* __restrict__ wts,
+                                     float* __restrict__ sgate, int kind, int n_group, int topk_group, float scaling,
+                                     const float* __restrict__ correction, int use_correction) {
     pdl_wait();
     pdl_trigger();
-    const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * MOE_TOPK_WARPS + (threadIdx.x >> 5);
     if (row >= T) return;
-    int e;
-    float w;
-    moe_choose_row(logits + (u64)row * ld, moe_router(kind, norm_topk, n_group, topk_group, scaling, correction,
-                                                      use_correction), E, k, e, w);
-    if (lane < k) {
-        idx[(u64)row * k + lane] = e;
-        wts[(u64)row * k + lane] = w;
-    }
-    if (has_shared && lane == 0) sgate[row] = has_shared == 2 ? 1.0f : 1.0f / (1.0f + expf(-logits[(u64)row * ld + E]));
+    const MoeRouter router = moe_router(kind, norm_topk, n_group, topk_group, scaling, correction, use_correction);
+    moe_route_row<NS>(logits + (u64)row * ld, row, E, k, router, has_shared, idx, wts, sgate);
 }
 
 // One step of a lane over UU chunks (c, c + 32, ...) of RW weight rows, for the rows m of `mask`,
@@ -471,9 +458,9 @@ moe_down_kernel(const float* __restrict__ act, const unsigned short* __restrict_
                 int P, int PS, int accumulate, int e_lo, const unsigned short* __restrict__ bias,
                 int use_bias) {
     __shared__ float part[MOE_DOWN_ITEMS][R][MT];
-    __shared__ float wsm[MOE_MAX_EXPERTS][MT];  // row m's weight for union expert u (read by the item warps)
-    __shared__ unsigned int msk[MOE_MAX_EXPERTS];
-    __shared__ float bsm[MOE_MAX_EXPERTS][R];  // union expert u's down bias at the block's rows (0 without one)
+    __shared__ float wsm[MOE_MAX_UNION][MT];  // row m's weight for union expert u (read by the item warps)
+    __shared__ unsigned int msk[MOE_MAX_UNION];
+    __shared__ float bsm[MOE_MAX_UNION][R];  // union expert u's down bias at the block's rows (0 without one)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int n0 = blockIdx.x * R;
     // The routing was written two launches back (route -> gate_up -> down; every launch of the chain waits
@@ -697,9 +684,9 @@ moe_down_fp8_kernel(const float* __restrict__ act, const unsigned char* __restri
                     int H, int I, int k, int P, int PS, int accumulate, int e_lo,
                     const unsigned short* __restrict__ bias, int use_bias) {
     __shared__ float part[MOE_DOWN_ITEMS][R][MT];
-    __shared__ float wsm[MOE_MAX_EXPERTS][MT];
-    __shared__ unsigned int msk[MOE_MAX_EXPERTS];
-    __shared__ float bsm[MOE_MAX_EXPERTS][R];
+    __shared__ float wsm[MOE_MAX_UNION][MT];
+    __shared__ unsigned int msk[MOE_MAX_UNION];
+    __shared__ float bsm[MOE_MAX_UNION][R];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int n0 = blockIdx.x * R;
     // the routing is complete before this launch's pdl_wait (moe_down_kernel says why); act needs the wait
@@ -795,10 +782,19 @@ moe_down_fp8_kernel(const float* __restrict__ act, const unsigned char* __restri
     *o = accumulate ? *o + y : y;
 }
 
-// Instances (kernels/moe.py names them): MT in {1, 2, 4, 8, 16}; gate_up R = 1; down R = 4, 4, 4, 2, 1
-// (its shared memory holds items x R x MT floats: 16.5 KB for each); U = 4 for bf16 weights, 2 for e4m3 (the same
-// 64 bytes of a weight row in flight per lane: 16-byte chunks of 16 weights).
+// Instances (kernels/moe.py names them): the route kernels' NS in MOE_SLOTS {1, 4, 8, 16, 32} (E up to 32 NS);
+// MT in {1, 2, 4, 8, 16}; gate_up R = 1; down R = 4, 4, 4, 2, 1 (its shared memory holds items x R x MT floats:
+// 16.5 KB for each); U = 4 for bf16 weights, 2 for e4m3 (the same 64 bytes of a weight row in flight per lane:
+// 16-byte chunks of 16 weights).
 #ifndef METRALE_NVRTC  // a standalone `nvcc -ptx moe.cu` compiles every instance the engine uses
+#define MOE_ROUTE_INSTANCES(NS)                                                                            \
+    template __global__ void moe_route_kernel<NS>(const float*, int, const float*, const unsigned short*, \
+                                                  float, float, int, int, int, int, int, int, int*,        \
+                                                  float*, float*, float*, int*, int*, unsigned int*, int*, \
+                                                  int, int, int, int, int, float, const float*, int);      \
+    template __global__ void moe_topk_rows_kernel<NS>(const float*, int, int, int, int, int, int, int*,   \
+                                                      float*, float*, int, int, int, float, const float*,  \
+                                                      int);
 #define MOE_INSTANCES(MT, DR)                                                                              \
     template __global__ void moe_gate_up_kernel<MT, 1, 4>(const float*, const unsigned short*, const int*, \
                                                           const int*, const unsigned int*, const int*,     \
@@ -819,6 +815,11 @@ moe_down_fp8_kernel(const float* __restrict__ act, const unsigned char* __restri
         const int*, const unsigned int*, const int*, const float*, const unsigned short*,                  \
         const unsigned char*, const float*, int, int, int, int, const float*, int, float*, int, int, int,  \
         int, int, int, int, int, const unsigned short*, int);
+MOE_ROUTE_INSTANCES(1)
+MOE_ROUTE_INSTANCES(4)
+MOE_ROUTE_INSTANCES(8)
+MOE_ROUTE_INSTANCES(16)
+MOE_ROUTE_INSTANCES(32)
 MOE_INSTANCES(1, 4)
 MOE_INSTANCES(2, 4)
 MOE_INSTANCES(4, 4)

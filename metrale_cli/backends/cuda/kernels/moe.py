@@ -8,6 +8,9 @@ rows path stays capturable in a CUDA graph.
 Device buffers of one sparse layer's routing (`RouteBuffers`, allocated once by the engine per layer):
   idx int32 [16, k], wts f32 [16, k], sgate f32 [16], h f32 [16, H], n_union int32 [1],
   union_e int32 [U], union_mask uint32 [U], union_slot int32 [U, 16] with U = min(E, 16 k).
+The expert count bounds the routing only (MOE_MAX_EXPERTS): the route kernels are compiled for each slot count of
+MOE_SLOTS (NS of a row's logits a lane) and a launch takes the fewest that hold E; the experts kernels index the
+union, whatever E.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from typing import Any
 from .nvrtc import joined_source
 from .tuning import ACTIVATIONS, GLU_OAI
 
-MOE_MAX_EXPERTS = 256  # must match moe.cu
+MOE_SLOTS = (1, 4, 8, 16, 32)  # the route kernels' instances: NS logits a lane, E <= 32 NS
+MOE_MAX_EXPERTS = 32 * MOE_SLOTS[-1]  # must match moe.cu
 MOE_MAX_ROWS = 16
 MOE_MAX_K = 16
 MOE_WARPS = 4  # warps of a gate_up block
@@ -38,6 +42,23 @@ MOE_MTS = (1, 2, 4, 8, 16)  # compiled row-count bounds; a call with M rows take
 
 def _mt(m: int) -> int:
     return next(t for t in MOE_MTS if t >= m)
+
+
+def _slots(experts: int) -> int:
+    return next(s for s in MOE_SLOTS if 32 * s >= experts)
+
+
+def route_name(experts: int) -> str:
+    return f"moe_route_kernel<{_slots(experts)}>"
+
+
+def topk_rows_name(experts: int) -> str:
+    return f"moe_topk_rows_kernel<{_slots(experts)}>"
+
+
+def route_smem(m: int, ld: int) -> int:
+    """The route kernel's dynamic shared memory: the M rows' logits (ld floats each)."""
+    return 4 * m * ld
 
 
 def gate_up_name(mt: int) -> str:
@@ -79,10 +100,10 @@ def module_source() -> str:
 
 
 def name_expressions() -> tuple[str, ...]:
-    return tuple(n for mt in MOE_MTS for n in (gate_up_name(mt), down_name(mt), gate_up_fp8_name(mt), down_fp8_name(mt)))
+    routes = tuple(n for ns in MOE_SLOTS for n in (route_name(32 * ns), topk_rows_name(32 * ns)))
+    return routes + tuple(n for mt in MOE_MTS
+                          for n in (gate_up_name(mt), down_name(mt), gate_up_fp8_name(mt), down_fp8_name(mt)))
 
-
-PLAIN = ("moe_route_kernel", "moe_topk_rows_kernel")
 
 # models/spec.RouterSpec kinds with a device function (routers.cu's MOE_ROUTER_*); the others are refused.
 ROUTER_KINDS = {"softmax_topk": 0, "sigmoid_biased_grouped": 1, "softmax_group_limited": 2, "topk_softmax": 3}
@@ -163,7 +184,9 @@ class MoeKernels:
         try:
             module = cp.RawModule(code=module_source(), options=("-std=c++17", "-DMETRALE_NVRTC"),
                                   name_expressions=names)
-            self._fn = {n: module.get_function(n) for n in names + PLAIN}
+            self._fn = {n: module.get_function(n) for n in names}
+            for ns in MOE_SLOTS:  # the logits of 16 rows of 1024 experts: more than the default 48 KiB
+                self._fn[route_name(32 * ns)].max_dynamic_shared_size_bytes = route_smem(MOE_MAX_ROWS, 32 * ns + 1)
         except Exception as e:  # an NVRTC or driver failure: one clear line
             from ....errors import DeviceError
 
@@ -186,7 +209,7 @@ class MoeKernels:
         if n_group > MOE_MAX_GROUPS:
             return f"n_group {n_group} (the router kernels take at most {MOE_MAX_GROUPS} groups)"
         if experts > MOE_MAX_EXPERTS:
-            return f"{experts} experts (the router kernel takes at most {MOE_MAX_EXPERTS})"
+            return f"{experts} experts (the router kernels take at most {MOE_MAX_EXPERTS})"
         if top_k > MOE_MAX_K:
             return f"num_experts_per_tok {top_k} (at most {MOE_MAX_K})"
         odd = [s for s in sizes if s % 8]
@@ -231,7 +254,7 @@ class MoeKernels:
                 np.int32(shared_mode(has_shared, shared_gated)),
                 b.idx, b.wts, b.sgate, b.h, b.n_union, b.union_e, b.union_mask, b.union_slot,
                 np.int32(held.start), np.int32(held.stop), *router_args(np, router, experts, correction, k._dummy))
-        self._launch("moe_route_kernel", (1,), (MOE_MAX_ROWS * 32,), args, stream)
+        self._launch(route_name(experts), (1,), (MOE_MAX_ROWS * 32,), args, stream, route_smem(m, ld))
 
     def topk_rows(self, logits: Any, experts: int, top_k: int, norm_topk: bool, has_shared: bool, idx: Any,
                   wts: Any, sgate: Any, *, router: Any = None, correction: Any = None, shared_gated: bool = True,
@@ -241,7 +264,8 @@ class MoeKernels:
         np, k = self._np, self.k
         k._f32(logits, "logits", 2)
         t, ld = logits.shape
-        if ld != experts + (1 if has_shared and shared_gated else 0) or not 1 <= top_k <= min(experts, MOE_MAX_K):
+        if (ld != experts + (1 if has_shared and shared_gated else 0) or experts > MOE_MAX_EXPERTS
+                or not 1 <= top_k <= min(experts, MOE_MAX_K)):
             raise ValueError(f"moe topk: logits width {ld} for {experts} experts, top-{top_k}")
         k._i32(idx, "idx", 2)
         k._shape(idx, "idx", (t, top_k))
@@ -253,7 +277,7 @@ class MoeKernels:
         args = (logits, np.int32(ld), np.int32(t), np.int32(experts), np.int32(top_k),
                 np.int32(1 if norm_topk else 0), np.int32(shared_mode(has_shared, shared_gated)), idx, wts, sgate,
                 *router_args(np, router, experts, correction, k._dummy))
-        self._launch("moe_topk_rows_kernel", (-(-t // MOE_TOPK_WARPS),), (32 * MOE_TOPK_WARPS,), args, stream)
+        self._launch(topk_rows_name(experts), (-(-t // MOE_TOPK_WARPS),), (32 * MOE_TOPK_WARPS,), args, stream)
 
     def gate_up(self, m: int, w_gate_up: Any, b: RouteBuffers, act: Any, *, first: int = 0, bias: Any = None,
                 activation: str = "silu", limit: float | None = None, alpha: float = 1.702,
@@ -397,8 +421,6 @@ class MoeKernels:
             raise ValueError(f"moe experts: hidden {hidden} and expert size {inter} must be multiples of 8")
         if b.h.shape[1] != hidden:
             raise ValueError(f"moe experts: routing buffers for hidden {b.h.shape[1]}, weights for {hidden}")
-        if w.shape[0] > MOE_MAX_EXPERTS:
-            raise ValueError(f"moe experts: {w.shape[0]} experts (at most {MOE_MAX_EXPERTS})")
         for a, name in ((w, "weights"), (act, "act"), (b.h, "h")):
             k._aligned(a, name)
 
