@@ -51,25 +51,31 @@ def test_fp8_gemv_launches(kern, m):  # noqa: F811
     f.gemv(x, w, scale, 32, 128, half, swiglu=True, norm_weight=FakeArray((K,), np.uint16), activation="gelu_tanh")
     f.dequant_bf16(w, scale, 32, 128, FakeArray((N, K), np.uint16))
     f.act_quant(x, 128, True, None, x)
-    assert [c[0] for c in kern.calls] == [qgemv.gemv_name("QE4m3", m, False)] * 2 + [
-        qgemv.gemv_name("QE4m3", m, True), qgemv.dequant_name("QE4m3"), "fp8_act_quant_kernel"]
+    pair = fp8_kernels.PAIR
+    assert [c[0] for c in kern.calls] == [qgemv.gemv_name(pair, m, False)] * 2 + [
+        qgemv.gemv_name(pair, m, True), qgemv.dequant_name(pair), "fp8_act_quant_kernel"]
     _check_args(kern.calls)
-    norm_flag = [c[1][13] for c in kern.calls[:3]]  # has_norm
+    norm_flag = [c[1][14] for c in kern.calls[:3]]  # has_norm
     assert norm_flag == [np.int32(0), np.int32(1), np.int32(1)]
     grid = (-(-N // (qgemv.QGEMV_WARPS * qgemv.rows_per_warp(m, False))),)
-    assert f._fn[qgemv.gemv_name("QE4m3", m, False)].last[0] == grid
+    assert f._fn[qgemv.gemv_name(pair, m, False)].last[0] == grid
 
 
-@pytest.mark.parametrize("code,policy", [("e2m1", "QE2m1"), ("int4", "QInt4")])
-def test_w4_gemv_launches(kern, code, policy):  # noqa: F811
+@pytest.mark.parametrize("code,scales", list(w4_kernels.PAIRS))
+def test_w4_gemv_launches(kern, code, scales):  # noqa: F811
     K, N, m = 200, 64, 3  # noqa: N806  (K: a padded last chunk)
     f = _wrapper(w4_kernels.W4Kernels, w4_kernels, kern)
-    w, scale = FakeArray((N, w4_kernels.padded_words(K)), np.uint32), FakeArray((N, K // 8), np.float32)
+    w = FakeArray((N, w4_kernels.padded_words(K)), np.uint32)
+    scale = FakeArray((N, K // 8), np.float32 if scales == "f32" else np.uint8)
+    factor = None if scales == "f32" else FakeArray((N,), np.float32)
     x, out = FakeArray((m, K), np.float32), FakeArray((m, N // 2), np.float32)
-    f.gemv(x, w, scale, 8, code, out, swiglu=True)
-    f.dequant_bf16(w, scale, 8, code, FakeArray((N, K), np.uint16))
-    assert [c[0] for c in kern.calls] == [qgemv.gemv_name(policy, m, True), qgemv.dequant_name(policy)]
+    f.gemv(x, w, scale, 8, code, scales, factor, out, swiglu=True)
+    f.dequant_bf16(w, scale, 8, code, scales, factor, FakeArray((N, K), np.uint16))
+    pair = w4_kernels.PAIRS[(code, scales)]
+    assert [c[0] for c in kern.calls] == [qgemv.gemv_name(pair, m, True), qgemv.dequant_name(pair)]
     _check_args(kern.calls)
+    want = factor if factor is not None else kern._dummy  # the rows' factors (a placeholder for fp32 scales)
+    assert kern.calls[0][1][3] is want and kern.calls[1][1][2] is want
 
 
 def test_the_wrappers_refuse_what_the_kernels_cannot_take(kern):  # noqa: F811
@@ -87,9 +93,15 @@ def test_the_wrappers_refuse_what_the_kernels_cannot_take(kern):  # noqa: F811
                FakeArray((2, 64), np.float32))
     g = _wrapper(w4_kernels.W4Kernels, w4_kernels, kern)
     with pytest.raises(ValueError, match="16-byte chunks"):  # a row one word short
-        g.gemv(x, FakeArray((64, 3), np.uint32), FakeArray((64, 16), np.float32), 8, "int4",
+        g.gemv(x, FakeArray((64, 3), np.uint32), FakeArray((64, 16), np.float32), 8, "int4", "f32", None,
                FakeArray((2, 64), np.float32))
-    with pytest.raises(ValueError, match="code"):
-        g.gemv(x, FakeArray((64, 16), np.uint32), FakeArray((64, 16), np.float32), 8, "e3m0",
+    with pytest.raises(ValueError, match="the kernels take"):
+        g.gemv(x, FakeArray((64, 16), np.uint32), FakeArray((64, 16), np.float32), 8, "e3m0", "f32", None,
                FakeArray((2, 64), np.float32))
+    with pytest.raises(ValueError, match="factors"):  # e4m3 scales without their rows' factors
+        g.gemv(x, FakeArray((64, 16), np.uint32), FakeArray((64, 16), np.uint8), 8, "e2m1", "e4m3_mul", None,
+               FakeArray((2, 64), np.float32))
+    with pytest.raises(ValueError, match="uint8"):  # fp32 scales declared e4m3
+        g.gemv(x, FakeArray((64, 16), np.uint32), FakeArray((64, 16), np.float32), 8, "e2m1", "e4m3_div",
+               FakeArray((64,), np.float32), FakeArray((2, 64), np.float32))
     assert kern.calls == []

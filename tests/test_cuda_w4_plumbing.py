@@ -39,9 +39,9 @@ class NumpyW4Kernels:
     calls: list[tuple] = []
 
     @staticmethod
-    def values(w, scale, group: int, code: str, k: int) -> np.ndarray:
+    def values(w, scale, group: int, code: str, scales: str, factor, k: int) -> np.ndarray:
         """fp32 [N, K]: code k of a row in bits 4 (k % 8) of word k / 8 (the padding words past K / 8 unread),
-        e2m1 or q - 8, times scale[n, k / group]."""
+        e2m1 or q - 8, times scale[n, k / group] (fp32, or fp32(e4m3) times / over factor[n])."""
         from metrale_cli.models.quantized.mxfp4 import E2M1
 
         words = np.asarray(w)
@@ -50,19 +50,25 @@ class NumpyW4Kernels:
         nib = nib.reshape(words.shape[0], k)
         v = E2M1[nib] if code == "e2m1" else (nib.astype(np.int32) - 8).astype(np.float32)
         assert np.asarray(scale).shape == (words.shape[0], -(-k // group))
-        return v * np.repeat(np.asarray(scale, np.float32), group, axis=1)[:, :k]
+        if scales == "f32":
+            s = np.asarray(scale, np.float32)
+        else:
+            e = np.asarray(scale).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+            f = np.asarray(factor, np.float32)[:, None]
+            s = e * f if scales == "e4m3_mul" else e / f
+        return v * np.repeat(s, group, axis=1)[:, :k]
 
-    def gemv(self, x, w, scale, group, code, out, bias=None, *, accumulate=False, swiglu=False, norm_weight=None,
-             eps=1e-6, norm_offset=0.0, activation="silu", stream=None):
+    def gemv(self, x, w, scale, group, code, scales, factor, out, bias=None, *, accumulate=False, swiglu=False,
+             norm_weight=None, eps=1e-6, norm_offset=0.0, activation="silu", stream=None):
         assert 1 <= x.shape[0] <= 16
         self.calls.append(("gemv", code, group))
-        quantized_gemv(x, self.values(w, scale, group, code, x.shape[1]), out, bias, accumulate, swiglu, norm_weight,
-                       eps, norm_offset, activation)
+        quantized_gemv(x, self.values(w, scale, group, code, scales, factor, x.shape[1]), out, bias, accumulate,
+                       swiglu, norm_weight, eps, norm_offset, activation)
 
-    def dequant_bf16(self, w, scale, group, code, out, *, stream=None):
+    def dequant_bf16(self, w, scale, group, code, scales, factor, out, *, stream=None):
         self.calls.append(("dequant", code, group))
-        out[...] = np.asarray(self.values(w, scale, group, code, out.shape[1]).astype(ml_dtypes.bfloat16)).view(
-            np.uint16)
+        values = self.values(w, scale, group, code, scales, factor, out.shape[1])
+        out[...] = np.asarray(values.astype(ml_dtypes.bfloat16)).view(np.uint16)
 
 
 def test_the_stand_ins_take_the_real_signatures():
@@ -151,9 +157,10 @@ def test_uploaded_w4_weights_are_the_formats_exact_values(tmp_path, kind):
                     continue
                 assert isinstance(got, cuda_w4.W4Weight), (i, p.key)
                 want = np.concatenate(formats.dequantize(p, lambda n: ckpt.array(n, bf16_bits=True)))
-                values = NumpyW4Kernels.values(got.data, got.scale, got.group, got.code, got.shape[1])
+                values = NumpyW4Kernels.values(got.data, got.scale, got.group, got.code, got.scales, got.factor,
+                                               got.shape[1])
                 assert np.array_equal(values.view(np.uint32), want.astype(np.float32).view(np.uint32)), (i, p.key)
-                held += int(got.data.nbytes + got.scale.nbytes)
+                held += int(got.data.nbytes + got.scale.nbytes + (0 if got.factor is None else got.factor.nbytes))
                 checked += 1
     assert checked >= 6
     in_layers = {id(p) for layer in cfg.definition.layers for p in layer.params}
@@ -244,11 +251,12 @@ def test_w4_cu_compiles_for_sm90(tmp_path):
     assert ptx.count(".entry") == len(w4_kernels.instance_names())
 
 
-@pytest.mark.parametrize("preset,low,high", [("llama-3.1-8b-nvfp4", 0.44, 0.47), ("llama-3.1-8b-w4a16", 0.35, 0.37)])
+@pytest.mark.parametrize("preset,low,high", [("llama-3.1-8b-nvfp4", 0.35, 0.38), ("llama-3.1-8b-w4a16", 0.35, 0.37)])
 def test_the_4_bit_presets_are_counted_in_the_bytes_the_device_holds(preset, low, high):
-    """The size check and the bench's GPU floor count the 4-bit projections as held: half a byte a value and a fp32
-    scale per group (NVFP4: 16 values; the W4A16 preset: 128), the embedding and lm_head in bf16; an 8B model then
-    holds under half its bf16 bytes. The floor is the same bytes but the embedding table (one row read a step)."""
+    """The size check and the bench's GPU floor count the 4-bit projections as held: half a byte a value and a scale
+    per group (NVFP4: an e4m3 byte per 16 values and a 4-byte factor a row; the W4A16 preset: fp32 per 128), the
+    embedding and lm_head in bf16; an 8B model then holds under half its bf16 bytes. The floor is the same bytes but
+    the embedding table (one row read a step)."""
     from types import SimpleNamespace
 
     from metrale_cli.backends.cuda import loading
@@ -260,9 +268,10 @@ def test_the_4_bit_presets_are_counted_in_the_bytes_the_device_holds(preset, low
     d = cfg.definition
     stored = [p for p in d.params() if loading.kept_as_stored(p)]
     assert {p.key for p in stored} == {"qkv", "o", "gate_up", "down"}
-    group = 16 if preset.endswith("nvfp4") else 128
     values = sum(int(np.prod(t.shape)) for p in stored for t in p.parts)
-    assert sum(loading.stored_param_bytes(p) for p in stored) == values // 2 + 4 * values // group
+    rows = sum(t.shape[0] for p in stored for t in p.parts)
+    scales = values // 16 + 4 * rows if preset.endswith("nvfp4") else 4 * values // 128
+    assert sum(loading.stored_param_bytes(p) for p in stored) == values // 2 + scales
     held = loading.device_weight_bytes(d)
     assert low < held / (2 * d.parameter_count()) < high
     floor, _ = weight_bytes(SimpleNamespace(), cfg, 2)

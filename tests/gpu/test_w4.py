@@ -44,84 +44,104 @@ def values(codes: np.ndarray, code: str) -> np.ndarray:
     return E2M1[codes] if code == "e2m1" else codes.astype(np.float32) - 8
 
 
-def scaled(codes: np.ndarray, scale: np.ndarray, group: int, code: str) -> np.ndarray:
-    """fp32 [N, K]: the definition, value * scale of its group, one fp32 product."""
-    return values(codes, code) * np.repeat(scale, group, axis=1)[:, :codes.shape[1]]
+class Drawn:
+    """A random 4-bit weight as the kernels take it: codes uint8 [N, K] (0..15); scales as `scales` says (NVFP4's
+    e4m3 bytes with a factor a row, times or over it; int4's fp32), and `f32`, each group's scale as the NumPy
+    engine forms it (one fp32 product or quotient)."""
+
+    def __init__(self, rng, n: int, k: int, group: int, code: str, scales: str) -> None:
+        self.codes = rng.integers(0, 16, (n, k)).astype(np.uint8)
+        self.group, self.code, self.scales = group, code, scales
+        if scales == "f32":
+            self.scale = np.exp(rng.uniform(-8, -3, (n, -(-k // group)))).astype(np.float32)
+            self.factor, self.f32 = None, self.scale
+        else:
+            e = rng.uniform(0.01, 448, (n, -(-k // group))).astype(ml_dtypes.float8_e4m3fn)
+            self.scale = e.view(np.uint8)
+            self.factor = np.exp(rng.uniform(-9, -5, n)).astype(np.float32)  # a row's second-level scale
+            ef, f = e.astype(np.float32), self.factor[:, None]
+            self.f32 = ef * f if scales == "e4m3_mul" else ef / f
+
+    def scaled(self) -> np.ndarray:
+        """fp32 [N, K]: the definition, value * scale of its group, one fp32 product."""
+        k = self.codes.shape[1]
+        return values(self.codes, self.code) * np.repeat(self.f32, self.group, axis=1)[:, :k]
+
+    def float64(self) -> np.ndarray:
+        k = self.codes.shape[1]
+        return values(self.codes, self.code).astype(np.float64) * np.repeat(self.f32.astype(np.float64), self.group,
+                                                                            axis=1)[:, :k]
+
+    def device(self, cp) -> tuple:
+        """(words, scale, group, code, scales, factor): the kernels' leading arguments."""
+        return (device_words(cp, self.codes), cp.asarray(self.scale), self.group, self.code, self.scales,
+                None if self.factor is None else cp.asarray(self.factor))
 
 
-def draw(rng, n: int, k: int, group: int):
-    codes = rng.integers(0, 16, (n, k)).astype(np.uint8)
-    scale = np.exp(rng.uniform(-8, -3, (n, -(-k // group)))).astype(np.float32)
-    return codes, scale
-
-
-SIZES = [("e2m1", 300, 4096, 16), ("e2m1", 257, 208, 16), ("e2m1", 64, 96, 16),
-         ("int4", 300, 4096, 128), ("int4", 257, 208, 64), ("int4", 64, 200, 200), ("int4", 33, 72, 8)]
+SIZES = [("e2m1", "e4m3_mul", 300, 4096, 16), ("e2m1", "e4m3_div", 257, 208, 16), ("e2m1", "e4m3_mul", 64, 96, 16),
+         ("int4", "f32", 300, 4096, 128), ("int4", "f32", 257, 208, 64), ("int4", "f32", 64, 200, 200),
+         ("int4", "f32", 33, 72, 8)]
 
 
 @pytest.mark.parametrize("m", [1, 3, 16])
-@pytest.mark.parametrize("code,n,k,group", SIZES)
-def test_gemv_matches_the_definition(cp, w4k, rng, m, code, n, k, group):
-    codes, scale = draw(rng, n, k, group)
+@pytest.mark.parametrize("code,scales,n,k,group", SIZES)
+def test_gemv_matches_the_definition(cp, w4k, rng, m, code, scales, n, k, group):
+    d = Drawn(rng, n, k, group, code, scales)
     x = rng.standard_normal((m, k)).astype(np.float32)
     bias = rng.standard_normal(n).astype(ml_dtypes.bfloat16)
-    w = values(codes, code).astype(np.float64) * np.repeat(scale.astype(np.float64), group, axis=1)[:, :k]
+    w = d.float64()
     want = x.astype(np.float64) @ w.T + bias.astype(np.float64)
     out = cp.asarray(rng.standard_normal((m, n)).astype(np.float32))
     start = out.get()
-    dw, ds, dx = device_words(cp, codes), cp.asarray(scale), cp.asarray(x)
-    db = cp.asarray(bias.view(np.uint16))
-    w4k.gemv(dx, dw, ds, group, code, out, db)
+    dx, db = cp.asarray(x), cp.asarray(bias.view(np.uint16))
+    w4k.gemv(dx, *d.device(cp), out, db)
     assert rel(out.get(), want) < 1e-5
-    w4k.gemv(dx, dw, ds, group, code, out, None, accumulate=True)  # += x @ w.T
+    w4k.gemv(dx, *d.device(cp), out, None, accumulate=True)  # += x @ w.T
     assert rel(out.get(), want + x.astype(np.float64) @ w.T) < 1e-5
     assert not np.array_equal(out.get(), start)
 
 
-@pytest.mark.parametrize("code", ["e2m1", "int4"])
+@pytest.mark.parametrize("code,scales", [("e2m1", "e4m3_mul"), ("e2m1", "e4m3_div"), ("int4", "f32")])
 @pytest.mark.parametrize("m", [1, 5, 16])
 @pytest.mark.parametrize("swiglu,norm,activation", [(False, True, "silu"), (True, False, "silu"), (True, True, "silu"),
                                                     (True, True, "gelu_tanh")])
-def test_gemv_fuses_the_norm_and_the_gate_activation(cp, w4k, rng, m, swiglu, norm, activation, code):
+def test_gemv_fuses_the_norm_and_the_gate_activation(cp, w4k, rng, m, swiglu, norm, activation, code, scales):
     """qgemv.cu's RMSNorm prologue (x un-normalised, Gemma's +1 offset) and SwiGLU / GeGLU epilogue against float64,
     over a padded row (K = 1000) in groups of 16 (NVFP4's) or 40."""
     n, k = 2 * 257, 1000
-    group = 16 if code == "e2m1" else 40
-    codes, scale = draw(rng, n, k, group)
-    w = values(codes, code).astype(np.float64) * np.repeat(scale.astype(np.float64), group, axis=1)[:, :k]
+    d = Drawn(rng, n, k, 16 if code == "e2m1" else 40, code, scales)
     x = (rng.standard_normal((m, k)) * 3).astype(np.float32)
-    kw, want = fused_gemv_case(rng, x, w, swiglu, norm, activation)
+    kw, want = fused_gemv_case(rng, x, d.float64(), swiglu, norm, activation)
     if norm:
         kw["norm_weight"] = cp.asarray(kw["norm_weight"])
     out = cp.full((m, n // 2 if swiglu else n), np.nan, cp.float32)
-    w4k.gemv(cp.asarray(x), device_words(cp, codes), cp.asarray(scale), group, code, out, **kw)
+    w4k.gemv(cp.asarray(x), *d.device(cp), out, **kw)
     assert rel(out.get(), want) < 1e-5
 
 
-@pytest.mark.parametrize("code,group", [("e2m1", 16), ("int4", 128)])
-def test_gemv_replays_in_a_cuda_graph(cp, w4k, rng, code, group):
+@pytest.mark.parametrize("code,scales,group", [("e2m1", "e4m3_div", 16), ("int4", "f32", 128)])
+def test_gemv_replays_in_a_cuda_graph(cp, w4k, rng, code, scales, group):
     n, k = 512, 1024
-    codes, scale = draw(rng, n, k, group)
-    dw, ds = device_words(cp, codes), cp.asarray(scale)
+    args = Drawn(rng, n, k, group, code, scales).device(cp)
     x = cp.asarray(rng.standard_normal((2, k)).astype(np.float32))
     eager, replayed = cp.zeros((2, n), cp.float32), cp.zeros((2, n), cp.float32)
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
-        w4k.gemv(x, dw, ds, group, code, eager, stream=stream)
+        w4k.gemv(x, *args, eager, stream=stream)
         stream.begin_capture()
-        w4k.gemv(x, dw, ds, group, code, replayed, stream=stream)
+        w4k.gemv(x, *args, replayed, stream=stream)
         graph = stream.end_capture()
         graph.launch(stream)
         stream.synchronize()
     assert np.array_equal(eager.get(), replayed.get())
 
 
-@pytest.mark.parametrize("code,n,k,group", SIZES)
-def test_dequant_bf16_is_bit_exact(cp, w4k, rng, code, n, k, group):
-    codes, scale = draw(rng, n, k, group)
+@pytest.mark.parametrize("code,scales,n,k,group", SIZES)
+def test_dequant_bf16_is_bit_exact(cp, w4k, rng, code, scales, n, k, group):
+    d = Drawn(rng, n, k, group, code, scales)
     out = cp.empty((n, k), cp.uint16)
-    w4k.dequant_bf16(device_words(cp, codes), cp.asarray(scale), group, code, out)
-    want = scaled(codes, scale, group, code).astype(ml_dtypes.bfloat16).view(np.uint16)
+    w4k.dequant_bf16(*d.device(cp), out)
+    want = d.scaled().astype(ml_dtypes.bfloat16).view(np.uint16)
     assert np.array_equal(out.get(), want)  # -0 (e2m1 code 8) included
 
 

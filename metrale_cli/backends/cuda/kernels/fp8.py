@@ -9,7 +9,7 @@ from typing import Any
 from .nvrtc import joined_source
 from .qgemv import QuantKernels, name_expressions
 
-POLICY = "QE4m3"
+PAIR = ("QE4m3", "SF32")  # qgemv.cu's value and scale policies
 PLAIN = ("fp8_act_quant_kernel",)
 
 
@@ -19,14 +19,14 @@ def module_source() -> str:
 
 
 def instance_names() -> tuple[str, ...]:
-    return name_expressions((POLICY,))
+    return name_expressions((PAIR,))
 
 
 class Fp8Kernels(QuantKernels):
     """The FP8 kernels, launched through `kern` (a cuda.kernels.Kernels) for its checks and PDL."""
 
     def __init__(self, kern: Any) -> None:
-        super().__init__(kern, module_source(), (POLICY,), PLAIN, "FP8")
+        super().__init__(kern, module_source(), (PAIR,), PLAIN, "FP8")
 
     def gemv(self, x: Any, w: Any, scale: Any, srow: int, bk: int, out: Any, bias: Any = None, *,
              accumulate: bool = False, swiglu: bool = False, norm_weight: Any = None, eps: float = 1e-6,
@@ -36,13 +36,13 @@ class Fp8Kernels(QuantKernels):
         of 16. With norm_weight bf16 [K]: x is the un-normalised input, and the product is that of its RMSNorm (eps,
         norm_offset added to the weight); with swiglu, w holds [gate, up] (2N rows) and out = act(gate) * up."""
         self._check(w, bk)
-        self._gemv(POLICY, x, w, scale, srow, bk, out, bias, accumulate, swiglu, norm_weight, eps, norm_offset,
+        self._gemv(PAIR, x, w, scale, None, srow, bk, out, bias, accumulate, swiglu, norm_weight, eps, norm_offset,
                    activation, stream)
 
     def dequant_bf16(self, w: Any, scale: Any, srow: int, bk: int, out: Any, *, stream: Any = None) -> None:
         """out = bf16(e4m3(w) * scale of its block) [N, K], round to nearest even (the prefill path's weight)."""
         self._check(w, bk)
-        self._dequant(POLICY, w, scale, srow, bk, out, stream)
+        self._dequant(PAIR, w, scale, None, srow, bk, out, stream)
 
     def _check(self, w: Any, bk: int) -> None:
         self.k._arr(w, "w")

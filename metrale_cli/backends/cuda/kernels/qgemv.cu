@@ -4,10 +4,17 @@
 // them to floats, exactly.
 //
 // Weight: rows of 16-byte chunks [N, C], C = ceil(K / F::VALS), value k of a row in chunk k / VALS (a row's last
-// chunk may end in padding, never read as a value).  Scales: float32, the scale of weight (n, k) at
-// scale[(n / srow) * ld + k / group], ld = ceil(K / group), group a multiple of 8 (eight values never straddle two
-// scale groups); srow is a block format's block height (FP8 block), else 1.  A weight's value is one fp32 product,
-// code value * scale, the NumPy engine's dequantized value bit for bit.
+// chunk may end in padding, never read as a value).  Scales (policy S, below): the scale of weight (n, k) is entry
+// (n / srow) * ld + k / group of the scale array, ld = ceil(K / group), group a multiple of 8 (eight values never
+// straddle two scale groups); srow is a block format's block height (FP8 block), else 1.  A weight's value is one
+// fp32 product, code value * scale, the scale formed as the NumPy engine forms it, so the value is the NumPy
+// engine's dequantized value bit for bit.
+//
+// Scales (S):
+//   SF32      fp32 scales;
+//   SE4m3Mul  e4m3 bytes, the scale fp32(e4m3) * factor[n] (ModelOpt NVFP4: weight_scale * weight_scale_2);
+//   SE4m3Div  e4m3 bytes, the scale fp32(e4m3) / factor[n] (compressed-tensors NVFP4: / weight_global_scale);
+// factor: fp32 [N], a row's second-level scale (a fused weight's parts each have their own).
 //
 // Formats (F):
 //   QE4m3  FP8 e4m3, 16 values a chunk (e4m3.cu's exact conversion);
@@ -15,7 +22,7 @@
 //          (codes 0..7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6; bit 3 the sign, code 8 is -0);
 //   QInt4  symmetric int4 (pack-quantized: q + 8 stored), the same packing, value code - 8.
 //
-// qgemv_kernel<F, M, R, SWIGLU>:  out[M, N] (=|+=) x[M, K] @ (w * scale)[N, K]^T (+ bias), fp32 accumulation,
+// qgemv_kernel<F, S, M, R, SWIGLU>:  out[M, N] (=|+=) x[M, K] @ (w * scale)[N, K]^T (+ bias), fp32 accumulation,
 // with gemv.cu's options: has_norm (x is the un-normalised residual and the product is that of rmsnorm(x) with the
 // bf16 norm weight, norm_offset added, the factor rsqrt(mean(x^2) + eps) applied to the reduced sums) and SWIGLU
 // (w holds 2N rows, gate then up; out = act(gate) * up).  Requirements (checked by QuantKernels._gemv): K % 8 == 0,
@@ -63,6 +70,27 @@ struct QInt4 {
     }
 };
 
+struct SF32 {
+    static constexpr int BYTES = 4;
+    static __device__ __forceinline__ float at(const unsigned char* row, int g, float) {
+        return __ldg(reinterpret_cast<const float*>(row) + g);
+    }
+};
+
+struct SE4m3Mul {
+    static constexpr int BYTES = 1;
+    static __device__ __forceinline__ float at(const unsigned char* row, int g, float f) {
+        return e4m3x2_to_f32((unsigned short)__ldg(row + g)).x * f;
+    }
+};
+
+struct SE4m3Div {
+    static constexpr int BYTES = 1;
+    static __device__ __forceinline__ float at(const unsigned char* row, int g, float f) {
+        return __fdiv_rn(e4m3x2_to_f32((unsigned short)__ldg(row + g)).x, f);
+    }
+};
+
 #define QGEMV_WARPS 4
 #define QGEMV_U 2
 
@@ -70,10 +98,10 @@ struct QInt4 {
 // chunks l, l + 32, ... of all of them (QGEMV_U chunks of each in flight), eight values at a time: each eight
 // weights are widened and scaled once and used for every row of x, and each eight values of x are loaded once for
 // all the weight rows.
-template <class F, int M, int R, bool SWIGLU>
+template <class F, class S, int M, int R, bool SWIGLU>
 __global__ void __launch_bounds__(QGEMV_WARPS * 32)
-qgemv_kernel(const float* __restrict__ x, const uint4* __restrict__ w, const float* __restrict__ scale, int srow,
-             int group, int ld, const unsigned short* __restrict__ bias, float* __restrict__ out, int N, int K, int accumulate,
+qgemv_kernel(const float* __restrict__ x, const uint4* __restrict__ w, const unsigned char* __restrict__ scale,
+             const float* __restrict__ factor, int srow, int group, int ld, const unsigned short* __restrict__ bias, float* __restrict__ out, int N, int K, int accumulate,
              int has_bias, const unsigned short* __restrict__ norm_w, int has_norm, float eps, float norm_offset,
              int act) {
     constexpr int RW = SWIGLU ? 2 * R : R;
@@ -84,13 +112,15 @@ qgemv_kernel(const float* __restrict__ x, const uint4* __restrict__ w, const flo
     const int C = (K + F::VALS - 1) / F::VALS;
     const bool norm = has_norm != 0;
     const uint4* rows[RW];
-    const float* scales[RW];
+    const unsigned char* scales[RW];
+    float fac[RW];
 #pragma unroll
     for (int r = 0; r < RW; ++r) {
         const int n = min(n0 + (r % R), N - 1);  // rows past N - 1 are read, never stored
         const int wr = (SWIGLU && r >= R) ? N + n : n;
         rows[r] = w + (u64)wr * C;
-        scales[r] = scale + (u64)(wr / srow) * ld;
+        scales[r] = scale + (u64)(wr / srow) * ld * S::BYTES;
+        fac[r] = S::BYTES == 1 ? __ldg(factor + wr) : 1.0f;
     }
     // PDL (common.cu): pull this warp's first weight chunks into L2 while the kernel that wrote x finishes; x and
     // out are touched only after pdl_wait.
@@ -127,7 +157,7 @@ qgemv_kernel(const float* __restrict__ x, const uint4* __restrict__ w, const flo
 #pragma unroll
                 for (int r = 0; r < RW; ++r) {
                     F::widen8(wv[u][r], j, wf[r]);
-                    const float s = __ldg(scales[r] + k / group);
+                    const float s = S::at(scales[r], k / group, fac[r]);
 #pragma unroll
                     for (int i = 0; i < 8; ++i) wf[r][i] *= s;
                 }
@@ -168,8 +198,9 @@ qgemv_kernel(const float* __restrict__ x, const uint4* __restrict__ w, const flo
 
 // out[n, k] = bf16(value(w[n, k]) * its scale), round to nearest even: the prefill path's weight for cuBLAS, out
 // bf16 [N, K] (one thread per eight values: one scale, one 16-byte store; padding is not visited).
-template <class F>
-__global__ void qdequant_bf16_kernel(const uint4* __restrict__ w, const float* __restrict__ scale, int srow, int group, int ld,
+template <class F, class S>
+__global__ void qdequant_bf16_kernel(const uint4* __restrict__ w, const unsigned char* __restrict__ scale,
+                                     const float* __restrict__ factor, int srow, int group, int ld,
                                      uint4* __restrict__ out, int N, int K) {
     pdl_wait();  // its output may be read by a kernel launched before this one finished (common.cu)
     pdl_trigger();
@@ -179,7 +210,7 @@ __global__ void qdequant_bf16_kernel(const uint4* __restrict__ w, const float* _
     const int n = (int)(i / K8), k = 8 * (int)(i % K8);
     float v[8];
     F::widen8(w[(u64)n * C + k / F::VALS], (k % F::VALS) / 8, v);
-    const float s = scale[(u64)(n / srow) * ld + k / group];
+    const float s = S::at(scale + (u64)(n / srow) * ld * S::BYTES, k / group, S::BYTES == 1 ? factor[n] : 1.0f);
     out[i] = make_uint4(pack_bf16x2(v[0] * s, v[1] * s), pack_bf16x2(v[2] * s, v[3] * s),
                         pack_bf16x2(v[4] * s, v[5] * s), pack_bf16x2(v[6] * s, v[7] * s));
 }

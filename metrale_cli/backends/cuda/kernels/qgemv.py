@@ -1,7 +1,8 @@
 """Launch wrappers of qgemv.cu, the GEMV and bf16 dequantization of weights kept in a quantized format: one kernel
-body, instanced per format policy (QE4m3, QE2m1, QInt4). Each weight-format family's wrapper (fp8.py, w4.py)
-builds a CuPy RawModule of its own policies' instances (only when a model with such weights is loaded) and gives
-its weights' layout (scale rows, group) to `QuantKernels`. Launches go through the engine's `Kernels` (its operand
+body, instanced per (value policy, scale policy): (QE4m3, SF32) FP8, (QE2m1, SE4m3Mul | SE4m3Div) NVFP4, (QInt4,
+SF32) int4. Each weight-format family's wrapper (fp8.py, w4.py) builds a CuPy RawModule of its own pairs' instances
+(only when a model with such weights is loaded) and gives its weights' layout (scale rows, group) to
+`QuantKernels`. Launches go through the engine's `Kernels` (its operand
 checks and PDL setting); no method reads a device value on the host, so the GEMV is capturable in a CUDA graph."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 QGEMV_WARPS = 4  # must match qgemv.cu
 MAX_ROWS = 16
 VALS = {"QE4m3": 16, "QE2m1": 32, "QInt4": 32}  # values a 16-byte chunk of a weight row holds
+SCALE_BYTES = {"SF32": 4, "SE4m3Mul": 1, "SE4m3Div": 1}  # bytes a scale takes (the e4m3 ones with a row factor)
 
 
 def rows_per_warp(m: int, swiglu: bool) -> int:
@@ -19,17 +21,17 @@ def rows_per_warp(m: int, swiglu: bool) -> int:
     return (4 if m <= 4 else 2) // (2 if swiglu else 1)
 
 
-def gemv_name(policy: str, m: int, swiglu: bool) -> str:
-    return f"qgemv_kernel<{policy}, {m}, {rows_per_warp(m, swiglu)}, {'true' if swiglu else 'false'}>"
+def gemv_name(pair: tuple[str, str], m: int, swiglu: bool) -> str:
+    return f"qgemv_kernel<{pair[0]}, {pair[1]}, {m}, {rows_per_warp(m, swiglu)}, {'true' if swiglu else 'false'}>"
 
 
-def dequant_name(policy: str) -> str:
-    return f"qdequant_bf16_kernel<{policy}>"
+def dequant_name(pair: tuple[str, str]) -> str:
+    return f"qdequant_bf16_kernel<{pair[0]}, {pair[1]}>"
 
 
-def name_expressions(policies: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(gemv_name(p, m, s) for p in policies for m in range(1, MAX_ROWS + 1) for s in (False, True)) + \
-        tuple(dequant_name(p) for p in policies)
+def name_expressions(pairs: tuple[tuple[str, str], ...]) -> tuple[str, ...]:
+    return tuple(gemv_name(p, m, s) for p in pairs for m in range(1, MAX_ROWS + 1) for s in (False, True)) + \
+        tuple(dequant_name(p) for p in pairs)
 
 
 def chunks(policy: str, k: int) -> int:
@@ -38,13 +40,15 @@ def chunks(policy: str, k: int) -> int:
 
 
 class QuantKernels:
-    """A module of qgemv.cu's instances for `policies` (and the extra kernels of `source`), launched through `kern`
-    (a cuda.kernels.Kernels) for its checks and PDL. `what` names the weights in a compile error."""
+    """A module of qgemv.cu's instances for `pairs` (value policy, scale policy) and the extra kernels `plain` of
+    `source`, launched through `kern` (a cuda.kernels.Kernels) for its checks and PDL. `what` names the weights in a
+    compile error."""
 
-    def __init__(self, kern: Any, source: str, policies: tuple[str, ...], plain: tuple[str, ...], what: str) -> None:
+    def __init__(self, kern: Any, source: str, pairs: tuple[tuple[str, str], ...], plain: tuple[str, ...],
+                 what: str) -> None:
         cp = kern._cp
         self.k, self._cp, self._np = kern, cp, kern._np
-        names = name_expressions(policies)
+        names = name_expressions(pairs)
         try:
             module = cp.RawModule(code=source, options=("-std=c++17",), name_expressions=names)
             self._fn = {n: module.get_function(n) for n in names + plain}
@@ -65,10 +69,12 @@ class QuantKernels:
         else:
             self._fn[name](grid, block, args, stream=stream)
 
-    def _quant_weight(self, policy: str, w: Any, scale: Any, srow: int, group: int, k_in: int) -> int:
-        """N of weight w (rows of chunks of `policy` holding k_in values) after checking it and its scales f32
-        [ceil(N / srow), ceil(k_in / group)]."""
-        k = self.k
+    def _quant_weight(self, pair: tuple[str, str], w: Any, scale: Any, factor: Any, srow: int, group: int,
+                      k_in: int) -> int:
+        """N of weight w (rows of chunks of pair[0] holding k_in values) after checking it, its scales [ceil(N /
+        srow), ceil(k_in / group)] (f32, or e4m3 bytes uint8 with the f32 row factors `factor` [N])."""
+        k, np = self.k, self._np
+        policy = pair[0]
         if k_in % 8 or k_in <= 0 or group % 8 or group <= 0 or srow <= 0:
             raise ValueError(f"quantized weight: K ({k_in}) and the scale group ({group}) must be positive multiples "
                              f"of 8, the scale block height ({srow}) positive")
@@ -77,17 +83,26 @@ class QuantKernels:
             raise ValueError(f"w: {w.dtype} {w.shape} is not rows of {chunks(policy, k_in)} 16-byte chunks "
                              f"({k_in} values)")
         n = w.shape[0]
-        k._f32(scale, "scale", 2)
+        k._arr(scale, "scale")
+        if SCALE_BYTES[pair[1]] == 4:
+            k._f32(scale, "scale", 2)
+        else:
+            if scale.dtype != np.uint8 or scale.ndim != 2:
+                raise ValueError(f"scale: expected uint8 [rows, groups] (e4m3 bytes), got {scale.dtype} {scale.shape}")
+            if factor is None:
+                raise ValueError("scale: e4m3 scales need their rows' factors")
+            k._f32(factor, "factor", 1)
+            k._shape(factor, "factor", (n,))
         k._shape(scale, "scale", (-(-n // srow), -(-k_in // group)))
         return n
 
-    def _gemv(self, policy: str, x: Any, w: Any, scale: Any, srow: int, group: int, out: Any, bias: Any,
-              accumulate: bool, swiglu: bool, norm_weight: Any, eps: float, norm_offset: float, activation: str,
-              stream: Any) -> None:
+    def _gemv(self, pair: tuple[str, str], x: Any, w: Any, scale: Any, factor: Any, srow: int, group: int, out: Any,
+              bias: Any, accumulate: bool, swiglu: bool, norm_weight: Any, eps: float, norm_offset: float,
+              activation: str, stream: Any) -> None:
         k, np = self.k, self._np
         k._f32(x, "x", 2)
         m, kk = x.shape
-        n = self._quant_weight(policy, w, scale, srow, group, kk)
+        n = self._quant_weight(pair, w, scale, factor, srow, group, kk)
         k._f32(out, "out", 2)
         if not 1 <= m <= MAX_ROWS:
             raise ValueError(f"x: {m} rows (the quantized GEMV takes 1 to {MAX_ROWS})")
@@ -103,21 +118,23 @@ class QuantKernels:
             k._bf16(norm_weight, "norm_weight", 1)
             k._shape(norm_weight, "norm_weight", (kk,))
         grid = (-(-n_out // (QGEMV_WARPS * rows_per_warp(m, swiglu))),)
-        args = (x, w, scale, np.int32(srow), np.int32(group), np.int32(-(-kk // group)),
-                bias if bias is not None else out, out, np.int32(n_out), np.int32(kk), np.int32(bool(accumulate)),
+        args = (x, w, scale, k._dummy if factor is None else factor, np.int32(srow), np.int32(group),
+                np.int32(-(-kk // group)), bias if bias is not None else out, out, np.int32(n_out), np.int32(kk), np.int32(bool(accumulate)),
                 np.int32(bias is not None), norm_weight if norm_weight is not None else k._dummy,
                 np.int32(norm_weight is not None),
                 np.float32(eps), np.float32(norm_offset), k._act(activation))
-        self._launch(gemv_name(policy, m, swiglu), grid, (QGEMV_WARPS * 32,), args, stream)
+        self._launch(gemv_name(pair, m, swiglu), grid, (QGEMV_WARPS * 32,), args, stream)
 
-    def _dequant(self, policy: str, w: Any, scale: Any, srow: int, group: int, out: Any, stream: Any) -> None:
+    def _dequant(self, pair: tuple[str, str], w: Any, scale: Any, factor: Any, srow: int, group: int, out: Any,
+                 stream: Any) -> None:
         np = self._np
         self.k._bf16(out, "out", 2)
         n, kk = out.shape
-        self._quant_weight(policy, w, scale, srow, group, kk)
+        self._quant_weight(pair, w, scale, factor, srow, group, kk)
         self.k._shape(out, "out", (w.shape[0], kk))
         eights = n * (kk // 8)
         if eights == 0:
             return
-        args = (w, scale, np.int32(srow), np.int32(group), np.int32(-(-kk // group)), out, np.int32(n), np.int32(kk))
-        self._launch(dequant_name(policy), (-(-eights // 256),), (256,), args, stream)
+        args = (w, scale, self.k._dummy if factor is None else factor, np.int32(srow), np.int32(group),
+                np.int32(-(-kk // group)), out, np.int32(n), np.int32(kk))
+        self._launch(dequant_name(pair), (-(-eights // 256),), (256,), args, stream)
