@@ -105,3 +105,13 @@ def test_the_wrappers_refuse_what_the_kernels_cannot_take(kern):  # noqa: F811
         g.gemv(x, FakeArray((64, 16), np.uint32), FakeArray((64, 16), np.float32), 8, "e2m1", "e4m3_div",
                FakeArray((64,), np.float32), FakeArray((2, 64), np.float32))
     assert kern.calls == []
+
+
+def test_the_group_index_by_a_high_multiply_is_exact():
+    """qgemv.cu's k / group = umulhi(k, ceil(2^32 / group)) (the magic the wrapper passes), for every eight-value
+    start k below MAX_K and groups of 8 to 4096 (every multiple of 8) and a few up to MAX_K."""
+    k = np.arange(0, qgemv.MAX_K, 8, dtype=np.uint64)
+    for group in list(range(8, 4097, 8)) + [5000, 12288, 40000, qgemv.MAX_K]:
+        magic = -(-(1 << 32) // group)
+        assert magic < 1 << 31  # passed as an int
+        assert np.array_equal((k * np.uint64(magic)) >> np.uint64(32), k // np.uint64(group)), group

@@ -96,12 +96,17 @@ struct SE4m3Div {
 
 // A warp owns R consecutive output rows (2R weight rows with SWIGLU: gate rows n, up rows N + n); lane l walks the
 // chunks l, l + 32, ... of all of them (QGEMV_U chunks of each in flight), eight values at a time: each eight
-// weights are widened and scaled once and used for every row of x, and each eight values of x are loaded once for
-// all the weight rows.
+// weights are widened once and used for every row of x, and each eight values of x are loaded once for all the
+// weight rows.  The kernel is bound by its instructions as much as by memory (an FP8 value is one byte, about four
+// instructions at M = 1), so each eight values' dot product is taken on the codes' values and multiplied by their
+// one scale (not each weight scaled first: the NumPy engine's dequantized value, equal in exact arithmetic), and a
+// group index is one high multiply: k / group = umulhi(k, group_magic), group_magic = ceil(2^32 / group) (< 2^31 for
+// group >= 8), exact for k * group < 2^32 (QuantKernels checks K <= 65536).
 template <class F, class S, int M, int R, bool SWIGLU>
 __global__ void __launch_bounds__(QGEMV_WARPS * 32)
 qgemv_kernel(const float* __restrict__ x, const uint4* __restrict__ w, const unsigned char* __restrict__ scale,
-             const float* __restrict__ factor, int srow, int group, int ld, const unsigned short* __restrict__ bias, float* __restrict__ out, int N, int K, int accumulate,
+             const float* __restrict__ factor, int srow, int group_magic, int ld,
+             const unsigned short* __restrict__ bias, float* __restrict__ out, int N, int K, int accumulate,
              int has_bias, const unsigned short* __restrict__ norm_w, int has_norm, float eps, float norm_offset,
              int act) {
     constexpr int RW = SWIGLU ? 2 * R : R;
@@ -153,13 +158,12 @@ qgemv_kernel(const float* __restrict__ x, const uint4* __restrict__ w, const uns
             for (int j = 0; j < P; ++j) {
                 const int k = c * F::VALS + 8 * j;  // the first of the eight values
                 if (k >= K) break;                  // a padded row's last chunk
-                float wf[RW][8];
+                const int g = __umulhi((unsigned)k, (unsigned)group_magic);  // k / group (see the top)
+                float wf[RW][8], sc[RW];
 #pragma unroll
                 for (int r = 0; r < RW; ++r) {
                     F::widen8(wv[u][r], j, wf[r]);
-                    const float s = S::at(scales[r], k / group, fac[r]);
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) wf[r][i] *= s;
+                    sc[r] = S::at(scales[r], g, fac[r]);
                 }
                 float nw[8];
                 if (norm) {
@@ -180,9 +184,12 @@ qgemv_kernel(const float* __restrict__ x, const uint4* __restrict__ w, const uns
                         for (int i = 0; i < 8; ++i) xv[i] *= nw[i];
                     }
 #pragma unroll
-                    for (int r = 0; r < RW; ++r)
+                    for (int r = 0; r < RW; ++r) {
+                        float dot = 0.f;
 #pragma unroll
-                        for (int i = 0; i < 8; ++i) acc[r][m] = fmaf(wf[r][i], xv[i], acc[r][m]);
+                        for (int i = 0; i < 8; ++i) dot = fmaf(wf[r][i], xv[i], dot);
+                        acc[r][m] = fmaf(sc[r], dot, acc[r][m]);
+                    }
                 }
             }
         }

@@ -11,6 +11,7 @@ from typing import Any
 
 QGEMV_WARPS = 4  # must match qgemv.cu
 MAX_ROWS = 16
+MAX_K = 1 << 16  # the kernel's group index, umulhi(k, ceil(2^32 / group)), is exact for k * group < 2^32
 VALS = {"QE4m3": 16, "QE2m1": 32, "QInt4": 32}  # values a 16-byte chunk of a weight row holds
 SCALE_BYTES = {"SF32": 4, "SE4m3Mul": 1, "SE4m3Div": 1}  # bytes a scale takes (the e4m3 ones with a row factor)
 
@@ -75,9 +76,9 @@ class QuantKernels:
         srow), ceil(k_in / group)] (f32, or e4m3 bytes uint8 with the f32 row factors `factor` [N])."""
         k, np = self.k, self._np
         policy = pair[0]
-        if k_in % 8 or k_in <= 0 or group % 8 or group <= 0 or srow <= 0:
-            raise ValueError(f"quantized weight: K ({k_in}) and the scale group ({group}) must be positive multiples "
-                             f"of 8, the scale block height ({srow}) positive")
+        if k_in % 8 or not 0 < k_in <= MAX_K or group % 8 or not 0 < group <= MAX_K or srow <= 0:
+            raise ValueError(f"quantized weight: K ({k_in}) and the scale group ({group}) must be multiples of 8 in "
+                             f"8..{MAX_K}, the scale block height ({srow}) positive")
         k._arr(w, "w")
         if w.ndim != 2 or w.shape[1] * w.dtype.itemsize != 16 * chunks(policy, k_in):
             raise ValueError(f"w: {w.dtype} {w.shape} is not rows of {chunks(policy, k_in)} 16-byte chunks "
@@ -118,7 +119,7 @@ class QuantKernels:
             k._bf16(norm_weight, "norm_weight", 1)
             k._shape(norm_weight, "norm_weight", (kk,))
         grid = (-(-n_out // (QGEMV_WARPS * rows_per_warp(m, swiglu))),)
-        args = (x, w, scale, k._dummy if factor is None else factor, np.int32(srow), np.int32(group),
+        args = (x, w, scale, k._dummy if factor is None else factor, np.int32(srow), np.int32(-(-(1 << 32) // group)),
                 np.int32(-(-kk // group)), bias if bias is not None else out, out, np.int32(n_out), np.int32(kk), np.int32(bool(accumulate)),
                 np.int32(bias is not None), norm_weight if norm_weight is not None else k._dummy,
                 np.int32(norm_weight is not None),
