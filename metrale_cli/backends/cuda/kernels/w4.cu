@@ -13,33 +13,30 @@
 // engine forms it (NVFP4: fp32(e4m3 scale) * weight_scale_2 or / weight_global_scale; int4: the stored scale as
 // fp32, a per-row or per-tensor scale repeated to one per row), so a weight's value here is one fp32 product,
 // code value * scale, which is the NumPy engine's dequantized value bit for bit:
-//   FMT 0 (e2m1): codes 0..7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6 and bit 3 the sign (code 8 is -0);
+//   FMT 0 (e2m1, e2m1.cu): codes 0..7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6 and bit 3 the sign (code 8 is -0);
 //   FMT 1 (int4): the code minus 8, in -8..7.
 //
 // gemv_w4_kernel<FMT, M, R>:  out[M, N] (=|+=) x[M, K] @ (w * scale)[N, K]^T (+ bias), fp32 accumulation; partial
 // sums reduced with warp shuffles.  Requirements (checked by W4Kernels.gemv): K % 8 == 0, group % 8 == 0,
 // 1 <= M <= 16, w and x 16-byte aligned.
 #include "common.cu"
+#include "e2m1.cu"
 
 #define W4_WARPS 4
 #define W4_U 2
 
-// A 4-bit code's value, exactly: e2m1 (FMT 0; magnitudes twice over, 0 1 2 3 4 6 8 12, a nibble each of the
-// constant, halved; the sign bit set directly, so code 8 is -0 as in the NumPy table) or q - 8 (FMT 1).
-template <int FMT>
-__device__ __forceinline__ float w4_value(unsigned int code) {
-    if (FMT == 0) {
-        const float mag = (float)((0xC8643210u >> ((code & 7u) * 4u)) & 0xFu) * 0.5f;
-        return __uint_as_float(__float_as_uint(mag) | ((code & 8u) << 28));
-    }
-    return (float)((int)code - 8);
-}
-
-// The 8 weights of a word (k order) times their group's scale, as fp32.
+// The 8 weights of a word (k order) times their group's scale, as fp32: each the fp32 product of the code's exact
+// value (FMT 0: e2m1, e2m1.cu; FMT 1: q - 8) and the scale.
 template <int FMT>
 __device__ __forceinline__ void w4x8_scaled(unsigned int word, float s, float (&w)[8]) {
+    if (FMT == 0) {
+        e2m1x8<0>(word, w);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) w[i] = w4_value<FMT>((word >> (4 * i)) & 0xFu) * s;
+        for (int i = 0; i < 8; ++i) w[i] *= s;
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w[i] = (float)((int)((word >> (4 * i)) & 0xFu) - 8) * s;
+    }
 }
 
 // A warp owns R consecutive output rows; lane l walks the 16-byte chunks (4 words, 32 values) l, l + 32, ... of all

@@ -1,6 +1,6 @@
 """Python wrappers of the 4-bit weight kernels (w4.cu: NVFP4 and symmetric int4), a CuPy RawModule of their own.
 
-Built from common.cu + w4.cu only when a model with such weights kept as stored is loaded. Launches go through
+Built from common.cu + e2m1.cu + w4.cu only when a model with such weights kept as stored is loaded. Launches go through
 the engine's `Kernels` (its operand checks and PDL setting, as fp8.py launches); no method reads a device value on
 the host, so the GEMV is capturable in a CUDA graph.
 """
@@ -30,7 +30,7 @@ def dequant_name(code: str) -> str:
 
 
 def module_source() -> str:
-    return joined_source('w4.cu')
+    return joined_source('e2m1.cu', 'w4.cu')
 
 
 def name_expressions() -> tuple[str, ...]:
