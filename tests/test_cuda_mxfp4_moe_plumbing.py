@@ -77,9 +77,9 @@ def test_mxfp4_experts_are_uploaded_as_the_checkpoints_bytes(tmp_path):
     assert loading.unsupported_features(d) == [] and loading.unverified_features(d) == [GATE]
     stacked = [p for p in d.params() if p.format == "mxfp4"]
     assert len(stacked) == 4 and all(loading.kept_as_stored(p) and not p.experts for p in stacked)
-    kern = cuda_plumbing().FakeKernels()
+    fake = cuda_plumbing().FakeKernels()
     with Checkpoint.open(path) as ckpt:
-        w = loading.upload_weights(cfg, ckpt, kern)
+        w = loading.upload_weights(cfg, ckpt, fake)
         e, inter, hidden = cfg.moe.spec.num_experts, cfg.moe.spec.intermediate_size, cfg.hidden_size
         held = 0
         for i, lw in enumerate(w.layers):
@@ -141,13 +141,13 @@ def test_the_prefill_dequantizes_only_the_chosen_mxfp4_experts():
     blocks = rng.integers(0, 256, (e, n, k // 32, 16), dtype=np.uint8)
     scales = rng.integers(118, 130, (e, n, k // 32), dtype=np.uint8)
     w = cuda_mxfp4.Mxfp4Experts("mxfp4", blocks.reshape(e, n, k // 2), scales, (e, n, k))
-    kern = cuda_plumbing().FakeKernels()
+    fake = cuda_plumbing().FakeKernels()
     orig = moe_passes.MoeKernels
     moe_passes.MoeKernels = FakeMoeKernels
     try:
-        proj = Projections(kern.cp, kern, None, None, None)
+        proj = Projections(fake.cp, fake, None, None, None)
         got = proj.experts_bf16(w, [1, 3])
-        assert moe_passes.moe_kernels(kern) is kern._moe_kernels  # one instance per engine
+        assert moe_passes.moe_kernels(fake) is fake._moe_kernels  # one instance per engine
     finally:
         moe_passes.MoeKernels = orig
     want = mxfp4.dequantize(blocks, scales).astype(ml_dtypes.bfloat16).view(np.uint16)
