@@ -27,11 +27,11 @@ def linear_state_bytes(cfg: ModelConfig, rows: int = 1) -> int:
 
 
 def weight_bytes(eng, cfg: ModelConfig, elem: int) -> tuple[int, float]:
-    """(the weight bytes one decode step reads, every expert counted; the bytes of one expert parameter). The
-    embedding table is left out (a step reads one row of it) unless the lm_head is that table. On the GPU a
-    weight takes `elem` bytes an element, one kept in its weight format the bytes the device holds it in (e4m3 and
-    scales; 4-bit codes and fp32 scales: loading.stored_param_bytes). The
-    CPU engine holds each weight as it keeps it (bf16 bits, a format's stored bytes, or fp32: backends/numpy/
+    """(the weight bytes one decode step reads, every expert counted; the bytes of one expert parameter, on average
+    over the experts). The embedding table is left out (a step reads one row of it) unless the lm_head is that table.
+    On the GPU a weight takes `elem` bytes an element, one kept in its weight format the bytes the device holds it in
+    (e4m3 and scales; MXFP4 experts' codes and E8M0 scales; 4-bit codes and fp32 scales: loading.stored_param_bytes).
+    The CPU engine holds each weight as it keeps it (bf16 bits, a format's stored bytes, or fp32: backends/numpy/
     stored.py): its arrays' bytes are counted."""
     from math import prod
 
@@ -49,7 +49,10 @@ def weight_bytes(eng, cfg: ModelConfig, elem: int) -> tuple[int, float]:
     embed = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
     formatted = [p for p in cfg.definition.params() if kept_as_stored(p)]
     streamed = (cfg.parameter_count() - embed) * elem
-    return streamed - sum(prod(p.shape) for p in formatted) * elem + sum(stored_param_bytes(p) for p in formatted), elem
+    streamed += sum(stored_param_bytes(p) - prod(p.shape) * elem for p in formatted)
+    experts = [p for p in cfg.definition.params() if p.key in ("experts_gate_up", "experts_down")]
+    held = sum(stored_param_bytes(p) if kept_as_stored(p) else prod(p.shape) * elem for p in experts)
+    return streamed, (held / total if total else float(elem))
 
 
 def weight_formats_note(cfg: ModelConfig, device: str) -> str | None:

@@ -187,16 +187,18 @@ def test_the_cpu_floor_counts_the_bytes_the_engine_holds(monkeypatch, fused_min)
 
 
 def test_the_formats_note_says_what_the_floor_counts_on_each_engine():
-    """On the GPU the floor counts an MXFP4 expert as the bf16 it is dequantized to at load and an FP8 projection as
-    the bytes the engine holds (e4m3 and fp32 scales); on the CPU the engine's own arrays (stored, or fp32 where it
-    dequantizes)."""
+    """On the GPU the floor counts MXFP4 experts and FP8 projections as the bytes the engine holds (the checkpoint's
+    e2m1 codes and E8M0 scales; e4m3 and fp32 scales), and a format's weight dequantized at load as bf16 (DeepSeek-V3's
+    FP8 latent projections); on the CPU the engine's own arrays (stored, or fp32 where it dequantizes)."""
     from metrale_cli.bench import preset_path
     from metrale_cli.floors import weight_formats_note
     from metrale_cli.config import load_config
 
     oss, fp8 = load_config(preset_path("gpt-oss-20b")), load_config(preset_path("qwen3-8b-fp8"))
-    assert weight_formats_note(oss, "cuda").endswith("bf16 for experts_down, experts_gate_up (dequantized at load)")
-    assert weight_formats_note(fp8, "cuda").endswith("the bytes the engine holds them in (packed weights and their scales)")
+    held = "the bytes the engine holds them in (packed weights and their scales)"
+    assert weight_formats_note(oss, "cuda").endswith(held) and weight_formats_note(fp8, "cuda").endswith(held)
+    assert weight_formats_note(load_config(preset_path("deepseek-v3")), "cuda").endswith(
+        "bf16 for kv_a, kv_b, q_a, q_b (dequantized at load), the packed weights and scales of the rest")
     assert "fp32 copies where it dequantizes at load" in weight_formats_note(oss, "cpu")
     assert weight_formats_note(load_config(preset_path("llama-3.1-8b")), "cuda") is None
 

@@ -28,7 +28,7 @@ from test_cuda_moe_plumbing import expert_f32, fake_moe, first_flip, routing  # 
 from test_extension_points import cuda_plumbing, fake_cuda_engine, host_rows, rel  # noqa: E402
 
 TOL = 3e-2  # test_cuda_plumbing's: the stand-ins' bf16 KV cache and GEMM activations
-PROJECTIONS, EXPERTS, OVER_256 = (name for name, _ in loading.UNVERIFIED)  # qgemv.cu, FP8 experts, > 256 experts
+PROJECTIONS, EXPERTS, OVER_256, MXFP4 = (name for name, _ in loading.UNVERIFIED)  # qgemv.cu, FP8 / > 256 / MXFP4 experts
 
 BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
@@ -165,8 +165,9 @@ def test_fp8_experts_run_through_the_cuda_engine(tmp_path, fake_fp8, monkeypatch
     experts = [a for n, a in calls if n in ("gate_up", "down")]
     assert all(moe_kernels.is_fp8(a["w_gate_up" if "w_gate_up" in a else "w_down"]) for a in experts)
     downs = [a for n, a in calls if n == "down"]
-    if name == "qwen2_moe":  # the FP8 shared expert's down weight beside the FP8 experts
-        assert downs and all(moe_kernels.is_fp8(a["shared"][0]) for a in downs)
+    if name == "qwen2_moe":  # the FP8 shared expert's down weight beside the FP8 experts (a prefill of 20 rows calls
+        # no down kernel, and its decode steps are not run when a near tie flipped a prefill row's routing)
+        assert (downs or plen > 16) and all(moe_kernels.is_fp8(a["shared"][0]) for a in downs)
     if plen <= 16:  # every row through the kernels' FP8 variants: no expert dequantized
         assert {n for n, _ in calls} >= {"route", "gate_up", "down"} and not dequantized
     else:  # the prefill: the experts some row chose, gate_up and down of each sparse layer
@@ -294,14 +295,14 @@ def test_the_fp8_experts_launches_pass_the_kernels_arguments(kern, m):  # noqa: 
     mk.down(m, FakeArray((E, H, I), np.uint16), b, act, out, accumulate=True)  # bf16 experts: their kernel
     params = _moe_params()
     mt = next(t for t in moe_kernels.MOE_MTS if t >= m)
-    assert [c[0] for c in kern.calls] == [moe_kernels.gate_up_fp8_name(mt)] * 2 + [moe_kernels.down_fp8_name(mt)] * 3 + [
+    assert [c[0] for c in kern.calls] == [moe_kernels.gate_up_name(mt, "fp8")] * 2 + [moe_kernels.down_name(mt, "fp8")] * 3 + [
         moe_kernels.down_name(mt)]
     for name, args in kern.calls:
         kinds = params[name.split("<")[0]]
         assert len(args) == len(kinds), f"{name}: {len(args)} arguments, the kernel takes {len(kinds)}"
         for i, (a, kind) in enumerate(zip(args, kinds)):
             assert KIND_OK[kind](a), f"{name}: argument {i} is {type(a).__name__}, the kernel takes {kind}"
-    assert [int(kern.calls[i][1][19]) for i in (2, 3, 4)] == [0, 1, 0]  # s_fp8: the shared expert's weight in FP8
+    assert [int(kern.calls[i][1][18]) for i in (2, 3, 4)] == [0, 1, 0]  # s_fmt: the shared expert's weight in FP8
 
 
 def test_the_fp8_experts_wrappers_refuse_what_the_kernels_cannot_read(kern):  # noqa: F811

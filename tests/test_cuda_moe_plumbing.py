@@ -23,14 +23,23 @@ from metrale_cli.backends.numpy.routers import ROUTERS  # noqa: E402
 
 
 def expert_f32(w, e: int | None = None) -> np.ndarray:
-    """Weight w (expert e of stacked experts) as the kernels read it, in fp32: bf16 bits widened, or FP8 experts /
-    an FP8 shared weight (kernels/moe.is_fp8) as each e4m3 value times its block's fp32 scale, the checks of the
-    wrapper's kept (K and the block width multiples of 16)."""
-    if not moe_kernels.is_fp8(w):
+    """Weight w (expert e of stacked experts) as the kernels read it, in fp32: bf16 bits widened, FP8 experts /
+    an FP8 shared weight (kernels/moe.expert_format "fp8") as each e4m3 value times its block's fp32 scale, MXFP4
+    experts ("mxfp4") as each e2m1 value times 2^(E8M0 scale - 127); the checks of the wrapper's kept (K and the block
+    width multiples of the format's chunk)."""
+    fmt = moe_kernels.expert_format(w)
+    if fmt == "bf16":
         return f32(w if e is None else w[e])
     import ml_dtypes
 
     data, scale = (w.data, w.scale) if e is None else (w.data[e], w.scale[e])
+    if fmt == "mxfp4":
+        from metrale_cli.models.quantized import mxfp4
+
+        n, half = data.shape
+        assert data.dtype == np.uint8 and scale.dtype == np.uint8 and scale.shape == (n, 2 * half // 32)
+        assert (w.srow, w.bk) == (1, 32)
+        return mxfp4.dequantize(np.asarray(data).reshape(n, -1, 16), np.asarray(scale))
     n, k = data.shape
     assert data.dtype == np.uint8 and k % 16 == 0 and w.bk % 16 == 0
     assert scale.shape == (-(-n // w.srow), -(-k // w.bk)) and scale.dtype == np.float32
@@ -39,8 +48,8 @@ def expert_f32(w, e: int | None = None) -> np.ndarray:
 
 
 class FakeMoeKernels:
-    """kernels/moe.MoeKernels' contracts in NumPy (the union is not kept: gate_up / down read idx and wts); bf16 or
-    FP8 experts (expert_f32), an FP8 shared expert with FP8 experts only."""
+    """kernels/moe.MoeKernels' contracts in NumPy (the union is not kept: gate_up / down read idx and wts); bf16, FP8
+    or MXFP4 experts (expert_f32), an FP8 shared expert with FP8 experts only."""
 
     def __init__(self, kern):
         self.k = kern
@@ -119,6 +128,11 @@ class FakeMoeKernels:
             if shared is not None:
                 y[r] += b.sgate[r] * (expert_f32(shared[0]) @ shared[1][r])
         out[...] = out + y if accumulate else y
+
+
+    def dequant_bf16(self, w, expert, out, *, stream=None):
+        assert moe_kernels.expert_format(w) in moe_kernels.DEQUANT_FORMATS
+        out[...] = bf16(expert_f32(w, expert))
 
 
 def _fake_gemm_experts(self, xb, w, rows, out, used=None):
@@ -252,7 +266,7 @@ def _record_sinks(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("name", ["gpt_oss", "gpt_oss_mxfp4"])  # bf16 experts; MXFP4 experts dequantized at load
+@pytest.mark.parametrize("name", ["gpt_oss", "gpt_oss_mxfp4"])  # bf16 experts; MXFP4 experts read as stored
 @pytest.mark.parametrize("plen", [12, 20])  # the rows path (<= 16 rows) and the prefill path
 def test_gpt_oss_reaches_the_kernels_and_matches_the_numpy_engine(name, plen, monkeypatch):
     """The router bias (in the logits both paths route on), topk_softmax, the experts' biases and swiglu_oai with

@@ -354,11 +354,13 @@ def test_moe_kernel_source_is_common_cu_then_moe_cu():
     assert src.index("METRALE_COMMON_CU") < src.index("moe_route_kernel")
     lines = [ln.strip() for ln in src.splitlines()]
     assert not any(ln.startswith("#include \"") for ln in lines) and "#ifndef METRALE_NVRTC" in src
-    assert src.index("METRALE_E4M3_CU") < src.index("moe_gate_up_fp8_kernel")  # e4m3.cu's conversions, then moe.cu
+    for conversions in ("METRALE_E4M3_CU", "METRALE_E2M1_CU"):  # e4m3.cu's and e2m1.cu's conversions, then moe.cu
+        assert src.index(conversions) < src.index("struct MoeBf16") < src.index("moe_gate_up_kernel(")
     for name in name_expressions():
         assert name.split("<")[0] in src
-    # route and top-k rows for 5 slot counts; gate_up and down, bf16 and FP8 experts, 5 row bounds each
-    assert len(set(name_expressions())) == 10 + 20
+    # route and top-k rows for 5 slot counts; gate_up and down for bf16, FP8 and MXFP4 experts, 5 row bounds each;
+    # MXFP4's prefill dequantization
+    assert len(set(name_expressions())) == 10 + 31
 
 
 def test_moe_py_constants_match_moe_cu():
@@ -370,6 +372,13 @@ def test_moe_py_constants_match_moe_cu():
     defines = dict(re.findall(r"^#define (MOE_\w+) (\d+)", moe.module_source(), re.M))
     for name in ("MOE_MAX_EXPERTS", "MOE_MAX_ROWS", "MOE_MAX_K", "MOE_DOWN_WARPS", "MOE_DOWN_ITEMS", "MOE_TOPK_WARPS"):
         assert int(defines[name]) == getattr(moe, name), name
+    # each experts weight format's policy: the weights a 16-byte chunk holds (the wrappers' size checks) and its scales
+    policies = dict(re.findall(r"struct (Moe\w+) \{\s*static constexpr int V = (\d+)", moe.module_source()))
+    scales = dict(re.findall(r"struct (Moe\w+) \{.*?typedef (\w+(?: \w+)?) Scale;", moe.module_source(), re.S))
+    assert set(policies) == {f.policy for f in moe.EXPERT_FORMATS.values()}
+    for f in moe.EXPERT_FORMATS.values():
+        assert int(policies[f.policy]) == f.chunk, f.policy
+        assert f.scale is None or scales[f.policy] == {"float32": "float", "uint8": "unsigned char"}[f.scale], f.policy
 
 
 # -- the CUDA prefill's layout of (token, expert) pairs (pure host code, checked here without a GPU) -----

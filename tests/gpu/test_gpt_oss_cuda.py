@@ -7,7 +7,8 @@ down biases and gpt-oss's clamped SwiGLU on values that hit the clamps; the pref
 
 Engines: tiny random gpt-oss checkpoints (4 layers alternating sliding (window 16) and full, head_dim 64, YaRN, 8
 experts top-4, q/k/v/o biases, sinks) with bf16 experts (and a clamp of 1.0, which most gate/up values hit) and
-with MXFP4 experts (dequantized to bf16 at load): prefill T = 5 (rows path) and 40 (prefill path, past the window),
+with MXFP4 experts (read as stored by the MoE kernels since issue 41; tests/gpu/test_moe_mxfp4_cuda.py tests their
+kernels): prefill T = 5 (rows path) and 40 (prefill path, past the window),
 24 greedy steps, verify == sequential decode, trim then decode == a fresh run, and the sinks reaching the output.
 The GPU's bf16 KV cache moves the router logits by ~1e-3, so a near-tie routing decision may flip; rows past the
 first flip are not compared (tests/gpu/test_moe_cuda.py's first_flip, which asserts every flip is a near tie).
@@ -306,7 +307,7 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def unverified(monkeypatch):
-    """gpt-oss's CUDA code (and the MXFP4 experts' dequantization) is gated until these tests pass: they run it."""
+    """The MXFP4 experts read as stored are gated until their tests pass (this file and test_moe_mxfp4_cuda.py)."""
     from metrale_cli.backends.cuda.loading import UNVERIFIED_ENV
 
     monkeypatch.setenv(UNVERIFIED_ENV, "1")

@@ -1,6 +1,6 @@
 """FP8 block experts read as stored by the CUDA MoE kernels (issue 41), on fresh random data every run.
 
-Kernels (moe.cu's moe_gate_up_fp8_kernel / moe_down_fp8_kernel through kernels/moe.py): against a float64 NumPy
+Kernels (moe.cu's moe_gate_up_kernel / moe_down_kernel with their FP8 policy, through kernels/moe.py): against a float64 NumPy
 definition (each e4m3 value times its block's fp32 scale; random e4m3 weights and scales, never zero) on the GPU's own
 routing, M in {1, 3, 16}, partial edge blocks (K and N not multiples of the block) and scales expanded per row
 (srow = 1), the shared expert's down weight in FP8 or bf16; a row's numbers do not depend on the other rows (a verify
@@ -48,7 +48,9 @@ def dequant64(q, scale, srow, bk) -> np.ndarray:
 
 
 class Experts:
-    """Stacked FP8 experts as backends/cuda/fp8.Fp8Experts holds them (kernels/moe.is_fp8's attributes)."""
+    """Stacked FP8 experts as backends/cuda/fp8.Fp8Experts holds them (kernels/moe.expert_format's attributes)."""
+
+    moe_format = "fp8"
 
     def __init__(self, cp, q, scale, srow, bk):
         self.data, self.scale = cp.asarray(q.view(np.uint8)), cp.asarray(scale)

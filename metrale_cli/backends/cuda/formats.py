@@ -15,7 +15,8 @@ from typing import Any, Callable
 # to bf16 at load: latent attention's kernels and the embedding gather read bf16 weights directly).
 PROJECTION_KEYS = frozenset({"qkv", "o", "gate_up", "down", "router", "shared_gate_up", "shared_down", "lm_head",
                              "lin_in", "lin_out"})
-# Stacked MoE experts: kept as stored where the format's entry has `stack` (the MoE kernels' FP8 variants read them).
+# Stacked MoE experts: kept as stored where the format's entry has `stack` (the MoE kernels' format policies read them:
+# FP8, MXFP4).
 EXPERT_KEYS = frozenset({"experts_gate_up", "experts_down"})
 
 
@@ -25,9 +26,10 @@ class CudaFormat:
     # upload(param, read, kern) -> one device weight per part: read(name) gives a stored tensor as a host array
     upload: Callable[[Any, Callable[[str], Any], Any], list[Any]]
     concat: Callable[[list[Any], Any], Any]  # concat(parts, cp): a fused param's parts (q, k, v -> qkv) as one weight
-    # linear(proj, x, w, out, bias, accumulate=, swiglu=, norm_weight=, eps=, norm_offset=, activation=)
-    linear: Callable[..., None]
-    gemm: Callable[..., Any]  # gemm(proj, x, w, bias, accumulate_into) -> f32 [T, N]
+    # linear(proj, x, w, out, bias, accumulate=, swiglu=, norm_weight=, eps=, norm_offset=, activation=); None: the
+    # format has no projection kernels (its projections are dequantized to bf16 at load; MXFP4 formats experts only)
+    linear: Callable[..., None] | None = None
+    gemm: Callable[..., Any] | None = None  # gemm(proj, x, w, bias, accumulate_into) -> f32 [T, N]
     accepts: Callable[[dict], bool] = lambda params: True  # which of the kind's formats (WeightFormat.params) it runs
     refuses: Callable[[Any], str | None] = lambda param: None  # why it cannot run this param (its sizes), or None
     # input_quant(param, read, kern) -> how the weight's inputs are quantized under `--activation-quant emulate`
@@ -42,11 +44,17 @@ class CudaFormat:
     # experts_bf16(proj, w, experts) -> bf16 bits [E, N, K] of stacked experts w, the listed ones dequantized (the
     # MoE prefill's batched cuBLAS GEMMs; required with `stack`)
     experts_bf16: Callable[[Any, Any, list[int]], Any] | None = None
+    # stacked_parts: `upload` also takes experts stored stacked, one [E, N, K] tensor per part (Param.experts 0:
+    # gpt-oss), each part's device weight already the stacked experts
+    stacked_parts: bool = False
+    # reorders_rows: the device weight takes the loader's de-interleaving of its rows, `w[..., order, :]`
+    # (Param.interleaved: gpt-oss's gate / up; a format whose every scale belongs to one row)
+    reorders_rows: bool = False
 
 
 _FORMATS: dict[str, CudaFormat] = {}
 # the built-in entries, imported on the first lookup (no CuPy needed)
-BUILTIN = ("metrale_cli.backends.cuda.fp8", "metrale_cli.backends.cuda.w4")
+BUILTIN = ("metrale_cli.backends.cuda.fp8", "metrale_cli.backends.cuda.w4", "metrale_cli.backends.cuda.mxfp4")
 
 
 def register_cuda_format(fmt: CudaFormat) -> CudaFormat:

@@ -10,7 +10,7 @@ widths are refused by --device cuda (`accepts`).
 
 Stacked MoE experts in FP8 stay FP8 too (`Fp8Experts`: e4m3 bytes [E, N, K], fp32 scales [E, SB, KB]; each expert's
 parts fused as a projection's are, so gate and up share one scale layout), read as stored by the MoE kernels on the
-rows path (kernels/moe.cu's FP8 variants); the prefill dequantizes the experts a chunk chose to a bf16 scratch for
+rows path (kernels/moe.cu's experts kernels with their FP8 policy); the prefill dequantizes the experts a chunk chose to a bf16 scratch for
 the batched cuBLAS GEMMs (`_experts_bf16`)."""
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ class Fp8Weight:
     """An FP8 weight on the device: e4m3 bytes [N, K] (uint8), fp32 scales [ceil(N / srow), ceil(K / bk)]; and
     under `--activation-quant emulate`, how its inputs are quantized (`input_quant`, an Fp8Input)."""
 
+    moe_format = "fp8"  # the MoE down kernel reads a shared expert's FP8 down weight (kernels/moe.py EXPERT_FORMATS)
+
     def __init__(self, fmt: str, data: Any, scale: Any, srow: int, bk: int) -> None:
         self.format, self.data, self.scale, self.srow, self.bk = fmt, data, scale, srow, bk
         self.shape = data.shape
@@ -40,6 +42,8 @@ class Fp8Weight:
 class Fp8Experts:
     """Stacked FP8 experts on the device: e4m3 bytes `data` uint8 [E, N, K], fp32 `scale` [E, ceil(N / srow),
     ceil(K / bk)] (every expert's scales laid out alike); `experts[e]` is expert e as an Fp8Weight (views)."""
+
+    moe_format = "fp8"  # read as stored by the MoE kernels' FP8 policy (kernels/moe.py EXPERT_FORMATS)
 
     def __init__(self, fmt: str, data: Any, scale: Any, srow: int, bk: int) -> None:
         self.format, self.data, self.scale, self.srow, self.bk = fmt, data, scale, srow, bk

@@ -97,7 +97,7 @@ def upload_weights(cfg: ModelConfig, source: WeightSource, kern, progress: Calla
                 progress(int(host.nbytes))
             return host
 
-        if kept_as_stored(p) and p.experts:  # stacked experts: each expert's parts fused, then stacked [E, N, K]
+        if kept_as_stored(p) and p.experts:  # per-expert tensors: each expert's parts fused, then stacked [E, N, K]
             entry = cuda_format(p.format)
             parts = entry.upload(p, read, kern)
             n = len(parts) // p.experts
@@ -106,7 +106,7 @@ def upload_weights(cfg: ModelConfig, source: WeightSource, kern, progress: Calla
                 fused.append(entry.concat(parts[i * n:(i + 1) * n], cp))
                 parts[i * n:(i + 1) * n] = [None] * n
             parts = [entry.stack(fused, cp)]
-        elif kept_as_stored(p):
+        elif kept_as_stored(p):  # a projection, or experts stored stacked (gpt-oss's MXFP4: one part [E, N, K])
             entry = cuda_format(p.format)
             parts = entry.upload(p, read, kern)
             if activation_quant == "emulate" and entry.input_quant is not None:
@@ -132,26 +132,42 @@ def upload_weights(cfg: ModelConfig, source: WeightSource, kern, progress: Calla
 
 
 def kept_as_stored(p) -> bool:
-    """Whether the CUDA engine keeps formatted param p as stored: a projection whose format has a CUDA entry (FP8's
-    GEMV; unsupported_features refuses one whose sizes the entry does not take), or stacked MoE experts whose entry
-    can `stack` them and takes their sizes (FP8 experts, read by the MoE kernels' FP8 variants; experts it does not
-    take, an input width not a multiple of 16 say, fall back to bf16); any other formatted weight (latent attention's
-    own weights, formats without a CUDA entry) is dequantized and rounded to bf16 at load, for the kernels that read
-    bf16."""
+    """Whether the CUDA engine keeps formatted param p as stored: a projection whose format has projection kernels
+    (FP8's and the 4-bit GEMVs; unsupported_features refuses one whose sizes the entry does not take), or stacked MoE
+    experts whose entry can `stack` them and takes their sizes and layout (FP8 experts per expert tensor, MXFP4 experts
+    stacked in one tensor with gate and up interleaved: read by the MoE kernels' format policies; experts it does not
+    take, FP8 of an input width not a multiple of 16 say, fall back to bf16); any other formatted weight (latent
+    attention's own weights, formats without a CUDA entry) is dequantized and rounded to bf16 at load, for the kernels
+    that read bf16. A formatted param's stored tensors say their own layout (Param.transposed is a dense export's)."""
     if p.format is None:
         return False
     entry = cuda_format(p.format)
     if entry is None:
         return False
     if p.key in PROJECTION_KEYS:
-        return True
-    return (p.key in EXPERT_KEYS and bool(p.experts) and entry.stack is not None and not p.transposed
-            and not p.interleaved and entry.refuses(p) is None)
+        return entry.linear is not None
+    stacked = bool(p.experts) or (entry.stacked_parts and len(p.shape) == 3)
+    return (p.key in EXPERT_KEYS and stacked and entry.stack is not None and (entry.reorders_rows or not p.interleaved)
+            and entry.refuses(p) is None)
+
+
+def experts_kept(definition: ModelDefinition, families: tuple[str, ...]) -> bool:
+    """Whether the model has stacked experts of these weight-format families kept as stored (read by the MoE
+    kernels' format policies)."""
+    from ...models.formats import weight_format
+
+    return any(p.key in EXPERT_KEYS and kept_as_stored(p) and weight_format(p.format).family in families
+               for p in definition.params())
 
 
 def fp8_experts_kept(definition: ModelDefinition) -> bool:
-    """Whether the model has stacked experts kept as stored (read as stored by the MoE kernels' FP8 variants)."""
-    return any(p.key in EXPERT_KEYS and kept_as_stored(p) for p in definition.params())
+    """Whether the model has FP8 experts kept as stored (the MoE kernels' FP8 policy)."""
+    return experts_kept(definition, ("fp8_block", "fp8_tensor"))
+
+
+def mxfp4_experts_kept(definition: ModelDefinition) -> bool:
+    """Whether the model has MXFP4 experts kept as stored (the MoE kernels' MXFP4 policy)."""
+    return experts_kept(definition, ("mxfp4",))
 
 
 def stored_param_bytes(p) -> int:
@@ -256,7 +272,8 @@ def unsupported_features(definition: ModelDefinition) -> list[str]:
 # tests/gpu/test_fp8.py and test_w4.py pass; FP8 experts read as stored by the MoE kernels (moe.cu's FP8 variants,
 # the prefill's per-expert dequantization), until tests/gpu/test_moe_fp8_cuda.py passes; the route kernels past 256
 # experts (their 16- and 32-slot instances, Qwen3-Next's 512; issue 38), until tests/gpu/test_moe_routers_cuda.py and
-# tests/gpu/test_moe_cuda.py pass with their 512- and 1024-expert cases.
+# tests/gpu/test_moe_cuda.py pass with their 512- and 1024-expert cases; MXFP4 experts read as stored (moe.cu's MXFP4
+# policy and moe_dequant_bf16_kernel, e2m1.cu), until tests/gpu/test_moe_mxfp4_cuda.py passes.
 UNVERIFIED_ENV = "METRALE_CUDA_UNVERIFIED"
 
 
@@ -274,6 +291,7 @@ UNVERIFIED: tuple[tuple[str, Callable[[ModelDefinition], bool]], ...] = (
     ("projections read as stored by the quantized GEMV (FP8, NVFP4, int4)", _quantized_projections),
     ("FP8 experts read as stored by the MoE kernels", fp8_experts_kept),
     ("MoE route kernels over more than 256 experts", _over_256_experts),
+    ("MXFP4 experts read as stored by the MoE kernels", mxfp4_experts_kept),
 )
 
 

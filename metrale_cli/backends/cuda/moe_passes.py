@@ -2,8 +2,8 @@
 
 Every norm of a sparse layer takes the (1 + w) offset of the family's norms (qwen3_next).
 
-Rows path (decode, verify, short prefills; graph-captured; FP8 experts read as stored by the kernels' FP8 variants,
-with an FP8 shared expert's down weight in the down kernel too): the router GEMV with the RMSNorm fused and the router's
+Rows path (decode, verify, short prefills; graph-captured; FP8 and MXFP4 experts read as stored by the kernels' format
+policies, with an FP8 shared expert's down weight in the down kernel too): the router GEMV with the RMSNorm fused and the router's
 bias in its epilogue (the engine's projections, projections.py), then kernels.moe's route (top-k, shared gate, h, the union of the rows'
 experts), gate_up (reads only the union's experts, each once; the experts' gate/up bias and the spec's activation,
 SwiGLU or gpt-oss's clamped one) and down (the weighted sum over each row's experts, each with its down bias, plus
@@ -11,8 +11,8 @@ the shared expert, added into the residual stream in its epilogue). No host read
 
 The fused rows path runs a sparse layer as the rows path does.
 
-Prefill path (eager; FP8 experts kept as stored are first dequantized to bf16 scratch, the experts the chunk chose
-only, Projections.experts_bf16): the router in fp32 (cuBLAS SGEMM on an fp32 copy of the router, so the expert
+Prefill path (eager; experts kept as stored (FP8, MXFP4) are first dequantized to bf16 scratch, the experts the chunk
+chose only, Projections.experts_bf16): the router in fp32 (cuBLAS SGEMM on an fp32 copy of the router, so the expert
 choice is made on fp32 logits as on the rows path; its bias added in fp32), top-k on the device, then one host sync to group the
 (token, expert) pairs by expert (`ExpertGroups`) and one cuBLAS strided batched GEMM over every expert
 for gate_up and one for down (bf16 operands, fp32 output), plus a GEMM pair for each of the few most-chosen
@@ -41,13 +41,22 @@ def gated_shared(spec: MoeSpec) -> bool:
     return bool(spec.shared_expert_size) and spec.shared_expert_gated
 
 
+def moe_kernels(kern: Any) -> MoeKernels:
+    """The MoE kernels of the engine whose kernels are `kern` (a cuda.kernels.Kernels), compiled once: MoeState's,
+    and the prefill's dequantization of experts kept as stored (mxfp4.py)."""
+    mk = getattr(kern, "_moe_kernels", None)
+    if mk is None:
+        mk = kern._moe_kernels = MoeKernels(kern)
+    return mk
+
+
 class MoeState:
     """The rows path's preallocated MoE buffers and kernels of one engine (CudaEngine.moe)."""
 
     def __init__(self, cp: Any, cfg: ModelConfig, kern: Any) -> None:
         spec = cfg.moe.spec
         self.spec = spec
-        self.kern = MoeKernels(kern)  # compiled now: never during a graph capture
+        self.kern = moe_kernels(kern)  # compiled now: never during a graph capture
         width = spec.num_experts + (1 if gated_shared(spec) else 0)  # a gated shared expert's gate logit last
         self.logits = cp.zeros((MOE_MAX_ROWS, width), cp.float32)
         self.buf = RouteBuffers.allocate(cp, spec.num_experts, spec.top_k, cfg.hidden_size)
@@ -174,7 +183,7 @@ class PrefillMoe:
         d = cp.empty((plan.total, x.shape[1]), cp.float32)  # each (token, expert) pair's down projection
         hb = cp.empty((main, h.shape[1]), cp.uint16)  # h's rows in expert order: the main block
         self.k.f32_to_bf16(h[src[:main]], hb, stream=self.s)
-        chosen = [ex for ex, _ in plan.used(len(held))]  # experts kept as stored (FP8): these dequantized to bf16
+        chosen = [ex for ex, _ in plan.used(len(held))]  # experts kept as stored (FP8, MXFP4): these to bf16
         w_gate_up, w_down = e.proj.experts_bf16(w_gate_up, chosen), e.proj.experts_bf16(w_down, chosen)
         used = plan.used(len(held)) if plan.rows >= PER_EXPERT_ROWS else None
         gu = e.proj.gemm_experts(hb, w_gate_up, plan.rows, cp.zeros((main, w_gate_up.shape[1]), cp.float32), used)

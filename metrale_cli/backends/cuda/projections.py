@@ -140,8 +140,8 @@ class Projections:
 
     def experts_bf16(self, w, experts: list[int]):
         """Stacked experts w as bf16 bits [E, N, K] for gemm_experts: w itself when bf16; experts kept as stored in a
-        format (FP8) dequantized by the format's entry, the listed experts only (the others zeros: the GEMMs' rows
-        for an expert no pair chose are never read)."""
+        format (FP8, MXFP4) dequantized by the format's entry, the listed experts only (the others zeros: the GEMMs'
+        rows for an expert no pair chose are never read)."""
         fmt = weight_format(w)
         return w if fmt == "bf16" else cuda_format(fmt).experts_bf16(self, w, experts)
 

@@ -14,8 +14,8 @@ PLAIN = ("fp8_act_quant_kernel",)
 
 
 def module_source() -> str:
-    """common.cu, e4m3.cu (the e4m3 conversions), gemv.cu (its epilogue), qgemv.cu, then fp8.cu."""
-    return joined_source("e4m3.cu", "gemv.cu", "qgemv.cu", "fp8.cu")
+    """common.cu, e4m3.cu and e2m1.cu (the conversions), gemv.cu (its epilogue), qgemv.cu, then fp8.cu."""
+    return joined_source("e4m3.cu", "e2m1.cu", "gemv.cu", "qgemv.cu", "fp8.cu")
 
 
 def instance_names() -> tuple[str, ...]:

@@ -32,10 +32,11 @@
 // weight row (8 bf16), U chunks in flight, fp32 FMA with the fp32 activations read through L1, warp
 // shuffles to reduce.  Requirements (checked by kernels/moe.py): H, I, S multiples of 8, pointers
 // 16-byte aligned, E <= MOE_MAX_EXPERTS (the routing's bound only), k <= MOE_MAX_K, M <= MOE_MAX_ROWS.
-// FP8 experts (block e4m3, kept as stored) take steps 3 and 4 as moe_gate_up_fp8_kernel and moe_down_fp8_kernel (their
-// section below: 16 e4m3 weights a chunk, dequantized in registers with their block's fp32 scale; K % 16 == 0).
+// Steps 3 and 4 are templates over the experts' weight format (their section below: bf16; FP8 blocks and MXFP4 kept
+// as stored, dequantized in registers, K a multiple of their chunk's 16 / 32 weights).
 #include "common.cu"
 #include "e4m3.cu"
+#include "e2m1.cu"
 #include "routers.cu"
 
 #define MOE_MAX_EXPERTS 1024  // a router lane holds E / 32 of a row's logits; the union's bitmap is one word a lane
@@ -324,67 +325,203 @@ __global__ void moe_topk_rows_kernel(const float* __restrict__ logits, int ld, i
     moe_route_row<NS>(logits + (u64)row * ld, row, E, k, router, has_shared, idx, wts, sgate);
 }
 
-// One step of a lane over UU chunks (c, c + 32, ...) of RW weight rows, for the rows m of `mask`,
-// whose activations are row ri[m] of x (K floats each).  All chunks must be < K / 8.
-// With TAIL, only the chunks below `end` are read and added (the last, partial step of a range).
-template <int MT, int RW, int UU, bool TAIL>
-__device__ __forceinline__ void moe_step(const uint4* const (&wrow)[RW], const float* __restrict__ x,
-                                         const int (&ri)[MT], int K, unsigned int mask, int c, int end,
-                                         float (&acc)[RW][MT]) {
-    uint4 wv[UU][RW];
+// ---------------------------------------------------------------------------------------------------
+// The experts' weights in a weight format (steps 3 and 4, and the prefill's dequantization below): one policy struct
+// per format, the kernels templates over it, so that every format runs the same grids, union, items, parts and
+// summation order and differs only in how a lane reads a 16-byte chunk of a weight row.  A policy W has
+//   V      the weights a chunk holds (K % V == 0: a row is K / V chunks, 16-byte aligned);
+//   P      the weights widened at a time (V / P pieces a chunk), so that a piece of each of a warp's rows and the
+//          activations it meets stay in registers;
+//   U      the chunks of a row in flight per lane;
+//   WIDEN_ONCE  whether a piece is widened once for all the rows of x (its conversion costs more than the registers
+//          its P floats hold: FP8, MXFP4) or at each use (bf16: a shift, as the registers are scarcer);
+//   Scale  the element of its scale grid [E, SB, KB]: expert e's weight (n, k) is scaled by [e - e_lo, n / srow,
+//          k / bk], SB = ceil(N / srow), KB = ceil(K / bk), bk % V == 0 (a chunk has one scale);
+//   Chunk  a chunk as loaded (its 16 bytes and its scale): load(row, srp, cpb, c) reads chunk c of a weight row whose
+//          scale row is srp (cpb = bk / V chunks a scale), and widen(chunk, piece, w) gives its weights piece P ..
+//          piece P + P - 1 (k order) as fp32, each exactly the value the NumPy engine's dequantization gives.
+// A new format is one more struct, its instances at the end of this file and its entry in kernels/moe.py's
+// EXPERT_FORMATS.
+
+// bf16 experts: 8 weights a chunk, no scales (the scale arguments are not read).
+struct MoeBf16 {
+    static constexpr int V = 8, P = 8, U = 4;
+    static constexpr bool WIDEN_ONCE = false;
+    typedef unsigned char Scale;
+    struct Chunk {
+        uint4 q;
+    };
+    static __device__ __forceinline__ Chunk load(const uint4* row, const Scale* srp, int cpb, int c) {
+        return Chunk{ld_stream_u4(row + c)};
+    }
+    static __device__ __forceinline__ void widen(const Chunk& ch, int piece, float (&w)[P]) {
+        const unsigned int q[4] = {ch.q.x, ch.q.y, ch.q.z, ch.q.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            w[2 * j] = bf16_lo(q[j]);
+            w[2 * j + 1] = bf16_hi(q[j]);
+        }
+    }
+};
+
+// FP8 block experts (models/quantized/fp8.py): 16 e4m3 weights a chunk, widened exactly (e4m3.cu) and multiplied by
+// their block's fp32 scale; srow the block height, or 1 where the engine expanded a fused gate/up's scales to one row
+// each (backends/cuda/fp8.py).  2 chunks in flight: the weights of the bf16 policy's 4.
+struct MoeFp8 {
+    static constexpr int V = 16, P = 16, U = 2;
+    static constexpr bool WIDEN_ONCE = true;
+    typedef float Scale;
+    struct Chunk {
+        uint4 q;
+        float s;
+    };
+    static __device__ __forceinline__ Chunk load(const uint4* row, const Scale* srp, int cpb, int c) {
+        return Chunk{ld_stream_u4(row + c), __ldg(srp + c / cpb)};
+    }
+    static __device__ __forceinline__ void widen(const Chunk& ch, int piece, float (&w)[P]) {
+        e4m3x16_scaled(ch.q, ch.s, w);
+    }
+};
+
+// MXFP4 experts (models/quantized/mxfp4.py), the checkpoint's bytes as they are: 32 e2m1 weights a chunk (two a
+// byte, the low nibble first: a `_blocks` row of K / 2 bytes) and its E8M0 `_scales` byte s (srow 1, bk 32).
+// weight = value * 2^(s - 127), computed as (2 value) * 2^(s - 128) (e2m1.cu's doubled values): the factor is an
+// fp32 for every byte (2^-128 subnormal, 2^127 normal), so the product is the correctly rounded one, NumPy's ldexp
+// bit for bit (infinities included).  A piece is one 32-bit word: 8 weights; 2 chunks in flight, as FP8 (4 held
+// 255 registers in the down kernel, ptxas sm_90).
+struct MoeMxfp4 {
+    static constexpr int V = 32, P = 8, U = 2;
+    static constexpr bool WIDEN_ONCE = true;
+    typedef unsigned char Scale;
+    struct Chunk {
+        uint4 q;
+        unsigned int s;
+    };
+    static __device__ __forceinline__ Chunk load(const uint4* row, const Scale* srp, int cpb, int c) {
+        return Chunk{ld_stream_u4(row + c), (unsigned int)__ldg(srp + c)};  // cpb == 1
+    }
+    static __device__ __forceinline__ void widen(const Chunk& ch, int piece, float (&w)[P]) {
+        const unsigned int word = piece == 0 ? ch.q.x : piece == 1 ? ch.q.y : piece == 2 ? ch.q.z : ch.q.w;
+        const float f = __uint_as_float(ch.s >= 2u ? (ch.s - 1u) << 23 : 0x00200000u << ch.s);  // 2^(s - 128)
+        e2m1x8<1>(word, w);
+#pragma unroll
+        for (int i = 0; i < P; ++i) w[i] *= f;
+    }
+};
+
+template <class A, class B>
+struct moe_same {
+    static constexpr bool value = false;
+};
+template <class A>
+struct moe_same<A, A> {
+    static constexpr bool value = true;
+};
+
+// Weight row `row` of expert slot es (expert e_lo + es) of a stacked weight [E, N, K] in format W (bytes w, scale
+// grid ws [E, SB, KB]): its chunks, and its scale row.
+template <class W>
+__device__ __forceinline__ const uint4* moe_row(const unsigned char* w, int N, int K, int es, int row) {
+    return reinterpret_cast<const uint4*>(w + ((u64)es * N + row) * K * 16 / W::V);
+}
+template <class W>
+__device__ __forceinline__ const typename W::Scale* moe_scale_row(const unsigned char* ws, int SB, int srow, int KB,
+                                                                   int es, int row) {
+    return reinterpret_cast<const typename W::Scale*>(ws) + ((u64)es * SB + row / srow) * KB;
+}
+
+// One step of a lane over UU chunks (c, c + 32, ...) of RW weight rows in format W, for the rows m of `mask`, whose
+// activations are row ri[m] of x (K floats each).  All chunks must be < K / V.  With TAIL, only the chunks below
+// `end` are read and added (the last, partial step of a range).  Each piece of a chunk is widened once and used for
+// every row of x; per (m, r) its weights meet x in k order, one fmaf chain.
+template <class W, int MT, int RW, int UU, bool TAIL>
+__device__ __forceinline__ void moe_step(const uint4* const (&wrow)[RW], const typename W::Scale* const (&srp)[RW],
+                                         int cpb, const float* __restrict__ x, const int (&ri)[MT], int K,
+                                         unsigned int mask, int c, int end, float (&acc)[RW][MT]) {
+    typename W::Chunk wv[UU][RW];
 #pragma unroll
     for (int u = 0; u < UU; ++u)
 #pragma unroll
         for (int r = 0; r < RW; ++r)
-            wv[u][r] = (!TAIL || c + 32 * u < end) ? ld_stream_u4(wrow[r] + c + 32 * u) : make_uint4(0u, 0u, 0u, 0u);
+            wv[u][r] = (!TAIL || c + 32 * u < end) ? W::load(wrow[r], srp[r], cpb, c + 32 * u) : typename W::Chunk{};
 #pragma unroll
     for (int u = 0; u < UU; ++u) {
         if (TAIL && c + 32 * u >= end) break;
 #pragma unroll
-        for (int m = 0; m < MT; ++m) {
-            if (!((mask >> m) & 1u)) continue;  // uniform over the warp
-            const float4* xp = reinterpret_cast<const float4*>(x + (u64)ri[m] * K) + 2 * (c + 32 * u);
-            const float4 xa = __ldg(xp);
-            const float4 xb = __ldg(xp + 1);
+        for (int piece = 0; piece < W::V / W::P; ++piece) {
+            float wf[RW][W::P];
+            if constexpr (W::WIDEN_ONCE) {
 #pragma unroll
-            for (int r = 0; r < RW; ++r) {
-                const uint4 q = wv[u][r];
-                float s = acc[r][m];
-                s = fmaf(bf16_lo(q.x), xa.x, s);
-                s = fmaf(bf16_hi(q.x), xa.y, s);
-                s = fmaf(bf16_lo(q.y), xa.z, s);
-                s = fmaf(bf16_hi(q.y), xa.w, s);
-                s = fmaf(bf16_lo(q.z), xb.x, s);
-                s = fmaf(bf16_hi(q.z), xb.y, s);
-                s = fmaf(bf16_lo(q.w), xb.z, s);
-                s = fmaf(bf16_hi(q.w), xb.w, s);
-                acc[r][m] = s;
+                for (int r = 0; r < RW; ++r) W::widen(wv[u][r], piece, wf[r]);
+            }
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                if (!((mask >> m) & 1u)) continue;  // uniform over the warp
+                const float4* xp = reinterpret_cast<const float4*>(x + (u64)ri[m] * K) + (W::V / 4) * (c + 32 * u) +
+                                   (W::P / 4) * piece;
+                float xv[W::P];
+#pragma unroll
+                for (int j = 0; j < W::P / 4; ++j) {
+                    const float4 v = __ldg(xp + j);
+                    xv[4 * j] = v.x;
+                    xv[4 * j + 1] = v.y;
+                    xv[4 * j + 2] = v.z;
+                    xv[4 * j + 3] = v.w;
+                }
+#pragma unroll
+                for (int r = 0; r < RW; ++r) {
+                    if constexpr (!W::WIDEN_ONCE) W::widen(wv[u][r], piece, wf[r]);
+                    float s = acc[r][m];
+#pragma unroll
+                    for (int j = 0; j < W::P; ++j) s = fmaf(wf[r][j], xv[j], s);
+                    acc[r][m] = s;
+                }
             }
         }
     }
 }
 
-// acc[r][m] += the dot products of weight rows wrow[r] with row ri[m] of x (rows K floats apart) over
-// the 8-element chunks [c0, c1) of K, per lane (not yet reduced over the warp).  A lane adds its chunks
-// in increasing order; the last partial step keeps all of its loads in flight (predicated, not a
-// one-chunk loop: a 768-wide expert row is 3 chunks a lane, which one-chunk steps read one at a time).
-template <int MT, int RW, int U>
-__device__ __forceinline__ void moe_dots(const uint4* const (&wrow)[RW], const float* __restrict__ x,
-                                         const int (&ri)[MT], unsigned int mask, int K, int c0, int c1,
-                                         float (&acc)[RW][MT]) {
+// acc[r][m] += the dot products of weight rows wrow[r] (format W) with row ri[m] of x (rows K floats apart) over
+// the chunks [c0, c1) of K, per lane (not yet reduced over the warp).  A lane adds its chunks in increasing order;
+// the last partial step keeps all of its loads in flight (predicated, not a one-chunk loop: a 768-wide bf16 expert
+// row is 3 chunks a lane, which one-chunk steps read one at a time).
+template <class W, int MT, int RW>
+__device__ __forceinline__ void moe_dots(const uint4* const (&wrow)[RW], const typename W::Scale* const (&srp)[RW],
+                                         int cpb, const float* __restrict__ x, const int (&ri)[MT], unsigned int mask,
+                                         int K, int c0, int c1, float (&acc)[RW][MT]) {
     int c = c0 + (threadIdx.x & 31);
-    for (; c + 32 * (U - 1) < c1; c += 32 * U) moe_step<MT, RW, U, false>(wrow, x, ri, K, mask, c, c1, acc);
-    if (c < c1) moe_step<MT, RW, U, true>(wrow, x, ri, K, mask, c, c1, acc);
+    for (; c + 32 * (W::U - 1) < c1; c += 32 * W::U)
+        moe_step<W, MT, RW, W::U, false>(wrow, srp, cpb, x, ri, K, mask, c, c1, acc);
+    if (c < c1) moe_step<W, MT, RW, W::U, true>(wrow, srp, cpb, x, ri, K, mask, c, c1, acc);
+}
+
+// moe_dots of rows n0 .. n0 + R - 1 of expert slot es's weight [N, K] (format W; rows past N - 1 read as row N - 1,
+// never stored) over part p of np of its K / V chunks.
+template <class W, int MT, int R>
+__device__ __forceinline__ void moe_part(const unsigned char* w, const unsigned char* ws, int SB, int srow, int bk,
+                                         int KB, int N, int K, int es, int n0, const float* __restrict__ x,
+                                         const int (&ri)[MT], unsigned int mask, int p, int np, float (&acc)[R][MT]) {
+    const uint4* wrow[R];
+    const typename W::Scale* srp[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int n = min(n0 + r, N - 1);
+        wrow[r] = moe_row<W>(w, N, K, es, n);
+        srp[r] = moe_scale_row<W>(ws, SB, srow, KB, es, n);
+    }
+    const int C = K / W::V;
+    moe_dots<W, MT, R>(wrow, srp, bk / W::V, x, ri, mask, K, p * C / np, (p + 1) * C / np, acc);
 }
 
 // act[(m * k + j), n] = silu(g) * u, g = gate_e[n] . h[m] (+ bias[e, n]), u = up_e[n] . h[m] (+ bias[e, I + n])
 // for the rows m that chose expert e = union_e[blockIdx.y] (slot j), n in this warp's R rows; act == ACT_SWIGLU_OAI:
-// glu_oai(g, u, limit, alpha) instead.  w_gate_up [E, 2I, H], bias bf16 [E, 2I] (gate rows, then up rows, as the
-// weights; read when use_bias): experts e_lo .. (a tensor-parallel rank's, e_lo its first), expert e at index e - e_lo.
-// MT >= M.
-template <int MT, int R, int U>
+// glu_oai(g, u, limit, alpha) instead.  w_gate_up [E, 2I, H] in format W (bytes w, scales ws [E, SB, KB] with srow,
+// bk: see the policies), bias bf16 [E, 2I] (gate rows, then up rows, as the weights; read when use_bias): experts
+// e_lo .. (a tensor-parallel rank's, e_lo its first), expert e at index e - e_lo.  MT >= M; H % W::V == 0.
+template <int MT, int R, class W>
 __global__ void __launch_bounds__(MOE_WARPS * 32)
-moe_gate_up_kernel(const float* __restrict__ h, const unsigned short* __restrict__ w,
+moe_gate_up_kernel(const float* __restrict__ h, const unsigned char* __restrict__ w,
+                   const unsigned char* __restrict__ ws, int SB, int srow, int bk, int KB,
                    const int* __restrict__ n_union, const int* __restrict__ union_e,
                    const unsigned int* __restrict__ union_mask, const int* __restrict__ union_slot,
                    float* __restrict__ act, int I, int H, int k, int e_lo,
@@ -399,10 +536,12 @@ moe_gate_up_kernel(const float* __restrict__ h, const unsigned short* __restrict
     const unsigned int mask = union_mask[u];
     if (u >= nu || n0 >= I) return;  // whole warps; no block barrier
     const uint4* wrow[2 * R];
+    const typename W::Scale* srp[2 * R];
 #pragma unroll
     for (int r = 0; r < 2 * R; ++r) {
         const int n = min(n0 + (r % R), I - 1);  // rows past I - 1 are read, never stored
-        wrow[r] = reinterpret_cast<const uint4*>(w + ((u64)(e - e_lo) * 2 * I + (r < R ? n : I + n)) * H);
+        wrow[r] = moe_row<W>(w, 2 * I, H, e - e_lo, r < R ? n : I + n);
+        srp[r] = moe_scale_row<W>(ws, SB, srow, KB, e - e_lo, r < R ? n : I + n);
     }
     int ri[MT];
 #pragma unroll
@@ -412,7 +551,7 @@ moe_gate_up_kernel(const float* __restrict__ h, const unsigned short* __restrict
     for (int r = 0; r < 2 * R; ++r)
 #pragma unroll
         for (int m = 0; m < MT; ++m) acc[r][m] = 0.0f;
-    moe_dots<MT, 2 * R, U>(wrow, h, ri, mask, H, 0, H >> 3, acc);
+    moe_dots<W, MT, 2 * R>(wrow, srp, bk / W::V, h, ri, mask, H, 0, H / W::V, acc);
 #pragma unroll
     for (int r = 0; r < 2 * R; ++r)
 #pragma unroll
@@ -439,21 +578,25 @@ moe_gate_up_kernel(const float* __restrict__ h, const unsigned short* __restrict
 
 // out[m, n] (=|+=) sum over the union's experts e chosen by row m (slot j) of wts[m, j] *
 // (down_e[n] . act[m * k + j])  [+ sgate[m] * (shared_down[n] . act_shared[m]) when S > 0], for the
-// block's R output rows n.  w_down [E, H, I] (experts e_lo .., as w_gate_up); w_shared [H, S]; act_shared
-// [M, S]; out [M, H]; bias bf16 [E, H] (experts e_lo .., as w_down; read when use_bias): expert e's bias[e, n] is added to its
-// dot before the routing weight scales it.
+// block's R output rows n.  w_down [E, H, I] in format W (w, ws [E, SB, KB], srow, bk; experts e_lo .., as
+// w_gate_up; I % W::V == 0); the shared expert's w_shared [H, S] in format W when s_fmt (w_s, ws_s [ceil(H / s_srow),
+// s_KB], s_srow, s_bk: an FP8 projection's weight beside FP8 experts; S % W::V == 0), else bf16 (w_s; S % 8 == 0);
+// act_shared [M, S]; out [M, H]; bias bf16 [E, H] (experts e_lo .., as w_down; read when use_bias): expert e's
+// bias[e, n] is added to its dot before the routing weight scales it.
 // The block's MOE_DOWN_WARPS warps share the work as items: item u * P + p is part p of P of union
-// expert u's K (chunks [p C / P, (p + 1) C / P)), then PS items split the shared expert's K the same way;
-// warp w takes items w, w + MOE_DOWN_WARPS, ...  Each item's warp-reduced dots go to shared memory, and
-// one thread per (r, m) sums them: parts in order, then experts in increasing order weighted by wts (as
+// expert u's K (chunks [p C / P, (p + 1) C / P)), then PS items split the shared expert's K the same way (over each
+// weight's own chunks); warp w takes items w, w + MOE_DOWN_WARPS, ...  Each item's warp-reduced dots go to shared
+// memory, and one thread per (r, m) sums them: parts in order, then experts in increasing order weighted by wts (as
 // the reference sums), then the shared expert.  P depends on the model only (kernels/moe.py), never on
 // M, so a row's numbers do not depend on the other rows: a verify row equals its decode row.
-template <int MT, int R, int U>
+template <int MT, int R, class W>
 __global__ void __launch_bounds__(MOE_DOWN_WARPS * 32)
-moe_down_kernel(const float* __restrict__ act, const unsigned short* __restrict__ w, const float* __restrict__ wts,
+moe_down_kernel(const float* __restrict__ act, const unsigned char* __restrict__ w, const unsigned char* __restrict__ ws,
+                int SB, int srow, int bk, int KB, const float* __restrict__ wts,
                 const int* __restrict__ n_union, const int* __restrict__ union_e,
                 const unsigned int* __restrict__ union_mask, const int* __restrict__ union_slot,
-                const float* __restrict__ act_s, const unsigned short* __restrict__ w_s,
+                const float* __restrict__ act_s, const unsigned char* __restrict__ w_s,
+                const unsigned char* __restrict__ ws_s, int s_srow, int s_bk, int s_KB, int s_fmt,
                 const float* __restrict__ sgate, int S, float* __restrict__ out, int M, int H, int I, int k,
                 int P, int PS, int accumulate, int e_lo, const unsigned short* __restrict__ bias,
                 int use_bias) {
@@ -476,21 +619,14 @@ moe_down_kernel(const float* __restrict__ act, const unsigned short* __restrict_
     for (int it = warp; it < items; it += MOE_DOWN_WARPS) {
         const bool sh = it >= routed;
         const int u = sh ? 0 : it / P, p = sh ? it - routed : it % P, np = sh ? PS : P;
-        const int K = sh ? S : I, C = K >> 3;
         const bool first = u == u_first;
         const unsigned int mask = sh ? (M >= 32 ? 0xffffffffu : ((1u << M) - 1u)) : first ? mask_first : union_mask[u];
-        const uint4* wrow[R];
+        const int e = sh ? e_lo : first ? e_first : union_e[u];
         int ri[MT];
         if (sh) {  // the shared expert: row m's activations are row m of act_s
 #pragma unroll
-            for (int r = 0; r < R; ++r) wrow[r] = reinterpret_cast<const uint4*>(w_s + (u64)min(n0 + r, H - 1) * S);
-#pragma unroll
             for (int m = 0; m < MT; ++m) ri[m] = min(m, M - 1);
         } else {  // row m's activations for expert u: row m * k + j of act
-            const int e = first ? e_first : union_e[u];
-#pragma unroll
-            for (int r = 0; r < R; ++r)
-                wrow[r] = reinterpret_cast<const uint4*>(w + ((u64)(e - e_lo) * H + min(n0 + r, H - 1)) * I);
 #pragma unroll
             for (int m = 0; m < MT; ++m) ri[m] = m * k + (((mask >> m) & 1u) ? union_slot[u * MOE_MAX_ROWS + m] : 0);
         }
@@ -498,18 +634,20 @@ moe_down_kernel(const float* __restrict__ act, const unsigned short* __restrict_
             if (lane < MT && lane < M && ((mask >> lane) & 1u))
                 wsm[u][lane] = wts[lane * k + union_slot[u * MOE_MAX_ROWS + lane]];
             if (lane == 0) msk[u] = mask;
-            if (lane < R) {
-                const int e = first ? e_first : union_e[u];
+            if (lane < R)
                 bsm[u][lane] = use_bias && n0 + lane < H
                                    ? bf16_to_f32_bits(bias[(u64)(e - e_lo) * H + n0 + lane]) : 0.0f;
-            }
         }
         float acc[R][MT];
 #pragma unroll
         for (int r = 0; r < R; ++r)
 #pragma unroll
             for (int m = 0; m < MT; ++m) acc[r][m] = 0.0f;
-        moe_dots<MT, R, U>(wrow, sh ? act_s : act, ri, mask, K, p * C / np, (p + 1) * C / np, acc);
+        if (sh && !moe_same<W, MoeBf16>::value && !s_fmt)  // a bf16 shared expert beside experts in another format
+            moe_part<MoeBf16, MT, R>(w_s, w_s, 1, 1, 8, 0, H, S, 0, n0, act_s, ri, mask, p, np, acc);
+        else
+            moe_part<W, MT, R>(sh ? w_s : w, sh ? ws_s : ws, sh ? 1 : SB, sh ? s_srow : srow, sh ? s_bk : bk,
+                               sh ? s_KB : KB, H, sh ? S : I, e - e_lo, n0, sh ? act_s : act, ri, mask, p, np, acc);
 #pragma unroll
         for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -540,294 +678,55 @@ moe_down_kernel(const float* __restrict__ act, const unsigned short* __restrict_
     *o = accumulate ? *o + y : y;
 }
 
-// ---------------------------------------------------------------------------------------------------
-// FP8 experts (block e4m3, models/quantized/fp8.py), read as stored: moe_gate_up_fp8_kernel and moe_down_fp8_kernel
-// are moe_gate_up_kernel and moe_down_kernel (the same grids, union, items, parts and summation order; no atomics)
-// with each 16-byte chunk holding 16 e4m3 weights instead of 8 bf16, widened exactly (e4m3.cu) and multiplied by
-// their block's fp32 scale in registers: each weight is the fp32 product the NumPy engine's dequantization gives.
-// Layout: w uint8 [E, N, K] (experts e_lo .., as the bf16 kernels' weights), ws f32 [E, SB, KB]: the scale of
-// expert e's weight (n, k) at [e - e_lo, n / srow, k / bk], SB = ceil(N / srow), KB = ceil(K / bk); srow the
-// block height, or 1 where the engine expanded a fused gate/up's scales to one row each (backends/cuda/fp8.py).
-// Requirements (checked by kernels/moe.py): K % 16 == 0, bk % 16 == 0 (a chunk never spans two scale blocks),
-// w 16-byte aligned.
-
-// moe_step over 16-byte chunks of e4m3 weights: srp[r] is weight row r's scale row (KB floats), cpb = bk / 16 the
-// chunks of a scale block.  All chunks must be < K / 16.
-template <int MT, int RW, int UU, bool TAIL>
-__device__ __forceinline__ void moe_step_fp8(const uint4* const (&wrow)[RW], const float* const (&srp)[RW], int cpb,
-                                             const float* __restrict__ x, const int (&ri)[MT], int K,
-                                             unsigned int mask, int c, int end, float (&acc)[RW][MT]) {
-    uint4 wv[UU][RW];
-    float sv[UU][RW];
-#pragma unroll
-    for (int u = 0; u < UU; ++u)
-#pragma unroll
-        for (int r = 0; r < RW; ++r) {
-            const bool in = !TAIL || c + 32 * u < end;
-            wv[u][r] = in ? ld_stream_u4(wrow[r] + c + 32 * u) : make_uint4(0u, 0u, 0u, 0u);
-            sv[u][r] = in ? __ldg(srp[r] + (c + 32 * u) / cpb) : 0.0f;
-        }
-#pragma unroll
-    for (int u = 0; u < UU; ++u) {
-        if (TAIL && c + 32 * u >= end) break;
-        float wf[RW][16];
-#pragma unroll
-        for (int r = 0; r < RW; ++r) e4m3x16_scaled(wv[u][r], sv[u][r], wf[r]);
-#pragma unroll
-        for (int m = 0; m < MT; ++m) {
-            if (!((mask >> m) & 1u)) continue;  // uniform over the warp
-            const float4* xp = reinterpret_cast<const float4*>(x + (u64)ri[m] * K) + 4 * (c + 32 * u);
-            float xv[16];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const float4 v = __ldg(xp + j);
-                xv[4 * j] = v.x;
-                xv[4 * j + 1] = v.y;
-                xv[4 * j + 2] = v.z;
-                xv[4 * j + 3] = v.w;
-            }
-#pragma unroll
-            for (int r = 0; r < RW; ++r) {
-                float s = acc[r][m];
-#pragma unroll
-                for (int j = 0; j < 16; ++j) s = fmaf(wf[r][j], xv[j], s);
-                acc[r][m] = s;
-            }
-        }
-    }
-}
-
-// moe_dots over the 16-byte e4m3 chunks [c0, c1) of K (K / 16 chunks a row), the same order: a lane adds its chunks
-// in increasing order, the last partial step predicated.
-template <int MT, int RW, int U>
-__device__ __forceinline__ void moe_dots_fp8(const uint4* const (&wrow)[RW], const float* const (&srp)[RW], int cpb,
-                                             const float* __restrict__ x, const int (&ri)[MT], unsigned int mask,
-                                             int K, int c0, int c1, float (&acc)[RW][MT]) {
-    int c = c0 + (threadIdx.x & 31);
-    for (; c + 32 * (U - 1) < c1; c += 32 * U) moe_step_fp8<MT, RW, U, false>(wrow, srp, cpb, x, ri, K, mask, c, c1, acc);
-    if (c < c1) moe_step_fp8<MT, RW, U, true>(wrow, srp, cpb, x, ri, K, mask, c, c1, acc);
-}
-
-// moe_gate_up_kernel's contract with FP8 experts: w_gate_up uint8 [E, 2I, H] (gate rows, then up rows, as the bf16
-// weights), ws f32 [E, SB, KB] (SB = ceil(2I / srow), KB = ceil(H / bk)).  H % 16 == 0.
-template <int MT, int R, int U>
-__global__ void __launch_bounds__(MOE_WARPS * 32)
-moe_gate_up_fp8_kernel(const float* __restrict__ h, const unsigned char* __restrict__ w, const float* __restrict__ ws,
-                       int SB, int srow, int bk, int KB, const int* __restrict__ n_union, const int* __restrict__ union_e,
-                       const unsigned int* __restrict__ union_mask, const int* __restrict__ union_slot,
-                       float* __restrict__ act, int I, int H, int k, int e_lo,
-                       const unsigned short* __restrict__ bias, int use_bias, int act_kind, float limit, float alpha) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int u = blockIdx.y;
-    const int n0 = (blockIdx.x * MOE_WARPS + warp) * R;
-    pdl_wait();
+// The prefill's bf16 weights of one expert (its batched cuBLAS GEMMs): out[n, k] = bf16(weight (n, k) of expert slot
+// es of a stacked weight [E, N, K] in format W), round to nearest even: the rows path's values rounded once.  out
+// bf16 [N, K]; one thread a chunk (V weights, V / 8 16-byte stores).
+template <class W>
+__global__ void moe_dequant_bf16_kernel(const unsigned char* __restrict__ w, const unsigned char* __restrict__ ws,
+                                        int SB, int srow, int bk, int KB, int es, uint4* __restrict__ out, int N,
+                                        int K) {
+    pdl_wait();  // its output may be read by a kernel launched before this one finished (common.cu)
     pdl_trigger();
-    const int nu = *n_union, e = union_e[u];
-    const unsigned int mask = union_mask[u];
-    if (u >= nu || n0 >= I) return;  // whole warps; no block barrier
-    const uint4* wrow[2 * R];
-    const float* srp[2 * R];
+    const int C = K / W::V;
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (u64)N * C) return;
+    const int n = (int)(i / C), c = (int)(i % C);
+    const typename W::Chunk q = W::load(moe_row<W>(w, N, K, es, n), moe_scale_row<W>(ws, SB, srow, KB, es, n),
+                                        bk / W::V, c);
 #pragma unroll
-    for (int r = 0; r < 2 * R; ++r) {
-        const int n = min(n0 + (r % R), I - 1);  // rows past I - 1 are read, never stored
-        const int row = r < R ? n : I + n;
-        wrow[r] = reinterpret_cast<const uint4*>(w + ((u64)(e - e_lo) * 2 * I + row) * H);
-        srp[r] = ws + ((u64)(e - e_lo) * SB + row / srow) * KB;
-    }
-    int ri[MT];
+    for (int piece = 0; piece < W::V / W::P; ++piece) {
+        float v[W::P];
+        W::widen(q, piece, v);
 #pragma unroll
-    for (int m = 0; m < MT; ++m) ri[m] = m;
-    float acc[2 * R][MT];
-#pragma unroll
-    for (int r = 0; r < 2 * R; ++r)
-#pragma unroll
-        for (int m = 0; m < MT; ++m) acc[r][m] = 0.0f;
-    moe_dots_fp8<MT, 2 * R, U>(wrow, srp, bk >> 4, h, ri, mask, H, 0, H >> 4, acc);
-#pragma unroll
-    for (int r = 0; r < 2 * R; ++r)
-#pragma unroll
-        for (int m = 0; m < MT; ++m) acc[r][m] = warp_sum(acc[r][m]);
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-#pragma unroll
-        for (int m = 0; m < MT; ++m) {
-            const int n = n0 + r;
-            if (((mask >> m) & 1u) && n < I && lane == ((r * MT + m) & 31)) {
-                const int j = union_slot[u * MOE_MAX_ROWS + m];
-                float g = acc[r][m], up = acc[R + r][m];
-                if (use_bias) {
-                    const unsigned short* b = bias + (u64)(e - e_lo) * 2 * I;
-                    g += bf16_to_f32_bits(b[n]);
-                    up += bf16_to_f32_bits(b[I + n]);
-                }
-                act[((u64)m * k + j) * I + n] =
-                    act_kind == ACT_SWIGLU_OAI ? glu_oai(g, up, limit, alpha) : g / (1.0f + expf(-g)) * up;
-            }
-        }
+        for (int j = 0; j < W::P / 8; ++j)
+            out[i * (W::V / 8) + piece * (W::P / 8) + j] =
+                make_uint4(pack_bf16x2(v[8 * j], v[8 * j + 1]), pack_bf16x2(v[8 * j + 2], v[8 * j + 3]),
+                           pack_bf16x2(v[8 * j + 4], v[8 * j + 5]), pack_bf16x2(v[8 * j + 6], v[8 * j + 7]));
     }
 }
 
-// moe_down_kernel's contract with FP8 experts: w_down uint8 [E, H, I], ws f32 [E, SB, KB] (SB = ceil(H / srow),
-// KB = ceil(I / bk)); I % 16 == 0.  The shared expert's down weight is FP8 too when s_fp8 (w_s8 uint8 [H, S],
-// ws_s f32 [ceil(H / s_srow), s_KB], S % 16 == 0; a projection's Fp8Weight), else bf16 w_s [H, S] as moe_down_kernel
-// reads it (S % 8 == 0).  Items, parts (P, PS over each weight's own chunks: K / 16 for e4m3, S / 8 for bf16) and the
-// final sum in moe_down_kernel's order.
-template <int MT, int R, int U>
-__global__ void __launch_bounds__(MOE_DOWN_WARPS * 32)
-moe_down_fp8_kernel(const float* __restrict__ act, const unsigned char* __restrict__ w, const float* __restrict__ ws,
-                    int SB, int srow, int bk, int KB, const float* __restrict__ wts,
-                    const int* __restrict__ n_union, const int* __restrict__ union_e,
-                    const unsigned int* __restrict__ union_mask, const int* __restrict__ union_slot,
-                    const float* __restrict__ act_s, const unsigned short* __restrict__ w_s,
-                    const unsigned char* __restrict__ w_s8, const float* __restrict__ ws_s, int s_srow, int s_bk,
-                    int s_KB, int s_fp8, const float* __restrict__ sgate, int S, float* __restrict__ out, int M,
-                    int H, int I, int k, int P, int PS, int accumulate, int e_lo,
-                    const unsigned short* __restrict__ bias, int use_bias) {
-    __shared__ float part[MOE_DOWN_ITEMS][R][MT];
-    __shared__ float wsm[MOE_MAX_UNION][MT];
-    __shared__ unsigned int msk[MOE_MAX_UNION];
-    __shared__ float bsm[MOE_MAX_UNION][R];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int n0 = blockIdx.x * R;
-    // the routing is complete before this launch's pdl_wait (moe_down_kernel says why); act needs the wait
-    const int u_first = min(warp / P, k - 1);
-    const int e_first = union_e[u_first];
-    const unsigned int mask_first = union_mask[u_first];
-    const int nu = *n_union;
-    pdl_wait();
-    pdl_trigger();
-    const int routed = nu * P, items = routed + (S > 0 ? PS : 0);
-    for (int it = warp; it < items; it += MOE_DOWN_WARPS) {
-        const bool sh = it >= routed;
-        const int u = sh ? 0 : it / P, p = sh ? it - routed : it % P, np = sh ? PS : P;
-        const bool first = u == u_first;
-        const unsigned int mask = sh ? (M >= 32 ? 0xffffffffu : ((1u << M) - 1u)) : first ? mask_first : union_mask[u];
-        int ri[MT];
-        float acc[R][MT];
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-#pragma unroll
-            for (int m = 0; m < MT; ++m) acc[r][m] = 0.0f;
-        if (sh) {  // the shared expert: row m's activations are row m of act_s
-#pragma unroll
-            for (int m = 0; m < MT; ++m) ri[m] = min(m, M - 1);
-            if (s_fp8) {
-                const int C = S >> 4;
-                const uint4* wrow[R];
-                const float* srp[R];
-#pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    const int n = min(n0 + r, H - 1);
-                    wrow[r] = reinterpret_cast<const uint4*>(w_s8 + (u64)n * S);
-                    srp[r] = ws_s + (u64)(n / s_srow) * s_KB;
-                }
-                moe_dots_fp8<MT, R, U>(wrow, srp, s_bk >> 4, act_s, ri, mask, S, p * C / np, (p + 1) * C / np, acc);
-            } else {
-                const int C = S >> 3;
-                const uint4* wrow[R];
-#pragma unroll
-                for (int r = 0; r < R; ++r) wrow[r] = reinterpret_cast<const uint4*>(w_s + (u64)min(n0 + r, H - 1) * S);
-                moe_dots<MT, R, 2 * U>(wrow, act_s, ri, mask, S, p * C / np, (p + 1) * C / np, acc);
-            }
-        } else {  // row m's activations for expert u: row m * k + j of act
-            const int e = first ? e_first : union_e[u];
-            const int C = I >> 4;
-            const uint4* wrow[R];
-            const float* srp[R];
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-                const int n = min(n0 + r, H - 1);
-                wrow[r] = reinterpret_cast<const uint4*>(w + ((u64)(e - e_lo) * H + n) * I);
-                srp[r] = ws + ((u64)(e - e_lo) * SB + n / srow) * KB;
-            }
-#pragma unroll
-            for (int m = 0; m < MT; ++m) ri[m] = m * k + (((mask >> m) & 1u) ? union_slot[u * MOE_MAX_ROWS + m] : 0);
-            if (p == 0) {  // the weights the final sum needs, read here in parallel (not in its loop)
-                if (lane < MT && lane < M && ((mask >> lane) & 1u))
-                    wsm[u][lane] = wts[lane * k + union_slot[u * MOE_MAX_ROWS + lane]];
-                if (lane == 0) msk[u] = mask;
-                if (lane < R)
-                    bsm[u][lane] = use_bias && n0 + lane < H
-                                       ? bf16_to_f32_bits(bias[(u64)(e - e_lo) * H + n0 + lane]) : 0.0f;
-            }
-            moe_dots_fp8<MT, R, U>(wrow, srp, bk >> 4, act, ri, mask, I, p * C / np, (p + 1) * C / np, acc);
-        }
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-#pragma unroll
-            for (int m = 0; m < MT; ++m) {
-                const float v = warp_sum(acc[r][m]);  // uniform: every lane holds the sum
-                if (lane == 0) part[it][r][m] = v;
-            }
-    }
-    __syncthreads();
-    const int t = threadIdx.x;
-    if (t >= R * MT) return;
-    const int r = t / MT, m = t % MT, n = n0 + r;
-    if (m >= M || n >= H) return;
-    float y = 0.0f;
-    for (int u = 0; u < nu; ++u) {  // experts in increasing order, as the reference sums them
-        if (!((msk[u] >> m) & 1u)) continue;
-        float d = 0.0f;
-        for (int p = 0; p < P; ++p) d += part[u * P + p][r][m];
-        if (use_bias) d += bsm[u][r];
-        y = fmaf(wsm[u][m], d, y);
-    }
-    if (S > 0) {  // the shared expert, scaled by its gate, added after the routed experts
-        float d = 0.0f;
-        for (int p = 0; p < PS; ++p) d += part[routed + p][r][m];
-        y = fmaf(sgate[m], d, y);
-    }
-    float* o = out + (u64)m * H + n;
-    *o = accumulate ? *o + y : y;
-}
-
-// Instances (kernels/moe.py names them): the route kernels' NS in MOE_SLOTS {1, 4, 8, 16, 32} (E up to 32 NS);
-// MT in {1, 2, 4, 8, 16}; gate_up R = 1; down R = 4, 4, 4, 2, 1 (its shared memory holds items x R x MT floats:
-// 16.5 KB for each); U = 4 for bf16 weights, 2 for e4m3 (the same 64 bytes of a weight row in flight per lane:
-// 16-byte chunks of 16 weights).
+// Instances (kernels/moe.py names them): per format W, MT in {1, 2, 4, 8, 16}; gate_up R = 1; down R = 4, 4, 4, 2,
+// 1 (its shared memory holds items x R x MT floats: 16.5 KB for each); the prefill's dequantization for the formats
+// the prefill cannot read as stored (MXFP4; FP8's is fp8.cu's dequant_fp8_bf16_kernel).
 #ifndef METRALE_NVRTC  // a standalone `nvcc -ptx moe.cu` compiles every instance the engine uses
-#define MOE_ROUTE_INSTANCES(NS)                                                                            \
-    template __global__ void moe_route_kernel<NS>(const float*, int, const float*, const unsigned short*, \
-                                                  float, float, int, int, int, int, int, int, int*,        \
-                                                  float*, float*, float*, int*, int*, unsigned int*, int*, \
-                                                  int, int, int, int, int, float, const float*, int);      \
-    template __global__ void moe_topk_rows_kernel<NS>(const float*, int, int, int, int, int, int, int*,   \
-                                                      float*, float*, int, int, int, float, const float*,  \
-                                                      int);
-#define MOE_INSTANCES(MT, DR)                                                                              \
-    template __global__ void moe_gate_up_kernel<MT, 1, 4>(const float*, const unsigned short*, const int*, \
-                                                          const int*, const unsigned int*, const int*,     \
-                                                          float*, int, int, int, int,                      \
-                                                          const unsigned short*, int, int, float, float);  \
-    template __global__ void moe_down_kernel<MT, DR, 4>(const float*, const unsigned short*, const float*, \
-                                                        const int*, const int*, const unsigned int*,       \
-                                                        const int*, const float*, const unsigned short*,   \
-                                                        const float*, int, float*, int, int, int, int,     \
-                                                        int, int, int, int, const unsigned short*, int);
-#define MOE_FP8_INSTANCES(MT, DR)                                                                          \
-    template __global__ void moe_gate_up_fp8_kernel<MT, 1, 2>(                                             \
-        const float*, const unsigned char*, const float*, int, int, int, int, const int*, const int*,      \
-        const unsigned int*, const int*, float*, int, int, int, int, const unsigned short*, int, int, float, \
-        float);                                                                                            \
-    template __global__ void moe_down_fp8_kernel<MT, DR, 2>(                                               \
-        const float*, const unsigned char*, const float*, int, int, int, int, const float*, const int*,    \
-        const int*, const unsigned int*, const int*, const float*, const unsigned short*,                  \
-        const unsigned char*, const float*, int, int, int, int, const float*, int, float*, int, int, int,  \
-        int, int, int, int, int, const unsigned short*, int);
-MOE_ROUTE_INSTANCES(1)
-MOE_ROUTE_INSTANCES(4)
-MOE_ROUTE_INSTANCES(8)
-MOE_ROUTE_INSTANCES(16)
-MOE_ROUTE_INSTANCES(32)
-MOE_INSTANCES(1, 4)
-MOE_INSTANCES(2, 4)
-MOE_INSTANCES(4, 4)
-MOE_INSTANCES(8, 2)
-MOE_INSTANCES(16, 1)
-MOE_FP8_INSTANCES(1, 4)
-MOE_FP8_INSTANCES(2, 4)
-MOE_FP8_INSTANCES(4, 4)
-MOE_FP8_INSTANCES(8, 2)
-MOE_FP8_INSTANCES(16, 1)
+#define MOE_INSTANCES(MT, DR, W)                                                                                     \
+    template __global__ void moe_gate_up_kernel<MT, 1, W>(                                                           \
+        const float*, const unsigned char*, const unsigned char*, int, int, int, int, const int*, const int*,        \
+        const unsigned int*, const int*, float*, int, int, int, int, const unsigned short*, int, int, float, float); \
+    template __global__ void moe_down_kernel<MT, DR, W>(                                                             \
+        const float*, const unsigned char*, const unsigned char*, int, int, int, int, const float*, const int*,      \
+        const int*, const unsigned int*, const int*, const float*, const unsigned char*, const unsigned char*, int,  \
+        int, int, int, const float*, int, float*, int, int, int, int, int, int, int, int, const unsigned short*,     \
+        int);
+#define MOE_FORMAT_INSTANCES(W) \
+    MOE_INSTANCES(1, 4, W)      \
+    MOE_INSTANCES(2, 4, W)      \
+    MOE_INSTANCES(4, 4, W)      \
+    MOE_INSTANCES(8, 2, W)      \
+    MOE_INSTANCES(16, 1, W)
+MOE_FORMAT_INSTANCES(MoeBf16)
+MOE_FORMAT_INSTANCES(MoeFp8)
+MOE_FORMAT_INSTANCES(MoeMxfp4)
+template __global__ void moe_dequant_bf16_kernel<MoeMxfp4>(const unsigned char*, const unsigned char*, int, int, int,
+                                                           int, int, uint4*, int, int);
 #endif

@@ -29,8 +29,29 @@ MOE_WARPS = 4  # warps of a gate_up block
 MOE_DOWN_WARPS = 8  # warps of a down block (they share its output rows' experts)
 MOE_TOPK_WARPS = 8  # warps (rows) of a prefill top-k block: must match moe.cu
 MOE_DOWN_ITEMS = 264  # a down block's items at most: union experts x K parts (<= 256) + shared parts (<= 8)
-GATE_UP_R, MOE_U = 1, 4  # output rows per gate_up warp, chunks in flight per lane
-MOE_FP8_U = 2  # chunks in flight per lane of the FP8 experts kernels (16 e4m3 weights a chunk)
+GATE_UP_R = 1  # output rows per gate_up warp
+
+
+@dataclass(frozen=True)
+class ExpertFormat:
+    """A weight format the experts kernels read (moe.cu's policy struct `policy`): `chunk` weights a 16-byte chunk
+    (K a multiple of it), `scale` the dtype of its scale grid (None: no scales), `block` the one scale block width the
+    policy reads (None: any multiple of `chunk`), `name` as messages say it."""
+
+    policy: str
+    chunk: int
+    scale: str | None
+    block: int | None
+    name: str
+
+
+# The experts' weight formats (expert_format(w) -> moe.cu's policy): a new one is an entry here and a struct there.
+EXPERT_FORMATS = {
+    "bf16": ExpertFormat("MoeBf16", 8, None, None, "bf16"),
+    "fp8": ExpertFormat("MoeFp8", 16, "float32", None, "FP8"),  # backends/cuda/fp8.py's Fp8Experts / Fp8Weight
+    "mxfp4": ExpertFormat("MoeMxfp4", 32, "uint8", 32, "MXFP4"),  # backends/cuda/mxfp4.py's Mxfp4Experts
+}
+DEQUANT_FORMATS = ("mxfp4",)  # moe_dequant_bf16_kernel's instances (FP8's prefill dequantizes with fp8.cu)
 
 
 def down_rows(mt: int) -> int:
@@ -61,26 +82,28 @@ def route_smem(m: int, ld: int) -> int:
     return 4 * m * ld
 
 
-def gate_up_name(mt: int) -> str:
-    return f"moe_gate_up_kernel<{mt}, {GATE_UP_R}, {MOE_U}>"
+def gate_up_name(mt: int, fmt: str = "bf16") -> str:
+    return f"moe_gate_up_kernel<{mt}, {GATE_UP_R}, {EXPERT_FORMATS[fmt].policy}>"
 
 
-def down_name(mt: int) -> str:
-    return f"moe_down_kernel<{mt}, {down_rows(mt)}, {MOE_U}>"
+def down_name(mt: int, fmt: str = "bf16") -> str:
+    return f"moe_down_kernel<{mt}, {down_rows(mt)}, {EXPERT_FORMATS[fmt].policy}>"
 
 
-def gate_up_fp8_name(mt: int) -> str:
-    return f"moe_gate_up_fp8_kernel<{mt}, {GATE_UP_R}, {MOE_FP8_U}>"
+def dequant_name(fmt: str) -> str:
+    return f"moe_dequant_bf16_kernel<{EXPERT_FORMATS[fmt].policy}>"
 
 
-def down_fp8_name(mt: int) -> str:
-    return f"moe_down_fp8_kernel<{mt}, {down_rows(mt)}, {MOE_FP8_U}>"
+def expert_format(w: Any) -> str:
+    """The experts kernels' format of weight w (an EXPERT_FORMATS key): "bf16" for a device array of bf16 bits, else
+    the `moe_format` a weight kept as stored names (its bytes `data`, scale grid `scale`, scale block height `srow` and
+    width `bk`, logical `shape`: fp8.py's Fp8Experts and Fp8Weight "fp8", mxfp4.py's Mxfp4Experts "mxfp4")."""
+    return getattr(w, "moe_format", "bf16")
 
 
 def is_fp8(w: Any) -> bool:
-    """Whether w is an FP8 weight kept as stored (backends/cuda/fp8.py's Fp8Experts or Fp8Weight: e4m3 bytes `data`,
-    fp32 block `scale`, block height `srow` and width `bk`) rather than a bf16 device array."""
-    return all(hasattr(w, a) for a in ("data", "scale", "srow", "bk"))
+    """Whether w is an FP8 weight kept as stored (backends/cuda/fp8.py's Fp8Experts or Fp8Weight)."""
+    return expert_format(w) == "fp8"
 
 
 def down_parts(experts: int, top_k: int, inter: int, shared: int) -> tuple[int, int]:
@@ -95,14 +118,15 @@ def down_parts(experts: int, top_k: int, inter: int, shared: int) -> tuple[int, 
 
 
 def module_source() -> str:
-    """common.cu, routers.cu (the router kinds), e4m3.cu (FP8 experts' conversions), then moe.cu."""
-    return joined_source('routers.cu', 'e4m3.cu', 'moe.cu')
+    """common.cu, routers.cu (the router kinds), e4m3.cu and e2m1.cu (the FP8 and MXFP4 experts' conversions), then
+    moe.cu."""
+    return joined_source('routers.cu', 'e4m3.cu', 'e2m1.cu', 'moe.cu')
 
 
 def name_expressions() -> tuple[str, ...]:
     routes = tuple(n for ns in MOE_SLOTS for n in (route_name(32 * ns), topk_rows_name(32 * ns)))
-    return routes + tuple(n for mt in MOE_MTS
-                          for n in (gate_up_name(mt), down_name(mt), gate_up_fp8_name(mt), down_fp8_name(mt)))
+    return (routes + tuple(n for fmt in EXPERT_FORMATS for mt in MOE_MTS for n in (gate_up_name(mt, fmt), down_name(mt, fmt)))
+            + tuple(dequant_name(fmt) for fmt in DEQUANT_FORMATS))
 
 
 # models/spec.RouterSpec kinds with a device function (routers.cu's MOE_ROUTER_*); the others are refused.
@@ -283,14 +307,14 @@ class MoeKernels:
                 activation: str = "silu", limit: float | None = None, alpha: float = 1.702,
                 stream: Any = None) -> None:
         """act f32 [16 k, I] rows m k + j = silu(gate) * up of the expert row m chose at slot j, from b.h;
-        w_gate_up bf16 [E, 2I, H] holding experts first .. (route's `held`), or FP8 experts (is_fp8: e4m3 `data`
-        uint8 [E, 2I, H] and fp32 `scale` [E, ceil(2I / srow), ceil(H / bk)], dequantized in registers; H % 16 == 0).
+        w_gate_up [E, 2I, H] holding experts first .. (route's `held`): bf16, or experts kept as stored in a format of
+        EXPERT_FORMATS (expert_format: FP8 blocks, MXFP4; dequantized in registers, H a multiple of its chunk).
         Reads each chosen expert once.
         `bias` bf16 [E, 2I] (gate, then up, as the weights' rows): added to gate and up first.  `activation`
         (MOE_ACTIVATIONS): "swiglu_oai" computes min(g, limit) * sigmoid(alpha min(g, limit)) *
         (clip(u, -limit, limit) + 1) instead (gpt-oss; `limit` required)."""
         np, k = self._np, self.k
-        fp8, wargs = is_fp8(w_gate_up), self._experts(w_gate_up, "w_gate_up")
+        fmt, wargs = self._experts(w_gate_up, "w_gate_up")
         k._f32(act, "act", 2)
         e, i2, hidden = w_gate_up.shape
         inter = i2 // 2
@@ -304,85 +328,115 @@ class MoeKernels:
         args = (b.h, *wargs, b.n_union, b.union_e, b.union_mask, b.union_slot, act,
                 np.int32(inter), np.int32(hidden), np.int32(top_k), np.int32(first),
                 k._dummy if bias is None else bias, np.int32(bias is not None), np.int32(code), np.float32(limit or 0.0), np.float32(alpha))
-        name = gate_up_fp8_name(_mt(m)) if fp8 else gate_up_name(_mt(m))
-        self._launch(name, grid, (MOE_WARPS * 32,), args, stream)
+        self._launch(gate_up_name(_mt(m), fmt), grid, (MOE_WARPS * 32,), args, stream)
 
     def down(self, m: int, w_down: Any, b: RouteBuffers, act: Any, out: Any, *, shared: tuple[Any, Any] | None = None,
              accumulate: bool, first: int = 0, bias: Any = None, stream: Any = None) -> None:
         """out f32 [M, H] (=|+=) the weighted sum of the chosen experts' down projections of act, plus
-        sigmoid-gated shared = (w_shared bf16 [H, S], act_shared f32 [M, S]) when given.  w_down bf16
-        [E, H, I] holding experts first .. (route's `held`), or FP8 experts (is_fp8: `data` uint8 [E, H, I], `scale`
-        f32 [E, ceil(H / srow), ceil(I / bk)]; I % 16 == 0), whose kernel takes the shared expert's down weight in
-        bf16 or FP8 (an Fp8Weight: `data` uint8 [H, S], `scale` [ceil(H / srow), ceil(S / bk)], S % 16 == 0); bf16
-        experts take a bf16 shared expert only.  `bias` bf16 [E, H]: each expert's, added to its projection before
-        the routing weight scales it."""
+        sigmoid-gated shared = (w_shared [H, S], act_shared f32 [M, S]) when given.  w_down [E, H, I] holding experts
+        first .. (route's `held`): bf16, or experts kept as stored in a format of EXPERT_FORMATS (I a multiple of its
+        chunk); the shared expert's down weight is bf16, or in the experts' format (an FP8 projection's Fp8Weight
+        beside FP8 experts: `data` uint8 [H, S], `scale` [ceil(H / srow), ceil(S / bk)]).  `bias` bf16 [E, H]: each
+        expert's, added to its projection before the routing weight scales it."""
         np, k = self._np, self.k
-        fp8, wargs = is_fp8(w_down), self._experts(w_down, "w_down")
+        fmt, wargs = self._experts(w_down, "w_down")
         k._f32(out, "out", 2)
         e, hidden, inter = w_down.shape
         top_k = b.idx.shape[1]
         k._shape(out, "out", (m, hidden))
         k._shape(act, "act", (MOE_MAX_ROWS * top_k, inter))
         self._common(m, hidden, inter, wargs[0], act, b)
-        if fp8 and shared is not None and is_fp8(shared[0]):
-            s_fp8 = self._fp8_shared(shared, m, hidden)
-            w_s, act_s, s = k._dummy, shared[1], shared[0].shape[1]
+        s_fmt = None if shared is None else expert_format(shared[0])
+        if s_fmt is not None and s_fmt != "bf16":
+            if s_fmt != fmt:
+                name = EXPERT_FORMATS[s_fmt].name
+                raise ValueError(f"moe down: an {name} shared expert takes {name} experts (experts in another format "
+                                 "read a bf16 one)")
+            w_s, act_s, s, s_args = self._stored_shared(shared, m, hidden)
         else:
-            if shared is not None and is_fp8(shared[0]):
-                raise ValueError("moe down: an FP8 shared expert takes FP8 experts (bf16 experts read a bf16 one)")
             w_s, act_s, s = self._shared(shared, m, hidden, b, "down")
-            s_fp8 = (k._dummy, k._dummy, np.int32(1), np.int32(16), np.int32(1), np.int32(0))
+            s_args = (k._dummy, np.int32(1), np.int32(8), np.int32(0), np.int32(0))
         k._disjoint(out, "out", act, "act")
         self._bias(bias, (e, hidden), "down bias")
         parts, shared_parts = down_parts(e, top_k, inter, s)
-        tail = (b.wts, b.n_union, b.union_e, b.union_mask, b.union_slot, act_s, w_s)
-        if fp8:
-            tail += s_fp8
-        args = (act, *wargs, *tail, b.sgate,
+        args = (act, *wargs, b.wts, b.n_union, b.union_e, b.union_mask, b.union_slot, act_s, w_s, *s_args, b.sgate,
                 np.int32(s), out, np.int32(m), np.int32(hidden), np.int32(inter), np.int32(top_k),
                 np.int32(parts), np.int32(shared_parts), np.int32(1 if accumulate else 0), np.int32(first),
                 k._dummy if bias is None else bias, np.int32(bias is not None))
-        name = down_fp8_name(_mt(m)) if fp8 else down_name(_mt(m))
-        self._launch(name, (-(-hidden // down_rows(_mt(m))),), (MOE_DOWN_WARPS * 32,), args, stream)
+        self._launch(down_name(_mt(m), fmt), (-(-hidden // down_rows(_mt(m))),), (MOE_DOWN_WARPS * 32,), args, stream)
 
-    def _fp8_weight(self, w: Any, what: str, ndim: int) -> tuple[Any, Any, Any, Any, Any, Any]:
-        """(data, scale, SB, srow, bk, KB) of an FP8 weight checked as fp8.Fp8Kernels._weight checks one: e4m3 bytes
-        uint8 [(E,) N, K], fp32 scales [(E,) ceil(N / srow), ceil(K / bk)], K and bk multiples of 16 (a 16-byte
-        chunk never spans two scale blocks), 16-byte aligned."""
+    def dequant_bf16(self, w: Any, expert: int, out: Any, *, stream: Any = None) -> None:
+        """out bf16 [N, K] = expert `expert` (its index in w) of stacked experts w [E, N, K] kept as stored in a format
+        of DEQUANT_FORMATS (MXFP4), each weight its exact value rounded to bf16 (nearest even): the MoE prefill's
+        weights for cuBLAS, the values the rows path computes with."""
+        np, k = self._np, self.k
+        fmt, wargs = self._experts(w, "w")
+        if fmt not in DEQUANT_FORMATS:
+            raise ValueError(f"moe dequant: no dequantization kernel for {EXPERT_FORMATS[fmt].name} experts "
+                             f"(it has {', '.join(EXPERT_FORMATS[f].name for f in DEQUANT_FORMATS)})")
+        e, n, kk = w.shape
+        if not 0 <= expert < e:
+            raise ValueError(f"moe dequant: expert {expert} of {e}")
+        k._bf16(out, "out", 2)
+        k._shape(out, "out", (n, kk))
+        k._aligned(out, "out")
+        chunks = n * kk // EXPERT_FORMATS[fmt].chunk
+        if chunks == 0:
+            return
+        args = (*wargs, np.int32(expert), out, np.int32(n), np.int32(kk))
+        self._launch(dequant_name(fmt), (-(-chunks // 256),), (256,), args, stream)
+
+    def _stored(self, w: Any, what: str, ndim: int) -> tuple[str, tuple[Any, ...]]:
+        """(format, (data, scale, SB, srow, bk, KB)) of a weight kept as stored (expert_format), checked: bytes `data`
+        uint8 [(E,) N, K * 16 / chunk] of logical shape [(E,) N, K], its scale grid [(E,) ceil(N / srow), ceil(K / bk)]
+        in the format's scale dtype, K and bk multiples of the format's chunk (a 16-byte chunk never spans two scale
+        blocks; bk the format's one block width where it has one), 16-byte aligned."""
         k, np = self.k, self._np
-        data, scale, srow, bk = w.data, w.scale, int(w.srow), int(w.bk)
+        fmt = expert_format(w)
+        spec = EXPERT_FORMATS.get(fmt)
+        if spec is None or spec.scale is None:
+            raise ValueError(f"{what}: no experts kernels for weights of format {fmt!r}")
+        data, scale, srow, bk, shape = w.data, w.scale, int(w.srow), int(w.bk), tuple(w.shape)
         k._arr(data, what)
-        if data.dtype != np.uint8 or data.ndim != ndim:
-            raise ValueError(f"{what}: expected uint8 e4m3 bytes of {ndim} dims, got {data.dtype} {tuple(data.shape)}")
-        k._f32(scale, f"{what} scale", ndim)
-        n, kk = data.shape[-2:]
-        if kk % 16 or bk % 16 or bk <= 0 or srow <= 0:
-            raise ValueError(f"{what}: K ({kk}) and the scale block width ({bk}) must be multiples of 16")
+        if data.dtype != np.uint8 or data.ndim != ndim or len(shape) != ndim:
+            raise ValueError(f"{what}: expected uint8 {spec.name} bytes of {ndim} dims, got {data.dtype} "
+                             f"{tuple(data.shape)}")
+        n, kk = shape[-2:]
+        c = spec.chunk
+        if kk % c or bk % c or bk <= 0 or srow <= 0 or (spec.block is not None and (bk, srow) != (spec.block, 1)):
+            raise ValueError(f"{what}: K ({kk}) and the scale block width ({bk}) must be multiples of {c}"
+                             + (f" ({spec.name}: blocks of 1 x {spec.block})" if spec.block else ""))
+        k._shape(data, what, shape[:-1] + (kk * 16 // c,))
+        k._arr(scale, f"{what} scale")
+        if scale.dtype != np.dtype(spec.scale) or scale.ndim != ndim:
+            raise ValueError(f"{what} scale: expected {spec.scale} of {ndim} dims, got {scale.dtype} "
+                             f"{tuple(scale.shape)}")
         sb, kb = -(-n // srow), -(-kk // bk)
-        k._shape(scale, f"{what} scale", data.shape[:-2] + (sb, kb))
+        k._shape(scale, f"{what} scale", shape[:-2] + (sb, kb))
         k._aligned(data, what)
-        return data, scale, np.int32(sb), np.int32(srow), np.int32(bk), np.int32(kb)
+        return fmt, (data, scale, np.int32(sb), np.int32(srow), np.int32(bk), np.int32(kb))
 
-    def _experts(self, w: Any, what: str) -> tuple[Any, ...]:
-        """The experts kernels' weight arguments, checked: (w,) of bf16 experts [E, N, K], or (data, scale, SB, srow,
-        bk, KB) of stacked FP8 experts (is_fp8)."""
-        if is_fp8(w):
-            return self._fp8_weight(w, what, 3)
+    def _experts(self, w: Any, what: str) -> tuple[str, tuple[Any, ...]]:
+        """(format, the experts kernels' weight arguments (w, ws, SB, srow, bk, KB)), checked: bf16 experts [E, N, K]
+        (no scales: stand-ins), or stacked experts kept as stored (_stored)."""
+        if expert_format(w) != "bf16":
+            return self._stored(w, what, 3)
+        np = self._np
         self.k._bf16(w, what, 3)
-        return (w,)
+        return "bf16", (w, self.k._dummy, np.int32(0), np.int32(1), np.int32(8), np.int32(0))
 
-    def _fp8_shared(self, shared: tuple[Any, Any], m: int, hidden: int) -> tuple[Any, ...]:
-        """moe_down_fp8_kernel's shared-expert arguments (w_s8, ws_s, s_srow, s_bk, s_KB, s_fp8) of an FP8 shared down
-        weight [hidden, S] and its activations f32 [m, S], checked."""
+    def _stored_shared(self, shared: tuple[Any, Any], m: int, hidden: int) -> tuple[Any, Any, int, tuple[Any, ...]]:
+        """(w_s, act_s, S, (ws_s, s_srow, s_bk, s_KB, s_fmt)) of a shared down weight [hidden, S] kept as stored in
+        the experts' format and its activations f32 [m, S], checked."""
         k, np = self.k, self._np
         w, a = shared
-        data, scale, _, srow, bk, kb = self._fp8_weight(w, "w_shared", 2)
-        width = data.shape[1]
-        k._shape(data, "w_shared", (hidden, width))
+        _, (data, scale, _, srow, bk, kb) = self._stored(w, "w_shared", 2)
+        width = w.shape[1]
+        k._shape(data, "w_shared", (hidden, data.shape[1]))
         k._f32(a, "act_shared", 2)
         k._shape(a, "act_shared", (m, width))
         k._aligned(a, "act_shared")
-        return data, scale, srow, bk, kb, np.int32(1)
+        return data, a, width, (scale, srow, bk, kb, np.int32(1))
 
     def _bias(self, bias: Any, shape: tuple[int, int], what: str) -> None:
         """An experts kernel's optional bias: bf16 of `shape` ([E, N], the held experts'), checked."""
@@ -425,5 +479,5 @@ class MoeKernels:
             k._aligned(a, name)
 
 
-__all__ = ["MOE_ACTIVATIONS", "MoeKernels", "ROUTER_KINDS", "RouteBuffers", "down_parts", "is_fp8", "module_source",
-           "name_expressions", "router_args"]
+__all__ = ["EXPERT_FORMATS", "MOE_ACTIVATIONS", "MoeKernels", "ROUTER_KINDS", "RouteBuffers", "down_parts",
+           "expert_format", "is_fp8", "module_source", "name_expressions", "router_args"]

@@ -19,7 +19,7 @@
 // Formats (F):
 //   QE4m3  FP8 e4m3, 16 values a chunk (e4m3.cu's exact conversion);
 //   QE2m1  NVFP4's e2m1, 32 values a chunk as eight 32-bit words, value k in bits 4 (k % 8) .. of word k / 8
-//          (codes 0..7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6; bit 3 the sign, code 8 is -0);
+//          (e2m1.cu's exact conversion, two codes a half-precision multiply);
 //   QInt4  symmetric int4 (pack-quantized: q + 8 stored), the same packing, value code - 8.
 //
 // qgemv_kernel<F, S, M, R, SWIGLU>:  out[M, N] (=|+=) x[M, K] @ (w * scale)[N, K]^T (+ bias), fp32 accumulation,
@@ -29,6 +29,7 @@
 // 1 <= M <= 16, w, x and the norm weight 16-byte aligned.
 #include "common.cu"
 #include "e4m3.cu"
+#include "e2m1.cu"
 #include "gemv.cu"
 
 struct QE4m3 {
@@ -48,17 +49,7 @@ __device__ __forceinline__ unsigned int u4_word(const uint4& q, int j) {
 
 struct QE2m1 {
     static constexpr int VALS = 32;
-    // e2m1's magnitudes twice over (0 1 2 3 4 6 8 12), a nibble each of the constant, halved; the sign bit set
-    // directly, so code 8 is -0 as in the NumPy table
-    static __device__ __forceinline__ void widen8(const uint4& q, int j, float (&w)[8]) {
-        const unsigned int word = u4_word(q, j);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const unsigned int code = (word >> (4 * i)) & 0xFu;
-            const float mag = (float)((0xC8643210u >> ((code & 7u) * 4u)) & 0xFu) * 0.5f;
-            w[i] = __uint_as_float(__float_as_uint(mag) | ((code & 8u) << 28));
-        }
-    }
+    static __device__ __forceinline__ void widen8(const uint4& q, int j, float (&w)[8]) { e2m1x8<0>(u4_word(q, j), w); }
 };
 
 struct QInt4 {

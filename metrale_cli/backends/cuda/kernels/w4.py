@@ -22,8 +22,8 @@ def padded_words(k: int) -> int:
 
 
 def module_source() -> str:
-    """common.cu, e4m3.cu, gemv.cu (its epilogue), then qgemv.cu."""
-    return joined_source("e4m3.cu", "gemv.cu", "qgemv.cu")
+    """common.cu, e4m3.cu and e2m1.cu (the conversions), gemv.cu (its epilogue), then qgemv.cu."""
+    return joined_source("e4m3.cu", "e2m1.cu", "gemv.cu", "qgemv.cu")
 
 
 def instance_names() -> tuple[str, ...]:
