@@ -718,6 +718,19 @@ __global__ void moe_dequant_bf16_kernel(const unsigned char* __restrict__ w, con
         const int*, const unsigned int*, const int*, const float*, const unsigned char*, const unsigned char*, int,  \
         int, int, int, const float*, int, float*, int, int, int, int, int, int, int, int, const unsigned short*,     \
         int);
+#define MOE_ROUTE_INSTANCES(NS)                                                                            \
+    template __global__ void moe_route_kernel<NS>(const float*, int, const float*, const unsigned short*, \
+                                                  float, float, int, int, int, int, int, int, int*,        \
+                                                  float*, float*, float*, int*, int*, unsigned int*, int*, \
+                                                  int, int, int, int, int, float, const float*, int);      \
+    template __global__ void moe_topk_rows_kernel<NS>(const float*, int, int, int, int, int, int, int*,   \
+                                                      float*, float*, int, int, int, float, const float*,  \
+                                                      int);
+MOE_ROUTE_INSTANCES(1)
+MOE_ROUTE_INSTANCES(4)
+MOE_ROUTE_INSTANCES(8)
+MOE_ROUTE_INSTANCES(16)
+MOE_ROUTE_INSTANCES(32)
 #define MOE_FORMAT_INSTANCES(W) \
     MOE_INSTANCES(1, 4, W)      \
     MOE_INSTANCES(2, 4, W)      \
