@@ -707,7 +707,8 @@ __global__ void moe_dequant_bf16_kernel(const unsigned char* __restrict__ w, con
 
 // Instances (kernels/moe.py names them): per format W, MT in {1, 2, 4, 8, 16}; gate_up R = 1; down R = 4, 4, 4, 2,
 // 1 (its shared memory holds items x R x MT floats: 16.5 KB for each); the prefill's dequantization for the formats
-// the prefill cannot read as stored (MXFP4; FP8's is fp8.cu's dequant_fp8_bf16_kernel).
+// the prefill cannot read as stored (MXFP4; FP8's is qgemv.cu's qdequant_bf16_kernel); the route and top-k kernels
+// per slot count (MOE_SLOTS).
 #ifndef METRALE_NVRTC  // a standalone `nvcc -ptx moe.cu` compiles every instance the engine uses
 #define MOE_INSTANCES(MT, DR, W)                                                                                     \
     template __global__ void moe_gate_up_kernel<MT, 1, W>(                                                           \
