@@ -115,3 +115,32 @@ def test_the_group_index_by_a_high_multiply_is_exact():
         magic = -(-(1 << 32) // group)
         assert magic < 1 << 31  # passed as an int
         assert np.array_equal((k * np.uint64(magic)) >> np.uint64(32), k // np.uint64(group)), group
+
+
+def test_each_pair_compiles_on_its_first_launch(kern):  # noqa: F811
+    """A model's weights use one or two (value, scale) pairs: W4Kernels compiles a module for a pair only when one of
+    its kernels first launches, and FP8's activation quantization comes with its one pair's module."""
+    from types import SimpleNamespace
+
+    compiled = []
+
+    class Module:
+        def __init__(self, code, options, name_expressions):
+            compiled.append(tuple(name_expressions))
+            self.names = name_expressions
+
+        def get_function(self, n):
+            return Recorder(n, kern.calls)
+
+    kern._cp = SimpleNamespace(RawModule=Module, ndarray=FakeArray)
+    g = w4_kernels.W4Kernels(kern)
+    assert compiled == []
+    K, N = 64, 32  # noqa: N806
+    w, scale = FakeArray((N, w4_kernels.padded_words(K)), np.uint32), FakeArray((N, K // 16), np.uint8)
+    for _ in range(2):
+        g.gemv(FakeArray((1, K), np.float32), w, scale, 16, "e2m1", "e4m3_div", FakeArray((N,), np.float32),
+               FakeArray((1, N), np.float32))
+    assert compiled == [qgemv.name_expressions((w4_kernels.PAIRS[("e2m1", "e4m3_div")],))]
+    f = fp8_kernels.Fp8Kernels(kern)
+    f.act_quant(FakeArray((1, K), np.float32), 64, False, None, FakeArray((1, K), np.float32))
+    assert compiled[1] == qgemv.name_expressions((fp8_kernels.PAIR,)) and len(compiled) == 2

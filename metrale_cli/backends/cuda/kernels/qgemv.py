@@ -41,34 +41,45 @@ def chunks(policy: str, k: int) -> int:
 
 
 class QuantKernels:
-    """A module of qgemv.cu's instances for `pairs` (value policy, scale policy) and the extra kernels `plain` of
-    `source`, launched through `kern` (a cuda.kernels.Kernels) for its checks and PDL. `what` names the weights in a
-    compile error."""
+    """qgemv.cu's instances for `pairs` (value policy, scale policy) and the extra kernels `plain` of `source`,
+    launched through `kern` (a cuda.kernels.Kernels) for its checks and PDL. Each pair's instances are a module of
+    their own, compiled on its first launch (a model uses one or two pairs; compiling all of a family's would cost
+    seconds of NVRTC for nothing); `plain` comes with the first pair's. `what` names the weights in a compile error."""
 
     def __init__(self, kern: Any, source: str, pairs: tuple[tuple[str, str], ...], plain: tuple[str, ...],
                  what: str) -> None:
-        cp = kern._cp
-        self.k, self._cp, self._np = kern, cp, kern._np
-        names = name_expressions(pairs)
-        try:
-            module = cp.RawModule(code=source, options=("-std=c++17",), name_expressions=names)
-            self._fn = {n: module.get_function(n) for n in names + plain}
-        except Exception as e:  # an NVRTC or driver failure: one clear line
-            from ....errors import DeviceError
+        self.k, self._cp, self._np = kern, kern._cp, kern._np
+        self._source, self._what = source, what
+        self._pair_of = {n: p for p in pairs for n in name_expressions((p,))}
+        self._pair_of.update({n: pairs[0] for n in plain})
+        self._plain, self._first = plain, pairs[0]
+        self._fn: dict[str, Any] = {}
 
-            raise DeviceError(f"cannot compile the {what} kernels ({type(e).__name__}: {str(e).splitlines()[0]})") \
-                from None
+    def _function(self, name: str) -> Any:
+        if name not in self._fn:
+            pair = self._pair_of[name]
+            names = name_expressions((pair,))
+            plain = self._plain if pair == self._first else ()
+            try:
+                module = self._cp.RawModule(code=self._source, options=("-std=c++17",), name_expressions=names)
+                self._fn.update({n: module.get_function(n) for n in names + plain})
+            except Exception as e:  # an NVRTC or driver failure: one clear line
+                from ....errors import DeviceError
+
+                raise DeviceError(f"cannot compile the {self._what} kernels ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0]})") from None
+        return self._fn[name]
 
     def _launch(self, name: str, grid: tuple, block: tuple, args: tuple, stream: Any) -> None:
-        k = self.k
+        k, fn = self.k, self._function(name)
         if k.pdl:
             if k._pdl_launcher is None:
                 from .pdl import PdlLauncher
 
                 k._pdl_launcher = PdlLauncher(self._cp)
-            k._pdl_launcher.launch(self._fn[name], grid, block, args, stream, 0)
+            k._pdl_launcher.launch(fn, grid, block, args, stream, 0)
         else:
-            self._fn[name](grid, block, args, stream=stream)
+            fn(grid, block, args, stream=stream)
 
     def _quant_weight(self, pair: tuple[str, str], w: Any, scale: Any, factor: Any, srow: int, group: int,
                       k_in: int) -> int:
