@@ -67,6 +67,21 @@ def rows(e, ptr, n):
     return np.stack(out)
 
 
+def decoded_and_verified(gpu, prompt, drafts) -> tuple[np.ndarray, np.ndarray]:
+    """(each draft's decode-step logits, one after another; the verify pass's rows over the same drafts), both after a
+    fresh prefill of `prompt`: verify must equal sequential decoding."""
+    gpu.reset()
+    gpu.prefill(prompt)
+    seq = []
+    for t in drafts:
+        gpu.decode(t)
+        seq.append(rows(gpu, gpu.decode_logits_ptr(), 1)[0])
+    gpu.reset()
+    gpu.prefill(prompt)
+    gpu.verify(drafts)
+    return np.stack(seq), rows(gpu, gpu.logits_buffer_ptr(), len(drafts))
+
+
 def nan_like(cp, shape):
     return cp.full(shape, np.nan, dtype=cp.float32)
 

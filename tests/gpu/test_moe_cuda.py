@@ -38,7 +38,8 @@ from metrale_cli.models.spec import MoeSpec
 from metrale_cli.random_weights import RandomTensors
 from metrale_cli.engine.observe import tapping
 
-from gpu_helpers import assert_near_tie, assert_union, bf16_bits, rand_bf16, rel, rows, untied_logits
+from gpu_helpers import (assert_near_tie, assert_union, bf16_bits, decoded_and_verified, rand_bf16, rel, rows,
+                         untied_logits)
 
 pytestmark = pytest.mark.gpu
 
@@ -412,18 +413,9 @@ def test_moe_verify_equals_sequential_and_trim(cp, checkpoints, name, k, rng, se
     g = trace(gpu, [prompt, drafts])
     spec = _spec(gpu)
     assert any(len({tuple(sorted(r)) for r in idx[len(prompt):]}) > 1 for idx, _ in g.values()), f"seed={seed}"
-    gpu.reset()
-    gpu.prefill(prompt)
-    seq = []
-    for t in drafts:
-        gpu.decode(t)
-        seq.append(rows(gpu, gpu.decode_logits_ptr(), 1)[0])
-    gpu.reset()
-    gpu.prefill(prompt)
-    gpu.verify(drafts)
-    ver = rows(gpu, gpu.logits_buffer_ptr(), k)
+    seq, ver = decoded_and_verified(gpu, prompt, drafts)
     # the same kernels on the same rows (the router GEMV differs by its row count only)
-    assert rel(ver, np.stack(seq)) <= 1e-3, f"seed={seed}"
+    assert rel(ver, seq) <= 1e-3, f"seed={seed}"
     n = first_flip(trace(cpu, [prompt, drafts]), g, spec, seed) - len(prompt)
     if n > 0:
         cpu.reset()

@@ -23,7 +23,7 @@ from metrale_cli import decoding
 from metrale_cli.engine.ops import Route
 from metrale_cli.models.spec import MoeSpec
 
-from gpu_helpers import assert_near_tie, rand_bf16, rel, rows
+from gpu_helpers import assert_near_tie, decoded_and_verified, rand_bf16, rel, rows
 from test_fp8 import write_fp8
 from test_moe_cuda import TOL, _route, _spec, first_flip, moe_kernels, pair, trace  # noqa: F401 (a fixture)
 
@@ -197,17 +197,8 @@ def test_fp8_moe_verify_equals_sequential(cp, checkpoints, name, k, rng, seed):
     cpu, gpu = pair(checkpoints[name], 64)
     prompt = [int(t) for t in rng.integers(0, gpu.vocab_size(), 9)]
     drafts = [int(t) for t in rng.integers(0, gpu.vocab_size(), k)]
-    gpu.reset()
-    gpu.prefill(prompt)
-    seq = []
-    for t in drafts:
-        gpu.decode(t)
-        seq.append(rows(gpu, gpu.decode_logits_ptr(), 1)[0])
-    gpu.reset()
-    gpu.prefill(prompt)
-    gpu.verify(drafts)
-    ver = rows(gpu, gpu.logits_buffer_ptr(), k)
-    assert rel(ver, np.stack(seq)) <= 1e-3, f"seed={seed}"  # the router GEMV differs by its row count only
+    seq, ver = decoded_and_verified(gpu, prompt, drafts)
+    assert rel(ver, seq) <= 1e-3, f"seed={seed}"  # the router GEMV differs by its row count only
     n = first_flip(trace(cpu, [prompt, drafts]), trace(gpu, [prompt, drafts]), _spec(gpu), seed) - len(prompt)
     if n > 0:
         cpu.reset()

@@ -33,7 +33,7 @@ from metrale_cli.models.quantized import mxfp4
 from metrale_cli.models.spec import RouterSpec
 from metrale_cli.random_weights import RandomTensors
 
-from gpu_helpers import assert_near_tie, rand_bf16, rel, rows
+from gpu_helpers import assert_near_tie, decoded_and_verified, rand_bf16, rel, rows
 from test_gpt_oss_cuda import ARCHS as OSS_ARCHS
 from test_gpt_oss_cuda import BASE as OSS_BASE
 from test_gpt_oss_cuda import pair
@@ -217,17 +217,8 @@ def test_mxfp4_moe_verify_equals_sequential(cp, checkpoint, k, rng, seed):
     cpu, gpu = pair(checkpoint, 64)
     prompt = [int(t) for t in rng.integers(0, gpu.vocab_size(), 20)]  # past the window of 16
     drafts = [int(t) for t in rng.integers(0, gpu.vocab_size(), k)]
-    gpu.reset()
-    gpu.prefill(prompt)
-    seq = []
-    for t in drafts:
-        gpu.decode(t)
-        seq.append(rows(gpu, gpu.decode_logits_ptr(), 1)[0])
-    gpu.reset()
-    gpu.prefill(prompt)
-    gpu.verify(drafts)
-    ver = rows(gpu, gpu.logits_buffer_ptr(), k)
-    assert rel(ver, np.stack(seq)) <= 1e-3, f"seed={seed}"  # the router GEMV differs by its row count only
+    seq, ver = decoded_and_verified(gpu, prompt, drafts)
+    assert rel(ver, seq) <= 1e-3, f"seed={seed}"  # the router GEMV differs by its row count only
     n = first_flip(trace(cpu, [prompt, drafts]), trace(gpu, [prompt, drafts]), _spec(gpu), seed) - len(prompt)
     if n > 0:
         cpu.reset()

@@ -125,8 +125,8 @@ def module_source() -> str:
 
 def name_expressions() -> tuple[str, ...]:
     routes = tuple(n for ns in MOE_SLOTS for n in (route_name(32 * ns), topk_rows_name(32 * ns)))
-    return (routes + tuple(n for fmt in EXPERT_FORMATS for mt in MOE_MTS for n in (gate_up_name(mt, fmt), down_name(mt, fmt)))
-            + tuple(dequant_name(fmt) for fmt in DEQUANT_FORMATS))
+    experts = tuple(n for fmt in EXPERT_FORMATS for mt in MOE_MTS for n in (gate_up_name(mt, fmt), down_name(mt, fmt)))
+    return routes + experts + tuple(dequant_name(fmt) for fmt in DEQUANT_FORMATS)
 
 
 # models/spec.RouterSpec kinds with a device function (routers.cu's MOE_ROUTER_*); the others are refused.

@@ -131,9 +131,9 @@ class QuantKernels:
             k._shape(norm_weight, "norm_weight", (kk,))
         grid = (-(-n_out // (QGEMV_WARPS * rows_per_warp(m, swiglu))),)
         args = (x, w, scale, k._dummy if factor is None else factor, np.int32(srow), np.int32(-(-(1 << 32) // group)),
-                np.int32(-(-kk // group)), bias if bias is not None else out, out, np.int32(n_out), np.int32(kk), np.int32(bool(accumulate)),
-                np.int32(bias is not None), norm_weight if norm_weight is not None else k._dummy,
-                np.int32(norm_weight is not None),
+                np.int32(-(-kk // group)), bias if bias is not None else out, out, np.int32(n_out), np.int32(kk),
+                np.int32(bool(accumulate)), np.int32(bias is not None),
+                norm_weight if norm_weight is not None else k._dummy, np.int32(norm_weight is not None),
                 np.float32(eps), np.float32(norm_offset), k._act(activation))
         self._launch(gemv_name(pair, m, swiglu), grid, (QGEMV_WARPS * 32,), args, stream)
 
