@@ -1,0 +1,170 @@
+"""Is the FP8 GEMV bound by its e4m3 -> fp32 widening? One question, one run on a GPU:
+
+    PYTHONPATH=. python3 -m benchmarks.bench_fp8_widen [N K]      # default 28672 4096 (an 8B model's gate_up)
+
+qgemv.cu's QE4m3 policy widens with `cvt.rn.f16x2.e4m3x2` and a half-to-float per value. This benchmark times three
+stripped one-row GEMVs over the same e4m3 weight [N, K] with [128, 128] block scales, laid out and walked as qgemv.cu
+walks them (a warp owns 4 rows, 16-byte chunks, 2 in flight, each eight values' dot product scaled once):
+  cvt    QE4m3's widening;
+  int    an integer widening: the byte's low 7 bits at bit 20 and its sign at bit 31 are the value times 2^-120,
+         exactly, subnormals included; the 2^120 joins the eight values' scale (exact for scales below 2^8);
+  bytes  no widening (the bytes summed as integers): what the access pattern alone reads at.
+It first checks that the two widenings agree on every e4m3 byte but NaN, and that both GEMVs match float64. Each
+time is a CUDA graph of 32 launches over rotating weight copies (bench_kernels' timer), beside the read bandwidth of
+`metrale bench`'s read-only kernel in the same run. An experiment: the engine's kernel changes only if `int` wins."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+SOURCE = r"""
+typedef unsigned long long u64;
+
+__device__ __forceinline__ float2 e4m3x2_cvt(unsigned short v) {
+    unsigned int h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(v));
+    float lo, hi;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((unsigned short)(h2 & 0xffffu)));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((unsigned short)(h2 >> 16)));
+    return make_float2(lo, hi);
+}
+
+// MODE 0: cvt (values); 1: int (values x 2^-120); 2: bytes (no widening)
+template <int MODE>
+__device__ __forceinline__ void widen8(unsigned int lo, unsigned int hi, float (&w)[8]) {
+    if (MODE == 0) {
+        const float2 a = e4m3x2_cvt(lo & 0xffffu), b = e4m3x2_cvt(lo >> 16);
+        const float2 c = e4m3x2_cvt(hi & 0xffffu), d = e4m3x2_cvt(hi >> 16);
+        w[0] = a.x, w[1] = a.y, w[2] = b.x, w[3] = b.y, w[4] = c.x, w[5] = c.y, w[6] = d.x, w[7] = d.y;
+    } else if (MODE == 1) {
+        const unsigned int v[2] = {lo, hi};
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const unsigned int b = v[h] >> (8 * i);
+                w[4 * h + i] = __uint_as_float(((b & 0x80u) << 24) | ((b & 0x7fu) << 20));
+            }
+    } else {
+        const unsigned int v[2] = {lo, hi};
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) w[4 * h + i] = __int_as_float((int)((v[h] >> (8 * i)) & 0xffu));
+    }
+}
+
+extern "C" __global__ void widen_all(float* cvt, float* ints) {
+    const unsigned int b = threadIdx.x;  // 256 threads: every byte
+    float w[8];
+    widen8<0>(b, 0u, w);
+    cvt[b] = w[0];
+    widen8<1>(b, 0u, w);
+    ints[b] = w[0];
+}
+
+// out[n] = sum_k w[n, k] * scale[n / 128, k / 128] * x[k], one row of x; a warp owns 4 rows.
+template <int MODE>
+__global__ void __launch_bounds__(128) gemv1(const float* __restrict__ x, const uint4* __restrict__ w,
+                                             const float* __restrict__ scale, float* __restrict__ out, int N, int K) {
+    const int lane = threadIdx.x & 31, n0 = (blockIdx.x * 4 + (threadIdx.x >> 5)) * 4;
+    if (n0 >= N) return;
+    const int C = K / 16, KB = K / 128;
+    const float bias = MODE == 1 ? 1.329228e36f : 1.0f;  // 2^120
+    const uint4* rows[4];
+    const float* srow[4];
+    for (int r = 0; r < 4; ++r) {
+        const int n = min(n0 + r, N - 1);
+        rows[r] = w + (u64)n * C;
+        srow[r] = scale + (u64)(n / 128) * KB;
+    }
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int c0 = lane; c0 < C; c0 += 64) {
+        uint4 wv[2][4];
+#pragma unroll
+        for (int u = 0; u < 2; ++u)
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+                if (c0 + 32 * u < C) wv[u][r] = __ldcs(rows[r] + c0 + 32 * u);
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            const int c = c0 + 32 * u;
+            if (c >= C) break;
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int k = 16 * c + 8 * j;
+                const float4 a = __ldg(reinterpret_cast<const float4*>(x + k)), b = __ldg(reinterpret_cast<const float4*>(x + k) + 1);
+                const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    float wf[8];
+                    widen8<MODE>(j ? wv[u][r].z : wv[u][r].x, j ? wv[u][r].w : wv[u][r].y, wf);
+                    float dot = 0.f;
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) dot = fmaf(wf[i], xv[i], dot);
+                    acc[r] = fmaf(__ldg(srow[r] + (k >> 7)) * bias, dot, acc[r]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        float v = acc[r];
+        for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (lane == r && n0 + r < N) out[n0 + r] = v;
+    }
+}
+"""
+MODES = {"cvt": 0, "int": 1, "bytes": 2}
+
+
+def main() -> int:
+    import cupy as cp
+    import ml_dtypes
+
+    from benchmarks.bench_kernels import L2_BYTES, _graph_time_ms
+    from metrale_cli.bench import read_bandwidth_gpu
+
+    n, k = (int(a) for a in sys.argv[1:3]) if len(sys.argv) >= 3 else (28672, 4096)
+    names = [f"gemv1<{m}>" for m in MODES.values()]
+    module = cp.RawModule(code=SOURCE, options=("-std=c++17",), name_expressions=names)
+    fn = {name: module.get_function(f"gemv1<{m}>") for name, m in MODES.items()}
+
+    cvt, ints = cp.zeros(256, cp.float32), cp.zeros(256, cp.float32)
+    module.get_function("widen_all")((1,), (256,), (cvt, ints))
+    a, b = cvt.get(), (ints.get().astype(np.float64) * 2.0**120)
+    nan = np.isnan(np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32))
+    assert np.array_equal(a[~nan].astype(np.float64), b[~nan]), "the widenings disagree"
+    print(f"widenings: cvt and int agree on all {int((~nan).sum())} non-NaN e4m3 bytes")
+
+    rng = np.random.default_rng(0)
+    q = rng.uniform(-448, 448, (n, k)).astype(ml_dtypes.float8_e4m3fn)
+    scale = np.exp(rng.uniform(-10, -5, (-(-n // 128), k // 128))).astype(np.float32)
+    x = rng.standard_normal(k).astype(np.float32)
+    want = (q.astype(np.float64) * np.repeat(np.repeat(scale, 128, 0)[:n], 128, 1)) @ x.astype(np.float64)
+    copies = max(2, -(-2 * L2_BYTES // (n * k)))
+    ws = [cp.asarray(q.view(np.uint8)) for _ in range(copies)]
+    ds, dx = cp.asarray(scale), cp.asarray(x)
+    out = cp.zeros(n, cp.float32)
+    grid = (-(-n // 16),)
+    bw = read_bandwidth_gpu(cp)
+    floor_us = n * k / bw * 1e6
+    print(f"N={n} K={k}: {n * k / 2**20:.0f} MiB of e4m3, read bandwidth {bw / 1e9:.0f} GB/s, floor {floor_us:.1f} us")
+    for name, f in fn.items():
+        f(grid, (128,), (dx, ws[0], ds, out, np.int32(n), np.int32(k)))
+        if name != "bytes":
+            got = out.get().astype(np.float64)
+            err = float(np.abs(got - want).max() / np.abs(want).max())
+            assert err < 1e-5, (name, err)
+        launches = [lambda s, w=w: f(grid, (128,), (dx, w, ds, out, np.int32(n), np.int32(k)), stream=s)
+                    for w in ws * (32 // copies + 1)][:32]
+        us = _graph_time_ms(cp, launches) * 1e3
+        print(f"{name:5s}: {us:7.1f} us = {us / floor_us:.2f} x floor ({n * k / us / 1e3:.0f} GB/s)"
+              + ("" if name == "bytes" else f", rel err against float64 {err:.1e}"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
