@@ -322,7 +322,8 @@ def _run_bench(eng, name: str, cfg: ModelConfig, device: str, context: int, ks: 
     else:
         bw, gemm = read_bandwidth_cpu(), gemm_rate_cpu()
 
-    say(f"filling the KV cache to {context} positions")
+    say(f"filling the KV cache to {context} positions"
+        + (" (a machine's first run compiles the kernels the model needs: up to a minute)" if device == "cuda" else ""))
     eng.reset()
     eng.prefill([int(t) for t in rng.integers(0, cfg.vocab_size, context)])
     eng.synchronize()
