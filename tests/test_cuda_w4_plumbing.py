@@ -30,6 +30,10 @@ from test_quantized_compressed import FIXTURES, edited, modelopt_llama  # noqa: 
 # The engine's stand-ins (bf16 activations, KV cache, norms and lm_head) against the fp32 NumPy engine, as in
 # test_cuda_fp8_plumbing; the uploaded weights themselves are checked bit for bit below.
 TOL = 3e-2
+# One decode row after a trim is noisier than the prefill's rows (its own max |logit| the scale): over 80 draws each,
+# modelopt reached 1.0e-2, ct_nvfp4 1.8e-2 and ct_w4a16 3.5e-2 (beyond 3e-2 in 2 of about 90 runs, 4.4e-2 the
+# largest seen); a wiring error is O(1).
+DECODE_TOL = 6e-2
 GATE = "projections read as stored by the quantized GEMV (FP8, NVFP4, int4)"
 
 
@@ -128,7 +132,9 @@ def test_w4_weights_run_through_the_cuda_engine(tmp_path, fake_w4, kind, code, r
         assert rel(host_rows(e, e.logits_buffer_ptr()), host_rows(cpu, cpu.logits_buffer_ptr())) < TOL
     cpu.trim(21), e.trim(21)
     cpu.decode(5), e.decode(5)
-    assert rel(host_rows(e, e.decode_logits_ptr()), host_rows(cpu, cpu.decode_logits_ptr())) < TOL
+    derr = rel(host_rows(e, e.decode_logits_ptr()), host_rows(cpu, cpu.decode_logits_ptr()))
+    print(f"{kind} ({rows_path}): decode after trim {derr:.2e}")
+    assert derr < DECODE_TOL
     assert {c[0] for c in fake_w4.calls} == {"gemv", "dequant"}  # the rows path's GEMV and the prefill's dequant
     assert {c[1] for c in fake_w4.calls} == {code}
 
