@@ -27,7 +27,8 @@ from metrale_cli.config import parse_config
 from metrale_cli.model import open_model
 from metrale_cli.random_weights import RandomTensors
 
-from gpu_helpers import assert_close, bf16_bits, bits_f32, gelu_tanh, rand_bf16, rel, rows, tokens_agree
+from gpu_helpers import (assert_close, bf16_bits, bits_f32, decoded_and_verified, gelu_tanh, rand_bf16, rel, rows,
+                         tokens_agree)
 
 pytestmark = pytest.mark.gpu
 
@@ -349,16 +350,8 @@ def test_verify_equals_sequential_and_trim(cp, checkpoints, name, k, rng):
     cpu, gpu = pair(checkpoints[name])
     prompt = [int(t) for t in rng.integers(0, gpu.vocab_size(), 70)]
     drafts = [int(t) for t in rng.integers(0, gpu.vocab_size(), k)]
-    gpu.prefill(prompt)
-    seq = []
-    for t in drafts:
-        gpu.decode(t)
-        seq.append(rows(gpu, gpu.decode_logits_ptr(), 1)[0])
-    gpu.reset()
-    gpu.prefill(prompt)
-    gpu.verify(drafts)
-    ver = rows(gpu, gpu.logits_buffer_ptr(), k)
-    assert rel(ver, np.stack(seq)) <= TOL
+    seq, ver = decoded_and_verified(gpu, prompt, drafts)
+    assert rel(ver, seq) <= TOL
     cpu.prefill(prompt)
     cpu.verify(drafts)
     assert rel(ver, rows(cpu, cpu.logits_buffer_ptr(), k)) <= TOL

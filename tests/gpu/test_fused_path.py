@@ -16,18 +16,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_helpers import (
-    inv_freq_default,
-    nan_like,
-    rand_bf16,
-    random_checkpoints,
-    ref_attention,
-    rel,
-    rel_err,
-    rows,
-    tokens_agree,
-    TOL,
-)
+from gpu_helpers import (TOL, decoded_and_verified, inv_freq_default, nan_like, rand_bf16, random_checkpoints,
+                         ref_attention, rel, rel_err, rows, tokens_agree)
 
 from metrale_cli import decoding
 from metrale_cli.model import open_model
@@ -277,16 +267,8 @@ def test_fused_verify_equals_sequential_and_trim(cp, checkpoints, name, k, rng):
     gpu = gpu_engine(checkpoints[name])
     prompt = [int(t) for t in rng.integers(0, gpu.vocab_size(), 9)]
     drafts = [int(t) for t in rng.integers(0, gpu.vocab_size(), k)]
-    gpu.prefill(prompt)
-    seq = []
-    for t in drafts:
-        gpu.decode(t)
-        seq.append(rows(gpu, gpu.decode_logits_ptr(), 1)[0])
-    gpu.reset()
-    gpu.prefill(prompt)
-    gpu.verify(drafts)
-    ver = rows(gpu, gpu.logits_buffer_ptr(), k)
-    assert rel(ver, np.stack(seq)) <= TOL
+    seq, ver = decoded_and_verified(gpu, prompt, drafts)
+    assert rel(ver, seq) <= TOL
     plain = gpu_engine(checkpoints[name], fused=False)
     plain.prefill(prompt)
     plain.verify(drafts)

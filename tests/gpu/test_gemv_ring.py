@@ -14,19 +14,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_helpers import (
-    assert_close,
-    gelu_tanh,
-    nan_like,
-    rand_bf16,
-    random_checkpoints,
-    ref_rmsnorm,
-    rel,
-    rows,
-    silu,
-    tokens_agree,
-    TOL,
-)
+from gpu_helpers import (TOL, assert_close, decoded_and_verified, gelu_tanh, nan_like, rand_bf16, random_checkpoints,
+                         ref_rmsnorm, rel, rows, silu, tokens_agree)
 
 from metrale_cli import decoding
 from metrale_cli.model import open_model
@@ -251,16 +240,8 @@ def test_ring_verify_equals_sequential_and_trim(cp, checkpoints, name, k, rng):
     gpu = engine(checkpoints[name])
     prompt = [int(t) for t in rng.integers(0, gpu.vocab_size(), 9)]
     drafts = [int(t) for t in rng.integers(0, gpu.vocab_size(), k)]
-    gpu.prefill(prompt)
-    seq = []
-    for t in drafts:
-        gpu.decode(t)
-        seq.append(rows(gpu, gpu.decode_logits_ptr(), 1)[0])
-    gpu.reset()
-    gpu.prefill(prompt)
-    gpu.verify(drafts)
-    ver = rows(gpu, gpu.logits_buffer_ptr(), k)
-    assert rel(ver, np.stack(seq)) <= TOL
+    seq, ver = decoded_and_verified(gpu, prompt, drafts)
+    assert rel(ver, seq) <= TOL
     keep = int(rng.integers(0, k + 1))
     gpu.trim(len(prompt) + keep)
     gpu.decode(3)

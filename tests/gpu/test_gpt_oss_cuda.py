@@ -35,7 +35,7 @@ from metrale_cli.models.spec import MoeSpec, RouterSpec
 from metrale_cli.random_weights import RandomTensors
 
 from gpu_helpers import TOL as KERNEL_TOL
-from gpu_helpers import assert_near_tie, bits_f32, make_cache, rand_bf16, rel, rel_err, rows
+from gpu_helpers import assert_near_tie, bits_f32, decoded_and_verified, make_cache, rand_bf16, rel, rel_err, rows
 from test_moe_cuda import TOL, _spec, first_flip, trace
 
 pytestmark = pytest.mark.gpu
@@ -372,16 +372,8 @@ def test_gpt_oss_verify_equals_sequential_and_trim(cp, checkpoints, name, k, rng
     cpu, gpu = pair(checkpoints[name])
     prompt = [int(t) for t in rng.integers(0, gpu.vocab_size(), 20)]  # past the window of 16
     drafts = [int(t) for t in rng.integers(0, gpu.vocab_size(), k)]
-    gpu.prefill(prompt)
-    seq = []
-    for t in drafts:
-        gpu.decode(t)
-        seq.append(rows(gpu, gpu.decode_logits_ptr(), 1)[0])
-    gpu.reset()
-    gpu.prefill(prompt)
-    gpu.verify(drafts)
-    ver = rows(gpu, gpu.logits_buffer_ptr(), k)
-    err = rel(ver, np.stack(seq))
+    seq, ver = decoded_and_verified(gpu, prompt, drafts)
+    err = rel(ver, seq)
     print(f"gpt-oss {name} verify k={k} vs sequential decode: rel err {err:.2e}")
     assert err <= 1e-3, f"seed={seed}"  # the same kernels on the same rows (the router GEMV differs by row count)
     g = trace(gpu, [prompt, drafts])

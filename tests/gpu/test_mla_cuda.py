@@ -23,7 +23,7 @@ import pytest
 from metrale_cli.engine.observe import tapping
 from metrale_cli.model import open_model
 
-from gpu_helpers import bf16_bits, bits_f32, rand_bf16, rel, rows, random_checkpoints
+from gpu_helpers import bf16_bits, bits_f32, decoded_and_verified, rand_bf16, random_checkpoints, rel, rows
 
 pytestmark = pytest.mark.gpu
 
@@ -256,16 +256,8 @@ def test_verify_equals_sequential_and_trim(cp, checkpoints, name, path, rng, see
     gpu.set_path(path)
     prompt = [int(t) for t in rng.integers(0, gpu.vocab_size(), 9)]
     drafts = [int(t) for t in rng.integers(0, gpu.vocab_size(), 5)]
-    gpu.prefill(prompt)
-    seq = []
-    for t in drafts:
-        gpu.decode(t)
-        seq.append(rows(gpu, gpu.decode_logits_ptr(), 1)[0])
-    gpu.reset()
-    gpu.prefill(prompt)
-    gpu.verify(drafts)
-    ver = rows(gpu, gpu.logits_buffer_ptr(), 5)
-    assert rel(ver, np.stack(seq)) <= 1e-3, f"seed={seed}"
+    seq, ver = decoded_and_verified(gpu, prompt, drafts)
+    assert rel(ver, seq) <= 1e-3, f"seed={seed}"
     gpu.check_fused()
     keep = int(rng.integers(0, 6))
     gpu.trim(len(prompt) + keep)
