@@ -36,7 +36,7 @@ from metrale_cli.random_weights import RandomTensors
 
 from gpu_helpers import TOL as KERNEL_TOL
 from gpu_helpers import assert_near_tie, bits_f32, decoded_and_verified, make_cache, rand_bf16, rel, rel_err, rows
-from test_moe_cuda import TOL, _spec, first_flip, trace
+from test_moe_cuda import TOL, _spec, first_flip, prefill_err, trace
 
 pytestmark = pytest.mark.gpu
 
@@ -326,18 +326,8 @@ def _comparable(cpu, gpu, prompt, seed) -> int:
 @pytest.mark.parametrize("name", list(ARCHS))
 @pytest.mark.parametrize("plen", [5, 40])  # 5: the graph rows path; 40: the prefill path, past the window of 16
 def test_gpt_oss_prefill_parity(cp, checkpoints, name, plen, rng, seed):
-    cpu, gpu = pair(checkpoints[name])
-    for _ in range(4):  # a near tie in the first row leaves no row to compare: redraw
-        prompt = [int(t) for t in rng.integers(0, cpu.vocab_size(), plen)]
-        n = _comparable(cpu, gpu, prompt, seed)
-        if n > 0:
-            break
-    assert n > 0, f"seed={seed}: four prompts in a row routed differently from their first row"
-    cpu.reset()
-    gpu.reset()
-    cpu.prefill(prompt, all_logits=True)
-    gpu.prefill(prompt, all_logits=True)
-    err = rel(rows(gpu, gpu.logits_buffer_ptr(), plen)[:n], rows(cpu, cpu.logits_buffer_ptr(), plen)[:n])
+    err, n = prefill_err(*pair(checkpoints[name]), plen, rng, seed,
+                         comparable=lambda c, g, prompt: _comparable(c, g, prompt, seed))
     print(f"gpt-oss {name} prefill T={plen}: rel err {err:.2e} over {n} rows")
     assert err <= TOL, f"seed={seed}"
 

@@ -348,13 +348,14 @@ def _spec(e) -> MoeSpec:
     return next(layer.mlp for layer in e.cfg.definition.layers if isinstance(layer.mlp, MoeSpec))
 
 
-@pytest.mark.parametrize("name", list(ARCHS))
-@pytest.mark.parametrize("plen", [5, 16, 40])  # 5, 16: the graph rows path; 40: the cuBLAS prefill path
-def test_moe_prefill_parity(cp, checkpoints, name, plen, rng, seed):
-    cpu, gpu = pair(checkpoints[name])
-    for _ in range(4):  # a near tie in the first row (first_flip checks it is one) leaves no row to compare: redraw
+def prefill_err(cpu, gpu, plen: int, rng, seed, comparable=None) -> tuple[float, int]:
+    """(rel err of the GPU's prefill logits against the CPU's over the rows before the first routing flip, those rows)
+    of a random prompt of plen tokens; a prompt whose first row flips (a near tie, checked) is redrawn, up to four.
+    comparable(cpu, gpu, prompt) -> rows: another rule for the rows to compare (default: first_flip of the traces)."""
+    for _ in range(4):
         prompt = [int(t) for t in rng.integers(0, cpu.vocab_size(), plen)]
-        n = first_flip(trace(cpu, [prompt]), trace(gpu, [prompt]), _spec(cpu), seed)
+        n = (comparable(cpu, gpu, prompt) if comparable is not None
+             else first_flip(trace(cpu, [prompt]), trace(gpu, [prompt]), _spec(cpu), seed))
         if n > 0:
             break
     assert n > 0, f"seed={seed}: four prompts in a row routed differently from their first row"
@@ -362,7 +363,13 @@ def test_moe_prefill_parity(cp, checkpoints, name, plen, rng, seed):
     gpu.reset()
     cpu.prefill(prompt, all_logits=True)
     gpu.prefill(prompt, all_logits=True)
-    err = rel(rows(gpu, gpu.logits_buffer_ptr(), plen)[:n], rows(cpu, cpu.logits_buffer_ptr(), plen)[:n])
+    return rel(rows(gpu, gpu.logits_buffer_ptr(), plen)[:n], rows(cpu, cpu.logits_buffer_ptr(), plen)[:n]), n
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+@pytest.mark.parametrize("plen", [5, 16, 40])  # 5, 16: the graph rows path; 40: the cuBLAS prefill path
+def test_moe_prefill_parity(cp, checkpoints, name, plen, rng, seed):
+    err, n = prefill_err(*pair(checkpoints[name]), plen, rng, seed)
     print(f"{name} prefill T={plen}: rel err {err:.2e} over {n} rows")
     assert err <= TOL, f"seed={seed}"
 

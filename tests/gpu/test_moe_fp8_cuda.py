@@ -25,7 +25,7 @@ from metrale_cli.models.spec import MoeSpec
 
 from gpu_helpers import assert_near_tie, decoded_and_verified, rand_bf16, rel, rows
 from test_fp8 import write_fp8
-from test_moe_cuda import TOL, _route, _spec, first_flip, moe_kernels, pair, trace  # noqa: F401 (a fixture)
+from test_moe_cuda import TOL, _route, _spec, first_flip, moe_kernels, pair, prefill_err, trace  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.gpu
 
@@ -157,18 +157,7 @@ def test_the_checkpoints_keep_their_experts_fp8(cp, checkpoints):
 @pytest.mark.parametrize("name", list(ARCHS))
 @pytest.mark.parametrize("plen", [5, 40])  # 5: the graph rows path; 40: the prefill path (dequantized experts)
 def test_fp8_moe_prefill_parity(cp, checkpoints, name, plen, rng, seed):
-    cpu, gpu = pair(checkpoints[name])
-    for _ in range(4):
-        prompt = [int(t) for t in rng.integers(0, cpu.vocab_size(), plen)]
-        n = first_flip(trace(cpu, [prompt]), trace(gpu, [prompt]), _spec(cpu), seed)
-        if n > 0:
-            break
-    assert n > 0, f"seed={seed}: four prompts in a row routed differently from their first row"
-    cpu.reset()
-    gpu.reset()
-    cpu.prefill(prompt, all_logits=True)
-    gpu.prefill(prompt, all_logits=True)
-    err = rel(rows(gpu, gpu.logits_buffer_ptr(), plen)[:n], rows(cpu, cpu.logits_buffer_ptr(), plen)[:n])
+    err, n = prefill_err(*pair(checkpoints[name]), plen, rng, seed)
     print(f"{name} FP8 experts prefill T={plen}: rel err {err:.2e} over {n} rows")
     assert err <= TOL, f"seed={seed}"
 

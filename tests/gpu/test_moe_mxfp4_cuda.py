@@ -37,7 +37,7 @@ from gpu_helpers import assert_near_tie, decoded_and_verified, rand_bf16, rel, r
 from test_gpt_oss_cuda import ARCHS as OSS_ARCHS
 from test_gpt_oss_cuda import BASE as OSS_BASE
 from test_gpt_oss_cuda import pair
-from test_moe_cuda import TOL, _spec, first_flip, moe_kernels, trace  # noqa: F401 (a fixture)
+from test_moe_cuda import TOL, _spec, first_flip, moe_kernels, prefill_err, trace  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.gpu
 
@@ -174,18 +174,7 @@ def test_the_engine_keeps_the_experts_as_stored(cp, checkpoint):
 
 @pytest.mark.parametrize("plen", [5, 40])  # 5: the graph rows path; 40: the prefill path (dequantized experts)
 def test_mxfp4_moe_prefill_parity(cp, checkpoint, plen, rng, seed):
-    cpu, gpu = pair(checkpoint)
-    for _ in range(4):
-        prompt = [int(t) for t in rng.integers(0, cpu.vocab_size(), plen)]
-        n = first_flip(trace(cpu, [prompt]), trace(gpu, [prompt]), _spec(cpu), seed)
-        if n > 0:
-            break
-    assert n > 0, f"seed={seed}: four prompts in a row routed differently from their first row"
-    cpu.reset()
-    gpu.reset()
-    cpu.prefill(prompt, all_logits=True)
-    gpu.prefill(prompt, all_logits=True)
-    err = rel(rows(gpu, gpu.logits_buffer_ptr(), plen)[:n], rows(cpu, cpu.logits_buffer_ptr(), plen)[:n])
+    err, n = prefill_err(*pair(checkpoint), plen, rng, seed)
     print(f"gpt-oss MXFP4 experts prefill T={plen}: rel err {err:.2e} over {n} rows")
     assert err <= TOL, f"seed={seed}"
 
