@@ -26,7 +26,7 @@ from metrale_cli.backends.cuda.kernels import Kernels
 REPO = Path(__file__).resolve().parent.parent
 
 BENCHMARKS = ("bench_kernels", "bench_prefill", "bench_attention", "bench_moe_layer",
-              "profile_kernels", "bench_cpu")
+              "profile_kernels", "bench_cpu", "bench_fp8_widen", "activation_quant_kl")
 # The tools that launch metrale's CUDA kernels (or its CUDA engine), checked against the API below.
 GPU_TOOLS = ("bench_kernels", "bench_prefill", "bench_attention", "bench_moe_layer", "profile_kernels")
 SHELL_TOOLS = ("scripts/gpu_check.sh",)
@@ -259,3 +259,44 @@ def test_moe_tool_paths_exist():
     from metrale_cli.backends.cuda.paths import ROWS_PATHS
 
     assert set(bench_moe_layer.PATHS) <= set(ROWS_PATHS)
+
+
+def test_activation_quant_kl_runs_on_the_cpu(tmp_path):
+    """benchmarks/activation_quant_kl.py on a shrunken qwen3-8b-fp8 config (its block FP8, 2 layers): the two modes'
+    logits differ (the emulation is applied) and the figures are written."""
+    import json
+    import subprocess
+    import sys
+
+    cfg = json.loads((REPO / "configs" / "qwen3-8b-fp8.json").read_text())
+    cfg.update(vocab_size=500, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=64)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "kl.json"
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "activation_quant_kl.py"), "--preset",
+                        str(tmp_path / "config.json"), "--device", "cpu", "--tokens", "12", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    fig = json.loads(out.read_text())
+    assert fig["tokens"] == 12 and 0 < fig["kl_mean"] <= fig["kl_max"] and 0 <= fig["top1_agree"] <= 1
+    assert "mean KL" in r.stdout
+
+
+def test_the_fp8_widening_benchmark_compiles_for_sm90(tmp_path):
+    """benchmarks/bench_fp8_widen.py's CUDA source with its three instances (nvcc -ptx), so a GPU session does not
+    spend its time on a compile error."""
+    import shutil
+    import subprocess
+
+    from benchmarks.bench_fp8_widen import MODES, SOURCE
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    src = tmp_path / "widen.cu"
+    src.write_text(SOURCE + "\nvoid* const inst[] = {" + ", ".join(f"(void*)&gemv1<{m}>" for m in MODES.values())
+                   + "};\n")
+    r = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-ptx", "-o", str(tmp_path / "w.ptx"), str(src)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "w.ptx").read_text().count(".entry") == len(MODES) + 1  # and widen_all
