@@ -82,6 +82,37 @@ def decoded_and_verified(gpu, prompt, drafts) -> tuple[np.ndarray, np.ndarray]:
     return np.stack(seq), rows(gpu, gpu.logits_buffer_ptr(), len(drafts))
 
 
+def verify_against_decode(gpu, prompt: list[int], drafts: list[int]) -> float:
+    """The relative difference between a verify of `drafts` after `prompt` and the same tokens decoded one by one
+    (rows path, graphs on), on a reset engine."""
+    gpu.reset()
+    gpu.prefill(prompt)
+    gpu.verify(drafts)
+    v = rows(gpu, gpu.logits_buffer_ptr(), len(drafts))
+    gpu.trim(len(prompt))
+    seq = []
+    for t in drafts:
+        gpu.decode(t)
+        seq.append(rows(gpu, gpu.decode_logits_ptr(), 1)[0])
+    return rel(v, np.stack(seq))
+
+
+def graph_and_eager_decodes(path, prompt: list[int], steps: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """The logits rows of `steps` greedy decode steps after `prompt` of the checkpoint at `path` on a CUDA engine
+    with graphs, then on one without (the same values expected bit for bit)."""
+    from metrale_cli import decoding
+    from metrale_cli.backends.cuda.loading import load_cuda_engine
+    from metrale_cli.checkpoint import Checkpoint
+    from metrale_cli.config import load_config
+
+    out = []
+    for graphs in (True, False):
+        with Checkpoint.open(path) as ckpt:
+            e = load_cuda_engine(load_config(path), ckpt, 64, fp32_logits=True, use_graphs=graphs)
+        out.append(decoding.run_decode(e, prompt, steps, keep_rows=True).rows.array())
+    return out[0], out[1]
+
+
 def nan_like(cp, shape):
     return cp.full(shape, np.nan, dtype=cp.float32)
 

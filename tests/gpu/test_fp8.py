@@ -19,7 +19,7 @@ from safetensors.numpy import save_file
 from metrale_cli import decoding
 from metrale_cli.model import open_model
 
-from gpu_helpers import fused_gemv_case, rel, rows, tokens_agree
+from gpu_helpers import fused_gemv_case, graph_and_eager_decodes, rel, rows, tokens_agree, verify_against_decode
 
 pytestmark = pytest.mark.gpu
 
@@ -150,21 +150,6 @@ def write_fp8(path: Path, arch: dict, block, rng) -> Path:
     return path
 
 
-def verify_against_decode(gpu, prompt: list[int], drafts: list[int]) -> float:
-    """The relative difference between a verify of `drafts` after `prompt` and the same tokens decoded one by one
-    (rows path, graphs on), on a reset engine."""
-    gpu.reset()
-    gpu.prefill(prompt)
-    gpu.verify(drafts)
-    v = rows(gpu, gpu.logits_buffer_ptr(), len(drafts))
-    gpu.trim(len(prompt))
-    seq = []
-    for t in drafts:
-        gpu.decode(t)
-        seq.append(rows(gpu, gpu.decode_logits_ptr(), 1)[0])
-    return rel(v, np.stack(seq))
-
-
 @pytest.mark.parametrize("name", list(MODELS))
 def test_the_cuda_engine_on_fp8_checkpoints_matches_the_numpy_engine(cp, tmp_path, rng, name):
     arch, block = MODELS[name]
@@ -210,17 +195,7 @@ def test_fp8_weights_the_gemv_cannot_take_run_dequantized_to_bf16(cp, tmp_path, 
 def test_graph_replay_equals_eager_on_fp8(cp, tmp_path, rng):
     path = write_fp8(tmp_path / "m", MODELS["llama_block128"][0], [128, 128], rng)
     prompt = [int(t) for t in rng.integers(0, BASE["vocab_size"], 12)]
-    out = []
-    for graphs in (True, False):
-        from metrale_cli.backends.cuda.loading import load_cuda_engine
-        from metrale_cli.checkpoint import Checkpoint
-        from metrale_cli.config import load_config
-
-        with Checkpoint.open(path) as ckpt:
-            e = load_cuda_engine(load_config(path), ckpt, 64, fp32_logits=True, use_graphs=graphs)
-        res = decoding.run_decode(e, prompt, 8, keep_rows=True)
-        out.append(res.rows.array())
-    assert np.array_equal(out[0], out[1])
+    assert np.array_equal(*graph_and_eager_decodes(path, prompt))
 
 
 @pytest.mark.parametrize("m,k,group,ue8m0", [(1, 4096, 128, False), (5, 4096, 128, True), (3, 200, 128, False),

@@ -389,23 +389,29 @@ def test_moe_router_taps_match_cpu(cp, checkpoints, name, rng, seed):
             assert rel(g[i][1][:n], c[i][1][:n]) <= TOL, f"seed={seed}: layer {i} router logits"
 
 
+def greedy_err(cpu, gpu, prompt: list[int], steps: int, seed) -> tuple[float, int, int]:
+    """(rel err of the GPU's greedy decode rows against the CPU's, the tokens equal before the first difference, the
+    rows compared) of `steps` greedy steps after `prompt`. The routing of the common tokens is traced pass by pass as
+    decode ran them (prompt, then one token a step): row i comes from the pass at position len(prompt) - 1 + i and
+    is comparable while every position up to it routed alike. A token that differs with the same routing must be a
+    logits near tie."""
+    a = decoding.run_decode(cpu, prompt, steps, keep_rows=True)
+    b = decoding.run_decode(gpu, prompt, steps, keep_rows=True)
+    ta, tb = [s.token for s in a.steps], [s.token for s in b.steps]
+    same = next((j for j, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
+    chunks = [prompt] + [[t] for t in ta[:same]]
+    first = first_flip(trace(cpu, chunks), trace(gpu, chunks), _spec(cpu), seed)
+    n = max(0, min(first - len(prompt) + 1, len(ta)))
+    if same < len(ta) and n == same + 1:
+        assert_near_tie(a.rows.array()[same], f"seed={seed}: token {same}")
+    return (rel(b.rows.array()[:n], a.rows.array()[:n]) if n else 0.0), same, n
+
+
 @pytest.mark.parametrize("name", list(ARCHS))
 def test_moe_greedy_32_steps(cp, checkpoints, name, rng, seed):
     cpu, gpu = pair(checkpoints[name])
     prompt = [int(t) for t in rng.integers(0, cpu.vocab_size(), 12)]
-    a = decoding.run_decode(cpu, prompt, 32, keep_rows=True)
-    b = decoding.run_decode(gpu, prompt, 32, keep_rows=True)
-    ta, tb = [s.token for s in a.steps], [s.token for s in b.steps]
-    same = next((j for j, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
-    # The routing of the common tokens, pass by pass as decode ran them (prompt, then one token a step).
-    # Row i comes from the pass at position len(prompt) - 1 + i: it is comparable while every position up
-    # to that one routed alike.
-    chunks = [prompt] + [[t] for t in ta[:same]]
-    first = first_flip(trace(cpu, chunks), trace(gpu, chunks), _spec(cpu), seed)
-    n = max(0, min(first - len(prompt) + 1, len(ta)))
-    if same < len(ta) and n == same + 1:  # token `same` differs with the same routing: a logits near tie only
-        assert_near_tie(a.rows.array()[same], f"seed={seed}: token {same}")
-    err = rel(b.rows.array()[:n], a.rows.array()[:n]) if n else 0.0
+    err, same, n = greedy_err(cpu, gpu, prompt, 32, seed)
     print(f"{name}: {same} greedy tokens equal of 32, rel err over {n} rows {err:.2e}")
     assert err <= TOL, f"seed={seed}"
 

@@ -19,13 +19,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from metrale_cli import decoding
 from metrale_cli.engine.ops import Route
 from metrale_cli.models.spec import MoeSpec
 
-from gpu_helpers import assert_near_tie, decoded_and_verified, rand_bf16, rel, rows
+from gpu_helpers import decoded_and_verified, rand_bf16, rel, rows
 from test_fp8 import write_fp8
-from test_moe_cuda import TOL, _route, _spec, first_flip, moe_kernels, pair, prefill_err, trace  # noqa: F401 (a fixture)
+from test_moe_cuda import (TOL, _route, _spec, first_flip, greedy_err, moe_kernels, pair,  # noqa: F401 (a fixture)
+                           prefill_err, trace)
 
 pytestmark = pytest.mark.gpu
 
@@ -166,16 +166,7 @@ def test_fp8_moe_prefill_parity(cp, checkpoints, name, plen, rng, seed):
 def test_fp8_moe_greedy_24_steps(cp, checkpoints, name, rng, seed):
     cpu, gpu = pair(checkpoints[name])
     prompt = [int(t) for t in rng.integers(0, cpu.vocab_size(), 12)]
-    a = decoding.run_decode(cpu, prompt, 24, keep_rows=True)
-    b = decoding.run_decode(gpu, prompt, 24, keep_rows=True)
-    ta, tb = [s.token for s in a.steps], [s.token for s in b.steps]
-    same = next((j for j, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
-    chunks = [prompt] + [[t] for t in ta[:same]]
-    first = first_flip(trace(cpu, chunks), trace(gpu, chunks), _spec(cpu), seed)
-    n = max(0, min(first - len(prompt) + 1, len(ta)))
-    if same < len(ta) and n == same + 1:  # token `same` differs with the same routing: a logits near tie only
-        assert_near_tie(a.rows.array()[same], f"seed={seed}: token {same}")
-    err = rel(b.rows.array()[:n], a.rows.array()[:n]) if n else 0.0
+    err, same, n = greedy_err(cpu, gpu, prompt, 24, seed)
     print(f"{name} FP8 experts: {same} greedy tokens equal of 24, rel err over {n} rows {err:.2e}")
     assert err <= TOL, f"seed={seed}"
 
