@@ -1,16 +1,13 @@
 """FP8 weights through the CUDA engine's Python side on the CPU (backends/cuda/fp8.py: upload, fused parts' scales,
 the rows path with its norm / SwiGLU fused in the GEMV, the prefill path's dequantization), with the FP8 kernels
 (qgemv.cu, fp8.cu) replaced by NumPy implementations of their documented contracts and test_cuda_plumbing's
-stand-ins for the rest. The kernels themselves are tested on a GPU (tests/gpu/test_fp8.py); here their module
-compiles (nvcc -ptx).
+stand-ins for the rest. The kernels themselves are tested on a GPU (tests/gpu/test_fp8.py); their module compiles
+with nvcc in tests/test_cuda_module_sources.py.
 """
 
 from __future__ import annotations
 
 import inspect
-import shutil
-import subprocess
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -188,22 +185,6 @@ def test_fp8_experts_the_moe_kernels_cannot_read_are_uploaded_as_their_exact_val
                 assert np.array_equal(np.asarray(got).reshape(want.shape), fp32_to_bf16_bits(want)), (i, p.key)
                 checked += 1
     assert checked >= 2
-
-
-@pytest.mark.slow
-def test_fp8_cu_compiles_for_sm90(tmp_path):
-    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").is_file() else None)
-    if nvcc is None:
-        pytest.skip("nvcc not found: fp8.cu is compiled by the GPU tests only")
-    src = tmp_path / "fp8_module.cu"
-    src.write_text(fp8_kernels.module_source() + "\nvoid* const metrale_instances[] = {\n"
-                   + ",\n".join(f"    (void*)&{n}" for n in fp8_kernels.instance_names()) + "\n};\n")
-    r = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-ptx", "-o", str(tmp_path / "fp8.ptx"), str(src)],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    ptx = (tmp_path / "fp8.ptx").read_text()
-    assert ptx.count(".entry") == len(fp8_kernels.instance_names()) + len(fp8_kernels.PLAIN)
-    assert "cvt.rn.f16x2.e4m3x2" in ptx
 
 
 def test_an_fp8_input_width_the_gemv_cannot_take_is_refused(tmp_path):

@@ -1,5 +1,5 @@
 """The CUDA modules built only for some models (kernels/moe.py: common.cu + routers.cu + moe.cu; kernels/mla.py:
-common.cu + mla.cu) compile with nvcc (sm_90, PTX only) on a machine without a GPU, as the one translation unit
+common.cu + mla.cu; kernels/fp8.py and w4.py: the quantized GEMV qgemv.cu with their policies' instances) compile with nvcc (sm_90, PTX only) on a machine without a GPU, as the one translation unit
 NVRTC compiles and each .cu file on its own (its includes resolved), with every kernel the wrappers launch in the
 PTX.  Skipped cleanly where nvcc is absent; the GPU tests compile the same sources with NVRTC."""
 
@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from metrale_cli.backends.cuda.kernels import mla, moe, nvrtc
+from metrale_cli.backends.cuda.kernels import fp8, mla, moe, nvrtc, w4
 
 from test_cuda_sources import ARCH, _nvcc
 
@@ -39,6 +39,20 @@ def test_the_moe_module_compiles_with_every_kernel(nvcc, tmp_path):
     assert not _entries(nvcc, tu, tmp_path, ("-DMETRALE_NVRTC",))  # every kernel a template: NVRTC's name expressions
     standalone = _entries(nvcc, nvrtc._CUDA_DIR / "moe.cu", tmp_path)  # its instances, includes resolved
     assert len(standalone) == len(moe.name_expressions())
+
+
+@pytest.mark.parametrize("module", [fp8, w4], ids=["fp8", "w4"])
+def test_the_quantized_gemv_modules_compile_with_every_instance(nvcc, tmp_path, module):
+    """Each module's translation unit with its instances (the name expressions NVRTC gets, taken by address here):
+    every instance and plain kernel in the PTX; FP8's widening is the sm_89+ conversion."""
+    tu = tmp_path / f"{module.__name__.rsplit('.', 1)[1]}_module.cu"
+    tu.write_text(module.module_source() + "\nvoid* const metrale_instances[] = {\n"
+                  + ",\n".join(f"    (void*)&{n}" for n in module.instance_names()) + "\n};\n")
+    plain = getattr(module, "PLAIN", ())
+    entries = _entries(nvcc, tu, tmp_path)
+    assert len(entries) == len(module.instance_names()) + len(plain) and set(plain) <= entries
+    if module is fp8:
+        assert "cvt.rn.f16x2.e4m3x2" in (tmp_path / "fp8_module.ptx").read_text()
 
 
 def test_the_mla_module_compiles_with_every_kernel(nvcc, tmp_path):
