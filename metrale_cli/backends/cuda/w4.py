@@ -136,6 +136,7 @@ def held_nbytes(p) -> int:
     """The bytes a param holds on the device: its words (rows padded to 16 bytes) and scales (NVFP4: an e4m3 byte a
     group and a 4-byte factor a row; int4: 4 bytes a group)."""
     from ...models.formats import weight_format
+    from ...models.quantized.compressed_tensors import NVFP4_GROUP
     from .kernels.w4 import padded_words
 
     wf = weight_format(p.format)
@@ -143,7 +144,7 @@ def held_nbytes(p) -> int:
     for t in p.parts:
         rows, k = t.shape
         if wf.family in NVFP4_KINDS:
-            total += rows * (4 * padded_words(k) + -(-k // 16) + 4)
+            total += rows * (4 * padded_words(k) + -(-k // NVFP4_GROUP) + 4)
         else:
             group = wf.params["group"] if wf.params["strategy"] == "group" else 0
             total += rows * (4 * padded_words(k) + 4 * (-(-k // group) if group else 1))
