@@ -5,7 +5,7 @@
 qgemv.cu's QE4m3 policy widens with `cvt.rn.f16x2.e4m3x2` and a half-to-float per value. This benchmark times three
 stripped one-row GEMVs over the same e4m3 weight [N, K] with [128, 128] block scales, laid out and walked as qgemv.cu
 walks them (a warp owns 4 rows, 16-byte chunks, 2 in flight, each eight values' dot product scaled once):
-  cvt    QE4m3's widening;
+  cvt    QE4m3's widening (e4m3.cu's, compiled in);
   int    an integer widening: the byte's low 7 bits at bit 20 and its sign at bit 31 are the value times 2^-120,
          exactly, subnormals included; the 2^120 joins the eight values' scale (exact for scales below 2^8);
   bytes  no widening (the bytes summed as integers): what the access pattern alone reads at.
@@ -19,24 +19,13 @@ import sys
 
 import numpy as np
 
-SOURCE = r"""
-typedef unsigned long long u64;
-
-__device__ __forceinline__ float2 e4m3x2_cvt(unsigned short v) {
-    unsigned int h2;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(v));
-    float lo, hi;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((unsigned short)(h2 & 0xffffu)));
-    asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((unsigned short)(h2 >> 16)));
-    return make_float2(lo, hi);
-}
-
+KERNELS = r"""
 // MODE 0: cvt (values); 1: int (values x 2^-120); 2: bytes (no widening)
 template <int MODE>
 __device__ __forceinline__ void widen8(unsigned int lo, unsigned int hi, float (&w)[8]) {
     if (MODE == 0) {
-        const float2 a = e4m3x2_cvt(lo & 0xffffu), b = e4m3x2_cvt(lo >> 16);
-        const float2 c = e4m3x2_cvt(hi & 0xffffu), d = e4m3x2_cvt(hi >> 16);
+        const float2 a = e4m3x2_to_f32(lo & 0xffffu), b = e4m3x2_to_f32(lo >> 16);
+        const float2 c = e4m3x2_to_f32(hi & 0xffffu), d = e4m3x2_to_f32(hi >> 16);
         w[0] = a.x, w[1] = a.y, w[2] = b.x, w[3] = b.y, w[4] = c.x, w[5] = c.y, w[6] = d.x, w[7] = d.y;
     } else if (MODE == 1) {
         const unsigned int v[2] = {lo, hi};
@@ -120,6 +109,13 @@ __global__ void __launch_bounds__(128) gemv1(const float* __restrict__ x, const 
 MODES = {"cvt": 0, "int": 1, "bytes": 2}
 
 
+def source() -> str:
+    """common.cu and e4m3.cu (the engine's own widening, `e4m3x2_to_f32`), then the kernels above."""
+    from metrale_cli.backends.cuda.kernels.nvrtc import joined_source
+
+    return joined_source("e4m3.cu") + KERNELS
+
+
 def main() -> int:
     import cupy as cp
     import ml_dtypes
@@ -129,7 +125,7 @@ def main() -> int:
 
     n, k = (int(a) for a in sys.argv[1:3]) if len(sys.argv) >= 3 else (28672, 4096)
     names = [f"gemv1<{m}>" for m in MODES.values()]
-    module = cp.RawModule(code=SOURCE, options=("-std=c++17",), name_expressions=names)
+    module = cp.RawModule(code=source(), options=("-std=c++17",), name_expressions=names)
     fn = {name: module.get_function(f"gemv1<{m}>") for name, m in MODES.items()}
 
     cvt, ints = cp.zeros(256, cp.float32), cp.zeros(256, cp.float32)

@@ -288,13 +288,13 @@ def test_the_fp8_widening_benchmark_compiles_for_sm90(tmp_path):
     import shutil
     import subprocess
 
-    from benchmarks.bench_fp8_widen import MODES, SOURCE
+    from benchmarks.bench_fp8_widen import MODES, source
 
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc not found")
     src = tmp_path / "widen.cu"
-    src.write_text(SOURCE + "\nvoid* const inst[] = {" + ", ".join(f"(void*)&gemv1<{m}>" for m in MODES.values())
+    src.write_text(source() + "\nvoid* const inst[] = {" + ", ".join(f"(void*)&gemv1<{m}>" for m in MODES.values())
                    + "};\n")
     r = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-ptx", "-o", str(tmp_path / "w.ptx"), str(src)],
                        capture_output=True, text=True, timeout=300)
