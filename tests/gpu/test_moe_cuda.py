@@ -389,6 +389,19 @@ def test_moe_router_taps_match_cpu(cp, checkpoints, name, rng, seed):
             assert rel(g[i][1][:n], c[i][1][:n]) <= TOL, f"seed={seed}: layer {i} router logits"
 
 
+def check_verify(cpu, gpu, prompt: list[int], drafts: list[int], seed) -> None:
+    """The GPU's verify of `drafts` after `prompt` equals its sequential decode within 1e-3 (the router GEMV differs by
+    its row count only), and the CPU's verify over the rows before the first routing flip within TOL."""
+    seq, ver = decoded_and_verified(gpu, prompt, drafts)
+    assert rel(ver, seq) <= 1e-3, f"seed={seed}"
+    n = first_flip(trace(cpu, [prompt, drafts]), trace(gpu, [prompt, drafts]), _spec(gpu), seed) - len(prompt)
+    if n > 0:
+        cpu.reset()
+        cpu.prefill(prompt)
+        cpu.verify(drafts)
+        assert rel(ver[:n], rows(cpu, cpu.logits_buffer_ptr(), len(drafts))[:n]) <= TOL, f"seed={seed}"
+
+
 def greedy_err(cpu, gpu, prompt: list[int], steps: int, seed) -> tuple[float, int, int]:
     """(rel err of the GPU's greedy decode rows against the CPU's, the tokens equal before the first difference, the
     rows compared) of `steps` greedy steps after `prompt`. The routing of the common tokens is traced pass by pass as

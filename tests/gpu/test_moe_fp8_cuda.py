@@ -22,10 +22,9 @@ import pytest
 from metrale_cli.engine.ops import Route
 from metrale_cli.models.spec import MoeSpec
 
-from gpu_helpers import decoded_and_verified, rand_bf16, rel, rows
+from gpu_helpers import rand_bf16, rel
 from test_fp8 import write_fp8
-from test_moe_cuda import (TOL, _route, _spec, first_flip, greedy_err, moe_kernels, pair,  # noqa: F401 (a fixture)
-                           prefill_err, trace)
+from test_moe_cuda import TOL, _route, check_verify, greedy_err, moe_kernels, pair, prefill_err  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.gpu
 
@@ -177,11 +176,4 @@ def test_fp8_moe_verify_equals_sequential(cp, checkpoints, name, k, rng, seed):
     cpu, gpu = pair(checkpoints[name], 64)
     prompt = [int(t) for t in rng.integers(0, gpu.vocab_size(), 9)]
     drafts = [int(t) for t in rng.integers(0, gpu.vocab_size(), k)]
-    seq, ver = decoded_and_verified(gpu, prompt, drafts)
-    assert rel(ver, seq) <= 1e-3, f"seed={seed}"  # the router GEMV differs by its row count only
-    n = first_flip(trace(cpu, [prompt, drafts]), trace(gpu, [prompt, drafts]), _spec(gpu), seed) - len(prompt)
-    if n > 0:
-        cpu.reset()
-        cpu.prefill(prompt)
-        cpu.verify(drafts)
-        assert rel(ver[:n], rows(cpu, cpu.logits_buffer_ptr(), k)[:n]) <= TOL, f"seed={seed}"
+    check_verify(cpu, gpu, prompt, drafts, seed)

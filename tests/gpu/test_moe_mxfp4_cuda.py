@@ -32,11 +32,11 @@ from metrale_cli.models.quantized import mxfp4
 from metrale_cli.models.spec import RouterSpec
 from metrale_cli.random_weights import RandomTensors
 
-from gpu_helpers import decoded_and_verified, rand_bf16, rel, rows
+from gpu_helpers import rand_bf16, rel
 from test_gpt_oss_cuda import ARCHS as OSS_ARCHS
 from test_gpt_oss_cuda import BASE as OSS_BASE
 from test_gpt_oss_cuda import pair
-from test_moe_cuda import TOL, _spec, first_flip, greedy_err, moe_kernels, prefill_err, trace  # noqa: F401 (a fixture)
+from test_moe_cuda import TOL, check_verify, greedy_err, moe_kernels, prefill_err  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.gpu
 
@@ -196,11 +196,4 @@ def test_mxfp4_moe_verify_equals_sequential(cp, checkpoint, k, rng, seed):
     cpu, gpu = pair(checkpoint, 64)
     prompt = [int(t) for t in rng.integers(0, gpu.vocab_size(), 20)]  # past the window of 16
     drafts = [int(t) for t in rng.integers(0, gpu.vocab_size(), k)]
-    seq, ver = decoded_and_verified(gpu, prompt, drafts)
-    assert rel(ver, seq) <= 1e-3, f"seed={seed}"  # the router GEMV differs by its row count only
-    n = first_flip(trace(cpu, [prompt, drafts]), trace(gpu, [prompt, drafts]), _spec(gpu), seed) - len(prompt)
-    if n > 0:
-        cpu.reset()
-        cpu.prefill(prompt)
-        cpu.verify(drafts)
-        assert rel(ver[:n], rows(cpu, cpu.logits_buffer_ptr(), k)[:n]) <= TOL, f"seed={seed}"
+    check_verify(cpu, gpu, prompt, drafts, seed)
