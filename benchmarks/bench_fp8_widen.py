@@ -8,10 +8,13 @@ walks them (a warp owns 4 rows, 16-byte chunks, 2 in flight, each eight values' 
   cvt    QE4m3's widening (e4m3.cu's, compiled in);
   int    an integer widening: the byte's low 7 bits at bit 20 and its sign at bit 31 are the value times 2^-120,
          exactly, subnormals included; the 2^120 joins the eight values' scale (exact for scales below 2^8);
+  pairs  bytes 1 and 3 of a word masked into a bf16 pair in place (sign bits kept, the low 7 bits shifted 4 lower),
+         bytes 0 and 2 the same from the word shifted 8 up, then each bf16 the top half of a float: the values
+         times 2^-120 in about three integer operations a value;
   bytes  no widening (the bytes summed as integers): what the access pattern alone reads at.
-It first checks that the two widenings agree on every e4m3 byte but NaN, and that both GEMVs match float64. Each
+It first checks that the widenings are exact on every e4m3 byte but NaN in each of a word's places, and that both GEMVs match float64. Each
 time is a CUDA graph of 32 launches over rotating weight copies (bench_kernels' timer), beside the read bandwidth of
-`metrale bench`'s read-only kernel in the same run. An experiment: the engine's kernel changes only if `int` wins."""
+`metrale bench`'s read-only kernel in the same run. An experiment: the engine's kernel changes only if `int` or `pairs` wins."""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import sys
 import numpy as np
 
 KERNELS = r"""
-// MODE 0: cvt (values); 1: int (values x 2^-120); 2: bytes (no widening)
+// MODE 0: cvt (values); 1: int (values x 2^-120); 2: bytes (no widening); 3: pairs (values x 2^-120)
 template <int MODE>
 __device__ __forceinline__ void widen8(unsigned int lo, unsigned int hi, float (&w)[8]) {
     if (MODE == 0) {
@@ -36,22 +39,39 @@ __device__ __forceinline__ void widen8(unsigned int lo, unsigned int hi, float (
                 const unsigned int b = v[h] >> (8 * i);
                 w[4 * h + i] = __uint_as_float(((b & 0x80u) << 24) | ((b & 0x7fu) << 20));
             }
-    } else {
+    } else if (MODE == 2) {
         const unsigned int v[2] = {lo, hi};
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll
             for (int i = 0; i < 4; ++i) w[4 * h + i] = __int_as_float((int)((v[h] >> (8 * i)) & 0xffu));
+    } else {
+        const unsigned int v[2] = {lo, hi};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            // bytes 1 and 3 as a bf16 pair (sign in place, the low 7 bits 4 lower), bytes 0 and 2 the same from
+            // the word 8 higher; a bf16 is the top half of a float
+            const unsigned int odd = (v[h] & 0x80008000u) | ((v[h] >> 4) & 0x07f007f0u);
+            const unsigned int s = v[h] << 8;
+            const unsigned int even = (s & 0x80008000u) | ((s >> 4) & 0x07f007f0u);
+            w[4 * h] = __uint_as_float(even << 16), w[4 * h + 1] = __uint_as_float(odd << 16);
+            w[4 * h + 2] = __uint_as_float(even & 0xffff0000u), w[4 * h + 3] = __uint_as_float(odd & 0xffff0000u);
+        }
     }
 }
 
-extern "C" __global__ void widen_all(float* cvt, float* ints) {
-    const unsigned int b = threadIdx.x;  // 256 threads: every byte
+extern "C" __global__ void widen_all(float* cvt, float* ints, float* pairs) {
+    const unsigned int b = threadIdx.x;  // 256 threads: every byte, in each of the eight places
     float w[8];
-    widen8<0>(b, 0u, w);
-    cvt[b] = w[0];
-    widen8<1>(b, 0u, w);
-    ints[b] = w[0];
+    for (int i = 0; i < 8; ++i) {
+        const unsigned int lo = i < 4 ? b << (8 * i) : 0u, hi = i < 4 ? 0u : b << (8 * (i - 4));
+        widen8<0>(lo, hi, w);
+        cvt[8 * b + i] = w[i];
+        widen8<1>(lo, hi, w);
+        ints[8 * b + i] = w[i];
+        widen8<3>(lo, hi, w);
+        pairs[8 * b + i] = w[i];
+    }
 }
 
 // out[n] = sum_k w[n, k] * scale[n / 128, k / 128] * x[k], one row of x; a warp owns 4 rows.
@@ -61,7 +81,7 @@ __global__ void __launch_bounds__(128) gemv1(const float* __restrict__ x, const 
     const int lane = threadIdx.x & 31, n0 = (blockIdx.x * 4 + (threadIdx.x >> 5)) * 4;
     if (n0 >= N) return;
     const int C = K / 16, KB = K / 128;
-    const float bias = MODE == 1 ? 1.329228e36f : 1.0f;  // 2^120
+    const float bias = MODE == 1 || MODE == 3 ? 1.329228e36f : 1.0f;  // 2^120
     const uint4* rows[4];
     const float* srow[4];
     for (int r = 0; r < 4; ++r) {
@@ -106,7 +126,7 @@ __global__ void __launch_bounds__(128) gemv1(const float* __restrict__ x, const 
     }
 }
 """
-MODES = {"cvt": 0, "int": 1, "bytes": 2}
+MODES = {"cvt": 0, "int": 1, "pairs": 3, "bytes": 2}
 
 
 def source() -> str:
@@ -128,12 +148,13 @@ def main() -> int:
     module = cp.RawModule(code=source(), options=("-std=c++17",), name_expressions=names)
     fn = {name: module.get_function(f"gemv1<{m}>") for name, m in MODES.items()}
 
-    cvt, ints = cp.zeros(256, cp.float32), cp.zeros(256, cp.float32)
-    module.get_function("widen_all")((1,), (256,), (cvt, ints))
-    a, b = cvt.get(), (ints.get().astype(np.float64) * 2.0**120)
-    nan = np.isnan(np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32))
-    assert np.array_equal(a[~nan].astype(np.float64), b[~nan]), "the widenings disagree"
-    print(f"widenings: cvt and int agree on all {int((~nan).sum())} non-NaN e4m3 bytes")
+    cvt, ints, pairs = (cp.zeros(256 * 8, cp.float32) for _ in range(3))
+    module.get_function("widen_all")((1,), (256,), (cvt, ints, pairs))
+    want = np.repeat(np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64), 8)
+    nan = np.isnan(want)
+    for name, got in (("cvt", cvt.get()), ("int", ints.get() * 2.0**120), ("pairs", pairs.get() * 2.0**120)):
+        assert np.array_equal(got.astype(np.float64)[~nan], want[~nan]), f"the {name} widening is not exact"
+    print(f"widenings: cvt, int and pairs exact on all {int((~nan).sum()) // 8} non-NaN e4m3 bytes in every place")
 
     rng = np.random.default_rng(0)
     q = rng.uniform(-448, 448, (n, k)).astype(ml_dtypes.float8_e4m3fn)
