@@ -26,7 +26,7 @@ from metrale_cli.backends.cuda.kernels import Kernels
 REPO = Path(__file__).resolve().parent.parent
 
 BENCHMARKS = ("bench_kernels", "bench_prefill", "bench_attention", "bench_moe_layer",
-              "profile_kernels", "bench_cpu", "bench_fp8_widen", "activation_quant_kl")
+              "profile_kernels", "bench_cpu", "bench_widen", "activation_quant_kl")
 # The tools that launch metrale's CUDA kernels (or its CUDA engine), checked against the API below.
 GPU_TOOLS = ("bench_kernels", "bench_prefill", "bench_attention", "bench_moe_layer", "profile_kernels")
 SHELL_TOOLS = ("scripts/gpu_check.sh",)
@@ -282,13 +282,13 @@ def test_activation_quant_kl_runs_on_the_cpu(tmp_path):
     assert "mean KL" in r.stdout
 
 
-def test_the_fp8_widening_benchmark_compiles_for_sm90(tmp_path):
-    """benchmarks/bench_fp8_widen.py's CUDA source with its three instances (nvcc -ptx), so a GPU session does not
+def test_the_widening_benchmark_compiles_for_sm90(tmp_path):
+    """benchmarks/bench_widen.py's CUDA source with every mode's instance (nvcc -ptx), so a GPU session does not
     spend its time on a compile error."""
     import shutil
     import subprocess
 
-    from benchmarks.bench_fp8_widen import MODES, source
+    from benchmarks.bench_widen import MODES, source
 
     nvcc = shutil.which("nvcc")
     if nvcc is None:

@@ -6,7 +6,7 @@
 #    machine, then fp8-pairs' tests/gpu/test_fp8.py;
 # 3. the branch mla-tc (mla_attend_kernel on tensor cores): tests/gpu/test_mla_cuda.py, then deepseek-v2-lite
 #    decode at 8192 positions against this tree;
-# 4. the tree before qgemv.cu (41c7a1e) on qwen3-8b-fp8, the e4m3 widening bench, mla-tc at 1024, NVFP4 and int4;
+# 4. the tree before qgemv.cu (41c7a1e) on qwen3-8b-fp8, the e4m3 / e2m1 widening bench, mla-tc at 1024, NVFP4 and int4;
 # 5. on an H200: qwen3-next-80b-a3b-fp8 (1024, 8192) and glm-4.5-air-fp8.
 set -uo pipefail
 out=$OUT
@@ -39,7 +39,7 @@ fits 90 && { (cd $trees/mlatc && timeout 90 python3 -m pytest -q -s -p no:cachep
 bench v2lite-main . deepseek-v2-lite 8192 55
 bench v2lite-mlatc $trees/mlatc deepseek-v2-lite 8192 55
 bench fp8-base $trees/base qwen3-8b-fp8 1024 50
-fits 30 && { timeout 30 python3 -m benchmarks.bench_fp8_widen > "$out/bench-widen.txt" 2>&1; echo "widen exit $? t=$(el)" | tee -a "$out/gpu.txt"; tail -6 "$out/bench-widen.txt"; }
+fits 40 && { timeout 40 python3 -m benchmarks.bench_widen > "$out/bench-widen.txt" 2>&1; echo "widen exit $? t=$(el)" | tee -a "$out/gpu.txt"; tail -6 "$out/bench-widen.txt"; }
 bench v2lite-mlatc $trees/mlatc deepseek-v2-lite 1024 55
 bench nvfp4 . llama-3.1-8b-nvfp4 1024 50
 bench w4a16 . llama-3.1-8b-w4a16 1024 50
