@@ -146,19 +146,26 @@ def _compare(path: Path, plen: int, steps: int, rows_path: str, monkeypatch, on_
     raise AssertionError("24 prompts in a row routed differently on some row or in their first decode step")
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-@pytest.mark.parametrize("plen", [12, 20])  # the rows path (<= 16 rows) and the prefill path
-def test_fp8_experts_run_through_the_cuda_engine(tmp_path, fake_fp8, monkeypatch, name, plen):  # noqa: F811
-    path = write_moe_fp8(tmp_path / name, MODELS[name], [16, 16], np.random.default_rng())
-    dequantized = []  # the experts each prefill layer dequantized to bf16
+def record_dequantized(monkeypatch, kind) -> list[list[int]]:
+    """The experts Projections.experts_bf16 dequantizes to bf16 for the prefill, one list per call on weights of type
+    `kind` (experts kept as stored), in call order."""
+    dequantized = []
     real = Projections.experts_bf16
 
     def recording(self, w, experts):
-        if isinstance(w, cuda_fp8.Fp8Experts):
+        if isinstance(w, kind):
             dequantized.append(list(experts))
         return real(self, w, experts)
 
     monkeypatch.setattr(Projections, "experts_bf16", recording)
+    return dequantized
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("plen", [12, 20])  # the rows path (<= 16 rows) and the prefill path
+def test_fp8_experts_run_through_the_cuda_engine(tmp_path, fake_fp8, monkeypatch, name, plen):  # noqa: F811
+    path = write_moe_fp8(tmp_path / name, MODELS[name], [16, 16], np.random.default_rng())
+    dequantized = record_dequantized(monkeypatch, cuda_fp8.Fp8Experts)
     err, derr, calls = _compare(path, plen, 6, "rows", monkeypatch, dequantized.clear)
     print(f"{name} T={plen}: prefill {err:.2e}, decode {derr:.2e}")
     assert err < TOL and derr < TOL

@@ -23,7 +23,8 @@ from metrale_cli.backends.cuda import mxfp4 as cuda_mxfp4  # noqa: E402
 from metrale_cli.backends.cuda.projections import Projections  # noqa: E402
 from metrale_cli.models.quantized import mxfp4  # noqa: E402
 
-from test_cuda_fp8_moe_plumbing import TOL, _buffers, _compare, _moe, _moe_params, exact_experts  # noqa: E402
+from test_cuda_fp8_moe_plumbing import (TOL, _buffers, _compare, _moe, _moe_params, exact_experts,  # noqa: E402
+                                       record_dequantized)
 from test_cuda_launch_args import FakeArray, KIND_OK, kern  # noqa: E402,F401 (a fixture)
 from test_cuda_moe_plumbing import FakeMoeKernels, expert_f32  # noqa: E402
 from test_extension_points import cuda_plumbing  # noqa: E402
@@ -107,15 +108,7 @@ def test_mxfp4_experts_run_through_the_cuda_engine(tmp_path, monkeypatch, plen, 
     """The rows path's gate_up / down take the MXFP4 experts as stored; the prefill dequantizes only the experts its
     rows chose (MoeKernels.dequant_bf16, once per chosen expert); the logits match the NumPy engine's."""
     path = write_gpt_oss_mxfp4(tmp_path / "oss", np.random.default_rng())
-    dequantized = []  # per prefill layer and weight: the experts dequantized to bf16
-    real = Projections.experts_bf16
-
-    def recording(self, w, experts):
-        if isinstance(w, cuda_mxfp4.Mxfp4Experts):
-            dequantized.append(list(experts))
-        return real(self, w, experts)
-
-    monkeypatch.setattr(Projections, "experts_bf16", recording)
+    dequantized = record_dequantized(monkeypatch, cuda_mxfp4.Mxfp4Experts)  # per prefill layer and weight
     err, derr, calls = _compare(path, plen, 6, rows_path, monkeypatch, dequantized.clear)
     print(f"gpt-oss MXFP4 T={plen} ({rows_path}): prefill {err:.2e}, decode {derr:.2e}")
     assert err < TOL and derr < TOL
