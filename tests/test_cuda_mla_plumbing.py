@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from test_cuda_moe_plumbing import cpu_engine, fake_moe, run_both
+from engine_rows import decoded_and_verified
 from test_cuda_plumbing import SAME_TOL, TOL, bf16, f32, fake_engine, rel, rows
 
 mla_kernels = pytest.importorskip("metrale_cli.backends.cuda.kernels.mla")
@@ -135,15 +136,8 @@ def test_verify_equals_decode_and_trim(name, path):
     drafts = [int(t) for t in rng.integers(0, 300, 5)]
     with fake_mla(), fake_engine(name) as gpu:
         gpu.set_path(path)
-        gpu.prefill(prompt)
-        seq = []
-        for t in drafts:
-            gpu.decode(t)
-            seq.append(rows(gpu, gpu.decode_logits_ptr(), 1)[0])
-        gpu.reset()
-        gpu.prefill(prompt)
-        gpu.verify(drafts)
-        assert rel(rows(gpu, gpu.logits_buffer_ptr(), 5), np.stack(seq)) < SAME_TOL
+        seq, ver = decoded_and_verified(gpu, prompt, drafts)
+        assert rel(ver, seq) < SAME_TOL
         gpu.trim(12)
         gpu.decode(3)
         after = rows(gpu, gpu.decode_logits_ptr(), 1)

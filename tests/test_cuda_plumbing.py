@@ -22,6 +22,8 @@ from metrale_cli.checkpoint import Checkpoint
 from metrale_cli.config import load_config
 from metrale_cli.logits import bf16_bits, fp32_to_bf16
 
+from engine_rows import decoded_and_verified, rel, rows  # rows, rel: also the other plumbing tests'
+
 kernels_mod = pytest.importorskip("metrale_cli.backends.cuda.kernels")
 from metrale_cli.backends.cuda import engine as cuda_engine  # noqa: E402
 from metrale_cli.backends.cuda import loading as cuda_loading  # noqa: E402
@@ -351,19 +353,6 @@ def cpu_engine(name: str, ctx: int = 64):
     return NumpyEngine(cfg, w, ctx, fp32_logits=True)
 
 
-def rows(e, ptr, n):
-    out = []
-    for i in range(n):
-        buf = bytearray(e.row_nbytes(ptr.row_ptr(i)))
-        e.copy_logits_to_host(ptr.row_ptr(i), buf)
-        out.append(np.frombuffer(buf, np.float32))
-    return np.stack(out)
-
-
-def rel(a, b):
-    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
-
-
 MODELS = ["gemma2", "gemma3_text", "gemma3_mm", "phi3", "phi3_longrope", "phi4_mini", "mistral_window", "qwen3_window"]
 
 
@@ -406,15 +395,8 @@ def test_verify_equals_decode_and_trim(name):
     prompt = [int(t) for t in rng.integers(0, 300, 12)]
     drafts = [int(t) for t in rng.integers(0, 300, 6)]
     with fake_engine(name) as gpu:
-        gpu.prefill(prompt)
-        seq = []
-        for t in drafts:
-            gpu.decode(t)
-            seq.append(rows(gpu, gpu.decode_logits_ptr(), 1)[0])
-        gpu.reset()
-        gpu.prefill(prompt)
-        gpu.verify(drafts)
-        assert rel(rows(gpu, gpu.logits_buffer_ptr(), 6), np.stack(seq)) < SAME_TOL  # BLAS rounding by row count
+        seq, ver = decoded_and_verified(gpu, prompt, drafts)
+        assert rel(ver, seq) < SAME_TOL  # BLAS rounding by row count
         gpu.trim(14)
         gpu.decode(3)
         after = rows(gpu, gpu.decode_logits_ptr(), 1)

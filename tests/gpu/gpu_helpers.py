@@ -1,5 +1,6 @@
 """Shared helpers of the GPU tests: bf16 bit conversions, random bf16 data, float64 references of the
-kernels' maths, the relative-error check (NaN never passes), and reading an engine's logits rows."""
+kernels' maths, the relative-error check (NaN never passes), and reading an engine's logits rows (tests/engine_rows.py,
+shared with the CPU plumbing tests)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+
+from engine_rows import decoded_and_verified, rel, rows  # noqa: F401 (handed on to the GPU tests)
 
 TOL = 1e-2  # bf16 operands, fp32 accumulation
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -49,37 +52,6 @@ def rel_err(out, ref, seed) -> float:
 def assert_close(out, ref, seed, tol=TOL):
     e = rel_err(out, ref, seed)
     assert e <= tol, f"seed={seed}: relative error {e:.3e} > {tol:g}"
-
-
-def rel(a, b) -> float:
-    """||a - b|| / ||b|| in float64 (engine-level comparisons of logits rows)."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
-def rows(e, ptr, n):
-    """The first n logits rows behind a ModelLogits pointer, through the engine's own copy-out, as float32."""
-    out = []
-    for i in range(n):
-        buf = bytearray(e.row_nbytes(ptr.row_ptr(i)))
-        e.copy_logits_to_host(ptr.row_ptr(i), buf)
-        out.append(np.frombuffer(buf, np.float32))
-    return np.stack(out)
-
-
-def decoded_and_verified(gpu, prompt, drafts) -> tuple[np.ndarray, np.ndarray]:
-    """(each draft's decode-step logits, one after another; the verify pass's rows over the same drafts), both after a
-    fresh prefill of `prompt`: verify must equal sequential decoding."""
-    gpu.reset()
-    gpu.prefill(prompt)
-    seq = []
-    for t in drafts:
-        gpu.decode(t)
-        seq.append(rows(gpu, gpu.decode_logits_ptr(), 1)[0])
-    gpu.reset()
-    gpu.prefill(prompt)
-    gpu.verify(drafts)
-    return np.stack(seq), rows(gpu, gpu.logits_buffer_ptr(), len(drafts))
 
 
 def verify_against_decode(gpu, prompt: list[int], drafts: list[int]) -> float:

@@ -8,6 +8,6 @@ set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 git archive 41c7a1e metrale_cli configs | gzip > session_base.tgz
 for b in intw:int-widen mlatc:mla-tc; do
-  git archive "${b#*:}" metrale_cli configs tests/gpu tests/conftest.py benchmarks pyproject.toml | gzip > "session_${b%%:*}.tgz"
+  git archive "${b#*:}" metrale_cli configs tests/gpu tests/conftest.py tests/engine_rows.py benchmarks pyproject.toml | gzip > "session_${b%%:*}.tgz"
 done
 ls -la session_*.tgz
