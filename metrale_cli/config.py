@@ -66,7 +66,8 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
     if kv_heads is None:  # some configs write null for "same as heads"
         kv_heads = heads
     check_positive(r, "num_key_value_heads", kv_heads)
-    head_dim = r.optional("head_dim", int, None)
+    # a family may set it (latent attention: qk_rope_head_dim, as transformers' DeepSeek configs do)
+    head_dim = family_fields.pop("head_dim", None) or r.optional("head_dim", int, None)
     if head_dim is None:
         if hidden % heads:
             raise ConfigError(

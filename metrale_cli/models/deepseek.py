@@ -60,18 +60,31 @@ V3 = MoeDefaults(256, 8, 2048, 1, 3, 8, 4, True, 2.5)
 V2 = MoeDefaults(64, None, 1407, 2, 0, 1, 1, False, 1.0)
 
 
+@dataclass(frozen=True)
+class MlaDefaults:
+    """A family's transformers defaults for the latent-attention sizes a config may leave out."""
+
+    q_lora: int  # q_lora_rank (an explicit null means q_proj)
+    kv_lora: int
+    nope: int
+    rope: int
+    v: int
+
+
+V3_MLA = MlaDefaults(q_lora=1536, kv_lora=512, nope=128, rope=64, v=128)
+
+
 def parse_v3(r: ConfigReader) -> dict[str, Any]:
     for key in V32_FIELDS:
         if key in r.raw:
             r.refuse(key, r.raw[key], "DeepSeek-V3.2's sparse attention indexer is not implemented")
-    _accept(r, "scoring_func", ("sigmoid",), "only sigmoid scoring is DeepSeek-V3's")
-    _accept(r, "topk_method", ("noaux_tc",), "only noaux_tc (grouped sigmoid routing with correction bias) is V3's")
-    return _parse(r, interleave=r.optional("rope_interleave", bool, True),
-                  moe_cfg=sigmoid_grouped_moe(r, V3))
+    accept(r, "scoring_func", ("sigmoid",), "only sigmoid scoring is DeepSeek-V3's")
+    accept(r, "topk_method", ("noaux_tc",), "only noaux_tc (grouped sigmoid routing with correction bias) is V3's")
+    return parse_mla(r, r.optional("rope_interleave", bool, True), sigmoid_grouped_moe(r, V3))
 
 
 def parse_v2(r: ConfigReader) -> dict[str, Any]:
-    _accept(r, "scoring_func", ("softmax",), "DeepSeek-V2 routes by softmax")
+    accept(r, "scoring_func", ("softmax",), "DeepSeek-V2 routes by softmax")
     method = r.optional("topk_method", str, "greedy")
     if method not in ("greedy", "group_limited_greedy"):
         r.refuse("topk_method", method, "supported: greedy, group_limited_greedy")
@@ -85,22 +98,24 @@ def parse_v2(r: ConfigReader) -> dict[str, Any]:
     kind = "softmax_group_limited" if method == "group_limited_greedy" else "softmax_topk"
     router = RouterSpec(kind, n_group=n_group, topk_group=topk_group,
                         routed_scaling_factor=float(r.optional("routed_scaling_factor", (int, float), d.scaling)))
-    return _parse(r, interleave=True, moe_cfg=_moe(r, d, experts, top_k, size, False, router))
+    return parse_mla(r, True, _moe(r, d, experts, top_k, size, False, router))
 
 
-def sigmoid_grouped_moe(r: ConfigReader, d: MoeDefaults) -> MoeConfig | None:
-    """DeepSeek-V3's sparse block (also GLM-4.5's): sigmoid_biased_grouped routing, ungated shared experts,
-    dense layers before first_k_dense_replace."""
+def sigmoid_grouped_moe(r: ConfigReader, d: MoeDefaults,
+                        sparse: tuple[int, ...] | None = None) -> MoeConfig | None:
+    """DeepSeek-V3's sparse block (also GLM-4.5's and GLM-4.7-Flash's): sigmoid_biased_grouped routing, ungated
+    shared experts, on the `sparse` layers (None: those from first_k_dense_replace on)."""
     experts, top_k, size = _experts(r, d)
     n_group, topk_group = _groups(r, d, experts, top_k)
     if experts // n_group < 2:
         r.refuse("n_group", n_group, f"leaves groups of fewer than 2 of the {experts} experts (a group scores its best two)")
     router = RouterSpec("sigmoid_biased_grouped", n_group=n_group, topk_group=topk_group,
                         routed_scaling_factor=float(r.optional("routed_scaling_factor", (int, float), d.scaling)))
-    return _moe(r, d, experts, top_k, size, r.optional("norm_topk_prob", bool, d.norm_topk_prob), router)
+    return _moe(r, d, experts, top_k, size, r.optional("norm_topk_prob", bool, d.norm_topk_prob), router, sparse)
 
 
-def _accept(r: ConfigReader, key: str, values: tuple[str, ...], why: str) -> None:
+def accept(r: ConfigReader, key: str, values: tuple[str, ...], why: str) -> None:
+    """Refuse `key` unless it is absent, null or one of `values`."""
     value = r.raw.get(key)
     if value is not None and value not in values:
         r.refuse(key, value, why)
@@ -128,20 +143,20 @@ def _groups(r: ConfigReader, d: MoeDefaults, experts: int, top_k: int) -> tuple[
 
 
 def _moe(r: ConfigReader, d: MoeDefaults, experts: int, top_k: int, size: int, norm_topk_prob: bool,
-         router: RouterSpec) -> MoeConfig | None:
+         router: RouterSpec, sparse: tuple[int, ...] | None = None) -> MoeConfig | None:
     shared = r.optional("n_shared_experts", int, d.shared)
     if shared <= 0:
         r.refuse("n_shared_experts", shared, "this family always has shared experts (at least 1)")
     freq = r.raw.get("moe_layer_freq")
     if freq is not None and freq != 1:
         r.refuse("moe_layer_freq", freq, "transformers makes every layer from first_k_dense_replace on sparse")
-    layers = r.positive_int("num_hidden_layers")
-    first = r.optional("first_k_dense_replace", int, d.first_dense)
-    if first < 0:
-        r.refuse("first_k_dense_replace", first, "must not be negative")
+    if sparse is None:
+        first = r.optional("first_k_dense_replace", int, d.first_dense)
+        if first < 0:
+            r.refuse("first_k_dense_replace", first, "must not be negative")
+        sparse = tuple(range(first, r.positive_int("num_hidden_layers")))
     spec = MoeSpec(experts, top_k, size, norm_topk_prob, "silu", size * shared, router=router,
                    shared_expert_gated=False)
-    sparse = tuple(range(first, layers))
     return MoeConfig(spec, sparse) if sparse else None
 
 
@@ -154,7 +169,10 @@ def nextn_layers(r: ConfigReader) -> int:
     return n
 
 
-def _parse(r: ConfigReader, interleave: bool, moe_cfg: MoeConfig | None) -> dict[str, Any]:
+def parse_mla(r: ConfigReader, interleave: bool, moe_cfg: MoeConfig | None,
+              d: MlaDefaults = V3_MLA) -> dict[str, Any]:
+    """The ModelConfig fields of a latent-attention family: every layer's MlaSpec (sizes defaulting to `d`), the
+    sparse block `moe_cfg`."""
     llama.refuse_non_swiglu(r)
     if r.optional("attention_bias", bool, False):
         r.refuse("attention_bias", True, "biases on the latent attention projections are not implemented")
@@ -162,18 +180,19 @@ def _parse(r: ConfigReader, interleave: bool, moe_cfg: MoeConfig | None) -> dict
     kv_heads = r.optional("num_key_value_heads", int, heads)
     if kv_heads != heads:
         r.refuse("num_key_value_heads", kv_heads, f"latent attention has one key per query head ({heads})")
-    q_lora = r.raw.get("q_lora_rank", 1536)  # an explicit null means q_proj (no query compression)
+    q_lora = r.raw.get("q_lora_rank", d.q_lora)  # an explicit null means q_proj (no query compression)
     if q_lora is not None:
-        q_lora = moe.positive(r, "q_lora_rank", 1536)
-    rope_dim = moe.positive(r, "qk_rope_head_dim", 64)
+        q_lora = moe.positive(r, "q_lora_rank", d.q_lora)
+    rope_dim = moe.positive(r, "qk_rope_head_dim", d.rope)
     if rope_dim % 2:
         r.refuse("qk_rope_head_dim", rope_dim, "RoPE needs an even number of dims")
-    nope, v = moe.positive(r, "qk_nope_head_dim", 128), moe.positive(r, "v_head_dim", 128)
+    nope, v = moe.positive(r, "qk_nope_head_dim", d.nope), moe.positive(r, "v_head_dim", d.v)
     rope = _rope(r, rope_dim)
     scale = (nope + rope_dim) ** -0.5 * (rope.yarn.softmax_mscale() if rope.yarn is not None else 1.0)
-    mla = MlaSpec(heads, q_lora, moe.positive(r, "kv_lora_rank", 512), nope, rope_dim, v, rope, scale, interleave)
-    return dict(attention_bias=False, o_proj_bias=False, qk_norm=False, sliding_window=None, layer_types=(),
-                rope_theta=rope.theta, rope_scaling=None, moe=moe_cfg, options=DeepseekOptions(mla, nextn_layers(r)))
+    mla = MlaSpec(heads, q_lora, moe.positive(r, "kv_lora_rank", d.kv_lora), nope, rope_dim, v, rope, scale, interleave)
+    return dict(head_dim=rope_dim, attention_bias=False, o_proj_bias=False, qk_norm=False, sliding_window=None,
+                layer_types=(), rope_theta=rope.theta, rope_scaling=None, moe=moe_cfg,
+                options=DeepseekOptions(mla, nextn_layers(r)))
 
 
 def _rope(r: ConfigReader, dims: int):
