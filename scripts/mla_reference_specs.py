@@ -1,7 +1,7 @@
 """The latent-attention and DeepSeek-routing fixtures of make_reference_fixtures.py: DeepSeek-V3 (q_lora on
 and off, both rope_interleave settings, YaRN with and without truncation), DeepSeek-V2 (group-limited
-softmax routing, YaRN) and GLM-4.5 (GQA with q/k/v bias and q/k norm, partial rotary, grouped sigmoid
-routing). Every sparse layer has several groups with topk_group < n_group and, for sigmoid routing, a
+softmax routing, YaRN), GLM-4.5 (GQA with q/k/v bias and q/k norm, partial rotary, grouped sigmoid
+routing) and GLM-4.7-Flash (DeepSeek-V3's blocks, dense / sparse per layer from mlp_layer_types). Every sparse layer has several groups with topk_group < n_group and, for sigmoid routing, a
 nonzero e_score_correction_bias large enough to change the choice; first_k_dense_replace >= 1.
 
 Kept apart from the main script (which imports it) so each stays short; the model classes and config
@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-TYPES = ("deepseek_v3", "deepseek_v2", "glm4_moe")
+TYPES = ("deepseek_v3", "deepseek_v2", "glm4_moe", "glm4_moe_lite")
+MLA_TYPES = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite")
 CORRECTION_STD = 0.15  # e_score_correction_bias ~ N(0, 0.15): of the order of the sigmoid scores' spread
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
@@ -50,6 +51,13 @@ def mla_model_specs():
               n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, norm_topk_prob=True,
               routed_scaling_factor=2.5, n_shared_experts=1, moe_intermediate_size=24, first_k_dense_replace=1,
               tie_word_embeddings=False), {}),
+        # GLM-4.7-Flash: q_lora, interleaved rope, layer 1 dense between two sparse ones (mlp_layer_types, not
+        # first_k_dense_replace), top-3 of 12 in the best 2 of 3 groups, renormalised, x1.8, v_head_dim > nope
+        ("glm4_moe_lite", 1405, "Glm4MoeLiteForCausalLM", "Glm4MoeLiteConfig",
+         dict(MLA, q_lora_rank=40, v_head_dim=20, rope_interleave=True,
+              rope_parameters={"rope_type": "default", "rope_theta": 1e6}, n_routed_experts=12, num_experts_per_tok=3,
+              n_group=3, topk_group=2, norm_topk_prob=True, routed_scaling_factor=1.8, n_shared_experts=1,
+              mlp_layer_types=["sparse", "dense", "sparse"], tie_word_embeddings=False), {}),
     ]
 
 
@@ -101,7 +109,7 @@ def _mask_groups(scores, group, n_group, topk_group, fill):
 
 def mla_golden(model, ids: torch.Tensor) -> dict[str, np.ndarray]:
     """Each latent-attention layer's kv_a_layernorm output (the normed latent) on `ids` [1, T]."""
-    if model.config.model_type not in ("deepseek_v3", "deepseek_v2"):
+    if model.config.model_type not in MLA_TYPES:
         return {}
     out = []
     hooks = [layer.self_attn.kv_a_layernorm.register_forward_hook(lambda m, a, o: out.append(o.detach().clone()))

@@ -1,8 +1,8 @@
 """The CUDA engine's latent attention (backends/cuda/mla.py) on the CPU, with kernels/mla.cu replaced by NumPy
 implementations of its documented contracts (bf16 latent cache, key splits, partials and their combination), each
 call bound against the real `MlaKernels` method's signature, and the MoE kernels by tests/test_cuda_moe_plumbing's
-stand-ins: the deepseek_v3 (q_lora, interleaved rope, YaRN), deepseek_v3_noq (q_proj, rotate_half rope) and
-deepseek_v2 (group-limited softmax routing) fixtures against the NumPy engine in its naive form, on the rows, fused
+stand-ins: the deepseek_v3 (q_lora, interleaved rope, YaRN), deepseek_v3_noq (q_proj, rotate_half rope),
+deepseek_v2 (group-limited softmax routing) and glm4_moe_lite (a dense layer between sparse ones) fixtures against the NumPy engine in its naive form, on the rows, fused
 and prefill paths; verify equals sequential decode; trim.  Not a test of a kernel: tests/gpu/test_mla_cuda.py is."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from test_cuda_plumbing import SAME_TOL, TOL, bf16, f32, fake_engine, rel, rows
 mla_kernels = pytest.importorskip("metrale_cli.backends.cuda.kernels.mla")
 from metrale_cli.backends.cuda import mla as cuda_mla  # noqa: E402
 
-MODELS = ["deepseek_v3", "deepseek_v3_noq", "deepseek_v2"]
+MODELS = ["deepseek_v3", "deepseek_v3_noq", "deepseek_v2", "glm4_moe_lite"]
 
 
 def _rope(x, pos, inv_freq, scaling, interleave):
@@ -188,10 +188,12 @@ def test_the_first_layers_taps_match_the_numpy_engine(name, plen):
 
 
 @pytest.mark.parametrize("name,params,latent_bytes", [("deepseek-v2-lite", 15.71, 27 * 576 * 2),
-                                                      ("moonlight-16b-a3b", 15.96, 27 * 576 * 2)])
+                                                      ("moonlight-16b-a3b", 15.96, 27 * 576 * 2),
+                                                      ("glm-4.7-flash", 29.94, 47 * 576 * 2)])
 def test_the_presets_parse_to_their_published_sizes_and_run_on_cuda(name, params, latent_bytes):
-    """configs/deepseek-v2-lite.json and moonlight-16b-a3b.json (`metrale bench`): the real configs' shapes, nothing
-    the CUDA engine refuses, the latent cache's bf16 bytes per token the bench's floor counts."""
+    """configs/deepseek-v2-lite.json, moonlight-16b-a3b.json and glm-4.7-flash.json (`metrale bench`): the real
+    configs' shapes (GLM-4.7-Flash's 30B without its multi-token-prediction layer), nothing the CUDA engine refuses,
+    the latent cache's bf16 bytes per token the bench's floor counts."""
     from metrale_cli.backends.cuda.loading import check_sizes, unsupported_features
     from metrale_cli.bench import preset_path
     from metrale_cli.floors import kv_bytes_read

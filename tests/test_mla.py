@@ -22,7 +22,7 @@ from metrale_cli.models.rope_params import read_rope
 from metrale_cli.models.spec import MoeSpec, RouterSpec
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
-MODELS = ["deepseek_v3", "deepseek_v3_noq", "deepseek_v2", "glm4_moe"]
+MODELS = ["deepseek_v3", "deepseek_v3_noq", "deepseek_v2", "glm4_moe", "glm4_moe_lite"]
 
 
 def raw_config(name: str) -> dict:
@@ -148,11 +148,30 @@ def test_deepseek_v2_router(method, n_group, topk_group, k):
     ("glm4_moe", {"scoring_func": "softmax"}, "scoring_func"),
     ("glm4_moe", {"n_shared_experts": 0}, "n_shared_experts"),
     ("glm4_moe", {"num_experts_per_tok": 9}, "num_experts_per_tok"),
+    ("glm4_moe_lite", {"topk_method": "greedy"}, "topk_method"),
+    ("glm4_moe_lite", {"n_group": 5}, "n_group"),
+    ("glm4_moe_lite", {"attention_bias": True}, "attention_bias"),
+    ("glm4_moe_lite", {"mlp_layer_types": ["sparse", "dense"]}, "mlp_layer_types"),
+    ("glm4_moe_lite", {"mlp_layer_types": ["sparse", "moe", "sparse"]}, "mlp_layer_types"),
+    ("glm4_moe_lite", {"first_k_dense_replace": 1}, "first_k_dense_replace"),
 ])
 def test_what_is_not_implemented_is_refused_by_field(name, change, field):
     raw = {**raw_config(name), **change}
     with pytest.raises(ConfigError, match=rf"unsupported {field} "):
         parse_config(raw)
+
+
+def test_glm4_moe_lite_reads_its_layer_types():
+    """GLM-4.7-Flash: sparse where mlp_layer_types says (absent: all but layer 0, as transformers defaults); a
+    first_k_dense_replace that agrees with the layer types is accepted; GLM's defaults for the latent sizes."""
+    raw = raw_config("glm4_moe_lite")
+    assert parse_config(raw).moe.sparse_layers == (0, 2)
+    no_types = {k: v for k, v in raw.items() if k != "mlp_layer_types"}
+    assert parse_config(no_types).moe.sparse_layers == (1, 2)
+    assert parse_config({**no_types, "first_k_dense_replace": 1}).moe.sparse_layers == (1, 2)
+    defaults = {k: v for k, v in raw.items() if k not in ("q_lora_rank", "qk_nope_head_dim", "v_head_dim")}
+    mla = parse_config(defaults).definition.layers[0].mixer
+    assert (mla.q_lora_rank, mla.qk_nope_head_dim, mla.v_head_dim) == (768, 192, 256)
 
 
 def test_kimi_k2_reads_as_deepseek_v3():
@@ -174,7 +193,7 @@ def test_defaults_and_null_q_lora():
 
 # -- the CUDA engine ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_noq", "deepseek_v2", "glm4_moe"])
+@pytest.mark.parametrize("name", MODELS)
 def test_the_cuda_engine_takes_these_families(name):
     """Latent attention and the grouped routers run on the CUDA engine: nothing is refused (before CuPy is looked
     for, on any machine); a latent size the kernels cannot take is refused by name."""

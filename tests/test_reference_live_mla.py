@@ -2,7 +2,8 @@
 random models (skipped without it). The variants complement the committed fixtures (tests/test_reference_mla.py):
 DeepSeek-V3 with q_lora and rotate_half rope on plain RoPE, Kimi-K2's ungrouped routing (n_group 1),
 DeepSeek-V2 with q_lora, greedy softmax routing and YaRN, GLM-4.5 with YaRN on its partial rotary and
-without bias or q/k norm; both MLA algebras on each MLA draw.
+without bias or q/k norm, GLM-4.7-Flash with q_proj, YaRN and one sparse layer between dense ones; both MLA
+algebras on each MLA draw.
 
 Routing is a discontinuity at a near tie (a group's or an expert's choice score): draws whose transformers
 run has a margin below MIN_ROUTE_GAP anywhere in the prompt or the greedy tokens are redrawn.
@@ -47,7 +48,14 @@ VARIANTS = {
         num_key_value_heads=2, head_dim=24, partial_rotary_factor=0.5, rope_parameters={**YARN, "truncate": False},
         n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
         moe_intermediate_size=20, first_k_dense_replace=1, routed_scaling_factor=1.5)),
+    # GLM-4.7-Flash: q_proj, YaRN, the sparse layer between two dense ones (mlp_layer_types), not renormalised
+    "glm4_moe_lite_layer_types": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", dict(
+        {k: v for k, v in MLA.items() if k != "first_k_dense_replace"}, q_lora_rank=None, rope_interleave=True,
+        rope_parameters=dict(YARN), n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+        n_shared_experts=2, norm_topk_prob=False, routed_scaling_factor=1.8,
+        mlp_layer_types=["dense", "sparse", "dense"])),
 }
+GQA = {"glm4_moe_yarn"}  # the variants without latent attention (one algebra)
 MIN_ROUTE_GAP = 1e-5
 STEPS = 32
 
@@ -156,7 +164,7 @@ def test_live_against_transformers(variant, tmp_path):
     top2 = np.sort(ref_rows, -1)[:, -2:]
     ties = np.flatnonzero(top2[:, 1] - top2[:, 0] < 1e-4)  # greedy near ties: after one, tokens may differ
     n = int(ties[0]) if len(ties) else STEPS  # the steps whose tokens must be identical (and the row of the tie)
-    forms = ("naive", "absorbed") if "glm" not in variant else ("naive",)
+    forms = ("naive",) if variant in GQA else ("naive", "absorbed")
     prefill = {}
     for form in forms:
         e = engine(path, form)

@@ -4,8 +4,9 @@ golden outputs of transformers (fp32, CPU).
 Fixtures (scripts/make_reference_fixtures.py + scripts/mla_reference_specs.py, tests/fixtures/README.md):
 deepseek_v3 (q_lora, interleaved rope, YaRN), deepseek_v3_noq (q_proj, rotate_half rope, YaRN without
 truncation), deepseek_v2 (group-limited softmax routing), glm4_moe (GQA, q/k/v bias, q/k norm, partial
-rotary); every sparse layer routes within topk_group < n_group groups, the sigmoid routers with a nonzero
-correction bias, and layer 0 (deepseek_v3_noq: 0 and 1) is dense. Both MLA algebras are checked: the
+rotary), glm4_moe_lite (GLM-4.7-Flash: DeepSeek-V3's blocks, sparse layers from mlp_layer_types); every sparse
+layer routes within topk_group < n_group groups, the sigmoid routers with a nonzero correction bias, and a layer
+is dense (layer 0; deepseek_v3_noq: 0 and 1; glm4_moe_lite: layer 1 between sparse ones). Both MLA algebras are checked: the
 naive form (the default, transformers' own) and the absorbed form.
 """
 
@@ -25,8 +26,8 @@ from metrale_cli.engine.observe import tapping
 from metrale_cli.models.spec import MlpSpec, MoeSpec
 
 FIXTURES = Path(__file__).parent / "fixtures"
-MODELS = ["deepseek_v3", "deepseek_v3_noq", "deepseek_v2", "glm4_moe", "deepseek_v3_fp8_block"]
-MLA_MODELS = ["deepseek_v3", "deepseek_v3_noq", "deepseek_v2", "deepseek_v3_fp8_block"]
+MODELS = ["deepseek_v3", "deepseek_v3_noq", "deepseek_v2", "glm4_moe", "glm4_moe_lite", "deepseek_v3_fp8_block"]
+MLA_MODELS = ["deepseek_v3", "deepseek_v3_noq", "deepseek_v2", "glm4_moe_lite", "deepseek_v3_fp8_block"]
 # naive vs absorbed: the same sums in another order; over these fixtures the logits differ by ~1e-6 relative
 # (measured over fresh prompts: 6e-7 to 1.2e-6 on prefill and decode rows)
 FORMS_TOL = 1e-5
@@ -173,6 +174,7 @@ def test_the_fixtures_exercise_what_they_claim():
     layers = {name: load_config(FIXTURES / "models" / name).definition.layers for name in MODELS}
     assert [type(x.mlp) for x in layers["deepseek_v3"]] == [MlpSpec, MoeSpec, MoeSpec]
     assert [type(x.mlp) for x in layers["deepseek_v3_noq"]] == [MlpSpec, MlpSpec, MoeSpec]
+    assert [type(x.mlp) for x in layers["glm4_moe_lite"]] == [MoeSpec, MlpSpec, MoeSpec]
     for name in MODELS:
         r = layers[name][-1].mlp.router
         assert 1 <= r.topk_group < r.n_group, name
@@ -184,7 +186,7 @@ def test_the_fixtures_exercise_what_they_claim():
     assert glm.rope.dims == glm.head_dim // 2 and glm.qk_norm
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe", "glm4_moe_lite"])
 def test_the_correction_bias_changes_the_choice(name):
     """Zeroing e_score_correction_bias changes some token's experts: the golden choice depends on it."""
     g = golden(name)

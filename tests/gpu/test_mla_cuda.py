@@ -9,7 +9,8 @@ captured graph replays as the eager launches compute.
 
 Engines (random bf16 checkpoints with GPU-sized heads): deepseek_v3 (q_lora, interleaved rope, YaRN, grouped sigmoid
 routing with a correction), deepseek_v3 without q_lora and with rotate_half rope, deepseek_v2 (group-limited softmax
-routing), glm4_moe (GQA, partial rotary, grouped sigmoid routing): prefill (rows path and cuBLAS path), greedy
+routing), glm4_moe_lite (GLM-4.7-Flash's attention sizes, a dense layer between sparse ones), glm4_moe (GQA, partial
+rotary, grouped sigmoid routing): prefill (rows path and cuBLAS path), greedy
 decode, verify == sequential decode and trim, the fused path, graph replay == eager, against the NumPy engine (naive
 form).  The GPU's bf16 caches move the router's inputs by ~1e-3, which can flip a near tie of the routing: rows are
 compared up to the first row whose experts differ in some layer (a later token's routing cannot change earlier
@@ -178,6 +179,12 @@ ARCHS = {
     "deepseek_v2": dict(model_type="deepseek_v2", **MLA, **YARN, q_lora_rank=None, n_routed_experts=16,
                         num_experts_per_tok=3, n_group=4, topk_group=2, topk_method="group_limited_greedy",
                         routed_scaling_factor=1.5),
+    # GLM-4.7-Flash's attention sizes (20 heads: a partial head group; nope 192, v 256), a dense layer between sparse
+    "glm4_moe_lite": dict(model_type="glm4_moe_lite", num_attention_heads=20, num_key_value_heads=20, kv_lora_rank=512,
+                          qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, q_lora_rank=256,
+                          n_routed_experts=16, num_experts_per_tok=4, n_group=1, topk_group=1, norm_topk_prob=True,
+                          routed_scaling_factor=1.8, rope_interleave=True, first_k_dense_replace=None,
+                          mlp_layer_types=["sparse", "dense", "sparse"]),
     "glm4_moe": dict(model_type="glm4_moe", num_attention_heads=8, num_key_value_heads=2, head_dim=128,
                      attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5, n_routed_experts=32,
                      num_experts_per_tok=4, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5),
