@@ -255,8 +255,18 @@ def _store(name: str, into: dict[str, Any]) -> Callable[..., None]:
         y = output[0] if isinstance(output, (tuple, list)) else output
         if hasattr(y, "detach"):
             a = y.detach().float().cpu().numpy()
-            into[name] = a.reshape(-1, a.shape[-1]) if a.ndim != 2 else a
+            a = a.reshape(-1, a.shape[-1]) if a.ndim != 2 else a
+            into[name] = _chosen_positions(a) if name.endswith(".self_attn.indexer") else a
     return hook
+
+
+def _chosen_positions(a: np.ndarray) -> np.ndarray:
+    """DeepSeek-V3.2's indexer output [T, topk] (positions by score; a row that sees fewer than topk padded with
+    later ones) as metrale taps it: ascending, -1 last in place of a position the row may not see."""
+    rows = np.arange(len(a))[:, None]
+    big = np.float32(np.iinfo(np.int32).max)
+    a = np.sort(np.where(a > rows, big, a), axis=-1)
+    return np.where(a == big, np.float32(-1), a)
 
 
 # -- metrale -----------------------------------------------------------------------------------------------------------

@@ -181,7 +181,7 @@ def moe_golden(model, ids: torch.Tensor) -> tuple[dict, float]:
     gap = float("inf")
     grouped = model.config.model_type in mla_specs.TYPES
     if grouped:  # DeepSeek / GLM routing: the margins of its group and expert choices
-        gap = mla_specs.route_gap(model, layers, logs["router_logits"])
+        gap = min(mla_specs.route_gap(model, layers, logs["router_logits"]), mla_specs.indexer_gap(model, ids))
     for logits in [] if grouped else logs["router_logits"]:
         probs = torch.softmax(logits.float(), dim=-1).sort(dim=-1, descending=True).values
         if k < probs.shape[-1]:

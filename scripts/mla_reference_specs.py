@@ -1,7 +1,8 @@
 """The latent-attention and DeepSeek-routing fixtures of make_reference_fixtures.py: DeepSeek-V3 (q_lora on
 and off, both rope_interleave settings, YaRN with and without truncation), DeepSeek-V2 (group-limited
 softmax routing, YaRN), GLM-4.5 (GQA with q/k/v bias and q/k norm, partial rotary, grouped sigmoid
-routing) and GLM-4.7-Flash (DeepSeek-V3's blocks, dense / sparse per layer from mlp_layer_types). Every sparse layer has several groups with topk_group < n_group and, for sigmoid routing, a
+routing), GLM-4.7-Flash (DeepSeek-V3's blocks, dense / sparse per layer from mlp_layer_types) and DeepSeek-V3.2
+(V3 with the sparse attention indexer, index_topk below the prompt's length so that it chooses). Every sparse layer has several groups with topk_group < n_group and, for sigmoid routing, a
 nonzero e_score_correction_bias large enough to change the choice; first_k_dense_replace >= 1.
 
 Kept apart from the main script (which imports it) so each stays short; the model classes and config
@@ -13,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-TYPES = ("deepseek_v3", "deepseek_v2", "glm4_moe", "glm4_moe_lite")
-MLA_TYPES = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite")
+TYPES = ("deepseek_v3", "deepseek_v2", "glm4_moe", "glm4_moe_lite", "deepseek_v32")
+MLA_TYPES = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "deepseek_v32")
 CORRECTION_STD = 0.15  # e_score_correction_bias ~ N(0, 0.15): of the order of the sigmoid scores' spread
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
@@ -58,6 +59,12 @@ def mla_model_specs():
               rope_parameters={"rope_type": "default", "rope_theta": 1e6}, n_routed_experts=12, num_experts_per_tok=3,
               n_group=3, topk_group=2, norm_topk_prob=True, routed_scaling_factor=1.8, n_shared_experts=1,
               mlp_layer_types=["sparse", "dense", "sparse"], tie_word_embeddings=False), {}),
+        # DeepSeek-V3.2: V3 with the indexer (8 heads of 16 dims, the top 5 positions: the 12-token prompt's later
+        # rows attend to 5 of their positions), YaRN, top-4 of 16 in the best 2 of 4 groups, layer 0 dense
+        ("deepseek_v32", 1406, "DeepseekV32ForCausalLM", "DeepseekV32Config",
+         dict(MLA, q_lora_rank=48, rope_parameters=dict(YARN), index_topk=5, index_head_dim=16, index_n_heads=8,
+              n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, norm_topk_prob=True,
+              routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=1, tie_word_embeddings=False), {}),
     ]
 
 
@@ -94,6 +101,56 @@ def route_gap(model, layers: list[int], router_logits: list[torch.Tensor]) -> fl
     return gap
 
 
+@torch.no_grad()
+def indexer_scores(model, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Each indexed layer's scores [T, T] on `ids` [1, T] (no cache), in float64, with -inf where a query may not
+    look, recomputed from the inputs transformers' indexer receives (hooked) by its own definition."""
+    found = []
+
+    def hook(module, args, kwargs):
+        found.append((module, args, kwargs))
+
+    hooks = [layer.self_attn.indexer.register_forward_pre_hook(hook, with_kwargs=True)
+             for layer in model.model.layers if hasattr(layer.self_attn, "indexer")]
+    with torch.no_grad():
+        model(ids, use_cache=False)
+    for h in hooks:
+        h.remove()
+    out = []
+    for ix, args, kwargs in found:
+        hidden, q_resid, (cos, sin) = (a.double() if torch.is_tensor(a) else a for a in args[:3])
+        cos, sin = cos.double(), sin.double()
+        t, rope = hidden.shape[1], ix.qk_rope_head_dim
+        q = (q_resid @ ix.wq_b.weight.double().T).view(1, t, ix.n_heads, ix.head_dim)
+        k = torch.nn.functional.layer_norm((hidden @ ix.wk.weight.double().T), (ix.head_dim,),
+                                           ix.k_norm.weight.double(), ix.k_norm.bias.double(), ix.k_norm.eps)
+
+        def rot(x):  # rotate_half on the first rope dims, cos / sin [1, T, rope] over the token axis
+            c, s = (v.view(1, t, *([1] * (x.dim() - 3)), rope) for v in (cos, sin))
+            r = x[..., :rope]
+            half = torch.cat([-r[..., rope // 2:], r[..., :rope // 2]], -1)
+            return torch.cat([r * c + half * s, x[..., rope:]], -1)
+
+        q, k = rot(q)[0], rot(k)[0]  # [T, H, D], [T, D]
+        scores = torch.relu(torch.einsum("shd,td->hst", q, k) * ix.head_dim ** -0.5)
+        w = (hidden[0] @ ix.weights_proj.weight.double().T) * ix.n_heads ** -0.5  # [T, H]
+        total = torch.einsum("sh,hst->st", w, scores)
+        out.append(total.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf")))
+    return out
+
+
+def indexer_gap(model, ids: torch.Tensor) -> float:
+    """The smallest margin, over the indexed layers and the query rows with more visible positions than index_topk,
+    between the index_topk-th and the next score: where it is 0 (a tie) or tiny the choice is rounding's."""
+    gap = float("inf")
+    for total in indexer_scores(model, ids) if model.config.model_type == "deepseek_v32" else []:
+        k = model.config.index_topk
+        rows = total[k:]  # row s sees s + 1 positions: only rows from k on choose
+        if len(rows):
+            gap = min(gap, _kth_gap(rows, k))
+    return gap
+
+
 def _kth_gap(values: torch.Tensor, k: int) -> float:
     if k >= values.shape[-1]:
         return float("inf")
@@ -111,11 +168,23 @@ def mla_golden(model, ids: torch.Tensor) -> dict[str, np.ndarray]:
     """Each latent-attention layer's kv_a_layernorm output (the normed latent) on `ids` [1, T]."""
     if model.config.model_type not in MLA_TYPES:
         return {}
-    out = []
+    out, picks = [], []
     hooks = [layer.self_attn.kv_a_layernorm.register_forward_hook(lambda m, a, o: out.append(o.detach().clone()))
              for layer in model.model.layers]
+    hooks += [layer.self_attn.indexer.register_forward_hook(lambda m, a, o: picks.append(o.detach().clone()))
+              for layer in model.model.layers if hasattr(layer.self_attn, "indexer")]
     with torch.no_grad():
         model(ids, use_cache=False)
     for h in hooks:
         h.remove()
-    return {"kv_a_layernorm": torch.stack([o[0] for o in out]).numpy().astype(np.float32)}
+    arrays = {"kv_a_layernorm": torch.stack([o[0] for o in out]).numpy().astype(np.float32)}
+    if picks:  # DeepSeek-V3.2: the positions each query attends to, as transformers' indexer returns them, sorted;
+        # a row s with fewer than index_topk positions gets later (masked) ones too: -1 there
+        chosen = np.sort(torch.stack([p[0] for p in picks]).numpy().astype(np.int64), -1)
+        rows = np.arange(chosen.shape[1])[None, :, None]
+        chosen = np.where(chosen > rows, -1, chosen)
+        ref = [np.sort(s.topk(chosen.shape[-1], -1).indices.numpy(), -1) for s in indexer_scores(model, ids)]
+        assert all(np.array_equal(np.where(r > rows[0], -1, r), c) for r, c in zip(ref, chosen)), \
+            "the float64 indexer scores choose otherwise than transformers' indexer"
+        arrays["indexer_topk"] = chosen
+    return arrays

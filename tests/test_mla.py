@@ -19,7 +19,7 @@ from metrale_cli.config import load_config, parse_config
 from metrale_cli.errors import ConfigError, DeviceError, UsageError
 from metrale_cli.models.model_config import ConfigReader
 from metrale_cli.models.rope_params import read_rope
-from metrale_cli.models.spec import MoeSpec, RouterSpec
+from metrale_cli.models.spec import MlaIndexer, MoeSpec, RouterSpec
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
 MODELS = ["deepseek_v3", "deepseek_v3_noq", "deepseek_v2", "glm4_moe", "glm4_moe_lite"]
@@ -127,7 +127,7 @@ def test_deepseek_v2_router(method, n_group, topk_group, k):
 # -- configs -------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name,change,field", [
-    ("deepseek_v3", {"model_type": "deepseek_v32"}, "model_type"),
+    ("deepseek_v3", {"model_type": "deepseek_v4"}, "model_type"),
     ("deepseek_v3", {"index_topk": 2048}, "index_topk"),
     ("deepseek_v3", {"topk_method": "group_limited_greedy"}, "topk_method"),
     ("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func"),
@@ -154,6 +154,12 @@ def test_deepseek_v2_router(method, n_group, topk_group, k):
     ("glm4_moe_lite", {"mlp_layer_types": ["sparse", "dense"]}, "mlp_layer_types"),
     ("glm4_moe_lite", {"mlp_layer_types": ["sparse", "moe", "sparse"]}, "mlp_layer_types"),
     ("glm4_moe_lite", {"first_k_dense_replace": 1}, "first_k_dense_replace"),
+    ("deepseek_v32", {"q_lora_rank": None}, "q_lora_rank"),
+    ("deepseek_v32", {"rope_interleave": False}, "rope_interleave"),
+    ("deepseek_v32", {"index_head_dim": 4}, "index_head_dim"),
+    ("deepseek_v32", {"index_topk": 0}, "index_topk"),
+    ("deepseek_v32", {"mlp_layer_types": ["dense", "dense", "sparse"]}, "first_k_dense_replace"),
+    ("deepseek_v32", {"scoring_func": "softmax"}, "scoring_func"),
 ])
 def test_what_is_not_implemented_is_refused_by_field(name, change, field):
     raw = {**raw_config(name), **change}
@@ -172,6 +178,19 @@ def test_glm4_moe_lite_reads_its_layer_types():
     defaults = {k: v for k, v in raw.items() if k not in ("q_lora_rank", "qk_nope_head_dim", "v_head_dim")}
     mla = parse_config(defaults).definition.layers[0].mixer
     assert (mla.q_lora_rank, mla.qk_nope_head_dim, mla.v_head_dim) == (768, 192, 256)
+
+
+def test_deepseek_v32_reads_its_indexer_and_the_cuda_engine_refuses_it():
+    """DeepSeek-V3.2: the indexer's sizes on every layer, the sparse layers from first_k_dense_replace when the layer
+    types are absent; --device cuda names the indexer (before CuPy is looked for)."""
+    from metrale_cli.backends.cuda.loading import unsupported_features
+
+    raw = raw_config("deepseek_v32")
+    cfg = parse_config(raw)
+    assert {x.mixer.indexer for x in cfg.definition.layers} == {MlaIndexer(8, 16, 5)}
+    no_types = {k: v for k, v in raw.items() if k != "mlp_layer_types"}
+    assert parse_config({**no_types, "first_k_dense_replace": 2}).moe.sparse_layers == (2,)
+    assert unsupported_features(cfg.definition) == ["DeepSeek sparse attention's indexer (index_topk)"]
 
 
 def test_kimi_k2_reads_as_deepseek_v3():

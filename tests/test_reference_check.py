@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -157,6 +158,18 @@ def test_help_reference_examples_run(needs_transformers, run_cli, tmp_path, monk
 
 
 # -- precision: like with like ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mla", ["naive", "absorbed"])
+def test_the_sparse_attention_indexer_agrees_with_transformers(needs_transformers, run_cli, mla):
+    """DeepSeek-V3.2 on its golden prompt (every indexer and router choice clear of a tie): the indexer's tap (its
+    chosen positions) compares with transformers' indexer output, normalised alike, and nothing diverges."""
+    prompt = np.load(Path(__file__).parent / "fixtures" / "golden" / "deepseek_v32.npz")["prompt"].tolist()
+    r = run_cli("compare", "--reference", "transformers", "--model", f"{FIXTURES}/deepseek_v32", "--tokens",
+                " ".join(map(str, prompt)), "--steps", "3", "--format", "json", "--layers", "all", "--mla", mla)
+    doc = json.loads(r.stdout) if r.stdout.strip() else None
+    assert r.exit_code == 0 and doc["passed"], (r.stdout, r.stderr)
+    assert any(t["name"].endswith("self_attn.indexer") for t in doc["layers"]["tensors"])
 
 
 @pytest.mark.parametrize("model", ["default", f"{FIXTURES}/gemma2", f"{FIXTURES}/gemma3_text", f"{FIXTURES}/qwen3",

@@ -2,14 +2,17 @@
 random models (skipped without it). The variants complement the committed fixtures (tests/test_reference_mla.py):
 DeepSeek-V3 with q_lora and rotate_half rope on plain RoPE, Kimi-K2's ungrouped routing (n_group 1),
 DeepSeek-V2 with q_lora, greedy softmax routing and YaRN, GLM-4.5 with YaRN on its partial rotary and
-without bias or q/k norm, GLM-4.7-Flash with q_proj, YaRN and one sparse layer between dense ones; both MLA
-algebras on each MLA draw.
+without bias or q/k norm, GLM-4.7-Flash with q_proj, YaRN and one sparse layer between dense ones, DeepSeek-V3.2 with
+its indexer choosing among the positions; both MLA algebras on each MLA draw.
 
 Routing is a discontinuity at a near tie (a group's or an expert's choice score): draws whose transformers
 run has a margin below MIN_ROUTE_GAP anywhere in the prompt or the greedy tokens are redrawn.
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +26,9 @@ from metrale_cli.checkpoint import Checkpoint  # noqa: E402
 from metrale_cli.config import load_config  # noqa: E402
 
 pytestmark = pytest.mark.reference
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
+from mla_reference_specs import indexer_gap  # noqa: E402  (the fixtures' own check, in float64)
 
 COMMON = dict(vocab_size=211, hidden_size=48, intermediate_size=72, num_hidden_layers=3, num_attention_heads=4,
               max_position_embeddings=128, rms_norm_eps=1e-5, initializer_range=0.5, bos_token_id=None,
@@ -54,6 +60,11 @@ VARIANTS = {
         rope_parameters=dict(YARN), n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
         n_shared_experts=2, norm_topk_prob=False, routed_scaling_factor=1.8,
         mlp_layer_types=["dense", "sparse", "dense"])),
+    # DeepSeek-V3.2: the indexer keeps 6 positions (most rows of the prompt and the 32 steps choose), plain RoPE
+    "deepseek_v32_indexer": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(
+        MLA, q_lora_rank=32, rope_parameters={"rope_type": "default", "rope_theta": 5e4}, index_topk=6,
+        index_head_dim=12, index_n_heads=6, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+        n_shared_experts=1, routed_scaling_factor=2.5)),
 }
 GQA = {"glm4_moe_yarn"}  # the variants without latent attention (one algebra)
 MIN_ROUTE_GAP = 1e-5
@@ -85,7 +96,8 @@ def _kth_gap(values: np.ndarray, k: int) -> float:
 
 
 def route_gap(model, ids: torch.Tensor) -> float:
-    """The smallest margin of any group or expert choice over the tokens of ids and the sparse layers."""
+    """The smallest margin of any group or expert choice over the tokens of ids and the sparse layers, and of the
+    DeepSeek-V3.2 indexer's choice of positions (scripts/mla_reference_specs.indexer_gap)."""
     c, found = model.config, []
     gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
     hooks = [g.register_forward_hook(lambda m, a, o: found.append((m, o[0].detach().double().numpy()))) for g in gates]
@@ -109,7 +121,7 @@ def route_gap(model, ids: torch.Tensor) -> float:
                 np.put_along_axis(keep, chosen, True, -1)
                 scores = np.where(np.repeat(keep, e // c.n_group, -1), scores, -1e9)
         gap = min(gap, _kth_gap(scores, c.num_experts_per_tok))
-    return gap
+    return min(gap, indexer_gap(model, ids))
 
 
 def draw(variant: str, seed: int, path):

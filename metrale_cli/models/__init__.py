@@ -18,8 +18,8 @@ FAMILIES.update({f.model_type: f for f in (gemma2.FAMILY, gemma3.TEXT_FAMILY, ge
 FAMILIES.update({f.model_type: f for f in (qwen2_moe.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY)})
 # Latent attention and DeepSeek's routing (models/deepseek.py), GLM-4.5 (that routing, GQA attention) and
 # GLM-4.7-Flash (both)
-FAMILIES.update({f.model_type: f for f in (deepseek.V3_FAMILY, deepseek.KIMI_K2_FAMILY, deepseek.V2_FAMILY,
-                                           glm4_moe.FAMILY, glm4_moe_lite.FAMILY)})
+FAMILIES.update({f.model_type: f for f in (deepseek.V3_FAMILY, deepseek.KIMI_K2_FAMILY, deepseek.V32_FAMILY,
+                                           deepseek.V2_FAMILY, glm4_moe.FAMILY, glm4_moe_lite.FAMILY)})
 # gpt-oss (attention sinks, clamped SwiGLU experts with biases, MXFP4 experts: models/quantized/mxfp4.py)
 FAMILIES.update({gpt_oss.FAMILY.model_type: gpt_oss.FAMILY})
 # Hybrid linear / full attention (Gated DeltaNet: the linear_attention mixer kind)

@@ -1,7 +1,7 @@
 """DeepSeek-V3 (`DeepseekV3ForCausalLM`; Moonlight declares it too, Kimi-K2 declares `kimi_k2` with
-DeepSeek-V3's architecture and code, read alike here) and DeepSeek-V2
-(`DeepseekV2ForCausalLM`, DeepSeek-V2-Lite): latent attention (the "mla" mixer kind, models/spec.MlaSpec)
-and a mixture of experts with DeepSeek's routing.
+DeepSeek-V3's architecture and code, read alike here), DeepSeek-V3.2 (`DeepseekV32ForCausalLM`: V3 with DeepSeek
+sparse attention's indexer, models/spec.MlaIndexer) and DeepSeek-V2 (`DeepseekV2ForCausalLM`, DeepSeek-V2-Lite):
+latent attention (the "mla" mixer kind, models/spec.MlaSpec) and a mixture of experts with DeepSeek's routing.
 
 Per layer: x += o_proj(mla(input_layernorm(x))); x += mlp(post_attention_layernorm(x)), the MLP dense
 (intermediate_size) on the first `first_k_dense_replace` layers, sparse after: n_routed_experts SwiGLU
@@ -9,6 +9,9 @@ experts of moe_intermediate_size plus ungated shared experts (one SwiGLU of moe_
 n_shared_experts, `mlp.shared_experts`).
 - V3 routing (sigmoid_biased_grouped): sigmoid scores, e_score_correction_bias for the choice only, the
   topk_group best of n_group groups, renormalised when norm_topk_prob, times routed_scaling_factor.
+- V3.2: V3's blocks, every layer's attention restricted to the index_topk positions its indexer scores highest;
+  the query always through q_lora_rank, the rope always interleaved (transformers ignores rope_interleave), the
+  sparse layers from `mlp_layer_types` (default: from first_k_dense_replace, 3).
 - V2 routing: softmax, `topk_method` greedy (softmax_topk) or group_limited_greedy (softmax_group_limited),
   never renormalised (transformers' V2 router ignores norm_topk_prob: a config setting it is refused),
   times routed_scaling_factor.
@@ -25,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from . import llama, moe
 from .model_config import Family, MoeConfig
 from .rope_params import read_rope
-from .spec import LayerSpec, MlaSpec, MlpSpec, ModelDefinition, MoeSpec, Norm, Param, RouterSpec
+from .spec import LayerSpec, MlaIndexer, MlaSpec, MlpSpec, ModelDefinition, MoeSpec, Norm, Param, RouterSpec
 
 if TYPE_CHECKING:
     from .model_config import ConfigReader, ModelConfig
@@ -81,6 +84,41 @@ def parse_v3(r: ConfigReader) -> dict[str, Any]:
     accept(r, "scoring_func", ("sigmoid",), "only sigmoid scoring is DeepSeek-V3's")
     accept(r, "topk_method", ("noaux_tc",), "only noaux_tc (grouped sigmoid routing with correction bias) is V3's")
     return parse_mla(r, r.optional("rope_interleave", bool, True), sigmoid_grouped_moe(r, V3))
+
+
+def parse_v32(r: ConfigReader) -> dict[str, Any]:
+    accept(r, "scoring_func", ("sigmoid",), "only sigmoid scoring is DeepSeek-V3.2's")
+    accept(r, "topk_method", ("noaux_tc",), "only noaux_tc (grouped sigmoid routing with correction bias) is V3.2's")
+    if r.raw.get("rope_interleave") is False:
+        r.refuse("rope_interleave", False, "transformers' DeepSeek-V3.2 always rotates interleaved pairs")
+    if "q_lora_rank" in r.raw and r.raw["q_lora_rank"] is None:
+        r.refuse("q_lora_rank", None, "DeepSeek-V3.2's indexer reads the query latent (q_lora_rank is required)")
+    heads, dim = moe.positive(r, "index_n_heads", 64), moe.positive(r, "index_head_dim", 128)
+    if dim < moe.positive(r, "qk_rope_head_dim", 64):
+        r.refuse("index_head_dim", dim, "smaller than qk_rope_head_dim (the indexer rotates that many of its dims)")
+    indexer = MlaIndexer(heads, dim, moe.positive(r, "index_topk", 2048))
+    sparse = sparse_layers(r, V3.first_dense, reads_first_k=True)
+    return parse_mla(r, True, sigmoid_grouped_moe(r, V3, sparse), indexer=indexer)
+
+
+def sparse_layers(r: ConfigReader, first_dense: int, reads_first_k: bool) -> tuple[int, ...]:
+    """The layers `mlp_layer_types` marks sparse ("dense" / "sparse" per layer) as transformers' DeepSeek-V3.2 and
+    GLM-4.7-Flash configs read them; absent, the first `first_dense` layers are dense (first_k_dense_replace's
+    value when `reads_first_k`). A first_k_dense_replace that says otherwise than the layer types is refused."""
+    n = r.positive_int("num_hidden_layers")
+    first = r.optional("first_k_dense_replace", int, None)
+    if first is not None and first < 0:
+        r.refuse("first_k_dense_replace", first, "must not be negative")
+    types = r.optional("mlp_layer_types", list, None)
+    if types is None:
+        k = min(n, first if reads_first_k and first is not None else first_dense)
+        types = ["dense"] * k + ["sparse"] * (n - k)
+    elif len(types) != n or any(t not in ("dense", "sparse") for t in types):
+        r.refuse("mlp_layer_types", types, f"needs dense or sparse for each of the {n} layers")
+    if first is not None and types != ["dense"] * min(n, first) + ["sparse"] * (n - min(n, first)):
+        r.refuse("first_k_dense_replace", first, "disagrees with the layers' dense / sparse types (mlp_layer_types "
+                 "or its default), which is what transformers reads for this family")
+    return tuple(i for i, t in enumerate(types) if t == "sparse")
 
 
 def parse_v2(r: ConfigReader) -> dict[str, Any]:
@@ -169,10 +207,10 @@ def nextn_layers(r: ConfigReader) -> int:
     return n
 
 
-def parse_mla(r: ConfigReader, interleave: bool, moe_cfg: MoeConfig | None,
-              d: MlaDefaults = V3_MLA) -> dict[str, Any]:
-    """The ModelConfig fields of a latent-attention family: every layer's MlaSpec (sizes defaulting to `d`), the
-    sparse block `moe_cfg`."""
+def parse_mla(r: ConfigReader, interleave: bool, moe_cfg: MoeConfig | None, d: MlaDefaults = V3_MLA,
+              indexer: MlaIndexer | None = None) -> dict[str, Any]:
+    """The ModelConfig fields of a latent-attention family: every layer's MlaSpec (sizes defaulting to `d`, with
+    DeepSeek sparse attention's `indexer` when given), the sparse block `moe_cfg`."""
     llama.refuse_non_swiglu(r)
     if r.optional("attention_bias", bool, False):
         r.refuse("attention_bias", True, "biases on the latent attention projections are not implemented")
@@ -189,7 +227,8 @@ def parse_mla(r: ConfigReader, interleave: bool, moe_cfg: MoeConfig | None,
     nope, v = moe.positive(r, "qk_nope_head_dim", d.nope), moe.positive(r, "v_head_dim", d.v)
     rope = _rope(r, rope_dim)
     scale = (nope + rope_dim) ** -0.5 * (rope.yarn.softmax_mscale() if rope.yarn is not None else 1.0)
-    mla = MlaSpec(heads, q_lora, moe.positive(r, "kv_lora_rank", d.kv_lora), nope, rope_dim, v, rope, scale, interleave)
+    mla = MlaSpec(heads, q_lora, moe.positive(r, "kv_lora_rank", d.kv_lora), nope, rope_dim, v, rope, scale, interleave,
+                  indexer=indexer)
     return dict(head_dim=rope_dim, attention_bias=False, o_proj_bias=False, qk_norm=False, sliding_window=None,
                 layer_types=(), rope_theta=rope.theta, rope_scaling=None, moe=moe_cfg,
                 options=DeepseekOptions(mla, nextn_layers(r)))
@@ -244,9 +283,18 @@ def layer_params(cfg: ModelConfig, i: int, m: MlaSpec) -> tuple[Param, ...]:
         q = [Param.of("q_a", (s + "q_a_proj.weight", (m.q_lora_rank, h))),
              Param.of("q_a_norm", (s + "q_a_layernorm.weight", (m.q_lora_rank,))),
              Param.of("q_b", (s + "q_b_proj.weight", (q_out, m.q_lora_rank)))]
+    ix, idx = m.indexer, []
+    if ix is not None:  # DeepSeek sparse attention's indexer
+        x = s + "indexer."
+        idx = [Param.of("idx_q", (x + "wq_b.weight", (ix.num_heads * ix.head_dim, m.q_lora_rank))),
+               Param.of("idx_k", (x + "wk.weight", (ix.head_dim, h))),
+               Param.of("idx_k_norm", (x + "k_norm.weight", (ix.head_dim,))),
+               Param.of("idx_k_norm_bias", (x + "k_norm.bias", (ix.head_dim,))),
+               Param.of("idx_w", (x + "weights_proj.weight", (ix.num_heads, h)))]
     return (
         Param.of("input_norm", (p + "input_layernorm.weight", (h,))),
         *q,
+        *idx,
         Param.of("kv_a", (s + "kv_a_proj_with_mqa.weight", (m.latent_size, h))),
         Param.of("kv_a_norm", (s + "kv_a_layernorm.weight", (m.kv_lora_rank,))),
         Param.of("kv_b", (s + "kv_b_proj.weight", (m.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank))),
@@ -261,5 +309,7 @@ V3_FAMILY = Family("deepseek_v3", "DeepseekV3ForCausalLM", parse_v3, define,
                    "DeepSeek-V3 / Kimi-K2 / Moonlight (latent attention, grouped sigmoid routing, shared experts)")
 KIMI_K2_FAMILY = Family("kimi_k2", "DeepseekV3ForCausalLM", parse_v3, define,
                         "Kimi-K2 (DeepSeek-V3's architecture under its own model_type)")
+V32_FAMILY = Family("deepseek_v32", "DeepseekV32ForCausalLM", parse_v32, define,
+                    "DeepSeek-V3.2 (DeepSeek-V3 with the sparse attention indexer; NumPy engine only)")
 V2_FAMILY = Family("deepseek_v2", "DeepseekV2ForCausalLM", parse_v2, define,
                    "DeepSeek-V2 / V2-Lite (latent attention, softmax greedy or group-limited routing)")

@@ -21,28 +21,12 @@ if TYPE_CHECKING:
 MOE = deepseek.MoeDefaults(experts=64, top_k=4, size=1536, shared=1, first_dense=1, n_group=1, topk_group=1,
                            norm_topk_prob=True, scaling=1.8)
 MLA = deepseek.MlaDefaults(q_lora=768, kv_lora=512, nope=192, rope=64, v=256)
-LAYER_TYPES = ("dense", "sparse")
 
 
 def parse(r: ConfigReader) -> dict[str, Any]:
     glm4_moe.accept_routing(r)
-    moe_cfg = deepseek.sigmoid_grouped_moe(r, MOE, sparse_layers(r))
+    moe_cfg = deepseek.sigmoid_grouped_moe(r, MOE, deepseek.sparse_layers(r, MOE.first_dense, reads_first_k=False))
     return deepseek.parse_mla(r, r.optional("rope_interleave", bool, True), moe_cfg, MLA)
-
-
-def sparse_layers(r: ConfigReader) -> tuple[int, ...]:
-    """The layers `mlp_layer_types` marks sparse (transformers' default: all but layer 0)."""
-    n = r.positive_int("num_hidden_layers")
-    types = r.optional("mlp_layer_types", list, None)
-    if types is None:
-        types = ["dense"] + ["sparse"] * (n - 1)
-    elif len(types) != n or any(t not in LAYER_TYPES for t in types):
-        r.refuse("mlp_layer_types", types, f"needs one of {' / '.join(LAYER_TYPES)} for each of the {n} layers")
-    first = r.raw.get("first_k_dense_replace")
-    if first is not None and types != ["dense"] * first + ["sparse"] * (n - first):
-        r.refuse("first_k_dense_replace", first, "disagrees with mlp_layer_types, which is what transformers reads "
-                 "for this family (drop one of the two)")
-    return tuple(i for i, t in enumerate(types) if t == "sparse")
 
 
 FAMILY = Family("glm4_moe_lite", "Glm4MoeLiteForCausalLM", parse, deepseek.define,

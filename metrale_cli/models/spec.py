@@ -24,6 +24,8 @@ Latent attention layers (LayerSpec.mixer a MlaSpec) read instead of qkv/qkv_bias
     kv_a            kv_a_proj_with_mqa [kv_lora + rope, H]
     kv_a_norm       kv_a_layernorm [kv_lora]
     kv_b            kv_b_proj [heads * (nope + v), kv_lora]
+    idx_q, idx_k, idx_k_norm, idx_k_norm_bias, idx_w   DeepSeek sparse attention's indexer (self_attn.indexer.wq_b,
+                    wk, k_norm weight and bias, weights_proj; MlaIndexer)
 
 Sparse (mixture-of-experts) layers, whose LayerSpec.mlp is a MoeSpec, read instead of gate_up/down:
     router          the router [E, H] (HF mlp.gate / block_sparse_moe.gate), with the shared expert's gate
@@ -287,6 +289,23 @@ class AttentionSpec:
 
 
 @dataclass(frozen=True)
+class MlaIndexer:
+    """DeepSeek Sparse Attention's lightning indexer (deepseek_v32): each query of a latent-attention layer attends
+    only to the `topk` positions, of those it may see, that the indexer scores highest. Per token, with h the
+    layer's normed input and q_a the normed query latent (q_a_norm(q_a(h))):
+        q_i = idx_q(q_a)                [heads, head_dim]   k_i = LayerNorm(idx_k(h))   [head_dim], cached
+        (the first qk_rope_head_dim dims of both rotated as rotate_half pairs, with the layer's rope)
+        score(s, t) = sum_h idx_w(h)[h] / sqrt(heads) * relu(q_i(s)[h] . k_i(t) / sqrt(head_dim))
+    Weight keys: idx_q [heads * head_dim, q_lora_rank], idx_k [head_dim, H], idx_k_norm and idx_k_norm_bias
+    [head_dim] (a LayerNorm with eps 1e-6), idx_w [heads, H]."""
+
+    num_heads: int
+    head_dim: int
+    topk: int
+    eps: float = 1e-6
+
+
+@dataclass(frozen=True)
 class MlaSpec:
     """The "mla" mixer kind (engine/mla.py): DeepSeek-V2/V3's multi-head latent attention. Per token, with
     h = input_norm(x):
@@ -297,7 +316,7 @@ class MlaSpec:
     The cache holds the latent [c; k_pe] of every position (latent_size floats). `rope_interleave`: the rope
     dims rotate in adjacent pairs (x0, x1), (x2, x3), ... (DeepSeek-V2 always, V3's default), else as
     rotate_half pairs i with i + rope/2. Weight keys: input_norm, q (or q_a, q_a_norm, q_b), kv_a, kv_a_norm,
-    kv_b, o."""
+    kv_b, o, and the indexer's (MlaIndexer) when it has one."""
 
     kind: ClassVar[str] = "mla"
     num_heads: int
@@ -310,6 +329,7 @@ class MlaSpec:
     scale: float  # qk_head_dim ** -0.5, times YaRN's softmax mscale
     rope_interleave: bool = True
     latent_norm: Norm = Norm(1e-6)  # q_a_layernorm and kv_a_layernorm (transformers builds them with eps 1e-6)
+    indexer: MlaIndexer | None = None  # DeepSeek sparse attention (deepseek_v32): which positions a query sees
 
     @property
     def qk_head_dim(self) -> int:

@@ -151,7 +151,10 @@ def _experts_text(x: dict[str, Any], layers: int) -> str:
 def _latent_text(m: dict[str, Any]) -> str:
     """An MLA model's latent attention in one line, with its cache per token."""
     q = f"q_lora_rank {m['q_lora_rank']}" if m["q_lora_rank"] is not None else "q_proj"
-    return (f"{m['layers']} layers, kv_lora_rank {m['kv_lora_rank']}, {q}, qk nope/rope "
+    ix = m.get("indexer")
+    sparse = (f", sparse attention indexer ({ix['heads']} heads of {ix['head_dim']}, the top {ix['index_topk']:,} "
+              "positions)" if ix else "")
+    return (f"{m['layers']} layers{sparse}, kv_lora_rank {m['kv_lora_rank']}, {q}, qk nope/rope "
             f"{m['qk_nope_head_dim']}/{m['qk_rope_head_dim']}, v {m['v_head_dim']}, "
             f"rope {'interleaved' if m['rope_interleave'] else 'rotate_half'}, softmax scale {m['softmax_scale']:.6g}; "
             f"cache {m['cache_floats_per_token']:,} values per token ({4 * m['cache_floats_per_token']:,} bytes in fp32, "

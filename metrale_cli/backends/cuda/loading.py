@@ -25,6 +25,7 @@ from .paths import BASE_PATH, PATH_ENV, check_path, default_path
 # post-norm), a sparse layer's MoE kernels (no sandwich post-norm there).  A layer's mixer weights are its mixer
 # kind's (its CUDA module's WEIGHT_KEYS).
 DENSE_MLP_KEYS = frozenset({"mlp_norm", "gate_up", "down", "mlp_out_norm"})
+INDEXER_KEYS = frozenset({"idx_q", "idx_k", "idx_k_norm", "idx_k_norm_bias", "idx_w"})  # MlaIndexer's (refused)
 MOE_MLP_KEYS = frozenset({"mlp_norm", "router", "router_bias", "router_correction", "experts_gate_up",
                           "experts_gate_up_bias", "experts_down", "experts_down_bias", "shared_gate_up", "shared_down"})
 # Weights kept in fp32 on the device: the router's choice correction (e_score_correction_bias, fp32 in the
@@ -244,6 +245,9 @@ def unsupported_features(definition: ModelDefinition) -> list[str]:
             from .linear_attention import unsupported
 
             found += unsupported(layer.mixer)
+        if getattr(layer.mixer, "indexer", None) is not None:  # the weights it reads are then not listed again
+            found.append("DeepSeek sparse attention's indexer (index_topk)")
+            mixer = mixer | INDEXER_KEYS if mixer is not None else None
         if isinstance(layer.mlp, MoeSpec):  # kernels/moe.cu: routers.cu's kinds, (clamped) SwiGLU experts after an RMSNorm
             found += [f"{layer.mlp.router.kind} routing"] if layer.mlp.router.kind not in ROUTER_KINDS else []
             act = layer.mlp.activation

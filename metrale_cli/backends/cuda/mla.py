@@ -123,7 +123,7 @@ class RowsMla(_MlaOps):
     def append_latent(self, kv, layer: int, m: MlaSpec, kv_norm):
         return self._append(kv, layer, m, kv_norm, self.cache.latent[:self.p.m])
 
-    def attention(self, q, layer: int, m: MlaSpec, kv_b):
+    def attention(self, q, layer: int, m: MlaSpec, kv_b, chosen=None):  # no indexer here: loading refuses it
         c, n = self.cache, self.p.m
         splits = c.splits[n]
         self._absorb(q, m, kv_b, self.p.pos, c.q_cat[:n])
@@ -156,7 +156,7 @@ class PrefillMla(_MlaOps):
         cp = self.e.cp
         return self._append(cp.ascontiguousarray(kv), layer, m, kv_norm, cp.empty((self.p.t, self.d.rank), cp.float32))
 
-    def attention(self, q, layer: int, m: MlaSpec, kv_b):
+    def attention(self, q, layer: int, m: MlaSpec, kv_b, chosen=None):  # no indexer here: loading refuses it
         hd = naive_head_dim(self.d)
         if hd is not None and getattr(self.e, "mla", None) != "absorbed":  # --mla absorbed: the absorbed kernels
             try:

@@ -41,6 +41,13 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, offset: float = 0.0,
     return r(weight * r(normed))
 
 
+def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float, r=keep) -> np.ndarray:
+    """torch's LayerNorm over the last axis, (x - mean) / sqrt(var + eps) * weight + bias (biased var), in fp32."""
+    centred = x - np.mean(x, axis=-1, keepdims=True)
+    var = np.mean(np.square(centred), axis=-1, keepdims=True)
+    return r(weight * (centred / np.sqrt(var + np.float32(eps))) + bias)
+
+
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, r=keep) -> np.ndarray:
     """Rotate x [T, heads, d] by HF's rotate_half convention, x * cos + rotate_half(x) * sin; cos/sin are
     [T, n/2] for the first n dims (partial rotary: the dims past n pass through unrotated)."""

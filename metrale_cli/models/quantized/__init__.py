@@ -20,8 +20,9 @@ if TYPE_CHECKING:
     from ..spec import Param
 
 # Keys of the Linear weights a quantized checkpoint never quantizes: the embedding and lm_head (kept dense
-# for accuracy, as every quantizer does by default) and the routers (not Linear modules in transformers).
-DENSE_KEYS = frozenset({"embed", "lm_head", "router"})
+# for accuracy, as every quantizer does by default), the routers (not Linear modules in transformers) and
+# DeepSeek-V3.2's indexer weights_proj (transformers' _keep_in_fp32_modules, which its quantizers skip).
+DENSE_KEYS = frozenset({"embed", "lm_head", "router", "idx_w"})
 
 
 def linear_weight(p: Param) -> bool:
