@@ -14,8 +14,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-TYPES = ("deepseek_v3", "deepseek_v2", "glm4_moe", "glm4_moe_lite", "deepseek_v32")
-MLA_TYPES = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "deepseek_v32")
+TYPES = ("deepseek_v3", "deepseek_v2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa")
+MLA_TYPES = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa")
+DSA_TYPES = ("deepseek_v32", "glm_moe_dsa")  # with the sparse attention indexer
 CORRECTION_STD = 0.15  # e_score_correction_bias ~ N(0, 0.15): of the order of the sigmoid scores' spread
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
@@ -65,6 +66,13 @@ def mla_model_specs():
          dict(MLA, q_lora_rank=48, rope_parameters=dict(YARN), index_topk=5, index_head_dim=16, index_n_heads=8,
               n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, norm_topk_prob=True,
               routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=1, tie_word_embeddings=False), {}),
+        # GLM-5: V3.2's blocks, the indexer's rope interleaved, layers 1 and 3 sharing the choice of 0 and 2 (4
+        # layers, pattern FSFS), v_head_dim > qk_nope_head_dim, top-3 of 12 in the best 2 of 3 groups
+        ("glm_moe_dsa", 1407, "GlmMoeDsaForCausalLM", "GlmMoeDsaConfig",
+         dict(MLA, num_hidden_layers=4, q_lora_rank=40, v_head_dim=20, rope_parameters={"rope_type": "default",
+              "rope_theta": 1e6}, index_topk=5, index_head_dim=16, index_n_heads=8, index_topk_pattern="FSFS",
+              n_routed_experts=12, num_experts_per_tok=3, n_group=3, topk_group=2, norm_topk_prob=True,
+              routed_scaling_factor=1.8, n_shared_experts=1, first_k_dense_replace=1, tie_word_embeddings=False), {}),
     ]
 
 
@@ -111,7 +119,7 @@ def indexer_scores(model, ids: torch.Tensor) -> list[torch.Tensor]:
         found.append((module, args, kwargs))
 
     hooks = [layer.self_attn.indexer.register_forward_pre_hook(hook, with_kwargs=True)
-             for layer in model.model.layers if hasattr(layer.self_attn, "indexer")]
+             for layer in model.model.layers if getattr(layer.self_attn, "indexer", None) is not None]
     with torch.no_grad():
         model(ids, use_cache=False)
     for h in hooks:
@@ -125,9 +133,11 @@ def indexer_scores(model, ids: torch.Tensor) -> list[torch.Tensor]:
         k = torch.nn.functional.layer_norm((hidden @ ix.wk.weight.double().T), (ix.head_dim,),
                                            ix.k_norm.weight.double(), ix.k_norm.bias.double(), ix.k_norm.eps)
 
-        def rot(x):  # rotate_half on the first rope dims, cos / sin [1, T, rope] over the token axis
-            c, s = (v.view(1, t, *([1] * (x.dim() - 3)), rope) for v in (cos, sin))
+        def rot(x):  # rotate_half on the first rope dims (interleaved pairs first regrouped: GLM-5), cos / sin
+            c, s = (v.view(1, t, *([1] * (x.dim() - 3)), rope) for v in (cos, sin))  # [1, T, rope] over tokens
             r = x[..., :rope]
+            if model.config.model_type == "glm_moe_dsa":
+                r = torch.cat([r[..., 0::2], r[..., 1::2]], -1)
             half = torch.cat([-r[..., rope // 2:], r[..., :rope // 2]], -1)
             return torch.cat([r * c + half * s, x[..., rope:]], -1)
 
@@ -143,7 +153,7 @@ def indexer_gap(model, ids: torch.Tensor) -> float:
     """The smallest margin, over the indexed layers and the query rows with more visible positions than index_topk,
     between the index_topk-th and the next score: where it is 0 (a tie) or tiny the choice is rounding's."""
     gap = float("inf")
-    for total in indexer_scores(model, ids) if model.config.model_type == "deepseek_v32" else []:
+    for total in indexer_scores(model, ids) if model.config.model_type in DSA_TYPES else []:
         k = model.config.index_topk
         rows = total[k:]  # row s sees s + 1 positions: only rows from k on choose
         if len(rows):
@@ -172,7 +182,7 @@ def mla_golden(model, ids: torch.Tensor) -> dict[str, np.ndarray]:
     hooks = [layer.self_attn.kv_a_layernorm.register_forward_hook(lambda m, a, o: out.append(o.detach().clone()))
              for layer in model.model.layers]
     hooks += [layer.self_attn.indexer.register_forward_hook(lambda m, a, o: picks.append(o.detach().clone()))
-              for layer in model.model.layers if hasattr(layer.self_attn, "indexer")]
+              for layer in model.model.layers if getattr(layer.self_attn, "indexer", None) is not None]
     with torch.no_grad():
         model(ids, use_cache=False)
     for h in hooks:

@@ -160,6 +160,9 @@ def test_deepseek_v2_router(method, n_group, topk_group, k):
     ("deepseek_v32", {"index_topk": 0}, "index_topk"),
     ("deepseek_v32", {"mlp_layer_types": ["dense", "dense", "sparse"]}, "first_k_dense_replace"),
     ("deepseek_v32", {"scoring_func": "softmax"}, "scoring_func"),
+    ("glm_moe_dsa", {"indexer_types": ["shared", "full", "full", "shared"]}, "indexer_types"),
+    ("glm_moe_dsa", {"indexer_types": ["full", "shared"]}, "indexer_types"),
+    ("glm_moe_dsa", {"indexer_types": None, "index_topk_pattern": "FXFS"}, "index_topk_pattern"),
 ])
 def test_what_is_not_implemented_is_refused_by_field(name, change, field):
     raw = {**raw_config(name), **change}
@@ -191,6 +194,24 @@ def test_deepseek_v32_reads_its_indexer_and_the_cuda_engine_refuses_it():
     no_types = {k: v for k, v in raw.items() if k != "mlp_layer_types"}
     assert parse_config({**no_types, "first_k_dense_replace": 2}).moe.sparse_layers == (2,)
     assert unsupported_features(cfg.definition) == ["DeepSeek sparse attention's indexer (index_topk)"]
+
+
+@pytest.mark.parametrize("fields, shared", [
+    ({"indexer_types": None}, (1, 3)),  # from index_topk_pattern "FSFS"
+    ({"indexer_types": None, "index_topk_pattern": ["full", "full", "shared", "full"]}, (2,)),
+    ({"indexer_types": None, "index_topk_pattern": None}, ()),  # freq 1: every layer full
+    ({"indexer_types": None, "index_topk_pattern": None, "index_topk_freq": 2, "index_skip_topk_offset": 2}, (2,)),
+])
+def test_glm_moe_dsa_derives_its_indexer_types_as_transformers_does(fields, shared):
+    """GLM-5: indexer_types, else index_topk_pattern, else index_topk_freq / index_skip_topk_offset (layer i full
+    when max(i - offset + 1, 0) % freq == 0: with freq 2 and offset 2, layers 0, 1, 3 full)."""
+    transformers = pytest.importorskip("transformers")
+    raw = {**raw_config("glm_moe_dsa"), **fields}
+    raw = {k: v for k, v in raw.items() if v is not None}
+    got = tuple(i for i, x in enumerate(parse_config(raw).definition.layers) if x.mixer.indexer.shared)
+    assert got == shared
+    hf = transformers.GlmMoeDsaConfig(**{k: v for k, v in raw.items() if k not in ("model_type", "architectures")})
+    assert tuple(i for i, t in enumerate(hf.indexer_types) if t == "shared") == shared
 
 
 def test_kimi_k2_reads_as_deepseek_v3():

@@ -160,12 +160,14 @@ def test_help_reference_examples_run(needs_transformers, run_cli, tmp_path, monk
 # -- precision: like with like ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mla", ["naive", "absorbed"])
-def test_the_sparse_attention_indexer_agrees_with_transformers(needs_transformers, run_cli, mla):
-    """DeepSeek-V3.2 on its golden prompt (every indexer and router choice clear of a tie): the indexer's tap (its
-    chosen positions) compares with transformers' indexer output, normalised alike, and nothing diverges."""
-    prompt = np.load(Path(__file__).parent / "fixtures" / "golden" / "deepseek_v32.npz")["prompt"].tolist()
-    r = run_cli("compare", "--reference", "transformers", "--model", f"{FIXTURES}/deepseek_v32", "--tokens",
+@pytest.mark.parametrize("name, mla", [("deepseek_v32", "naive"), ("deepseek_v32", "absorbed"),
+                                       ("glm_moe_dsa", "naive")])
+def test_the_sparse_attention_indexer_agrees_with_transformers(needs_transformers, run_cli, name, mla):
+    """DeepSeek-V3.2 and GLM-5 on their golden prompts (every indexer and router choice clear of a tie): the
+    indexer's tap (its chosen positions) compares with transformers' indexer output, normalised alike, and nothing
+    diverges."""
+    prompt = np.load(Path(__file__).parent / "fixtures" / "golden" / f"{name}.npz")["prompt"].tolist()
+    r = run_cli("compare", "--reference", "transformers", "--model", f"{FIXTURES}/{name}", "--tokens",
                 " ".join(map(str, prompt)), "--steps", "3", "--format", "json", "--layers", "all", "--mla", mla)
     doc = json.loads(r.stdout) if r.stdout.strip() else None
     assert r.exit_code == 0 and doc["passed"], (r.stdout, r.stderr)

@@ -3,7 +3,8 @@ random models (skipped without it). The variants complement the committed fixtur
 DeepSeek-V3 with q_lora and rotate_half rope on plain RoPE, Kimi-K2's ungrouped routing (n_group 1),
 DeepSeek-V2 with q_lora, greedy softmax routing and YaRN, GLM-4.5 with YaRN on its partial rotary and
 without bias or q/k norm, GLM-4.7-Flash with q_proj, YaRN and one sparse layer between dense ones, DeepSeek-V3.2 with
-its indexer choosing among the positions; both MLA algebras on each MLA draw.
+its indexer choosing among the positions, GLM-5 with a layer sharing the last one's choice; both MLA algebras on
+each MLA draw.
 
 Routing is a discontinuity at a near tie (a group's or an expert's choice score): draws whose transformers
 run has a margin below MIN_ROUTE_GAP anywhere in the prompt or the greedy tokens are redrawn.
@@ -64,6 +65,11 @@ VARIANTS = {
     "deepseek_v32_indexer": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(
         MLA, q_lora_rank=32, rope_parameters={"rope_type": "default", "rope_theta": 5e4}, index_topk=6,
         index_head_dim=12, index_n_heads=6, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+        n_shared_experts=1, routed_scaling_factor=2.5)),
+    # GLM-5: the indexer's rope interleaved, layer 1 sharing layer 0's choice, YaRN
+    "glm_moe_dsa_shared": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", dict(
+        MLA, q_lora_rank=32, rope_parameters=dict(YARN), index_topk=6, index_head_dim=12, index_n_heads=6,
+        index_topk_pattern="FSF", n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
         n_shared_experts=1, routed_scaling_factor=2.5)),
 }
 GQA = {"glm4_moe_yarn"}  # the variants without latent attention (one algebra)

@@ -5,7 +5,8 @@ Fixtures (scripts/make_reference_fixtures.py + scripts/mla_reference_specs.py, t
 deepseek_v3 (q_lora, interleaved rope, YaRN), deepseek_v3_noq (q_proj, rotate_half rope, YaRN without
 truncation), deepseek_v2 (group-limited softmax routing), glm4_moe (GQA, q/k/v bias, q/k norm, partial
 rotary), glm4_moe_lite (GLM-4.7-Flash: DeepSeek-V3's blocks, sparse layers from mlp_layer_types), deepseek_v32
-(V3 with the sparse attention indexer choosing 5 positions of the 12-token prompt's later rows); every sparse
+(V3 with the sparse attention indexer choosing 5 positions of the 12-token prompt's later rows), glm_moe_dsa
+(GLM-5: the indexer's rope interleaved, layers 1 and 3 sharing the choice of layers 0 and 2); every sparse
 layer routes within topk_group < n_group groups, the sigmoid routers with a nonzero correction bias, and a layer
 is dense (layer 0; deepseek_v3_noq: 0 and 1; glm4_moe_lite: layer 1 between sparse ones). Both MLA algebras are checked: the
 naive form (the default, transformers' own) and the absorbed form.
@@ -27,9 +28,11 @@ from metrale_cli.engine.observe import tapping
 from metrale_cli.models.spec import MlpSpec, MoeSpec
 
 FIXTURES = Path(__file__).parent / "fixtures"
-MODELS = ["deepseek_v3", "deepseek_v3_noq", "deepseek_v2", "glm4_moe", "glm4_moe_lite", "deepseek_v32",
+MODELS = ["deepseek_v3", "deepseek_v3_noq", "deepseek_v2", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa",
           "deepseek_v3_fp8_block"]
-MLA_MODELS = ["deepseek_v3", "deepseek_v3_noq", "deepseek_v2", "glm4_moe_lite", "deepseek_v32", "deepseek_v3_fp8_block"]
+MLA_MODELS = ["deepseek_v3", "deepseek_v3_noq", "deepseek_v2", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa",
+              "deepseek_v3_fp8_block"]
+DSA_MODELS = ["deepseek_v32", "glm_moe_dsa"]  # with the sparse attention indexer
 # naive vs absorbed: the same sums in another order; over these fixtures the logits differ by ~1e-6 relative
 # (measured over fresh prompts: 6e-7 to 1.2e-6 on prefill and decode rows)
 FORMS_TOL = 1e-5
@@ -189,13 +192,18 @@ def test_the_fixtures_exercise_what_they_claim():
 
 
 @pytest.mark.parametrize("mla", ["naive", "absorbed"])
-def test_the_indexers_choice_matches_transformers(mla):
-    """model.layers.{i}.self_attn.indexer (the positions each query attends to) as sets against transformers'
-    indexer; row s < index_topk sees all its s + 1 positions (transformers pads its choice with later ones, the
-    golden and metrale's tap with -1)."""
-    g = golden("deepseek_v32")
-    taps = observed(engine("deepseek_v32", mla=mla), g["prompt"])
-    for i, ref in enumerate(g["indexer_topk"]):
+@pytest.mark.parametrize("name", DSA_MODELS)
+def test_the_indexers_choice_matches_transformers(name, mla):
+    """model.layers.{i}.self_attn.indexer (the positions each query attends to) of each layer with its own indexer
+    against transformers' indexer, as sets; row s < index_topk sees all its s + 1 positions (transformers pads its
+    choice with later ones, the golden and metrale's tap with -1)."""
+    g = golden(name)
+    taps = observed(engine(name, mla=mla), g["prompt"])
+    layers = load_config(FIXTURES / "models" / name).definition.layers
+    own = [i for i, x in enumerate(layers) if not x.mixer.indexer.shared]  # GLM-5's shared layers tap no choice
+    assert len(own) == len(g["indexer_topk"])
+    assert [i for i in range(len(layers)) if f"model.layers.{i}.self_attn.indexer" in taps] == own
+    for i, ref in zip(own, g["indexer_topk"]):
         def as_sets(x):  # sorted, the -1 fill last
             return np.sort(np.where(np.asarray(x) < 0, np.iinfo(np.int32).max, x), -1)
 
@@ -203,16 +211,24 @@ def test_the_indexers_choice_matches_transformers(mla):
         np.testing.assert_array_equal(as_sets(got), as_sets(ref), err_msg=f"layer {i}")
 
 
-def test_the_indexer_changes_the_numbers():
-    """With index_topk past the prompt's length (every position seen) the logits move: the choice matters."""
-    g = golden("deepseek_v32")
-    cfg = load_config(FIXTURES / "models" / "deepseek_v32")
-    layers = tuple(dataclasses.replace(x, mixer=dataclasses.replace(
-        x.mixer, indexer=dataclasses.replace(x.mixer.indexer, topk=10 ** 6))) for x in cfg.definition.layers)
-    cfg.__dict__["definition"] = dataclasses.replace(cfg.definition, layers=layers)
-    err = rel_err(prefill_rows(engine("deepseek_v32", cfg=cfg), g["prompt"]), g["prefill_logits"])
-    print(f"deepseek_v32 without the indexer's choice: {err:.2e} from transformers")
+@pytest.mark.parametrize("name", DSA_MODELS)
+def test_the_indexer_changes_the_numbers(name):
+    """With index_topk past the prompt's length (every position seen) the logits move: the choice matters; GLM-5's
+    with its indexer's rope rotate_half (not interleaved), too."""
+    g = golden(name)
+
+    def with_indexer(**change):
+        cfg = load_config(FIXTURES / "models" / name)
+        layers = tuple(dataclasses.replace(x, mixer=dataclasses.replace(
+            x.mixer, indexer=dataclasses.replace(x.mixer.indexer, **change))) for x in cfg.definition.layers)
+        cfg.__dict__["definition"] = dataclasses.replace(cfg.definition, layers=layers)
+        return rel_err(prefill_rows(engine(name, cfg=cfg), g["prompt"]), g["prefill_logits"])
+
+    err = with_indexer(topk=10 ** 6)
+    print(f"{name} without the indexer's choice: {err:.2e} from transformers")
     assert err > 1e-2
+    if name == "glm_moe_dsa":
+        assert with_indexer(interleave=False) > 1e-3
 
 
 @pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe", "glm4_moe_lite", "deepseek_v32"])

@@ -237,10 +237,13 @@ def _latent_info(cfg: Any) -> dict[str, Any]:
             "layers": len(mla), "q_lora_rank": m.q_lora_rank, "kv_lora_rank": m.kv_lora_rank,
             "qk_nope_head_dim": m.qk_nope_head_dim, "qk_rope_head_dim": m.qk_rope_head_dim,
             "v_head_dim": m.v_head_dim, "rope_interleave": m.rope_interleave, "softmax_scale": m.scale,
-            "cache_floats_per_token": sum(x.latent_size + (x.indexer.head_dim if x.indexer else 0) for x in mla)}
+            "cache_floats_per_token": sum(x.latent_size + (x.indexer.head_dim if x.indexer and not x.indexer.shared
+                                                           else 0) for x in mla)}
         if m.indexer is not None:  # DeepSeek sparse attention: its keys are cached beside the latents
-            out["latent_attention"]["indexer"] = {"heads": m.indexer.num_heads, "head_dim": m.indexer.head_dim,
-                                                  "index_topk": m.indexer.topk}
+            out["latent_attention"]["indexer"] = {
+                "heads": m.indexer.num_heads, "head_dim": m.indexer.head_dim, "index_topk": m.indexer.topk,
+                "rope_interleave": m.indexer.interleave,
+                "shared_layers": [i for i, x in enumerate(mla) if x.indexer is not None and x.indexer.shared]}
     if d.notes:
         out["notes"] = list(d.notes)
     return out

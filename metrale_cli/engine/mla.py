@@ -46,6 +46,10 @@ class MlaOps(Protocol):
         the row of a query that sees fewer than topk positions."""
         ...
 
+    def last_index(self) -> X:
+        """The positions the last `index` of this pass chose (a shared indexer layer attends to them)."""
+        ...
+
     def attention(self, q: X, layer: int, spec: MlaSpec, kv_b: Any, chosen: X | None = None) -> X:
         """[T, heads * v_head_dim]: the rope part of q rotated, attention over positions 0..start+T-1 (of those, only
         the `chosen` ones of each row when given)."""
@@ -65,7 +69,9 @@ def forward(ops: Ops, i: int, layer: LayerSpec, lw: dict[str, Any], x: X) -> X:
     mla: MlaOps = ops.mixer(i)
     ops.tap(f"{p}.self_attn.kv_a_layernorm", mla.append_latent(kv, i, m, lw["kv_a_norm"]))
     chosen = None
-    if m.indexer is not None:  # DeepSeek sparse attention (its spec says the q_lora form: parse refuses q_proj)
+    if m.indexer is not None and m.indexer.shared:  # GLM-5's shared layers: the last indexer's choice
+        chosen = mla.last_index()
+    elif m.indexer is not None:  # DeepSeek sparse attention (its spec says the q_lora form: parse refuses q_proj)
         iq = ops.linear(qa, lw["idx_q"], out="idx_q", norm=(lw["q_a_norm"], m.latent_norm))
         ik = ops.linear(x, lw["idx_k"], out="idx_k", norm=norm)
         iw = ops.linear(x, lw["idx_w"], out="idx_w", norm=norm)
@@ -76,7 +82,8 @@ def forward(ops: Ops, i: int, layer: LayerSpec, lw: dict[str, Any], x: X) -> X:
 
 
 def tap_names(p: str, layer: LayerSpec) -> list[str]:
-    indexer = [f"{p}.self_attn.indexer"] if layer.mixer.indexer is not None else []
+    ix = layer.mixer.indexer
+    indexer = [f"{p}.self_attn.indexer"] if ix is not None and not ix.shared else []
     return [f"{p}.self_attn.kv_a_layernorm", *indexer, f"{p}.self_attn"]
 
 

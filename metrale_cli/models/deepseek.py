@@ -22,7 +22,7 @@ are not run: their tensors are ignored, and `inspect` says so.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from . import llama, moe
@@ -42,6 +42,7 @@ V32_FIELDS = ("index_topk", "index_head_dim", "index_n_heads")
 class DeepseekOptions:
     mla: MlaSpec  # every layer's latent attention
     nextn: int  # num_nextn_predict_layers: the multi-token-prediction layers the checkpoint may hold (not run)
+    shared_index: tuple[int, ...] = ()  # layers whose indexer reuses the last one's choice (GLM-5's "shared")
 
 
 @dataclass(frozen=True)
@@ -87,18 +88,28 @@ def parse_v3(r: ConfigReader) -> dict[str, Any]:
 
 
 def parse_v32(r: ConfigReader) -> dict[str, Any]:
-    accept(r, "scoring_func", ("sigmoid",), "only sigmoid scoring is DeepSeek-V3.2's")
-    accept(r, "topk_method", ("noaux_tc",), "only noaux_tc (grouped sigmoid routing with correction bias) is V3.2's")
+    return parse_dsa(r, V3, V3_MLA, index_heads=64, interleave=False)
+
+
+def parse_dsa(r: ConfigReader, d: MoeDefaults, m: MlaDefaults, index_heads: int, interleave: bool,
+              shared: tuple[int, ...] = ()) -> dict[str, Any]:
+    """DeepSeek-V3.2's blocks (also GLM-5's): V3's latent attention and routing with the sparse attention indexer
+    (`index_heads` heads by default, its rope `interleave`d or not) on every layer, its own or, on the `shared`
+    layers, the last one's."""
+    accept(r, "scoring_func", ("sigmoid",), "only sigmoid scoring is DeepSeek sparse attention models'")
+    accept(r, "topk_method", ("noaux_tc",), "only noaux_tc (grouped sigmoid routing with correction bias)")
     if r.raw.get("rope_interleave") is False:
-        r.refuse("rope_interleave", False, "transformers' DeepSeek-V3.2 always rotates interleaved pairs")
+        r.refuse("rope_interleave", False, "transformers' sparse attention models always rotate interleaved pairs")
     if "q_lora_rank" in r.raw and r.raw["q_lora_rank"] is None:
-        r.refuse("q_lora_rank", None, "DeepSeek-V3.2's indexer reads the query latent (q_lora_rank is required)")
-    heads, dim = moe.positive(r, "index_n_heads", 64), moe.positive(r, "index_head_dim", 128)
-    if dim < moe.positive(r, "qk_rope_head_dim", 64):
+        r.refuse("q_lora_rank", None, "the sparse attention indexer reads the query latent (q_lora_rank is required)")
+    heads, dim = moe.positive(r, "index_n_heads", index_heads), moe.positive(r, "index_head_dim", 128)
+    if dim < moe.positive(r, "qk_rope_head_dim", m.rope):
         r.refuse("index_head_dim", dim, "smaller than qk_rope_head_dim (the indexer rotates that many of its dims)")
-    indexer = MlaIndexer(heads, dim, moe.positive(r, "index_topk", 2048))
-    sparse = sparse_layers(r, V3.first_dense, reads_first_k=True)
-    return parse_mla(r, True, sigmoid_grouped_moe(r, V3, sparse), indexer=indexer)
+    indexer = MlaIndexer(heads, dim, moe.positive(r, "index_topk", 2048), interleave)
+    sparse = sparse_layers(r, d.first_dense, reads_first_k=True)
+    fields = parse_mla(r, True, sigmoid_grouped_moe(r, d, sparse), m, indexer=indexer)
+    fields["options"] = replace(fields["options"], shared_index=shared)
+    return fields
 
 
 def sparse_layers(r: ConfigReader, first_dense: int, reads_first_k: bool) -> tuple[int, ...]:
@@ -248,7 +259,9 @@ def _rope(r: ConfigReader, dims: int):
 def define(cfg: ModelConfig) -> ModelDefinition:
     h, v, o = cfg.hidden_size, cfg.vocab_size, cfg.options
     norm, mlp = Norm(cfg.rms_norm_eps), MlpSpec(cfg.intermediate_size, "silu")
-    layers = tuple(LayerSpec(o.mla, mlp, norm, layer_params(cfg, i, o.mla)) for i in range(cfg.num_hidden_layers))
+    shared = replace(o.mla, indexer=replace(o.mla.indexer, shared=True)) if o.shared_index else o.mla
+    mixers = [shared if i in o.shared_index else o.mla for i in range(cfg.num_hidden_layers)]
+    layers = tuple(LayerSpec(m, mlp, norm, layer_params(cfg, i, m)) for i, m in enumerate(mixers))
     n, L = o.nextn, cfg.num_hidden_layers
     base = ModelDefinition(
         family=cfg.model_type, layers=layers,
@@ -284,7 +297,7 @@ def layer_params(cfg: ModelConfig, i: int, m: MlaSpec) -> tuple[Param, ...]:
              Param.of("q_a_norm", (s + "q_a_layernorm.weight", (m.q_lora_rank,))),
              Param.of("q_b", (s + "q_b_proj.weight", (q_out, m.q_lora_rank)))]
     ix, idx = m.indexer, []
-    if ix is not None:  # DeepSeek sparse attention's indexer
+    if ix is not None and not ix.shared:  # DeepSeek sparse attention's indexer
         x = s + "indexer."
         idx = [Param.of("idx_q", (x + "wq_b.weight", (ix.num_heads * ix.head_dim, m.q_lora_rank))),
                Param.of("idx_k", (x + "wk.weight", (ix.head_dim, h))),

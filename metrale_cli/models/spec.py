@@ -290,18 +290,22 @@ class AttentionSpec:
 
 @dataclass(frozen=True)
 class MlaIndexer:
-    """DeepSeek Sparse Attention's lightning indexer (deepseek_v32): each query of a latent-attention layer attends
-    only to the `topk` positions, of those it may see, that the indexer scores highest. Per token, with h the
-    layer's normed input and q_a the normed query latent (q_a_norm(q_a(h))):
+    """DeepSeek Sparse Attention's lightning indexer (deepseek_v32, glm_moe_dsa): each query of a latent-attention
+    layer attends only to the `topk` positions, of those it may see, that the indexer scores highest. Per token,
+    with h the layer's normed input and q_a the normed query latent (q_a_norm(q_a(h))):
         q_i = idx_q(q_a)                [heads, head_dim]   k_i = LayerNorm(idx_k(h))   [head_dim], cached
-        (the first qk_rope_head_dim dims of both rotated as rotate_half pairs, with the layer's rope)
+        (the first qk_rope_head_dim dims of both rotated with the layer's rope: rotate_half pairs, or adjacent
+        pairs when `interleave`, written as the attention's own interleaved rope writes them)
         score(s, t) = sum_h idx_w(h)[h] / sqrt(heads) * relu(q_i(s)[h] . k_i(t) / sqrt(head_dim))
     Weight keys: idx_q [heads * head_dim, q_lora_rank], idx_k [head_dim, H], idx_k_norm and idx_k_norm_bias
-    [head_dim] (a LayerNorm with eps 1e-6), idx_w [heads, H]."""
+    [head_dim] (a LayerNorm with eps 1e-6), idx_w [heads, H]. A `shared` layer (GLM-5's "shared" indexer type) has
+    none of them: it attends to the positions the nearest earlier layer with its own indexer chose."""
 
     num_heads: int
     head_dim: int
     topk: int
+    interleave: bool = False
+    shared: bool = False
     eps: float = 1e-6
 
 

@@ -152,8 +152,11 @@ def _latent_text(m: dict[str, Any]) -> str:
     """An MLA model's latent attention in one line, with its cache per token."""
     q = f"q_lora_rank {m['q_lora_rank']}" if m["q_lora_rank"] is not None else "q_proj"
     ix = m.get("indexer")
+    shared = ""
+    if ix and ix["shared_layers"]:
+        shared = f"; layers {', '.join(map(str, ix['shared_layers']))} share the last one's"
     sparse = (f", sparse attention indexer ({ix['heads']} heads of {ix['head_dim']}, the top {ix['index_topk']:,} "
-              "positions)" if ix else "")
+              f"positions{shared})" if ix else "")
     return (f"{m['layers']} layers{sparse}, kv_lora_rank {m['kv_lora_rank']}, {q}, qk nope/rope "
             f"{m['qk_nope_head_dim']}/{m['qk_rope_head_dim']}, v {m['v_head_dim']}, "
             f"rope {'interleaved' if m['rope_interleave'] else 'rotate_half'}, softmax scale {m['softmax_scale']:.6g}; "

@@ -41,7 +41,7 @@ class LatentCache:
         specs = {i: definition.layers[i].mixer for i in layers}
         self.latent = {i: np.zeros((max_context, m.latent_size), np.float32) for i, m in specs.items()}
         self.index_keys = {i: np.zeros((max_context, m.indexer.head_dim), np.float32)
-                           for i, m in specs.items() if m.indexer is not None}
+                           for i, m in specs.items() if m.indexer is not None and not m.indexer.shared}
 
     @property
     def nbytes(self) -> int:
@@ -83,6 +83,7 @@ class MlaOps:
     def __init__(self, p, cache: LatentCache) -> None:
         self.p, self.cache = p, cache
         self.form = getattr(p.e, "mla", "naive")
+        self._last_index = None  # the positions the pass's last indexer chose
 
     def append_latent(self, kv, layer: int, m: MlaSpec, kv_norm):
         r = self.p.r
@@ -97,8 +98,8 @@ class MlaOps:
         cos, sin = self.p.cos_sin(m.rope)
         rope = m.qk_rope_head_dim
 
-        def rotated(x):  # [T, heads, head_dim]: the first rope dims as rotate_half pairs, the rest as they are
-            return np.concatenate([rotate(x[..., :rope], cos, sin, False, r), x[..., rope:]], axis=-1)
+        def rotated(x):  # [T, heads, head_dim]: the first rope dims rotated, the rest as they are
+            return np.concatenate([rotate(x[..., :rope], cos, sin, ix.interleave, r), x[..., rope:]], axis=-1)
 
         k = layer_norm(k_idx, k_norm[0], k_norm[1], ix.eps, r)
         end = self.p.start + t
@@ -114,7 +115,13 @@ class MlaOps:
         # then in ascending order, -1 in place of a position the row may not see, last
         chosen = np.argsort(-total, axis=-1, kind="stable")[:, :min(ix.topk, end)]
         chosen = np.sort(np.where(np.take_along_axis(hidden, chosen, -1), end, chosen), axis=-1)
-        return np.where(chosen == end, -1, chosen).astype(np.int32)
+        self._last_index = np.where(chosen == end, -1, chosen).astype(np.int32)
+        return self._last_index
+
+    def last_index(self):
+        if self._last_index is None:
+            raise ValueError("a shared indexer layer before any layer with its own indexer")
+        return self._last_index
 
     def attention(self, q, layer: int, m: MlaSpec, kv_b, chosen=None):
         t, h, nope, r = self.p.t, m.num_heads, m.qk_nope_head_dim, self.p.r
