@@ -106,9 +106,10 @@ class MlaOps:
         keys = self.cache.index_keys[layer]
         keys[self.p.start:end] = rotated(k[:, None, :])[:, 0]
         q = rotated(q_idx.reshape(t, ix.num_heads, ix.head_dim)).transpose(1, 0, 2)  # (heads, T, D)
-        scores = np.maximum(r(r(q @ keys[:end].T) * np.float32(ix.head_dim ** -0.5)), np.float32(0))  # (heads, T, L)
-        w = r(weights * np.float32(ix.num_heads ** -0.5))  # (T, heads)
-        total = r(np.einsum("th,htl->tl", w, scores))  # (T, L)
+        # the scores in fp32 under --compute bf16 too, as transformers' indexer computes them (q.float(), k.float())
+        scores = np.maximum((q @ keys[:end].T) * np.float32(ix.head_dim ** -0.5), np.float32(0))  # (heads, T, L)
+        w = weights * np.float32(ix.num_heads ** -0.5)  # (T, heads)
+        total = np.einsum("th,htl->tl", w, scores)  # (T, L)
         hidden = self._hidden(t, end)
         total = np.where(hidden, np.float32(-np.inf), total)
         # the best min(topk, end) by score (a stable sort takes a tie's lower position: torch.topk leaves it open),
