@@ -18,8 +18,11 @@ how much they differ.
    model.norm = hidden_states[L] (transformers' last entry is after the final norm); the other taps
    (model.layers.{i}.self_attn, .mlp, Gemma's post-norms, the last layer's residual stream, a router's
    logits) from forward hooks on the transformers modules of the same name, where that module's output
-   (its first element, for modules returning a tuple) has the tap's shape. Taps without a counterpart
-   are listed as metrale's only.
+   (its first element, for modules returning a tuple) has the tap's shape; a router's chosen experts
+   (`.mlp.gate.top_k_index`, the indices transformers 5's routers return third) as the set of experts each
+   row goes to, 0 / 1 per expert, so that a row routed elsewhere is the first divergence, before its mlp;
+   DeepSeek-V3.2's indexer its chosen positions, as metrale taps them. Taps without a counterpart are listed
+   as metrale's only.
 
 Precision, paired like with like (`pair_precision`): by default both sides compute in fp32 on the CPU
 (transformers loads the weights as fp32, eager attention). --compute bf16 or --logits-dtype bf16 runs
@@ -247,7 +250,29 @@ def _hook_taps(model: Any, names: Sequence[str], into: dict[str, Any]) -> list[A
     for name in names:
         if name in modules:
             handles.append(modules[name].register_forward_hook(_store(name, into)))
+        elif name.endswith(CHOICE) and name.removesuffix(CHOICE) in modules:  # the router's chosen experts
+            handles.append(modules[name.removesuffix(CHOICE)].register_forward_hook(_store_choice(name, into)))
     return handles
+
+
+CHOICE = ".top_k_index"  # metrale's tap of a router's chosen experts, beside the router's own (its logits)
+
+
+def _store_choice(name: str, into: dict[str, Any]) -> Callable[..., None]:
+    """A transformers 5 router returns (logits, weights, indices): the indices [rows, k], as floats."""
+    def hook(module: Any, args: Any, output: Any) -> None:
+        if isinstance(output, (tuple, list)) and len(output) >= 3 and hasattr(output[2], "detach"):
+            a = output[2].detach().float().cpu().numpy()
+            into[name] = a.reshape(-1, a.shape[-1])
+    return hook
+
+
+def _experts_chosen(index: np.ndarray, experts: int) -> np.ndarray:
+    """Chosen experts [rows, k] (in either side's order) as membership [rows, experts] of 0 / 1: a row routed to
+    another expert differs by 1 where the values are at most 1, whatever the tolerance."""
+    out = np.zeros((len(index), experts), np.float32)
+    np.put_along_axis(out, np.clip(index.astype(np.int64), 0, experts - 1), 1.0, axis=-1)
+    return out
 
 
 def _store(name: str, into: dict[str, Any]) -> Callable[..., None]:
@@ -344,6 +369,10 @@ def _compare_taps(ref: dict[str, np.ndarray], mine: dict[str, np.ndarray], token
                   a_path: Path, b_path: Path) -> LayerComparison:
     """compare_layers over the taps both sides have with the same shape (metrale's others: only in B)."""
     rows = len(tokens)
+    chosen = [v for n, v in [*ref.items(), *mine.items()] if n.endswith(CHOICE) and v.size]
+    experts = 1 + max((int(v.max()) for v in chosen), default=0)
+    ref, mine = ({n: _experts_chosen(v, experts) if n.endswith(CHOICE) else v for n, v in side.items()}
+                 for side in (ref, mine))
     common = {n: ref[n] for n in mine if n in ref and ref[n].shape == mine[n].shape}
     positions = list(range(rows))
     a = LayerDump(a_path, common, positions, tokens, source="transformers hidden_states and module outputs")

@@ -86,6 +86,34 @@ def _perturb(monkeypatch, tap_name: str, scale: float = 1e-2) -> None:
     monkeypatch.setattr(numpy_engine.NumpyPass, "linear", linear)
 
 
+def test_a_row_routed_elsewhere_is_the_first_divergence(needs_transformers, run_cli, monkeypatch):
+    """A router choice is compared as the experts each row goes to (0 / 1 per expert, either side's order): with
+    one row of metrale's layer 1 routed to another expert, the first divergence is that router's choice at that
+    row, before the layer's mlp; unplanted, the choices agree (glm4_moe's golden prompt: no near tie)."""
+    prompt = np.load(Path(__file__).parent / "fixtures" / "golden" / "glm4_moe.npz")["prompt"].tolist()
+    args = ("compare", "--reference", "transformers", "--model", f"{FIXTURES}/glm4_moe", "--tokens",
+            " ".join(map(str, prompt)), "--steps", "2", "--format", "json", "--layers", "1")
+    doc = json.loads(run_cli(*args).stdout)
+    choice = {t["name"]: t["rel_err"] for t in doc["layers"]["tensors"] if t["name"].endswith("gate.top_k_index")}
+    assert choice == {"model.layers.1.mlp.gate.top_k_index": 0.0} and doc["passed"]
+
+    original = numpy_engine.NumpyPass.route
+
+    def route(self, x, w_router, spec, **kw):
+        r = original(self, x, w_router, spec, **kw)
+        if self.t > 5 and spec.num_experts == 16:  # the prefill; row 5's first expert swapped for one it lacks
+            spare = next(e for e in range(spec.num_experts) if e not in r.top_k_index[5])
+            r.top_k_index[5, 0] = spare
+        return r
+
+    monkeypatch.setattr(numpy_engine.NumpyPass, "route", route)
+    r = run_cli(*args)
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 9
+    first = doc["layers"]["first_divergence"]
+    assert (first["name"], first["position"]) == ("model.layers.1.mlp.gate.top_k_index", 5), doc["layers"]["summary"]
+
+
 def test_planted_divergence_exits_9_naming_the_layer(needs_transformers, run_cli, monkeypatch):
     _perturb(monkeypatch, "model.layers.1.mlp")
     r, doc, _ = _check(run_cli, f"{FIXTURES}/llama", 300, "--layers", "all")
