@@ -15,7 +15,8 @@ themselves (as inference engines do). A backend picks one (the NumPy engine: `--
 
 Taps: `model.layers.{i}.self_attn.kv_a_layernorm` (the normed latent [T, kv_lora_rank]), with an indexer
 `model.layers.{i}.self_attn.indexer` (the chosen positions [T, topk] in ascending order, -1 last where a row sees
-fewer: transformers' indexer returns them by score, padded with later positions), and `model.layers.{i}.self_attn` (after o_proj). Backends: `backends/numpy/mla.py` (both forms) and
+fewer: transformers' indexer returns them by score, padded with later positions), and `model.layers.{i}.self_attn`
+(after o_proj). Backends: `backends/numpy/mla.py` (both forms) and
 `backends/cuda/mla.py` (the absorbed form over a bf16 latent cache).
 """
 

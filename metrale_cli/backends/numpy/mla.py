@@ -106,7 +106,9 @@ class MlaOps:
         keys = self.cache.index_keys[layer]
         keys[self.p.start:end] = rotated(k[:, None, :])[:, 0]
         q = rotated(q_idx.reshape(t, ix.num_heads, ix.head_dim)).transpose(1, 0, 2)  # (heads, T, D)
-        # the scores in fp32 under --compute bf16 too, as transformers' indexer computes them (q.float(), k.float())
+        # the scores in fp32 under --compute bf16 too, as transformers' indexer computes them (q.float(), k.float());
+        # `weights` (idx_w's output) is rounded there like every projection's, where transformers keeps
+        # weights_proj in fp32: under bf16 this engine's indexer scores differ from transformers' by that rounding
         scores = np.maximum((q @ keys[:end].T) * np.float32(ix.head_dim ** -0.5), np.float32(0))  # (heads, T, L)
         w = weights * np.float32(ix.num_heads ** -0.5)  # (T, heads)
         total = np.einsum("th,htl->tl", w, scores)  # (T, L)
