@@ -104,8 +104,9 @@ _SUB_RANK = {"input_layernorm": 0, "self_attn": 1, "post_attention_layernorm": 2
 
 # Rank of a part inside self_attn / mlp (the finer taps other engines dump): projections, q/k norms, rope,
 # the input of the output projection, the output projection; a router's gate before the experts' projections.
+# Latent attention's normed latent, then its indexer's choice (DeepSeek-V3.2), come before the attention's output.
 _INNER_RANK = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "q_norm": 3, "k_norm": 4, "q_rope": 5, "k_rope": 6,
-               "o_proj.input": 7, "o_proj": 8,
+               "kv_a_layernorm": 6.25, "indexer": 6.5, "o_proj.input": 7, "o_proj": 8,
                "gate": 0, "gate.top_k_index": 1, "gate.top_k_weights": 2, "gate_proj": 3, "up_proj": 4,
                "down_proj.input": 5, "down_proj": 6}
 

@@ -63,6 +63,10 @@ def test_forward_order_is_the_order_of_the_forward():
         "self_attn.k_rope", "self_attn.o_proj.input", "self_attn", "post_attention_layernorm", "mlp.gate_proj",
         "mlp.up_proj", "mlp.down_proj.input", "mlp")] + ["model.layers.0"]
     assert ld.forward_order(list(np.random.default_rng().permutation(fine))) == fine
+    latent = [f"model.layers.0.{s}" for s in (  # latent attention with DeepSeek-V3.2's indexer, a sparse MLP
+        "input_layernorm", "self_attn.kv_a_layernorm", "self_attn.indexer", "self_attn", "post_attention_layernorm",
+        "mlp.gate", "mlp.gate.top_k_index", "mlp.gate.top_k_weights", "mlp")]
+    assert ld.forward_order(list(np.random.default_rng().permutation(latent))) == latent
     assert ld.layer_tap_names([10, 2]) == ["model.embed_tokens", "model.layers.2.self_attn", "model.layers.2.mlp",
                                            "model.layers.2", "model.layers.10.self_attn", "model.layers.10.mlp",
                                            "model.layers.10", "model.norm"]
