@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine_rows import decoded_and_verified, rows  # rows: also this module's importers'
 from metrale_cli import decoding
 from metrale_cli.model import open_model
 
@@ -25,16 +26,6 @@ def engine(path: Path | str, ctx: int = 64):
 
 def rel_err(out, ref) -> float:
     return float(np.max(np.abs(np.asarray(out, np.float64) - ref)) / np.max(np.abs(ref)))
-
-
-def rows(e, ptr, n: int) -> np.ndarray:
-    """n logits rows read through ModelLogits as fp32."""
-    out = []
-    for i in range(n):
-        buf = bytearray(e.row_nbytes(ptr.row_ptr(i)))
-        e.copy_logits_to_host(ptr.row_ptr(i), buf)
-        out.append(np.frombuffer(buf, np.float32))
-    return np.stack(out)
 
 
 def check_prefill(name: str, tol: float = 1e-5) -> float:
@@ -57,26 +48,21 @@ def check_greedy(name: str, tol: float = 1e-5) -> None:
     assert rel_err(res.rows.array(), g["greedy_logits"]) <= tol
 
 
-def check_verify_and_trim(name: str, k: int, tol: float = 1e-5) -> None:
+def check_verify_and_trim(name: str, k: int, tol: float = 1e-5, open_engine=None) -> None:
     """k fresh random drafts verified in one pass give the rows of decoding them one by one; a trim to a random
-    kept count then decodes as a fresh run of the kept tokens."""
+    kept count then decodes as a fresh run of the kept tokens. `open_engine()` makes a fresh engine of the fixture
+    (default: `engine(name)`)."""
+    open_engine = open_engine or (lambda: engine(name))
     rng = np.random.default_rng()
     prompt = list(golden(name)["prompt"])
-    e = engine(name)
-    drafts = [int(t) for t in rng.integers(0, e.vocab_size(), k)]
-    e.prefill(prompt)
-    seq = []
-    for t in drafts:
-        e.decode(t)
-        seq.append(rows(e, e.decode_logits_ptr(), 1)[0])
-    e.reset()
-    e.prefill(prompt)
-    e.verify(drafts)
-    assert rel_err(rows(e, e.logits_buffer_ptr(), k), np.stack(seq)) <= tol
+    e = open_engine()
+    drafts = [int(t) for t in rng.integers(0, e.vocab_size(), k)]  # fresh random drafts each run
+    seq, ver = decoded_and_verified(e, prompt, drafts)
+    assert rel_err(ver, seq) <= tol
     keep = int(rng.integers(0, k + 1))
     e.trim(len(prompt) + keep)
     e.decode(7)
-    fresh = engine(name)
+    fresh = open_engine()
     fresh.prefill(prompt + drafts[:keep])
     fresh.decode(7)
     assert rel_err(rows(e, e.decode_logits_ptr(), 1)[0], rows(fresh, fresh.decode_logits_ptr(), 1)[0]) <= tol

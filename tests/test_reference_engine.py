@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engine_rows import rows
+from golden_parity import check_verify_and_trim
 from metrale_cli import decoding
 from metrale_cli.model import open_model
 
@@ -30,22 +32,12 @@ def rel_err(out: np.ndarray, ref: np.ndarray) -> float:
     return float(np.max(np.abs(out.astype(np.float64) - ref)) / np.max(np.abs(ref)))
 
 
-def host_rows(e, ptr, n: int) -> np.ndarray:
-    """n rows read through ModelLogits as fp32."""
-    out = []
-    for i in range(n):
-        buf = bytearray(e.row_nbytes(ptr.row_ptr(i)))
-        e.copy_logits_to_host(ptr.row_ptr(i), buf)
-        out.append(np.frombuffer(buf, np.float32))
-    return np.stack(out)
-
-
 @pytest.mark.parametrize("name", MODELS)
 def test_prefill_logits_match_transformers(name):
     g = golden(name)
     e = engine(name)
     n = e.prefill(g["prompt"], all_logits=True)
-    err = rel_err(host_rows(e, e.logits_buffer_ptr(), n), g["prefill_logits"])
+    err = rel_err(rows(e, e.logits_buffer_ptr(), n), g["prefill_logits"])
     print(f"{name}: prefill max|diff|/max|ref| = {err:.2e}")
     assert err <= 1e-5
 
@@ -71,33 +63,9 @@ def test_32_greedy_steps_match_generate(name):
 @pytest.mark.parametrize("name", ["llama", "qwen3", "mistral"])
 @pytest.mark.parametrize("k", range(1, 9))
 def test_verify_rows_equal_sequential_decode(name, k):
-    rng = np.random.default_rng()
-    g = golden(name)
-    e = engine(name)
-    prompt = list(g["prompt"])
-    drafts = [int(t) for t in rng.integers(0, e.vocab_size(), k)]  # fresh random drafts each run
-    # k single decode steps over the drafts
-    e.reset()
-    e.prefill(prompt)
-    seq = []
-    for t in drafts:
-        e.decode(t)
-        seq.append(host_rows(e, e.decode_logits_ptr(), 1)[0])
-    # one verify pass over the same drafts
-    e.reset()
-    e.prefill(prompt)
-    e.verify(drafts)
-    ver = host_rows(e, e.logits_buffer_ptr(), k)
-    assert rel_err(ver, np.stack(seq)) <= 1e-5
-    # trim back to an accepted prefix; the next decode step matches a fresh run
-    keep = int(rng.integers(0, k + 1))
-    e.trim(len(prompt) + keep)
-    e.decode(7)
-    after_trim = host_rows(e, e.decode_logits_ptr(), 1)[0]
-    fresh = engine(name)
-    fresh.prefill(prompt + drafts[:keep])
-    fresh.decode(7)
-    assert rel_err(after_trim, host_rows(fresh, fresh.decode_logits_ptr(), 1)[0]) <= 1e-5
+    """k single decode steps over fresh drafts equal one verify pass; a trim back to an accepted prefix then decodes
+    as a fresh run (golden_parity.check_verify_and_trim)."""
+    check_verify_and_trim(name, k)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -107,18 +75,18 @@ def test_bf16_rows_bit_identical_to_torch_rounding(name):
     n = e.prefill(g["prompt"], all_logits=True)
     ptr = e.logits_buffer_ptr()
     assert not e.logits_ptr_is_fp32(ptr)
-    rows = []
+    bits = []
     for i in range(n):
         buf = bytearray(e.vocab_size() * 2)
         e.copy_logits_to_host(ptr.row_ptr(i), buf)
-        rows.append(np.frombuffer(buf, np.uint16))
-    ours = np.stack(rows)
+        bits.append(np.frombuffer(buf, np.uint16))
+    ours = np.stack(bits)
     # 1. Our rounding rule equals torch's on transformers' own fp32 logits, bit for bit.
     assert np.array_equal(_bf16(g["prefill_logits"]), g["bf16_prefill_logits"])
     # 2. The engine's bf16 rows are that rounding of its fp32 rows.
     e32 = engine(name, fp32=True)
     e32.prefill(g["prompt"], all_logits=True)
-    assert np.array_equal(ours, _bf16(host_rows(e32, e32.logits_buffer_ptr(), n)))
+    assert np.array_equal(ours, _bf16(rows(e32, e32.logits_buffer_ptr(), n)))
 
 
 def _bf16(x: np.ndarray) -> np.ndarray:

@@ -12,7 +12,8 @@ import dataclasses
 
 import numpy as np
 import pytest
-from test_reference_engine import FIXTURES, golden, host_rows, rel_err
+from engine_rows import rows
+from test_reference_engine import FIXTURES, golden, rel_err
 
 from metrale_cli import decoding
 from metrale_cli.backends.numpy.engine import NumpyEngine, read_weights
@@ -35,12 +36,12 @@ def engine(name: str, ctx: int = 64, pass_rows: int = 256, cfg=None, fp32: bool 
 
 def prefill_rows(e: NumpyEngine, tokens) -> np.ndarray:
     n = e.prefill(list(tokens), all_logits=True)
-    return host_rows(e, e.logits_buffer_ptr(), n)
+    return rows(e, e.logits_buffer_ptr(), n)
 
 
 def decode_row(e: NumpyEngine, token: int) -> np.ndarray:
     e.decode(token)
-    return host_rows(e, e.decode_logits_ptr(), 1)[0]
+    return rows(e, e.decode_logits_ptr(), 1)[0]
 
 
 # -- parity with transformers -----------------------------------------------------------------------------
@@ -76,12 +77,12 @@ def test_bf16_rows_are_the_rounding_of_the_fp32_rows(name):
     g = golden(name)
     e16, e32 = engine(name, fp32=False), engine(name)
     n = e16.prefill(list(g["prompt"]), all_logits=True)
-    rows = []
+    bits = []
     for i in range(n):
         buf = bytearray(e16.vocab_size() * 2)
         e16.copy_logits_to_host(e16.logits_buffer_ptr().row_ptr(i), buf)
-        rows.append(np.frombuffer(buf, np.uint16))
-    assert np.array_equal(np.stack(rows), bf16_bits(fp32_to_bf16(prefill_rows(e32, g["prompt"]))))
+        bits.append(np.frombuffer(buf, np.uint16))
+    assert np.array_equal(np.stack(bits), bf16_bits(fp32_to_bf16(prefill_rows(e32, g["prompt"]))))
 
 
 # -- the fixtures exercise what they claim -------------------------------------------------------------------
@@ -157,7 +158,7 @@ def test_verify_rows_equal_sequential_decode_and_trim_equals_fresh(name, k, ring
     e.reset()
     e.prefill(prompt)
     e.verify(drafts)
-    assert rel_err(host_rows(e, e.logits_buffer_ptr(), k), seq) <= 1e-5
+    assert rel_err(rows(e, e.logits_buffer_ptr(), k), seq) <= 1e-5
     keep = int(rng.integers(0, k + 1))
     e.trim(len(prompt) + keep)
     after_trim = decode_row(e, 7)
@@ -188,15 +189,15 @@ def test_longrope_verify_across_the_switch_is_one_call():
     e = engine("phi3_longrope")
     e.prefill(prompt)
     e.verify(drafts)
-    rows = host_rows(e, e.logits_buffer_ptr(), 8)
+    verified = rows(e, e.logits_buffer_ptr(), 8)
     whole = prefill_rows(engine("phi3_longrope"), prompt + drafts)[-8:]
-    assert rel_err(rows, whole) <= 1e-5
+    assert rel_err(verified, whole) <= 1e-5
     # and it differs from mixing: decoding row by row switches at the boundary
     e.reset()
     e.prefill(prompt)
     seq = np.stack([decode_row(e, t) for t in drafts])
-    assert rel_err(seq[:4], rows[:4]) > 1e-3  # rows before the boundary: short factors when decoded
-    assert rel_err(seq[4:], rows[4:]) <= 1e-5  # from the boundary on: long, the cache recomputed
+    assert rel_err(seq[:4], verified[:4]) > 1e-3  # rows before the boundary: short factors when decoded
+    assert rel_err(seq[4:], verified[4:]) <= 1e-5  # from the boundary on: long, the cache recomputed
     # trimming back below the boundary recomputes the cache short: the same as a fresh run
     e.trim(14)
     after = decode_row(e, 3)

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engine_rows import rows
 from metrale_cli import decoding
 from metrale_cli.engine.loop import tap_names
 from metrale_cli.errors import InputError
@@ -35,15 +36,6 @@ def engine(name: str = "qwen3_next", ctx: int = 320):
 
 def rel_err(out, ref) -> float:
     return float(np.max(np.abs(np.asarray(out, np.float64) - ref)) / np.max(np.abs(ref)))
-
-
-def rows(e, ptr, n: int) -> np.ndarray:
-    out = []
-    for i in range(n):
-        buf = bytearray(e.row_nbytes(ptr.row_ptr(i)))
-        e.copy_logits_to_host(ptr.row_ptr(i), buf)
-        out.append(np.frombuffer(buf, np.float32))
-    return np.stack(out)
 
 
 def decode_row(e, token: int) -> np.ndarray:

@@ -21,6 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from engine_rows import decoded_and_verified, rows  # noqa: E402
 from metrale_cli import decoding  # noqa: E402
 from metrale_cli.backends.numpy.engine import load_numpy_engine  # noqa: E402
 from metrale_cli.checkpoint import Checkpoint  # noqa: E402
@@ -154,15 +155,6 @@ def engine(path, mla: str, ctx: int = 64):
     return load_numpy_engine(load_config(path), Checkpoint.open(path), ctx, fp32_logits=True, mla=mla)
 
 
-def rows_of(e, ptr, n):
-    out = []
-    for i in range(n):
-        buf = bytearray(e.row_nbytes(ptr.row_ptr(i)))
-        e.copy_logits_to_host(ptr.row_ptr(i), buf)
-        out.append(np.frombuffer(buf, np.float32))
-    return np.stack(out)
-
-
 def rel(a, b) -> float:
     return float(np.abs(np.asarray(a, np.float64) - b).max() / np.abs(b).max())
 
@@ -200,23 +192,16 @@ def test_live_against_transformers(variant, tmp_path):
         rng = np.random.default_rng(seed)
         drafts = [int(t) for t in rng.integers(0, COMMON["vocab_size"], 5)]
         e = engine(path, form)
-        e.prefill(list(prompt))
-        seq = []
-        for t in drafts:
-            e.decode(t)
-            seq.append(rows_of(e, e.decode_logits_ptr(), 1)[0])
-        e.reset()
-        e.prefill(list(prompt))
-        e.verify(drafts)
+        seq, ver = decoded_and_verified(e, list(prompt), drafts)
         # fp32 summation order only (one verify pass against five decode steps); routed_scaling_factor 16 amplifies it:
         # 1.03e-5 at the fifth row of the absorbed form once in 60 draws (deepseek_v2, seed 224243283)
-        assert rel(rows_of(e, e.logits_buffer_ptr(), 5), np.stack(seq)) <= 2e-5, f"seed {seed}"
+        assert rel(ver, seq) <= 2e-5, f"seed {seed}"
         e.trim(len(prompt) + 2)
         e.decode(3)
         fresh = engine(path, form)
         fresh.prefill(list(prompt) + drafts[:2])
         fresh.decode(3)
-        assert rel(rows_of(e, e.decode_logits_ptr(), 1), rows_of(fresh, fresh.decode_logits_ptr(), 1)) <= 1e-5, f"seed {seed}"
+        assert rel(rows(e, e.decode_logits_ptr(), 1), rows(fresh, fresh.decode_logits_ptr(), 1)) <= 1e-5, f"seed {seed}"
     if len(forms) == 2:
         print(f"{variant}: absorbed vs naive prefill {rel(prefill['absorbed'], prefill['naive']):.2e}")
         assert rel(prefill["absorbed"], prefill["naive"]) <= 1e-5

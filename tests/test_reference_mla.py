@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engine_rows import rows
+from golden_parity import check_verify_and_trim
 from metrale_cli import decoding
 from metrale_cli.backends.numpy.engine import load_numpy_engine
 from metrale_cli.checkpoint import Checkpoint
@@ -51,18 +53,9 @@ def rel_err(out, ref) -> float:
     return float(np.max(np.abs(np.asarray(out, np.float64) - ref)) / np.max(np.abs(ref)))
 
 
-def host_rows(e, ptr, n: int) -> np.ndarray:
-    out = []
-    for i in range(n):
-        buf = bytearray(e.row_nbytes(ptr.row_ptr(i)))
-        e.copy_logits_to_host(ptr.row_ptr(i), buf)
-        out.append(np.frombuffer(buf, np.float32))
-    return np.stack(out)
-
-
 def prefill_rows(e, prompt) -> np.ndarray:
     n = e.prefill(list(prompt), all_logits=True)
-    return host_rows(e, e.logits_buffer_ptr(), n)
+    return rows(e, e.logits_buffer_ptr(), n)
 
 
 @pytest.mark.parametrize("mla", ["naive", "absorbed"])
@@ -97,26 +90,7 @@ def test_32_greedy_steps_match_generate(name, mla):
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("k", [1, 3, 8])
 def test_verify_rows_equal_sequential_decode_and_trim(name, k, mla):
-    rng = np.random.default_rng()
-    prompt = list(golden(name)["prompt"])
-    e = engine(name, mla=mla)
-    drafts = [int(t) for t in rng.integers(0, e.vocab_size(), k)]  # fresh random drafts each run
-    e.prefill(prompt)
-    seq = []
-    for t in drafts:
-        e.decode(t)
-        seq.append(host_rows(e, e.decode_logits_ptr(), 1)[0])
-    e.reset()
-    e.prefill(prompt)
-    e.verify(drafts)
-    assert rel_err(host_rows(e, e.logits_buffer_ptr(), k), np.stack(seq)) <= 1e-5
-    keep = int(rng.integers(0, k + 1))
-    e.trim(len(prompt) + keep)
-    e.decode(7)
-    fresh = engine(name, mla=mla)
-    fresh.prefill(prompt + drafts[:keep])
-    fresh.decode(7)
-    assert rel_err(host_rows(e, e.decode_logits_ptr(), 1)[0], host_rows(fresh, fresh.decode_logits_ptr(), 1)[0]) <= 1e-5
+    check_verify_and_trim(name, k, open_engine=lambda: engine(name, mla=mla))
 
 
 @pytest.mark.parametrize("name", MLA_MODELS)
@@ -130,8 +104,8 @@ def test_naive_and_absorbed_forms_agree_within_fp32_rounding(name):
     rows_a, rows_b = [], []
     for t in steps:
         a.decode(t), b.decode(t)
-        rows_a.append(host_rows(a, a.decode_logits_ptr(), 1)[0])
-        rows_b.append(host_rows(b, b.decode_logits_ptr(), 1)[0])
+        rows_a.append(rows(a, a.decode_logits_ptr(), 1)[0])
+        rows_b.append(rows(b, b.decode_logits_ptr(), 1)[0])
     derr = rel_err(np.stack(rows_b), np.stack(rows_a))
     print(f"{name}: absorbed vs naive max|diff|/max|naive| prefill {err:.2e}, decode {derr:.2e}")
     assert 0 < max(err, derr) <= FORMS_TOL  # different roundings, the same values

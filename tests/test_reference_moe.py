@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engine_rows import rows
+from golden_parity import check_verify_and_trim
 from metrale_cli import decoding
 from metrale_cli.model import open_model
 from metrale_cli.models.spec import MlpSpec, MoeSpec
@@ -34,21 +36,12 @@ def rel_err(out: np.ndarray, ref: np.ndarray) -> float:
     return float(np.max(np.abs(np.asarray(out, np.float64) - ref)) / np.max(np.abs(ref)))
 
 
-def host_rows(e, ptr, n: int) -> np.ndarray:
-    out = []
-    for i in range(n):
-        buf = bytearray(e.row_nbytes(ptr.row_ptr(i)))
-        e.copy_logits_to_host(ptr.row_ptr(i), buf)
-        out.append(np.frombuffer(buf, np.float32))
-    return np.stack(out)
-
-
 @pytest.mark.parametrize("name", MODELS)
 def test_prefill_logits_match_transformers(name):
     g = golden(name)
     e = engine(name)
     n = e.prefill(g["prompt"], all_logits=True)
-    err = rel_err(host_rows(e, e.logits_buffer_ptr(), n), g["prefill_logits"])
+    err = rel_err(rows(e, e.logits_buffer_ptr(), n), g["prefill_logits"])
     print(f"{name}: prefill max|diff|/max|ref| = {err:.2e}")
     assert err <= 1e-5
 
@@ -74,27 +67,7 @@ def test_32_greedy_steps_match_generate(name):
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
 def test_verify_rows_equal_sequential_decode_and_trim(name, k):
-    rng = np.random.default_rng()
-    g = golden(name)
-    e = engine(name)
-    prompt = list(g["prompt"])
-    drafts = [int(t) for t in rng.integers(0, e.vocab_size(), k)]  # fresh random drafts each run
-    e.prefill(prompt)
-    seq = []
-    for t in drafts:
-        e.decode(t)
-        seq.append(host_rows(e, e.decode_logits_ptr(), 1)[0])
-    e.reset()
-    e.prefill(prompt)
-    e.verify(drafts)
-    assert rel_err(host_rows(e, e.logits_buffer_ptr(), k), np.stack(seq)) <= 1e-5
-    keep = int(rng.integers(0, k + 1))
-    e.trim(len(prompt) + keep)
-    e.decode(7)
-    fresh = engine(name)
-    fresh.prefill(prompt + drafts[:keep])
-    fresh.decode(7)
-    assert rel_err(host_rows(e, e.decode_logits_ptr(), 1)[0], host_rows(fresh, fresh.decode_logits_ptr(), 1)[0]) <= 1e-5
+    check_verify_and_trim(name, k)
 
 
 def observed(name: str, tokens) -> dict[str, np.ndarray]:
