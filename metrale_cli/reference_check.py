@@ -271,7 +271,7 @@ def _experts_chosen(index: np.ndarray, experts: int) -> np.ndarray:
     """Chosen experts [rows, k] (in either side's order) as membership [rows, experts] of 0 / 1: a row routed to
     another expert differs by 1 where the values are at most 1, whatever the tolerance."""
     out = np.zeros((len(index), experts), np.float32)
-    np.put_along_axis(out, np.clip(index.astype(np.int64), 0, experts - 1), 1.0, axis=-1)
+    np.put_along_axis(out, index.astype(np.int64), 1.0, axis=-1)
     return out
 
 

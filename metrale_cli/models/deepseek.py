@@ -82,8 +82,7 @@ def parse_v3(r: ConfigReader) -> dict[str, Any]:
     for key in V32_FIELDS:
         if key in r.raw:
             r.refuse(key, r.raw[key], "DeepSeek-V3.2's sparse attention indexer is not implemented")
-    accept(r, "scoring_func", ("sigmoid",), "only sigmoid scoring is DeepSeek-V3's")
-    accept(r, "topk_method", ("noaux_tc",), "only noaux_tc (grouped sigmoid routing with correction bias) is V3's")
+    accept_sigmoid_routing(r)
     return parse_mla(r, r.optional("rope_interleave", bool, True), sigmoid_grouped_moe(r, V3))
 
 
@@ -96,8 +95,7 @@ def parse_dsa(r: ConfigReader, d: MoeDefaults, m: MlaDefaults, index_heads: int,
     """DeepSeek-V3.2's blocks (also GLM-5's): V3's latent attention and routing with the sparse attention indexer
     (`index_heads` heads by default, its rope `interleave`d or not) on every layer, its own or, on the `shared`
     layers, the last one's."""
-    accept(r, "scoring_func", ("sigmoid",), "only sigmoid scoring is DeepSeek sparse attention models'")
-    accept(r, "topk_method", ("noaux_tc",), "only noaux_tc (grouped sigmoid routing with correction bias)")
+    accept_sigmoid_routing(r)
     if r.raw.get("rope_interleave") is False:
         r.refuse("rope_interleave", False, "transformers' sparse attention models always rotate interleaved pairs")
     if "q_lora_rank" in r.raw and r.raw["q_lora_rank"] is None:
@@ -133,7 +131,7 @@ def sparse_layers(r: ConfigReader, first_dense: int, reads_first_k: bool) -> tup
 
 
 def parse_v2(r: ConfigReader) -> dict[str, Any]:
-    accept(r, "scoring_func", ("softmax",), "DeepSeek-V2 routes by softmax")
+    _accept(r, "scoring_func", ("softmax",), "DeepSeek-V2 routes by softmax")
     method = r.optional("topk_method", str, "greedy")
     if method not in ("greedy", "group_limited_greedy"):
         r.refuse("topk_method", method, "supported: greedy, group_limited_greedy")
@@ -163,7 +161,14 @@ def sigmoid_grouped_moe(r: ConfigReader, d: MoeDefaults,
     return _moe(r, d, experts, top_k, size, r.optional("norm_topk_prob", bool, d.norm_topk_prob), router, sparse)
 
 
-def accept(r: ConfigReader, key: str, values: tuple[str, ...], why: str) -> None:
+def accept_sigmoid_routing(r: ConfigReader) -> None:
+    """DeepSeek-V3's routing fields, when a config names them (V3.2, GLM-4.5, GLM-4.7-Flash and GLM-5 route alike)."""
+    _accept(r, "scoring_func", ("sigmoid",), "this family routes as DeepSeek-V3 (sigmoid scores)")
+    _accept(r, "topk_method", ("noaux_tc",), "this family routes as DeepSeek-V3 (noaux_tc: grouped sigmoid routing "
+            "with correction bias)")
+
+
+def _accept(r: ConfigReader, key: str, values: tuple[str, ...], why: str) -> None:
     """Refuse `key` unless it is absent, null or one of `values`."""
     value = r.raw.get(key)
     if value is not None and value not in values:

@@ -32,19 +32,12 @@ class Glm4MoeOptions:
 
 def parse(r: ConfigReader) -> dict[str, Any]:
     llama.refuse_non_swiglu(r)
-    accept_routing(r)
+    deepseek.accept_sigmoid_routing(r)
     rope = _rope(r)
     return dict(attention_bias=r.optional("attention_bias", bool, False), o_proj_bias=False,
                 qk_norm=r.optional("use_qk_norm", bool, False), sliding_window=None, layer_types=(),
                 rope_theta=rope.theta, rope_scaling=None, moe=deepseek.sigmoid_grouped_moe(r, DEFAULTS),
                 options=Glm4MoeOptions(rope, deepseek.nextn_layers(r)))
-
-
-def accept_routing(r: ConfigReader) -> None:
-    """DeepSeek-V3's routing fields, when a config names them (GLM-4.5 and GLM-4.7-Flash route alike)."""
-    for key, value in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
-        if r.raw.get(key) not in (None, value):
-            r.refuse(key, r.raw[key], f"GLM routes as DeepSeek-V3 ({value})")
 
 
 def _rope(r: ConfigReader) -> Rope:

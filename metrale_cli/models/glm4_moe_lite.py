@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from . import deepseek, glm4_moe
+from . import deepseek
 from .model_config import Family
 
 if TYPE_CHECKING:
@@ -24,7 +24,7 @@ MLA = deepseek.MlaDefaults(q_lora=768, kv_lora=512, nope=192, rope=64, v=256)
 
 
 def parse(r: ConfigReader) -> dict[str, Any]:
-    glm4_moe.accept_routing(r)
+    deepseek.accept_sigmoid_routing(r)
     moe_cfg = deepseek.sigmoid_grouped_moe(r, MOE, deepseek.sparse_layers(r, MOE.first_dense, reads_first_k=False))
     return deepseek.parse_mla(r, r.optional("rope_interleave", bool, True), moe_cfg, MLA)
 
