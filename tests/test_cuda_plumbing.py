@@ -356,7 +356,11 @@ def cpu_engine(name: str, ctx: int = 64):
 MODELS = ["gemma2", "gemma3_text", "gemma3_mm", "phi3", "phi3_longrope", "phi4_mini", "mistral_window", "qwen3_window"]
 
 
-TOL = 3e-2  # bf16 KV cache and GEMM activations; a wrong argument shows as an error of 0.1 and more
+# bf16 KV cache and GEMM activations; a wrong argument shows as an error of 0.1 and more. Measured on fresh draws
+# (the fused test's body in a loop): phi4_mini 20,000 draws, median 8e-3, max 3.6e-2, five above 3e-2,
+# each from one decode row (one bf16 rounding amplified by the random model); the other fixtures' max in 1,500
+# draws is 1.5e-2 or less.
+TOL = 5e-2
 # The same engine two ways (verify vs sequential decode, trim vs a fresh run): NumPy's matmul rounds differently by
 # row count, and a last-bit difference that flips one bf16 rounding of the KV cache moves a logits row by ~1e-3
 # (gemma2 / gemma3 fixtures: 1.3e-3 and 1.5e-3 seen, about one run in twenty).
