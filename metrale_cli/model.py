@@ -185,3 +185,31 @@ def open_model(path: str | Path | None = None, *, device: str = "auto", max_cont
     tok_path = directory / "tokenizer.json"
     tokenizer = Tokenizer.from_file(tok_path) if tok_path.is_file() else None
     return LoadedModel(directory, cfg, ckpt, engine, tokenizer, chosen, time.perf_counter() - t0)
+
+
+def check_mtp(path: str | Path | None, cfg: ModelConfig, device: str, tp: int | None) -> None:
+    """decode --draft mtp, before anything loads: the NumPy engine, one process, a family whose MTP layer metrale
+    runs (models/mtp.py) and a checkpoint that holds it."""
+    from .models.mtp import check_present, mtp_config
+
+    if device != "cpu":
+        raise UsageError("--draft mtp runs the multi-token-prediction layer on the NumPy engine only yet "
+                         "(use --device cpu)")
+    if tp is not None:
+        raise UsageError("--draft mtp does not run under --tp yet")
+    mtp_config(cfg)
+    target = model_path(path)
+    ckpt = Checkpoint.open(target if target.is_file() else model_dir(path))
+    try:
+        check_present(cfg, ckpt.tensor_names())
+    finally:
+        ckpt.close()
+
+
+def open_mtp(target: LoadedModel, max_context: int, fp32_logits: bool, compute: str = "fp32",
+             mla: str | None = None):
+    """The target checkpoint's first multi-token-prediction layer as a NumPy engine (decode --draft mtp)."""
+    from .backends.numpy.mtp import load_numpy_mtp
+
+    return load_numpy_mtp(target.config, target.checkpoint, max_context, fp32_logits, compute=compute,
+                          mla=mla or "naive")

@@ -7,7 +7,7 @@ import typer
 
 from ..errors import Interrupted, UsageError
 from ..inputs import check_draft_matches, check_positive, context_for, read_model_spec
-from ..model import LoadedModel
+from ..model import LoadedModel, check_mtp, open_mtp
 from ..render.common import note
 from ..render.decode import DecodeReport
 from ..state_dumps import check_state_dump, write_state_dump
@@ -15,6 +15,8 @@ from .entry import State, app
 from .help_format import MetraleCommand
 from .job import Job, ctrl_c_stops, dumps_on_nonfinite, load, prepare, record_layers, token_text, write_dumps
 from .options import DEFAULT_K, Common, DraftModelOpt, DumpStateOpt, pass_options
+
+DRAFTS = ("ngram", "mtp")  # --draft's sources (a draft model is --draft-model PATH)
 
 if TYPE_CHECKING:  # the commands import decoding (and with it numpy) when they run: --help stays fast
     from ..decoding.results import SpecDecodeResult
@@ -32,7 +34,9 @@ def decode(
         help="Also show the K best tokens per step (K >= 1; more than the vocabulary shows all of it).")] = None,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at an EOS token.")] = False,
     draft: Annotated[Optional[str], typer.Option(
-        "--draft", metavar="ngram", help="Speculative decoding with prompt-lookup (n-gram) drafts.")] = None,
+        "--draft", metavar="ngram|mtp",
+        help="Speculative decoding with prompt-lookup (n-gram) drafts, or with the checkpoint's "
+             "multi-token-prediction layer (DeepSeek-V3, GLM-4.5; CPU).")] = None,
     draft_model: DraftModelOpt = None,
     k: Annotated[Optional[int], typer.Option(
         "--k", metavar="K", help=f"Drafts per verify pass (default {DEFAULT_K}).")] = None,
@@ -43,9 +47,11 @@ def decode(
     Each step shows the position, token id, token text and its logit; --top-k K adds the K best tokens
     with their logits and probabilities. Decoding stops at an EOS token unless --ignore-eos.
 
-    --draft ngram (prompt lookup) or --draft-model PATH decodes speculatively, --k drafts per verify pass:
-    the tokens are those of plain greedy decoding, and the report adds the drafted and accepted counts.
-    With --timings a speculative run also times plain greedy decoding of the same prompt.
+    --draft ngram (prompt lookup), --draft mtp (the checkpoint's multi-token-prediction layer, as
+    transformers' generate(use_mtp=True) runs it; drafts after the first reuse the layer on its own output)
+    or --draft-model PATH decodes speculatively, --k drafts per verify pass: the tokens are those of plain
+    greedy decoding, and the report adds the drafted and accepted counts. With --timings a speculative run
+    also times plain greedy decoding of the same prompt.
 
     Examples:
       metrale decode --prompt "The for statement" --steps 8 --top-k 3
@@ -53,14 +59,17 @@ def decode(
       metrale decode --draft-model default-draft --k 4 --timings
       metrale decode --draft ngram --k 4 --steps 32 --ignore-eos
     """
-    if draft is not None and draft != "ngram":
-        raise UsageError(f"decode --draft takes 'ngram', got {draft!r} (a draft model is --draft-model PATH)")
+    if draft is not None and draft not in DRAFTS:
+        raise UsageError(f"decode --draft takes {' or '.join(map(repr, DRAFTS))}, got {draft!r} "
+                         "(a draft model is --draft-model PATH)")
     if draft is not None and draft_model is not None:
-        raise UsageError("--draft ngram and --draft-model are exclusive: give one draft source")
+        raise UsageError(f"--draft {draft} and --draft-model are exclusive: give one draft source")
     speculative = draft is not None or draft_model is not None
     if k is not None and not speculative:
-        raise UsageError(f"--k {k} needs a draft source: --draft ngram or --draft-model PATH")
+        raise UsageError(f"--k {k} needs a draft source: --draft ngram, --draft mtp or --draft-model PATH")
     job = prepare(ctx.obj, c)
+    if draft == "mtp":
+        check_mtp(job.spec.path, job.spec.config, job.device, job.common.tp)
     check_positive(steps, "--steps")
     if top_k is not None:
         check_positive(top_k, "--top-k", " (leave --top-k out for no candidates)")
@@ -69,7 +78,7 @@ def decode(
     if speculative:
         check_positive(k, "--k")
     state_dump = check_state_dump(dump_state, job.spec.config.definition) if dump_state is not None else None
-    _decode(job, steps, top_k or 0, ignore_eos, speculative, draft_model, k, state_dump)
+    _decode(job, steps, top_k or 0, ignore_eos, speculative, draft_model, k, state_dump, mtp=draft == "mtp")
 
 
 def _cap_top_k(state: State, top_k: int, vocab: int) -> int:
@@ -81,10 +90,10 @@ def _cap_top_k(state: State, top_k: int, vocab: int) -> int:
 
 
 def _decode(job: Job, steps: int, top_k: int, ignore_eos: bool, speculative: bool, draft_path: str | None,
-            k: int, state_dump=None) -> None:
+            k: int, state_dump=None, mtp: bool = False) -> None:
     from ..decoding.decode import run_decode
     from ..decoding.rows import TextStream
-    from ..decoding.speculative import ModelDrafter, NgramDrafter
+    from ..decoding.speculative import ModelDrafter, MtpDrafter, NgramDrafter
 
     n = len(job.ids)
     # The last token produced is never fed back: the cache holds the prompt and the tokens before it. A
@@ -101,9 +110,11 @@ def _decode(job: Job, steps: int, top_k: int, ignore_eos: bool, speculative: boo
                          "into the rows (dump one verify pass with `metrale verify --dump-layers` instead)")
     target = load(job, job.spec, ctx, job.common.tp)
     recorder = record_layers(job, target)
-    drafter_model = report = None
+    drafter_model = report = mtp_engine = None
     try:
         drafter_model = load(job, draft_spec, ctx) if draft_spec is not None else None
+        if mtp:
+            mtp_engine = open_mtp(target, ctx, job.fp32, job.compute, job.common.mla)
         meta = job.meta("decode", target, top_k=top_k, draft_model=draft_spec.label if draft_spec else None)
         tok = target.tokenizer
         report = DecodeReport(job.report_console, meta,
@@ -117,7 +128,8 @@ def _decode(job: Job, steps: int, top_k: int, ignore_eos: bool, speculative: boo
         with ctrl_c_stops() as stop, dumps_on_nonfinite(job, "decode", target.engine, recorder):
             kwargs["should_stop"] = stop
             if speculative:
-                drafter = ModelDrafter(drafter_model.engine) if drafter_model is not None else NgramDrafter()
+                drafter = (ModelDrafter(drafter_model.engine) if drafter_model is not None
+                           else MtpDrafter(mtp_engine, target.engine) if mtp_engine is not None else NgramDrafter())
                 result, plain_match = _speculative(job, target, drafter, steps, k, kwargs)
             else:
                 result = run_decode(target.engine, job.ids, steps, **kwargs)

@@ -46,20 +46,22 @@ def run_forward(engine, prompt: Sequence[int], *, all_rows: bool, token_text=Non
 
 
 def prefill_next(engine, rd: Reader, prompt: Sequence[int], timings: Timings, rows: Rows | None,
-                 hidden: HiddenRows | None = None):
+                 hidden: HiddenRows | None = None, all_rows: bool = False):
     """Prefill the prompt; return (next token, its row values, the row's ArgmaxNote) from the prompt's last
-    row."""
+    row. `all_rows`: the pass keeps every position's rows (a drafter reads the hidden ones); the reports still
+    take the last row's."""
     engine.reset()
     t0 = time.perf_counter()
-    engine.prefill(prompt, all_logits=False)
+    n = engine.prefill(prompt, all_logits=all_rows)
     engine.synchronize()
     timings.prefill_s = time.perf_counter() - t0
-    ptr = engine.logits_buffer_ptr().row_ptr(0)
+    ptr = engine.logits_buffer_ptr().row_ptr(n - 1)
     token = rd.argmax(ptr, len(prompt) - 1)
     raw = rd.raw(ptr)
     if rows is not None:
         rows.append(raw)
-    take_hidden(engine, hidden)
+    if hidden is not None:
+        hidden.extend(engine.copy_hidden_rows_to_host()[n - 1:n])
     values = rd.values(raw, ptr)
     return token, values, rd.note(ptr, values, token)
 

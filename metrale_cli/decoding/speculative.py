@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..errors import InputError, NonFiniteLogitsError
+from ..errors import InputError, MetraleError, NonFiniteLogitsError
 from .decode import draft_greedy, prefill_next, run_decode
 from .results import DecodeResult, DecodeStep, NonFiniteRun, SpecDecodeResult, SpecStats, Timings
 from .rows import Reader, hidden_rows_for, joined_text, nonfinite_run, rows_for
@@ -45,6 +45,47 @@ class ModelDrafter:
     def accept(self, committed_len_before: int, accepted: int) -> None:
         # Valid prefix: the committed tokens plus the accepted drafts the draft model has run.
         self.engine.trim(min(self.engine.length, committed_len_before + accepted))
+
+
+class MtpDrafter:
+    """Drafts with the target's multi-token-prediction layer (models/mtp.py, an engine with run(tokens,
+    previous)): the layer takes each committed token with the target's hidden row (after its final norm) at the
+    position before, so it is fed the target's rows as verify passes accept them; the first draft comes from
+    the target's rows, each further one from the layer's own last row (its cache rows of those drafts are dropped
+    at accept(), to be fed again with the target's)."""
+
+    name = "mtp"
+    needs_all_rows = True  # start() reads the target's hidden row of every prompt position
+
+    def __init__(self, mtp, target) -> None:
+        self.mtp, self.target = mtp, target
+        self.rd = Reader(mtp)
+        self._pending = np.zeros((0, int(mtp.cfg.hidden_size)), np.float32)  # target rows not yet fed
+        self._fed = 0  # the MTP cache's rows fed from the target (positions 1.._fed)
+
+    def start(self, prompt: Sequence[int]) -> None:
+        self.mtp.reset()
+        self._fed = 0
+        self._pending = self.target.copy_hidden_rows_to_host()
+        if len(self._pending) != len(prompt):
+            raise MetraleError(f"the MTP draft needs the prompt's {len(prompt)} hidden rows, got {len(self._pending)}")
+
+    def propose(self, committed: list[int], k: int) -> list[int]:
+        fresh = committed[self._fed + 1:]  # each with the target row of the position before it
+        self.mtp.run(fresh, self._pending[:len(fresh)])
+        self._fed, self._pending = self._fed + len(fresh), self._pending[len(fresh):]
+        if k <= 0:  # no room left in the cache: the verify pass runs the current token alone
+            return []
+        drafts = [self.rd.argmax(self.mtp.logits_buffer_ptr().row_ptr(0), len(committed))]
+        while len(drafts) < k:  # the layer again, on its last draft and its own last row
+            self.mtp.run(drafts[-1:], self.mtp.copy_hidden_rows_to_host()[-1:])
+            drafts.append(self.rd.argmax(self.mtp.logits_buffer_ptr().row_ptr(0), len(committed) + len(drafts)))
+        return drafts
+
+    def accept(self, committed_len_before: int, accepted: int) -> None:
+        self.mtp.trim(self._fed)
+        # the verify pass's rows 0..accepted: the current token and the accepted drafts, now committed
+        self._pending = self.target.copy_hidden_rows_to_host()[:accepted + 1]
 
 
 class NgramDrafter:
@@ -100,7 +141,8 @@ def speculative_decode(engine, drafter, prompt: Sequence[int], steps: int, k: in
         return nonfinite_run(e, engine, rows, hidden, failed, ran, len(prompt) - 1)
 
     try:
-        cur, values, note = prefill_next(engine, rd, prompt, timings, rows, hidden)
+        cur, values, note = prefill_next(engine, rd, prompt, timings, rows, hidden,
+                                         all_rows=getattr(drafter, "needs_all_rows", False))
     except NonFiniteLogitsError as e:
         raise evidence(e, prompt, rd.failed) from None
     drafter.start(prompt)

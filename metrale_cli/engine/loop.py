@@ -28,7 +28,7 @@ from ..models.spec import MoeSpec
 from .mixers import mixer_kind
 from .ops import Ops, Route, Tap, X, sublayer_out
 
-__all__ = ["Ops", "Route", "Tap", "X", "decoder_forward", "sparse_mlp", "sublayer_out", "tap_names"]
+__all__ = ["Ops", "Route", "Tap", "X", "decoder_block", "decoder_forward", "sparse_mlp", "sublayer_out", "tap_names"]
 
 if TYPE_CHECKING:
     from ..models.spec import LayerSpec, ModelDefinition
@@ -40,22 +40,28 @@ def decoder_forward(ops: Ops, definition: ModelDefinition, w: Weights) -> X:
     x = ops.embed(w.embed, scale=definition.embed_scale)
     ops.tap("model.embed_tokens", x)
     for i, (layer, lw) in enumerate(zip(definition.layers, w.layers)):
-        p = f"model.layers.{i}"
-        x = mixer_kind(layer.mixer.kind).forward(ops, i, layer, lw, x)
-        if isinstance(layer.mlp, MoeSpec):
-            x = sparse_mlp(ops, layer, lw, x, i)
-        else:
-            if getattr(ops, "fine_taps", False):
-                fine_mlp_taps(ops, layer, lw, x, p)
-            act = ops.gated_mlp(x, lw["gate_up"], norm=(lw["mlp_norm"], layer.norm), activation=layer.mlp.activation)
-            if getattr(ops, "fine_taps", False):
-                ops.tap(f"{p}.mlp.down_proj.input", act)
-            x = sublayer_out(ops, act, lw["down"], None, lw.get("mlp_out_norm"), layer.norm, x,
-                             f"{p}.mlp", f"{p}.post_feedforward_layernorm")
-        ops.tap(p, x)
+        x = decoder_block(ops, i, layer, lw, x)
     h = ops.norm(x, w.final_norm, definition.norm, out="h")
     ops.tap("model.norm", h)
     return h
+
+
+def decoder_block(ops: Ops, i: int, layer: LayerSpec, lw: dict[str, Any], x: X) -> X:
+    """Block i: its mixer, then its MLP (dense or sparse), each added into the residual stream x."""
+    p = f"model.layers.{i}"
+    x = mixer_kind(layer.mixer.kind).forward(ops, i, layer, lw, x)
+    if isinstance(layer.mlp, MoeSpec):
+        x = sparse_mlp(ops, layer, lw, x, i)
+    else:
+        if getattr(ops, "fine_taps", False):
+            fine_mlp_taps(ops, layer, lw, x, p)
+        act = ops.gated_mlp(x, lw["gate_up"], norm=(lw["mlp_norm"], layer.norm), activation=layer.mlp.activation)
+        if getattr(ops, "fine_taps", False):
+            ops.tap(f"{p}.mlp.down_proj.input", act)
+        x = sublayer_out(ops, act, lw["down"], None, lw.get("mlp_out_norm"), layer.norm, x,
+                         f"{p}.mlp", f"{p}.post_feedforward_layernorm")
+    ops.tap(p, x)
+    return x
 
 
 def fine_taps_mlp_norm(layer: LayerSpec, p: str) -> str:

@@ -58,6 +58,10 @@ class Ops(Protocol):
         the residual add, as `linear(reduce=True)` does."""
         ...
     def tap(self, name: str, x: X) -> None: ...
+    def join(self, a: X, b: X, *, out: str) -> X:
+        """[T, A + B]: a's columns, then b's (a multi-token-prediction layer's input, engine/mtp.py; a backend
+        that does not run MTP layers need not implement it)."""
+        ...
 
 
 @dataclass

@@ -3,7 +3,7 @@
 (`partial_rotary_factor`, 0.5 by default: the first half of each head's dims rotate, rotate_half pairs), and
 DeepSeek-V3's sparse block (models/deepseek.py: sigmoid_biased_grouped routing with e_score_correction_bias,
 ungated shared experts, dense layers before `first_k_dense_replace`). The multi-token-prediction layers
-(`num_nextn_predict_layers`) are not run; their tensors are ignored.
+(`num_nextn_predict_layers`) are not part of the forward; the first runs as a draft (models/mtp.py).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def define(cfg: ModelConfig) -> ModelDefinition:
     o, n = cfg.options, cfg.num_hidden_layers
     layers = tuple(replace(layer, mixer=replace(layer.mixer, rope=o.rope)) for layer in base.layers)
     base = replace(base, layers=layers, ignored_prefixes=deepseek.nextn_prefixes(n, o.nextn),
-                   notes=deepseek.nextn_notes(n, o.nextn))
+                   notes=deepseek.nextn_notes(n, o.nextn, drafts=True))
     return moe.define_sparse(cfg, base, "mlp", deepseek.EXPERT_NAMES, shared="shared_experts.")
 
 

@@ -229,6 +229,9 @@ class NumpyPass:
             self._mixers[kind] = mixer_kind(kind).backend("numpy").ops(self, self.e.states[kind])
         return self._mixers[kind]
 
+    def join(self, a, b, *, out):
+        return np.concatenate([a, b], axis=1)
+
     def tap(self, name: str, x) -> None:
         if self._tap is not None:
             self._tap(name, x)
@@ -237,7 +240,8 @@ class NumpyPass:
         """cos/sin [T, r/2] of this pass's positions, once per distinct rope (layers share it)."""
         if rope not in self._rope:
             inv = self.e.inv_freq(rope, self.long and rope.longrope is not None)
-            angles = np.arange(self.start, self.start + self.t, dtype=np.float32)[:, None] * inv[None, :]
+            first = self.start + getattr(self.e, "position_offset", 0)  # NumpyEngine.position_offset
+            angles = np.arange(first, first + self.t, dtype=np.float32)[:, None] * inv[None, :]
             cos, sin = np.cos(angles), np.sin(angles)
             if rope.attention_scaling != 1.0:  # longrope: both scaled, as transformers does
                 s = np.float32(rope.attention_scaling)
@@ -250,6 +254,7 @@ class NumpyEngine(EngineBase):
     """The fp32 NumPy engine behind the ModelLogits interface."""
 
     device = "cpu"
+    position_offset = 0  # the rope position of cache row 0 (an MTP layer's first row is position 1: mtp.py)
 
     def __init__(self, cfg: ModelConfig, weights: Weights, max_context: int, fp32_logits: bool = False,
                  pass_rows: int = PREFILL_CHUNK, tp=None, compute: str = "fp32", mla: str = "naive",
@@ -347,12 +352,15 @@ class NumpyEngine(EngineBase):
         """Run ids [T] at positions length..length+T-1, append their K/V, return the post-final-norm
         hidden states [T, H]. The hidden state of the last position is kept for hidden_after_norm().
         The pass's taps go to the engine's observer (`self.tap`), unless `quiet` (a cache recomputation)."""
-        h = decoder_forward(NumpyPass(self, ids, None if quiet else self.tap, long, verify), self.cfg.definition,
-                            self.w)
+        h = self._run(NumpyPass(self, ids, None if quiet else self.tap, long, verify))
         self._tokens[self.length:self.length + len(ids)] = ids
         self.length += len(ids)
         self._hidden[0] = h[-1]
         return h
+
+    def _run(self, ops: NumpyPass) -> np.ndarray:
+        """The blocks of one pass (ops: its rows and positions); the post-final-norm rows [T, H]."""
+        return decoder_forward(ops, self.cfg.definition, self.w)
 
     def _lm_head(self, h: np.ndarray) -> np.ndarray:
         r = ROUNDING[self.compute]

@@ -1,0 +1,50 @@
+"""A multi-token-prediction layer on the NumPy engine (models/mtp.py, engine/mtp.py): the draft of
+`decode --draft mtp`."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ...engine.mtp import mtp_forward
+from ...errors import InputError
+from ...models.mtp import check_present, mtp_config
+from .engine import NumpyEngine, NumpyPass, read_weights
+
+
+class NumpyMtpEngine(NumpyEngine):
+    """The MTP layer as a one-layer NumPy engine. Its cache row i holds position i + 1 (the layer first sees the
+    prompt's second token, beside the main model's first hidden row); each call's token rows take their
+    `previous` hidden rows, given to run()."""
+
+    position_offset = 1
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._previous = np.zeros((0, self.cfg.hidden_size), np.float32)
+
+    def run(self, tokens: Sequence[int], previous: np.ndarray, all_logits: bool = False) -> int:
+        """The MTP layer on `tokens` at the next positions, `previous` [len(tokens), H] the hidden rows at the
+        positions before them; logits rows in the logits buffer as prefill writes them (the post-norm rows
+        behind them in hidden_rows: the value a further draft feeds back)."""
+        previous = np.asarray(previous, np.float32).reshape(-1, self.cfg.hidden_size)
+        if len(previous) != len(tokens):
+            raise InputError(f"the MTP layer takes one previous hidden row per token: {len(previous)} rows for "
+                             f"{len(tokens)} tokens")
+        self._previous = previous
+        return self.prefill(tokens, all_logits)
+
+    def _run(self, ops: NumpyPass) -> np.ndarray:
+        previous, self._previous = self._previous[:ops.t], self._previous[ops.t:]
+        return mtp_forward(ops, self.cfg.definition, self.w, previous)
+
+
+def load_numpy_mtp(cfg, source, max_context: int, fp32_logits: bool = False, compute: str = "fp32",
+                   mla: str = "naive") -> NumpyMtpEngine:
+    """The checkpoint's first MTP layer (models/mtp.mtp_config) on the NumPy engine, its cache sized for
+    max_context positions."""
+    check_present(cfg, source.tensor_names())
+    mcfg = mtp_config(cfg)
+    return NumpyMtpEngine(mcfg, read_weights(mcfg, source, compute=compute), max_context, fp32_logits,
+                          compute=compute, mla=mla)

@@ -1,0 +1,163 @@
+"""The multi-token-prediction (MTP) layer (models/mtp.py, engine/mtp.py) and its draft (decode --draft mtp).
+
+The fixtures deepseek_v3_mtp and glm4_moe_mtp are the base fixtures plus one MTP layer drawn and read back by
+transformers' own MtpModel (scripts/make_mtp_fixtures.py); their goldens hold transformers' MTP logits for every
+position of the prompt."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine_rows import rel, rows
+from metrale_cli.backends.numpy.engine import load_numpy_engine
+from metrale_cli.backends.numpy.mtp import load_numpy_mtp
+from metrale_cli.checkpoint import Checkpoint
+from metrale_cli.config import load_config
+from metrale_cli.decoding.decode import run_decode
+from metrale_cli.decoding.speculative import MtpDrafter, speculative_decode
+from metrale_cli.errors import CheckpointError, ConfigError
+from metrale_cli.models.mtp import mtp_config
+
+FIXTURES = Path(__file__).parent / "fixtures"
+NAMES = ["deepseek_v3_mtp", "glm4_moe_mtp"]
+
+
+def engines(name: str, ctx: int = 96, mla: str = "naive"):
+    d = FIXTURES / "models" / name
+    cfg, ckpt = load_config(d), Checkpoint.open(d)
+    return (load_numpy_engine(cfg, ckpt, ctx, fp32_logits=True, mla=mla),
+            load_numpy_mtp(cfg, ckpt, ctx, fp32_logits=True, mla=mla))
+
+
+@pytest.mark.parametrize("name, mla", [("deepseek_v3_mtp", "naive"), ("deepseek_v3_mtp", "absorbed"),
+                                       ("glm4_moe_mtp", "naive")])  # GLM-4.5: attention, one algebra
+def test_mtp_rows_match_transformers(name, mla):
+    """Every prompt position's MTP logits (and the normed rows behind them) against transformers' MtpModel,
+    fed the golden's main-model hidden rows; and the main model's hidden rows against the golden's."""
+    g = np.load(FIXTURES / "golden" / f"{name}.npz")
+    target, mtp = engines(name, mla=mla)
+    prompt = [int(t) for t in g["prompt"]]
+    target.prefill(prompt, all_logits=True)
+    herr = rel(target.copy_hidden_rows_to_host(), g["hidden_after_norm"])
+    n = mtp.run(prompt[1:], g["hidden_after_norm"][:-1], all_logits=True)
+    got = rows(mtp, mtp.logits_buffer_ptr(), n)
+    err = float(np.max(np.abs(got - g["mtp_logits"])) / np.max(np.abs(g["mtp_logits"])))
+    hid = rel(mtp.copy_hidden_rows_to_host(), g["mtp_hidden"])
+    print(f"{name} ({mla}): MTP logits rel err {err:.2e}, its rows {hid:.2e}; main hidden rows {herr:.2e}")
+    assert err < 1e-5 and hid < 1e-5 and herr < 1e-5
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_mtp_in_pieces_equals_one_pass(name):
+    """Fresh tokens and hidden rows fed in pieces (the cache, its positions from 1) give the one pass's rows."""
+    rng = np.random.default_rng()
+    _, mtp = engines(name)
+    n = 17
+    tokens = [int(t) for t in rng.integers(0, mtp.cfg.vocab_size, n)]
+    previous = rng.standard_normal((n, mtp.cfg.hidden_size)).astype(np.float32)
+    mtp.run(tokens, previous, all_logits=True)
+    whole = rows(mtp, mtp.logits_buffer_ptr(), n)
+    mtp.reset()
+    got, cuts = [], [0, 5, 6, 7, 12, n]
+    for a, b in zip(cuts, cuts[1:]):
+        m = mtp.run(tokens[a:b], previous[a:b], all_logits=True)
+        got.append(rows(mtp, mtp.logits_buffer_ptr(), m))
+    assert rel(np.concatenate(got), whole) < 1e-5
+    mtp.trim(6)  # a trimmed cache runs the same rows again
+    m = mtp.run(tokens[6:], previous[6:], all_logits=True)
+    assert rel(rows(mtp, mtp.logits_buffer_ptr(), m), whole[6:]) < 1e-5
+
+
+def test_the_previous_rows_and_the_token_both_count():
+    """Neither input is ignored: another hidden row, or another token, moves the MTP's logits."""
+    rng = np.random.default_rng()
+    _, mtp = engines("deepseek_v3_mtp")
+    tokens = [int(t) for t in rng.integers(0, 300, 6)]
+    previous = rng.standard_normal((6, 64)).astype(np.float32)
+
+    def last(tok, prev):
+        mtp.reset()
+        mtp.run(tok, prev)
+        return rows(mtp, mtp.logits_buffer_ptr(), 1)[0]
+
+    base = last(tokens, previous)
+    assert rel(last(tokens, previous + rng.standard_normal(previous.shape).astype(np.float32)), base) > 1e-2
+    assert rel(last(tokens[:-1] + [(tokens[-1] + 1) % 300], previous), base) > 1e-2
+
+
+class CheckedDrafter(MtpDrafter):
+    """MtpDrafter whose every proposal is checked against the MTP layer run from scratch on the committed tokens
+    with a fresh target's hidden rows (and each further draft on the layer's own last row); then, so that
+    verify passes accept drafts, the first `good` drafts are replaced by the target's greedy tokens."""
+
+    def __init__(self, mtp, target, fresh_target, fresh_mtp, greedy, rng):
+        super().__init__(mtp, target)
+        self.fresh_target, self.fresh_mtp, self.greedy, self.rng = fresh_target, fresh_mtp, greedy, rng
+        self.errors: list[float] = []
+
+    def propose(self, committed, k):
+        drafts = super().propose(committed, k)
+        ft, fm = self.fresh_target, self.fresh_mtp
+        ft.reset()
+        ft.prefill(committed[:-1], all_logits=True)
+        fm.reset()
+        fm.run(committed[1:], ft.copy_hidden_rows_to_host())
+        for d in drafts:
+            want = rows(fm, fm.logits_buffer_ptr(), 1)[0]
+            assert d == int(np.argmax(want))
+            fm.run([d], fm.copy_hidden_rows_to_host()[-1:])
+        good = int(self.rng.integers(0, len(drafts) + 1))
+        at = len(committed)
+        return [self.greedy[at + j] if j < good else d for j, d in enumerate(drafts)]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("name", NAMES)
+def test_mtp_drafts_are_the_layers_and_decoding_stays_greedy(name, k):
+    """decode --draft mtp: every draft is the MTP layer's argmax on the committed tokens (state fed across
+    accepted and rejected drafts, checked from scratch at each pass), and the tokens are plain greedy's."""
+    rng = np.random.default_rng()
+    target, mtp = engines(name)
+    fresh_target, fresh_mtp = engines(name)
+    prompt = [int(t) for t in rng.integers(0, 300, 7)]
+    steps = 20
+    plain = [s.token for s in run_decode(target, prompt, steps).steps]
+    drafter = CheckedDrafter(mtp, target, fresh_target, fresh_mtp, prompt + plain, rng)
+    result = speculative_decode(target, drafter, prompt, steps, k)
+    assert [s.token for s in result.steps] == plain
+    assert result.stats.accepted > 0 and result.stats.draft_source == "mtp"
+
+
+def test_refusals_name_what_is_missing(tmp_path):
+    cfg = load_config(FIXTURES / "models" / "qwen3_moe")
+    with pytest.raises(ConfigError, match="qwen3_moe has no multi-token-prediction layer"):
+        mtp_config(cfg)
+    d = FIXTURES / "models" / "deepseek_v3"  # declares one MTP layer; its checkpoint holds none
+    with pytest.raises(CheckpointError, match=r"model\.layers\.3\.eh_proj\.weight is missing"):
+        load_numpy_mtp(load_config(d), Checkpoint.open(d), 32)
+
+
+def test_decode_draft_mtp_on_the_command_line(run_cli):
+    """metrale decode --draft mtp: the tokens of plain decoding, the drafts counted under draft_source mtp;
+    refusals with their exit codes (no MTP family 4, no MTP tensors 3, a GPU device or an unknown source 2)."""
+    import json
+
+    model, tokens = "tests/fixtures/models/glm4_moe_mtp", "[5, 17, 99, 3, 250]"
+    plain = run_cli("decode", "--model", model, "--tokens", tokens, "--steps", 9, "--format", "json")
+    spec = run_cli("decode", "--model", model, "--tokens", tokens, "--steps", 9, "--format", "json",
+                   "--draft", "mtp", "--k", 3)
+    assert plain.exit_code == 0 and spec.exit_code == 0, spec.stderr
+    a, b = json.loads(plain.stdout), json.loads(spec.stdout)
+    assert [s["token"] for s in b["steps"]] == [s["token"] for s in a["steps"]]
+    assert b["speculative"]["draft_source"] == "mtp" and b["speculative"]["drafted"] > 0
+    r = run_cli("decode", "--model", "tests/fixtures/models/qwen3_moe", "--tokens", "[1, 2]", "--draft", "mtp")
+    assert r.exit_code == 4 and "no multi-token-prediction layer" in r.stderr
+    r = run_cli("decode", "--model", "tests/fixtures/models/deepseek_v3", "--tokens", "[1, 2]", "--draft", "mtp")
+    assert r.exit_code == 3 and "model.layers.3.eh_proj.weight is missing" in r.stderr
+    r = run_cli("decode", "--model", model, "--tokens", "[1, 2]", "--draft", "mtp", "--draft-model", model)
+    assert r.exit_code == 2 and "exclusive" in r.stderr
+    r = run_cli("decode", "--model", model, "--tokens", "[1, 2]", "--draft", "eagle")
+    assert r.exit_code == 2 and "'ngram' or 'mtp'" in r.stderr
