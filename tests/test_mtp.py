@@ -124,10 +124,10 @@ def test_mtp_drafts_are_the_layers_and_decoding_stays_greedy(name, k):
     fresh_target, fresh_mtp = engines(name)
     prompt = [int(t) for t in rng.integers(0, 300, 7)]
     steps = 20
-    plain = [s.token for s in run_decode(target, prompt, steps).steps]
+    plain = [s.token for s in run_decode(target, prompt, steps + k).steps]  # k more: the last pass's good drafts
     drafter = CheckedDrafter(mtp, target, fresh_target, fresh_mtp, prompt + plain, rng)
     result = speculative_decode(target, drafter, prompt, steps, k)
-    assert [s.token for s in result.steps] == plain
+    assert [s.token for s in result.steps] == plain[:steps]
     assert result.stats.accepted > 0 and result.stats.draft_source == "mtp"
 
 
@@ -161,3 +161,22 @@ def test_decode_draft_mtp_on_the_command_line(run_cli):
     assert r.exit_code == 2 and "exclusive" in r.stderr
     r = run_cli("decode", "--model", model, "--tokens", "[1, 2]", "--draft", "eagle")
     assert r.exit_code == 2 and "'ngram' or 'mtp'" in r.stderr
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_forward_mtp_dumps_transformers_rows(name, run_cli, tmp_path):
+    """metrale forward --mtp --rows all --dump-logits: transformers' MTP logits, positions 1..T-1, the dump saying
+    what its rows are."""
+    from safetensors import safe_open
+
+    g = np.load(FIXTURES / "golden" / f"{name}.npz")
+    out = tmp_path / "mtp.safetensors"
+    r = run_cli("forward", "--model", f"tests/fixtures/models/{name}", "--tokens", " ".join(map(str, g["prompt"])),
+                "--rows", "all", "--mtp", "--dump-logits", out)
+    assert r.exit_code == 0, r.stderr
+    with safe_open(str(out), "np") as f:
+        meta, logits = f.metadata(), f.get_tensor("logits")
+    assert meta["command"] == "forward --mtp" and meta["positions"] == "[" + ",".join(map(str, range(1, 12))) + "]"
+    assert float(np.max(np.abs(logits - g["mtp_logits"])) / np.max(np.abs(g["mtp_logits"]))) < 1e-5
+    r = run_cli("forward", "--model", f"tests/fixtures/models/{name}", "--tokens", "[7]", "--mtp")
+    assert r.exit_code == 5 and "2 or more tokens" in r.stderr

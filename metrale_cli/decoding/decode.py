@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence
 
-from ..errors import NonFiniteLogitsError
+from ..errors import InputError, NonFiniteLogitsError
 from .results import DecodeResult, DecodeStep, ForwardResult, ForwardRow, HiddenRows, Rows, Timings
 from .rows import Reader, hidden_rows_for, joined_text, nonfinite_run, rows_for, take_hidden
 
@@ -13,14 +13,24 @@ from .rows import Reader, hidden_rows_for, joined_text, nonfinite_run, rows_for,
 
 
 def run_forward(engine, prompt: Sequence[int], *, all_rows: bool, token_text=None, keep_rows: bool = False,
-                want_hidden: bool = False) -> ForwardResult:
-    rd = Reader(engine, token_text)
+                want_hidden: bool = False, mtp=None) -> ForwardResult:
+    """One pass over the prompt; the last row or every row. With `mtp` (an engine with run(tokens, previous):
+    backends/numpy/mtp.py) the rows are the multi-token-prediction layer's instead, after the model's pass: row p
+    is the layer on token p with the model's hidden row at p - 1 (positions 1.., the token after p predicted)."""
+    if mtp is not None and len(prompt) < 2:
+        raise InputError("the multi-token-prediction layer's first row is the prompt's second token: give 2 or "
+                         "more tokens")
     timings = Timings(prompt_tokens=len(prompt))
     engine.reset()
     t0 = time.perf_counter()
-    n = engine.prefill(prompt, all_logits=all_rows)
+    n = engine.prefill(prompt, all_logits=all_rows or mtp is not None)
+    if mtp is not None:
+        mtp.reset()
+        n = mtp.run(prompt[1:], engine.copy_hidden_rows_to_host()[:-1], all_logits=all_rows)
+        engine = mtp
     engine.synchronize()
     timings.prefill_s = time.perf_counter() - t0
+    rd = Reader(engine, token_text)
     buf = engine.logits_buffer_ptr()
     first_pos = len(prompt) - n
     rows = rows_for(engine, buf, rd) if keep_rows else None
