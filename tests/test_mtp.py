@@ -180,3 +180,27 @@ def test_forward_mtp_dumps_transformers_rows(name, run_cli, tmp_path):
     assert float(np.max(np.abs(logits - g["mtp_logits"])) / np.max(np.abs(g["mtp_logits"]))) < 1e-5
     r = run_cli("forward", "--model", f"tests/fixtures/models/{name}", "--tokens", "[7]", "--mtp")
     assert r.exit_code == 5 and "2 or more tokens" in r.stderr
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_verify_draft_mtp(name, run_cli):
+    """verify --draft mtp: d[0] is the model's own token after the prompt, d[1..] the MTP layer's drafts, each
+    recomputed here from scratch (the layer on the prompt's tokens and d[0] with the model's hidden rows, then
+    on its own last row)."""
+    import json
+
+    rng = np.random.default_rng()
+    prompt = [int(t) for t in rng.integers(0, 300, 6)]
+    r = run_cli("verify", "--model", f"tests/fixtures/models/{name}", "--tokens", str(prompt), "--draft", "mtp",
+                "--k", 4, "--format", "json")
+    assert r.exit_code == 0, r.stderr
+    out = json.loads(r.stdout)
+    drafts = [row["draft"] for row in out["rows"]]
+    assert out["draft_source"] == "mtp" and len(drafts) == 4
+    target, mtp = engines(name)
+    target.prefill(prompt, all_logits=True)
+    assert drafts[0] == int(np.argmax(rows(target, target.logits_buffer_ptr(), len(prompt))[-1]))
+    mtp.run(prompt[1:] + drafts[:1], target.copy_hidden_rows_to_host())
+    for d in drafts[1:]:
+        assert d == int(np.argmax(rows(mtp, mtp.logits_buffer_ptr(), 1)[0]))
+        mtp.run([d], mtp.copy_hidden_rows_to_host()[-1:])

@@ -1,4 +1,4 @@
-"""metrale verify: one verify pass over K drafts (the model's own, given ids, or a draft model's)."""
+"""metrale verify: one verify pass over K drafts (the model's own, given ids, a draft model's or the MTP layer's)."""
 
 
 from typing import Annotated, Any, Optional
@@ -8,6 +8,7 @@ import typer
 from ..errors import UsageError
 from ..inputs import (check_draft_matches, check_ids_in_vocab, check_positive, context_for, parse_token_ids,
                       read_model_spec)
+from ..model import check_mtp, open_mtp
 from ..render.verify import render_verify
 from .entry import app
 from .help_format import MetraleCommand
@@ -25,8 +26,9 @@ def verify(
         help=f"Drafts checked in the one verify pass (default {DEFAULT_K}, or the --draft ids' count).",
     )] = None,
     draft: Annotated[Optional[str], typer.Option(
-        "--draft", metavar="self|IDS",
-        help="'self' (the model's own greedy tokens, default) or exactly K token ids.")] = None,
+        "--draft", metavar="self|mtp|IDS",
+        help="'self' (the model's own greedy tokens, default), 'mtp' (the checkpoint's multi-token-prediction "
+             "layer; CPU) or exactly K token ids.")] = None,
     draft_model: DraftModelOpt = None,
 ) -> None:
     """One verify pass: prefill the prompt, then check K draft tokens in a single forward.
@@ -36,8 +38,10 @@ def verify(
 
     Drafts: --draft self (the default) drafts by K sequential decode steps of the same model, and
     max_abs_diff_vs_sequential compares each verify row with the matching decode row; --draft "IDS" checks
-    exactly K given token ids; --draft-model PATH drafts with a smaller model. Rows after the first
-    rejection are not checked.
+    exactly K given token ids; --draft-model PATH drafts with a smaller model; --draft mtp takes the
+    model's own token after the prompt, then K - 1 drafts of its multi-token-prediction layer (as
+    speculative decoding with MTP runs a pass; DeepSeek-V3, GLM-4.5). Rows after the first rejection are
+    not checked.
 
     Expected for --draft self: a rounding difference (max_abs_diff_ulps_vs_sequential), since one pass over
     K rows sums in another order than K one-row steps: with bf16 rows a step or a few (1 on the CPU engine;
@@ -54,7 +58,10 @@ def verify(
         raise UsageError("--draft and --draft-model are exclusive: give one draft source")
     job = prepare(ctx.obj, c)
     draft_ids = None
-    if draft is not None and draft.strip() != "self":
+    mtp = draft is not None and draft.strip() == "mtp"
+    if mtp:
+        check_mtp(job.spec.path, job.spec.config, job.device, job.common.tp)
+    elif draft is not None and draft.strip() != "self":
         draft_ids = _parse_draft_ids(draft)
         if k is None:
             k = len(draft_ids)
@@ -64,7 +71,7 @@ def verify(
         if len(draft_ids) != k:  # two options that disagree: a usage error, whatever the model
             raise UsageError(f"--draft gives {len(draft_ids)} token ids ({draft.strip()!r}) but --k is {k}")
         check_ids_in_vocab(draft_ids, job.spec.config.vocab_size, "--draft")
-    _verify(job, k, draft_ids, draft_model)
+    _verify(job, k, draft_ids, draft_model, mtp)
 
 
 def _parse_draft_ids(draft: str) -> list[int]:
@@ -74,7 +81,7 @@ def _parse_draft_ids(draft: str) -> list[int]:
         raise UsageError(f"{e}; verify --draft takes 'self' or K token ids") from None
 
 
-def _verify(job: Job, k: int, draft_ids: list[int] | None, draft_path: str | None) -> None:
+def _verify(job: Job, k: int, draft_ids: list[int] | None, draft_path: str | None, mtp: bool = False) -> None:
     from ..decoding.verify import run_verify
 
     n = len(job.ids)
@@ -92,10 +99,12 @@ def _verify(job: Job, k: int, draft_ids: list[int] | None, draft_path: str | Non
     drafter_model = None
     try:
         drafter_model = load(job, draft_spec, draft_ctx) if draft_spec is not None else None
-        source: Any = draft_ids if draft_ids is not None else ("model" if drafter_model else "self")
+        layer = open_mtp(target, ctx, job.fp32, job.compute, job.common.mla) if mtp else None
+        source: Any = (draft_ids if draft_ids is not None else "model" if drafter_model else "mtp" if mtp
+                       else "self")
         with dumps_on_nonfinite(job, "verify", target.engine, recorder):
             result = run_verify(target.engine, job.ids, k, draft=source,
-                                draft_engine=drafter_model.engine if drafter_model else None,
+                                draft_engine=drafter_model.engine if drafter_model else layer,
                                 token_text=token_text(target), keep_rows=job.logits_dump is not None,
                                 want_hidden=job.want_hidden)
         result.timings.load_s = target.load_seconds + (drafter_model.load_seconds if drafter_model else 0.0)

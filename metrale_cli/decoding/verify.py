@@ -12,7 +12,7 @@ from ..logits import DevicePtr
 from .decode import draft_greedy, prefill_next
 from .results import Timings, VerifyResult, VerifyRow
 from .rows import Reader, hidden_rows_for, margin, nonfinite_run, rows_for, take_hidden
-from .speculative import ModelDrafter
+from .speculative import ModelDrafter, MtpDrafter
 
 
 def run_verify(engine, prompt: Sequence[int], k: int, *, draft: str | Sequence[int] = "self",
@@ -22,7 +22,9 @@ def run_verify(engine, prompt: Sequence[int], k: int, *, draft: str | Sequence[i
 
     d[0] is checked against the argmax of the prompt's last row, d[i] against verify row i-1; acceptance
     stops at the first mismatch. With draft="self" the same model drafts by k sequential decode steps,
-    and every verify row is compared with the matching decode row.
+    and every verify row is compared with the matching decode row. draft="model": `draft_engine` (a smaller
+    model) drafts; draft="mtp": d[0] is the target's own token, d[1..] the drafts of `draft_engine`, the
+    checkpoint's multi-token-prediction layer (decoding/speculative.MtpDrafter).
     """
     if k <= 0:
         raise InputError(f"--k must be at least 1, got {k}")
@@ -36,7 +38,8 @@ def run_verify(engine, prompt: Sequence[int], k: int, *, draft: str | Sequence[i
     seq_hidden = hidden_rows_for(engine, want_hidden)  # the self-draft decode steps' hidden rows
     verifying = False
     try:
-        first, first_values, first_note = prefill_next(engine, rd, prompt, timings, logit_rows, hidden)
+        first, first_values, first_note = prefill_next(engine, rd, prompt, timings, logit_rows, hidden,
+                                                       all_rows=draft == "mtp")
         if draft == "self":
             source, drafts, seq_raws = "self", [first], []
             draft_greedy(engine, rd, drafts, k, n, seq_raws, seq_hidden)
@@ -44,6 +47,10 @@ def run_verify(engine, prompt: Sequence[int], k: int, *, draft: str | Sequence[i
         elif draft == "model":
             source = "model"
             drafts = draft_from_model(draft_engine, prompt, k)
+        elif draft == "mtp":
+            source, mtp = "mtp", MtpDrafter(draft_engine, engine)
+            mtp.start(prompt)
+            drafts = [first] + (mtp.propose(list(prompt) + [first], k - 1) if k > 1 else [])
         else:
             source = "ids"
             drafts = [int(t) for t in draft]
