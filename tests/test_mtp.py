@@ -236,3 +236,18 @@ def test_bf16_compute_tracks_transformers_bf16_mtp(name):
     err = float(np.max(np.abs(rows(mtp, mtp.logits_buffer_ptr(), n) - want)) / np.max(np.abs(want)))
     print(f"{name}: bf16 MTP layer vs transformers bf16, max rel err {err:.2e}")
     assert err < 1e-2
+
+
+def test_a_block_fp8_checkpoint_keeps_eh_proj_dense():
+    """In a block-FP8 checkpoint (DeepSeek-V3's) the MTP block's projections are FP8 like the decoder's, eh_proj
+    stays dense (engines load it as a plain Linear) and so do its norms."""
+    import json
+
+    from metrale_cli.config import parse_config
+
+    raw = json.loads((FIXTURES / "models" / "deepseek_v3_mtp" / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [8, 8], "activation_scheme": "dynamic"}
+    layer = mtp_config(parse_config(raw)).definition.layers[0]
+    formats = {p.key: p.format for p in layer.params}
+    assert formats["mtp_eh_proj"] is None and formats["mtp_enorm"] is None and formats["mtp_hnorm"] is None
+    assert formats["q_a"] is not None and formats["o"] is not None and formats["experts_gate_up"] is not None

@@ -21,8 +21,10 @@ if TYPE_CHECKING:
 
 # Keys of the Linear weights a quantized checkpoint never quantizes: the embedding and lm_head (kept dense
 # for accuracy, as every quantizer does by default), the routers (not Linear modules in transformers) and
-# DeepSeek-V3.2's indexer weights_proj (transformers' _keep_in_fp32_modules, which its quantizers skip).
-DENSE_KEYS = frozenset({"embed", "lm_head", "router", "idx_w"})
+# DeepSeek-V3.2's indexer weights_proj (transformers' _keep_in_fp32_modules, which its quantizers skip), and a
+# multi-token-prediction layer's eh_proj (models/mtp.py: engines load it as a plain, unquantized Linear, so the
+# checkpoints that ship one quantized keep it dense; its block's projections are quantized like the decoder's).
+DENSE_KEYS = frozenset({"embed", "lm_head", "router", "idx_w", "mtp_eh_proj"})
 
 
 def linear_weight(p: Param) -> bool:
