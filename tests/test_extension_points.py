@@ -24,6 +24,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from engine_rows import rel, rows
+
 from metrale_cli.models import formats
 from metrale_cli.backends.numpy.ops import as_fp32
 from metrale_cli.checkpoint import Checkpoint
@@ -184,10 +186,7 @@ def plain_forward(w: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
 
 def host_rows(engine, ptr) -> np.ndarray:
     """The fp32 rows of a logits region, read through the ModelLogits interface."""
-    out = np.empty((ptr.rows, engine.vocab_size()), np.float32)
-    for i in range(ptr.rows):
-        engine.copy_logits_to_host(ptr.row_ptr(i), out[i])
-    return out
+    return rows(engine, ptr, ptr.rows)
 
 
 def test_a_toy_mixer_kind_runs_prefill_decode_verify_and_trim(tmp_path):
@@ -373,10 +372,6 @@ def fake_gemm(monkeypatch):
 
     monkeypatch.setattr(Projections, "gemm_bf16", plumbing._fake_gemm)
     return plumbing
-
-
-def rel(a, b):
-    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
 
 
 TOL = 1e-2  # the CUDA engine's bf16 weights, activations and KV cache against fp32 on bf16-rounded weights
