@@ -251,3 +251,18 @@ def test_a_block_fp8_checkpoint_keeps_eh_proj_dense():
     formats = {p.key: p.format for p in layer.params}
     assert formats["mtp_eh_proj"] is None and formats["mtp_enorm"] is None and formats["mtp_hnorm"] is None
     assert formats["q_a"] is not None and formats["o"] is not None and formats["experts_gate_up"] is not None
+
+
+def test_inspect_says_whether_the_mtp_layer_is_there_and_runs(run_cli):
+    import json
+
+    def mtp(name):
+        r = run_cli("inspect", f"tests/fixtures/models/{name}", "--format", "json")
+        assert r.exit_code == 0, r.stderr
+        return json.loads(r.stdout).get("mtp")
+
+    assert mtp("deepseek_v3_mtp") == {"layers": 1, "present": True, "draft": True}
+    assert mtp("deepseek_v3") == {"layers": 1, "present": False, "draft": False}  # declared, not shipped
+    assert mtp("qwen3_moe") is None
+    r = run_cli("inspect", "tests/fixtures/models/glm4_moe_mtp", "--format", "plain")
+    assert "mtp: 1 multi-token-prediction layer, in the checkpoint; runs as a draft" in r.stdout

@@ -182,6 +182,7 @@ def _inspect_info(spec: ModelSpec, ckpt: Checkpoint | HeaderListing,
         "tokenizer": ckpt.has_tokenizer, "bos_token_id": cfg.bos_token_id, "eos_token_ids": list(cfg.eos_token_ids),
         "experts": _experts_info(cfg), "weight_formats": _formats_info(cfg),
         **_latent_info(cfg),  # latent attention and what the checkpoint holds that is not run, when there is any
+        **_mtp_info(cfg, ckpt),  # multi-token-prediction layers, when the config declares any
         **({"linear_attention": linear} if linear is not None else {}),  # Gated DeltaNet layers and their state
         "valid": problem is None, "problems": str(problem) if problem is not None else None,
         "scanned": False, "nonfinite": None,  # --scan: the tensors holding NaN/Inf (name, dtype, nan, inf)
@@ -223,6 +224,18 @@ def _experts_info(cfg: Any) -> dict[str, Any] | None:
             "routed_scaling_factor": r.routed_scaling_factor, "shared_expert_gated": s.shared_expert_gated,
             "sparse_layers": list(cfg.moe.sparse_layers),
             "active_parameters": cfg.parameter_count() - len(cfg.moe.sparse_layers) * (s.num_experts - s.top_k) * per_expert}
+
+
+def _mtp_info(cfg: Any, ckpt: Checkpoint | HeaderListing) -> dict[str, Any]:
+    """"mtp": the multi-token-prediction layers the config declares, whether the checkpoint holds the first one's
+    tensors (conversions often drop them) and whether metrale runs it as a draft (--draft mtp, forward --mtp)."""
+    from ..models import mtp
+
+    n = mtp.layer_count(cfg)
+    if not n:
+        return {}
+    present = mtp.prefix(cfg) + "eh_proj.weight" in set(ckpt.tensor_names())
+    return {"mtp": {"layers": n, "present": present, "draft": present and cfg.model_type in mtp.FAMILIES}}
 
 
 def _latent_info(cfg: Any) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from . import llama, moe, mtp
+from . import llama, moe
 from .model_config import Family, MoeConfig
 from .rope_params import read_rope
 from .spec import LayerSpec, MlaIndexer, MlaSpec, MlpSpec, ModelDefinition, MoeSpec, Norm, Param, RouterSpec
@@ -275,7 +275,7 @@ def define(cfg: ModelConfig) -> ModelDefinition:
         lm_head=None if cfg.tie_word_embeddings else Param.of("lm_head", ("lm_head.weight", (v, h))),
         norm=norm,
         ignored=llama.IGNORED_SUFFIXES + (("lm_head.weight",) if cfg.tie_word_embeddings else ()),
-        ignored_prefixes=nextn_prefixes(L, n), notes=nextn_notes(L, n, cfg.model_type in mtp.FAMILIES))
+        ignored_prefixes=nextn_prefixes(L, n), notes=nextn_notes(L, n))
     return moe.define_sparse(cfg, base, "mlp", EXPERT_NAMES, shared="shared_experts.")
 
 
@@ -283,16 +283,14 @@ def nextn_prefixes(layers: int, n: int) -> tuple[str, ...]:
     return tuple(f"model.layers.{layers + j}." for j in range(n))
 
 
-def nextn_notes(layers: int, n: int, drafts: bool = False) -> tuple[str, ...]:
-    """inspect's note on the MTP layers; `drafts`: the family's first one runs as `decode --draft mtp`'s draft."""
+def nextn_notes(layers: int, n: int) -> tuple[str, ...]:
+    """inspect's note on the MTP layers (its "mtp" row says whether the checkpoint holds them and whether they run
+    as a draft: models/mtp.py)."""
     if not n:
         return ()
     where = f"model.layers.{layers}" + (f"..{layers + n - 1}" if n > 1 else "")
-    what = f"num_nextn_predict_layers {n}: the multi-token-prediction layer{'s' if n > 1 else ''} ({where}) "
-    if drafts:
-        return (what + f"{'are' if n > 1 else 'is'} not part of the forward; decode --draft mtp runs the first "
-                "as a draft",)
-    return (what + f"{'are' if n > 1 else 'is'} not run; {'their' if n > 1 else 'its'} tensors are ignored",)
+    return (f"num_nextn_predict_layers {n}: the multi-token-prediction layer{'s' if n > 1 else ''} ({where}) "
+            f"{'are' if n > 1 else 'is'} not part of the forward",)
 
 
 def layer_params(cfg: ModelConfig, i: int, m: MlaSpec) -> tuple[Param, ...]:

@@ -63,7 +63,7 @@ def define(cfg: ModelConfig) -> ModelDefinition:
     o, n = cfg.options, cfg.num_hidden_layers
     layers = tuple(replace(layer, mixer=replace(layer.mixer, rope=o.rope)) for layer in base.layers)
     base = replace(base, layers=layers, ignored_prefixes=deepseek.nextn_prefixes(n, o.nextn),
-                   notes=deepseek.nextn_notes(n, o.nextn, drafts=True))
+                   notes=deepseek.nextn_notes(n, o.nextn))
     return moe.define_sparse(cfg, base, "mlp", deepseek.EXPERT_NAMES, shared="shared_experts.")
 
 

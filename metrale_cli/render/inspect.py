@@ -95,6 +95,8 @@ def _inspect_rows(info: dict[str, Any]) -> list[tuple[str, str]]:
     ]
     if info.get("latent_attention"):
         rows.append(("latent_attention", _latent_text(info["latent_attention"])))
+    if info.get("mtp"):
+        rows.append(("mtp", _mtp_text(info["mtp"])))
     rows += [("notes", note) for note in info.get("notes", [])]
     if info.get("linear_attention"):
         rows.append(("linear_attention", _linear_text(info["linear_attention"], info["layers"])))
@@ -146,6 +148,12 @@ def _experts_text(x: dict[str, Any], layers: int) -> str:
     where = f"all {layers}" if not dense else ", ".join(map(str, sparse)) + " (dense: " + ", ".join(map(str, dense)) + ")"
     return (f"{x['count']} of intermediate {x['intermediate']}, {routing}; sparse layers {where}; "
             f"{x['active_parameters']:,} active parameters per token")
+
+
+def _mtp_text(m: dict) -> str:
+    held = "in the checkpoint" if m["present"] else "not in the checkpoint"
+    runs = "; runs as a draft (--draft mtp, forward --mtp)" if m["draft"] else ""
+    return f"{m['layers']} multi-token-prediction layer{'s' if m['layers'] > 1 else ''}, {held}{runs}"
 
 
 def _latent_text(m: dict[str, Any]) -> str:
