@@ -207,9 +207,10 @@ def check_mtp(path: str | Path | None, cfg: ModelConfig, device: str, tp: int | 
 
 
 def open_mtp(target: LoadedModel, max_context: int, fp32_logits: bool, compute: str = "fp32",
-             mla: str | None = None):
-    """The target checkpoint's first multi-token-prediction layer as a NumPy engine (decode --draft mtp)."""
+             mla: str | None = None, activation_quant: str | None = None):
+    """The target checkpoint's first multi-token-prediction layer as a NumPy engine (decode --draft mtp), computing
+    as the target does."""
     from .backends.numpy.mtp import load_numpy_mtp
 
     return load_numpy_mtp(target.config, target.checkpoint, max_context, fp32_logits, compute=compute,
-                          mla=mla or "naive")
+                          mla=mla or "naive", activation_quant=activation_quant or "none")

@@ -17,7 +17,11 @@ For each base fixture of make_reference_fixtures.py named in MTP (same config an
   * writes tests/fixtures/golden/<name>_mtp.npz: the prompt, the main model's hidden rows (post final norm) and
     the MTP logits of positions 1..T-1 (row j: the MTP's prediction for position j + 2).
 
-    python scripts/make_mtp_fixtures.py            # every fixture, byte-identical on rerun
+    python scripts/make_mtp_fixtures.py deepseek_v3 glm4_moe                    # the dense fixtures and goldens
+    python scripts/make_quantized_fixtures.py deepseek_v3_mtp_fp8_block       # the first one in block FP8
+    python scripts/make_mtp_fixtures.py deepseek_v3_mtp_fp8_block             # its MTP golden (exact values)
+
+Every file is byte-identical on rerun.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_reference_fixtures import GOLDEN_DIR, MODELS_DIR, write_npz  # noqa: E402
 
 MTP = {"deepseek_v3": 1501, "glm4_moe": 1502}  # base fixture -> seed
+# block-FP8 fixtures of make_quantized_fixtures.py made from the ones above (run that script first)
+FP8 = ("deepseek_v3_mtp_fp8_block",)
 PROMPT_LEN = 12
 
 
@@ -119,11 +125,7 @@ def make(base: str, seed: int) -> None:
     save_file(dict(sorted(tensors.items())), str(dst / "model.safetensors"), metadata={"format": "pt"})
 
     # transformers' own loader reads the MTP layer back: every weight as drawn
-    main2 = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32, attn_implementation="eager").eval()
-    # MtpModel finds the MTP tensors by the main class's _keys_to_ignore_on_load_unexpected, written for the real
-    # checkpoints' layer numbers (model.layers.61 in DeepSeek-V3): the tiny fixture's is num_hidden_layers
-    main2._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{config['num_hidden_layers']}\..*"]
-    loaded = MtpModel.from_pretrained(main2, device_map={"": "cpu"}).eval()
+    main2, loaded = load_mtp(dst, config)
     want = dict(mtp.named_parameters())
     for k, v in loaded.named_parameters():
         if k.startswith("layers."):
@@ -134,10 +136,27 @@ def make(base: str, seed: int) -> None:
 
     g = torch.Generator().manual_seed(seed + 1)
     prompt = torch.randint(0, config["vocab_size"], (1, PROMPT_LEN), generator=g)
-    hidden = main2(prompt, output_hidden_states=True).hidden_states[-1]  # [1, T, H], after the final norm
-    positions = torch.arange(1, PROMPT_LEN)[None, :]
-    h = loaded.forward_layer(0, hidden[:, :-1], positions, None, input_ids=prompt[:, 1:])
-    logits = loaded._project_to_logits(h)[0]  # [T - 1, V]
+    write_golden(name, main2, loaded, prompt)
+    print(f"{name}: {len(tensors)} tensors")
+
+
+def load_mtp(directory: Path, config: dict):
+    """transformers' main model and its MtpModel, both from `directory` (fp32, eager)."""
+    main = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager").eval()
+    # MtpModel finds the MTP tensors by the main class's _keys_to_ignore_on_load_unexpected, written for the real
+    # checkpoints' layer numbers (model.layers.61 in DeepSeek-V3): the tiny fixture's is num_hidden_layers
+    main._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{config['num_hidden_layers']}\..*"]
+    return main, MtpModel.from_pretrained(main, device_map={"": "cpu"}).eval()
+
+
+@torch.no_grad()
+def write_golden(name: str, main, mtp: MtpModel, prompt: torch.Tensor) -> None:
+    """The golden: the prompt, the main model's hidden rows after its final norm, the MTP layer's rows at positions
+    1..T-1 (each fed the main row of the position before) and the logits they give."""
+    hidden = main(prompt, output_hidden_states=True).hidden_states[-1]  # [1, T, H], after the final norm
+    positions = torch.arange(1, prompt.shape[1])[None, :]
+    h = mtp.forward_layer(0, hidden[:, :-1], positions, None, input_ids=prompt[:, 1:])
+    logits = mtp._project_to_logits(h)[0]  # [T - 1, V]
     write_npz(GOLDEN_DIR / f"{name}.npz", {
         "prompt": prompt[0].numpy().astype(np.int64),
         "hidden_after_norm": hidden[0].numpy().astype(np.float32),
@@ -146,15 +165,42 @@ def make(base: str, seed: int) -> None:
         "transformers_version": np.array(transformers.__version__),
         "torch_version": np.array(torch.__version__),
     })
-    print(f"{name}: {len(tensors)} tensors, MTP logits {tuple(logits.shape)}")
+    print(f"{name}: MTP logits {tuple(logits.shape)}")
+
+
+@torch.no_grad()
+def make_fp8(name: str) -> None:
+    """The MTP golden of a block-FP8 fixture of make_quantized_fixtures.py (its MTP block's projections FP8, eh_proj
+    dense): transformers' MtpModel on the exact values every stored weight stands for (make_quantized_fixtures.exact,
+    the format's definition), written as a dense checkpoint; the prompt of that fixture's golden. Written as
+    tests/fixtures/golden/<name>_mtp.npz."""
+    from make_quantized_fixtures import exact
+
+    src = MODELS_DIR / name
+    config = json.loads((src / "config.json").read_text())
+    block = config["quantization_config"]["weight_block_size"]
+    from safetensors.torch import load_file as load_torch  # numpy has no e4m3 dtype: read with torch, exact in fp32
+
+    stored = {k: v.float().numpy() for k, v in load_torch(str(src / "model.safetensors")).items()}
+    dense = {k: (exact(v, stored[k + "_scale_inv"], block) if k + "_scale_inv" in stored else v.astype(np.float32))
+             for k, v in stored.items() if not k.endswith("_scale_inv")}
+    assert any(k.startswith(f"model.layers.{config['num_hidden_layers']}.") and k + "_scale_inv" in stored
+               for k in dense), f"{name}: no FP8 weight in the MTP layer"
+    plain = {k: v for k, v in config.items() if k != "quantization_config"}
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(plain))
+        save_file(dict(sorted(dense.items())), str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
+        main, mtp = load_mtp(Path(tmp), plain)
+        prompt = torch.from_numpy(np.load(GOLDEN_DIR / f"{name}.npz")["prompt"])[None, :]
+        write_golden(f"{name}_mtp", main, mtp, prompt)
 
 
 def main(argv: list[str]) -> None:
-    names = argv or list(MTP)
+    names = argv or [*MTP, *FP8]
     for base in names:
-        if base not in MTP:
-            raise SystemExit(f"unknown fixture {base!r} (choose from {', '.join(MTP)})")
-        make(base, MTP[base])
+        if base not in MTP and base not in FP8:
+            raise SystemExit(f"unknown fixture {base!r} (choose from {', '.join([*MTP, *FP8])})")
+        make(base, MTP[base]) if base in MTP else make_fp8(base)
 
 
 if __name__ == "__main__":

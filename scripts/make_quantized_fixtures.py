@@ -55,12 +55,16 @@ SPECS = {
     "qwen3_fp8_tensor": ("qwen3", None, "F32", None),
     # DeepSeek-V3 as shipped (F32 scale_inv, every Linear but the router), blocks of 8 that divide its small dims
     "deepseek_v3_fp8_block": ("deepseek_v3", [8, 8], "F32", None),
+    # the same with its multi-token-prediction layer (make_mtp_fixtures.py: its golden from the exact values)
+    "deepseek_v3_mtp_fp8_block": ("deepseek_v3_mtp", [8, 8], "F32", None),
 }
 
 
 def is_linear(name: str, a: np.ndarray) -> bool:
+    """A Linear weight the checkpoint stores in FP8: not the embedding, lm_head, a router, nor an MTP layer's
+    eh_proj (engines load that as a plain Linear, so checkpoints keep it dense)."""
     return (a.ndim == 2 and name.endswith(("proj.weight", "proj_with_mqa.weight")) and "embed" not in name
-            and "lm_head" not in name and not name.endswith("mlp.gate.weight"))
+            and "lm_head" not in name and not name.endswith(("mlp.gate.weight", "eh_proj.weight")))
 
 
 def skipped(name: str, skip: list[str] | None) -> bool:
@@ -131,7 +135,10 @@ def build(name: str) -> None:
     model = load_dequantized(out)
     state = {k: v.numpy() for k, v in model.state_dict().items()}
     checked = 0
+    mtp = tuple(f"model.layers.{config['num_hidden_layers'] + j}." for j in range(config.get("num_nextn_predict_layers", 0)))
     for key, v in values.items():  # transformers' dequantization == the exact values, bit for bit
+        if mtp and key.startswith(mtp):  # a multi-token-prediction layer: not in transformers' model
+            continue
         got = transformers_weight(state, key)
         if key + "_scale_inv" in stored:
             assert np.array_equal(got, v), f"{name}: transformers' dequantized {key} differs"

@@ -266,3 +266,37 @@ def test_inspect_says_whether_the_mtp_layer_is_there_and_runs(run_cli):
     assert mtp("qwen3_moe") is None
     r = run_cli("inspect", "tests/fixtures/models/glm4_moe_mtp", "--format", "plain")
     assert "mtp: 1 multi-token-prediction layer, in the checkpoint; runs as a draft" in r.stdout
+
+
+@pytest.mark.parametrize("mla", ["naive", "absorbed"])
+def test_block_fp8_mtp_rows_match_transformers_on_the_exact_values(mla):
+    """deepseek_v3_mtp_fp8_block (the MTP block's projections in FP8 blocks, eh_proj dense, as shipped): the MTP
+    rows against transformers' MtpModel on the exact values the stored weights stand for."""
+    name = "deepseek_v3_mtp_fp8_block"
+    g = np.load(FIXTURES / "golden" / f"{name}_mtp.npz")
+    target, mtp = engines(name, mla=mla)
+    assert mtp.cfg.definition.layers[0].params[1].format is not None  # q_a_proj: FP8 blocks
+    prompt = [int(t) for t in g["prompt"]]
+    target.prefill(prompt, all_logits=True)
+    herr = rel(target.copy_hidden_rows_to_host(), g["hidden_after_norm"])
+    n = mtp.run(prompt[1:], target.copy_hidden_rows_to_host()[:-1], all_logits=True)
+    err = float(np.max(np.abs(rows(mtp, mtp.logits_buffer_ptr(), n) - g["mtp_logits"])) / np.max(np.abs(g["mtp_logits"])))
+    print(f"{name} ({mla}): MTP logits rel err {err:.2e}; main hidden rows {herr:.2e}")
+    assert err < 1e-5 and herr < 1e-5
+
+
+def test_activation_quant_emulate_reaches_the_mtp_layer(run_cli):
+    """--activation-quant emulate quantizes the MTP block's FP8 projections' inputs as it does the model's: the
+    layer's rows move on the same inputs (the main model's golden rows); forward --mtp runs with it."""
+    name = "deepseek_v3_mtp_fp8_block"
+    d, g = FIXTURES / "models" / name, np.load(FIXTURES / "golden" / f"{name}_mtp.npz")
+    cfg, out = load_config(d), {}
+    for mode in ("none", "emulate"):
+        mtp = load_numpy_mtp(cfg, Checkpoint.open(d), 32, fp32_logits=True, activation_quant=mode)
+        assert mtp.activation_quant == mode
+        n = mtp.run([int(t) for t in g["prompt"][1:]], g["hidden_after_norm"][:-1], all_logits=True)
+        out[mode] = rows(mtp, mtp.logits_buffer_ptr(), n)
+    assert rel(out["emulate"], out["none"]) > 1e-3
+    r = run_cli("forward", "--model", f"tests/fixtures/models/{name}", "--tokens", "[5, 17, 99]", "--mtp",
+                "--activation-quant", "emulate")
+    assert r.exit_code == 0, r.stderr

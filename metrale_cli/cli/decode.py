@@ -114,7 +114,8 @@ def _decode(job: Job, steps: int, top_k: int, ignore_eos: bool, speculative: boo
     try:
         drafter_model = load(job, draft_spec, ctx) if draft_spec is not None else None
         if mtp:
-            mtp_engine = open_mtp(target, ctx, job.fp32, job.compute, job.common.mla)
+            mtp_engine = open_mtp(target, ctx, job.fp32, job.compute, job.common.mla,
+                                  job.common.activation_quant)
         meta = job.meta("decode", target, top_k=top_k, draft_model=draft_spec.label if draft_spec else None)
         tok = target.tokenizer
         report = DecodeReport(job.report_console, meta,

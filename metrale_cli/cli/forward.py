@@ -60,7 +60,8 @@ def forward(
     target = load(job, job.spec, model_ctx, job.common.tp)
     recorder = record_layers(job, target)
     try:
-        layer = open_mtp(target, model_ctx, job.fp32, job.compute, job.common.mla) if mtp else None
+        layer = open_mtp(target, model_ctx, job.fp32, job.compute, job.common.mla,
+                         job.common.activation_quant) if mtp else None
         with dumps_on_nonfinite(job, command, target.engine, recorder):
             result = run_forward(target.engine, job.ids, all_rows=rows == "all", token_text=token_text(target),
                                  keep_rows=job.logits_dump is not None, want_hidden=job.want_hidden, mtp=layer)

@@ -99,7 +99,8 @@ def _verify(job: Job, k: int, draft_ids: list[int] | None, draft_path: str | Non
     drafter_model = None
     try:
         drafter_model = load(job, draft_spec, draft_ctx) if draft_spec is not None else None
-        layer = open_mtp(target, ctx, job.fp32, job.compute, job.common.mla) if mtp else None
+        layer = open_mtp(target, ctx, job.fp32, job.compute, job.common.mla,
+                         job.common.activation_quant) if mtp else None
         source: Any = (draft_ids if draft_ids is not None else "model" if drafter_model else "mtp" if mtp
                        else "self")
         with dumps_on_nonfinite(job, "verify", target.engine, recorder):

@@ -41,10 +41,10 @@ class NumpyMtpEngine(NumpyEngine):
 
 
 def load_numpy_mtp(cfg, source, max_context: int, fp32_logits: bool = False, compute: str = "fp32",
-                   mla: str = "naive") -> NumpyMtpEngine:
+                   mla: str = "naive", activation_quant: str = "none") -> NumpyMtpEngine:
     """The checkpoint's first MTP layer (models/mtp.mtp_config) on the NumPy engine, its cache sized for
-    max_context positions."""
+    max_context positions, computing as the target engine does (compute, mla, activation_quant)."""
     check_present(cfg, source.tensor_names())
     mcfg = mtp_config(cfg)
-    return NumpyMtpEngine(mcfg, read_weights(mcfg, source, compute=compute), max_context, fp32_logits,
-                          compute=compute, mla=mla)
+    return NumpyMtpEngine(mcfg, read_weights(mcfg, source, compute=compute, activation_quant=activation_quant),
+                          max_context, fp32_logits, compute=compute, mla=mla, activation_quant=activation_quant)
