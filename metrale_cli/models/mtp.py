@@ -24,10 +24,9 @@ from .spec import ModelDefinition, Param
 if TYPE_CHECKING:
     from .model_config import ModelConfig
 
-# The families whose MTP layer is checked against transformers' MtpModel (tests/test_mtp.py); the MTP layer's
-# keys beside the block's.
+# The families whose MTP layer is checked against transformers' MtpModel (tests/test_mtp.py; kimi_k2 is DeepSeek-V3's
+# architecture under another name, read by the same code).
 FAMILIES = ("deepseek_v3", "kimi_k2", "glm4_moe")
-KEYS = ("mtp_enorm", "mtp_hnorm", "mtp_eh_proj")
 
 
 def layer_count(cfg: ModelConfig) -> int:
@@ -41,7 +40,8 @@ def prefix(cfg: ModelConfig, depth: int = 0) -> str:
 
 def mtp_config(cfg: ModelConfig, depth: int = 0) -> ModelConfig:
     """MTP layer `depth` as a one-layer model: its block (sparse, with the family's mixer), the MTP weights
-    (KEYS) among the block's, shared_head.norm as the final norm, the main model's embedding and lm_head."""
+    (mtp_enorm, mtp_hnorm, mtp_eh_proj) among the block's, shared_head.norm as the final norm, the main model's
+    embedding and lm_head."""
     if cfg.model_type not in FAMILIES:
         raise ConfigError(f"--draft mtp: {cfg.model_type} has no multi-token-prediction layer metrale runs "
                           f"(it runs those of {', '.join(FAMILIES)})")
