@@ -99,7 +99,9 @@ def layer_tap_names(layers: Sequence[int]) -> list[str]:
 _LAYER = re.compile(r"^model\.layers\.(\d+)(?:\.(.+))?$")
 # Rank of a sub-module inside its layer, by the first component of its name (the order HF runs them).
 _SUB_RANK = {"input_layernorm": 0, "self_attn": 1, "post_attention_layernorm": 2,
-             "pre_feedforward_layernorm": 3, "mlp": 4, "block_sparse_moe": 4, "post_feedforward_layernorm": 5}
+             "pre_feedforward_layernorm": 3, "mlp": 4, "block_sparse_moe": 4, "post_feedforward_layernorm": 5,
+             # a multi-token-prediction layer (engine/mtp.py): its input before the block, its norm after it
+             "enorm": -3, "hnorm": -2, "eh_proj": -1, "shared_head": 10}
 
 
 # Rank of a part inside self_attn / mlp (the finer taps other engines dump): projections, q/k norms, rope,

@@ -300,3 +300,49 @@ def test_activation_quant_emulate_reaches_the_mtp_layer(run_cli):
     r = run_cli("forward", "--model", f"tests/fixtures/models/{name}", "--tokens", "[5, 17, 99]", "--mtp",
                 "--activation-quant", "emulate")
     assert r.exit_code == 0, r.stderr
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_forward_mtp_layer_dump_matches_transformers_modules(name, run_cli, tmp_path):
+    """forward --mtp --dump-layers: the MTP layer's taps under the checkpoint's names, each against the output of
+    the matching module of transformers' MtpModel (hooked) on the golden's prompt, positions 1..T-1."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_layers import MtpModel
+
+    g = np.load(FIXTURES / "golden" / f"{name}.npz")
+    prompt = [int(t) for t in g["prompt"]]
+    out = tmp_path / "layers.safetensors"
+    r = run_cli("forward", "--model", f"tests/fixtures/models/{name}", "--tokens", str(prompt), "--rows", "all",
+                "--mtp", "--dump-layers", out)
+    assert r.exit_code == 0, r.stderr
+    with safe_open(str(out), "np") as f:
+        got = {k: f.get_tensor(k) for k in f.keys()}
+    assert list(got["positions"]) == list(range(1, len(prompt)))
+
+    d = FIXTURES / "models" / name
+    L = load_config(d).num_hidden_layers
+    main = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
+    main._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{L}\..*"]  # as scripts/make_mtp_fixtures.py
+    model = MtpModel.from_pretrained(main, device_map={"": "cpu"}).eval()
+    layer, seen = model.layers[0], {}
+    modules = {"enorm": layer.enorm, "hnorm": layer.hnorm, "eh_proj": layer.eh_proj,
+               "self_attn": layer.mtp_block.self_attn, "mlp": layer.mtp_block.mlp, "": layer.mtp_block,
+               "shared_head.norm": layer.post_norm}
+    hooks = [m.register_forward_hook(lambda m, a, o, k=k: seen.__setitem__(k, o[0] if isinstance(o, tuple) else o))
+             for k, m in modules.items()]
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        hidden = main(ids, output_hidden_states=True).hidden_states[-1]
+        model.forward_layer(0, hidden[:, :-1], torch.arange(1, len(prompt))[None], None, input_ids=ids[:, 1:])
+    for h in hooks:
+        h.remove()
+    assert len(seen) == len(modules)
+    for k, want in seen.items():
+        key = f"model.layers.{L}" + (f".{k}" if k else "")
+        want = want.reshape(-1, want.shape[-1]).numpy()
+        err = float(np.max(np.abs(got[key] - want)) / np.max(np.abs(want)))
+        assert err < 1e-5, f"{key}: {err:.2e}"
+    assert f"model.layers.{L}.mlp.gate.top_k_index" in got  # the router's taps, as in the model's dumps

@@ -12,7 +12,7 @@ from ..render.forward import render_forward
 from ..state_dumps import check_state_dump, write_state_dump
 from .entry import app
 from .help_format import MetraleCommand
-from .job import dumps_on_nonfinite, load, prepare, record_layers, token_text, write_dumps
+from .job import dumps_on_nonfinite, load, prepare, record_layers, record_mtp_layer, token_text, write_dumps
 from .options import Common, DumpStateOpt, pass_options
 
 
@@ -36,7 +36,8 @@ def forward(
     selects: --rows all for every prompt row. --dump-state writes a linear-attention model's recurrent
     and conv states after the pass. --mtp reports and dumps the multi-token-prediction layer's rows
     instead (as transformers' MtpModel computes them; the dumps say "forward --mtp"), to compare with an
-    engine's MTP draft logits.
+    engine's MTP draft logits; with --dump-layers the dump holds the layer's taps under the checkpoint's
+    names (model.layers.{L}.enorm, .hnorm, .eh_proj, the block's, .shared_head.norm).
 
     Examples:
       metrale forward --prompt "The for statement" --rows all
@@ -50,18 +51,19 @@ def forward(
     job = prepare(ctx.obj, c)
     command = "forward --mtp" if mtp else "forward"
     if mtp:
-        if job.layers_dump is not None or dump_state is not None:
-            raise UsageError("--mtp dumps the multi-token-prediction layer's logits and hidden rows only "
-                             "(leave out --dump-layers and --dump-state)")
+        if dump_state is not None:
+            raise UsageError("--mtp and --dump-state: the multi-token-prediction layer keeps no recurrent state")
         check_mtp(job.spec.path, job.spec.config, job.device, job.common.tp)
     state_dump = check_state_dump(dump_state, job.spec.config.definition) if dump_state is not None else None
     n = len(job.ids)
     model_ctx = context_for(job.spec, n, f"prompt ({n} tokens)", c.max_context)
     target = load(job, job.spec, model_ctx, job.common.tp)
-    recorder = record_layers(job, target)
+    recorder = record_layers(job, target) if not mtp else None
     try:
         layer = open_mtp(target, model_ctx, job.fp32, job.compute, job.common.mla,
                          job.common.activation_quant) if mtp else None
+        if layer is not None:
+            recorder = record_mtp_layer(job, layer)
         with dumps_on_nonfinite(job, command, target.engine, recorder):
             result = run_forward(target.engine, job.ids, all_rows=rows == "all", token_text=token_text(target),
                                  keep_rows=job.logits_dump is not None, want_hidden=job.want_hidden, mtp=layer)

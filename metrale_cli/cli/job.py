@@ -148,6 +148,20 @@ def record_layers(job: Job, model: LoadedModel) -> "LayerRecorder | None":
     return recorder
 
 
+def record_mtp_layer(job: Job, engine) -> "LayerRecorder | None":
+    """forward --mtp --dump-layers: every tap of the multi-token-prediction layer (backends/numpy/mtp.py), under
+    the checkpoint's names; --layers does not apply (one layer)."""
+    if job.layers_dump is None:
+        return None
+    from ..engine.observe import LayerRecorder
+
+    recorder = LayerRecorder(engine, lambda name: True, [engine.layer])
+    engine.tap = recorder
+    if job.common.layers.taps == "fine":
+        engine.fine_taps = True
+    return recorder
+
+
 def _tap_layer(name: str) -> int | None:
     """model.layers.{i}[.sub] -> i; None (always kept) for the embedding and the final norm."""
     parts = name.split(".")

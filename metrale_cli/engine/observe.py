@@ -82,8 +82,9 @@ class LayerRecorder:
     positions: list[int] = field(default_factory=list)
 
     def __call__(self, name: str, x: np.ndarray) -> None:
-        if name == "model.embed_tokens":
-            self.positions.extend(range(self.engine.length, self.engine.length + x.shape[0]))
+        if name == "model.embed_tokens":  # an MTP layer's cache starts at position 1 (NumpyEngine.position_offset)
+            first = self.engine.length + getattr(self.engine, "position_offset", 0)
+            self.positions.extend(range(first, first + x.shape[0]))
         if self.keep(name):
             self.rows.setdefault(name, []).append(np.array(x, dtype=np.float32).reshape(x.shape[0], -1))
 

@@ -37,7 +37,26 @@ class NumpyMtpEngine(NumpyEngine):
 
     def _run(self, ops: NumpyPass) -> np.ndarray:
         previous, self._previous = self._previous[:ops.t], self._previous[ops.t:]
+        if ops._tap is not None:  # the observer sees the checkpoint's names (model.layers.{L}.*)
+            ops._tap = named_as_stored(ops._tap, self.layer)
         return mtp_forward(ops, self.cfg.definition, self.w, previous)
+
+    @property
+    def layer(self) -> int:
+        """The MTP layer's index in the checkpoint (model.layers.{layer}.*)."""
+        return int(self.cfg.definition.final_norm.parts[0].name.split(".")[2])
+
+
+def named_as_stored(tap, layer: int):
+    """An observer that sees engine/mtp.py's taps under the checkpoint's names: model.layers.0.* ->
+    model.layers.{layer}.*, model.norm -> model.layers.{layer}.shared_head.norm (the embedding's stays)."""
+    def renamed(name: str, x) -> None:
+        if name == "model.norm":
+            name = f"model.layers.{layer}.shared_head.norm"
+        elif name == "model.layers.0" or name.startswith("model.layers.0."):
+            name = f"model.layers.{layer}" + name[len("model.layers.0"):]
+        tap(name, x)
+    return renamed
 
 
 def load_numpy_mtp(cfg, source, max_context: int, fp32_logits: bool = False, compute: str = "fp32",
