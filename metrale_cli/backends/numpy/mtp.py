@@ -19,6 +19,7 @@ class NumpyMtpEngine(NumpyEngine):
     `previous` hidden rows, given to run()."""
 
     position_offset = 1
+    _observer = None
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -35,10 +36,17 @@ class NumpyMtpEngine(NumpyEngine):
         self._previous = previous
         return self.prefill(tokens, all_logits)
 
+    @property
+    def tap(self):
+        """The observer of the passes (engine_base.EngineBase.tap), seeing the checkpoint's names."""
+        return None if self._observer is None else named_as_stored(self._observer, self.layer)
+
+    @tap.setter
+    def tap(self, observer) -> None:
+        self._observer = observer
+
     def _run(self, ops: NumpyPass) -> np.ndarray:
         previous, self._previous = self._previous[:ops.t], self._previous[ops.t:]
-        if ops._tap is not None:  # the observer sees the checkpoint's names (model.layers.{L}.*)
-            ops._tap = named_as_stored(ops._tap, self.layer)
         return mtp_forward(ops, self.cfg.definition, self.w, previous)
 
     @property
