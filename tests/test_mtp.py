@@ -346,3 +346,27 @@ def test_forward_mtp_layer_dump_matches_transformers_modules(name, run_cli, tmp_
         err = float(np.max(np.abs(got[key] - want)) / np.max(np.abs(want)))
         assert err < 1e-5, f"{key}: {err:.2e}"
     assert f"model.layers.{L}.mlp.gate.top_k_index" in got  # the router's taps, as in the model's dumps
+
+
+def test_forward_mtp_reports_where_the_first_draft_would_be_accepted(run_cli):
+    """forward --mtp: each row beside the model's own argmax at that position (the target row a first draft from
+    this row is verified against), and how many agree; plain forward has neither."""
+    import json
+
+    name = "glm4_moe_mtp"
+    prompt = [int(t) for t in np.random.default_rng().integers(0, 300, 9)]
+    r = run_cli("forward", "--model", f"tests/fixtures/models/{name}", "--tokens", str(prompt), "--rows", "all",
+                "--mtp", "--format", "json")
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)
+    target, mtp = engines(name)
+    target.prefill(prompt, all_logits=True)
+    model = np.argmax(rows(target, target.logits_buffer_ptr(), len(prompt)), axis=1)
+    mtp.run(prompt[1:], target.copy_hidden_rows_to_host()[:-1], all_logits=True)
+    layer = np.argmax(rows(mtp, mtp.logits_buffer_ptr(), len(prompt) - 1), axis=1)
+    assert [row["model_argmax"] for row in doc["rows"]] == [int(t) for t in model[1:]]
+    assert [row["argmax"] for row in doc["rows"]] == [int(t) for t in layer]
+    assert doc["mtp_agreement"] == {"agree": int(np.sum(model[1:] == layer)), "rows": len(prompt) - 1}
+    plain = json.loads(run_cli("forward", "--model", f"tests/fixtures/models/{name}", "--tokens", str(prompt),
+                               "--format", "json").stdout)
+    assert "mtp_agreement" not in plain and "model_argmax" not in plain["rows"][0]

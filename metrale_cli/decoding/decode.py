@@ -24,7 +24,9 @@ def run_forward(engine, prompt: Sequence[int], *, all_rows: bool, token_text=Non
     engine.reset()
     t0 = time.perf_counter()
     n = engine.prefill(prompt, all_logits=all_rows or mtp is not None)
+    model_argmax = None
     if mtp is not None:
+        model_argmax = Reader(engine).argmax_batch(engine.logits_buffer_ptr(), n, 0)  # every position's
         mtp.reset()
         n = mtp.run(prompt[1:], engine.copy_hidden_rows_to_host()[:-1], all_logits=all_rows)
         engine = mtp
@@ -46,7 +48,8 @@ def run_forward(engine, prompt: Sequence[int], *, all_rows: bool, token_text=Non
         if rows is not None:
             rows.append(raw)
         vals = rd.values(raw, ptr)
-        out.append(ForwardRow(first_pos + i, ids[i], rd.text(ids[i]), float(vals[ids[i]]), rd.note(ptr, vals, ids[i])))
+        out.append(ForwardRow(first_pos + i, ids[i], rd.text(ids[i]), float(vals[ids[i]]), rd.note(ptr, vals, ids[i]),
+                              None if model_argmax is None else int(model_argmax[first_pos + i])))
     take_hidden(engine, hidden_rows)
     return ForwardResult(list(prompt), out, rows, hidden_rows.summary() if hidden_rows else None, timings,
                          hidden_rows)

@@ -160,6 +160,9 @@ class ForwardRow:
     text: str | None
     logit: float
     note: ArgmaxNote | None = None
+    # forward --mtp: the model's own argmax at this position (the MTP layer's argmax equal to it: a greedy
+    # verify pass would accept that first draft)
+    model_argmax: int | None = None
 
 
 @dataclass

@@ -18,12 +18,27 @@ if TYPE_CHECKING:
 
 def forward_json(meta: Meta, r: ForwardResult) -> dict[str, Any]:
     doc = meta.pass_json_head(r.prompt_tokens)
+    mtp = _mtp_agreement(r)
     doc.update({
         "rows": [{"position": row.position, "input": r.prompt_tokens[row.position], "argmax": row.argmax,
-                  "text": row.text, "logit": num(row.logit), "argmax_note": note_json(row.note)} for row in r.rows],
+                  "text": row.text, "logit": num(row.logit), "argmax_note": note_json(row.note),
+                  **({"model_argmax": row.model_argmax} if mtp else {})} for row in r.rows],
+        **({"mtp_agreement": {"agree": mtp[0], "rows": mtp[1]}} if mtp else {}),
     })
     json_tail(doc, meta, r.hidden, lambda: forward_timings_json(r))
     return doc
+
+
+def _mtp_agreement(r: ForwardResult) -> tuple[int, int] | None:
+    """forward --mtp: at how many of the rows the MTP layer's argmax is the model's own (the first drafts a greedy
+    verify pass would accept along this prompt), of how many; None for the model's own rows."""
+    if not r.rows or r.rows[0].model_argmax is None:
+        return None
+    return sum(row.argmax == row.model_argmax for row in r.rows), len(r.rows)
+
+
+def _agreement_line(agree: tuple[int, int]) -> str:
+    return f"mtp_agreement: {agree[0]}/{agree[1]} rows (the first drafts a greedy verify would accept)"
 
 
 def forward_timings_json(r: ForwardResult) -> dict[str, Any]:
@@ -34,14 +49,19 @@ def render_forward(console: Console, meta: Meta, r: ForwardResult) -> None:
     if meta.fmt == "json":
         dump_json(console, forward_json(meta, r))
         return
+    mtp = _mtp_agreement(r)
     if meta.fmt == "plain":
         plain_head(console, meta, r.prompt_tokens)
         write(console, "")
-        write(console, f"{'position':>8}  {'input':>8}  {'argmax':>8}  {'logit':>10}"
+        write(console, f"{'position':>8}  {'input':>8}  {'argmax':>8}  {'logit':>10}" + (f"  {'model':>8}" if mtp else "")
               + ("  text" if meta.has_tokenizer else ""))
         for row in r.rows:
             line = f"{row.position:>8}  {r.prompt_tokens[row.position]:>8}  {row.argmax:>8}  {f4(row.logit):>10}"
+            line += f"  {row.model_argmax:>8}" if mtp else ""
             write(console, line + (f"  {escape_text(row.text)}" if meta.has_tokenizer else "") + plain_note(row.note))
+        if mtp:
+            write(console, "")
+            write(console, _agreement_line(mtp))
         plain_hidden(console, r.hidden)
         if meta.timings:
             plain_timings(console, forward_timings_json(r))
@@ -53,13 +73,20 @@ def render_forward(console: Console, meta: Meta, r: ForwardResult) -> None:
     if meta.has_tokenizer:
         t.add_column("text", **TEXT_COLUMN)
     t.add_column("logit", justify="right", no_wrap=True)
+    if mtp:
+        t.add_column("model", justify="right", no_wrap=True)
     notes = note_column(t, r.rows)
     for row in r.rows:
         cells: list[Any] = [str(row.position), str(r.prompt_tokens[row.position]), str(row.argmax)]
         if meta.has_tokenizer:
             cells.append(token_cell(row.text, "cyan"))
-        t.add_row(*cells, f4(row.logit), *([short_note(row.note)] if notes else []))
+        cells.append(f4(row.logit))
+        if mtp:
+            cells.append(str(row.model_argmax))
+        t.add_row(*cells, *([short_note(row.note)] if notes else []))
     console.print(t)
+    if mtp:
+        console.print(_agreement_line(mtp))
     rich_hidden(console, r.hidden)
     if meta.timings:
         rich_timings(console, forward_timings_json(r))
