@@ -135,6 +135,13 @@ def test_refusals_name_what_is_missing(tmp_path):
     cfg = load_config(FIXTURES / "models" / "qwen3_moe")
     with pytest.raises(ConfigError, match="qwen3_moe has no multi-token-prediction layer"):
         mtp_config(cfg)
+    import json
+
+    from metrale_cli.config import parse_config
+
+    raw = json.loads((FIXTURES / "models" / "deepseek_v3_mtp" / "config.json").read_text())
+    with pytest.raises(ConfigError, match="no sparse layer"):  # every decoder layer dense: no experts' sizes
+        mtp_config(parse_config(dict(raw, first_k_dense_replace=raw["num_hidden_layers"])))
     d = FIXTURES / "models" / "deepseek_v3"  # declares one MTP layer; its checkpoint holds none
     with pytest.raises(CheckpointError, match=r"model\.layers\.3\.eh_proj\.weight is missing"):
         load_numpy_mtp(load_config(d), Checkpoint.open(d), 32)

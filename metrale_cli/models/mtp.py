@@ -49,6 +49,9 @@ def mtp_config(cfg: ModelConfig, depth: int = 0) -> ModelConfig:
     if depth >= n:
         raise ConfigError(f"--draft mtp: num_nextn_predict_layers is {n}: the config declares no "
                           "multi-token-prediction layer")
+    if cfg.moe is None:  # every decoder layer dense (first_k_dense_replace >= num_hidden_layers): no sparse spec
+        raise ConfigError("--draft mtp: the multi-token-prediction layer is a sparse block, and this config has no "
+                          "sparse layer to take its experts' sizes from")
     last = cfg.num_hidden_layers + depth
     # The family's own definition, one layer deeper and every layer sparse: its last layer is the MTP block
     # with the checkpoint's names (model.layers.{last}.*), whatever the family's mixer.
