@@ -7,13 +7,14 @@ import typer
 
 from ..errors import Interrupted, UsageError
 from ..inputs import check_draft_matches, check_positive, context_for, read_model_spec
-from ..model import LoadedModel, check_mtp, open_mtp
+from ..model import LoadedModel
 from ..render.common import note
 from ..render.decode import DecodeReport
 from ..state_dumps import check_state_dump, write_state_dump
 from .entry import State, app
 from .help_format import MetraleCommand
-from .job import Job, ctrl_c_stops, dumps_on_nonfinite, load, prepare, record_layers, token_text, write_dumps
+from .job import (Job, check_mtp_draft, ctrl_c_stops, dumps_on_nonfinite, load, load_mtp, prepare, record_layers,
+                  token_text, write_dumps)
 from .options import DEFAULT_K, Common, DraftModelOpt, DumpStateOpt, pass_options
 
 DRAFTS = ("ngram", "mtp")  # --draft's sources (a draft model is --draft-model PATH)
@@ -69,7 +70,7 @@ def decode(
         raise UsageError(f"--k {k} needs a draft source: --draft ngram, --draft mtp or --draft-model PATH")
     job = prepare(ctx.obj, c)
     if draft == "mtp":
-        check_mtp(job.spec.path, job.spec.config, job.device, job.common.tp)
+        check_mtp_draft(job)
     check_positive(steps, "--steps")
     if top_k is not None:
         check_positive(top_k, "--top-k", " (leave --top-k out for no candidates)")
@@ -114,8 +115,7 @@ def _decode(job: Job, steps: int, top_k: int, ignore_eos: bool, speculative: boo
     try:
         drafter_model = load(job, draft_spec, ctx) if draft_spec is not None else None
         if mtp:
-            mtp_engine = open_mtp(target, ctx, job.fp32, job.compute, job.common.mla,
-                                  job.common.activation_quant)
+            mtp_engine = load_mtp(job, target, ctx)
         meta = job.meta("decode", target, top_k=top_k, draft_model=draft_spec.label if draft_spec else None)
         tok = target.tokenizer
         report = DecodeReport(job.report_console, meta,

@@ -7,12 +7,12 @@ import typer
 
 from ..errors import UsageError
 from ..inputs import context_for
-from ..model import check_mtp, open_mtp
 from ..render.forward import render_forward
 from ..state_dumps import check_state_dump, write_state_dump
 from .entry import app
 from .help_format import MetraleCommand
-from .job import dumps_on_nonfinite, load, prepare, record_layers, record_mtp_layer, token_text, write_dumps
+from .job import (check_mtp_draft, dumps_on_nonfinite, load, load_mtp, prepare, record_layers, record_mtp_layer,
+                  token_text, write_dumps)
 from .options import Common, DumpStateOpt, pass_options
 
 
@@ -53,15 +53,14 @@ def forward(
     if mtp:
         if dump_state is not None:
             raise UsageError("--mtp and --dump-state: the multi-token-prediction layer keeps no recurrent state")
-        check_mtp(job.spec.path, job.spec.config, job.device, job.common.tp)
+        check_mtp_draft(job)
     state_dump = check_state_dump(dump_state, job.spec.config.definition) if dump_state is not None else None
     n = len(job.ids)
     model_ctx = context_for(job.spec, n, f"prompt ({n} tokens)", c.max_context)
     target = load(job, job.spec, model_ctx, job.common.tp)
     recorder = record_layers(job, target) if not mtp else None
     try:
-        layer = open_mtp(target, model_ctx, job.fp32, job.compute, job.common.mla,
-                         job.common.activation_quant) if mtp else None
+        layer = load_mtp(job, target, model_ctx) if mtp else None
         if layer is not None:
             recorder = record_mtp_layer(job, layer)
         with dumps_on_nonfinite(job, command, target.engine, recorder):

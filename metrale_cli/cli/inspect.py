@@ -234,7 +234,7 @@ def _mtp_info(cfg: Any, ckpt: Checkpoint | HeaderListing) -> dict[str, Any]:
     n = mtp.layer_count(cfg)
     if not n:
         return {}
-    present = mtp.prefix(cfg) + "eh_proj.weight" in set(ckpt.tensor_names())
+    present = mtp.holds(cfg, ckpt.tensor_names())
     return {"mtp": {"layers": n, "present": present, "draft": present and cfg.model_type in mtp.FAMILIES}}
 
 

@@ -16,7 +16,8 @@ from rich.console import Console
 from ..dumps import HIDDEN_KINDS, DumpInfo, DumpTarget, check_dump_path, write_hidden, write_logits
 from ..errors import NonFiniteLogitsError, UsageError
 from ..inputs import ModelSpec, check_positive, check_prompt_format, read_model_spec, resolve_prompt
-from ..model import LoadedModel, check_compute, default_logits_dtype, open_model, resolve_device
+from ..model import (LoadedModel, check_compute, check_mtp, default_logits_dtype, open_model, open_mtp,
+                     resolve_device)
 from ..render.common import Meta, choose_format, counted, load_progress
 from .entry import State
 from .options import Common, LayerOptions
@@ -166,6 +167,16 @@ def _tap_layer(name: str) -> int | None:
     """model.layers.{i}[.sub] -> i; None (always kept) for the embedding and the final norm."""
     parts = name.split(".")
     return int(parts[2]) if len(parts) > 2 and parts[1] == "layers" else None
+
+
+def check_mtp_draft(job: Job) -> None:
+    """--draft mtp / forward --mtp, before anything loads: model.check_mtp on the job's model and device."""
+    check_mtp(job.spec.path, job.spec.config, job.device, job.common.tp)
+
+
+def load_mtp(job: Job, target: LoadedModel, ctx: int):
+    """The target's multi-token-prediction layer, computing as the job's target does (model.open_mtp)."""
+    return open_mtp(target, ctx, job.fp32, job.compute, job.common.mla, job.common.activation_quant)
 
 
 def load(job: Job, spec: ModelSpec, ctx: int, tp: int | None = None) -> LoadedModel:

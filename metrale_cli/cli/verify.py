@@ -8,11 +8,11 @@ import typer
 from ..errors import UsageError
 from ..inputs import (check_draft_matches, check_ids_in_vocab, check_positive, context_for, parse_token_ids,
                       read_model_spec)
-from ..model import check_mtp, open_mtp
 from ..render.verify import render_verify
 from .entry import app
 from .help_format import MetraleCommand
-from .job import Job, dumps_on_nonfinite, load, prepare, record_layers, token_text, write_dumps
+from .job import (Job, check_mtp_draft, dumps_on_nonfinite, load, load_mtp, prepare, record_layers, token_text,
+                  write_dumps)
 from .options import DEFAULT_K, Common, DraftModelOpt, pass_options
 
 
@@ -60,7 +60,7 @@ def verify(
     draft_ids = None
     mtp = draft is not None and draft.strip() == "mtp"
     if mtp:
-        check_mtp(job.spec.path, job.spec.config, job.device, job.common.tp)
+        check_mtp_draft(job)
     elif draft is not None and draft.strip() != "self":
         draft_ids = _parse_draft_ids(draft)
         if k is None:
@@ -99,8 +99,7 @@ def _verify(job: Job, k: int, draft_ids: list[int] | None, draft_path: str | Non
     drafter_model = None
     try:
         drafter_model = load(job, draft_spec, draft_ctx) if draft_spec is not None else None
-        layer = open_mtp(target, ctx, job.fp32, job.compute, job.common.mla,
-                         job.common.activation_quant) if mtp else None
+        layer = load_mtp(job, target, ctx) if mtp else None
         source: Any = (draft_ids if draft_ids is not None else "model" if drafter_model else "mtp" if mtp
                        else "self")
         with dumps_on_nonfinite(job, "verify", target.engine, recorder):

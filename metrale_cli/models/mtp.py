@@ -76,9 +76,13 @@ def mtp_config(cfg: ModelConfig, depth: int = 0) -> ModelConfig:
                    options=replace(cfg.options, nextn=0))
 
 
+def holds(cfg: ModelConfig, names, depth: int = 0) -> bool:
+    """Whether a checkpoint's tensor `names` hold MTP layer `depth` (its eh_proj: conversions often drop the layer)."""
+    return prefix(cfg, depth) + "eh_proj.weight" in set(names)
+
+
 def check_present(cfg: ModelConfig, names, depth: int = 0) -> None:
     """Refuse a checkpoint without the MTP layer's tensors (many conversions drop them) before anything loads."""
-    want = prefix(cfg, depth) + "eh_proj.weight"
-    if want not in set(names):
-        raise CheckpointError(f"--draft mtp: the checkpoint has no multi-token-prediction layer ({want} is "
-                              "missing; conversions often drop it)")
+    if not holds(cfg, names, depth):
+        raise CheckpointError(f"--draft mtp: the checkpoint has no multi-token-prediction layer "
+                              f"({prefix(cfg, depth)}eh_proj.weight is missing; conversions often drop it)")
